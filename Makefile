@@ -1,0 +1,45 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+FMNIST_DIR := /usr/share/datasets/fashion-mnist
+PYTEST_ARGS ?=
+
+.PHONY: setup data demo test clean help
+
+help:
+	@echo "make demo   set up, then train the d2l LeNet on Fashion-MNIST on 2 devices (10 epochs)"
+	@echo "make test   set up, then run the whole test suite"
+	@echo "make data   install the Debian package dataset-fashion-mnist if it is missing"
+	@echo "make setup  create/update $(VENV) and install jaxtrain with its test extras"
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "jaxtrain needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+data:
+	@if [ -d $(FMNIST_DIR) ]; then \
+		echo "Fashion-MNIST: $(FMNIST_DIR)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian package dataset-fashion-mnist"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; \
+	else \
+		echo "Fashion-MNIST not found in $(FMNIST_DIR) and apt-get is not usable as root:"; \
+		echo "  TFDS will download it on first use (needs internet), or pass --data-dir DIR with the IDX files."; \
+	fi
+
+demo: setup data
+	$(PY) -m experiments.lenet --devices 2
+
+test: setup data
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""Runnable experiments: thin command lines over the jaxtrain library."""

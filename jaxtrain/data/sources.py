@@ -1,0 +1,193 @@
+"""Datasets as TFDS data sources: local IDX files (converted once) or TFDS's own.
+
+Resolution order for ``fashion_mnist`` / ``mnist``:
+  (a) the four IDX files in ``idx_dir`` (default for fashion_mnist: the Debian
+      package's ``/usr/share/datasets/fashion-mnist``), converted ONCE by our
+      small TFDS builder into array_record in the TFDS data dir;
+  (b) TFDS's own prepared (or downloadable) dataset;
+  (c) otherwise a ConfigError that lists the ways to get the data.
+No TensorFlow is needed: images are stored as uint8 tensors, not PNGs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from jaxtrain.errors import ConfigError
+
+DATASETS = ("fashion_mnist", "mnist")
+DEFAULT_IDX_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+IMAGE_SHAPE = (28, 28, 1)
+NUM_CLASSES = 10
+_HOW_TO_GET = (
+    "get it with `make data` (Debian package dataset-fashion-mnist), or pass --data-dir DIR "
+    "holding the four IDX files (train-images-idx3-ubyte[.gz], ...), or let TFDS download it (needs internet)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A whole split in memory: uint8 images [N, 28, 28, 1] and int32 labels [N]."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+# ---------------------------------------------------------------- IDX files
+
+
+def find_idx_file(idx_dir: Path, stem: str) -> Path | None:
+    for name in (stem + ".gz", stem):
+        if (idx_dir / name).is_file():
+            return idx_dir / name
+    return None
+
+
+def read_idx(path: Path, expect_dims: int) -> np.ndarray:
+    """Read one IDX file (gzip'd or plain) and check its header against its size."""
+    raw = Path(path).read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as e:
+            raise ConfigError(f"{path}: not a readable gzip file ({e}); replace it with an intact copy") from None
+    if len(raw) < 4 or raw[:3] != b"\x00\x00\x08" or raw[3] != expect_dims:
+        raise ConfigError(
+            f"{path}: not an IDX file of uint8 with {expect_dims} dimension(s) "
+            f"(magic {raw[:4].hex()}, expected 0000080{expect_dims}); replace it with an intact copy"
+        )
+    header = 4 + 4 * expect_dims
+    dims = struct.unpack(f">{expect_dims}I", raw[4:header])
+    if len(raw) - header != int(np.prod(dims)):
+        raise ConfigError(
+            f"{path}: header says {'x'.join(map(str, dims))} bytes of data but the file holds "
+            f"{len(raw) - header}; the file is truncated or corrupt"
+        )
+    return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
+
+
+def read_idx_split(idx_dir: Path, split: str) -> Split:
+    """Read and validate one split (images and labels) from IDX files."""
+    image_stem, label_stem = IDX_FILES[split]
+    paths = [find_idx_file(idx_dir, image_stem), find_idx_file(idx_dir, label_stem)]
+    for stem, path in zip((image_stem, label_stem), paths):
+        if path is None:
+            raise ConfigError(f"{idx_dir}: {stem}[.gz] is missing; {_HOW_TO_GET}")
+    images, labels = read_idx(paths[0], 3), read_idx(paths[1], 1)
+    if images.shape[1:] != IMAGE_SHAPE[:2]:
+        raise ConfigError(f"{paths[0]}: images are {images.shape[1]}x{images.shape[2]}, expected 28x28")
+    if len(images) != len(labels):
+        raise ConfigError(f"{paths[0]} holds {len(images)} images but {paths[1]} holds {len(labels)} labels")
+    if labels.size and labels.max() >= NUM_CLASSES:
+        raise ConfigError(f"{paths[1]}: label {labels.max()} found, expected labels 0-9")
+    return Split(images.reshape(-1, *IMAGE_SHAPE), labels.astype(np.int32))
+
+
+def has_idx_files(idx_dir: Path) -> bool:
+    return all(find_idx_file(idx_dir, stem) for pair in IDX_FILES.values() for stem in pair)
+
+
+# ---------------------------------------------------------------- TFDS
+
+
+def _builder_class():
+    """Our TFDS builder, defined lazily so that importing jaxtrain stays cheap."""
+    import tensorflow_datasets as tfds
+
+    global _IdxImages
+    if "_IdxImages" in globals():
+        return _IdxImages
+
+    class JaxtrainIdxImages(tfds.core.GeneratorBasedBuilder):
+        """28x28 grayscale IDX datasets (fashion_mnist, mnist) read from local files."""
+
+        VERSION = tfds.core.Version("1.0.0")
+        BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=name) for name in DATASETS]
+        MANUAL_DOWNLOAD_INSTRUCTIONS = "Put the four IDX files in the manual dir."
+
+        def _info(self):
+            return self.dataset_info_from_configs(
+                features=tfds.features.FeaturesDict(
+                    {
+                        "image": tfds.features.Tensor(shape=IMAGE_SHAPE, dtype=np.uint8),
+                        "label": tfds.features.ClassLabel(num_classes=NUM_CLASSES),
+                    }
+                ),
+                supervised_keys=("image", "label"),
+            )
+
+        def _split_generators(self, dl_manager):
+            idx_dir = Path(dl_manager.manual_dir)
+            return {split: self._generate_examples(read_idx_split(idx_dir, split)) for split in IDX_FILES}
+
+        def _generate_examples(self, split: Split):
+            for i in range(len(split)):
+                yield i, {"image": split.images[i], "label": int(split.labels[i])}
+
+    _IdxImages = JaxtrainIdxImages
+    return _IdxImages
+
+
+def _read_source(source) -> Split:
+    """Read a whole TFDS data source into memory, in large chunks (fast path)."""
+    n, chunk = len(source), 8192
+    images = np.empty((n, *IMAGE_SHAPE), np.uint8)
+    labels = np.empty((n,), np.int32)
+    for start in range(0, n, chunk):
+        records = source.__getitems__(list(range(start, min(n, start + chunk))))
+        images[start : start + len(records)] = np.stack([np.asarray(r["image"]).reshape(IMAGE_SHAPE) for r in records])
+        labels[start : start + len(records)] = [int(r["label"]) for r in records]
+    return Split(images, labels)
+
+
+def data_source(name: str, split: str, *, idx_dir: str | os.PathLike | None = None, tfds_dir=None, download=True):
+    """The TFDS data source of ``name``/``split``, by the resolution order above."""
+    import tensorflow_datasets as tfds
+
+    if name not in DATASETS:
+        raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}")
+    if split not in IDX_FILES:
+        raise ConfigError(f"unknown split {split!r}: use train or test")
+    explicit = idx_dir is not None
+    idx_path = Path(idx_dir if explicit else DEFAULT_IDX_DIRS[name])
+    if explicit and not idx_path.is_dir():
+        raise ConfigError(f"--data-dir {idx_path} is not a directory; {_HOW_TO_GET}")
+    if has_idx_files(idx_path) or explicit:
+        builder = _builder_class()(config=name, data_dir=tfds_dir)
+        if not builder.is_prepared():
+            for s in IDX_FILES:  # validate before writing anything
+                read_idx_split(idx_path, s)
+            builder.download_and_prepare(
+                download_config=tfds.download.DownloadConfig(manual_dir=str(idx_path)), file_format="array_record"
+            )
+        return builder.as_data_source(split=split)
+    builder = tfds.builder(name, data_dir=tfds_dir)
+    if not builder.is_prepared():
+        if not download:
+            raise ConfigError(f"dataset {name} not found (no IDX files in {idx_path}, no prepared TFDS copy); {_HOW_TO_GET}")
+        try:
+            builder.download_and_prepare(file_format="array_record")
+        except Exception as e:  # noqa: BLE001 - any failure here means "no data"
+            raise ConfigError(
+                f"dataset {name} not found (no IDX files in {idx_path}) and TFDS could not download it "
+                f"({type(e).__name__}); {_HOW_TO_GET}"
+            ) from None
+    return builder.as_data_source(split=split, file_format="array_record")
+
+
+def load_split(name: str, split: str, **kwargs) -> Split:
+    """The whole split in memory (47 MB for Fashion-MNIST train: cheap to keep)."""
+    return _read_source(data_source(name, split, **kwargs))

@@ -1,0 +1,102 @@
+"""Pick the devices a run uses and build its 1-D data-parallel mesh."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from jaxtrain.errors import ConfigError
+
+DATA_AXIS = "data"  # the one mesh axis name; every module imports it from here
+
+# Virtual CPU devices share the cores; past a few per core they only add
+# rendezvous overhead (and XLA:CPU's all-reduce rendezvous can starve).
+CPU_DEVICES_PER_CORE = 4
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def max_cpu_devices() -> int:
+    """How many virtual CPU devices this machine may simulate."""
+    return CPU_DEVICES_PER_CORE * _cores()
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge  # no public API answers "has JAX started?"
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _check_count(n: int | None) -> None:
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ConfigError(f"--devices must be a positive whole number, got {n!r}")
+
+
+def setup_devices(n: int | None = None) -> list[jax.Device]:
+    """Return the ``n`` devices of this run; call before any other JAX call.
+
+    CPU: ``n`` virtual devices (default: one per core, or $JAX_NUM_CPU_DEVICES).
+    GPU: the first ``n`` GPUs (default: all). Asking for more devices than
+    exist, or calling after JAX started with a different count, raises a
+    ``ConfigError`` that says what to do.
+    """
+    _check_count(n)
+    if not _backend_started():
+        cpu_n = n if n is not None else int(os.environ.get("JAX_NUM_CPU_DEVICES", 0)) or _cores()
+        if cpu_n > max_cpu_devices() and _platform_hint() == "cpu":
+            raise ConfigError(
+                f"--devices {cpu_n} is more than this machine can simulate: at most "
+                f"{max_cpu_devices()} virtual CPU devices on {_cores()} cores; ask for 1..{max_cpu_devices()}"
+            )
+        jax.config.update("jax_num_cpu_devices", cpu_n)
+    devices = jax.devices()
+    platform = devices[0].platform
+    if n is None:
+        return devices
+    if platform == "cpu" and len(devices) != n:
+        raise ConfigError(
+            f"JAX already started with {len(devices)} CPU devices, so {n} cannot be set up now: "
+            f"call jt.setup_devices({n}) before any other JAX call, or set JAX_NUM_CPU_DEVICES={n}"
+        )
+    if n > len(devices):
+        raise ConfigError(
+            f"--devices {n} asked for, but only {len(devices)} {platform.upper()} device(s) exist; "
+            f"use --devices 1..{len(devices)}"
+        )
+    return devices[:n]
+
+
+def _platform_hint() -> str:
+    """Best guess of the default platform without starting JAX."""
+    platforms = (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")).split(",")[0]
+    if platforms:
+        return platforms
+    from importlib.util import find_spec
+
+    has_gpu_plugin = any(find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin"))
+    return "gpu" if has_gpu_plugin else "cpu"
+
+
+def make_mesh(devices: int | Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh with the axis ``"data"`` over ``devices`` (a list, or the first N)."""
+    available = jax.devices()
+    if devices is None:
+        devices = available
+    elif isinstance(devices, int):
+        _check_count(devices)
+        if devices > len(available):
+            raise ConfigError(
+                f"a mesh of {devices} devices asked for, but JAX has {len(available)}; "
+                f"call jt.setup_devices({devices}) first"
+            )
+        devices = available[:devices]
+    devices = list(devices)
+    # Auto (GSPMD) axis: users' model code stays sharding-agnostic. With
+    # Explicit axes a plain reshape of a batch-sharded array (e.g. a pooling
+    # written as reshape+mean) is a ShardingTypeError unless annotated.
+    return jax.make_mesh((len(devices),), (DATA_AXIS,), axis_types=(AxisType.Auto,), devices=devices)

@@ -1,0 +1,9 @@
+"""The one exception type for bad user input: the CLI prints it as one line."""
+
+
+class ConfigError(ValueError):
+    """A setting the user can fix (device count, batch size, flag, missing data).
+
+    The message says what to do. Experiments print it as one line and exit 2
+    instead of showing a traceback.
+    """

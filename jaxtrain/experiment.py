@@ -1,0 +1,166 @@
+"""The experiments' shared command line: flags, set-up, training run, outputs.
+
+An experiment (``experiments/lenet.py``, ...) is a ``Model`` plus defaults;
+everything else (devices, data, loop, files, errors) lives here once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+
+from jaxtrain.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What an experiment trains: ``init(rng) -> (params, model_state)`` and its fns."""
+
+    name: str
+    init: Callable
+    loss_fn: Callable
+    eval_fn: Callable
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr: float) -> argparse.ArgumentParser:
+    from jaxtrain.data.sources import DATASETS, DEFAULT_IDX_DIRS
+    from jaxtrain.parallel import STRATEGIES
+
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--devices", type=_positive_int, default=None,
+                   help="devices to train on: on CPU this many virtual devices sharing the cores "
+                        "(default: one per core), on GPU the first N GPUs (default: all)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="jit",
+                   help="data-parallel strategy: jit (XLA inserts the all-reduce), shard_map (explicit pmean), "
+                        "pmap (legacy API), ring (our ppermute ring all-reduce)")
+    p.add_argument("--epochs", type=_positive_int, default=epochs, help="passes over the training set")
+    p.add_argument("--batch-size", type=_positive_int, default=batch_size,
+                   help="GLOBAL batch size, split evenly over the devices")
+    p.add_argument("--lr", type=_positive_float, default=lr, help="learning rate of plain SGD")
+    p.add_argument("--seed", type=int, default=0, help="seed of the init and of the shuffling")
+    p.add_argument("--dataset", choices=DATASETS, default="fashion_mnist", help="dataset to train on")
+    p.add_argument("--data-dir", default=None,
+                   help="directory holding the four IDX files (train-images-idx3-ubyte[.gz], ...); "
+                        f"default for fashion_mnist: {DEFAULT_IDX_DIRS['fashion_mnist']} (Debian package)")
+    p.add_argument("--tfds-dir", default=None,
+                   help="TFDS data dir where the converted dataset is cached (default: $TFDS_DATA_DIR "
+                        "or ~/tensorflow_datasets)")
+    p.add_argument("--out", default=None,
+                   help="output directory for metrics.jsonl, summary.json and curves.png "
+                        "(default: a fresh runs/NAME-DATE-TIME)")
+    p.add_argument("--max-steps", type=_positive_int, default=None,
+                   help="stop after this many train steps in total (for smoke runs), then evaluate")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (they show only on a terminal anyway)")
+    return p
+
+
+def run(args: argparse.Namespace, model: Model) -> dict:
+    """Train ``model`` as ``args`` say; print progress; write the run's files."""
+    import jaxtrain as jt
+
+    devices = jt.setup_devices(args.devices)  # first: nothing may start JAX before
+    import jax
+    import optax
+
+    from jaxtrain.data import loader, sources
+    from jaxtrain.loop import fit
+    from jaxtrain.report import RunWriter, make_out_dir, params_digest
+
+    mesh = jt.make_mesh(devices)
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(args.lr), mesh=mesh, strategy=args.strategy)
+    trainer.check_batch_size(args.batch_size)
+    evaluator = jt.make_eval_step(model.eval_fn, mesh=mesh, strategy=args.strategy)
+    out_dir = make_out_dir(args.out, model.name)
+    writer = RunWriter(out_dir)
+
+    data = {s: sources.load_split(args.dataset, s, idx_dir=args.data_dir, tfds_dir=args.tfds_dir) for s in ("train", "test")}
+    if len(data["train"]) < args.batch_size:
+        raise ConfigError(f"--batch-size {args.batch_size} is larger than the {len(data['train'])} training examples")
+    train = loader.Loader(data["train"], args.batch_size, train=True, seed=args.seed)
+    test = loader.Loader(data["test"], args.batch_size, train=False)
+    platform = devices[0].platform
+    print(f"{model.name}: {len(data['train'])} train / {len(data['test'])} test examples of {args.dataset}, "
+          f"batch {args.batch_size} on {len(devices)} {platform} device(s), strategy {args.strategy}; out: {out_dir}",
+          flush=True)
+
+    params, model_state = model.init(jax.random.key(args.seed))
+    state = trainer.init(params, model_state, jax.random.key(args.seed))
+
+    def on_epoch(s):
+        writer.epoch(s)
+        print(f"epoch {s.epoch}/{args.epochs}: train loss {s.train_loss:.4f}, train acc {s.train_acc:.3f}, "
+              f"test acc {s.test_acc:.3f}, {s.train_sec:.1f} sec", flush=True)
+
+    state, history, first_loss = fit(trainer, state, train, evaluator, test, epochs=args.epochs,
+                                     max_steps=args.max_steps, on_epoch=on_epoch,
+                                     progress=False if args.no_progress else None)
+    # Steady-state speed: leave out the first epoch (it compiles) when there are others.
+    timed = history[1:] if len(history) > 1 else history
+    examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
+    last = history[-1]
+    summary = {
+        "experiment": model.name,
+        "test_acc": last.test_acc,
+        "test_loss": last.test_loss,
+        "train_loss": last.train_loss,
+        "train_acc": last.train_acc,
+        "initial_loss": first_loss,
+        "sec_per_epoch": len(train) * args.batch_size / examples_per_sec,
+        "first_epoch_sec": history[0].train_sec,
+        "median_epoch_sec": statistics.median(h.train_sec for h in history),
+        "examples_per_sec": examples_per_sec,
+        "devices": len(devices),
+        "platform": platform,
+        "strategy": args.strategy,
+        "steps": sum(h.steps for h in history),
+        "epochs": len(history),
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "dataset": args.dataset,
+        "test_examples": last.test_examples,
+        "params_digest": params_digest(state.params),
+        "jax_version": jax.__version__,
+    }
+    writer.summary(summary)
+    print(f"test acc {last.test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(devices)} devices ({platform})")
+    print(f"wrote {out_dir}/summary.json, metrics.jsonl, curves.png")
+    return summary
+
+
+def main(parser: argparse.ArgumentParser, model_factory: Callable[[argparse.Namespace], Model],
+         argv: Sequence[str] | None = None) -> int:
+    """Parse, run, and turn user errors into one line on stderr with exit code 2."""
+    args = parser.parse_args(argv)
+    try:
+        run(args, model_factory(args))
+    except ConfigError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
+    return 0

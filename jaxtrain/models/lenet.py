@@ -1,0 +1,67 @@
+"""The d2l LeNet from scratch: a plain function over a params dict."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+NUM_CLASSES = 10
+
+# (name, shape): convs are HWIO, inputs NHWC (28x28x1).
+_SHAPES = {
+    "conv1": ((3, 3, 1, 20), (20,)),
+    "conv2": ((5, 5, 20, 50), (50,)),
+    "dense1": ((800, 128), (128,)),
+    "dense2": ((128, NUM_CLASSES), (NUM_CLASSES,)),
+}
+
+
+def init_params(rng: jax.Array, scale: float = 0.01) -> dict:
+    """d2l's init: weights ~ N(0, 1) * scale, biases 0."""
+    keys = jax.random.split(rng, len(_SHAPES))
+    return {
+        name: {"w": scale * jax.random.normal(k, w_shape, jnp.float32), "b": jnp.zeros(b_shape, jnp.float32)}
+        for k, (name, (w_shape, b_shape)) in zip(keys, _SHAPES.items())
+    }
+
+
+def _conv(x, p):
+    y = lax.conv_general_dilated(x, p["w"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return y + p["b"]
+
+
+def _avg_pool2(x):
+    """2x2 average pool, stride 2, floor on odd sizes (9 -> 4) like d2l's."""
+    b, h, w, c = x.shape
+    x = x[:, : h // 2 * 2, : w // 2 * 2]
+    return x.reshape(b, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
+
+
+def apply(params: dict, images: jax.Array) -> jax.Array:
+    """Logits [B, 10] for images [B, 28, 28, 1]."""
+    x = _avg_pool2(jax.nn.relu(_conv(images, params["conv1"])))  # 26 -> 13
+    x = _avg_pool2(jax.nn.relu(_conv(x, params["conv2"])))  # 9 -> 4
+    x = x.reshape(x.shape[0], -1)  # 4*4*50 = 800
+    x = jax.nn.relu(x @ params["dense1"]["w"] + params["dense1"]["b"])
+    return x @ params["dense2"]["w"] + params["dense2"]["b"]
+
+
+def loss_fn(params, model_state, batch, rng):
+    """Softmax cross-entropy; the train-step contract of jaxtrain."""
+    del rng
+    logits = apply(params, batch["image"]).astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    accuracy = (logits.argmax(-1) == batch["label"]).mean()
+    return loss, (model_state, {"accuracy": accuracy})
+
+
+def eval_fn(params, model_state, batch):
+    """Per-example metrics; the eval-step contract (masked and summed there)."""
+    del model_state
+    logits = apply(params, batch["image"]).astype(jnp.float32)
+    return {
+        "loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]),
+        "accuracy": (logits.argmax(-1) == batch["label"]).astype(jnp.float32),
+    }

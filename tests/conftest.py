@@ -1,0 +1,49 @@
+"""Test set-up: 4 virtual CPU devices before JAX starts; a private TFDS dir."""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+# Before anything imports JAX or TFDS.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_NUM_CPU_DEVICES"] = "4"
+_TFDS_DIR = tempfile.mkdtemp(prefix="jaxtrain-tfds-")
+os.environ["TFDS_DATA_DIR"] = _TFDS_DIR  # subprocesses inherit it too
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 4)
+
+ROOT = Path(__file__).resolve().parents[1]
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+needs_fashion_mnist = pytest.mark.skipif(
+    not FASHION_MNIST_DIR.is_dir() and not os.environ.get("CI"),
+    reason="Fashion-MNIST not installed (make data)",
+)
+
+
+@pytest.fixture(scope="session")
+def tfds_dir() -> str:
+    return _TFDS_DIR
+
+
+def random_batch(size: int, seed: int = 0) -> dict:
+    """A tiny generated batch shaped like Fashion-MNIST (unit tests only)."""
+    rng = np.random.default_rng(seed)
+    return {
+        "image": rng.random((size, 28, 28, 1), dtype=np.float32),
+        "label": rng.integers(0, 10, size).astype(np.int32),
+    }
+
+
+def run_cli(*args: str, timeout: float = 600, env: dict | None = None):
+    """Run ``python ARGS`` from the repo root like a user would; return the CompletedProcess."""
+    import subprocess
+
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("JAX_NUM_CPU_DEVICES", None)  # the CLI sets up its own devices
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)

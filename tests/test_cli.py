@@ -1,0 +1,58 @@
+"""The LeNet experiment's command line, end to end, as a user runs it."""
+
+import json
+import re
+
+import pytest
+from conftest import needs_fashion_mnist, run_cli
+
+LENET = ("-m", "experiments.lenet")
+SUMMARY_KEYS = {"test_acc", "train_loss", "initial_loss", "sec_per_epoch", "examples_per_sec", "devices", "steps",
+                "test_examples", "params_digest", "strategy"}
+
+
+@needs_fashion_mnist
+def test_lenet_cli_end_to_end_with_max_steps(tmp_path):
+    out = run_cli(*LENET, "--devices", "2", "--max-steps", "20", "--out", str(tmp_path), "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^test acc 0\.\d\d, [\d.]+ sec/epoch on 2 devices \(cpu\)$", out.stdout, re.M), out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["steps"] == 20 and summary["devices"] == 2 and summary["test_examples"] == 10000
+    assert len(summary["params_digest"]) == 64
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["steps"] == 20
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def one_line_error(out, *fragments):
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_indivisible_batch_is_a_one_line_error(tmp_path):
+    out = run_cli(*LENET, "--devices", "2", "--batch-size", "255", "--out", str(tmp_path))
+    one_line_error(out, "batch size 255", "multiple of 2")
+
+
+def test_missing_data_dir_is_a_one_line_error(tmp_path):
+    out = run_cli(*LENET, "--devices", "1", "--data-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o"))
+    one_line_error(out, "nowhere", "make data")
+
+
+@pytest.mark.parametrize("flags, fragment", [(["--epochs", "0"], "--epochs"), (["--strategy", "nccl"], "--strategy"),
+                                             (["--lr", "-1"], "--lr")])
+def test_bad_flags_exit_2(flags, fragment):
+    out = run_cli(*LENET, *flags)
+    assert out.returncode == 2 and fragment in out.stderr and "Traceback" not in out.stderr
+
+
+def test_help_explains_every_flag():
+    out = run_cli(*LENET, "--help")
+    assert out.returncode == 0
+    for flag in ("--devices", "--epochs", "--batch-size", "--lr", "--seed", "--dataset", "--data-dir", "--out",
+                 "--max-steps", "--strategy"):
+        assert flag in out.stdout

@@ -1,0 +1,116 @@
+"""IDX -> TFDS array_record -> memory, its validation, and the loader."""
+
+import gzip
+import struct
+
+import numpy as np
+import pytest
+from conftest import FASHION_MNIST_DIR, needs_fashion_mnist
+
+from jaxtrain import ConfigError
+from jaxtrain.data import loader, sources
+
+
+def write_idx(path, array, gz):
+    header = struct.pack(">I", 0x0800 | array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    raw = header + array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+
+
+def make_idx_dir(root, gz=True, n_train=40, n_test=12, seed=0):
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, n).astype(np.uint8)
+        img_stem, lbl_stem = sources.IDX_FILES[split]
+        suffix = ".gz" if gz else ""
+        write_idx(root / (img_stem + suffix), images, gz)
+        write_idx(root / (lbl_stem + suffix), labels, gz)
+        arrays[split] = (images, labels)
+    return arrays
+
+
+def as_sorted_pairs(images, labels):
+    """Rows as (image bytes, label), sorted: TFDS shuffles when it prepares."""
+    return sorted((im.tobytes(), int(lb)) for im, lb in zip(images.reshape(len(labels), -1), labels))
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_idx_files_convert_once_and_read_back(tmp_path, gz):
+    idx_dir, tfds_dir = tmp_path / "idx", tmp_path / "tfds"
+    arrays = make_idx_dir(idx_dir, gz=gz)
+    for split, (images, labels) in arrays.items():
+        got = sources.load_split("fashion_mnist", split, idx_dir=idx_dir, tfds_dir=tfds_dir)
+        assert got.images.shape == (len(labels), 28, 28, 1) and got.images.dtype == np.uint8
+        assert got.labels.dtype == np.int32
+        assert as_sorted_pairs(got.images, got.labels) == as_sorted_pairs(images, labels)
+    prepared = list(tfds_dir.glob("*/fashion_mnist/1.0.0/*.array_record*"))
+    assert prepared, "expected array_record files in the TFDS data dir"
+    # Converted once: deleting the IDX files does not matter any more.
+    for f in idx_dir.iterdir():
+        f.unlink()
+    again = sources.load_split("fashion_mnist", "test", idx_dir=idx_dir, tfds_dir=tfds_dir)
+    assert len(again) == 12
+
+
+def corrupt(idx_dir, stem, data: bytes):
+    (idx_dir / (stem + ".gz")).write_bytes(gzip.compress(data))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: corrupt(d, "train-images-idx3-ubyte", b"\x00\x00\x08\x01" + b"\x00" * 8), "train-images-idx3-ubyte.gz: not an IDX"),
+        (lambda d: corrupt(d, "t10k-labels-idx1-ubyte", struct.pack(">II", 0x801, 12) + b"\x01" * 5), "t10k-labels-idx1-ubyte.gz: header says 12"),
+        (lambda d: corrupt(d, "t10k-labels-idx1-ubyte", struct.pack(">II", 0x801, 12) + b"\x0b" * 12), "label 11 found"),
+        (lambda d: corrupt(d, "train-labels-idx1-ubyte", struct.pack(">II", 0x801, 7) + b"\x01" * 7), "holds 40 images but"),
+        (lambda d: corrupt(d, "train-images-idx3-ubyte", struct.pack(">IIII", 0x803, 40, 32, 32) + b"\x00" * 40 * 1024), "32x32, expected 28x28"),
+        (lambda d: (d / "t10k-images-idx3-ubyte.gz").unlink(), "t10k-images-idx3-ubyte\\[.gz\\] is missing"),
+        (lambda d: (d / "train-labels-idx1-ubyte.gz").write_bytes(b"\x1f\x8bnot gzip"), "not a readable gzip"),
+    ],
+)
+def test_bad_idx_files_name_the_file(tmp_path, damage, message):
+    idx_dir = tmp_path / "idx"
+    make_idx_dir(idx_dir)
+    damage(idx_dir)
+    with pytest.raises(ConfigError, match=message):
+        sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tmp_path / "tfds")
+    assert not list((tmp_path / "tfds").glob("**/*.array_record*")), "nothing may be written from bad files"
+
+
+def test_missing_data_lists_the_ways_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sources.DEFAULT_IDX_DIRS, "mnist", str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match="make data.*--data-dir.*TFDS download"):
+        sources.load_split("mnist", "train", tfds_dir=tmp_path / "tfds", download=False)
+    with pytest.raises(ConfigError, match="not a directory"):
+        sources.load_split("mnist", "train", idx_dir=tmp_path / "nowhere", tfds_dir=tmp_path / "tfds")
+    with pytest.raises(ConfigError, match="unknown dataset"):
+        sources.load_split("cifar10", "train")
+
+
+@needs_fashion_mnist
+def test_real_fashion_mnist(tfds_dir):
+    train = sources.load_split("fashion_mnist", "train", tfds_dir=tfds_dir)
+    test = sources.load_split("fashion_mnist", "test", tfds_dir=tfds_dir)
+    assert (len(train), len(test)) == (60000, 10000)
+    assert np.bincount(train.labels).tolist() == [6000] * 10
+    assert np.bincount(test.labels).tolist() == [1000] * 10
+    direct = sources.read_idx_split(FASHION_MNIST_DIR, "test")
+    assert as_sorted_pairs(test.images, test.labels) == as_sorted_pairs(direct.images, direct.labels)
+
+
+def test_loader_train_and_eval_batches():
+    split = sources.Split(np.arange(10 * 784, dtype=np.uint8).reshape(10, 28, 28, 1) % 251, np.arange(10, dtype=np.int32))
+    train = loader.Loader(split, 4, train=True, seed=3)
+    batches = list(train.epoch(1))
+    assert len(train) == len(batches) == 2  # remainder dropped
+    seen = np.concatenate([b["label"] for b in batches])
+    assert len(set(seen.tolist())) == 8
+    assert batches[0]["image"].dtype == np.float32 and 0 <= batches[0]["image"].min() <= batches[0]["image"].max() <= 1
+    assert np.array_equal(seen, np.concatenate([b["label"] for b in train.epoch(1)]))  # (seed, epoch) fixes order
+    assert not np.array_equal(seen, np.concatenate([b["label"] for b in train.epoch(2)]))
+    ev = list(loader.Loader(split, 4, train=False).epoch(1))
+    assert [b["mask"].sum() for b in ev] == [4, 4, 2]
+    assert all(len(b["label"]) == 4 for b in ev)

@@ -1,0 +1,128 @@
+"""Train/eval steps: every strategy equals the 1-device reference."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import random_batch
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxtrain as jt
+from jaxtrain.models import lenet
+
+DEVICES = (1, 2, 4)
+BATCHES = [random_batch(64, seed=s) for s in range(3)]
+# Adam divides each gradient element by its own magnitude, so elements whose
+# gradient is ~1e-8 (dead units: float noise) turn re-association differences
+# between device counts (~1e-3 relative at that size) into update differences
+# of lr * 1e-3. eps=1e-6 damps those noise-level elements only; everything
+# else about Adam (its per-parameter state, bias correction) is exercised.
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.2), "adam": lambda: optax.adam(1e-3, eps=1e-6)}
+
+
+def init_params():
+    return lenet.init_params(jax.random.key(0), scale=0.1)  # larger than d2l's: gradients far from 0
+
+
+def train(strategy, n, opt):
+    trainer = jt.make_train_step(lenet.loss_fn, OPTIMIZERS[opt](), mesh=n, strategy=strategy)
+    state = trainer.init(init_params())
+    history = []
+    for batch in BATCHES:
+        state, metrics = trainer(state, batch)
+        history.append(jax.device_get(metrics))
+    return jax.device_get(state), history
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {opt: train("jit", 1, opt) for opt in OPTIMIZERS}
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+@pytest.mark.parametrize("n", DEVICES)
+@pytest.mark.parametrize("strategy", jt.STRATEGIES)
+def test_strategy_equals_one_device_reference(reference, strategy, n, opt):
+    state, history = train(strategy, n, opt)
+    ref_state, ref_history = reference[opt]
+    chex.assert_trees_all_close(state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(state.opt_state, ref_state.opt_state, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(history, ref_history, rtol=1e-5, atol=1e-6)
+    assert int(state.step) == len(BATCHES)
+    # The steps did change the params (a reference that never moved would prove nothing).
+    assert not np.allclose(state.params["conv1"]["w"], jax.device_get(init_params())["conv1"]["w"])
+
+
+@pytest.mark.parametrize("strategy", jt.STRATEGIES)
+def test_eval_step_identical_under_every_strategy(strategy):
+    params = init_params()
+    batch = dict(random_batch(64, seed=9), mask=np.arange(64) < 50)
+    ref_state = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=1).init(params)
+    ref = jax.device_get(jt.make_eval_step(lenet.eval_fn, mesh=1)(ref_state, batch))
+    assert ref["count"] == 50
+    logits = np.asarray(lenet.apply(params, batch["image"][:50]))
+    assert ref["accuracy"] == (logits.argmax(-1) == batch["label"][:50]).sum()
+    for n in DEVICES:
+        state = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=n, strategy=strategy).init(params)
+        got = jax.device_get(jt.make_eval_step(lenet.eval_fn, mesh=n, strategy=strategy)(state, batch))
+        assert got["accuracy"] == ref["accuracy"] and got["count"] == ref["count"]
+        np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", jt.STRATEGIES)
+def test_indivisible_batch_is_clear_error_before_compiling(strategy):
+    traces = []
+
+    def loss_fn(*args):
+        traces.append(1)
+        return lenet.loss_fn(*args)
+
+    trainer = jt.make_train_step(loss_fn, optax.sgd(0.1), mesh=4, strategy=strategy)
+    state = trainer.init(init_params())
+    with pytest.raises(ValueError, match=r"batch size 30 does not split evenly over 4 devices: use a multiple of 4"):
+        trainer(state, random_batch(30))
+    assert traces == []
+
+
+@pytest.mark.parametrize("strategy", jt.STRATEGIES)
+def test_no_recompilation_between_steps_and_state_donated(strategy):
+    chex.clear_trace_counter()
+    traced_loss = chex.assert_max_traces(lenet.loss_fn, n=1)
+    trainer = jt.make_train_step(traced_loss, optax.sgd(0.1), mesh=2, strategy=strategy)
+    state = trainer.init(init_params())
+    for i in range(3):
+        old = state
+        state, _ = trainer(state, random_batch(64, seed=i))
+        assert old.params["conv1"]["w"].is_deleted(), "the state must be donated"
+    # Already-sharded device arrays are accepted without retracing too.
+    sharded = trainer.shard(random_batch(64, seed=5))
+    trainer(state, sharded)
+
+
+def psum_and_ring(mesh, tree):
+    specs = jax.tree.map(lambda _: P(jt.DATA_AXIS), tree)
+    f = lambda t: (lax.psum(t, jt.DATA_AXIS), jt.ring_allreduce(t, jt.DATA_AXIS))  # noqa: E731
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs,), out_specs=(specs, specs), check_vma=False))(tree)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_allreduce_equals_psum(n, dtype):
+    mesh = jt.make_mesh(jax.devices()[:n])
+    rng = np.random.default_rng(n)
+    shapes = {"a": (5,), "b": (3, 7), "c": {"d": (1,), "e": (2, 3, 11)}, "f": ()}
+    # Per-device values stacked on a leading axis of size n (sizes not divisible by n on purpose).
+    tree = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=(n, *s)), dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
+    tree["ints"] = jnp.asarray(rng.integers(-5, 5, (n, 4)), jnp.int32)  # mixed dtypes in one tree
+    expected, got = psum_and_ring(mesh, tree)
+    tol = {"rtol": 2e-2, "atol": 5e-2} if dtype == jnp.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
+    for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+        assert e.dtype == g.dtype and e.shape == g.shape
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), **tol)
+    # ... and the sum is right, not merely equal to psum: every device holds the total.
+    total = np.asarray(tree["b"], np.float32).sum(0)
+    for d in range(n):
+        np.testing.assert_allclose(np.asarray(got["b"][d], np.float32), total, **tol)
