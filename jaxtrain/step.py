@@ -106,7 +106,11 @@ class Trainer:
             model_state={} if model_state is None else model_state,
             rng=rng,
         )
-        return jax.device_put(state, self.shard.replicated)
+        # The step donates the state, which must never delete the caller's own
+        # arrays; device_put may alias them (even with may_alias=False, for the
+        # first device's copy of a replicated array), so copy explicitly.
+        state = jax.device_put(state, self.shard.replicated)
+        return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
 
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         return self._step(state, self.shard(batch))

@@ -92,7 +92,8 @@ def test_no_recompilation_between_steps_and_state_donated(strategy):
     chex.clear_trace_counter()
     traced_loss = chex.assert_max_traces(lenet.loss_fn, n=1)
     trainer = jt.make_train_step(traced_loss, optax.sgd(0.1), mesh=2, strategy=strategy)
-    state = trainer.init(init_params())
+    users_params = init_params()
+    state = trainer.init(users_params)
     for i in range(3):
         old = state
         state, _ = trainer(state, random_batch(64, seed=i))
@@ -100,6 +101,8 @@ def test_no_recompilation_between_steps_and_state_donated(strategy):
     # Already-sharded device arrays are accepted without retracing too.
     sharded = trainer.shard(random_batch(64, seed=5))
     trainer(state, sharded)
+    # Donation consumes the trainer's copy, never the caller's arrays.
+    assert not any(x.is_deleted() for x in jax.tree.leaves(users_params))
 
 
 def psum_and_ring(mesh, tree):
@@ -126,3 +129,28 @@ def test_ring_allreduce_equals_psum(n, dtype):
     total = np.asarray(tree["b"], np.float32).sum(0)
     for d in range(n):
         np.testing.assert_allclose(np.asarray(got["b"][d], np.float32), total, **tol)
+
+
+def loss_with_batch_stats(params, model_state, batch, rng):
+    """A linear model that also tracks the batch mean of its inputs (like BatchNorm)."""
+    x = batch["image"].reshape(batch["image"].shape[0], -1)
+    logits = x @ params["w"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    new_state = {"mean": 0.9 * model_state["mean"] + 0.1 * x.mean(0)}
+    return loss, (new_state, {})
+
+
+@pytest.mark.parametrize("strategy", jt.STRATEGIES)
+def test_model_state_averaged_over_devices(strategy):
+    batch = random_batch(64, seed=4)
+    batch["image"][:32] += 1.0  # the two halves (two devices' shards) differ
+    params = {"w": jnp.zeros((784, 10))}
+    model_state = {"mean": jnp.zeros(784)}
+    ref_tr = jt.make_train_step(loss_with_batch_stats, optax.sgd(0.1), mesh=1)
+    ref, _ = ref_tr(ref_tr.init(params, model_state), batch)
+    for n in (2, 4):
+        tr = jt.make_train_step(loss_with_batch_stats, optax.sgd(0.1), mesh=n, strategy=strategy)
+        got, _ = tr(tr.init(params, model_state), batch)
+        chex.assert_trees_all_close(got.model_state, ref.model_state, rtol=1e-6, atol=1e-7)
+    expected = 0.1 * batch["image"].reshape(64, -1).mean(0)
+    np.testing.assert_allclose(np.asarray(ref.model_state["mean"]), expected, rtol=1e-5)

@@ -1,0 +1,106 @@
+"""Benchmark the data-parallel strategies on the d2l LeNet train step.
+
+    python -m experiments.bench_strategies [--devices 1,2,4] [--batch-size 256]
+
+For each device count, the strategies run interleaved (A B C D A B C D ...)
+so that machine noise hits them alike; each cell is the median ms/step over
+the repeats (after warm-up), with the spread (min-max) beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def parse_devices(text: str) -> list[int]:
+    try:
+        counts = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated device counts like 1,2,4, got {text!r}") from None
+    if not counts or counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"device counts must be >= 1, got {text!r}")
+    return counts
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_strategies", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--devices", type=parse_devices, default=[1, 2, 4], help="device counts to measure")
+    p.add_argument("--batch-size", type=int, default=256, help="GLOBAL batch size")
+    p.add_argument("--steps", type=int, default=20, help="steps timed per repeat")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per strategy (median reported)")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
+    return p
+
+
+def time_steps(trainer, state, batch, steps: int):
+    """Seconds per step over ``steps`` steps, <= 2 in flight (as in jaxtrain.loop)."""
+    start = time.perf_counter()
+    prev = None
+    for _ in range(steps):
+        state, metrics = trainer(state, batch)
+        if prev is not None:
+            prev["loss"].block_until_ready()
+        prev = metrics
+    prev["loss"].block_until_ready()
+    return state, (time.perf_counter() - start) / steps
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    import jaxtrain as jt
+
+    try:
+        jt.setup_devices(max(args.devices))
+    except jt.ConfigError as e:
+        print(f"bench_strategies: error: {e}", file=sys.stderr)
+        return 2
+    import jax
+    import numpy as np
+    import optax
+
+    from jaxtrain.models import lenet
+
+    rng = np.random.default_rng(0)
+    host_batch = {"image": rng.random((args.batch_size, 28, 28, 1), dtype=np.float32),
+                  "label": rng.integers(0, 10, args.batch_size).astype(np.int32)}
+    results: dict[str, dict[int, list[float]]] = {s: {} for s in jt.STRATEGIES}
+    for n in args.devices:
+        runs = {}
+        for strategy in jt.STRATEGIES:
+            trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=n, strategy=strategy)
+            try:
+                trainer.check_batch_size(args.batch_size)
+            except jt.ConfigError as e:
+                print(f"bench_strategies: error: {e}", file=sys.stderr)
+                return 2
+            batch = trainer.shard(host_batch)  # the step alone: batch already on the devices
+            state = trainer.init(lenet.init_params(jax.random.key(0)))
+            state, _ = time_steps(trainer, state, batch, 3)  # compile + warm up
+            runs[strategy] = [trainer, state, batch]
+        for _ in range(args.repeats):
+            for strategy, run in runs.items():  # interleaved: noise hits all alike
+                run[1], sec = time_steps(run[0], run[1], run[2], args.steps)
+                results[strategy].setdefault(n, []).append(1000 * sec)
+        print(f"measured {n} device(s)", file=sys.stderr, flush=True)
+
+    header = "| strategy | " + " | ".join(f"{n} device{'s' * (n > 1)}" for n in args.devices) + " |"
+    print(f"\nLeNet train step, global batch {args.batch_size}, median ms/step (min-max of {args.repeats} repeats "
+          f"x {args.steps} steps), {jax.devices()[0].platform}, jax {jax.__version__}\n")
+    print(header)
+    print("|" + "---|" * (len(args.devices) + 1))
+    for strategy, by_n in results.items():
+        cells = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for v in by_n.values()]
+        print(f"| {strategy} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch_size": args.batch_size, "ms_per_step": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
