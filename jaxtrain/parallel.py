@@ -155,7 +155,11 @@ def wrap(body: Callable, mesh, strategy: str, *, donate_state: bool) -> Callable
         fn, axis_name=DATA_AXIS, in_axes=(None, 0), out_axes=None, devices=devices, donate_argnums=donate
     )
 
-    def call(state, batch):  # users never reshape to [devices, per_device, ...]
-        return pmapped(state, jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch))
+    def per_device(batch):  # users never reshape to [devices, per_device, ...]
+        return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
+    def call(state, batch):
+        return pmapped(state, per_device(batch))
+
+    call.lower = lambda state, batch: pmapped.lower(state, per_device(batch))
     return call

@@ -11,7 +11,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import parallel
+from jaxtrain import accumulate, parallel
+from jaxtrain import precision as prec
 from jaxtrain.devices import DATA_AXIS, make_mesh
 from jaxtrain.errors import ConfigError
 from jaxtrain.state import TrainState
@@ -62,20 +63,47 @@ def _is_global(batch) -> bool:
     return all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
 
 
-def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation):
+def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, accum_steps: int):
+    def grad_fn(params, model_state, batch, rng, scale):
+        """fp32 grads of the (scaled) loss, computed in the policy's compute dtype."""
+
+        def scaled_loss(p):
+            loss, (new_model_state, metrics) = loss_fn(
+                prec.cast_floats(p, policy.compute_dtype), model_state,
+                prec.cast_floats(batch, policy.compute_dtype), rng)
+            loss = loss.astype(policy.output_dtype)
+            return loss * scale, (loss, new_model_state, metrics)
+
+        (_, (loss, new_model_state, metrics)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        return grads, loss, new_model_state, metrics
+
     def body(state: TrainState, batch, comm: parallel.Comm):
         rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), comm.index())
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (model_state, metrics)), grads = grad_fn(comm.vary(state.params), state.model_state, batch, rng)
+        scale = prec.current_scale(state.loss_scale)
+        params = comm.vary(state.params)  # grads stay per-device until the one reduction below
+        if accum_steps > 1:
+            one = lambda p, ms, b, r: grad_fn(p, ms, b, r, scale)  # noqa: E731
+            grads, loss, model_state, metrics = accumulate.scan_gradients(
+                one, params, state.model_state, batch, rng, accum_steps, comm.vary)
+        else:
+            grads, loss, model_state, metrics = grad_fn(params, state.model_state, batch, rng, scale)
+        grads = prec.cast_floats(grads, policy.reduce_dtype)
         grads, loss, metrics, model_state = comm.mean((grads, loss, metrics, model_state))
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        new_state = state.replace(
-            step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
-            opt_state=opt_state,
-            model_state=model_state,
-        )
-        return new_state, {"loss": loss, **metrics}
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, **metrics}
+        loss_scale = state.loss_scale
+        if loss_scale is not None:
+            # Non-finite on ANY device is non-finite after the reduction, everywhere.
+            finite = prec.all_finite(grads)
+            params = prec.select_tree(finite, params, state.params)
+            opt_state = prec.select_tree(finite, opt_state, state.opt_state)
+            loss_scale = prec.update_loss_scale(loss_scale, finite, policy)
+            metrics.update(loss_scale=state.loss_scale["scale"], grads_finite=finite.astype(jnp.float32))
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                                  model_state=model_state, loss_scale=loss_scale)
+        return new_state, metrics
 
     return body
 
@@ -83,11 +111,18 @@ def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation):
 class Trainer:
     """A compiled data-parallel train step: ``state, metrics = trainer(state, batch)``."""
 
-    def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, strategy: str):
+    def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, strategy: str,
+                 precision: str | prec.Precision = "fp32", accum_steps: int = 1, accum: str = "scan"):
         parallel.check_strategy(strategy)
-        self.tx, self.mesh, self.strategy = tx, mesh, strategy
-        self.shard = _Sharder(mesh)
-        self._step = parallel.wrap(_train_body(loss_fn, tx), mesh, strategy, donate_state=True)
+        accumulate.check(accum_steps, accum)
+        self.policy = prec.get_policy(precision)
+        self.loss_fn = loss_fn
+        self.mesh, self.strategy, self.accum_steps, self.accum = mesh, strategy, accum_steps, accum
+        self.tx = accumulate.wrap_optimizer(tx, accum_steps, accum)
+        scan_steps = accum_steps if accum == "scan" else 1
+        self.shard = _Sharder(mesh, divisor=scan_steps)
+        self._body = _train_body(loss_fn, self.tx, self.policy, scan_steps)
+        self._step = parallel.wrap(self._body, mesh, strategy, donate_state=True)
 
     @property
     def num_devices(self) -> int:
@@ -99,12 +134,14 @@ class Trainer:
     def init(self, params, model_state=None, rng: jax.Array | None = None) -> TrainState:
         """A TrainState replicated over the mesh (fp32 params, fresh optimizer state)."""
         rng = jax.random.key(0) if rng is None else rng
+        params = prec.cast_floats(params, self.policy.param_dtype)
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             opt_state=self.tx.init(params),
             model_state={} if model_state is None else model_state,
             rng=rng,
+            loss_scale=prec.init_loss_scale(self.policy),
         )
         # The step donates the state, which must never delete the caller's own
         # arrays; device_put may alias them (even with may_alias=False, for the
@@ -115,6 +152,10 @@ class Trainer:
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         return self._step(state, self.shard(batch))
 
+    def lower(self, state: TrainState, batch: Mapping):
+        """The lowered (not yet compiled) step for this state and batch."""
+        return self._step.lower(state, self.shard(batch))
+
 
 def make_train_step(
     loss_fn: LossFn,
@@ -122,6 +163,9 @@ def make_train_step(
     *,
     mesh: Mesh | int | None = None,
     strategy: str = "jit",
+    precision: str | prec.Precision = "fp32",
+    accum_steps: int = 1,
+    accum: str = "scan",
 ) -> Trainer:
     """Build a data-parallel train step.
 
@@ -129,9 +173,15 @@ def make_train_step(
     computes the mean loss over the examples it is given; ``metrics`` are
     scalar means. The trainer takes the GLOBAL batch (numpy or jax arrays);
     ``metrics["loss"]`` is the mean over the global batch.
+
+    ``precision``: "fp32" | "bf16" | "fp16" (dynamic loss scale) or a
+    ``jt.Precision``. ``accum_steps=k`` with ``accum="scan"``: each call splits
+    every device's share into k micro-batches, one update per call;
+    ``accum="multisteps"``: ``optax.MultiSteps``, one micro-batch per call and
+    an update every k calls.
     """
     mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
-    return Trainer(loss_fn, tx, mesh, strategy)
+    return Trainer(loss_fn, tx, mesh, strategy, precision, accum_steps, accum)
 
 
 def _eval_body(eval_fn: EvalFn):

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxtrain.remat import remat as _remat
+
 NUM_CLASSES = 10
 
 # (name, shape): convs are HWIO, inputs NHWC (28x28x1).
@@ -39,22 +41,34 @@ def _avg_pool2(x):
     return x.reshape(b, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
 
 
-def apply(params: dict, images: jax.Array) -> jax.Array:
-    """Logits [B, 10] for images [B, 28, 28, 1]."""
-    x = _avg_pool2(jax.nn.relu(_conv(images, params["conv1"])))  # 26 -> 13
-    x = _avg_pool2(jax.nn.relu(_conv(x, params["conv2"])))  # 9 -> 4
+def _conv_block(p, x):
+    return _avg_pool2(jax.nn.relu(_conv(x, p)))
+
+
+def apply(params: dict, images: jax.Array, remat: str = "none") -> jax.Array:
+    """Logits [B, 10] for images [B, 28, 28, 1]; ``remat`` names a policy per conv block."""
+    block = _remat(_conv_block, remat)
+    x = block(params["conv1"], images)  # 28 -> 26 -> 13
+    x = block(params["conv2"], x)  # 13 -> 9 -> 4
     x = x.reshape(x.shape[0], -1)  # 4*4*50 = 800
     x = jax.nn.relu(x @ params["dense1"]["w"] + params["dense1"]["b"])
     return x @ params["dense2"]["w"] + params["dense2"]["b"]
 
 
-def loss_fn(params, model_state, batch, rng):
-    """Softmax cross-entropy; the train-step contract of jaxtrain."""
-    del rng
-    logits = apply(params, batch["image"]).astype(jnp.float32)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-    accuracy = (logits.argmax(-1) == batch["label"]).mean()
-    return loss, (model_state, {"accuracy": accuracy})
+def make_loss_fn(remat: str = "none"):
+    """Softmax cross-entropy (logits in fp32); the train-step contract of jaxtrain."""
+
+    def loss_fn(params, model_state, batch, rng):
+        del rng
+        logits = apply(params, batch["image"], remat).astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        accuracy = (logits.argmax(-1) == batch["label"]).mean()
+        return loss, (model_state, {"accuracy": accuracy})
+
+    return loss_fn
+
+
+loss_fn = make_loss_fn()
 
 
 def eval_fn(params, model_state, batch):
