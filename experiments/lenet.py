@@ -18,7 +18,7 @@ def model(args) -> Model:
     return Model(
         name="lenet",
         init=lambda rng: (lenet.init_params(rng), {}),
-        loss_fn=lenet.loss_fn,
+        loss_fn=lenet.make_loss_fn(args.remat),
         eval_fn=lenet.eval_fn,
     )
 

@@ -56,9 +56,18 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     p.add_argument("--strategy", choices=STRATEGIES, default="jit",
                    help="data-parallel strategy: jit (XLA inserts the all-reduce), shard_map (explicit pmean), "
                         "pmap (legacy API), ring (our ppermute ring all-reduce)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="compute dtype (fp32 master params either way); fp16 uses a dynamic loss scale")
+    p.add_argument("--accum-steps", type=_positive_int, default=1,
+                   help="gradient accumulation: micro-batches per optimizer update")
+    p.add_argument("--accum", choices=("scan", "multisteps"), default="scan",
+                   help="scan: one call = one update over k micro-batches (one all-reduce); "
+                        "multisteps: optax.MultiSteps, one call per micro-batch, an update every k calls")
+    p.add_argument("--remat", default="none",
+                   help="remat policy per block: none, full, dots, dots_no_batch, or a jax.checkpoint_policies name")
     p.add_argument("--epochs", type=_positive_int, default=epochs, help="passes over the training set")
     p.add_argument("--batch-size", type=_positive_int, default=batch_size,
-                   help="GLOBAL batch size, split evenly over the devices")
+                   help="GLOBAL batch per optimizer update, split evenly over the devices (and micro-batches)")
     p.add_argument("--lr", type=_positive_float, default=lr, help="learning rate of plain SGD")
     p.add_argument("--seed", type=int, default=0, help="seed of the init and of the shuffling")
     p.add_argument("--dataset", choices=DATASETS, default="fashion_mnist", help="dataset to train on")
@@ -89,9 +98,19 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     from jaxtrain.loop import fit
     from jaxtrain.report import RunWriter, make_out_dir, params_digest
 
+    from jaxtrain import remat
+
+    remat.policy(args.remat)  # a bad name fails here, before any data is read
     mesh = jt.make_mesh(devices)
-    trainer = jt.make_train_step(model.loss_fn, optax.sgd(args.lr), mesh=mesh, strategy=args.strategy)
-    trainer.check_batch_size(args.batch_size)
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(args.lr), mesh=mesh, strategy=args.strategy,
+                                 precision=args.precision, accum_steps=args.accum_steps, accum=args.accum)
+    call_batch = args.batch_size
+    if args.accum == "multisteps":  # one call per micro-batch
+        if args.batch_size % args.accum_steps:
+            raise ConfigError(f"--batch-size {args.batch_size} does not split into --accum-steps "
+                              f"{args.accum_steps} micro-batches: use a multiple of {args.accum_steps}")
+        call_batch = args.batch_size // args.accum_steps
+    trainer.check_batch_size(call_batch)
     evaluator = jt.make_eval_step(model.eval_fn, mesh=mesh, strategy=args.strategy)
     out_dir = make_out_dir(args.out, model.name)
     writer = RunWriter(out_dir)
@@ -99,15 +118,16 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     data = {s: sources.load_split(args.dataset, s, idx_dir=args.data_dir, tfds_dir=args.tfds_dir) for s in ("train", "test")}
     if len(data["train"]) < args.batch_size:
         raise ConfigError(f"--batch-size {args.batch_size} is larger than the {len(data['train'])} training examples")
-    train = loader.Loader(data["train"], args.batch_size, train=True, seed=args.seed)
+    train = loader.Loader(data["train"], call_batch, train=True, seed=args.seed)
     test = loader.Loader(data["test"], args.batch_size, train=False)
     platform = devices[0].platform
     print(f"{model.name}: {len(data['train'])} train / {len(data['test'])} test examples of {args.dataset}, "
-          f"batch {args.batch_size} on {len(devices)} {platform} device(s), strategy {args.strategy}; out: {out_dir}",
-          flush=True)
+          f"batch {args.batch_size} on {len(devices)} {platform} device(s), strategy {args.strategy}, "
+          f"{args.precision}, accum {args.accum_steps} ({args.accum}), remat {args.remat}; out: {out_dir}", flush=True)
 
     params, model_state = model.init(jax.random.key(args.seed))
     state = trainer.init(params, model_state, jax.random.key(args.seed))
+    stats = jt.compiled_stats(trainer, state, next(iter(train.epoch(0))))
 
     def on_epoch(s):
         writer.epoch(s)
@@ -128,13 +148,21 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         "train_loss": last.train_loss,
         "train_acc": last.train_acc,
         "initial_loss": first_loss,
-        "sec_per_epoch": len(train) * args.batch_size / examples_per_sec,
+        "sec_per_epoch": len(train) * call_batch / examples_per_sec,
+        "ms_per_update": 1000 * args.batch_size / examples_per_sec,
         "first_epoch_sec": history[0].train_sec,
         "median_epoch_sec": statistics.median(h.train_sec for h in history),
         "examples_per_sec": examples_per_sec,
         "devices": len(devices),
         "platform": platform,
         "strategy": args.strategy,
+        "precision": args.precision,
+        "accum_steps": args.accum_steps,
+        "accum": args.accum,
+        "remat": args.remat,
+        "compiled_flops": stats["flops"],
+        "compiled_temp_bytes": stats["temp_bytes"],
+        "saved_residual_bytes": stats["saved_residual_bytes"],
         "steps": sum(h.steps for h in history),
         "epochs": len(history),
         "batch_size": args.batch_size,
