@@ -174,7 +174,9 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         "jax_version": jax.__version__,
     }
     writer.summary(summary)
-    print(f"test acc {last.test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(devices)} device{'s' * (len(devices) != 1)} ({platform})")
+    plural = "s" * (len(devices) != 1)
+    print(f"test acc {last.test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(devices)} device{plural} "
+          f"({platform})")
     print(f"wrote {out_dir}/summary.json, metrics.jsonl, curves.png")
     return summary
 
