@@ -63,7 +63,8 @@ def _is_global(batch) -> bool:
     return all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
 
 
-def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, accum_steps: int):
+def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, accum_steps: int,
+                unroll: int = 1):
     def grad_fn(params, model_state, batch, rng, scale):
         """fp32 grads of the (scaled) loss, computed in the policy's compute dtype."""
 
@@ -84,7 +85,7 @@ def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.
         if accum_steps > 1:
             one = lambda p, ms, b, r: grad_fn(p, ms, b, r, scale)  # noqa: E731
             grads, loss, model_state, metrics = accumulate.scan_gradients(
-                one, params, state.model_state, batch, rng, accum_steps, comm.vary)
+                one, params, state.model_state, batch, rng, accum_steps, comm.vary, unroll)
         else:
             grads, loss, model_state, metrics = grad_fn(params, state.model_state, batch, rng, scale)
         grads = prec.cast_floats(grads, policy.reduce_dtype)
@@ -121,7 +122,8 @@ class Trainer:
         self.tx = accumulate.wrap_optimizer(tx, accum_steps, accum)
         scan_steps = accum_steps if accum == "scan" else 1
         self.shard = _Sharder(mesh, divisor=scan_steps)
-        self._body = _train_body(loss_fn, self.tx, self.policy, scan_steps)
+        unroll = accumulate.unroll_for(mesh.devices.flat[0].platform, scan_steps)
+        self._body = _train_body(loss_fn, self.tx, self.policy, scan_steps, unroll)
         self._step = parallel.wrap(self._body, mesh, strategy, donate_state=True)
 
     @property
