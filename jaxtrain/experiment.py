@@ -80,6 +80,10 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     p.add_argument("--out", default=None,
                    help="output directory for metrics.jsonl, summary.json and curves.png "
                         "(default: a fresh runs/NAME-DATE-TIME)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="grain worker threads building batches ahead (0: in the prefetch thread; see README)")
+    p.add_argument("--prefetch", type=int, default=2,
+                   help="batches copied to the devices ahead of the step by a background thread (0: off)")
     p.add_argument("--max-steps", type=_positive_int, default=None,
                    help="stop after this many train steps in total (for smoke runs), then evaluate")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they show only on a terminal anyway)")
@@ -116,10 +120,10 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     writer = RunWriter(out_dir)
 
     data = {s: sources.load_split(args.dataset, s, idx_dir=args.data_dir, tfds_dir=args.tfds_dir) for s in ("train", "test")}
-    if len(data["train"]) < args.batch_size:
-        raise ConfigError(f"--batch-size {args.batch_size} is larger than the {len(data['train'])} training examples")
-    train = loader.Loader(data["train"], call_batch, train=True, seed=args.seed)
-    test = loader.Loader(data["test"], args.batch_size, train=False)
+    if args.workers < 0 or args.prefetch < 0:
+        raise ConfigError("--workers and --prefetch must be >= 0")
+    train = loader.Loader(data["train"], call_batch, train=True, seed=args.seed, workers=args.workers)
+    test = loader.Loader(data["test"], args.batch_size, train=False, workers=args.workers)
     platform = devices[0].platform
     print(f"{model.name}: {len(data['train'])} train / {len(data['test'])} test examples of {args.dataset}, "
           f"batch {args.batch_size} on {len(devices)} {platform} device(s), strategy {args.strategy}, "
@@ -132,11 +136,12 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     def on_epoch(s):
         writer.epoch(s)
         print(f"epoch {s.epoch}/{args.epochs}: train loss {s.train_loss:.4f}, train acc {s.train_acc:.3f}, "
-              f"test acc {s.test_acc:.3f}, {s.train_sec:.1f} sec", flush=True)
+              f"test acc {s.test_acc:.3f}, {s.train_sec:.1f} sec, data wait {100 * s.data_wait_fraction:.1f}%",
+              flush=True)
 
     state, history, first_loss = fit(trainer, state, train, evaluator, test, epochs=args.epochs,
                                      max_steps=args.max_steps, on_epoch=on_epoch,
-                                     progress=False if args.no_progress else None)
+                                     progress=False if args.no_progress else None, prefetch=args.prefetch)
     # Steady-state speed: leave out the first epoch (it compiles) when there are others.
     timed = history[1:] if len(history) > 1 else history
     examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
@@ -153,6 +158,9 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         "first_epoch_sec": history[0].train_sec,
         "median_epoch_sec": statistics.median(h.train_sec for h in history),
         "examples_per_sec": examples_per_sec,
+        "data_wait_fraction": sum(h.data_wait_sec for h in timed) / max(sum(h.train_sec for h in timed), 1e-9),
+        "workers": args.workers,
+        "prefetch": args.prefetch,
         "devices": len(devices),
         "platform": platform,
         "strategy": args.strategy,

@@ -8,13 +8,19 @@ deadlock seen with many steps queued on virtual CPU devices (REFERENCE §3).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
+
+from jaxtrain.data.prefetch import prefetch_to_device, to_device
+from jaxtrain.devices import DATA_AXIS
 
 
 @dataclasses.dataclass
@@ -29,10 +35,35 @@ class EpochStats:
     test_examples: int
     train_sec: float
     eval_sec: float
+    data_wait_sec: float
+    data_wait_fraction: float
 
 
-def evaluate(evaluator, state, batches: Iterable[dict]) -> dict:
-    """Means of the eval metrics over every unmasked example, plus ``count``."""
+def device_batches(batches: Iterable[dict], mesh, prefetch: int):
+    """Host batches -> sharded device batches: ``prefetch`` ahead in a thread, or (0) in line."""
+    if prefetch > 0:
+        return prefetch_to_device(batches, mesh, prefetch)
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+    return (to_device(b, sharding) for b in batches)
+
+
+@contextlib.contextmanager
+def _closing(it):
+    try:
+        yield it
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> dict:
+    """Means of the eval metrics over every unmasked example, plus ``count``.
+
+    ``batches`` are host batches (this process's rows); they reach the devices
+    through ``device_batches``, and the eval step runs under
+    ``jax.transfer_guard("disallow")``.
+    """
     totals: dict[str, float] = {}
 
     def add(sums):
@@ -40,11 +71,12 @@ def evaluate(evaluator, state, batches: Iterable[dict]) -> dict:
             totals[k] = totals.get(k, 0.0) + float(v)
 
     pending = None
-    for batch in batches:
-        out = evaluator(state, batch)
-        if pending is not None:
-            add(pending)  # one step late: <= 2 in flight
-        pending = out
+    with _closing(device_batches(batches, evaluator.mesh, prefetch)) as it, jax.transfer_guard("disallow"):
+        for batch in it:
+            out = evaluator.step(state, batch)
+            if pending is not None:
+                add(pending)  # one step late: <= 2 in flight
+            pending = out
     if pending is not None:
         add(pending)
     count = totals.pop("count", 0.0)
@@ -63,8 +95,15 @@ def fit(
     max_steps: int | None = None,
     on_epoch: Callable[[EpochStats], None] | None = None,
     progress: bool | None = None,
+    prefetch: int = 2,
 ):
     """Train for ``epochs`` (or until ``max_steps``), evaluating after each epoch.
+
+    The hot loop runs under ``jax.transfer_guard("disallow")``: batches reach
+    the devices only through ``device_batches`` (explicit copies, ``prefetch``
+    batches ahead in a background thread), so a stray host array fails
+    loudly instead of being copied silently each step. The time spent
+    waiting for the next batch is reported as ``data_wait_fraction``.
 
     Returns ``(state, history, first_loss)``: the final state, one EpochStats
     per epoch, and the loss of the very first step.
@@ -95,26 +134,33 @@ def fit(
                 sums[k] += float(m.get(k, np.nan))
             steps += 1
             examples += batch_size
-            rate = examples / max(time.perf_counter() - start, 1e-9)
             bar.update(1)
-            bar.set_postfix(loss=f"{sums['loss'] / steps:.4f}", ex_per_s=f"{rate:,.0f}", refresh=False)
 
         pending = None
-        for batch in train_loader.epoch(epoch):
-            state, metrics = trainer(state, batch)
+        wait = 0.0
+        batches = device_batches(train_loader.epoch(epoch), trainer.mesh, prefetch)
+        with _closing(batches), jax.transfer_guard("disallow"):
+            while max_steps is None or total_steps < max_steps:
+                t0 = time.perf_counter()
+                batch = next(batches, None)
+                wait += time.perf_counter() - t0
+                if batch is None:
+                    break
+                state, metrics = trainer.step(state, batch)
+                if pending is not None:
+                    record(*pending)
+                    bar.set_postfix(loss=f"{sums['loss'] / steps:.4f}",
+                                    ex_per_s=f"{examples / (time.perf_counter() - start):,.0f}",
+                                    data_wait=f"{100 * wait / (time.perf_counter() - start):.0f}%", refresh=False)
+                pending = (metrics, train_loader.batch_size)
+                total_steps += 1
             if pending is not None:
                 record(*pending)
-            pending = (metrics, len(batch["label"]))
-            total_steps += 1
-            if max_steps is not None and total_steps >= max_steps:
-                break
-        if pending is not None:
-            record(*pending)
         train_sec = time.perf_counter() - start
         bar.close()
 
         start = time.perf_counter()
-        test = evaluate(evaluator, state, test_loader.epoch(epoch))
+        test = evaluate(evaluator, state, test_loader.epoch(epoch), prefetch)
         stats = EpochStats(
             epoch=epoch,
             steps=steps,
@@ -126,6 +172,8 @@ def fit(
             test_examples=test["count"],
             train_sec=train_sec,
             eval_sec=time.perf_counter() - start,
+            data_wait_sec=wait,
+            data_wait_fraction=wait / max(train_sec, 1e-9),
         )
         history.append(stats)
         if on_epoch is not None:

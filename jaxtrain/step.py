@@ -152,7 +152,16 @@ class Trainer:
         return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
 
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
+        """One step on a global batch (numpy or jax arrays): checked and sharded first."""
         return self._step(state, self.shard(batch))
+
+    def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
+        """One step on a batch ALREADY on the mesh (what ``prefetch_to_device`` yields).
+
+        No checks, no copies: the hot-loop entry. Under
+        ``jax.transfer_guard("disallow")`` a host array here is an error.
+        """
+        return self._step(state, batch)
 
     def lower(self, state: TrainState, batch: Mapping):
         """The lowered (not yet compiled) step for this state and batch."""
@@ -216,6 +225,10 @@ class Evaluator:
 
     def __call__(self, state: TrainState, batch: Mapping) -> dict:
         return self._step(state, self.shard(batch))
+
+    def step(self, state: TrainState, batch: Mapping) -> dict:
+        """The eval step on a batch already on the mesh (no checks, no copies)."""
+        return self._step(state, batch)
 
 
 def make_eval_step(eval_fn: EvalFn, *, mesh: Mesh | int | None = None, strategy: str = "jit") -> Evaluator:

@@ -1,0 +1,150 @@
+"""Input pipeline: grain loader order/sharding, prefetch_to_device, data wait, transfer guard."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import needs_fashion_mnist
+from jax.sharding import PartitionSpec as P
+
+import jaxtrain as jt
+from jaxtrain.data import loader, sources
+from jaxtrain.data.prefetch import prefetch_to_device
+from jaxtrain.loop import device_batches, evaluate, fit
+from jaxtrain.models import lenet
+
+
+def numbered_split(n):
+    """Image i is filled with i % 251 and labelled i: batches reveal which examples they hold."""
+    images = (np.arange(n, dtype=np.int64) % 251).astype(np.uint8)[:, None, None, None] * np.ones((1, 28, 28, 1), np.uint8)
+    return sources.Split(images, np.arange(n, dtype=np.int32))
+
+
+def ids(batches):
+    return np.concatenate([np.asarray(b["label"]) for b in batches])
+
+
+def test_epoch_order_depends_only_on_seed_and_epoch_and_covers_each_example_once():
+    split = numbered_split(1000)
+    train = loader.Loader(split, 96, train=True, seed=7, process_count=1, process_index=0)
+    first = ids(train.epoch(3))
+    assert len(first) == 10 * 96 and len(set(first.tolist())) == len(first)  # at most once; 40 dropped
+    np.testing.assert_array_equal(first, loader.epoch_order(1000, 7, 3)[:960])
+    np.testing.assert_array_equal(first, ids(train.epoch(3)))
+    np.testing.assert_array_equal(first, ids(loader.Loader(split, 96, train=True, seed=7, workers=3).epoch(3)))
+    assert not np.array_equal(first, ids(train.epoch(4)))
+    # Resuming mid-epoch continues with exactly the batches that were left.
+    np.testing.assert_array_equal(ids(train.epoch(3, start=4)), first[4 * 96:])
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_simulated_processes_get_disjoint_shards_covering_the_epoch(processes):
+    split = numbered_split(1000)
+    shards = [ids(loader.Loader(split, 96, train=True, seed=1, process_index=p, process_count=processes).epoch(0))
+              for p in range(processes)]
+    for a in range(processes):
+        for b in range(a + 1, processes):
+            assert not set(shards[a]) & set(shards[b])
+    assert sorted(np.concatenate(shards).tolist()) == sorted(loader.epoch_order(1000, 1, 0)[:960].tolist())
+    # Process p holds the p-th slice of every global batch (what its devices hold).
+    one = loader.Loader(split, 96, train=True, seed=1, process_count=1, process_index=0)
+    np.testing.assert_array_equal(next(one.epoch(0))["label"][: 96 // processes], shards[0][: 96 // processes])
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_device_batches_are_the_same_global_batches_for_any_device_count(n):
+    split = numbered_split(512)
+    mesh = jt.make_mesh(n)
+    host = list(loader.Loader(split, 64, train=True, seed=2).epoch(0))
+    with prefetch_to_device(loader.Loader(split, 64, train=True, seed=2).epoch(0), mesh, size=2) as it:
+        got = list(it)
+    assert len(got) == len(host) == 8
+    for h, d in zip(host, got):
+        assert d["image"].sharding.spec == P(jt.DATA_AXIS) and d["image"].sharding.mesh.devices.size == n
+        np.testing.assert_array_equal(jax.device_get(d["label"]), h["label"])
+        np.testing.assert_array_equal(jax.device_get(d["image"]), h["image"])
+
+
+def test_loader_exception_surfaces_promptly_and_threads_stop():
+    def broken():
+        yield {"image": np.zeros((4, 28, 28, 1), np.float32), "label": np.zeros(4, np.int32)}
+        raise RuntimeError("disk on fire")
+
+    it = prefetch_to_device(broken(), jt.make_mesh(2), size=2)
+    start = time.perf_counter()
+    next(it)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        next(it)
+    assert time.perf_counter() - start < 1.0
+    assert not it.running
+
+
+def test_early_exit_leaves_no_thread_running():
+    split = numbered_split(4096)
+    before = {t for t in threading.enumerate() if t.name == "jaxtrain-prefetch"}
+    it = prefetch_to_device(loader.Loader(split, 64, train=True).epoch(0), jt.make_mesh(2), size=2)
+    for i, _ in enumerate(it):
+        if i == 2:
+            break
+    it.close()
+    assert not it.running
+    assert {t for t in threading.enumerate() if t.name == "jaxtrain-prefetch" and t.is_alive()} <= before
+
+
+def make_run(n=2):
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=n)
+    evaluator = jt.make_eval_step(lenet.eval_fn, mesh=n)
+    return trainer, evaluator, trainer.init(lenet.init_params(jax.random.key(0)))
+
+
+def test_slow_loader_shows_up_as_data_wait_and_workers_hide_it():
+    split = numbered_split(64 * 40)
+    trainer, evaluator, state = make_run()
+    test = loader.Loader(numbered_split(64), 64, train=False)
+
+    def slow(batch):
+        time.sleep(0.1)  # far longer than the ~15 ms step; 8 workers supply a batch every ~12 ms
+        return batch
+
+    state, _, _ = fit(trainer, state, loader.Loader(split, 64, train=True), evaluator, test, epochs=1,
+                      progress=False)  # compile outside the measured epochs
+    fractions = {}
+    for workers in (0, 8):
+        train = loader.Loader(split, 64, train=True, transform=slow, workers=workers)
+        state, history, _ = fit(trainer, state, train, evaluator, test, epochs=1, progress=False, prefetch=2)
+        fractions[workers] = history[0].data_wait_fraction
+    assert fractions[0] > 0.6, fractions  # the device mostly waits for the host
+    assert fractions[8] < fractions[0] / 2, fractions  # 8 workers build batches in parallel
+
+
+@needs_fashion_mnist
+def test_default_pipeline_on_real_data_keeps_the_wait_low_and_counts_every_test_example(tfds_dir):
+    train_split = sources.load_split("fashion_mnist", "train", tfds_dir=tfds_dir)
+    test_split = sources.load_split("fashion_mnist", "test", tfds_dir=tfds_dir)
+    trainer, evaluator, state = make_run()
+    train = loader.Loader(train_split, 256, train=True)
+    state, history, _ = fit(trainer, state, train, evaluator, loader.Loader(test_split, 256, train=False), epochs=1,
+                            max_steps=60, progress=False)
+    assert history[0].data_wait_fraction < 0.05, history[0]
+    # Every test example exactly once, for a batch that leaves a ragged end on 4 devices.
+    four = jt.make_eval_step(lenet.eval_fn, mesh=4)
+    state4 = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4).init(jax.device_get(state.params))
+    result = evaluate(four, state4, loader.Loader(test_split, 384, train=False).epoch(0))
+    assert result["count"] == 10000
+    assert abs(result["accuracy"] - history[0].test_acc) < 1e-6  # same params, other batch and device count
+
+
+def test_host_array_inside_the_guarded_loop_raises():
+    trainer, _, state = make_run()
+    host = {"image": np.zeros((64, 28, 28, 1), np.float32), "label": np.zeros(64, np.int32)}
+    trainer(state, host)  # outside the loop the trainer shards (explicit copies): fine
+    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    with jax.transfer_guard("disallow"), pytest.raises(Exception, match="[Dd]isallowed"):
+        trainer.step(state, host)
+    # ... while device batches from the pipeline pass.
+    batch = next(iter(device_batches([host], trainer.mesh, prefetch=0)))
+    with jax.transfer_guard("disallow"):
+        trainer.step(state, batch)
