@@ -56,3 +56,19 @@ def test_help_explains_every_flag():
     for flag in ("--devices", "--epochs", "--batch-size", "--lr", "--seed", "--dataset", "--data-dir", "--out",
                  "--max-steps", "--strategy"):
         assert flag in out.stdout
+
+
+@needs_fashion_mnist
+def test_input_pipeline_experiment_smoke():
+    out = run_cli("-m", "experiments.input_pipeline", "--devices", "2", "--max-steps", "3", "--workers", "0,1",
+                  "--slow-ms", "5")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| none") or line.startswith("| sleep")]
+    assert len(rows) == 8, out.stdout
+
+
+def test_strategy_benchmark_smoke(tmp_path):
+    out = run_cli("-m", "experiments.bench_strategies", "--devices", "1,2", "--steps", "2", "--repeats", "1",
+                  "--batch-size", "64", "--json", str(tmp_path / "b.json"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("| ring |") == 1 and (tmp_path / "b.json").exists()

@@ -1,0 +1,97 @@
+"""Does the input pipeline keep the devices fed? LeNet epochs under loader settings.
+
+    python -m experiments.input_pipeline [--devices 2] [--max-steps N] [--slow-ms 40]
+
+Trains the d2l LeNet on Fashion-MNIST for one epoch per setting, workers in
+{0, 1, 2, 4} x prefetch in {off, 2}, and prints sec/epoch and the data-wait
+percentage (time the loop waited for the next batch / epoch time). Then the
+same with an artificially slow per-batch transform (``--slow-ms``), which
+shows how the wait appears and how worker threads hide it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.input_pipeline", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--devices", type=int, default=2, help="devices to train on")
+    p.add_argument("--batch-size", type=int, default=256, help="global batch size")
+    p.add_argument("--workers", default="0,1,2,4", help="comma-separated grain worker-thread counts")
+    p.add_argument("--max-steps", type=int, default=None, help="steps per measured epoch (default: a full epoch)")
+    p.add_argument("--slow-ms", type=float, default=40.0,
+                   help="sleep per batch in the slow-transform variant (0: skip the variant)")
+    p.add_argument("--data-dir", default=None, help="directory with the IDX files (see experiments.lenet --help)")
+    p.add_argument("--tfds-dir", default=None, help="TFDS data dir for the converted dataset")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    import jaxtrain as jt
+
+    try:
+        workers = [int(w) for w in args.workers.split(",")]
+        if min(workers) < 0:
+            raise ValueError
+    except ValueError:
+        print(f"input_pipeline: error: --workers takes counts >= 0 like 0,1,2,4, got {args.workers!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        devices = jt.setup_devices(args.devices)
+        import jax
+        import optax
+
+        from jaxtrain.data import loader, sources
+        from jaxtrain.loop import fit
+        from jaxtrain.models import lenet
+
+        trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=jt.make_mesh(devices))
+        trainer.check_batch_size(args.batch_size)
+        evaluator = jt.make_eval_step(lenet.eval_fn, mesh=trainer.mesh)
+        train_split = sources.load_split("fashion_mnist", "train", idx_dir=args.data_dir, tfds_dir=args.tfds_dir)
+        test_split = sources.load_split("fashion_mnist", "test", idx_dir=args.data_dir, tfds_dir=args.tfds_dir)
+    except jt.ConfigError as e:
+        print(f"input_pipeline: error: {e}", file=sys.stderr)
+        return 2
+
+    test = loader.Loader(sources.Split(test_split.images[:args.batch_size], test_split.labels[:args.batch_size]),
+                         args.batch_size, train=False)
+    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    state, _, _ = fit(trainer, state, loader.Loader(train_split, args.batch_size, train=True), evaluator, test,
+                      epochs=1, max_steps=5, progress=False)  # compile outside the measurements
+
+    def slow(batch):
+        time.sleep(args.slow_ms / 1000)
+        return batch
+
+    rows = []
+    variants = [("none", None)] + ([(f"sleep {args.slow_ms:g} ms/batch", slow)] if args.slow_ms > 0 else [])
+    for name, transform in variants:
+        for w in workers:
+            for prefetch in (0, 2):
+                train = loader.Loader(train_split, args.batch_size, train=True, workers=w, transform=transform)
+                state, history, _ = fit(trainer, state, train, evaluator, test, epochs=1, max_steps=args.max_steps,
+                                        progress=False, prefetch=prefetch)
+                h = history[0]
+                sec_per_epoch = h.train_sec * len(train) / h.steps
+                rows.append((name, w, prefetch, sec_per_epoch, 100 * h.data_wait_fraction))
+                print(f"  {name:>22} workers {w} prefetch {prefetch or 'off':>3}: {sec_per_epoch:6.2f} sec/epoch, "
+                      f"data wait {100 * h.data_wait_fraction:5.1f}%", file=sys.stderr, flush=True)
+
+    print(f"\nLeNet, batch {args.batch_size}, {len(devices)} {devices[0].platform} devices, jax {jax.__version__}"
+          f"{'' if args.max_steps is None else f', {args.max_steps} steps per epoch measured'}\n")
+    print("| transform | workers | prefetch | sec/epoch | data wait |")
+    print("|---|---|---|---|---|")
+    for name, w, prefetch, sec, wait in rows:
+        print(f"| {name} | {w} | {prefetch or 'off'} | {sec:.2f} | {wait:.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
