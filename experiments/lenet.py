@@ -20,6 +20,7 @@ def model(args) -> Model:
         init=lambda rng: (lenet.init_params(rng), {}),
         loss_fn=lenet.make_loss_fn(args.remat),
         eval_fn=lenet.eval_fn,
+        apply=lenet.apply,
     )
 
 

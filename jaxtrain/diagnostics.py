@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import jax
@@ -46,13 +47,15 @@ def saved_residual_bytes(trainer, state, batch: Mapping) -> int:
     return total
 
 
-def compiled_stats(trainer, state, batch: Mapping) -> dict:
+def compiled_stats(trainer, state, batch: Mapping, residuals: bool = True) -> dict:
     """FLOPs, bytes and memory of the compiled train step, without running it.
 
-    ``flops`` and ``bytes_accessed`` come from XLA's ``cost_analysis`` (per
-    device program); ``temp_bytes``, ``argument_bytes``, ``output_bytes`` and
-    ``alias_bytes`` (outputs written into donated inputs) from
-    ``memory_analysis``; ``saved_residual_bytes`` from ``saved_residual_bytes``.
+    All figures are PER DEVICE (XLA compiles one program per device): the
+    step's total FLOPs are ``flops * devices``. ``flops`` and
+    ``bytes_accessed`` come from XLA's ``cost_analysis``; ``temp_bytes``,
+    ``argument_bytes``, ``output_bytes`` and ``alias_bytes`` (outputs written
+    into donated inputs) from ``memory_analysis``; ``saved_residual_bytes``
+    from ``saved_residual_bytes`` (skipped with ``residuals=False``).
     """
     compiled = trainer.lower(state, batch).compile()
     cost = _first(compiled.cost_analysis())
@@ -64,5 +67,138 @@ def compiled_stats(trainer, state, batch: Mapping) -> dict:
         "argument_bytes": int(getattr(mem, "argument_size_in_bytes", -1)),
         "output_bytes": int(getattr(mem, "output_size_in_bytes", -1)),
         "alias_bytes": int(getattr(mem, "alias_size_in_bytes", -1)),
-        "saved_residual_bytes": saved_residual_bytes(trainer, state, batch),
+        "saved_residual_bytes": saved_residual_bytes(trainer, state, batch) if residuals else None,
+        "devices": trainer.num_devices,
     }
+
+
+def step_bytes(stats: dict) -> int:
+    """Device memory one compiled step needs: arguments + outputs + temps, less donated (aliased) outputs."""
+    return stats["argument_bytes"] + stats["output_bytes"] + stats["temp_bytes"] - max(stats["alias_bytes"], 0)
+
+
+# ------------------------------------------------------------ memory report
+
+
+def _host_memory() -> tuple[int, int] | None:
+    """(used, total) bytes of host RAM, from /proc/meminfo (None where unavailable)."""
+    try:
+        info = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines() if ":" in line)
+        total = int(info["MemTotal"].split()[0]) * 1024
+        available = int(info["MemAvailable"].split()[0]) * 1024
+        return total - available, total
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+NOT_REPORTED = "not reported"
+
+
+def memory_report(devices=None) -> dict:
+    """Host memory and, per local device, bytes in use / peak / limit (or "not reported").
+
+    GPUs report ``memory_stats()``; XLA:CPU reports nothing, which is said
+    plainly rather than shown as zeros.
+    """
+    host = _host_memory()
+    report = {"host": {"used_bytes": host[0], "total_bytes": host[1]} if host else NOT_REPORTED, "devices": []}
+    for d in devices if devices is not None else jax.local_devices():
+        stats = d.memory_stats() or {}
+        report["devices"].append({
+            "device": str(d),
+            "bytes_in_use": stats.get("bytes_in_use", NOT_REPORTED),
+            "peak_bytes_in_use": stats.get("peak_bytes_in_use", NOT_REPORTED),
+            "bytes_limit": stats.get("bytes_limit", NOT_REPORTED),
+        })
+    return report
+
+
+def format_memory_report(report: dict) -> str:
+    def mb(v):
+        return f"{v / 2**20:,.0f} MiB" if isinstance(v, int) else v
+
+    host = report["host"]
+    lines = [f"host: {mb(host['used_bytes'])} used of {mb(host['total_bytes'])}" if isinstance(host, dict)
+             else f"host: {host}"]
+    for d in report["devices"]:
+        lines.append(f"{d['device']}: in use {mb(d['bytes_in_use'])}, peak {mb(d['peak_bytes_in_use'])}, "
+                     f"limit {mb(d['bytes_limit'])}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------ model summary
+
+
+def summarize(params, apply_fn=None, example_batch=None) -> dict:
+    """Parameters per layer and in total, their bytes in fp32/bf16, FLOPs per example.
+
+    Layers are the params' paths less the last key (``conv1/w`` and
+    ``conv1/b`` make ``conv1``). FLOPs per example come from XLA's cost
+    analysis of the compiled ``apply_fn(params, example_batch)`` divided by
+    the batch size.
+    """
+    layers: dict[str, int] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+        name = "/".join(str(k) for k in keys[:-1]) or str(keys[0])
+        layers[name] = layers.get(name, 0) + int(np.prod(np.shape(leaf)))
+    total = sum(layers.values())
+    out = {"layers": layers, "total_params": total, "bytes_fp32": 4 * total, "bytes_bf16": 2 * total,
+           "flops_per_example": None}
+    if apply_fn is not None and example_batch is not None:
+        batch = len(jax.tree.leaves(example_batch)[0])
+        cost = _first(jax.jit(apply_fn).lower(params, example_batch).compile().cost_analysis())
+        out["flops_per_example"] = float(cost.get("flops", float("nan"))) / batch
+    return out
+
+
+def format_summary(summary: dict) -> str:
+    width = max(len(n) for n in summary["layers"]) + 2
+    lines = [f"{'layer':<{width}}{'params':>12}"]
+    lines += [f"{name:<{width}}{count:>12,}" for name, count in summary["layers"].items()]
+    lines.append(f"{'total':<{width}}{summary['total_params']:>12,}  "
+                 f"({summary['bytes_fp32'] / 2**20:.2f} MiB fp32, {summary['bytes_bf16'] / 2**20:.2f} MiB bf16)")
+    if summary["flops_per_example"] is not None:
+        lines.append(f"forward FLOPs per example: {summary['flops_per_example'] / 1e6:,.2f} M")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------ throughput and MFU
+
+# Dense peaks from vendor datasheets (TFLOP/s, no sparsity): bf16 tensor-core and plain fp32.
+GPU_PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp32": 67.0},
+    "H100 SXM": {"bf16": 989.0, "fp32": 67.0},
+    "H100 PCIe": {"bf16": 756.0, "fp32": 51.0},
+    "A100": {"bf16": 312.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp32": 30.3},
+    "A10": {"bf16": 125.0, "fp32": 31.2},
+    "V100": {"bf16": None, "fp32": 15.7},
+    "T4": {"bf16": None, "fp32": 8.1},
+}
+
+
+def gpu_peak_flops(device_kind: str, dtype: str) -> float | None:
+    """The datasheet peak (FLOP/s) of a GPU named like ``device_kind``, or None."""
+    kind = device_kind.upper().replace("NVIDIA", "").strip()
+    for name in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
+        words = name.upper().split()
+        if all(w in kind for w in words) or (words[0] in kind and name == "H100 SXM" and "PCIE" not in kind):
+            peak = GPU_PEAK_TFLOPS[name]["bf16" if dtype in ("bf16", "fp16") else "fp32"]
+            return None if peak is None else peak * 1e12
+    return None
+
+
+def measure_matmul_peak(n: int = 2048, repeats: int = 5, device=None) -> float:
+    """FLOP/s of an n x n fp32 matmul on one device (best of ``repeats``): a measured peak."""
+    device = device or jax.local_devices()[0]
+    a = jax.device_put(np.random.default_rng(0).random((n, n), np.float32), device)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best

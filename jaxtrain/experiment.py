@@ -23,6 +23,7 @@ class Model:
     init: Callable
     loss_fn: Callable
     eval_fn: Callable
+    apply: Callable | None = None  # apply(params, images) -> logits, for the model summary
 
 
 def _positive_int(text: str) -> int:
@@ -86,6 +87,13 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
                    help="batches copied to the devices ahead of the step by a background thread (0: off)")
     p.add_argument("--max-steps", type=_positive_int, default=None,
                    help="stop after this many train steps in total (for smoke runs), then evaluate")
+    p.add_argument("--memory-report", action="store_true",
+                   help="print host and device memory at the start and after the first step")
+    p.add_argument("--summary", action="store_true",
+                   help="print the model summary (parameters per layer, bytes, FLOPs per example) before training")
+    p.add_argument("--measure-peak", action="store_true",
+                   help="measure this device's fp32 matmul peak once, for the MFU in summary.json "
+                        "(GPUs use datasheet peaks without it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they show only on a terminal anyway)")
     return p
 
@@ -129,9 +137,23 @@ def run(args: argparse.Namespace, model: Model) -> dict:
           f"batch {args.batch_size} on {len(devices)} {platform} device(s), strategy {args.strategy}, "
           f"{args.precision}, accum {args.accum_steps} ({args.accum}), remat {args.remat}; out: {out_dir}", flush=True)
 
+    from jaxtrain import diagnostics
+
     params, model_state = model.init(jax.random.key(args.seed))
+    if args.summary:
+        example = {k: v[:8] for k, v in next(iter(test.epoch(0))).items() if k != "mask"}
+        print(diagnostics.format_summary(diagnostics.summarize(params, model.apply, example["image"]))
+              if model.apply else diagnostics.format_summary(diagnostics.summarize(params)))
+    if args.memory_report:
+        print("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     state = trainer.init(params, model_state, jax.random.key(args.seed))
     stats = jt.compiled_stats(trainer, state, next(iter(train.epoch(0))))
+    peak = (diagnostics.measure_matmul_peak() if args.measure_peak
+            else diagnostics.gpu_peak_flops(devices[0].device_kind, args.precision) if platform == "gpu" else None)
+
+    def on_step(n):
+        if args.memory_report and n == 1:
+            print("memory after the first step:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
 
     def on_epoch(s):
         writer.epoch(s)
@@ -141,7 +163,8 @@ def run(args: argparse.Namespace, model: Model) -> dict:
 
     state, history, first_loss = fit(trainer, state, train, evaluator, test, epochs=args.epochs,
                                      max_steps=args.max_steps, on_epoch=on_epoch,
-                                     progress=False if args.no_progress else None, prefetch=args.prefetch)
+                                     progress=False if args.no_progress else None, prefetch=args.prefetch,
+                                     on_step=on_step)
     # Steady-state speed: leave out the first epoch (it compiles) when there are others.
     timed = history[1:] if len(history) > 1 else history
     examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
@@ -168,7 +191,11 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         "accum_steps": args.accum_steps,
         "accum": args.accum,
         "remat": args.remat,
-        "compiled_flops": stats["flops"],
+        "compiled_flops": stats["flops"],  # per device
+        "ms_per_step": 1000 * call_batch / examples_per_sec,
+        "achieved_flops_per_sec": stats["flops"] * len(devices) * examples_per_sec / call_batch,
+        "peak_flops_per_sec": peak,
+        "mfu": (stats["flops"] * len(devices) * examples_per_sec / call_batch / peak) if peak else None,
         "compiled_temp_bytes": stats["temp_bytes"],
         "saved_residual_bytes": stats["saved_residual_bytes"],
         "steps": sum(h.steps for h in history),

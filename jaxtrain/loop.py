@@ -96,6 +96,7 @@ def fit(
     on_epoch: Callable[[EpochStats], None] | None = None,
     progress: bool | None = None,
     prefetch: int = 2,
+    on_step: Callable[[int], None] | None = None,
 ):
     """Train for ``epochs`` (or until ``max_steps``), evaluating after each epoch.
 
@@ -104,6 +105,8 @@ def fit(
     batches ahead in a background thread), so a stray host array fails
     loudly instead of being copied silently each step. The time spent
     waiting for the next batch is reported as ``data_wait_fraction``.
+
+    ``on_step(n)`` is called after the n-th step's metrics were read.
 
     Returns ``(state, history, first_loss)``: the final state, one EpochStats
     per epoch, and the loss of the very first step.
@@ -135,6 +138,8 @@ def fit(
             steps += 1
             examples += batch_size
             bar.update(1)
+            if on_step is not None:
+                on_step(sum(h.steps for h in history) + steps)
 
         pending = None
         wait = 0.0

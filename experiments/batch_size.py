@@ -1,0 +1,76 @@
+"""How big a batch fits? Found from the compiled step's memory, without running it.
+
+    python -m experiments.batch_size --model lenet --memory-budget 2GiB [--precision bf16 --remat full]
+
+Compiles the train step at growing global batch sizes, reads XLA's memory
+analysis per device, binary-searches the largest batch within the budget,
+and fits memory = a + b x batch ("model memory + batch x per-example memory").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+MODELS = ("lenet",)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.batch_size", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=MODELS, default="lenet", help="model whose train step is compiled")
+    p.add_argument("--memory-budget", default=None,
+                   help="memory per device, like 2GiB or 512MiB (default: 90%% of the device's limit; "
+                        "required on CPU, which reports none)")
+    p.add_argument("--devices", type=int, default=None, help="devices the batch is split over")
+    p.add_argument("--strategy", default="jit", help="data-parallel strategy")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="compute dtype")
+    p.add_argument("--remat", default="none", help="remat policy per block")
+    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per update (scan)")
+    p.add_argument("--max-batch", type=int, default=2**16, help="largest batch to try")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    import jaxtrain as jt
+
+    try:
+        devices = jt.setup_devices(args.devices)
+        import jax
+        import numpy as np
+        import optax
+
+        from jaxtrain.batch_size import find_batch_size, parse_bytes
+        from jaxtrain.models import lenet
+
+        budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+        trainer = jt.make_train_step(lenet.make_loss_fn(args.remat), optax.sgd(0.1), mesh=jt.make_mesh(devices),
+                                     strategy=args.strategy, precision=args.precision, accum_steps=args.accum_steps)
+        state = trainer.init(lenet.init_params(jax.random.key(0)))
+
+        def make_batch(size):
+            return {"image": np.zeros((size, 28, 28, 1), np.float32), "label": np.zeros(size, np.int32)}
+
+        print(f"{args.model}: compiling the train step ({args.precision}, remat {args.remat}, "
+              f"{len(devices)} {devices[0].platform} device(s)) at growing batch sizes ...", file=sys.stderr)
+        result = find_batch_size(trainer, state, make_batch, budget, max_batch=args.max_batch,
+                                 progress=lambda b, m: print(f"  batch {b:>7}: {m / 2**20:10.2f} MiB per device",
+                                                             file=sys.stderr, flush=True))
+    except jt.ConfigError as e:
+        print(f"batch_size: error: {e}", file=sys.stderr)
+        return 2
+
+    print(f"\n| global batch | predicted MiB per device |\n|---|---|")
+    for b, m in result.table:
+        print(f"| {b} | {m / 2**20:.2f} |")
+    print(f"\nfit: memory = {result.intercept_bytes / 2**20:.2f} MiB + {result.bytes_per_example / 2**10:.2f} KiB "
+          f"x batch   (R^2 = {result.r2:.6f})")
+    print(f"budget {result.budget_bytes / 2**20:,.0f} MiB per device -> batch {result.batch_size} "
+          f"({result.predicted_bytes / 2**20:.2f} MiB); the next candidate, {result.next_batch_size}, needs "
+          f"{result.next_bytes / 2**20:.2f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
