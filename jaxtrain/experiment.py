@@ -94,6 +94,8 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     p.add_argument("--measure-peak", action="store_true",
                    help="measure this device's fp32 matmul peak once, for the MFU in summary.json "
                         "(GPUs use datasheet peaks without it)")
+    p.add_argument("--train-subset", type=_positive_int, default=None,
+                   help="train on the first N training examples only (CPU-sized runs); the test set stays whole")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they show only on a terminal anyway)")
     return p
 
@@ -128,6 +130,8 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     writer = RunWriter(out_dir)
 
     data = {s: sources.load_split(args.dataset, s, idx_dir=args.data_dir, tfds_dir=args.tfds_dir) for s in ("train", "test")}
+    if args.train_subset is not None:
+        data["train"] = sources.Split(data["train"].images[: args.train_subset], data["train"].labels[: args.train_subset])
     if args.workers < 0 or args.prefetch < 0:
         raise ConfigError("--workers and --prefetch must be >= 0")
     train = loader.Loader(data["train"], call_batch, train=True, seed=args.seed, workers=args.workers)
@@ -204,6 +208,7 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         "lr": args.lr,
         "seed": args.seed,
         "dataset": args.dataset,
+        "train_examples": len(data["train"]),
         "test_examples": last.test_examples,
         "params_digest": params_digest(state.params),
         "jax_version": jax.__version__,

@@ -1,0 +1,139 @@
+"""d2l's ResNet-18 for 28x28 grayscale input, in flax linen, with synchronised BatchNorm.
+
+3x3 stem (64 channels, stride 1, BatchNorm, ReLU; no max-pool), 4 stages of
+2 residual blocks (64, 128, 256, 512 channels; the first block of stages 2-4
+halves the resolution with stride 2 and a 1x1 conv shortcut), global average
+pool, dense 10. Convs have biases, as in d2l; Linear/Conv weights ~ N(0, 0.01^2)
+(d2l's ``init_weights``) or He-normal (``weight_init="he"``).
+
+BatchNorm statistics live in the ``batch_stats`` collection (the step's
+``model_state``). In training they are computed over the GLOBAL batch under
+every strategy: under "jit" the batch axis is global anyway; under
+shard_map / pmap / ring, ``axis_name="data"`` makes BatchNorm average its
+statistics over the devices (a synchronised BatchNorm). Evaluation uses the
+running averages.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxtrain.devices import DATA_AXIS
+from jaxtrain.remat import policy as remat_policy
+
+NUM_CLASSES = 10
+STAGES = ((64, 1), (128, 2), (256, 2), (512, 2))  # (channels, stride of the first block)
+
+
+def _kernel_init(init: str):
+    if init == "d2l":
+        return nn.initializers.normal(stddev=0.01)
+    if init == "he":
+        return nn.initializers.he_normal()
+    raise ValueError(f"unknown init {init!r}: use d2l or he")
+
+
+class Residual(nn.Module):
+    """d2l's Residual: conv-BN-ReLU-conv-BN, plus a (1x1 conv) shortcut, then ReLU."""
+
+    channels: int
+    strides: int = 1
+    projection: bool = False
+    weight_init: str = "d2l"
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        conv = partial(nn.Conv, kernel_init=_kernel_init(self.weight_init))
+        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                       axis_name=self.axis_name if train else None)
+        y = conv(self.channels, (3, 3), strides=self.strides, padding=1)(x)
+        y = nn.relu(norm()(y))
+        y = norm()(conv(self.channels, (3, 3), padding=1)(y))
+        if self.projection:
+            x = conv(self.channels, (1, 1), strides=self.strides)(x)
+        return nn.relu(y + x)
+
+
+class ResNet18(nn.Module):
+    num_classes: int = NUM_CLASSES
+    weight_init: str = "d2l"
+    remat: str = "none"  # a jaxtrain.remat policy name, applied per residual block
+    axis_name: str | None = None  # "data" under shard_map / pmap / ring: synchronised BatchNorm
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        kinit = _kernel_init(self.weight_init)
+        x = nn.Conv(64, (3, 3), padding=1, kernel_init=kinit)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                         axis_name=self.axis_name if train else None)(x)
+        x = nn.relu(x)
+        block = Residual
+        pol = remat_policy(self.remat)
+        if pol is not None:
+            block = nn.remat(Residual, policy=pol, static_argnums=(2,))  # arg 2 = train
+        for stage, (channels, strides) in enumerate(STAGES):
+            for i in range(2):
+                first = i == 0 and stage > 0
+                # Explicit names: the remat'd class would otherwise name its
+                # params differently, and params must not depend on --remat.
+                x = block(channels, strides if first else 1, projection=first, weight_init=self.weight_init,
+                          axis_name=self.axis_name, name=f"Residual_{2 * stage + i}")(x, train)
+        x = x.mean(axis=(1, 2))  # global average pool
+        return nn.Dense(self.num_classes, kernel_init=kinit)(x)
+
+
+def axis_name_for(strategy: str) -> str | None:
+    """Under "jit" the batch is global already; the others need BatchNorm to average over "data"."""
+    return None if strategy == "jit" else DATA_AXIS
+
+
+def init_variables(rng: jax.Array, model: ResNet18 | None = None) -> tuple[dict, dict]:
+    """(params, batch_stats) for 28x28x1 input."""
+    model = model or ResNet18()
+    variables = model.init(rng, jnp.zeros((1, 28, 28, 1), jnp.float32), train=False)
+    return variables["params"], variables["batch_stats"]
+
+
+def make_loss_fn(model: ResNet18):
+    """Softmax cross-entropy in fp32; BatchNorm statistics are the model state."""
+
+    def loss_fn(params, batch_stats, batch, rng):
+        del rng
+        logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, batch["image"], train=True,
+                                      mutable=["batch_stats"])
+        logits = logits.astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        accuracy = (logits.argmax(-1) == batch["label"]).mean()
+        return loss, (updates["batch_stats"], {"accuracy": accuracy})
+
+    return loss_fn
+
+
+def make_eval_fn(model: ResNet18):
+    """Per-example metrics with the running BatchNorm statistics."""
+
+    def eval_fn(params, batch_stats, batch):
+        logits = model.apply({"params": params, "batch_stats": batch_stats}, batch["image"], train=False)
+        logits = logits.astype(jnp.float32)
+        return {
+            "loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]),
+            "accuracy": (logits.argmax(-1) == batch["label"]).astype(jnp.float32),
+        }
+
+    return eval_fn
+
+
+def apply_eval(model: ResNet18):
+    """apply(variables_params, images) for the model summary (running statistics)."""
+
+    def apply(params_and_stats, images):
+        params, stats = params_and_stats
+        return model.apply({"params": params, "batch_stats": stats}, images, train=False)
+
+    return apply
