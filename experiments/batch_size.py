@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-MODELS = ("lenet",)
+MODELS = ("lenet", "resnet18")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,17 +37,17 @@ def main(argv=None) -> int:
 
     try:
         devices = jt.setup_devices(args.devices)
-        import jax
         import numpy as np
         import optax
 
+        from experiments.bench_memory import build
         from jaxtrain.batch_size import find_batch_size, parse_bytes
-        from jaxtrain.models import lenet
 
         budget = parse_bytes(args.memory_budget) if args.memory_budget else None
-        trainer = jt.make_train_step(lenet.make_loss_fn(args.remat), optax.sgd(0.1), mesh=jt.make_mesh(devices),
+        loss_fn, params, model_state = build(args.model, args.remat, args.strategy)
+        trainer = jt.make_train_step(loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices),
                                      strategy=args.strategy, precision=args.precision, accum_steps=args.accum_steps)
-        state = trainer.init(lenet.init_params(jax.random.key(0)))
+        state = trainer.init(params, model_state)
 
         def make_batch(size):
             return {"image": np.zeros((size, 28, 28, 1), np.float32), "label": np.zeros(size, np.int32)}

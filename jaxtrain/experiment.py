@@ -96,6 +96,8 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
                         "(GPUs use datasheet peaks without it)")
     p.add_argument("--train-subset", type=_positive_int, default=None,
                    help="train on the first N training examples only (CPU-sized runs); the test set stays whole")
+    p.add_argument("--test-subset", type=_positive_int, default=None,
+                   help="evaluate on the first N test examples only (smoke runs); default: every test example")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they show only on a terminal anyway)")
     return p
 
@@ -132,6 +134,8 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     data = {s: sources.load_split(args.dataset, s, idx_dir=args.data_dir, tfds_dir=args.tfds_dir) for s in ("train", "test")}
     if args.train_subset is not None:
         data["train"] = sources.Split(data["train"].images[: args.train_subset], data["train"].labels[: args.train_subset])
+    if args.test_subset is not None:
+        data["test"] = sources.Split(data["test"].images[: args.test_subset], data["test"].labels[: args.test_subset])
     if args.workers < 0 or args.prefetch < 0:
         raise ConfigError("--workers and --prefetch must be >= 0")
     train = loader.Loader(data["train"], call_batch, train=True, seed=args.seed, workers=args.workers)

@@ -72,3 +72,20 @@ def test_strategy_benchmark_smoke(tmp_path):
                   "--batch-size", "64", "--json", str(tmp_path / "b.json"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("| ring |") == 1 and (tmp_path / "b.json").exists()
+
+
+def test_memory_benchmark_smoke():
+    out = run_cli("-m", "experiments.bench_memory", "--model", "lenet", "--devices", "2", "--batch-sizes", "32",
+                  "--precisions", "fp32", "--remats", "none,full", "--steps", "1", "--repeats", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| 32 | fp32 | none |" in out.stdout and "| 32 | fp32 | full |" in out.stdout
+
+
+@needs_fashion_mnist
+def test_resnet18_cli_trains(tmp_path):
+    out = run_cli("-m", "experiments.resnet18", "--devices", "2", "--max-steps", "4", "--batch-size", "16",
+                  "--train-subset", "512", "--test-subset", "64", "--out", str(tmp_path), "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["experiment"] == "resnet18" and summary["steps"] == 4 and summary["train_examples"] == 512
+    assert summary["test_examples"] == 64 and summary["train_loss"] > 0
