@@ -37,15 +37,75 @@ def _check_count(n: int | None) -> None:
         raise ConfigError(f"--devices must be a positive whole number, got {n!r}")
 
 
-def setup_devices(n: int | None = None) -> list[jax.Device]:
+# Set by `python -m jaxtrain.launch` for each process it starts.
+ENV_COORDINATOR = "JAXTRAIN_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXTRAIN_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXTRAIN_PROCESS_ID"
+ENV_DEVICES_PER_PROCESS = "JAXTRAIN_DEVICES_PER_PROCESS"
+# A dead peer must end the run within a minute, not after JAX's default 100 s.
+HEARTBEAT_TIMEOUT_SECONDS = 30
+
+
+def _cluster_env() -> bool:
+    """True inside a multi-task SLURM / Open MPI job, which jax.distributed detects itself."""
+    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        try:
+            if int(os.environ.get(var, "1")) > 1:
+                return True
+        except ValueError:
+            pass
+    return False
+
+
+def _start_distributed(coordinator, num_processes, process_id) -> None:
+    """Start jax.distributed for a multi-process run (flags, our launcher's env, or a cluster's)."""
+    coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
+    num_processes = num_processes or int(os.environ.get(ENV_NUM_PROCESSES, 0)) or None
+    if process_id is None and os.environ.get(ENV_PROCESS_ID) is not None:
+        process_id = int(os.environ[ENV_PROCESS_ID])
+    if num_processes is None and not _cluster_env():
+        return  # a single-process run stays exactly as it was
+    if num_processes is not None and num_processes > 1 and (coordinator is None or process_id is None):
+        raise ConfigError("a multi-process run needs --coordinator HOST:PORT and --process-id too "
+                          "(or start it with python -m jaxtrain.launch)")
+    if num_processes == 1:
+        return
+    if jax.distributed.is_initialized():
+        return
+    # CPU runs use the gloo collectives (JAX's default for CPU); GPUs use NCCL.
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
+
+
+def setup_devices(n: int | None = None, *, devices_per_process: int | None = None, coordinator: str | None = None,
+                  num_processes: int | None = None, process_id: int | None = None) -> list[jax.Device]:
     """Return the ``n`` devices of this run; call before any other JAX call.
 
     CPU: ``n`` virtual devices (default: one per core, or $JAX_NUM_CPU_DEVICES).
     GPU: the first ``n`` GPUs (default: all). Asking for more devices than
     exist, or calling after JAX started with a different count, raises a
     ``ConfigError`` that says what to do.
+
+    Multi-process runs (``num_processes`` > 1, the environment set by
+    ``python -m jaxtrain.launch``, or a SLURM / Open MPI job) start
+    ``jax.distributed`` first; each process then has ``devices_per_process``
+    local devices and ``n``, if given, must be the total over all processes.
     """
     _check_count(n)
+    _check_count(devices_per_process)
+    if devices_per_process is None and os.environ.get(ENV_DEVICES_PER_PROCESS):
+        devices_per_process = int(os.environ[ENV_DEVICES_PER_PROCESS])
+    if not _backend_started():
+        if devices_per_process is not None:
+            jax.config.update("jax_num_cpu_devices", devices_per_process)
+        _start_distributed(coordinator, num_processes, process_id)
+    if jax.distributed.is_initialized() or devices_per_process is not None:
+        devices = jax.devices()
+        if n is not None and n != len(devices):
+            raise ConfigError(f"--devices {n} does not match {jax.process_count()} processes x "
+                              f"{jax.local_device_count()} devices per process = {len(devices)}; drop --devices "
+                              "or make them agree")
+        return devices
     if not _backend_started():
         cpu_n = n if n is not None else int(os.environ.get("JAX_NUM_CPU_DEVICES", 0)) or _cores()
         if cpu_n > max_cpu_devices() and _platform_hint() == "cpu":

@@ -54,6 +54,12 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     p.add_argument("--devices", type=_positive_int, default=None,
                    help="devices to train on: on CPU this many virtual devices sharing the cores "
                         "(default: one per core), on GPU the first N GPUs (default: all)")
+    p.add_argument("--devices-per-process", type=_positive_int, default=None,
+                   help="multi-process runs: CPU virtual devices per process (python -m jaxtrain.launch sets it)")
+    p.add_argument("--coordinator", default=None,
+                   help="multi-process runs without the launcher: HOST:PORT of process 0's coordinator")
+    p.add_argument("--num-processes", type=_positive_int, default=None, help="multi-process runs: process count")
+    p.add_argument("--process-id", type=int, default=None, help="multi-process runs: this process's id (0..N-1)")
     p.add_argument("--strategy", choices=STRATEGIES, default="jit",
                    help="data-parallel strategy: jit (XLA inserts the all-reduce), shard_map (explicit pmean), "
                         "pmap (legacy API), ring (our ppermute ring all-reduce)")
@@ -106,9 +112,14 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     """Train ``model`` as ``args`` say; print progress; write the run's files."""
     import jaxtrain as jt
 
-    devices = jt.setup_devices(args.devices)  # first: nothing may start JAX before
+    devices = jt.setup_devices(args.devices, devices_per_process=args.devices_per_process,  # first: nothing
+                               coordinator=args.coordinator, num_processes=args.num_processes,  # may start JAX
+                               process_id=args.process_id)  # before this
     import jax
     import optax
+
+    main_process = jax.process_index() == 0
+    say = print if main_process else (lambda *a, **k: None)  # only process 0 prints and writes files
 
     from jaxtrain.data import loader, sources
     from jaxtrain.loop import fit
@@ -128,8 +139,8 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         call_batch = args.batch_size // args.accum_steps
     trainer.check_batch_size(call_batch)
     evaluator = jt.make_eval_step(model.eval_fn, mesh=mesh, strategy=args.strategy)
-    out_dir = make_out_dir(args.out, model.name)
-    writer = RunWriter(out_dir)
+    out_dir = make_out_dir(args.out, model.name) if main_process else None
+    writer = RunWriter(out_dir) if main_process else None
 
     data = {s: sources.load_split(args.dataset, s, idx_dir=args.data_dir, tfds_dir=args.tfds_dir) for s in ("train", "test")}
     if args.train_subset is not None:
@@ -141,19 +152,20 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     train = loader.Loader(data["train"], call_batch, train=True, seed=args.seed, workers=args.workers)
     test = loader.Loader(data["test"], args.batch_size, train=False, workers=args.workers)
     platform = devices[0].platform
-    print(f"{model.name}: {len(data['train'])} train / {len(data['test'])} test examples of {args.dataset}, "
+    say(f"{model.name}: {len(data['train'])} train / {len(data['test'])} test examples of {args.dataset}, "
           f"batch {args.batch_size} on {len(devices)} {platform} device(s), strategy {args.strategy}, "
-          f"{args.precision}, accum {args.accum_steps} ({args.accum}), remat {args.remat}; out: {out_dir}", flush=True)
+          f"{args.precision}, accum {args.accum_steps} ({args.accum}), remat {args.remat}"
+        + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "") + f"; out: {out_dir}", flush=True)
 
     from jaxtrain import diagnostics
 
     params, model_state = model.init(jax.random.key(args.seed))
     if args.summary:
         example = {k: v[:8] for k, v in next(iter(test.epoch(0))).items() if k != "mask"}
-        print(diagnostics.format_summary(diagnostics.summarize(params, model.apply, example["image"]))
+        say(diagnostics.format_summary(diagnostics.summarize(params, model.apply, example["image"]))
               if model.apply else diagnostics.format_summary(diagnostics.summarize(params)))
     if args.memory_report:
-        print("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
+        say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     state = trainer.init(params, model_state, jax.random.key(args.seed))
     stats = jt.compiled_stats(trainer, state, next(iter(train.epoch(0))))
     peak = (diagnostics.measure_matmul_peak() if args.measure_peak
@@ -161,17 +173,19 @@ def run(args: argparse.Namespace, model: Model) -> dict:
 
     def on_step(n):
         if args.memory_report and n == 1:
-            print("memory after the first step:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
+            say("memory after the first step:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
 
     def on_epoch(s):
-        writer.epoch(s)
-        print(f"epoch {s.epoch}/{args.epochs}: train loss {s.train_loss:.4f}, train acc {s.train_acc:.3f}, "
+        if writer is not None:
+            writer.epoch(s)
+        say(f"epoch {s.epoch}/{args.epochs}: train loss {s.train_loss:.4f}, train acc {s.train_acc:.3f}, "
               f"test acc {s.test_acc:.3f}, {s.train_sec:.1f} sec, data wait {100 * s.data_wait_fraction:.1f}%",
               flush=True)
 
     state, history, first_loss = fit(trainer, state, train, evaluator, test, epochs=args.epochs,
                                      max_steps=args.max_steps, on_epoch=on_epoch,
-                                     progress=False if args.no_progress else None, prefetch=args.prefetch,
+                                     progress=False if args.no_progress or not main_process else None,
+                                     prefetch=args.prefetch,
                                      on_step=on_step)
     # Steady-state speed: leave out the first epoch (it compiles) when there are others.
     timed = history[1:] if len(history) > 1 else history
@@ -193,6 +207,7 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         "workers": args.workers,
         "prefetch": args.prefetch,
         "devices": len(devices),
+        "processes": jax.process_count(),
         "platform": platform,
         "strategy": args.strategy,
         "precision": args.precision,
@@ -217,11 +232,14 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         "params_digest": params_digest(state.params),
         "jax_version": jax.__version__,
     }
-    writer.summary(summary)
+    if writer is not None:
+        writer.summary(summary)
     plural = "s" * (len(devices) != 1)
-    print(f"test acc {last.test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(devices)} device{plural} "
+    say(f"test acc {last.test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(devices)} device{plural} "
           f"({platform})")
-    print(f"wrote {out_dir}/summary.json, metrics.jsonl, curves.png")
+    say(f"wrote {out_dir}/summary.json, metrics.jsonl, curves.png")
+    if jax.process_count() > 1:  # every process vouches for the same result
+        print(f"process {jax.process_index()}: params_digest {summary['params_digest']}", flush=True)
     return summary
 
 

@@ -59,6 +59,23 @@ class _Sharder:
         return jax.make_array_from_process_local_data(self.sharding, np.asarray(x))
 
 
+def replicate(tree, sharding: NamedSharding):
+    """Every leaf as a NEW global array replicated over ``sharding``'s mesh.
+
+    Built from host values with ``make_array_from_callback``, so it works in
+    multi-process runs (every process holds the same values) and never
+    aliases the caller's arrays (``device_put`` may, and the step donates).
+    """
+
+    def put(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys: place their data
+            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree)
+
+
 def _is_global(batch) -> bool:
     return all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
 
@@ -145,11 +162,7 @@ class Trainer:
             rng=rng,
             loss_scale=prec.init_loss_scale(self.policy),
         )
-        # The step donates the state, which must never delete the caller's own
-        # arrays; device_put may alias them (even with may_alias=False, for the
-        # first device's copy of a replicated array), so copy explicitly.
-        state = jax.device_put(state, self.shard.replicated)
-        return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
+        return replicate(state, self.shard.replicated)
 
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a global batch (numpy or jax arrays): checked and sharded first."""
