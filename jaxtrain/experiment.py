@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -104,6 +105,13 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
                    help="train on the first N training examples only (CPU-sized runs); the test set stays whole")
     p.add_argument("--test-subset", type=_positive_int, default=None,
                    help="evaluate on the first N test examples only (smoke runs); default: every test example")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save orbax checkpoints (TrainState + data position) here, at every epoch end")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=None,
+                   help="also checkpoint every N train steps")
+    p.add_argument("--keep-checkpoints", type=_positive_int, default=3, help="keep the newest K checkpoints")
+    p.add_argument("--resume", action="store_true",
+                   help="continue exactly where the newest readable checkpoint in --checkpoint-dir stopped")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they show only on a terminal anyway)")
     return p
 
@@ -122,7 +130,7 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     say = print if main_process else (lambda *a, **k: None)  # only process 0 prints and writes files
 
     from jaxtrain.data import loader, sources
-    from jaxtrain.loop import fit
+    from jaxtrain.loop import EpochStats, Interrupted, fit
     from jaxtrain.report import RunWriter, make_out_dir, params_digest
 
     from jaxtrain import remat
@@ -139,6 +147,11 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         call_batch = args.batch_size // args.accum_steps
     trainer.check_batch_size(call_batch)
     evaluator = jt.make_eval_step(model.eval_fn, mesh=mesh, strategy=args.strategy)
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+    from jaxtrain.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
     out_dir = make_out_dir(args.out, model.name) if main_process else None
     writer = RunWriter(out_dir) if main_process else None
 
@@ -167,6 +180,17 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     if args.memory_report:
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     state = trainer.init(params, model_state, jax.random.key(args.seed))
+    position = None
+    if args.resume:
+        restored = checkpointer.restore(state)
+        if restored is None:
+            say(f"no checkpoint in {args.checkpoint_dir} yet: starting from scratch")
+        else:
+            state, position = restored
+            say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})")
+            if writer is not None:
+                for row in position.history:
+                    writer.epoch(EpochStats(**row))
     stats = jt.compiled_stats(trainer, state, next(iter(train.epoch(0))))
     peak = (diagnostics.measure_matmul_peak() if args.measure_peak
             else diagnostics.gpu_peak_flops(devices[0].device_kind, args.precision) if platform == "gpu" else None)
@@ -182,11 +206,23 @@ def run(args: argparse.Namespace, model: Model) -> dict:
               f"test acc {s.test_acc:.3f}, {s.train_sec:.1f} sec, data wait {100 * s.data_wait_fraction:.1f}%",
               flush=True)
 
-    state, history, first_loss = fit(trainer, state, train, evaluator, test, epochs=args.epochs,
-                                     max_steps=args.max_steps, on_epoch=on_epoch,
-                                     progress=False if args.no_progress or not main_process else None,
-                                     prefetch=args.prefetch,
-                                     on_step=on_step)
+    stop = _StopOnSignal()
+    try:
+        with stop:
+            state, history, first_loss = fit(
+                trainer, state, train, evaluator, test, epochs=args.epochs, max_steps=args.max_steps,
+                on_epoch=on_epoch, progress=False if args.no_progress or not main_process else None,
+                prefetch=args.prefetch, on_step=on_step, position=position,
+                save=checkpointer.save if checkpointer else None, save_every=args.checkpoint_every,
+                should_stop=stop.requested)
+    except Interrupted as e:
+        if checkpointer is not None:
+            checkpointer.close()
+            say(f"stopped by signal at step {e.position.total_steps}; checkpoint saved in {checkpointer.directory}: "
+                "continue with --resume")
+        raise _Exit(128 + stop.signum) from None
+    if checkpointer is not None:
+        checkpointer.close()
     # Steady-state speed: leave out the first epoch (it compiles) when there are others.
     timed = history[1:] if len(history) > 1 else history
     examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
@@ -243,6 +279,69 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     return summary
 
 
+class _Exit(Exception):
+    def __init__(self, code: int):
+        self.code = code
+
+
+class _StopOnSignal:
+    """SIGTERM / SIGINT ask the loop to checkpoint and stop; a second one stops at once.
+
+    In multi-process runs every process must stop at the same step: the first
+    process to see a signal posts a stop step a few steps ahead in
+    jax.distributed's key-value store (first writer wins), and every process
+    stops there. No collective runs per step: a key lookup on the coordinator.
+    """
+
+    KEY = "jaxtrain/stop_at_step"
+    AHEAD = 3  # steps; processes are at most ~2 steps apart (<= 2 in flight)
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}
+        self._step = 0
+        self._stop_at = None
+
+    def _handle(self, signum, _frame):
+        if self.signum:  # second signal: give up at once
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def requested(self) -> bool:
+        import jax
+
+        self._step += 1
+        if jax.process_count() == 1:
+            return bool(self.signum)
+        from jax._src import distributed  # the coordination service's client; no public API
+
+        client = distributed.global_state.client
+        if self._stop_at is None:
+            if self.signum:
+                try:
+                    client.key_value_set(self.KEY, f"{self._step + self.AHEAD} {self.signum}")
+                except Exception:  # noqa: BLE001 - another process posted first
+                    pass
+            try:
+                value = client.key_value_try_get(self.KEY)
+            except Exception:  # noqa: BLE001 - not posted yet
+                value = None
+            if value:
+                step, signum = (int(v) for v in value.split())
+                self._stop_at, self.signum = step, self.signum or signum
+        return self._stop_at is not None and self._step >= self._stop_at
+
+    def __enter__(self):
+        for s in (signal.SIGTERM, signal.SIGINT):
+            self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
 def main(parser: argparse.ArgumentParser, model_factory: Callable[[argparse.Namespace], Model],
          argv: Sequence[str] | None = None) -> int:
     """Parse, run, and turn user errors into one line on stderr with exit code 2."""
@@ -252,6 +351,8 @@ def main(parser: argparse.ArgumentParser, model_factory: Callable[[argparse.Name
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+    except _Exit as e:
+        return e.code
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130

@@ -84,6 +84,29 @@ def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> di
     return {**means, "count": int(count)}
 
 
+@dataclasses.dataclass
+class Position:
+    """Where a run stands: what a checkpoint needs, besides the TrainState, to resume exactly."""
+
+    epoch: int = 1  # the epoch in progress (1-based)
+    batch: int = 0  # the next batch of that epoch
+    total_steps: int = 0
+    first_loss: float | None = None
+    history: list = dataclasses.field(default_factory=list)  # finished epochs (EpochStats as dicts)
+    partial: dict = dataclasses.field(default_factory=dict)  # sums of the epoch in progress
+
+
+class Interrupted(Exception):
+    """Training stopped on request (a signal) after saving a checkpoint at ``position``."""
+
+    def __init__(self, position: Position):
+        super().__init__(f"interrupted at step {position.total_steps}")
+        self.position = position
+
+
+_NO_SUMS = {"loss": 0.0, "accuracy": 0.0, "steps": 0, "examples": 0, "wait": 0.0, "train_sec": 0.0}
+
+
 def fit(
     trainer,
     state,
@@ -97,8 +120,12 @@ def fit(
     progress: bool | None = None,
     prefetch: int = 2,
     on_step: Callable[[int], None] | None = None,
+    position: Position | None = None,
+    save: Callable[[object, Position], None] | None = None,
+    save_every: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ):
-    """Train for ``epochs`` (or until ``max_steps``), evaluating after each epoch.
+    """Train for ``epochs`` (or until ``max_steps`` in total), evaluating after each epoch.
 
     The hot loop runs under ``jax.transfer_guard("disallow")``: batches reach
     the devices only through ``device_batches`` (explicit copies, ``prefetch``
@@ -107,80 +134,102 @@ def fit(
     waiting for the next batch is reported as ``data_wait_fraction``.
 
     ``on_step(n)`` is called after the n-th step's metrics were read.
+    ``position`` resumes a run where a checkpoint left it. ``save(state,
+    position)`` is called every ``save_every`` steps and after each epoch;
+    when ``should_stop()`` turns true, the state is saved and ``Interrupted``
+    is raised.
 
     Returns ``(state, history, first_loss)``: the final state, one EpochStats
     per epoch, and the loss of the very first step.
     """
-    history: list[EpochStats] = []
-    first_loss = None
-    total_steps = 0
-    for epoch in range(1, epochs + 1):
+    pos = position or Position()
+    history = [EpochStats(**h) for h in pos.history]
+    first_loss, total_steps = pos.first_loss, pos.total_steps
+    for epoch in range(pos.epoch, epochs + 1):
         if max_steps is not None and total_steps >= max_steps:
             break
-        sums = {"loss": 0.0, "accuracy": 0.0}
-        steps = examples = 0
-        bar = tqdm(
-            total=len(train_loader),
-            desc=f"epoch {epoch}/{epochs}",
-            unit="step",
-            disable=None if progress is None else not progress,  # None: only on a terminal
-            leave=False,
-            mininterval=0.5,
-        )
+        resuming = epoch == pos.epoch and pos.batch > 0
+        batch_index = pos.batch if resuming else 0
+        sums = dict(pos.partial if resuming else _NO_SUMS)
+        bar = tqdm(total=len(train_loader), initial=batch_index, desc=f"epoch {epoch}/{epochs}", unit="step",
+                   disable=None if progress is None else not progress,  # None: only on a terminal
+                   leave=False, mininterval=0.5)
         start = time.perf_counter()
 
+        def elapsed():
+            return sums["train_sec"] + time.perf_counter() - start
+
         def record(metrics, batch_size):
-            nonlocal steps, examples, first_loss
+            nonlocal first_loss
             m = jax.device_get(metrics)
             first_loss = float(m["loss"]) if first_loss is None else first_loss
-            for k in sums:
+            for k in ("loss", "accuracy"):
                 sums[k] += float(m.get(k, np.nan))
-            steps += 1
-            examples += batch_size
+            sums["steps"] += 1
+            sums["examples"] += batch_size
             bar.update(1)
+            bar.set_postfix(loss=f"{sums['loss'] / sums['steps']:.4f}",
+                            ex_per_s=f"{sums['examples'] / elapsed():,.0f}",
+                            data_wait=f"{100 * sums['wait'] / elapsed():.0f}%", refresh=False)
             if on_step is not None:
-                on_step(sum(h.steps for h in history) + steps)
+                on_step(total_steps)
+
+        def here() -> Position:
+            return Position(epoch, batch_index, total_steps, first_loss, [dataclasses.asdict(h) for h in history],
+                            {**sums, "train_sec": elapsed()})
 
         pending = None
-        wait = 0.0
-        batches = device_batches(train_loader.epoch(epoch), trainer.mesh, prefetch)
+        batches = device_batches(train_loader.epoch(epoch, start=batch_index), trainer.mesh, prefetch)
         with _closing(batches), jax.transfer_guard("disallow"):
             while max_steps is None or total_steps < max_steps:
                 t0 = time.perf_counter()
                 batch = next(batches, None)
-                wait += time.perf_counter() - t0
+                sums["wait"] += time.perf_counter() - t0
                 if batch is None:
                     break
                 state, metrics = trainer.step(state, batch)
+                batch_index += 1
+                total_steps += 1
                 if pending is not None:
                     record(*pending)
-                    bar.set_postfix(loss=f"{sums['loss'] / steps:.4f}",
-                                    ex_per_s=f"{examples / (time.perf_counter() - start):,.0f}",
-                                    data_wait=f"{100 * wait / (time.perf_counter() - start):.0f}%", refresh=False)
                 pending = (metrics, train_loader.batch_size)
-                total_steps += 1
+                stop = should_stop is not None and should_stop()
+                periodic = save_every is not None and total_steps % save_every == 0 and batch_index < len(train_loader)
+                if save is not None and (stop or periodic):
+                    record(*pending)  # the checkpoint's sums include this step
+                    pending = None
+                    save(state, here())
+                if stop:
+                    bar.close()
+                    raise Interrupted(here())
             if pending is not None:
                 record(*pending)
-        train_sec = time.perf_counter() - start
+        train_sec = elapsed()
         bar.close()
 
-        start = time.perf_counter()
+        start_eval = time.perf_counter()
         test = evaluate(evaluator, state, test_loader.epoch(epoch), prefetch)
         stats = EpochStats(
             epoch=epoch,
-            steps=steps,
-            examples=examples,
-            train_loss=sums["loss"] / max(steps, 1),
-            train_acc=sums["accuracy"] / max(steps, 1),
+            steps=sums["steps"],
+            examples=sums["examples"],
+            train_loss=sums["loss"] / max(sums["steps"], 1),
+            train_acc=sums["accuracy"] / max(sums["steps"], 1),
             test_loss=test.get("loss", float("nan")),
             test_acc=test.get("accuracy", float("nan")),
             test_examples=test["count"],
             train_sec=train_sec,
-            eval_sec=time.perf_counter() - start,
-            data_wait_sec=wait,
-            data_wait_fraction=wait / max(train_sec, 1e-9),
+            eval_sec=time.perf_counter() - start_eval,
+            data_wait_sec=sums["wait"],
+            data_wait_fraction=sums["wait"] / max(train_sec, 1e-9),
         )
         history.append(stats)
         if on_epoch is not None:
             on_epoch(stats)
+        if save is not None:
+            if batch_index >= len(train_loader):  # the epoch is complete: resume at the next one
+                save(state, Position(epoch + 1, 0, total_steps, first_loss, [dataclasses.asdict(h) for h in history]))
+            else:  # stopped by max_steps: resume inside this epoch, which is not history yet
+                save(state, Position(epoch, batch_index, total_steps, first_loss,
+                                     [dataclasses.asdict(h) for h in history[:-1]], {**sums, "train_sec": train_sec}))
     return state, history, first_loss

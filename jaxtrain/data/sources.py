@@ -15,6 +15,8 @@ import dataclasses
 import gzip
 import os
 import struct
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +143,22 @@ def _builder_class():
     return _IdxImages
 
 
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index() if jax.distributed.is_initialized() else 0
+
+
+def _wait_until_prepared(make_builder, timeout: float = 600.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        builder = make_builder()
+        if builder.is_prepared():
+            return builder
+        time.sleep(0.5)
+    raise ConfigError(f"process 0 did not finish converting the dataset within {timeout:.0f} s")
+
+
 def _read_source(source) -> Split:
     """Read a whole TFDS data source into memory, in large chunks (fast path)."""
     n, chunk = len(source), 8192
@@ -168,11 +186,15 @@ def data_source(name: str, split: str, *, idx_dir: str | os.PathLike | None = No
     if has_idx_files(idx_path) or explicit:
         builder = _builder_class()(config=name, data_dir=tfds_dir)
         if not builder.is_prepared():
-            for s in IDX_FILES:  # validate before writing anything
-                read_idx_split(idx_path, s)
-            builder.download_and_prepare(
-                download_config=tfds.download.DownloadConfig(manual_dir=str(idx_path)), file_format="array_record"
-            )
+            if _process_index() > 0:  # in a multi-process run, process 0 converts; the others wait
+                builder = _wait_until_prepared(lambda: _builder_class()(config=name, data_dir=tfds_dir))
+            else:
+                for s in IDX_FILES:  # validate before writing anything
+                    read_idx_split(idx_path, s)
+                print(f"converting the IDX files in {idx_path} to array_record (once) ...", file=sys.stderr, flush=True)
+                builder.download_and_prepare(
+                    download_config=tfds.download.DownloadConfig(manual_dir=str(idx_path)), file_format="array_record"
+                )
         return builder.as_data_source(split=split)
     builder = tfds.builder(name, data_dir=tfds_dir)
     if not builder.is_prepared():

@@ -1,0 +1,133 @@
+"""Real multi-process runs on localhost: jax.distributed, the launcher, orbax checkpoints, faults."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, needs_fashion_mnist, run_cli
+
+pytestmark = [needs_fashion_mnist, pytest.mark.slow]
+
+LENET = ["-m", "experiments.lenet", "--test-subset", "256", "--no-progress"]
+
+
+def launch(processes, devices_per_process, *args):
+    return run_cli("-m", "jaxtrain.launch", "--processes", str(processes), "--devices-per-process",
+                   str(devices_per_process), "--", sys.executable, *LENET, *args)
+
+
+def digest(out_dir):
+    return json.loads((out_dir / "summary.json").read_text())["params_digest"]
+
+
+def reported_digests(stdout):
+    return {line.split("params_digest ")[1].strip() for line in stdout.splitlines() if "params_digest " in line}
+
+
+def test_two_processes_match_one_process_with_two_devices(tmp_path):
+    out = launch(2, 1, "--max-steps", "20", "--out", str(tmp_path / "multi"))
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "[rank 0] process 0: params_digest" in out.stdout and "[rank 1] process 1: params_digest" in out.stdout
+    assert reported_digests(out.stdout) == {digest(tmp_path / "multi")}  # both processes: the same params
+    assert "[rank 1] epoch" not in out.stdout  # only process 0 reports progress
+    single = run_cli(*LENET, "--devices", "2", "--max-steps", "20", "--out", str(tmp_path / "single"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert digest(tmp_path / "single") == digest(tmp_path / "multi")  # bit for bit
+    summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["devices"] == 2
+
+
+def test_two_processes_with_two_devices_each_agree(tmp_path):
+    out = launch(2, 2, "--max-steps", "10", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert len(reported_digests(out.stdout)) == 1
+    assert json.loads((tmp_path / "summary.json").read_text())["devices"] == 4
+
+
+def start(*args):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(path, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.1)
+
+
+def test_sigterm_then_resume_is_bit_exact_and_a_corrupt_checkpoint_is_skipped(tmp_path):
+    common = [*LENET, "--devices", "2", "--max-steps", "60", "--checkpoint-every", "5"]
+    full = run_cli(*common, "--checkpoint-dir", str(tmp_path / "ck-full"), "--out", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    ck = tmp_path / "ck"
+    proc = start(*common, "--checkpoint-dir", str(ck), "--out", str(tmp_path / "a"))
+    wait_for(ck / "25", proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, output[-3000:]
+    assert "continue with --resume" in output
+    resumed = run_cli(*common, "--checkpoint-dir", str(ck), "--out", str(tmp_path / "b"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from step" in resumed.stdout
+    assert digest(tmp_path / "b") == digest(tmp_path / "full")
+
+    newest = max((p for p in ck.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    for f in newest.rglob("*"):
+        if f.is_file() and f.stat().st_size > 10:
+            with open(f, "r+b") as handle:
+                handle.truncate(10)
+    again = run_cli(*common, "--checkpoint-dir", str(ck), "--out", str(tmp_path / "c"), "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"checkpoint at step {newest.name}" in again.stderr and "trying the previous one" in again.stderr
+    assert digest(tmp_path / "c") == digest(tmp_path / "full")
+
+
+def test_unwritable_checkpoint_dir_fails_at_start(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = run_cli(*LENET, "--devices", "1", "--checkpoint-dir", str(blocker / "ck"), "--out", str(tmp_path / "o"))
+    assert out.returncode == 2 and "cannot write checkpoints" in out.stderr and "Traceback" not in out.stderr
+
+
+def children(pid):
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")
+
+
+def test_killing_one_process_stops_the_run_within_60_seconds(tmp_path):
+    ck = tmp_path / "ck"
+    launcher = start("-m", "jaxtrain.launch", "--processes", "2", "--devices-per-process", "1", "--",
+                     sys.executable, *LENET, "--max-steps", "100000", "--epochs", "100", "--checkpoint-every", "5",
+                     "--checkpoint-dir", str(ck), "--out", str(tmp_path / "o"))
+    wait_for(ck / "10", launcher)
+    kids = children(launcher.pid)
+    assert len(kids) == 2
+    os.kill(kids[1], signal.SIGKILL)
+    start_time = time.monotonic()
+    output, _ = launcher.communicate(timeout=90)
+    assert time.monotonic() - start_time < 60
+    assert launcher.returncode != 0
+    assert "stopping the others" in output
+    assert not any(alive(k) for k in kids)
+
+
+def test_launcher_needs_a_command():
+    out = run_cli("-m", "jaxtrain.launch", "--processes", "2")
+    assert out.returncode == 2 and "give the command" in out.stderr
