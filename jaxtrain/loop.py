@@ -145,6 +145,7 @@ def fit(
     pos = position or Position()
     history = [EpochStats(**h) for h in pos.history]
     first_loss, total_steps = pos.first_loss, pos.total_steps
+    recorded = pos.total_steps  # steps whose metrics were read (one behind total_steps)
     for epoch in range(pos.epoch, epochs + 1):
         if max_steps is not None and total_steps >= max_steps:
             break
@@ -160,7 +161,7 @@ def fit(
             return sums["train_sec"] + time.perf_counter() - start
 
         def record(metrics, batch_size):
-            nonlocal first_loss
+            nonlocal first_loss, recorded
             m = jax.device_get(metrics)
             first_loss = float(m["loss"]) if first_loss is None else first_loss
             for k in ("loss", "accuracy"):
@@ -171,8 +172,9 @@ def fit(
             bar.set_postfix(loss=f"{sums['loss'] / sums['steps']:.4f}",
                             ex_per_s=f"{sums['examples'] / elapsed():,.0f}",
                             data_wait=f"{100 * sums['wait'] / elapsed():.0f}%", refresh=False)
+            recorded += 1
             if on_step is not None:
-                on_step(total_steps)
+                on_step(recorded)
 
         def here() -> Position:
             return Position(epoch, batch_index, total_steps, first_loss, [dataclasses.asdict(h) for h in history],
