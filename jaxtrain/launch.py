@@ -39,13 +39,18 @@ def _pump(rank: int, stream, lock: threading.Lock) -> None:
     stream.close()
 
 
-def _stop(procs, sig=signal.SIGTERM) -> None:
+def _signal_all(procs, sig) -> None:
+    """Send ``sig`` to every process (group) still running."""
     for p in procs:
         if p.poll() is None:
             try:
                 os.killpg(p.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def _stop(procs, sig=signal.SIGTERM) -> None:
+    _signal_all(procs, sig)
     deadline = time.monotonic() + GRACE_SECONDS
     for p in procs:
         try:
@@ -78,12 +83,7 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
 
     def forward(signum, _frame):
         received.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signum)
-                except ProcessLookupError:
-                    pass
+        _signal_all(procs, signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
