@@ -89,3 +89,14 @@ def test_resnet18_cli_trains(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["experiment"] == "resnet18" and summary["steps"] == 4 and summary["train_examples"] == 512
     assert summary["test_examples"] == 64 and summary["train_loss"] > 0
+
+
+@needs_fashion_mnist
+def test_bench_smoke(tmp_path):
+    out = run_cli("-m", "experiments.bench", "--repeats", "2", "--steps", "3", "--epoch-steps", "3",
+                  "--json", str(tmp_path / "b.json"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert {"jaxtrain_ms", "handwritten_ms", "torch_ms", "peak_gflops"} <= result.keys()
+    assert result["jaxtrain_ms"] > 0 and result["handwritten_ms"] > 0 and result["peak_gflops"] > 0
+    assert "| jaxtrain |" in out.stdout and "jaxtrain/handwritten" in out.stdout

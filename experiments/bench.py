@@ -1,0 +1,163 @@
+"""jaxtrain's train step vs a hand-written jax.jit step vs PyTorch, interleaved in one run.
+
+    python -m experiments.bench [--model lenet] [--json F]
+
+(a) jaxtrain's step with the defaults a user gets (make_train_step, default
+strategy and devices); (b) a minimal hand-written ``jax.jit`` SGD step of the
+same model on the same devices (the overhead reference); (c) PyTorch on the
+CPU with ``torch.set_num_threads(cores)``, when torch is importable
+(``pip install torch==2.13.0``); (d) an epoch through the real input pipeline:
+wall time vs steps x step time. A B C A B C ..., warm-up excluded, median and
+spread of the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+# Untimed steps before each timed block: XLA:CPU's worker threads keep
+# spinning for a while after a step and steal the cores from whatever runs
+# next (PyTorch measured 53 ms/step right after JAX steps, 37 ms alone);
+# a few steps of the variant itself let the previous one's threads settle.
+SETTLE_STEPS = 3
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=("lenet",), default="lenet")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20, help="steps per timed repeat")
+    p.add_argument("--repeats", type=int, default=10, help="timed repeats per variant")
+    p.add_argument("--epoch-steps", type=int, default=None, help="steps of the pipeline epoch (default: a full epoch)")
+    p.add_argument("--json", default=None, help="write the results as JSON here")
+    return p
+
+
+def torch_lenet_step(batch_size: int, lr: float = 0.2):
+    """A step function of the same d2l LeNet in PyTorch, or None without torch."""
+    try:
+        import torch
+        from torch import nn
+    except ImportError:
+        return None
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    net = nn.Sequential(nn.Conv2d(1, 20, 3), nn.ReLU(), nn.AvgPool2d(2), nn.Conv2d(20, 50, 5), nn.ReLU(),
+                        nn.AvgPool2d(2), nn.Flatten(), nn.Linear(800, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    x, y = torch.rand(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(net(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    import jaxtrain as jt
+
+    devices = jt.setup_devices()
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from experiments.bench_strategies import time_steps
+    from jaxtrain import diagnostics
+    from jaxtrain.models import lenet
+
+    mesh = jt.make_mesh(devices)
+    try:
+        rng = np.random.default_rng(0)
+        host = {"image": rng.random((args.batch_size, 28, 28, 1), dtype=np.float32),
+                "label": rng.integers(0, 10, args.batch_size).astype(np.int32)}
+        trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=mesh)  # (a) the defaults
+        trainer.check_batch_size(args.batch_size)
+    except jt.ConfigError as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 2
+    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    batch = trainer.shard(host)
+    flops = jt.compiled_stats(trainer, state, host, residuals=False)["flops"] * len(devices)
+
+    # (b) hand-written: the step anyone would write, same shardings and donation.
+    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(jt.DATA_AXIS))
+
+    def sgd_step(params, b):
+        loss, grads = jax.value_and_grad(lambda p: lenet.loss_fn(p, {}, b, None)[0])(params)
+        return jax.tree.map(lambda p, g: p - 0.2 * g, params, grads), {"loss": loss}
+
+    hand = jax.jit(sgd_step, in_shardings=(replicated, sharded), out_shardings=replicated, donate_argnums=0)
+
+    hand_params = jax.device_put(lenet.init_params(jax.random.key(0)), replicated)
+    runs = {"jaxtrain": [trainer, state], "handwritten": [hand, hand_params]}
+    for run in runs.values():
+        run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up
+    torch_step = torch_lenet_step(args.batch_size)
+    times: dict[str, list[float]] = {k: [] for k in [*runs, *(["torch"] if torch_step else [])]}
+    if torch_step:
+        for _ in range(3):
+            torch_step()
+    for _ in range(args.repeats):  # interleaved: A B C A B C ...
+        for name, run in runs.items():
+            run[1], _ = time_steps(run[0], run[1], batch, SETTLE_STEPS)
+            run[1], sec = time_steps(run[0], run[1], batch, args.steps)
+            times[name].append(1000 * sec)
+        if torch_step:
+            for _ in range(SETTLE_STEPS):
+                torch_step()
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                torch_step()
+            times["torch"].append(1000 * (time.perf_counter() - t) / args.steps)
+
+    # (d) one epoch through the real pipeline: wall time vs steps x step time.
+    from jaxtrain.data import loader, sources
+    from jaxtrain.loop import fit
+
+    train = loader.Loader(sources.load_split("fashion_mnist", "train"), args.batch_size, train=True)
+    test = loader.Loader(sources.Split(*(a[: args.batch_size] for a in (train.split.images, train.split.labels))),
+                         args.batch_size, train=False)
+    evaluator = jt.make_eval_step(lenet.eval_fn, mesh=mesh)
+    state, history, _ = fit(trainer, runs["jaxtrain"][1], train, evaluator, test, epochs=1,
+                            max_steps=args.epoch_steps, progress=False)
+    epoch = history[0]
+    peak = diagnostics.measure_matmul_peak()
+    med = {k: statistics.median(v) for k, v in times.items()}
+
+    print(f"\nLeNet train step, batch {args.batch_size}, {len(devices)} {devices[0].platform} devices, "
+          f"jax {jax.__version__}; median (min-max) of {args.repeats} x {args.steps} steps; "
+          f"measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
+    print("| variant | ms/step | examples/s | GFLOP/s | % of peak |\n|---|---|---|---|---|")
+    for name, v in times.items():
+        ms = med[name]
+        print(f"| {name} | {ms:.1f} ({min(v):.1f}-{max(v):.1f}) | {args.batch_size / ms * 1000:,.0f} | "
+              f"{flops / ms / 1e6:.0f} | {100 * flops / ms / 1e6 / (peak / 1e9):.0f}% |")
+    print(f"\nratios: torch/jaxtrain {med['torch'] / med['jaxtrain']:.2f}" if "torch" in med else "\nratios: torch n/a",
+          f", jaxtrain/handwritten {med['jaxtrain'] / med['handwritten']:.3f}")
+    predicted = epoch.steps * med["jaxtrain"] / 1000
+    print(f"epoch through the pipeline: {epoch.steps} steps in {epoch.train_sec:.2f} s wall vs "
+          f"{predicted:.2f} s = steps x step time ({100 * (epoch.train_sec / predicted - 1):+.1f}%), "
+          f"data wait {100 * epoch.data_wait_fraction:.1f}%")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"jaxtrain_ms": med["jaxtrain"], "handwritten_ms": med["handwritten"],
+                       "torch_ms": med.get("torch"), "peak_gflops": peak / 1e9, "flops_per_step": flops,
+                       "epoch_wall_sec": epoch.train_sec, "epoch_predicted_sec": predicted, "times_ms": times}, f,
+                      indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
