@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         print(f"batch_size: error: {e}", file=sys.stderr)
         return 2
 
-    print(f"\n| global batch | predicted MiB per device |\n|---|---|")
+    print("\n| global batch | predicted MiB per device |\n|---|---|")
     for b, m in result.table:
         print(f"| {b} | {m / 2**20:.2f} |")
     print(f"\nfit: memory = {result.intercept_bytes / 2**20:.2f} MiB + {result.bytes_per_example / 2**10:.2f} KiB "

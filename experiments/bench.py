@@ -127,8 +127,7 @@ def main(argv=None) -> int:
     from jaxtrain.loop import fit
 
     train = loader.Loader(sources.load_split("fashion_mnist", "train"), args.batch_size, train=True)
-    test = loader.Loader(sources.Split(*(a[: args.batch_size] for a in (train.split.images, train.split.labels))),
-                         args.batch_size, train=False)
+    test = loader.Loader(train.split.head(args.batch_size), args.batch_size, train=False)
     evaluator = jt.make_eval_step(lenet.eval_fn, mesh=mesh)
     state, history, _ = fit(trainer, runs["jaxtrain"][1], train, evaluator, test, epochs=1,
                             max_steps=args.epoch_steps, progress=False)

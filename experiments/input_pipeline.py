@@ -60,8 +60,7 @@ def main(argv=None) -> int:
         print(f"input_pipeline: error: {e}", file=sys.stderr)
         return 2
 
-    test = loader.Loader(sources.Split(test_split.images[:args.batch_size], test_split.labels[:args.batch_size]),
-                         args.batch_size, train=False)
+    test = loader.Loader(test_split.head(args.batch_size), args.batch_size, train=False)
     state = trainer.init(lenet.init_params(jax.random.key(0)))
     state, _, _ = fit(trainer, state, loader.Loader(train_split, args.batch_size, train=True), evaluator, test,
                       epochs=1, max_steps=5, progress=False)  # compile outside the measurements

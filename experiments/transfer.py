@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         if min(sizes) < 1 or args.repeats < 1:
             raise ValueError
     except ValueError:
-        print(f"transfer: error: --sizes takes positive integers like 200,1000 and --repeats >= 1", file=sys.stderr)
+        print("transfer: error: --sizes takes positive integers like 200,1000 and --repeats >= 1", file=sys.stderr)
         return 2
     import jax
     import numpy as np

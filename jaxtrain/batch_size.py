@@ -79,7 +79,7 @@ def find_batch_size(trainer, state, make_batch: Callable[[int], dict], budget_by
                 progress(batch, measured[batch])
         return measured[batch]
 
-    model_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)) // 1
+    model_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
     if budget_bytes < model_bytes or need(unit) > budget_bytes:
         raise ConfigError(f"a budget of {budget_bytes / 2**20:,.1f} MiB is smaller than the model itself: "
                           f"state {model_bytes / 2**20:,.1f} MiB, the step at the smallest batch ({unit}) needs "

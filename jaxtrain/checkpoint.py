@@ -18,6 +18,7 @@ import jax
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.loop import Position
+from jaxtrain.report import ensure_writable
 from jaxtrain.state import TrainState
 
 
@@ -38,15 +39,7 @@ class Checkpointer:
 
         if keep < 1:
             raise ConfigError(f"--keep-checkpoints must be >= 1, got {keep}")
-        self.directory = Path(directory).absolute()
-        try:  # fail now, not after an hour of training
-            self.directory.mkdir(parents=True, exist_ok=True)
-            probe = self.directory / f".write-test-{jax.process_index()}"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as e:
-            raise ConfigError(f"cannot write checkpoints to {self.directory} ({e.strerror}); "
-                              "pass --checkpoint-dir somewhere writable") from None
+        self.directory = ensure_writable(Path(directory).absolute(), "checkpoints to", "--checkpoint-dir")
         self._ocp = ocp
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True))

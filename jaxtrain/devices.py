@@ -63,15 +63,12 @@ def _start_distributed(coordinator, num_processes, process_id) -> None:
     num_processes = num_processes or int(os.environ.get(ENV_NUM_PROCESSES, 0)) or None
     if process_id is None and os.environ.get(ENV_PROCESS_ID) is not None:
         process_id = int(os.environ[ENV_PROCESS_ID])
-    if num_processes is None and not _cluster_env():
+    single = num_processes == 1 or (num_processes is None and not _cluster_env())
+    if single or jax.distributed.is_initialized():
         return  # a single-process run stays exactly as it was
-    if num_processes is not None and num_processes > 1 and (coordinator is None or process_id is None):
+    if num_processes is not None and (coordinator is None or process_id is None):
         raise ConfigError("a multi-process run needs --coordinator HOST:PORT and --process-id too "
                           "(or start it with python -m jaxtrain.launch)")
-    if num_processes == 1:
-        return
-    if jax.distributed.is_initialized():
-        return
     # CPU runs use the gloo collectives (JAX's default for CPU); GPUs use NCCL.
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
                                heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
@@ -142,8 +139,10 @@ def _platform_hint() -> str:
     return "gpu" if has_gpu_plugin else "cpu"
 
 
-def make_mesh(devices: int | Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh with the axis ``"data"`` over ``devices`` (a list, or the first N)."""
+def make_mesh(devices: int | Sequence[jax.Device] | Mesh | None = None) -> Mesh:
+    """A 1-D mesh with the axis ``"data"`` over ``devices`` (a list, or the first N); a Mesh is returned as is."""
+    if isinstance(devices, Mesh):
+        return devices
     available = jax.devices()
     if devices is None:
         devices = available

@@ -29,8 +29,7 @@ def saved_residual_bytes(trainer, state, batch: Mapping) -> int:
     from jax._src.ad_checkpoint import saved_residuals  # the list print_saved_residuals prints
 
     per_call = trainer.num_devices * (trainer.accum_steps if trainer.accum == "scan" else 1)
-    local = {k: jax.ShapeDtypeStruct((np.shape(v)[0] // per_call, *np.shape(v)[1:]), np.asarray(v).dtype
-                                     if not isinstance(v, jax.Array) else v.dtype) for k, v in batch.items()}
+    local = {k: jax.ShapeDtypeStruct((v.shape[0] // per_call, *v.shape[1:]), v.dtype) for k, v in batch.items()}
     policy = trainer.policy
 
     def loss(params, micro):

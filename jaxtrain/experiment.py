@@ -27,14 +27,22 @@ class Model:
     apply: Callable | None = None  # apply(params, images) -> logits, for the model summary
 
 
-def _positive_int(text: str) -> int:
+def _whole_number(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_number(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _whole_number(text, 0)
 
 
 def _positive_float(text: str) -> float:
@@ -88,9 +96,9 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     p.add_argument("--out", default=None,
                    help="output directory for metrics.jsonl, summary.json and curves.png "
                         "(default: a fresh runs/NAME-DATE-TIME)")
-    p.add_argument("--workers", type=int, default=0,
+    p.add_argument("--workers", type=_non_negative_int, default=0,
                    help="grain worker threads building batches ahead (0: in the prefetch thread; see README)")
-    p.add_argument("--prefetch", type=int, default=2,
+    p.add_argument("--prefetch", type=_non_negative_int, default=2,
                    help="batches copied to the devices ahead of the step by a background thread (0: off)")
     p.add_argument("--max-steps", type=_positive_int, default=None,
                    help="stop after this many train steps in total (for smoke runs), then evaluate")
@@ -156,12 +164,7 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     writer = RunWriter(out_dir) if main_process else None
 
     data = {s: sources.load_split(args.dataset, s, idx_dir=args.data_dir, tfds_dir=args.tfds_dir) for s in ("train", "test")}
-    if args.train_subset is not None:
-        data["train"] = sources.Split(data["train"].images[: args.train_subset], data["train"].labels[: args.train_subset])
-    if args.test_subset is not None:
-        data["test"] = sources.Split(data["test"].images[: args.test_subset], data["test"].labels[: args.test_subset])
-    if args.workers < 0 or args.prefetch < 0:
-        raise ConfigError("--workers and --prefetch must be >= 0")
+    data = {"train": data["train"].head(args.train_subset), "test": data["test"].head(args.test_subset)}
     train = loader.Loader(data["train"], call_batch, train=True, seed=args.seed, workers=args.workers)
     test = loader.Loader(data["test"], args.batch_size, train=False, workers=args.workers)
     platform = devices[0].platform
@@ -174,9 +177,8 @@ def run(args: argparse.Namespace, model: Model) -> dict:
 
     params, model_state = model.init(jax.random.key(args.seed))
     if args.summary:
-        example = {k: v[:8] for k, v in next(iter(test.epoch(0))).items() if k != "mask"}
-        say(diagnostics.format_summary(diagnostics.summarize(params, model.apply, example["image"]))
-              if model.apply else diagnostics.format_summary(diagnostics.summarize(params)))
+        images = loader.normalise(data["test"].head(8).images) if model.apply else None
+        say(diagnostics.format_summary(diagnostics.summarize(params, model.apply, images)))
     if args.memory_report:
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     state = trainer.init(params, model_state, jax.random.key(args.seed))
@@ -226,6 +228,7 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     # Steady-state speed: leave out the first epoch (it compiles) when there are others.
     timed = history[1:] if len(history) > 1 else history
     examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
+    achieved_flops = stats["flops"] * len(devices) * examples_per_sec / call_batch
     last = history[-1]
     summary = {
         "experiment": model.name,
@@ -252,9 +255,9 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         "remat": args.remat,
         "compiled_flops": stats["flops"],  # per device
         "ms_per_step": 1000 * call_batch / examples_per_sec,
-        "achieved_flops_per_sec": stats["flops"] * len(devices) * examples_per_sec / call_batch,
+        "achieved_flops_per_sec": achieved_flops,
         "peak_flops_per_sec": peak,
-        "mfu": (stats["flops"] * len(devices) * examples_per_sec / call_batch / peak) if peak else None,
+        "mfu": achieved_flops / peak if peak else None,
         "compiled_temp_bytes": stats["temp_bytes"],
         "saved_residual_bytes": stats["saved_residual_bytes"],
         "steps": sum(h.steps for h in history),

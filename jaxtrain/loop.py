@@ -104,6 +104,10 @@ class Interrupted(Exception):
         self.position = position
 
 
+def _position(epoch, batch, total_steps, first_loss, history, partial=None) -> Position:
+    return Position(epoch, batch, total_steps, first_loss, [dataclasses.asdict(h) for h in history], partial or {})
+
+
 _NO_SUMS = {"loss": 0.0, "accuracy": 0.0, "steps": 0, "examples": 0, "wait": 0.0, "train_sec": 0.0}
 
 
@@ -169,16 +173,16 @@ def fit(
             sums["steps"] += 1
             sums["examples"] += batch_size
             bar.update(1)
-            bar.set_postfix(loss=f"{sums['loss'] / sums['steps']:.4f}",
-                            ex_per_s=f"{sums['examples'] / elapsed():,.0f}",
-                            data_wait=f"{100 * sums['wait'] / elapsed():.0f}%", refresh=False)
+            if not bar.disable:  # no string formatting in the hot loop when nobody sees it
+                bar.set_postfix(loss=f"{sums['loss'] / sums['steps']:.4f}",
+                                ex_per_s=f"{sums['examples'] / elapsed():,.0f}",
+                                data_wait=f"{100 * sums['wait'] / elapsed():.0f}%", refresh=False)
             recorded += 1
             if on_step is not None:
                 on_step(recorded)
 
         def here() -> Position:
-            return Position(epoch, batch_index, total_steps, first_loss, [dataclasses.asdict(h) for h in history],
-                            {**sums, "train_sec": elapsed()})
+            return _position(epoch, batch_index, total_steps, first_loss, history, {**sums, "train_sec": elapsed()})
 
         pending = None
         batches = device_batches(train_loader.epoch(epoch, start=batch_index), trainer.mesh, prefetch)
@@ -230,8 +234,8 @@ def fit(
             on_epoch(stats)
         if save is not None:
             if batch_index >= len(train_loader):  # the epoch is complete: resume at the next one
-                save(state, Position(epoch + 1, 0, total_steps, first_loss, [dataclasses.asdict(h) for h in history]))
+                save(state, _position(epoch + 1, 0, total_steps, first_loss, history))
             else:  # stopped by max_steps: resume inside this epoch, which is not history yet
-                save(state, Position(epoch, batch_index, total_steps, first_loss,
-                                     [dataclasses.asdict(h) for h in history[:-1]], {**sums, "train_sec": train_sec}))
+                save(state, _position(epoch, batch_index, total_steps, first_loss, history[:-1],
+                                      {**sums, "train_sec": train_sec}))
     return state, history, first_loss

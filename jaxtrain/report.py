@@ -31,13 +31,18 @@ def make_out_dir(out: str | None, name: str) -> Path:
             path, k = Path(f"{base}-{k}"), k + 1
     else:
         path = Path(out)
+    return ensure_writable(path, "to output directory", "--out DIR")
+
+
+def ensure_writable(path: Path, what: str, flag: str) -> Path:
+    """Create ``path`` and prove it writable now, not after an hour of training."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
+        probe = path / f".write-test-{jax.process_index()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"cannot write to output directory {path} ({e.strerror}); pass --out DIR somewhere writable") from None
+        raise ConfigError(f"cannot write {what} {path} ({e.strerror}); pass {flag} somewhere writable") from None
     return path
 
 

@@ -140,8 +140,8 @@ class Trainer:
         scan_steps = accum_steps if accum == "scan" else 1
         self.shard = _Sharder(mesh, divisor=scan_steps)
         unroll = accumulate.unroll_for(mesh.devices.flat[0].platform, scan_steps)
-        self._body = _train_body(loss_fn, self.tx, self.policy, scan_steps, unroll)
-        self._step = parallel.wrap(self._body, mesh, strategy, donate_state=True)
+        body = _train_body(loss_fn, self.tx, self.policy, scan_steps, unroll)
+        self._step = parallel.wrap(body, mesh, strategy, donate_state=True)
 
     @property
     def num_devices(self) -> int:
@@ -204,8 +204,7 @@ def make_train_step(
     ``accum="multisteps"``: ``optax.MultiSteps``, one micro-batch per call and
     an update every k calls.
     """
-    mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
-    return Trainer(loss_fn, tx, mesh, strategy, precision, accum_steps, accum)
+    return Trainer(loss_fn, tx, make_mesh(mesh), strategy, precision, accum_steps, accum)
 
 
 def _eval_body(eval_fn: EvalFn):
@@ -246,5 +245,4 @@ class Evaluator:
 
 def make_eval_step(eval_fn: EvalFn, *, mesh: Mesh | int | None = None, strategy: str = "jit") -> Evaluator:
     """Build an eval step from ``eval_fn(params, model_state, batch) -> {name: [B] values}``."""
-    mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
-    return Evaluator(eval_fn, mesh, strategy)
+    return Evaluator(eval_fn, make_mesh(mesh), strategy)

@@ -2,7 +2,6 @@
 
 import chex
 import jax
-import numpy as np
 import optax
 import pytest
 from conftest import random_batch

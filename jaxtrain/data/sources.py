@@ -12,6 +12,7 @@ No TensorFlow is needed: images are stored as uint8 tensors, not PNGs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import os
 import struct
@@ -46,6 +47,10 @@ class Split:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def head(self, n: int | None) -> "Split":
+        """The first ``n`` examples (all of them for None)."""
+        return self if n is None else Split(self.images[:n], self.labels[:n])
 
 
 # ---------------------------------------------------------------- IDX files
@@ -105,13 +110,10 @@ def has_idx_files(idx_dir: Path) -> bool:
 # ---------------------------------------------------------------- TFDS
 
 
+@functools.cache
 def _builder_class():
-    """Our TFDS builder, defined lazily so that importing jaxtrain stays cheap."""
+    """Our TFDS builder, defined lazily (once) so that importing jaxtrain stays cheap."""
     import tensorflow_datasets as tfds
-
-    global _IdxImages
-    if "_IdxImages" in globals():
-        return _IdxImages
 
     class JaxtrainIdxImages(tfds.core.GeneratorBasedBuilder):
         """28x28 grayscale IDX datasets (fashion_mnist, mnist) read from local files."""
@@ -139,8 +141,7 @@ def _builder_class():
             for i in range(len(split)):
                 yield i, {"image": split.images[i], "label": int(split.labels[i])}
 
-    _IdxImages = JaxtrainIdxImages
-    return _IdxImages
+    return JaxtrainIdxImages
 
 
 def _process_index() -> int:

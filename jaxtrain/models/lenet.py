@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
+
+from jaxtrain.models import classify
 
 from jaxtrain.remat import remat as _remat
 
@@ -60,10 +61,8 @@ def make_loss_fn(remat: str = "none"):
 
     def loss_fn(params, model_state, batch, rng):
         del rng
-        logits = apply(params, batch["image"], remat).astype(jnp.float32)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-        accuracy = (logits.argmax(-1) == batch["label"]).mean()
-        return loss, (model_state, {"accuracy": accuracy})
+        loss, metrics = classify.mean_loss(apply(params, batch["image"], remat), batch["label"])
+        return loss, (model_state, metrics)
 
     return loss_fn
 
@@ -74,8 +73,4 @@ loss_fn = make_loss_fn()
 def eval_fn(params, model_state, batch):
     """Per-example metrics; the eval-step contract (masked and summed there)."""
     del model_state
-    logits = apply(params, batch["image"]).astype(jnp.float32)
-    return {
-        "loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]),
-        "accuracy": (logits.argmax(-1) == batch["label"]).astype(jnp.float32),
-    }
+    return classify.per_example(apply(params, batch["image"]), batch["label"])

@@ -21,9 +21,8 @@ from functools import partial
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
-
 from jaxtrain.devices import DATA_AXIS
+from jaxtrain.models import classify
 from jaxtrain.remat import policy as remat_policy
 
 NUM_CLASSES = 10
@@ -107,10 +106,8 @@ def make_loss_fn(model: ResNet18):
         del rng
         logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, batch["image"], train=True,
                                       mutable=["batch_stats"])
-        logits = logits.astype(jnp.float32)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-        accuracy = (logits.argmax(-1) == batch["label"]).mean()
-        return loss, (updates["batch_stats"], {"accuracy": accuracy})
+        loss, metrics = classify.mean_loss(logits, batch["label"])
+        return loss, (updates["batch_stats"], metrics)
 
     return loss_fn
 
@@ -120,20 +117,7 @@ def make_eval_fn(model: ResNet18):
 
     def eval_fn(params, batch_stats, batch):
         logits = model.apply({"params": params, "batch_stats": batch_stats}, batch["image"], train=False)
-        logits = logits.astype(jnp.float32)
-        return {
-            "loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]),
-            "accuracy": (logits.argmax(-1) == batch["label"]).astype(jnp.float32),
-        }
+        return classify.per_example(logits, batch["label"])
 
     return eval_fn
 
-
-def apply_eval(model: ResNet18):
-    """apply(variables_params, images) for the model summary (running statistics)."""
-
-    def apply(params_and_stats, images):
-        params, stats = params_and_stats
-        return model.apply({"params": params, "batch_stats": stats}, images, train=False)
-
-    return apply
