@@ -5,8 +5,8 @@
 (a) jaxtrain's step with the defaults a user gets (make_train_step, default
 strategy and devices); (b) a minimal hand-written ``jax.jit`` SGD step of the
 same model on the same devices (the overhead reference); (c) PyTorch on the
-CPU with ``torch.set_num_threads(cores)``, when torch is importable
-(``pip install torch==2.13.0``); (d) an epoch through the real input pipeline:
+CPU with ``torch.set_num_threads(cores)``, in its own process, when torch is
+importable (``pip install torch==2.13.0``); (d) an epoch through the real input pipeline:
 wall time vs steps x step time. A B C A B C ..., warm-up excluded, median and
 spread of the repeats.
 """
@@ -18,13 +18,10 @@ import json
 import os
 import statistics
 import sys
-import time
 
-
-# Untimed steps before each timed block: XLA:CPU's worker threads keep
-# spinning for a while after a step and steal the cores from whatever runs
-# next (PyTorch measured 53 ms/step right after JAX steps, 37 ms alone);
-# a few steps of the variant itself let the previous one's threads settle.
+# Untimed steps before each timed block: worker threads (XLA's, PyTorch's
+# OpenMP) keep spinning for a while after a step and steal the cores from
+# whatever runs next; a few steps of the variant itself let them settle.
 SETTLE_STEPS = 3
 
 
@@ -37,33 +34,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=10, help="timed repeats per variant")
     p.add_argument("--epoch-steps", type=int, default=None, help="steps of the pipeline epoch (default: a full epoch)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
+    p.add_argument("--xla-defaults", action="store_true",
+                   help="compile with XLA's default CPU flags instead of jaxtrain's (sets JAXTRAIN_XLA_DEFAULTS=1)")
+    p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if it is installed")
     return p
-
-
-def torch_lenet_step(batch_size: int, lr: float = 0.2):
-    """A step function of the same d2l LeNet in PyTorch, or None without torch."""
-    try:
-        import torch
-        from torch import nn
-    except ImportError:
-        return None
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    net = nn.Sequential(nn.Conv2d(1, 20, 3), nn.ReLU(), nn.AvgPool2d(2), nn.Conv2d(20, 50, 5), nn.ReLU(),
-                        nn.AvgPool2d(2), nn.Flatten(), nn.Linear(800, 128), nn.ReLU(), nn.Linear(128, 10))
-    opt = torch.optim.SGD(net.parameters(), lr=lr)
-    x, y = torch.rand(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
-    loss_fn = nn.CrossEntropyLoss()
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss_fn(net(x), y).backward()
-        opt.step()
-
-    return step
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.xla_defaults:
+        os.environ["JAXTRAIN_XLA_DEFAULTS"] = "1"
     import jaxtrain as jt
 
     devices = jt.setup_devices()
@@ -73,7 +53,9 @@ def main(argv=None) -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from experiments import bench_torch
     from experiments.bench_strategies import time_steps
+    from experiments.bench_torch import TorchWorker
     from jaxtrain import diagnostics
     from jaxtrain.models import lenet
 
@@ -104,23 +86,20 @@ def main(argv=None) -> int:
     runs = {"jaxtrain": [trainer, state], "handwritten": [hand, hand_params]}
     for run in runs.values():
         run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up
-    torch_step = torch_lenet_step(args.batch_size)
-    times: dict[str, list[float]] = {k: [] for k in [*runs, *(["torch"] if torch_step else [])]}
-    if torch_step:
-        for _ in range(3):
-            torch_step()
+    torch = TorchWorker(args.batch_size) if bench_torch.available() and not args.no_torch else None
+    times: dict[str, list[float]] = {k: [] for k in [*runs, *(["torch"] if torch else [])]}
+    if torch:
+        torch.time(3)  # warm-up
     for _ in range(args.repeats):  # interleaved: A B C A B C ...
         for name, run in runs.items():
             run[1], _ = time_steps(run[0], run[1], batch, SETTLE_STEPS)
             run[1], sec = time_steps(run[0], run[1], batch, args.steps)
             times[name].append(1000 * sec)
-        if torch_step:
-            for _ in range(SETTLE_STEPS):
-                torch_step()
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                torch_step()
-            times["torch"].append(1000 * (time.perf_counter() - t) / args.steps)
+        if torch:
+            torch.time(SETTLE_STEPS)
+            times["torch"].append(1000 * torch.time(args.steps))
+    if torch:
+        torch.close()
 
     # (d) one epoch through the real pipeline: wall time vs steps x step time.
     from jaxtrain.data import loader, sources

@@ -16,6 +16,15 @@ DATA_AXIS = "data"  # the one mesh axis name; every module imports it from here
 # rendezvous overhead (and XLA:CPU's all-reduce rendezvous can starve).
 CPU_DEVICES_PER_CORE = 4
 
+# XLA flags set before JAX starts, unless XLA_FLAGS already names them. They
+# are CPU-only (GPUs ignore them). jaxlib 0.10 hands convolutions and dots to
+# YNNPACK fusions by default; on this project's CPUs those ran the LeNet step
+# 1.5x (2 devices) to 3x (1 device) slower than XLA's own Eigen kernels, and
+# its conv2 forward 6x slower (docs/performance.md).
+# JAXTRAIN_XLA_DEFAULTS=1 keeps XLA's defaults (to compare with a new jaxlib).
+CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=",)
+ENV_XLA_DEFAULTS = "JAXTRAIN_XLA_DEFAULTS"
+
 
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -30,6 +39,15 @@ def _backend_started() -> bool:
     from jax._src import xla_bridge  # no public API answers "has JAX started?"
 
     return xla_bridge.backends_are_initialized()
+
+
+def _set_xla_flags() -> None:
+    if os.environ.get(ENV_XLA_DEFAULTS, "") not in ("", "0"):
+        return
+    current = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in CPU_XLA_FLAGS if f.split("=")[0] not in current]
+    if missing:
+        os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
 
 
 def _check_count(n: int | None) -> None:
@@ -60,7 +78,7 @@ def _cluster_env() -> bool:
 def _start_distributed(coordinator, num_processes, process_id) -> None:
     """Start jax.distributed for a multi-process run (flags, our launcher's env, or a cluster's)."""
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
-    num_processes = num_processes or int(os.environ.get(ENV_NUM_PROCESSES, 0)) or None
+    num_processes = num_processes or int(os.environ.get(ENV_NUM_PROCESSES, "0")) or None
     if process_id is None and os.environ.get(ENV_PROCESS_ID) is not None:
         process_id = int(os.environ[ENV_PROCESS_ID])
     single = num_processes == 1 or (num_processes is None and not _cluster_env())
@@ -78,7 +96,8 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
                   num_processes: int | None = None, process_id: int | None = None) -> list[jax.Device]:
     """Return the ``n`` devices of this run; call before any other JAX call.
 
-    CPU: ``n`` virtual devices (default: one per core, or $JAX_NUM_CPU_DEVICES).
+    CPU: ``n`` virtual devices (default: one per core, or $JAX_NUM_CPU_DEVICES),
+    compiled with ``CPU_XLA_FLAGS`` added to $XLA_FLAGS (yours take precedence).
     GPU: the first ``n`` GPUs (default: all). Asking for more devices than
     exist, or calling after JAX started with a different count, raises a
     ``ConfigError`` that says what to do.
@@ -93,6 +112,7 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
     if devices_per_process is None and os.environ.get(ENV_DEVICES_PER_PROCESS):
         devices_per_process = int(os.environ[ENV_DEVICES_PER_PROCESS])
     if not _backend_started():
+        _set_xla_flags()
         if devices_per_process is not None:
             jax.config.update("jax_num_cpu_devices", devices_per_process)
         _start_distributed(coordinator, num_processes, process_id)
@@ -104,7 +124,7 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
                               "or make them agree")
         return devices
     if not _backend_started():
-        cpu_n = n if n is not None else int(os.environ.get("JAX_NUM_CPU_DEVICES", 0)) or _cores()
+        cpu_n = n if n is not None else int(os.environ.get("JAX_NUM_CPU_DEVICES", "0")) or _cores()
         if cpu_n > max_cpu_devices() and _platform_hint() == "cpu":
             raise ConfigError(
                 f"--devices {cpu_n} is more than this machine can simulate: at most "

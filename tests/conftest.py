@@ -15,7 +15,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 4)
+import jaxtrain as jt  # noqa: E402
+
+jt.setup_devices(4)  # as users do: also sets jaxtrain's XLA:CPU flags
 
 ROOT = Path(__file__).resolve().parents[1]
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")

@@ -61,3 +61,25 @@ def test_cli_too_many_devices_exits_2_with_one_line():
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr
     assert "--devices 64" in lines[0] and f"1..{max_cpu_devices()}" in lines[0]
+
+
+XLA_SNIPPET = """
+import os, jaxtrain as jt, jax, jax.numpy as jnp
+jt.setup_devices(1)
+conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+hlo = jax.jit(conv).lower(jnp.ones((8, 13, 13, 20)), jnp.ones((5, 5, 20, 50))).compile().as_text()
+print(os.environ.get("XLA_FLAGS", ""), "|", "__ynn_fusion" in hlo)
+"""
+
+
+@pytest.mark.parametrize(("env", "flags", "ynn"), [
+    ({}, "--xla_cpu_experimental_ynn_fusion_type=", False),  # jaxtrain's CPU default
+    ({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=individual_convolution"},
+     "--xla_cpu_experimental_ynn_fusion_type=individual_convolution", True),  # the user's flag wins
+    ({"JAXTRAIN_XLA_DEFAULTS": "1"}, "", True),  # opt out: XLA's defaults
+])
+def test_cpu_xla_flags_are_set_before_jax_starts_unless_the_user_chose(env, flags, ynn):
+    out = run_cli("-c", XLA_SNIPPET, env={"XLA_FLAGS": "", **env})
+    assert out.returncode == 0, out.stderr
+    got_flags, got_ynn = out.stdout.rsplit("|", 1)
+    assert got_flags.strip() == flags and got_ynn.strip() == str(ynn)

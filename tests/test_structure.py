@@ -53,6 +53,7 @@ def test_no_collective_inside_a_loop_and_no_host_round_trips(strategy):
     assert " while(" not in hlo
     for op in ("outfeed", "infeed", "host-callback", "xla_python_cpu_callback", "send(", "recv("):
         assert op not in hlo, op
+    assert "__ynn_fusion" not in hlo  # jaxtrain's CPU flags reach every strategy (YNNPACK convs are slow)
 
 
 @pytest.mark.parametrize("strategy", jt.STRATEGIES)
