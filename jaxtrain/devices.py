@@ -20,9 +20,11 @@ CPU_DEVICES_PER_CORE = 4
 # are CPU-only (GPUs ignore them). jaxlib 0.10 hands convolutions and dots to
 # YNNPACK fusions by default; on this project's CPUs those ran the LeNet step
 # 1.5x (2 devices) to 3x (1 device) slower than XLA's own Eigen kernels, and
-# its conv2 forward 6x slower (docs/performance.md).
+# its conv2 forward 6x slower. Reductions stay with YNNPACK: as fast, and
+# XLA's own lost accuracy in BatchNorm's statistics (ResNet-18 stem gradients
+# off by 1% in fp32, vs 1e-6 with YNNPACK's). docs/performance.md
 # JAXTRAIN_XLA_DEFAULTS=1 keeps XLA's defaults (to compare with a new jaxlib).
-CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=",)
+CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=reduce",)
 ENV_XLA_DEFAULTS = "JAXTRAIN_XLA_DEFAULTS"
 
 

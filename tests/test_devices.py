@@ -73,7 +73,7 @@ print(os.environ.get("XLA_FLAGS", ""), "|", "__ynn_fusion" in hlo)
 
 
 @pytest.mark.parametrize(("env", "flags", "ynn"), [
-    ({}, "--xla_cpu_experimental_ynn_fusion_type=", False),  # jaxtrain's CPU default
+    ({}, "--xla_cpu_experimental_ynn_fusion_type=reduce", False),  # jaxtrain's CPU default: no YNN convs
     ({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=individual_convolution"},
      "--xla_cpu_experimental_ynn_fusion_type=individual_convolution", True),  # the user's flag wins
     ({"JAXTRAIN_XLA_DEFAULTS": "1"}, "", True),  # opt out: XLA's defaults

@@ -53,7 +53,32 @@ def test_no_collective_inside_a_loop_and_no_host_round_trips(strategy):
     assert " while(" not in hlo
     for op in ("outfeed", "infeed", "host-callback", "xla_python_cpu_callback", "send(", "recv("):
         assert op not in hlo, op
-    assert "__ynn_fusion" not in hlo  # jaxtrain's CPU flags reach every strategy (YNNPACK convs are slow)
+    assert not ynn_fused_ops(hlo) & {"convolution", "dot"}  # jaxtrain's CPU flags reach every strategy
+
+
+def ynn_fused_ops(hlo: str) -> set[str]:
+    """The ops inside the computations that XLA:CPU hands to YNNPACK fusions."""
+    called = set(re.findall(r"calls=(%[\w.-]+)[^\n]*__ynn_fusion", hlo))
+    ops, inside = set(), False
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):  # a computation's header (or its closing brace)
+            inside = line.split(" ")[0] in called
+        elif inside and "=" in line:
+            ops.update(re.findall(r"\b([a-z-]+)\(", line.split("=", 1)[1])[:1])
+    return ops
+
+
+def test_ynn_fusion_parser_sees_convolutions_under_xla_defaults():
+    """The check above can fail: under XLA's defaults the convolutions are YNNPACK fusions."""
+    from conftest import run_cli
+
+    code = ("import jax, jax.numpy as jnp, sys; sys.path.insert(0, 'tests'); from test_structure import ynn_fused_ops; "
+            "f = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC')); "
+            "print(sorted(ynn_fused_ops(jax.jit(f).lower(jnp.ones((8, 13, 13, 20)), jnp.ones((5, 5, 20, 50)))"
+            ".compile().as_text())))")
+    out = run_cli("-c", code, env={"JAXTRAIN_XLA_DEFAULTS": "1", "XLA_FLAGS": ""})
+    assert out.returncode == 0, out.stderr
+    assert "convolution" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("strategy", jt.STRATEGIES)
