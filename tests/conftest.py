@@ -11,7 +11,6 @@ os.environ["JAX_NUM_CPU_DEVICES"] = "4"
 _TFDS_DIR = tempfile.mkdtemp(prefix="jaxtrain-tfds-")
 os.environ["TFDS_DATA_DIR"] = _TFDS_DIR  # subprocesses inherit it too
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
