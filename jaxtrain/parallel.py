@@ -98,6 +98,9 @@ class Comm:
     sum: Callable  # pytree -> its sum over devices
     vary: Callable  # mark replicated values per-device (so grads stay local)
     index: Callable  # () -> this shard's index (0 under "jit")
+    # f(params, batch, rng, vary) -> pytree  =>  (params, batch, rng) -> f run on
+    # each device's share of the batch; under "jit" also averaged (one pmean).
+    per_device: Callable
 
 
 def _pcast(tree):
@@ -109,20 +112,43 @@ def _ring_mean(tree):
     return jax.tree.map(lambda x: x / n, ring_allreduce(tree, DATA_AXIS))
 
 
-def comm_for(strategy: str) -> Comm:
-    """The collectives a body uses under ``strategy``."""
+def _per_device_under_jit(mesh):
+    """Comm.per_device for "jit", whose body sees the GLOBAL batch.
+
+    Left to GSPMD, every micro-batch's gradient is reduced across devices (one
+    combined all-reduce, k times the bytes; a vmap over the devices' shares
+    made GSPMD gather activations instead). So the accumulation runs as
+    shard_map strategy's does: per device, params marked varying, one pmean
+    after the loop.
+    """
+
+    def per_device(f):
+        def local(params, batch, rng):
+            rng = jax.random.fold_in(rng, lax.axis_index(DATA_AXIS))
+            return lax.pmean(f(_pcast(params), batch, rng, _pcast), DATA_AXIS)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DATA_AXIS), P()), out_specs=P())
+
+    return per_device
+
+
+def comm_for(strategy: str, mesh) -> Comm:
+    """The collectives a body uses under ``strategy`` over ``mesh``."""
     identity = lambda tree: tree  # noqa: E731
     if strategy == "jit":
-        return Comm(mean=identity, sum=identity, vary=identity, index=lambda: 0)
+        return Comm(mean=identity, sum=identity, vary=identity, index=lambda: 0,
+                    per_device=_per_device_under_jit(mesh))
     pmean = lambda tree: lax.pmean(tree, DATA_AXIS)  # noqa: E731
     psum = lambda tree: lax.psum(tree, DATA_AXIS)  # noqa: E731
     index = lambda: lax.axis_index(DATA_AXIS)  # noqa: E731
     # shard_map (and the shard_map-based pmap) already sums the gradient of a
     # replicated input over the axis; pcast to "varying" keeps it local so that
     # the one explicit reduction below is the only one (REFERENCE §3).
+    per_device = lambda f: lambda p, b, r: f(p, b, r, _pcast)  # noqa: E731  (a shard already is per device)
     if strategy == "ring":
-        return Comm(mean=_ring_mean, sum=lambda t: ring_allreduce(t, DATA_AXIS), vary=_pcast, index=index)
-    return Comm(mean=pmean, sum=psum, vary=_pcast, index=index)
+        return Comm(mean=_ring_mean, sum=lambda t: ring_allreduce(t, DATA_AXIS), vary=_pcast, index=index,
+                    per_device=per_device)
+    return Comm(mean=pmean, sum=psum, vary=_pcast, index=index, per_device=per_device)
 
 
 def wrap(body: Callable, mesh, strategy: str, *, donate_state: bool) -> Callable:
@@ -132,7 +158,7 @@ def wrap(body: Callable, mesh, strategy: str, *, donate_state: bool) -> Callable
     already sharded ``P("data")``, and returns replicated outputs.
     """
     check_strategy(strategy)
-    comm = comm_for(strategy)
+    comm = comm_for(strategy, mesh)
     fn = lambda state, batch: body(state, batch, comm)  # noqa: E731
     donate = (0,) if donate_state else ()
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))

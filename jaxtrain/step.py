@@ -101,8 +101,9 @@ def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.
         params = comm.vary(state.params)  # grads stay per-device until the one reduction below
         if accum_steps > 1:
             one = lambda p, ms, b, r: grad_fn(p, ms, b, r, scale)  # noqa: E731
-            grads, loss, model_state, metrics = accumulate.scan_gradients(
-                one, params, state.model_state, batch, rng, accum_steps, comm.vary, unroll)
+            grads, loss, model_state, metrics = comm.per_device(
+                lambda p, b, r, vary: accumulate.scan_gradients(one, p, state.model_state, b, r, accum_steps, vary,
+                                                                unroll))(params, batch, rng)
         else:
             grads, loss, model_state, metrics = grad_fn(params, state.model_state, batch, rng, scale)
         grads = prec.cast_floats(grads, policy.reduce_dtype)

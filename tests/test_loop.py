@@ -59,3 +59,28 @@ def test_short_real_data_run_learns(tfds_dir):
     assert before["count"] == after.test_examples == 10000
     assert before["accuracy"] < 0.2 and after.test_acc > 0.6, (before, after)
     assert after.train_loss < first_loss
+
+
+@pytest.mark.parametrize("strategy", jt.STRATEGIES)
+def test_no_recompilation_after_the_first_epoch(strategy):
+    """Epoch 1 compiles the train and eval steps; epochs 2-3 (incl. a short last batch of eval) compile nothing."""
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=2, strategy=strategy, accum_steps=2)
+    evaluator = jt.make_eval_step(lenet.eval_fn, mesh=2, strategy=strategy)
+    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    train = loader.Loader(random_split(1024), 256, train=True)
+    test = loader.Loader(random_split(300, seed=1), 256, train=False)
+    per_epoch = []
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        fit(trainer, state, train, evaluator, test, epochs=3, progress=False,
+            on_epoch=lambda _: per_epoch.append(len(compiles)))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert per_epoch[0] > 0, "the listener saw no compilation at all"
+    assert per_epoch[2] == per_epoch[0], per_epoch

@@ -34,7 +34,7 @@ def collectives(hlo: str):
     return count, total
 
 
-@pytest.mark.parametrize("strategy", ["shard_map", "pmap", "ring"])
+@pytest.mark.parametrize("strategy", jt.STRATEGIES)
 def test_gradients_are_reduced_once_per_update_whatever_accum_steps(strategy):
     _, state, exe = compiled(strategy, 1)
     one = collectives(exe.as_text())
