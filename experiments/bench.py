@@ -1,14 +1,14 @@
 """jaxtrain's train step vs a hand-written jax.jit step vs PyTorch, interleaved in one run.
 
-    python -m experiments.bench [--model lenet] [--json F]
+    python -m experiments.bench [--model lenet|resnet18] [--json F]
 
 (a) jaxtrain's step with the defaults a user gets (make_train_step, default
 strategy and devices); (b) a minimal hand-written ``jax.jit`` SGD step of the
 same model on the same devices (the overhead reference); (c) PyTorch on the
 CPU with ``torch.set_num_threads(cores)``, in its own process, when torch is
-importable (``pip install torch==2.13.0``); (d) an epoch through the real input pipeline:
-wall time vs steps x step time. A B C A B C ..., warm-up excluded, median and
-spread of the repeats.
+importable (``pip install torch==2.13.0``); (d) an epoch through the real input
+pipeline: wall time vs steps x step time. A B C A B C ..., warm-up excluded,
+median and spread of the repeats. Batch 256 for LeNet, 64 for ResNet-18.
 """
 
 from __future__ import annotations
@@ -24,15 +24,20 @@ import sys
 # whatever runs next; a few steps of the variant itself let them settle.
 SETTLE_STEPS = 3
 
+# What one H100 sustains in practice (measured figures quoted in issue 9, not
+# datasheet peaks): dense bf16 matmul FLOP/s and HBM bytes/s.
+H100_BF16_FLOPS, H100_BYTES_PER_S = 790e12, 3.0e12
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=("lenet",), default="lenet")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=20, help="steps per timed repeat")
+    p.add_argument("--model", choices=("lenet", "resnet18"), default="lenet")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 256 LeNet, 64 ResNet-18)")
+    p.add_argument("--steps", type=int, default=None, help="steps per timed repeat (default: 20 LeNet, 3 ResNet-18)")
     p.add_argument("--repeats", type=int, default=10, help="timed repeats per variant")
-    p.add_argument("--epoch-steps", type=int, default=None, help="steps of the pipeline epoch (default: a full epoch)")
+    p.add_argument("--epoch-steps", type=int, default=None,
+                   help="steps of the pipeline epoch (default: a full epoch for LeNet, 30 for ResNet-18)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.add_argument("--xla-defaults", action="store_true",
                    help="compile with XLA's default CPU flags instead of jaxtrain's (sets JAXTRAIN_XLA_DEFAULTS=1)")
@@ -42,6 +47,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    lenet_model = args.model == "lenet"
+    args.batch_size = args.batch_size or (256 if lenet_model else 64)
+    args.steps = args.steps or (20 if lenet_model else 3)
+    args.epoch_steps = args.epoch_steps or (None if lenet_model else 30)
     if args.xla_defaults:
         os.environ["JAXTRAIN_XLA_DEFAULTS"] = "1"
     import jaxtrain as jt
@@ -54,39 +63,48 @@ def main(argv=None) -> int:
     from jax.sharding import PartitionSpec as P
 
     from experiments import bench_torch
+    from experiments.bench_memory import build
     from experiments.bench_strategies import time_steps
     from experiments.bench_torch import TorchWorker
     from jaxtrain import diagnostics
-    from jaxtrain.models import lenet
 
     mesh = jt.make_mesh(devices)
+    loss_fn, params0, model_state0 = build(args.model, "none")
+    if lenet_model:
+        from jaxtrain.models.lenet import eval_fn
+    else:
+        from jaxtrain.models import resnet
+
+        eval_fn = resnet.make_eval_fn(resnet.ResNet18())
     try:
         rng = np.random.default_rng(0)
         host = {"image": rng.random((args.batch_size, 28, 28, 1), dtype=np.float32),
                 "label": rng.integers(0, 10, args.batch_size).astype(np.int32)}
-        trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=mesh)  # (a) the defaults
+        trainer = jt.make_train_step(loss_fn, optax.sgd(0.2), mesh=mesh)  # (a) the defaults
         trainer.check_batch_size(args.batch_size)
     except jt.ConfigError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2
-    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    state = trainer.init(params0, model_state0)
     batch = trainer.shard(host)
-    flops = jt.compiled_stats(trainer, state, host, residuals=False)["flops"] * len(devices)
+    cost = jt.compiled_stats(trainer, state, host, residuals=False)  # per device
+    flops, bytes_accessed = cost["flops"] * len(devices), cost["bytes_accessed"] * len(devices)
 
     # (b) hand-written: the step anyone would write, same shardings and donation.
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(jt.DATA_AXIS))
 
-    def sgd_step(params, b):
-        loss, grads = jax.value_and_grad(lambda p: lenet.loss_fn(p, {}, b, None)[0])(params)
-        return jax.tree.map(lambda p, g: p - 0.2 * g, params, grads), {"loss": loss}
+    def sgd_step(carry, b):
+        params, model_state = carry
+        (loss, (model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, b, None)
+        return (jax.tree.map(lambda p, g: p - 0.2 * g, params, grads), model_state), {"loss": loss}
 
     hand = jax.jit(sgd_step, in_shardings=(replicated, sharded), out_shardings=replicated, donate_argnums=0)
 
-    hand_params = jax.device_put(lenet.init_params(jax.random.key(0)), replicated)
-    runs = {"jaxtrain": [trainer, state], "handwritten": [hand, hand_params]}
+    hand_carry = jax.tree.map(jax.numpy.copy, jax.device_put((params0, model_state0), replicated))
+    runs = {"jaxtrain": [trainer, state], "handwritten": [hand, hand_carry]}
     for run in runs.values():
         run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up
-    torch = TorchWorker(args.batch_size) if bench_torch.available() and not args.no_torch else None
+    torch = TorchWorker(args.model, args.batch_size) if bench_torch.available() and not args.no_torch else None
     times: dict[str, list[float]] = {k: [] for k in [*runs, *(["torch"] if torch else [])]}
     if torch:
         torch.time(3)  # warm-up
@@ -107,14 +125,14 @@ def main(argv=None) -> int:
 
     train = loader.Loader(sources.load_split("fashion_mnist", "train"), args.batch_size, train=True)
     test = loader.Loader(train.split.head(args.batch_size), args.batch_size, train=False)
-    evaluator = jt.make_eval_step(lenet.eval_fn, mesh=mesh)
+    evaluator = jt.make_eval_step(eval_fn, mesh=mesh)
     state, history, _ = fit(trainer, runs["jaxtrain"][1], train, evaluator, test, epochs=1,
                             max_steps=args.epoch_steps, progress=False)
     epoch = history[0]
     peak = diagnostics.measure_matmul_peak()
     med = {k: statistics.median(v) for k, v in times.items()}
 
-    print(f"\nLeNet train step, batch {args.batch_size}, {len(devices)} {devices[0].platform} devices, "
+    print(f"\n{'LeNet' if lenet_model else 'ResNet-18'} train step, batch {args.batch_size}, {len(devices)} {devices[0].platform} devices, "
           f"jax {jax.__version__}; median (min-max) of {args.repeats} x {args.steps} steps; "
           f"measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
     print("| variant | ms/step | examples/s | GFLOP/s | % of peak |\n|---|---|---|---|---|")
@@ -128,10 +146,16 @@ def main(argv=None) -> int:
     print(f"epoch through the pipeline: {epoch.steps} steps in {epoch.train_sec:.2f} s wall vs "
           f"{predicted:.2f} s = steps x step time ({100 * (epoch.train_sec / predicted - 1):+.1f}%), "
           f"data wait {100 * epoch.data_wait_fraction:.1f}%")
+    print(f"compile-time cost per step: {flops / 1e9:.2f} GFLOP ({flops / args.batch_size / 1e6:.1f} MFLOP/example), "
+          f"{bytes_accessed / 1e6:.0f} MB accessed -> floor here {1000 * flops / peak:.1f} ms (matmul peak); "
+          f"one H100: {1e6 * flops / H100_BF16_FLOPS:.1f} us compute (bf16 790 TFLOP/s), "
+          f"{1e6 * bytes_accessed / H100_BYTES_PER_S:.1f} us memory (3.0 TB/s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"jaxtrain_ms": med["jaxtrain"], "handwritten_ms": med["handwritten"],
+            json.dump({"model": args.model, "batch_size": args.batch_size, "devices": len(devices),
+                       "jaxtrain_ms": med["jaxtrain"], "handwritten_ms": med["handwritten"],
                        "torch_ms": med.get("torch"), "peak_gflops": peak / 1e9, "flops_per_step": flops,
+                       "bytes_per_step": bytes_accessed,
                        "epoch_wall_sec": epoch.train_sec, "epoch_predicted_sec": predicted, "times_ms": times}, f,
                       indent=2)
     return 0

@@ -92,11 +92,21 @@ def test_resnet18_cli_trains(tmp_path):
 
 
 @needs_fashion_mnist
-def test_bench_smoke(tmp_path):
-    out = run_cli("-m", "experiments.bench", "--repeats", "2", "--steps", "3", "--epoch-steps", "3",
+@pytest.mark.parametrize("model", ["lenet", "resnet18"])
+def test_bench_smoke(tmp_path, model):
+    out = run_cli("-m", "experiments.bench", "--model", model, "--repeats", "2", "--steps", "2", "--epoch-steps", "2",
                   "--json", str(tmp_path / "b.json"))
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "b.json").read_text())
     assert {"jaxtrain_ms", "handwritten_ms", "torch_ms", "peak_gflops"} <= result.keys()
+    assert result["model"] == model and result["batch_size"] == (256 if model == "lenet" else 64)
+    assert result["flops_per_step"] > 0 and result["bytes_per_step"] > 0 and "H100" in out.stdout
     assert result["jaxtrain_ms"] > 0 and result["handwritten_ms"] > 0 and result["peak_gflops"] > 0
     assert "| jaxtrain |" in out.stdout and "jaxtrain/handwritten" in out.stdout
+
+
+def test_bench_ops_smoke():
+    out = run_cli("-m", "experiments.bench_ops", "--batch-size", "32", "--repeats", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| conv")]
+    assert len(rows) == 5 and all(float(r.split("|")[2]) > 0 for r in rows), out.stdout
