@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=("lenet", "resnet18"), default="lenet")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 256 LeNet, 64 ResNet-18)")
     p.add_argument("--steps", type=int, default=None, help="steps per timed repeat (default: 20 LeNet, 3 ResNet-18)")
-    p.add_argument("--repeats", type=int, default=10, help="timed repeats per variant")
+    p.add_argument("--repeats", type=int, default=20, help="timed repeats per variant (noisy machines: more)")
     p.add_argument("--epoch-steps", type=int, default=None,
                    help="steps of the pipeline epoch (default: a full epoch for LeNet, 30 for ResNet-18)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
