@@ -28,6 +28,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=30, help="timed calls per operation (median reported)")
     p.add_argument("--xla-defaults", action="store_true", help="XLA's default CPU flags instead of jaxtrain's")
+    p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if it is installed")
     p.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)  # the child process
     return p
 
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     from experiments import bench_torch
 
     torch_ms = {}
-    if bench_torch.available():  # first, while no XLA thread is alive yet
+    if bench_torch.available() and not args.no_torch:  # first, while no XLA thread is alive yet
         out = subprocess.run([sys.executable, "-m", "experiments.bench_ops", "--torch-only", "--batch-size",
                               str(args.batch_size), "--repeats", str(args.repeats)],
                              capture_output=True, text=True, check=True)
