@@ -7,7 +7,7 @@ strategy and devices); (b) a minimal hand-written ``jax.jit`` SGD step of the
 same model on the same devices (the overhead reference); (c) PyTorch on the
 CPU with ``torch.set_num_threads(cores)``, in its own process, when torch is
 importable (``pip install torch==2.13.0``); (d) an epoch through the real input
-pipeline: wall time vs steps x step time. A B C A B C ..., warm-up excluded,
+pipeline: wall time vs steps x step time. A B C, B C A, C A B ... (rotated), warm-up excluded,
 median and spread of the repeats. Batch 256 for LeNet, 64 for ResNet-18.
 """
 
@@ -18,10 +18,13 @@ import json
 import os
 import statistics
 import sys
+import time
 
-# Untimed steps before each timed block: worker threads (XLA's, PyTorch's
-# OpenMP) keep spinning for a while after a step and steal the cores from
-# whatever runs next; a few steps of the variant itself let them settle.
+# Worker threads (XLA's, PyTorch's OpenMP) keep spinning for a while after a
+# step and steal the cores from whatever runs next. So every timed block
+# starts with a pause (the previous variant's threads go to sleep), then a few
+# untimed steps of its own (its threads wake up).
+COOL_DOWN_SEC = 0.3
 SETTLE_STEPS = 3
 
 # What one H100 sustains in practice (measured figures quoted in issue 9, not
@@ -34,8 +37,9 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", choices=("lenet", "resnet18"), default="lenet")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 256 LeNet, 64 ResNet-18)")
-    p.add_argument("--steps", type=int, default=None, help="steps per timed repeat (default: 20 LeNet, 3 ResNet-18)")
-    p.add_argument("--repeats", type=int, default=20, help="timed repeats per variant (noisy machines: more)")
+    p.add_argument("--steps", type=int, default=None, help="steps per timed block (default: 10 LeNet, 3 ResNet-18)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed blocks per variant (default: 40 LeNet, 10 ResNet-18; noisy machines: more)")
     p.add_argument("--epoch-steps", type=int, default=None,
                    help="steps of the pipeline epoch (default: a full epoch for LeNet, 30 for ResNet-18)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
@@ -49,7 +53,8 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     lenet_model = args.model == "lenet"
     args.batch_size = args.batch_size or (256 if lenet_model else 64)
-    args.steps = args.steps or (20 if lenet_model else 3)
+    args.steps = args.steps or (10 if lenet_model else 3)
+    args.repeats = args.repeats or (40 if lenet_model else 10)
     args.epoch_steps = args.epoch_steps or (None if lenet_model else 30)
     if args.xla_defaults:
         os.environ["JAXTRAIN_XLA_DEFAULTS"] = "1"
@@ -108,14 +113,24 @@ def main(argv=None) -> int:
     times: dict[str, list[float]] = {k: [] for k in [*runs, *(["torch"] if torch else [])]}
     if torch:
         torch.time(3)  # warm-up
-    for _ in range(args.repeats):  # interleaved: A B C A B C ...
-        for name, run in runs.items():
-            run[1], _ = time_steps(run[0], run[1], batch, SETTLE_STEPS)
-            run[1], sec = time_steps(run[0], run[1], batch, args.steps)
-            times[name].append(1000 * sec)
-        if torch:
+    def block(name: str) -> float:
+        """ms/step of one timed block of ``name``, after a pause and its settle steps."""
+        time.sleep(COOL_DOWN_SEC)
+        if name == "torch":
             torch.time(SETTLE_STEPS)
-            times["torch"].append(1000 * torch.time(args.steps))
+            return 1000 * torch.time(args.steps)
+        run = runs[name]
+        run[1], _ = time_steps(run[0], run[1], batch, SETTLE_STEPS)
+        run[1], sec = time_steps(run[0], run[1], batch, args.steps)
+        return 1000 * sec
+
+    # Interleaved and rotated (A B C, B C A, C A B, ...): with a fixed order and
+    # no pause, whatever ran after PyTorch paid for its spinning threads (LeNet:
+    # jaxtrain/hand-written 1.23 in one run, 1.00 without torch).
+    names = list(times)
+    for r in range(args.repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(block(name))
     if torch:
         torch.close()
 
@@ -126,11 +141,18 @@ def main(argv=None) -> int:
     train = loader.Loader(sources.load_split("fashion_mnist", "train"), args.batch_size, train=True)
     test = loader.Loader(train.split.head(args.batch_size), args.batch_size, train=False)
     evaluator = jt.make_eval_step(eval_fn, mesh=mesh)
-    state, history, _ = fit(trainer, runs["jaxtrain"][1], train, evaluator, test, epochs=1,
-                            max_steps=args.epoch_steps, progress=False)
+    # The step time it is compared with is measured right around it: the machine's speed drifts.
+    reference = [block("jaxtrain") for _ in range(3)]
+    runs["jaxtrain"][1], history, _ = fit(trainer, runs["jaxtrain"][1], train, evaluator, test, epochs=1,
+                                          max_steps=args.epoch_steps, progress=False)
+    reference += [block("jaxtrain") for _ in range(3)]
     epoch = history[0]
     peak = diagnostics.measure_matmul_peak()
     med = {k: statistics.median(v) for k, v in times.items()}
+
+    def paired(a: str, b: str) -> float:
+        """Median over the repeats of a/b within each repeat (both ran within seconds of each other)."""
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
     print(f"\n{'LeNet' if lenet_model else 'ResNet-18'} train step, batch {args.batch_size}, {len(devices)} {devices[0].platform} devices, "
           f"jax {jax.__version__}; median (min-max) of {args.repeats} x {args.steps} steps; "
@@ -140,12 +162,17 @@ def main(argv=None) -> int:
         ms = med[name]
         print(f"| {name} | {ms:.1f} ({min(v):.1f}-{max(v):.1f}) | {args.batch_size / ms * 1000:,.0f} | "
               f"{flops / ms / 1e6:.0f} | {100 * flops / ms / 1e6 / (peak / 1e9):.0f}% |")
-    print(f"\nratios: torch/jaxtrain {med['torch'] / med['jaxtrain']:.2f}" if "torch" in med else "\nratios: torch n/a",
-          f", jaxtrain/handwritten {med['jaxtrain'] / med['handwritten']:.3f}")
-    predicted = epoch.steps * med["jaxtrain"] / 1000
+    torch_ratio = f"{med['torch'] / med['jaxtrain']:.2f}" if "torch" in med else "n/a"
+    print(f"\nratios of the medians: torch/jaxtrain {torch_ratio}, "
+          f"jaxtrain/handwritten {med['jaxtrain'] / med['handwritten']:.3f}")
+    paired_torch = f"{paired('torch', 'jaxtrain'):.2f}" if "torch" in med else "n/a"
+    print(f"paired ratios (median of per-repeat ratios): torch/jaxtrain {paired_torch}, "
+          f"jaxtrain/handwritten {paired('jaxtrain', 'handwritten'):.3f}")
+    step_ms = statistics.median(reference)
+    predicted = epoch.steps * step_ms / 1000
     print(f"epoch through the pipeline: {epoch.steps} steps in {epoch.train_sec:.2f} s wall vs "
-          f"{predicted:.2f} s = steps x step time ({100 * (epoch.train_sec / predicted - 1):+.1f}%), "
-          f"data wait {100 * epoch.data_wait_fraction:.1f}%")
+          f"{predicted:.2f} s = steps x {step_ms:.1f} ms (the step timed just before and after) "
+          f"({100 * (epoch.train_sec / predicted - 1):+.1f}%), data wait {100 * epoch.data_wait_fraction:.1f}%")
     print(f"compile-time cost per step: {flops / 1e9:.2f} GFLOP ({flops / args.batch_size / 1e6:.1f} MFLOP/example), "
           f"{bytes_accessed / 1e6:.0f} MB accessed -> floor here {1000 * flops / peak:.1f} ms (matmul peak); "
           f"one H100: {1e6 * flops / H100_BF16_FLOPS:.1f} us compute (bf16 790 TFLOP/s), "
@@ -156,7 +183,9 @@ def main(argv=None) -> int:
                        "jaxtrain_ms": med["jaxtrain"], "handwritten_ms": med["handwritten"],
                        "torch_ms": med.get("torch"), "peak_gflops": peak / 1e9, "flops_per_step": flops,
                        "bytes_per_step": bytes_accessed,
-                       "epoch_wall_sec": epoch.train_sec, "epoch_predicted_sec": predicted, "times_ms": times}, f,
+                       "epoch_wall_sec": epoch.train_sec, "epoch_predicted_sec": predicted, "epoch_reference_ms": reference,
+                       "paired_torch_over_jaxtrain": paired("torch", "jaxtrain") if "torch" in med else None,
+                       "paired_jaxtrain_over_handwritten": paired("jaxtrain", "handwritten"), "times_ms": times}, f,
                       indent=2)
     return 0
 
