@@ -10,8 +10,10 @@ BatchNorm statistics live in the ``batch_stats`` collection (the step's
 ``model_state``). In training they are computed over the GLOBAL batch under
 every strategy: under "jit" the batch axis is global anyway; under
 shard_map / pmap / ring, ``axis_name="data"`` makes BatchNorm average its
-statistics over the devices (a synchronised BatchNorm). Evaluation uses the
-running averages.
+statistics over the devices (a synchronised BatchNorm). Exception: "jit"
+with scan accumulation runs the micro-batches per device (one gradient
+reduction), so there each device normalises by its own share of the
+micro-batch. Evaluation uses the running averages.
 """
 
 from __future__ import annotations
