@@ -5,7 +5,9 @@ batch and talks to the other shards only through ``comm`` (a ``Comm``). The
 strategies differ only in how the body is wrapped:
 
 - ``jit``: the body sees the GLOBAL batch (sharded ``P("data")``) and ``comm``
-  does nothing; XLA (GSPMD) inserts the all-reduce of the gradients.
+  does nothing; XLA (GSPMD) inserts the all-reduce of the gradients. Only
+  micro-batch accumulation runs per device (``comm.per_device``), so that the
+  gradients are reduced once per update rather than once per micro-batch.
 - ``shard_map``: ``jax.shard_map`` runs the body per device; ``comm.mean`` is
   ``lax.pmean``.
 - ``pmap``: the legacy API, ``in_axes=(None, 0)``; ``comm.mean`` is ``lax.pmean``.
