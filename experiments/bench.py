@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     from experiments.bench_strategies import time_steps
     from experiments.bench_torch import TorchWorker
     from jaxtrain import diagnostics
+    from jaxtrain.step import replicate
 
     mesh = jt.make_mesh(devices)
     loss_fn, params0, model_state0 = build(args.model, "none")
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
 
     hand = jax.jit(sgd_step, in_shardings=(replicated, sharded), out_shardings=replicated, donate_argnums=0)
 
-    hand_carry = jax.tree.map(jax.numpy.copy, jax.device_put((params0, model_state0), replicated))
+    hand_carry = replicate((params0, model_state0), replicated)  # fresh buffers: the step donates them
     runs = {"jaxtrain": [trainer, state], "handwritten": [hand, hand_carry]}
     for run in runs.values():
         run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
     times: dict[str, list[float]] = {k: [] for k in [*runs, *(["torch"] if torch else [])]}
     if torch:
         torch.time(3)  # warm-up
+
     def block(name: str) -> float:
         """ms/step of one timed block of ``name``, after a pause and its settle steps."""
         time.sleep(COOL_DOWN_SEC)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
+
+from experiments.transfer import median_seconds
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,24 +34,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()  # compile / warm up
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
+    fn()  # compile (median_seconds warms up once more)
+    return 1000 * median_seconds(fn, repeats)
 
 
 def jax_ops(batch: int) -> dict:
     """{op: zero-argument function running it once to completion} for XLA:CPU."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
+    import jaxtrain as jt
     from jaxtrain.models import lenet
 
     dev = jax.devices()[0]
@@ -91,18 +87,12 @@ def jax_ops(batch: int) -> dict:
     for name, (f, *args) in ops.items():
         f = jax.jit(f)
         out[name] = lambda f=f, args=args: jax.block_until_ready(f(*args))
-    if len(jax.devices()) >= 2:
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
-        import jaxtrain as jt
-
-        mesh = jt.make_mesh(2)
-        size = sum(x.size for x in jax.tree.leaves(params))
-        grads = jax.device_put(np.ones((2 * size,), np.float32), NamedSharding(mesh, P(jt.DATA_AXIS)))
-        psum = jax.jit(jax.shard_map(lambda g: lax.psum(g, jt.DATA_AXIS), mesh=mesh, in_specs=P(jt.DATA_AXIS),
-                                     out_specs=P(jt.DATA_AXIS)))
-        out["gradient all-reduce (2 devices)"] = lambda: jax.block_until_ready(psum(grads))
+    mesh = jt.make_mesh(2)  # main() set up 2 devices
+    size = sum(x.size for x in jax.tree.leaves(params))
+    grads = jax.device_put(np.ones((2 * size,), np.float32), NamedSharding(mesh, P(jt.DATA_AXIS)))
+    psum = jax.jit(jax.shard_map(lambda g: lax.psum(g, jt.DATA_AXIS), mesh=mesh, in_specs=P(jt.DATA_AXIS),
+                                 out_specs=P(jt.DATA_AXIS)))
+    out["gradient all-reduce (2 devices)"] = lambda: jax.block_until_ready(psum(grads))
     return out
 
 
@@ -180,9 +170,11 @@ def main(argv=None) -> int:
     for name, ms in xla_ms.items():
         t = torch_ms.get(name)
         print(f"| {name} | {ms:.2f} | {'n/a' if t is None else f'{t:.2f}'} |")
-    common = [k for k in xla_ms if k in torch_ms] or list(xla_ms)
-    print(f"| sum (ops both have) | {sum(xla_ms[k] for k in common):.1f} | "
-          f"{sum(torch_ms[k] for k in common):.1f} |" if torch_ms else f"| sum | {sum(xla_ms.values()):.1f} | n/a |")
+    if torch_ms:
+        common = [k for k in xla_ms if k in torch_ms]
+        print(f"| sum (ops both have) | {sum(xla_ms[k] for k in common):.1f} | {sum(torch_ms[k] for k in common):.1f} |")
+    else:
+        print(f"| sum | {sum(xla_ms.values()):.1f} | n/a |")
     return 0
 
 

@@ -84,16 +84,9 @@ def find_batch_size(trainer, state, make_batch: Callable[[int], dict], budget_by
         raise ConfigError(f"a budget of {budget_bytes / 2**20:,.1f} MiB is smaller than the model itself: "
                           f"state {model_bytes / 2**20:,.1f} MiB, the step at the smallest batch ({unit}) needs "
                           f"{need(unit) / 2**20:,.1f} MiB per device; raise the budget or shrink the model")
-    lo, hi = unit, None  # lo fits; hi (a multiple of unit) does not
-    while hi is None:
-        candidate = lo * 2
-        if candidate > max_batch:
-            hi = candidate
-            break
-        if need(candidate) <= budget_bytes:
-            lo = candidate
-        else:
-            hi = candidate
+    lo, hi = unit, 2 * unit  # lo fits; once the doubling stops, hi (a multiple of unit) does not
+    while hi <= max_batch and need(hi) <= budget_bytes:
+        lo, hi = hi, 2 * hi
     while hi - lo > unit:  # binary search on multiples of unit
         mid = (lo + hi) // 2 // unit * unit
         if need(mid) <= budget_bytes:

@@ -47,16 +47,6 @@ def device_batches(batches: Iterable[dict], mesh, prefetch: int):
     return (to_device(b, sharding) for b in batches)
 
 
-@contextlib.contextmanager
-def _closing(it):
-    try:
-        yield it
-    finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
-
-
 def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> dict:
     """Means of the eval metrics over every unmasked example, plus ``count``.
 
@@ -71,7 +61,7 @@ def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> di
             totals[k] = totals.get(k, 0.0) + float(v)
 
     pending = None
-    with _closing(device_batches(batches, evaluator.mesh, prefetch)) as it, jax.transfer_guard("disallow"):
+    with contextlib.closing(device_batches(batches, evaluator.mesh, prefetch)) as it, jax.transfer_guard("disallow"):
         for batch in it:
             out = evaluator.step(state, batch)
             if pending is not None:
@@ -186,7 +176,7 @@ def fit(
 
         pending = None
         batches = device_batches(train_loader.epoch(epoch, start=batch_index), trainer.mesh, prefetch)
-        with _closing(batches), jax.transfer_guard("disallow"):
+        with contextlib.closing(batches), jax.transfer_guard("disallow"):
             while max_steps is None or total_steps < max_steps:
                 t0 = time.perf_counter()
                 batch = next(batches, None)

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxtrain.models import classify
-
 from jaxtrain.remat import remat as _remat
 
 NUM_CLASSES = 10

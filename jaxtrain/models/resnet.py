@@ -39,6 +39,12 @@ def _kernel_init(init: str):
     raise ValueError(f"unknown init {init!r}: use d2l or he")
 
 
+def _batch_norm(train: bool, axis_name: str | None) -> nn.BatchNorm:
+    """d2l's BatchNorm (momentum 0.9, eps 1e-5), its statistics synchronised over ``axis_name`` in training."""
+    return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                        axis_name=axis_name if train else None)
+
+
 class Residual(nn.Module):
     """d2l's Residual: conv-BN-ReLU-conv-BN, plus a (1x1 conv) shortcut, then ReLU."""
 
@@ -51,8 +57,7 @@ class Residual(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool):
         conv = partial(nn.Conv, kernel_init=_kernel_init(self.weight_init))
-        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                       axis_name=self.axis_name if train else None)
+        norm = partial(_batch_norm, train, self.axis_name)
         y = conv(self.channels, (3, 3), strides=self.strides, padding=1)(x)
         y = nn.relu(norm()(y))
         y = norm()(conv(self.channels, (3, 3), padding=1)(y))
@@ -71,8 +76,7 @@ class ResNet18(nn.Module):
     def __call__(self, x, train: bool = False):
         kinit = _kernel_init(self.weight_init)
         x = nn.Conv(64, (3, 3), padding=1, kernel_init=kinit)(x)
-        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                         axis_name=self.axis_name if train else None)(x)
+        x = _batch_norm(train, self.axis_name)(x)
         x = nn.relu(x)
         block = Residual
         pol = remat_policy(self.remat)
