@@ -20,6 +20,8 @@ import statistics
 import sys
 import time
 
+from jaxtrain.experiment import positive_int
+
 # Worker threads (XLA's, PyTorch's OpenMP) keep spinning for a while after a
 # step and steal the cores from whatever runs next. So every timed block
 # starts with a pause (the previous variant's threads go to sleep), then a few
@@ -36,11 +38,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", choices=("lenet", "resnet18"), default="lenet")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 256 LeNet, 64 ResNet-18)")
-    p.add_argument("--steps", type=int, default=None, help="steps per timed block (default: 10 LeNet, 3 ResNet-18)")
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None, help="global batch (default: 256 LeNet, 64 ResNet-18)")
+    p.add_argument("--steps", type=positive_int, default=None, help="steps per timed block (default: 10 LeNet, 3 ResNet-18)")
+    p.add_argument("--repeats", type=positive_int, default=None,
                    help="timed blocks per variant (default: 40 LeNet, 10 ResNet-18; noisy machines: more)")
-    p.add_argument("--epoch-steps", type=int, default=None,
+    p.add_argument("--epoch-steps", type=positive_int, default=None,
                    help="steps of the pipeline epoch (default: a full epoch for LeNet, 30 for ResNet-18)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.add_argument("--xla-defaults", action="store_true",
@@ -66,6 +68,7 @@ def main(argv=None) -> int:
     import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+    from tqdm import tqdm
 
     from experiments import bench_torch
     from experiments.bench_memory import build
@@ -130,7 +133,7 @@ def main(argv=None) -> int:
     # no pause, whatever ran after PyTorch paid for its spinning threads (LeNet:
     # jaxtrain/hand-written 1.23 in one run, 1.00 without torch).
     names = list(times)
-    for r in range(args.repeats):
+    for r in tqdm(range(args.repeats), desc="timed rounds", unit="round", disable=None, leave=False):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(block(name))
     if torch:

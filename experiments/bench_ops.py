@@ -20,13 +20,14 @@ import subprocess
 import sys
 
 from experiments.transfer import median_seconds
+from jaxtrain.experiment import positive_int
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_ops", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=30, help="timed calls per operation (median reported)")
+    p.add_argument("--batch-size", type=positive_int, default=256)
+    p.add_argument("--repeats", type=positive_int, default=30, help="timed calls per operation (median reported)")
     p.add_argument("--xla-defaults", action="store_true", help="XLA's default CPU flags instead of jaxtrain's")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if it is installed")
     p.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)  # the child process

@@ -37,7 +37,8 @@ def _whole_number(text: str, minimum: int) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a one-line error otherwise)."""
     return _whole_number(text, 1)
 
 
@@ -60,29 +61,29 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     from jaxtrain.parallel import STRATEGIES
 
     p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--devices", type=_positive_int, default=None,
+    p.add_argument("--devices", type=positive_int, default=None,
                    help="devices to train on: on CPU this many virtual devices sharing the cores "
                         "(default: one per core), on GPU the first N GPUs (default: all)")
-    p.add_argument("--devices-per-process", type=_positive_int, default=None,
+    p.add_argument("--devices-per-process", type=positive_int, default=None,
                    help="multi-process runs: CPU virtual devices per process (python -m jaxtrain.launch sets it)")
     p.add_argument("--coordinator", default=None,
                    help="multi-process runs without the launcher: HOST:PORT of process 0's coordinator")
-    p.add_argument("--num-processes", type=_positive_int, default=None, help="multi-process runs: process count")
+    p.add_argument("--num-processes", type=positive_int, default=None, help="multi-process runs: process count")
     p.add_argument("--process-id", type=int, default=None, help="multi-process runs: this process's id (0..N-1)")
     p.add_argument("--strategy", choices=STRATEGIES, default="jit",
                    help="data-parallel strategy: jit (XLA inserts the all-reduce), shard_map (explicit pmean), "
                         "pmap (legacy API), ring (our ppermute ring all-reduce)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="compute dtype (fp32 master params either way); fp16 uses a dynamic loss scale")
-    p.add_argument("--accum-steps", type=_positive_int, default=1,
+    p.add_argument("--accum-steps", type=positive_int, default=1,
                    help="gradient accumulation: micro-batches per optimizer update")
     p.add_argument("--accum", choices=("scan", "multisteps"), default="scan",
                    help="scan: one call = one update over k micro-batches (one all-reduce); "
                         "multisteps: optax.MultiSteps, one call per micro-batch, an update every k calls")
     p.add_argument("--remat", default="none",
                    help="remat policy per block: none, full, dots, dots_no_batch, or a jax.checkpoint_policies name")
-    p.add_argument("--epochs", type=_positive_int, default=epochs, help="passes over the training set")
-    p.add_argument("--batch-size", type=_positive_int, default=batch_size,
+    p.add_argument("--epochs", type=positive_int, default=epochs, help="passes over the training set")
+    p.add_argument("--batch-size", type=positive_int, default=batch_size,
                    help="GLOBAL batch per optimizer update, split evenly over the devices (and micro-batches)")
     p.add_argument("--lr", type=_positive_float, default=lr, help="learning rate of plain SGD")
     p.add_argument("--seed", type=int, default=0, help="seed of the init and of the shuffling")
@@ -100,7 +101,7 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
                    help="grain worker threads building batches ahead (0: in the prefetch thread; see README)")
     p.add_argument("--prefetch", type=_non_negative_int, default=2,
                    help="batches copied to the devices ahead of the step by a background thread (0: off)")
-    p.add_argument("--max-steps", type=_positive_int, default=None,
+    p.add_argument("--max-steps", type=positive_int, default=None,
                    help="stop after this many train steps in total (for smoke runs), then evaluate")
     p.add_argument("--memory-report", action="store_true",
                    help="print host and device memory at the start and after the first step")
@@ -109,15 +110,15 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     p.add_argument("--measure-peak", action="store_true",
                    help="measure this device's fp32 matmul peak once, for the MFU in summary.json "
                         "(GPUs use datasheet peaks without it)")
-    p.add_argument("--train-subset", type=_positive_int, default=None,
+    p.add_argument("--train-subset", type=positive_int, default=None,
                    help="train on the first N training examples only (CPU-sized runs); the test set stays whole")
-    p.add_argument("--test-subset", type=_positive_int, default=None,
+    p.add_argument("--test-subset", type=positive_int, default=None,
                    help="evaluate on the first N test examples only (smoke runs); default: every test example")
     p.add_argument("--checkpoint-dir", default=None,
                    help="save orbax checkpoints (TrainState + data position) here, at every epoch end")
-    p.add_argument("--checkpoint-every", type=_positive_int, default=None,
+    p.add_argument("--checkpoint-every", type=positive_int, default=None,
                    help="also checkpoint every N train steps")
-    p.add_argument("--keep-checkpoints", type=_positive_int, default=3, help="keep the newest K checkpoints")
+    p.add_argument("--keep-checkpoints", type=positive_int, default=3, help="keep the newest K checkpoints")
     p.add_argument("--resume", action="store_true",
                    help="continue exactly where the newest readable checkpoint in --checkpoint-dir stopped")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they show only on a terminal anyway)")

@@ -115,3 +115,10 @@ def test_bench_ops_smoke(torch):
     assert len(rows) == 5 and all(float(r.split("|")[2]) > 0 for r in rows), out.stdout
     if torch:  # the path CI takes (no PyTorch installed)
         assert all(r.rstrip().endswith("| n/a |") for r in rows), out.stdout
+
+
+@pytest.mark.parametrize("module", ["experiments.bench", "experiments.bench_ops"])
+def test_bench_bad_count_is_a_one_line_error(module):
+    out = run_cli("-m", module, "--repeats", "0")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--repeats" in out.stderr and ">= 1" in out.stderr, out.stderr
