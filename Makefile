@@ -7,11 +7,12 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 # Two workers: compiles and subprocess start-ups overlap (~5 min instead of ~9 on 2 cores).
 PYTEST_ARGS ?= -n 2
 
-.PHONY: setup data demo test clean help
+.PHONY: setup data demo test test-latest clean help
 
 help:
 	@echo "make demo   set up, then train the d2l LeNet on Fashion-MNIST on 2 devices (10 epochs)"
 	@echo "make test   set up, then run the whole test suite"
+	@echo "make test-latest  the suite again on the newest Python >= 3.12 here with the newest JAX (.venv-latest)"
 	@echo "make data   install the Debian package dataset-fashion-mnist if it is missing"
 	@echo "make setup  create/update $(VENV) and install jaxtrain with its test extras"
 
@@ -42,5 +43,10 @@ demo: setup data
 test: setup data
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The newest-JAX leg (README "Tested versions"): LATEST_PYTEST_ARGS picks the tests.
+LATEST_PYTEST_ARGS ?= -n 2
+test-latest: data
+	bash tools/test-latest $(LATEST_PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-latest runs .pytest_cache build *.egg-info

@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--xla-defaults", action="store_true",
                    help="compile with XLA's default CPU flags instead of jaxtrain's (sets JAXTRAIN_XLA_DEFAULTS=1)")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if it is installed")
+    p.add_argument("--torch-python", default=None, metavar="PYTHON",
+                   help="run the PyTorch side with this interpreter (e.g. a Python 3.11 venv with torch==2.13.0 "
+                        "beside a jax 0.12 one; default: this interpreter)")
     return p
 
 
@@ -58,6 +61,12 @@ def main(argv=None) -> int:
     args.steps = args.steps or (10 if lenet_model else 3)
     args.repeats = args.repeats or (40 if lenet_model else 10)
     args.epoch_steps = args.epoch_steps or (None if lenet_model else 30)
+    from experiments import bench_torch
+
+    use_torch = not args.no_torch and bench_torch.available(args.torch_python)
+    if args.torch_python and not args.no_torch and not use_torch:
+        print(f"bench: error: --torch-python {args.torch_python} cannot import torch", file=sys.stderr)
+        return 2
     if args.xla_defaults:
         os.environ["JAXTRAIN_XLA_DEFAULTS"] = "1"
     import jaxtrain as jt
@@ -70,7 +79,6 @@ def main(argv=None) -> int:
     from jax.sharding import PartitionSpec as P
     from tqdm import tqdm
 
-    from experiments import bench_torch
     from experiments.bench_memory import build
     from experiments.bench_strategies import time_steps
     from experiments.bench_torch import TorchWorker
@@ -113,7 +121,7 @@ def main(argv=None) -> int:
     runs = {"jaxtrain": [trainer, state], "handwritten": [hand, hand_carry]}
     for run in runs.values():
         run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up
-    torch = TorchWorker(args.model, args.batch_size) if bench_torch.available() and not args.no_torch else None
+    torch = TorchWorker(args.model, args.batch_size, python=args.torch_python) if use_torch else None
     times: dict[str, list[float]] = {k: [] for k in [*runs, *(["torch"] if torch else [])]}
     if torch:
         torch.time(3)  # warm-up

@@ -2,21 +2,35 @@
 
 Its own process so that PyTorch's OpenMP threads and XLA's thread pools never
 share an address space (the two runtimes' spinning worker threads slowed each
-other down by up to 40% in one process). The parent sends ``steps`` over a
-pipe and gets back seconds per step, so the blocks still interleave.
+other down by up to 40% in one process). The parent writes ``steps`` to its
+stdin and reads back seconds per step, so the blocks still interleave. The
+child may be another Python (``python``): PyTorch's CPU build exists for fewer
+Python versions than JAX supports, and its speed does not depend on which.
+
+    python -m experiments.bench_torch MODEL BATCH_SIZE LR    (driven by TorchWorker)
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def available() -> bool:
-    from importlib.util import find_spec
+def available(python: str | None = None) -> bool:
+    """Can ``python`` (default: this one) import torch?"""
+    if python is None:
+        from importlib.util import find_spec
 
-    return find_spec("torch") is not None
+        return find_spec("torch") is not None
+    try:
+        return subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
+    except OSError:  # no such interpreter
+        return False
 
 
 def _lenet():
@@ -69,31 +83,36 @@ def _make_step(model: str, batch_size: int, lr: float):
     return step
 
 
-def _serve(conn, model: str, batch_size: int, lr: float) -> None:
+def _serve(model: str, batch_size: int, lr: float) -> None:
     step = _make_step(model, batch_size, lr)
-    conn.send("ready")
-    while (steps := conn.recv()) is not None:
+    print("ready", flush=True)
+    for line in sys.stdin:  # one block per line; EOF ends
+        steps = int(line)
         start = time.perf_counter()
         for _ in range(steps):
             step()
-        conn.send((time.perf_counter() - start) / steps)
+        print((time.perf_counter() - start) / steps, flush=True)
 
 
 class TorchWorker:
     """A PyTorch train step (``model``: lenet | resnet18) in a child process: ``worker.time(steps)`` -> s/step."""
 
-    def __init__(self, model: str, batch_size: int, lr: float = 0.2):
-        ctx = mp.get_context("spawn")  # no fork of a process that runs XLA threads
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, model, batch_size, lr), daemon=True)
-        self._proc.start()
-        if self._conn.recv() != "ready":
+    def __init__(self, model: str, batch_size: int, lr: float = 0.2, python: str | None = None):
+        self._proc = subprocess.Popen([python or sys.executable, "-m", "experiments.bench_torch", model,
+                                       str(batch_size), str(lr)], cwd=ROOT, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+        if self._proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the PyTorch worker did not start")
 
     def time(self, steps: int) -> float:
-        self._conn.send(steps)
-        return self._conn.recv()
+        self._proc.stdin.write(f"{steps}\n")
+        self._proc.stdin.flush()
+        return float(self._proc.stdout.readline())
 
     def close(self) -> None:
-        self._conn.send(None)
-        self._proc.join(timeout=30)
+        self._proc.stdin.close()
+        self._proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))

@@ -47,18 +47,22 @@ def split_micro_batches(batch, k: int):
     return jax.tree.map(split, batch)
 
 
-def unroll_for(platform: str, k: int) -> int:
-    """How far to unroll the micro-batch scan on ``platform``.
+def _platform_scan(step, carry, xs, k: int):
+    """``lax.scan(step, carry, xs)``, fully unrolled when compiled for a CPU.
 
     XLA:CPU runs convolutions inside a ``while`` body far slower than the same
     ops outside one (jax-ml/jax#12868): the LeNet step with k=4 took 560 ms in
-    a loop vs ~45 ms unrolled. So on CPU the scan is unrolled completely (no
-    loop is left; compile time grows with k). GPUs and TPUs keep the loop.
+    a loop vs ~45 ms unrolled. So on CPU no loop is left (compile time grows
+    with k); GPUs and TPUs keep the loop. ``lax.platform_dependent`` chooses
+    when the step is lowered, for the platform it is compiled FOR, not the
+    host's (a CUDA lowering on a CPU host keeps the loop; the compiler never
+    sees a conditional).
     """
-    return k if platform == "cpu" else 1
+    scan = lambda unroll: lambda c, x: lax.scan(step, c, x, unroll=unroll)  # noqa: E731
+    return lax.platform_dependent(carry, xs, cpu=scan(k), default=scan(1))
 
 
-def scan_gradients(grad_fn, params, model_state, batch, rng, k: int, vary, unroll: int = 1):
+def scan_gradients(grad_fn, params, model_state, batch, rng, k: int, vary):
     """Sum ``grad_fn`` over k micro-batches with ``lax.scan``; return the means.
 
     ``grad_fn(params, model_state, micro_batch, rng) -> (grads, loss, model_state, metrics)``.
@@ -78,6 +82,6 @@ def scan_gradients(grad_fn, params, model_state, batch, rng, k: int, vary, unrol
         acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), (g_sum, loss_sum, m_sum), (g, loss, metrics))
         return (acc, ms), None
 
-    ((g_sum, loss_sum, m_sum), model_state), _ = lax.scan(step, carry0, (micro, rngs), unroll=unroll)
+    ((g_sum, loss_sum, m_sum), model_state), _ = _platform_scan(step, carry0, (micro, rngs), k)
     mean = lambda t: jax.tree.map(lambda x: x / k, t)  # noqa: E731
     return mean(g_sum), mean(loss_sum), model_state, mean(m_sum)

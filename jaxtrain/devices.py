@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
+from jaxtrain import compat
 from jaxtrain.errors import ConfigError
 
 DATA_AXIS = "data"  # the one mesh axis name; every module imports it from here
@@ -16,15 +17,11 @@ DATA_AXIS = "data"  # the one mesh axis name; every module imports it from here
 # rendezvous overhead (and XLA:CPU's all-reduce rendezvous can starve).
 CPU_DEVICES_PER_CORE = 4
 
-# XLA flags set before JAX starts, unless XLA_FLAGS already names them. They
-# are CPU-only (GPUs ignore them). jaxlib 0.10 hands convolutions and dots to
-# YNNPACK fusions by default; on this project's CPUs those ran the LeNet step
-# 1.5x (2 devices) to 3x (1 device) slower than XLA's own Eigen kernels, and
-# its conv2 forward 6x slower. Reductions stay with YNNPACK: as fast, and
-# XLA's own lost accuracy in BatchNorm's statistics (ResNet-18 stem gradients
-# off by 1% in fp32, vs 1e-6 with YNNPACK's). docs/performance.md
+# XLA:CPU flags (compat.CPU_XLA_FLAGS, chosen per jaxlib version: why, and
+# the measurements, are there) are added to $XLA_FLAGS before JAX starts,
+# unless $XLA_FLAGS already names them. They are CPU-only: the CPU compiler
+# reads them, so a step compiled for a GPU never sees them.
 # JAXTRAIN_XLA_DEFAULTS=1 keeps XLA's defaults (to compare with a new jaxlib).
-CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=reduce",)
 ENV_XLA_DEFAULTS = "JAXTRAIN_XLA_DEFAULTS"
 
 
@@ -37,17 +34,11 @@ def max_cpu_devices() -> int:
     return CPU_DEVICES_PER_CORE * _cores()
 
 
-def _backend_started() -> bool:
-    from jax._src import xla_bridge  # no public API answers "has JAX started?"
-
-    return xla_bridge.backends_are_initialized()
-
-
 def _set_xla_flags() -> None:
     if os.environ.get(ENV_XLA_DEFAULTS, "") not in ("", "0"):
         return
     current = os.environ.get("XLA_FLAGS", "")
-    missing = [f for f in CPU_XLA_FLAGS if f.split("=")[0] not in current]
+    missing = [f for f in compat.cpu_xla_flags() if f.split("=")[0] not in current]
     if missing:
         os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
 
@@ -99,7 +90,7 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
     """Return the ``n`` devices of this run; call before any other JAX call.
 
     CPU: ``n`` virtual devices (default: one per core, or $JAX_NUM_CPU_DEVICES),
-    compiled with ``CPU_XLA_FLAGS`` added to $XLA_FLAGS (yours take precedence).
+    compiled with ``compat.cpu_xla_flags()`` added to $XLA_FLAGS (yours take precedence).
     GPU: the first ``n`` GPUs (default: all). Asking for more devices than
     exist, or calling after JAX started with a different count, raises a
     ``ConfigError`` that says what to do.
@@ -113,7 +104,7 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
     _check_count(devices_per_process)
     if devices_per_process is None and os.environ.get(ENV_DEVICES_PER_PROCESS):
         devices_per_process = int(os.environ[ENV_DEVICES_PER_PROCESS])
-    if not _backend_started():
+    if not compat.backend_started():
         _set_xla_flags()
         if devices_per_process is not None:
             jax.config.update("jax_num_cpu_devices", devices_per_process)
@@ -125,7 +116,7 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
                               f"{jax.local_device_count()} devices per process = {len(devices)}; drop --devices "
                               "or make them agree")
         return devices
-    if not _backend_started():
+    if not compat.backend_started():
         cpu_n = n if n is not None else int(os.environ.get("JAX_NUM_CPU_DEVICES", "0")) or _cores()
         if cpu_n > max_cpu_devices() and _platform_hint() == "cpu":
             raise ConfigError(

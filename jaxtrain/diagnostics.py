@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from jaxtrain import compat
 from jaxtrain import precision as prec
 
 
@@ -26,8 +27,6 @@ def saved_residual_bytes(trainer, state, batch: Mapping) -> int:
     (params and inputs exist anyway). This is what a remat policy controls,
     whatever the backend's scheduler then does with the memory.
     """
-    from jax._src.ad_checkpoint import saved_residuals  # the list print_saved_residuals prints
-
     per_call = trainer.num_devices * (trainer.accum_steps if trainer.accum == "scan" else 1)
     local = {k: jax.ShapeDtypeStruct((v.shape[0] // per_call, *v.shape[1:]), v.dtype) for k, v in batch.items()}
     policy = trainer.policy
@@ -40,7 +39,7 @@ def saved_residual_bytes(trainer, state, batch: Mapping) -> int:
 
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
     total = 0
-    for aval, source in saved_residuals(loss, params, local):
+    for aval, source in compat.saved_residuals(loss, params, local):
         if not source.startswith("from the argument"):
             total += int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
     return total

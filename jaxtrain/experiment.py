@@ -318,9 +318,9 @@ class _StopOnSignal:
         self._step += 1
         if jax.process_count() == 1:
             return bool(self.signum)
-        from jax._src import distributed  # the coordination service's client; no public API
+        from jaxtrain import compat
 
-        client = distributed.global_state.client
+        client = compat.distributed_client()
         if self._stop_at is None:
             if self.signum:
                 try:

@@ -153,7 +153,33 @@ def comm_for(strategy: str, mesh) -> Comm:
     return Comm(mean=pmean, sum=psum, vary=_pcast, index=index, per_device=per_device)
 
 
-def wrap(body: Callable, mesh, strategy: str, *, donate_state: bool) -> Callable:
+class _Compiled:
+    """A wrapped step: call it, or ``lower(state, batch, platforms)`` it (e.g. ``("cuda",)`` on a CPU host)."""
+
+    def __init__(self, jitted, prepare=lambda batch: batch):
+        self._jitted, self._prepare = jitted, prepare
+
+    def __call__(self, state, batch):
+        return self._jitted(state, self._prepare(batch))
+
+    def lower(self, state, batch, platforms: tuple[str, ...] | None = None):
+        return self._jitted.trace(state, self._prepare(batch)).lower(lowering_platforms=platforms)
+
+
+class _Pmapped(_Compiled):
+    """``jax.pmap``'s own ``lower`` takes no platforms: other platforms lower the same pmap under a jit."""
+
+    def __init__(self, pmapped, prepare, donate):
+        super().__init__(pmapped, prepare)
+        self._under_jit = jax.jit(lambda state, batch: pmapped(state, prepare(batch)), donate_argnums=donate)
+
+    def lower(self, state, batch, platforms: tuple[str, ...] | None = None):
+        if platforms is None:
+            return self._jitted.lower(state, self._prepare(batch))
+        return self._under_jit.trace(state, batch).lower(lowering_platforms=platforms)
+
+
+def wrap(body: Callable, mesh, strategy: str, *, donate_state: bool) -> _Compiled:
     """Compile ``body(state, batch, comm)`` for ``strategy`` over ``mesh``.
 
     The returned function takes the replicated state and the GLOBAL batch
@@ -165,7 +191,8 @@ def wrap(body: Callable, mesh, strategy: str, *, donate_state: bool) -> Callable
     donate = (0,) if donate_state else ()
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
     if strategy == "jit":
-        return jax.jit(fn, in_shardings=(replicated, sharded), out_shardings=replicated, donate_argnums=donate)
+        return _Compiled(jax.jit(fn, in_shardings=(replicated, sharded), out_shardings=replicated,
+                                 donate_argnums=donate))
     if strategy in ("shard_map", "ring"):
         mapped = jax.shard_map(
             fn,
@@ -176,7 +203,7 @@ def wrap(body: Callable, mesh, strategy: str, *, donate_state: bool) -> Callable
             # the same values, so the ring's outputs cannot be checked as P().
             check_vma=strategy != "ring",
         )
-        return jax.jit(mapped, donate_argnums=donate)
+        return _Compiled(jax.jit(mapped, donate_argnums=donate))
     devices = list(mesh.devices.flat)
     n = len(devices)
     pmapped = jax.pmap(
@@ -186,8 +213,4 @@ def wrap(body: Callable, mesh, strategy: str, *, donate_state: bool) -> Callable
     def per_device(batch):  # users never reshape to [devices, per_device, ...]
         return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
-    def call(state, batch):
-        return pmapped(state, per_device(batch))
-
-    call.lower = lambda state, batch: pmapped.lower(state, per_device(batch))
-    return call
+    return _Pmapped(pmapped, per_device, donate)

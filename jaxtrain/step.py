@@ -80,8 +80,7 @@ def _is_global(batch) -> bool:
     return all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
 
 
-def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, accum_steps: int,
-                unroll: int = 1):
+def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, accum_steps: int):
     def grad_fn(params, model_state, batch, rng, scale):
         """fp32 grads of the (scaled) loss, computed in the policy's compute dtype."""
 
@@ -102,8 +101,8 @@ def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.
         if accum_steps > 1:
             one = lambda p, ms, b, r: grad_fn(p, ms, b, r, scale)  # noqa: E731
             grads, loss, model_state, metrics = comm.per_device(
-                lambda p, b, r, vary: accumulate.scan_gradients(one, p, state.model_state, b, r, accum_steps, vary,
-                                                                unroll))(params, batch, rng)
+                lambda p, b, r, vary: accumulate.scan_gradients(one, p, state.model_state, b, r, accum_steps, vary))(
+                    params, batch, rng)
         else:
             grads, loss, model_state, metrics = grad_fn(params, state.model_state, batch, rng, scale)
         grads = prec.cast_floats(grads, policy.reduce_dtype)
@@ -140,8 +139,7 @@ class Trainer:
         self.tx = accumulate.wrap_optimizer(tx, accum_steps, accum)
         scan_steps = accum_steps if accum == "scan" else 1
         self.shard = _Sharder(mesh, divisor=scan_steps)
-        unroll = accumulate.unroll_for(mesh.devices.flat[0].platform, scan_steps)
-        body = _train_body(loss_fn, self.tx, self.policy, scan_steps, unroll)
+        body = _train_body(loss_fn, self.tx, self.policy, scan_steps)
         self._step = parallel.wrap(body, mesh, strategy, donate_state=True)
 
     @property
@@ -177,9 +175,13 @@ class Trainer:
         """
         return self._step(state, batch)
 
-    def lower(self, state: TrainState, batch: Mapping):
-        """The lowered (not yet compiled) step for this state and batch."""
-        return self._step.lower(state, self.shard(batch))
+    def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
+        """The lowered (not yet compiled) step for this state and batch.
+
+        ``platforms``: lower for these instead of the mesh's devices, e.g.
+        ``("cuda",)`` to check on a CPU host what a GPU would compile.
+        """
+        return self._step.lower(state, self.shard(batch), platforms)
 
 
 def make_train_step(

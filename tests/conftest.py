@@ -26,6 +26,14 @@ needs_fashion_mnist = pytest.mark.skipif(
 )
 
 
+def pytest_report_header(config):
+    from importlib import metadata
+
+    names = ("jax", "jaxlib", "flax", "optax", "chex", "orbax-checkpoint", "grain", "tensorflow-datasets", "numpy")
+    versions = ", ".join(f"{n} {metadata.version(n)}" for n in names)
+    return [f"Python {sys.version.split()[0]}: {versions}", f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}"]
+
+
 @pytest.fixture(scope="session")
 def tfds_dir() -> str:
     return _TFDS_DIR

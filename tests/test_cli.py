@@ -2,6 +2,7 @@
 
 import json
 import re
+import sys
 
 import pytest
 from conftest import needs_fashion_mnist, run_cli
@@ -115,6 +116,12 @@ def test_bench_ops_smoke(torch):
     assert len(rows) == 5 and all(float(r.split("|")[2]) > 0 for r in rows), out.stdout
     if torch:  # the path CI takes (no PyTorch installed)
         assert all(r.rstrip().endswith("| n/a |") for r in rows), out.stdout
+
+
+def test_bench_torch_python_without_torch_is_a_one_line_error():
+    out = run_cli("-m", "experiments.bench", "--torch-python", sys.executable + "-missing")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == f"bench: error: --torch-python {sys.executable}-missing cannot import torch"
 
 
 @pytest.mark.parametrize("module", ["experiments.bench", "experiments.bench_ops"])

@@ -1,0 +1,73 @@
+"""What differs between the JAX versions jaxtrain supports, in one place.
+
+Tested: jax/jaxlib 0.10.2 (Python 3.11) and 0.12.0.1 (Python 3.12, 3.13);
+README "Tested versions". Every branch below says which version needs it.
+Nothing here imports jax at module level: ``cpu_xla_flags`` must be answered
+before JAX starts (XLA reads $XLA_FLAGS once, when its first backend starts).
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+
+# XLA:CPU flags jaxtrain sets (devices.setup_devices), each with the jaxlib
+# versions it is known to exist in: [first, last] tested. An UNKNOWN flag in
+# $XLA_FLAGS aborts the process at start-up, so a flag is never set for a
+# jaxlib outside its tested range (that jaxlib then runs with XLA's defaults).
+#
+# --xla_cpu_experimental_ynn_fusion_type=reduce: jaxlib 0.10.2 and 0.12.0.1
+# both hand convolutions and dots to YNNPACK fusions by default; on this
+# project's CPUs those ran LeNet's step 1.4x (0.10.2) to 2.7x (0.12.0.1,
+# 1 device) slower than XLA's own Eigen kernels. Reductions stay with YNNPACK
+# (XLA's own lost accuracy in BatchNorm statistics). docs/performance.md has
+# the measurements for each version.
+CPU_XLA_FLAGS = (
+    ("--xla_cpu_experimental_ynn_fusion_type=reduce", (0, 10, 2), (0, 12, 0)),
+)
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """ "0.12.0.1" -> (0, 12, 0): the release's first three numbers (local parts ignored)."""
+    return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def installed_version(dist: str) -> tuple[int, ...] | None:
+    """The installed distribution's version, read without importing it (None if absent)."""
+    try:
+        return version_tuple(metadata.version(dist))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_xla_flags(jaxlib: tuple[int, ...] | None = None) -> tuple[str, ...]:
+    """The CPU flags jaxtrain sets for ``jaxlib`` (default: the installed one)."""
+    jaxlib = installed_version("jaxlib") if jaxlib is None else jaxlib
+    if jaxlib is None:
+        return ()
+    return tuple(flag for flag, first, last in CPU_XLA_FLAGS if first <= jaxlib[:3] <= last)
+
+
+def backend_started() -> bool:
+    """Has JAX started a backend (so device counts and XLA flags are fixed)?"""
+    # No public API answers this in jax 0.10.2 ... 0.12.0.1.
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def saved_residuals(fn, *args):
+    """[(aval, source)] of what ``fn``'s VJP saves: what ``jax.ad_checkpoint.print_saved_residuals`` prints."""
+    # The list itself has no public API in jax 0.10.2 ... 0.12.0.1 (only the printer).
+    from jax._src.ad_checkpoint import saved_residuals as listing
+
+    return listing(fn, *args)
+
+
+def distributed_client():
+    """The client of jax.distributed's coordination service (key-value store), or None."""
+    # jax 0.10.2 ... 0.12.0.1 expose initialize/is_initialized/shutdown only;
+    # the key-value store the multi-process stop protocol uses is private.
+    from jax._src import distributed
+
+    return distributed.global_state.client
