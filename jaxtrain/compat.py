@@ -16,12 +16,11 @@ from importlib import metadata
 # $XLA_FLAGS aborts the process at start-up, so a flag is never set for a
 # jaxlib outside its tested range (that jaxlib then runs with XLA's defaults).
 #
-# --xla_cpu_experimental_ynn_fusion_type=reduce: jaxlib 0.10.2 and 0.12.0.1
-# both hand convolutions and dots to YNNPACK fusions by default; on this
-# project's CPUs those ran LeNet's step 1.4x (0.10.2) to 2.7x (0.12.0.1,
-# 1 device) slower than XLA's own Eigen kernels. Reductions stay with YNNPACK
-# (XLA's own lost accuracy in BatchNorm statistics). docs/performance.md has
-# the measurements for each version.
+# --xla_cpu_experimental_ynn_fusion_type=reduce: jaxlib 0.10.2, 0.11.2 and
+# 0.12.0.1 all hand convolutions and dots to YNNPACK fusions by default,
+# which ran LeNet's step slower than XLA's own Eigen kernels on this
+# project's CPUs (docs/performance.md, measured per version). Reductions
+# stay with YNNPACK (XLA's own lost accuracy in BatchNorm statistics).
 CPU_XLA_FLAGS = (
     ("--xla_cpu_experimental_ynn_fusion_type=reduce", (0, 10, 2), (0, 12, 0)),
 )
