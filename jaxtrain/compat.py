@@ -50,7 +50,7 @@ def cpu_xla_flags(jaxlib: tuple[int, ...] | None = None) -> tuple[str, ...]:
 def backend_started() -> bool:
     """Has JAX started a backend (so device counts and XLA flags are fixed)?"""
     # No public API answers this in jax 0.10.2 ... 0.12.0.1.
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # public API missing: "has a backend started?"
 
     return xla_bridge.backends_are_initialized()
 
@@ -58,7 +58,7 @@ def backend_started() -> bool:
 def saved_residuals(fn, *args):
     """[(aval, source)] of what ``fn``'s VJP saves: what ``jax.ad_checkpoint.print_saved_residuals`` prints."""
     # The list itself has no public API in jax 0.10.2 ... 0.12.0.1 (only the printer).
-    from jax._src.ad_checkpoint import saved_residuals as listing
+    from jax._src.ad_checkpoint import saved_residuals as listing  # public: only the printer
 
     return listing(fn, *args)
 
@@ -67,6 +67,6 @@ def distributed_client():
     """The client of jax.distributed's coordination service (key-value store), or None."""
     # jax 0.10.2 ... 0.12.0.1 expose initialize/is_initialized/shutdown only;
     # the key-value store the multi-process stop protocol uses is private.
-    from jax._src import distributed
+    from jax._src import distributed  # public API missing: the coordination KV store
 
     return distributed.global_state.client
