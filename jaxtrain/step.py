@@ -165,6 +165,10 @@ class Trainer:
 
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a global batch (numpy or jax arrays): checked and sharded first."""
+        # A donated state's buffers are gone; reusing it segfaulted jaxlib 0.10.2 on 2+ CPU devices.
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+            raise ConfigError("this TrainState was donated to an earlier step and its buffers are gone: "
+                              "pass the state the previous call returned (state, metrics = trainer(state, batch))")
         return self._step(state, self.shard(batch))
 
     def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:

@@ -103,6 +103,9 @@ def test_no_recompilation_between_steps_and_state_donated(strategy):
     trainer(state, sharded)
     # Donation consumes the trainer's copy, never the caller's arrays.
     assert not any(x.is_deleted() for x in jax.tree.leaves(users_params))
+    # Reusing a donated state is a clear error, not a crash (it segfaulted on 2+ devices).
+    with pytest.raises(jt.ConfigError, match="donated to an earlier step.*pass the state the previous call returned"):
+        trainer(old, sharded)
 
 
 def psum_and_ring(mesh, tree):
