@@ -93,9 +93,11 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, code = failed[0]
+                how = f"exited with code {code}"
+                if code < 0:  # killed by a signal: exit as a shell would, 128 + signal
+                    how, code = f"was killed by {signal.Signals(-code).name}", 128 - code
                 with lock:
-                    print(f"jaxtrain.launch: process {rank} exited with code {code}; stopping the others",
-                          file=sys.stderr, flush=True)
+                    print(f"jaxtrain.launch: process {rank} {how}; stopping the others", file=sys.stderr, flush=True)
                 _stop(procs)
                 break
             if all(c == 0 for c in codes):

@@ -129,3 +129,10 @@ def test_bench_bad_count_is_a_one_line_error(module):
     out = run_cli("-m", module, "--repeats", "0")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "--repeats" in out.stderr and ">= 1" in out.stderr, out.stderr
+
+
+def test_launcher_exits_128_plus_signal_when_a_worker_is_killed():
+    kill_self = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    out = run_cli("-m", "jaxtrain.launch", "--processes", "2", "--", sys.executable, "-c", kill_self, timeout=120)
+    assert out.returncode == 128 + 9, (out.returncode, out.stderr)
+    assert "was killed by SIGKILL; stopping the others" in out.stderr
