@@ -80,14 +80,30 @@ def _is_global(batch) -> bool:
     return all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
 
 
+def _checked_loss_output(out):
+    """``out`` if it is ``(loss, (model_state, metrics))`` with a scalar loss and scalar metrics; else a ConfigError."""
+    expected = "loss_fn must return (loss, (model_state, metrics)): a scalar loss and a dict of scalar metrics"
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple) and len(out[1]) == 2):
+        raise ConfigError(f"{expected}; got {jax.tree.structure(out)}")
+    loss, (_, metrics) = out
+    if jnp.ndim(loss) != 0:
+        raise ConfigError(f"{expected}; got a loss of shape {jnp.shape(loss)} (take the mean over the examples)")
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(f"{expected}; got metrics of type {type(metrics).__name__}")
+    shaped = {k: jnp.shape(v) for k, v in metrics.items() if jnp.ndim(v) != 0}
+    if shaped:
+        raise ConfigError(f"{expected}; metrics {shaped} are not scalars (return their means over the examples)")
+    return out
+
+
 def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, accum_steps: int):
     def grad_fn(params, model_state, batch, rng, scale):
         """fp32 grads of the (scaled) loss, computed in the policy's compute dtype."""
 
         def scaled_loss(p):
-            loss, (new_model_state, metrics) = loss_fn(
+            loss, (new_model_state, metrics) = _checked_loss_output(loss_fn(
                 prec.cast_floats(p, policy.compute_dtype), model_state,
-                prec.cast_floats(batch, policy.compute_dtype), rng)
+                prec.cast_floats(batch, policy.compute_dtype), rng))
             loss = loss.astype(policy.output_dtype)
             return loss * scale, (loss, new_model_state, metrics)
 

@@ -157,3 +157,16 @@ def test_model_state_averaged_over_devices(strategy):
         chex.assert_trees_all_close(got.model_state, ref.model_state, rtol=1e-6, atol=1e-7)
     expected = 0.1 * batch["image"].reshape(64, -1).mean(0)
     np.testing.assert_allclose(np.asarray(ref.model_state["mean"]), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("bad", "says"), [
+    (lambda out: out[0], r"must return \(loss, \(model_state, metrics\)\)"),  # loss alone
+    (lambda out: (out[0], out[1][1]), r"must return \(loss, \(model_state, metrics\)\)"),  # no model state
+    (lambda out: (out[0] * jnp.ones(3), out[1]), r"a loss of shape \(3,\)"),
+    (lambda out: (out[0], (out[1][0], {"accuracy": jnp.ones(16)})), r"metrics \{'accuracy': \(16,\)\} are not scalars"),
+])
+def test_a_loss_fn_with_the_wrong_output_is_a_config_error_naming_the_contract(bad, says):
+    loss_fn = lambda *args: bad(lenet.loss_fn(*args))  # noqa: E731
+    trainer = jt.make_train_step(loss_fn, optax.sgd(0.1), mesh=1)
+    with pytest.raises(jt.ConfigError, match=says):
+        trainer(trainer.init(init_params()), random_batch(16))
