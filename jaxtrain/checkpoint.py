@@ -1,25 +1,39 @@
-"""Orbax checkpoints of the TrainState and the data position, with exact resume.
+"""Orbax checkpoints of the TrainState and the data position, with exact, verified resume.
 
-A checkpoint (one orbax step, numbered by train steps) holds the TrainState
-(params, optimizer state, model state, loss scale, RNG) and the loop's
-``Position`` (epoch, next batch, metric sums so far) as JSON. Saving is
-asynchronous where orbax offers it; the newest ``keep`` checkpoints are kept.
-Restoring tries the newest first and falls back to older ones when a
-checkpoint is partial or corrupt.
+A checkpoint (one orbax step, numbered by train steps) holds three items:
+``state`` (the TrainState: params, optimizer state, model state, loss scale,
+RNG), ``position`` (the loop's ``Position`` as JSON) and ``record`` (JSON:
+the run's settings, the state's layout, and digests of the state and the
+position taken at save time). Saving is asynchronous; the newest ``keep``
+checkpoints are kept; one run at a time owns the directory (a lock).
+
+Restoring reads the newest checkpoint's record first: settings that change
+what the state means, or a different layout, are a ``ConfigError`` (never
+"corruption"). A checkpoint that cannot be read, or whose digests do not
+match what was read, is moved aside into ``DIR/unreadable/`` (not deleted),
+with a warning, and the previous one is tried; moving it lets new saves at
+those step numbers land.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
 
+from jaxtrain import integrity
+from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError
 from jaxtrain.loop import Position
-from jaxtrain.report import ensure_writable
+from jaxtrain.report import ensure_writable, out_of_space
 from jaxtrain.state import TrainState
+
+UNREADABLE = "unreadable"
 
 
 def _saveable(state: TrainState) -> TrainState:
@@ -31,47 +45,184 @@ def _abstract(state: TrainState):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _saveable(state))
 
 
-class Checkpointer:
-    """Save and restore ``(TrainState, Position)`` in ``directory`` with orbax."""
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
-    def __init__(self, directory: str | Path, keep: int = 3):
+
+def _quiet_orbax_errors() -> None:
+    """A failed background save reaches us as an exception, which becomes one line (``_SaveErrors``).
+
+    orbax also logs it with tracebacks (its ERROR records are dropped), and
+    tensorstore writes still in flight then call back into orbax's closed
+    event loop and report "RuntimeError: Event loop is closed" as
+    unraisable, and asyncio logs the failed write once more when its future
+    is collected: those are dropped too.
+    """
+    import logging
+
+    logger = logging.getLogger("absl")
+    if any(getattr(f, "jaxtrain", False) for f in logger.filters):
+        return
+
+    def drop(record):
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+    drop.jaxtrain = True
+    logger.addFilter(drop)
+    logging.getLogger("asyncio").addFilter(  # the same failure, found again when its future is collected
+        lambda r: not (r.exc_info and r.exc_info[1] is not None and out_of_space(r.exc_info[1])))
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+@dataclasses.dataclass
+class Restored:
+    state: TrainState
+    position: Position
+    step: int
+    settings: dict  # the settings the checkpoint was written with
+
+
+class Checkpointer:
+    """Save and restore ``(TrainState, Position)`` in ``directory`` with orbax.
+
+    ``settings`` (JSON-able) are recorded in every checkpoint; on restore,
+    the keys in ``fixed`` must match them.
+    """
+
+    def __init__(self, directory: str | Path, keep: int = 3, settings: Mapping | None = None,
+                 fixed: tuple[str, ...] = (), flag: str = "--checkpoint-dir"):
         import orbax.checkpoint as ocp
 
         if keep < 1:
             raise ConfigError(f"--keep-checkpoints must be >= 1, got {keep}")
-        self.directory = ensure_writable(Path(directory).absolute(), "checkpoints to", "--checkpoint-dir")
+        self.directory = ensure_writable(Path(directory).absolute(), "checkpoints to", flag)
+        self.flag, self.settings, self.fixed = flag, dict(settings or {}), fixed
+        self._lock = DirLock(self.directory, flag).acquire() if jax.process_index() == 0 else None
         self._ocp = ocp
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True))
+        _quiet_orbax_errors()
+        self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True))
+        self._saving: int | None = None
 
     def save(self, state: TrainState, position: Position, wait: bool = False) -> None:
         """Save at step ``position.total_steps`` (asynchronously unless ``wait``)."""
         ocp = self._ocp
         step = position.total_steps
-        if step not in self.manager.all_steps():
-            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saveable(state)),
-                                                            position=ocp.args.JsonSave(dataclasses.asdict(position))))
-        if wait:
-            self.manager.wait_until_finished()
+        pos = dataclasses.asdict(position)
+        with self._io(step):
+            if step not in self.manager.all_steps():
+                saveable = _saveable(state)
+                record = {"settings": self.settings, "layout": integrity.layout(saveable),
+                          "state_digest": integrity.state_digest(saveable), "position_digest": integrity.json_digest(pos)}
+                self.manager.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(saveable), position=ocp.args.JsonSave(pos),
+                    record=ocp.args.JsonSave(record)))
+                self._saving = step
+            if wait:
+                self.manager.wait_until_finished()
 
-    def restore(self, like: TrainState) -> tuple[TrainState, Position] | None:
-        """The newest readable checkpoint, shaped and sharded like ``like``; None if there is none."""
+    def committed(self, step: int) -> bool:
+        """Whether a finished checkpoint of ``step`` is on disk."""
+        self.manager.reload()
+        return step in self.manager.all_steps()
+
+    def latest(self) -> int | None:
+        self.manager.reload()
+        return self.manager.latest_step()
+
+    def restore(self, like: TrainState) -> Restored | None:
+        """The newest intact checkpoint, shaped and sharded like ``like``; None if there is none."""
         ocp = self._ocp
         self.manager.reload()
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
+                record = self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+                self._check_compatible(step, record, like)
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(_abstract(like)), position=ocp.args.JsonRestore()))
+                problem = self._verify(record, restored)
+            except ConfigError:
+                raise
             except Exception as e:  # noqa: BLE001 - a partial or corrupt checkpoint: try the previous one
-                reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-                print(f"warning: checkpoint at step {step} in {self.directory} is unreadable ({reason}); "
-                      "trying the previous one", file=sys.stderr, flush=True)
+                problem = f"is unreadable ({_first_line(e)})"
+            if problem:
+                self._move_aside(step, problem)
                 continue
             state = restored["state"]
             state = state.replace(rng=jax.random.wrap_key_data(state.rng, impl=jax.random.key_impl(like.rng)))
-            return state, Position(**restored["position"])
+            return Restored(state, Position(**restored["position"]), step, record["settings"])
         return None
 
+    def _check_compatible(self, step: int, record: dict, like: TrainState) -> None:
+        saved = record["settings"]
+        changed = [f"{k} {saved.get(k)!r} -> {self.settings.get(k)!r}" for k in self.fixed
+                   if saved.get(k) != self.settings.get(k)]
+        if changed:
+            raise ConfigError(
+                f"the checkpoint at step {step} in {self.directory} was written with other settings "
+                f"({'; '.join(changed)}): resume with the same flags, or pass a new {self.flag}")
+        diffs = integrity.layout_differences(record["layout"], integrity.layout(_saveable(like)))
+        if diffs:
+            raise ConfigError(
+                f"the checkpoint at step {step} in {self.directory} holds a differently shaped state "
+                f"({'; '.join(diffs)}): was the model changed? Use the model it was written with, or a new {self.flag}")
+
+    @staticmethod
+    def _verify(record: dict, restored) -> str | None:
+        if integrity.json_digest(restored["position"]) != record["position_digest"]:
+            return "does not match the digest of its loop position written with it"
+        if integrity.state_digest(restored["state"]) != record["state_digest"]:
+            return "does not match the digest of its state written with it (damaged on disk)"
+        return None
+
+    def _move_aside(self, step: int, problem: str) -> None:
+        where = self.directory / UNREADABLE / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if jax.process_index() == 0:
+            where.parent.mkdir(exist_ok=True)
+            shutil.move(str(self.directory / str(step)), str(where))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxtrain checkpoint {step} moved aside")
+        self.manager.reload()
+        print(f"warning: checkpoint at step {step} in {self.directory} {problem}: moved it to {where}; "
+              "trying the previous one", file=sys.stderr, flush=True)
+
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        with self._io(self._saving):
+            self.manager.wait_until_finished()
         self.manager.close()
+        if self._lock is not None:
+            self._lock.release()
+
+    def _io(self, step):
+        return _SaveErrors(self, step)
+
+
+class _SaveErrors:
+    """A failed save (full disk, vanished directory) becomes one ConfigError naming the newest good checkpoint."""
+
+    def __init__(self, checkpointer: Checkpointer, step: int | None):
+        self.checkpointer, self.step = checkpointer, step
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, _tb):
+        if e is None or isinstance(e, (ConfigError, KeyboardInterrupt)):
+            return False
+        c = self.checkpointer
+        try:
+            good = c.latest()
+        except Exception:  # noqa: BLE001 - the directory itself may be gone
+            good = None
+        cause = "the disk is full" if out_of_space(e) else _first_line(e)
+        keep = f"the newest good checkpoint is step {good}" if good is not None else "no checkpoint was completed"
+        raise ConfigError(f"saving a checkpoint in {c.directory} failed ({cause}); {keep}: "
+                          "make room (or fix the directory), then run again with --resume") from None

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import signal
 import statistics
 import sys
 from collections.abc import Callable, Sequence
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.signals import StopOnSignal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,14 @@ def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     return p
 
 
-def run(args: argparse.Namespace, model: Model) -> dict:
+# Settings that change what a checkpoint's state means: --resume refuses to mix them.
+FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "batch_size", "seed",
+                  "precision", "accum_steps", "accum")
+# Settings a resumed run may change (reported when they do).
+FREE_SETTINGS = ("devices", "processes", "strategy", "remat", "epochs", "max_steps")
+
+
+def run(args: argparse.Namespace, model: Model, stop: StopOnSignal | None = None) -> dict:
     """Train ``model`` as ``args`` say; print progress; write the run's files."""
     import jaxtrain as jt
 
@@ -137,10 +144,13 @@ def run(args: argparse.Namespace, model: Model) -> dict:
 
     main_process = jax.process_index() == 0
     say = print if main_process else (lambda *a, **k: None)  # only process 0 prints and writes files
+    stop = stop or StopOnSignal()
+    stop.multi_process = jax.process_count() > 1
+    stop.reinstall()
 
     from jaxtrain.data import loader, sources
-    from jaxtrain.loop import EpochStats, Interrupted, fit
-    from jaxtrain.report import RunWriter, make_out_dir, params_digest
+    from jaxtrain.loop import Interrupted, fit
+    from jaxtrain.report import RunWriter, ensure_room, make_out_dir, params_digest
 
     from jaxtrain import remat
 
@@ -158,30 +168,30 @@ def run(args: argparse.Namespace, model: Model) -> dict:
     evaluator = jt.make_eval_step(model.eval_fn, mesh=mesh, strategy=args.strategy)
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+
     from jaxtrain.checkpoint import Checkpointer
 
-    checkpointer = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
-    out_dir = make_out_dir(args.out, model.name) if main_process else None
-    writer = RunWriter(out_dir) if main_process else None
-
+    checkpointer = Checkpointer(args.checkpoint_dir, args.keep_checkpoints, fixed=FIXED_SETTINGS) \
+        if args.checkpoint_dir else None  # writable and ours (locked) before the data is read
+    if checkpointer is not None and not args.resume and checkpointer.latest() is not None:
+        raise ConfigError(f"{checkpointer.directory} already holds checkpoints (newest: step {checkpointer.latest()}): "
+                          "pass --resume to continue that run, or another --checkpoint-dir to start afresh")
     data = {s: sources.load_split(args.dataset, s, idx_dir=args.data_dir, tfds_dir=args.tfds_dir) for s in ("train", "test")}
+    settings = {"experiment": model.name, "dataset": args.dataset, "data_sha256": sources.split_digest(*data.values()),
+                "train_subset": args.train_subset, "optimizer": "sgd", "lr": args.lr, "batch_size": args.batch_size,
+                "seed": args.seed, "precision": args.precision, "accum_steps": args.accum_steps, "accum": args.accum,
+                "devices": len(devices), "processes": jax.process_count(), "strategy": args.strategy,
+                "remat": args.remat, "epochs": args.epochs, "max_steps": args.max_steps}
+    if checkpointer is not None:
+        checkpointer.settings = settings
     data = {"train": data["train"].head(args.train_subset), "test": data["test"].head(args.test_subset)}
     train = loader.Loader(data["train"], call_batch, train=True, seed=args.seed, workers=args.workers)
     test = loader.Loader(data["test"], args.batch_size, train=False, workers=args.workers)
     platform = devices[0].platform
-    say(f"{model.name}: {len(data['train'])} train / {len(data['test'])} test examples of {args.dataset}, "
-          f"batch {args.batch_size} on {len(devices)} {platform} device(s), strategy {args.strategy}, "
-          f"{args.precision}, accum {args.accum_steps} ({args.accum}), remat {args.remat}"
-        + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "") + f"; out: {out_dir}", flush=True)
 
     from jaxtrain import diagnostics
 
     params, model_state = model.init(jax.random.key(args.seed))
-    if args.summary:
-        images = loader.normalise(data["test"].head(8).images) if model.apply else None
-        say(diagnostics.format_summary(diagnostics.summarize(params, model.apply, images)))
-    if args.memory_report:
-        say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     state = trainer.init(params, model_state, jax.random.key(args.seed))
     position = None
     if args.resume:
@@ -189,11 +199,37 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         if restored is None:
             say(f"no checkpoint in {args.checkpoint_dir} yet: starting from scratch")
         else:
-            state, position = restored
-            say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})")
-            if writer is not None:
-                for row in position.history:
-                    writer.epoch(EpochStats(**row))
+            state, position = restored.state, restored.position
+            done = position.result and (position.epoch > args.epochs or
+                                        args.max_steps is not None and position.total_steps >= args.max_steps)
+            if done:
+                r = position.result
+                say(f"already finished at step {position.total_steps} (checkpoint in {args.checkpoint_dir}): "
+                    f"test acc {r['test_acc']:.3f}, test loss {r['test_loss']:.4f}; nothing to do "
+                    "(raise --epochs or --max-steps to train on)")
+                checkpointer.close()
+                return {"already_finished": True, "steps": position.total_steps, "test_acc": r["test_acc"]}
+            changed = [f"{k} {restored.settings.get(k)!r} -> {settings[k]!r}" for k in FREE_SETTINGS
+                       if restored.settings.get(k) != settings[k]]
+            say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})"
+                + (f"; changed since: {', '.join(changed)}" if changed else ""))
+    out_dir = make_out_dir(args.out, model.name) if main_process else None
+    if main_process:
+        ensure_room(out_dir, 2**20, "metrics, summary and curves", "--out")
+        if checkpointer is not None:  # keep + 1 on disk at once (the newest is written before the oldest goes)
+            more = max(args.keep_checkpoints + 1 - len(checkpointer.manager.all_steps()), 1)
+            size = sum(x.nbytes for x in jax.tree.leaves(state)) + 2**16  # + orbax's metadata files
+            ensure_room(checkpointer.directory, more * size, f"{more} more checkpoint(s)", "--checkpoint-dir")
+    writer = RunWriter(out_dir, position.history if position else ()) if main_process else None
+    say(f"{model.name}: {len(data['train'])} train / {len(data['test'])} test examples of {args.dataset}, "
+        f"batch {args.batch_size} on {len(devices)} {platform} device(s), strategy {args.strategy}, "
+        f"{args.precision}, accum {args.accum_steps} ({args.accum}), remat {args.remat}"
+        + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "") + f"; out: {out_dir}", flush=True)
+    if args.summary:
+        images = loader.normalise(data["test"].head(8).images) if model.apply else None
+        say(diagnostics.format_summary(diagnostics.summarize(params, model.apply, images)))
+    if args.memory_report:
+        say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     stats = jt.compiled_stats(trainer, state, next(iter(train.epoch(0))))
     peak = (diagnostics.measure_matmul_peak() if args.measure_peak
             else diagnostics.gpu_peak_flops(devices[0].device_kind, args.precision) if platform == "gpu" else None)
@@ -206,39 +242,69 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         if writer is not None:
             writer.epoch(s)
         say(f"epoch {s.epoch}/{args.epochs}: train loss {s.train_loss:.4f}, train acc {s.train_acc:.3f}, "
-              f"test acc {s.test_acc:.3f}, {s.train_sec:.1f} sec, data wait {100 * s.data_wait_fraction:.1f}%",
-              flush=True)
+            f"test acc {s.test_acc:.3f}, {s.train_sec:.1f} sec, data wait {100 * s.data_wait_fraction:.1f}%",
+            flush=True)
 
-    stop = _StopOnSignal()
+    def save(state, position):
+        with stop.busy():
+            checkpointer.save(state, position)
+
     try:
-        with stop:
-            state, history, first_loss = fit(
-                trainer, state, train, evaluator, test, epochs=args.epochs, max_steps=args.max_steps,
-                on_epoch=on_epoch, progress=False if args.no_progress or not main_process else None,
-                prefetch=args.prefetch, on_step=on_step, position=position,
-                save=checkpointer.save if checkpointer else None, save_every=args.checkpoint_every,
-                should_stop=stop.requested)
+        stop.training()
+        state, history, first_loss = fit(
+            trainer, state, train, evaluator, test, epochs=args.epochs, max_steps=args.max_steps,
+            on_epoch=on_epoch, progress=False if args.no_progress or not main_process else None,
+            prefetch=args.prefetch, on_step=on_step, position=position,
+            save=save if checkpointer else None, save_every=args.checkpoint_every, should_stop=stop.requested)
     except Interrupted as e:
-        if checkpointer is not None:
-            checkpointer.close()
-            say(f"stopped by signal at step {e.position.total_steps}; checkpoint saved in {checkpointer.directory}: "
-                "continue with --resume")
+        stop.done()
+        step = e.position.total_steps
+        if checkpointer is None:
+            say(f"stopped by signal at step {step}; nothing saved (no --checkpoint-dir)")
+        else:
+            with stop.busy():
+                checkpointer.close()
+            if checkpointer.committed(step):
+                say(f"stopped by signal at step {step}; checkpoint saved in {checkpointer.directory}: "
+                    "continue with --resume")
+            else:
+                say(f"stopped by signal at step {step}; the checkpoint of step {step} was NOT written; the newest "
+                    f"is step {checkpointer.latest()}: continue from there with --resume")
         raise _Exit(128 + stop.signum) from None
+    stop.done()
     if checkpointer is not None:
-        checkpointer.close()
+        with stop.busy():
+            checkpointer.close()
+    summary = _summary(args, model, history, first_loss, stats, peak, devices, call_batch, len(train), data, settings)
+    summary["params_digest"] = params_digest(state.params)
+    last, plural = history[-1], "s" * (len(devices) != 1)
+    # The result first: if writing the files fails (full disk), the user still has it.
+    say(f"test acc {last.test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(devices)} device{plural} "
+        f"({platform})", flush=True)
+    if writer is not None:
+        writer.summary(summary)
+    say(f"wrote {out_dir}/summary.json, metrics.jsonl, curves.png")
+    if jax.process_count() > 1:  # every process vouches for the same result
+        print(f"process {jax.process_index()}: params_digest {summary['params_digest']}", flush=True)
+    return summary
+
+
+def _summary(args, model, history, first_loss, stats, peak, devices, call_batch, steps_per_epoch, data, settings):
+    import jax
+
     # Steady-state speed: leave out the first epoch (it compiles) when there are others.
     timed = history[1:] if len(history) > 1 else history
     examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
     achieved_flops = stats["flops"] * len(devices) * examples_per_sec / call_batch
     last = history[-1]
-    summary = {
+    return {
         "experiment": model.name,
         "test_acc": last.test_acc,
         "test_loss": last.test_loss,
         "train_loss": last.train_loss,
         "train_acc": last.train_acc,
         "initial_loss": first_loss,
-        "sec_per_epoch": len(train) * call_batch / examples_per_sec,
+        "sec_per_epoch": steps_per_epoch * call_batch / examples_per_sec,
         "ms_per_update": 1000 * args.batch_size / examples_per_sec,
         "first_epoch_sec": history[0].train_sec,
         "median_epoch_sec": statistics.median(h.train_sec for h in history),
@@ -248,7 +314,7 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         "prefetch": args.prefetch,
         "devices": len(devices),
         "processes": jax.process_count(),
-        "platform": platform,
+        "platform": devices[0].platform,
         "strategy": args.strategy,
         "precision": args.precision,
         "accum_steps": args.accum_steps,
@@ -267,20 +333,12 @@ def run(args: argparse.Namespace, model: Model) -> dict:
         "lr": args.lr,
         "seed": args.seed,
         "dataset": args.dataset,
+        "data_source": args.data_dir or "default",
+        "data_sha256": settings["data_sha256"],
         "train_examples": len(data["train"]),
         "test_examples": last.test_examples,
-        "params_digest": params_digest(state.params),
         "jax_version": jax.__version__,
     }
-    if writer is not None:
-        writer.summary(summary)
-    plural = "s" * (len(devices) != 1)
-    say(f"test acc {last.test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(devices)} device{plural} "
-          f"({platform})")
-    say(f"wrote {out_dir}/summary.json, metrics.jsonl, curves.png")
-    if jax.process_count() > 1:  # every process vouches for the same result
-        print(f"process {jax.process_index()}: params_digest {summary['params_digest']}", flush=True)
-    return summary
 
 
 class _Exit(Exception):
@@ -288,76 +346,34 @@ class _Exit(Exception):
         self.code = code
 
 
-class _StopOnSignal:
-    """SIGTERM / SIGINT ask the loop to checkpoint and stop; a second one stops at once.
-
-    In multi-process runs every process must stop at the same step: the first
-    process to see a signal posts a stop step a few steps ahead in
-    jax.distributed's key-value store (first writer wins), and every process
-    stops there. No collective runs per step: a key lookup on the coordinator.
-    """
-
-    KEY = "jaxtrain/stop_at_step"
-    AHEAD = 3  # steps; processes are at most ~2 steps apart (<= 2 in flight)
-
-    def __init__(self):
-        self.signum = 0
-        self._previous = {}
-        self._step = 0
-        self._stop_at = None
-
-    def _handle(self, signum, _frame):
-        if self.signum:  # second signal: give up at once
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def requested(self) -> bool:
-        import jax
-
-        self._step += 1
-        if jax.process_count() == 1:
-            return bool(self.signum)
-        from jaxtrain import compat
-
-        client = compat.distributed_client()
-        if self._stop_at is None:
-            if self.signum:
-                try:
-                    client.key_value_set(self.KEY, f"{self._step + self.AHEAD} {self.signum}")
-                except Exception:  # noqa: BLE001 - another process posted first
-                    pass
-            try:
-                value = client.key_value_try_get(self.KEY)
-            except Exception:  # noqa: BLE001 - not posted yet
-                value = None
-            if value:
-                step, signum = (int(v) for v in value.split())
-                self._stop_at, self.signum = step, self.signum or signum
-        return self._stop_at is not None and self._step >= self._stop_at
-
-    def __enter__(self):
-        for s in (signal.SIGTERM, signal.SIGINT):
-            self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-
 def main(parser: argparse.ArgumentParser, model_factory: Callable[[argparse.Namespace], Model],
          argv: Sequence[str] | None = None) -> int:
-    """Parse, run, and turn user errors into one line on stderr with exit code 2."""
+    """Parse, run, and turn user errors into one line on stderr with exit code 2.
+
+    SIGTERM / SIGINT are handled from here on (jaxtrain.signals): at start-up
+    they exit at once, during training they checkpoint and stop.
+    """
     args = parser.parse_args(argv)
     try:
-        run(args, model_factory(args))
+        with StopOnSignal() as stop:
+            run(args, model_factory(args), stop)
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     except _Exit as e:
         return e.code
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
-        return 130
+    except Exception as e:
+        if not _peer_gone(e):
+            raise
+        print(f"{parser.prog}: error: a collective failed ({str(e).splitlines()[0][:200]}): another process of "
+              "this run is gone (the launcher's message says which); --resume continues from the last checkpoint",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _peer_gone(e: Exception) -> bool:
+    """A runtime error of a multi-process run's collective: a peer died (gloo: "Connection closed by peer")."""
+    jax = sys.modules.get("jax")
+    return (jax is not None and type(e).__name__ == "JaxRuntimeError" and jax.distributed.is_initialized()
+            and jax.process_count() > 1)

@@ -81,8 +81,11 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
 
     received = []
 
+    received_at = []
+
     def forward(signum, _frame):
         received.append(signum)
+        received_at.append(time.monotonic())
         _signal_all(procs, signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -90,7 +93,8 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
         code = 0
         while True:
             codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            asked = 128 + received[0] if received else 0  # a worker stopping on our forwarded signal: no failure
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0, asked)]
             if failed:
                 rank, code = failed[0]
                 how = f"exited with code {code}"
@@ -100,8 +104,14 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
                     print(f"jaxtrain.launch: process {rank} {how}; stopping the others", file=sys.stderr, flush=True)
                 _stop(procs)
                 break
-            if all(c == 0 for c in codes):
+            if all(c in (0, asked) for c in codes):
                 break
+            if received and time.monotonic() - received_at[0] > GRACE_SECONDS:
+                with lock:
+                    print(f"jaxtrain.launch: processes still running {GRACE_SECONDS} s after the signal; killing them",
+                          file=sys.stderr, flush=True)
+                _signal_all(procs, signal.SIGKILL)
+                received_at[0] = float("inf")
             time.sleep(0.1)
         if received and code == 0:
             code = 128 + received[0]

@@ -84,6 +84,7 @@ class Position:
     first_loss: float | None = None
     history: list = dataclasses.field(default_factory=list)  # finished epochs (EpochStats as dicts)
     partial: dict = dataclasses.field(default_factory=dict)  # sums of the epoch in progress
+    result: dict = dataclasses.field(default_factory=dict)  # the last evaluation (EpochStats), once there is one
 
 
 class Interrupted(Exception):
@@ -94,8 +95,9 @@ class Interrupted(Exception):
         self.position = position
 
 
-def _position(epoch, batch, total_steps, first_loss, history, partial=None) -> Position:
-    return Position(epoch, batch, total_steps, first_loss, [dataclasses.asdict(h) for h in history], partial or {})
+def _position(epoch, batch, total_steps, first_loss, history, partial=None, result=None) -> Position:
+    return Position(epoch, batch, total_steps, first_loss, [dataclasses.asdict(h) for h in history], partial or {},
+                    dataclasses.asdict(result) if result else {})
 
 
 _NO_SUMS = {"loss": 0.0, "accuracy": 0.0, "steps": 0, "examples": 0, "wait": 0.0, "train_sec": 0.0}
@@ -190,7 +192,8 @@ def fit(
                     record(*pending)
                 pending = (metrics, train_loader.batch_size)
                 stop = should_stop is not None and should_stop()
-                periodic = save_every is not None and total_steps % save_every == 0 and batch_index < len(train_loader)
+                last = batch_index >= len(train_loader) or max_steps is not None and total_steps >= max_steps
+                periodic = save_every is not None and total_steps % save_every == 0 and not last  # last: saved below
                 if save is not None and (stop or periodic):
                     record(*pending)  # the checkpoint's sums include this step
                     pending = None
@@ -224,8 +227,8 @@ def fit(
             on_epoch(stats)
         if save is not None:
             if batch_index >= len(train_loader):  # the epoch is complete: resume at the next one
-                save(state, _position(epoch + 1, 0, total_steps, first_loss, history))
+                save(state, _position(epoch + 1, 0, total_steps, first_loss, history, result=stats))
             else:  # stopped by max_steps: resume inside this epoch, which is not history yet
                 save(state, _position(epoch, batch_index, total_steps, first_loss, history[:-1],
-                                      {**sums, "train_sec": train_sec}))
+                                      {**sums, "train_sec": train_sec}, result=stats))
     return state, history, first_loss

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -46,24 +49,70 @@ def ensure_writable(path: Path, what: str, flag: str) -> Path:
     return path
 
 
-class RunWriter:
-    """Writes one run's files into ``out_dir`` as the run goes."""
+def out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` (an OSError, or a library's wrapped error) says the disk is full."""
+    text = str(e)
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+        s in text for s in ("No space left", "ENOSPC", "RESOURCE_EXHAUSTED", "Disk quota exceeded"))
 
-    def __init__(self, out_dir: Path):
+
+def ensure_room(path: Path, needed: int, what: str, flag: str) -> None:
+    """A one-line error now if ``path``'s file system has less than ``needed`` bytes free."""
+    free = shutil.disk_usage(path).free
+    if free < needed:
+        raise ConfigError(f"{path} has {free / 2**20:.1f} MiB free but the run will write about "
+                          f"{needed / 2**20:.1f} MiB of {what} there: make room, or pass {flag} elsewhere")
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write ``path`` whole or not at all: a temp file in the same directory, fsync'd, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class OutputError(ConfigError):
+    """A run file could not be written (full disk, vanished directory)."""
+
+
+class RunWriter:
+    """Writes one run's files into ``out_dir`` as the run goes; each file whole or not at all.
+
+    ``history`` (rows of earlier epochs, e.g. from a checkpoint) is written
+    again at once; a run's files are never truncated.
+    """
+
+    def __init__(self, out_dir: Path, history: list[dict] = ()):
         self.out_dir = out_dir
         self.metrics_path = out_dir / "metrics.jsonl"
-        self.metrics_path.write_text("")  # a fresh run starts a fresh log
-        self.epochs: list[dict] = []
+        self.epochs: list[dict] = list(history)
+        self._write(self.metrics_path, self._metrics_text())
+
+    def _metrics_text(self) -> str:
+        return "".join(json.dumps(row) + "\n" for row in self.epochs)
+
+    def _write(self, path: Path, data) -> None:
+        try:
+            atomic_write(path, data)
+        except OSError as e:
+            cause = "the disk is full" if out_of_space(e) else e.strerror or str(e)
+            raise OutputError(f"cannot write {path} ({cause}); its previous version, if any, is intact: "
+                              "make room (or fix --out), then run again (with --resume if you checkpoint)") from None
 
     def epoch(self, stats) -> None:
-        row = dataclasses.asdict(stats)
-        self.epochs.append(row)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        self.epochs.append(dataclasses.asdict(stats))
+        self._write(self.metrics_path, self._metrics_text())
 
     def summary(self, summary: dict) -> Path:
         path = self.out_dir / "summary.json"
-        path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        self._write(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
         self.plot()
         return path
 
@@ -87,7 +136,10 @@ class RunWriter:
             ax.grid(alpha=0.3)
             ax.legend()
         fig.tight_layout()
-        path = self.out_dir / "curves.png"
-        fig.savefig(path, dpi=100)
+        import io
+
+        path, png = self.out_dir / "curves.png", io.BytesIO()
+        fig.savefig(png, dpi=100, format="png")
         plt.close(fig)
+        self._write(path, png.getvalue())
         return path

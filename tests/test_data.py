@@ -46,13 +46,31 @@ def test_idx_files_convert_once_and_read_back(tmp_path, gz):
         assert got.images.shape == (len(labels), 28, 28, 1) and got.images.dtype == np.uint8
         assert got.labels.dtype == np.int32
         assert as_sorted_pairs(got.images, got.labels) == as_sorted_pairs(images, labels)
-    prepared = list(tfds_dir.glob("*/fashion_mnist/1.0.0/*.array_record*"))
+    prepared = list(tfds_dir.glob("*/fashion_mnist_*/1.0.0/*.array_record*"))
     assert prepared, "expected array_record files in the TFDS data dir"
-    # Converted once: deleting the IDX files does not matter any more.
-    for f in idx_dir.iterdir():
-        f.unlink()
+    # Converted once: reading again leaves the converted files alone.
+    stamps = {p: p.stat().st_mtime_ns for p in prepared}
     again = sources.load_split("fashion_mnist", "test", idx_dir=idx_dir, tfds_dir=tfds_dir)
     assert len(again) == 12
+    assert {p: p.stat().st_mtime_ns for p in prepared} == stamps
+
+
+def test_other_idx_files_are_never_served_from_an_earlier_conversion(tmp_path):
+    """Issue 20 (1): the cache was keyed by the dataset name only."""
+    idx_dir, tfds_dir = tmp_path / "idx", tmp_path / "tfds"
+    make_idx_dir(idx_dir, n_train=40)
+    assert len(sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)) == 40
+    other = make_idx_dir(idx_dir, n_train=24, seed=1)  # same directory, other files
+    got = sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)
+    assert as_sorted_pairs(got.images, got.labels) == as_sorted_pairs(*other["train"])
+    raw = (idx_dir / "train-images-idx3-ubyte.gz").read_bytes()
+    (idx_dir / "train-images-idx3-ubyte.gz").write_bytes(raw[: len(raw) // 2])  # truncated
+    with pytest.raises(ConfigError, match="train-images-idx3-ubyte.gz"):
+        sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)
+    for f in idx_dir.iterdir():  # gone: nothing to vouch for a cached copy
+        f.unlink()
+    with pytest.raises(ConfigError, match="is missing"):
+        sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)
 
 
 def corrupt(idx_dir, stem, data: bytes):

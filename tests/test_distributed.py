@@ -149,3 +149,25 @@ def test_sigterm_to_the_launcher_stops_all_processes_at_one_step_and_resume_is_e
     single = run_cli(*LENET, "--devices", "2", "--max-steps", "60", "--out", str(tmp_path / "c"))
     assert single.returncode == 0, single.stderr[-3000:]
     assert reported_digests(resumed.stdout) == {digest(tmp_path / "c")}
+
+
+def test_a_worker_stuck_on_a_dead_peer_stops_promptly_on_sigterm(tmp_path):
+    """Issue 20 (8): the survivor ignored SIGTERM and waited out the launcher's grace period."""
+    from jaxtrain.launch import GRACE_SECONDS
+
+    ck = tmp_path / "ck"
+    launcher = start("-m", "jaxtrain.launch", "--processes", "2", "--devices-per-process", "1", "--",
+                     sys.executable, *LENET, "--max-steps", "100000", "--checkpoint-every", "5",
+                     "--checkpoint-dir", str(ck), "--out", str(tmp_path / "o"))
+    wait_for(ck / "10", launcher)
+    kids = children(launcher.pid)
+    os.kill(kids[1], signal.SIGSTOP)  # alive but silent: process 0's next all-reduce waits forever
+    time.sleep(1)
+    launcher.send_signal(signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=90)
+    assert "[rank 0] SIGTERM: no step finished for" in output, output[-3000:]
+    assert "still running 10 s after the signal; killing them" in output  # the stopped one
+    assert launcher.returncode == 137
+    assert not any(alive(k) for k in kids)
+    stuck = [line for line in output.splitlines() if "no step finished for" in line][0]
+    assert int(stuck.split("no step finished for ")[1].split()[0]) < GRACE_SECONDS

@@ -3,7 +3,10 @@
 Resolution order for ``fashion_mnist`` / ``mnist``:
   (a) the four IDX files in ``idx_dir`` (default for fashion_mnist: the Debian
       package's ``/usr/share/datasets/fashion-mnist``), converted ONCE by our
-      small TFDS builder into array_record in the TFDS data dir;
+      small TFDS builder into array_record in the TFDS data dir. The cached
+      copy is keyed by the sha256 of the four files' bytes (config
+      ``NAME_<12 hex digits>``): other or damaged files are never mistaken
+      for a copy made earlier; they are validated and converted anew;
   (b) TFDS's own prepared (or downloadable) dataset;
   (c) otherwise a ConfigError that lists the ways to get the data.
 No TensorFlow is needed: images are stored as uint8 tensors, not PNGs.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gzip
+import hashlib
 import os
 import struct
 import sys
@@ -107,19 +111,45 @@ def has_idx_files(idx_dir: Path) -> bool:
     return all(find_idx_file(idx_dir, stem) for pair in IDX_FILES.values() for stem in pair)
 
 
+def idx_files_digest(idx_dir: Path) -> str:
+    """sha256 over the four IDX files' names and bytes (what a cached conversion is keyed by)."""
+    h = hashlib.sha256()
+    for stem in (stem for pair in IDX_FILES.values() for stem in pair):
+        path = find_idx_file(idx_dir, stem)
+        h.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def split_digest(*splits: Split) -> str:
+    """sha256 of the examples themselves (images, then labels, split by split): what a run trained on."""
+    h = hashlib.sha256()
+    for split in splits:
+        h.update(np.ascontiguousarray(split.images).tobytes())
+        h.update(np.ascontiguousarray(split.labels).tobytes())
+    return h.hexdigest()
+
+
 # ---------------------------------------------------------------- TFDS
 
 
 @functools.cache
 def _builder_class():
     """Our TFDS builder, defined lazily (once) so that importing jaxtrain stays cheap."""
+    import logging
+
     import tensorflow_datasets as tfds
+
+    # Our configs are made per set of source files on purpose: not worth a warning each run.
+    logging.getLogger("absl").addFilter(lambda r: not r.getMessage().startswith("Using custom data configuration"))
 
     class JaxtrainIdxImages(tfds.core.GeneratorBasedBuilder):
         """28x28 grayscale IDX datasets (fashion_mnist, mnist) read from local files."""
 
         VERSION = tfds.core.Version("1.0.0")
-        BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=name) for name in DATASETS]
+        BUILDER_CONFIGS = []  # one config per set of source files: NAME_<digest>, see data_source
         MANUAL_DOWNLOAD_INSTRUCTIONS = "Put the four IDX files in the manual dir."
 
         def _info(self):
@@ -185,10 +215,19 @@ def data_source(name: str, split: str, *, idx_dir: str | os.PathLike | None = No
     if explicit and not idx_path.is_dir():
         raise ConfigError(f"--data-dir {idx_path} is not a directory; {_HOW_TO_GET}")
     if has_idx_files(idx_path) or explicit:
-        builder = _builder_class()(config=name, data_dir=tfds_dir)
+        for stem in (stem for pair in IDX_FILES.values() for stem in pair):
+            if find_idx_file(idx_path, stem) is None:
+                raise ConfigError(f"{idx_path}: {stem}[.gz] is missing; {_HOW_TO_GET}")
+        config = tfds.core.BuilderConfig(name=f"{name}_{idx_files_digest(idx_path)[:12]}",
+                                         description=f"{name} from the IDX files in {idx_path}")
+
+        def make_builder():
+            return _builder_class()(config=config, data_dir=tfds_dir)
+
+        builder = make_builder()
         if not builder.is_prepared():
             if _process_index() > 0:  # in a multi-process run, process 0 converts; the others wait
-                builder = _wait_until_prepared(lambda: _builder_class()(config=name, data_dir=tfds_dir))
+                builder = _wait_until_prepared(make_builder)
             else:
                 for s in IDX_FILES:  # validate before writing anything
                     read_idx_split(idx_path, s)

@@ -1,0 +1,62 @@
+"""One run per directory: an exclusive lock file holding its owner's pid and host.
+
+The lock is a ``flock`` on ``DIR/.lock``, held for the whole run: the kernel
+drops it when the owner dies however it dies (SIGKILL included), so a stale
+lock never blocks a new run. The file keeps the owner's pid, host and start
+time only to say who holds it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from jaxtrain.errors import ConfigError
+
+
+class DirLock:
+    """``with DirLock(path, flag):`` or ``acquire()`` / ``release()``."""
+
+    def __init__(self, directory: Path, flag: str):
+        self.path = Path(directory) / ".lock"
+        self.flag = flag
+        self._fd: int | None = None
+
+    def acquire(self) -> "DirLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _read_owner(fd)
+            os.close(fd)
+            raise ConfigError(
+                f"{self.path.parent} is in use by another run ({owner}); wait for it to finish, "
+                f"or pass another {self.flag}") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _read_owner(fd: int) -> str:
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {owner['pid']} on {owner['host']} since {owner['since']}"
+    except (OSError, ValueError, KeyError):
+        return "owner unknown"

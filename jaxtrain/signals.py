@@ -1,0 +1,166 @@
+"""SIGTERM / SIGINT over a whole run, from start-up to the last file.
+
+- Start-up (before ``training()``): nothing is trained or saved yet, so a
+  signal exits at once with 128 + N and a message, even in the middle of a
+  compilation (Python's own KeyboardInterrupt there could crash XLA).
+- Training: the first signal asks the loop to checkpoint and stop
+  (``requested()`` turns true); a second one exits at once.
+- Multi-process runs must stop at the same step: the first process to see a
+  signal posts a stop step a few steps ahead in jax.distributed's key-value
+  store (first writer wins), and every process stops there. If no step
+  finishes for a while after a signal (a peer is gone and the step waits on
+  its collective forever), the process exits instead of waiting to be killed.
+
+The work is done by a thread woken through ``signal.set_wakeup_fd``, so it
+happens even while the main thread is blocked inside JAX; the Python-level
+handlers do nothing but keep the default actions away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _ignore(*_):
+    pass
+
+
+def _exit_now(signum: int, why: str) -> None:
+    name = signal.Signals(signum).name
+    try:
+        sys.stdout.flush()
+        print(f"{name}: {why}", file=sys.stderr, flush=True)
+    finally:
+        os._exit(128 + signum)
+
+
+class StopOnSignal:
+    """``with StopOnSignal() as stop:`` ... ``stop.training()`` ... ``fit(should_stop=stop.requested)``."""
+
+    KEY = "jaxtrain/stop_at_step"
+    AHEAD = 3  # steps; processes are at most ~2 steps apart (<= 2 in flight)
+    STALL = 5.0  # seconds without a step after a signal (at least 3x the slowest step) before giving up
+
+    def __init__(self, multi_process: bool = False):
+        self.multi_process = multi_process
+        self.signum = 0
+        self._count = 0
+        self._training = False
+        self._started = False
+        self._busy = 0
+        self._step = 0
+        self._stop_at = None
+        self._last = time.monotonic()
+        self._slowest = 0.0
+        self._previous: dict = {}
+        self._pipe: tuple[int, int] | None = None
+
+    def training(self) -> None:
+        """From now on a first signal asks for a checkpoint instead of exiting."""
+        self._last = time.monotonic()
+        self._training = True
+        self._started = True
+
+    def done(self) -> None:
+        """Training is over (finished or stopped): no more stall watching."""
+        self._training = False
+
+    @contextlib.contextmanager
+    def busy(self):
+        """A save (or other long, legitimate pause of the loop): not a stall."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            self._last = time.monotonic()
+
+    def _on_signal(self, signum: int) -> None:
+        self._count += 1
+        if not self._started:
+            _exit_now(signum, "interrupted during start-up; nothing was trained or saved")
+        if self._count > 1:
+            _exit_now(signum, "second signal: exiting now (a checkpoint being written is discarded; "
+                              "the ones before it are intact)")
+        self.signum = signum
+        since = time.monotonic()
+        while self.multi_process and self._training:
+            time.sleep(0.2)
+            quiet = time.monotonic() - max(self._last, since)
+            if not self._busy and self._training and self._step > 1 and quiet > max(self.STALL, 3 * self._slowest):
+                _exit_now(signum, f"no step finished for {quiet:.0f} s (a peer process is gone?): exiting "
+                                  "without a checkpoint; the ones before are intact")
+
+    def _watch(self, read_fd: int) -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                data = b""
+            if not data:
+                os.close(read_fd)
+                return
+            for signum in data:
+                if signum in SIGNALS:
+                    threading.Thread(target=self._on_signal, args=(signum,), daemon=True).start()
+
+    def requested(self) -> bool:
+        """Called once per train step: whether the loop should checkpoint and stop now."""
+        now = time.monotonic()
+        if self._step >= 2:  # the first interval holds the first step's compilation
+            self._slowest = max(self._slowest, now - self._last)
+        self._last = now
+        self._step += 1
+        if not self.multi_process:
+            return bool(self.signum)
+        from jaxtrain import compat
+
+        client = compat.distributed_client()
+        if self._stop_at is None:
+            if self.signum:
+                try:
+                    client.key_value_set(self.KEY, f"{self._step + self.AHEAD} {self.signum}")
+                except Exception:  # noqa: BLE001 - another process posted first
+                    pass
+            try:
+                value = client.key_value_try_get(self.KEY)
+            except Exception:  # noqa: BLE001 - not posted yet
+                value = None
+            if value:
+                step, signum = (int(v) for v in value.split())
+                self._stop_at, self.signum = step, self.signum or signum
+        return self._stop_at is not None and self._step >= self._stop_at
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals reach the main thread only: nothing to install
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._pipe = (read_fd, write_fd)
+        self._previous["wakeup"] = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        for s in SIGNALS:
+            self._previous[s] = signal.signal(s, _ignore)  # the watcher thread acts
+        threading.Thread(target=self._watch, args=(read_fd,), daemon=True, name="jaxtrain-signals").start()
+        return self
+
+    def reinstall(self) -> None:
+        """Take SIGTERM / SIGINT back (jax.distributed's preemption notifier takes SIGTERM when it starts)."""
+        if self._pipe is not None:
+            for s in SIGNALS:
+                signal.signal(s, _ignore)
+
+    def __exit__(self, *exc):
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._previous.pop("wakeup"))
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        os.close(self._pipe[1])  # the watcher reads EOF and ends
+        self._pipe = None
