@@ -132,3 +132,18 @@ def test_loader_train_and_eval_batches():
     ev = list(loader.Loader(split, 4, train=False).epoch(1))
     assert [b["mask"].sum() for b in ev] == [4, 4, 2]
     assert all(len(b["label"]) == 4 for b in ev)
+
+
+def test_in_memory_copy_is_checked_and_rebuilt_when_damaged(tmp_path):
+    idx_dir, tfds_dir = tmp_path / "idx", tmp_path / "tfds"
+    arrays = make_idx_dir(idx_dir)
+    first = sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)
+    [cache] = tfds_dir.glob("*/fashion_mnist_*/1.0.0/jaxtrain-train-arrays.npz")
+    raw = bytearray(cache.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # inside the images
+    cache.write_bytes(bytes(raw))
+    again = sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)
+    assert np.array_equal(again.images, first.images) and np.array_equal(again.labels, first.labels)
+    assert as_sorted_pairs(again.images, again.labels) == as_sorted_pairs(*arrays["train"])
+    with np.load(cache) as f:  # rewritten whole
+        assert np.array_equal(f["images"], first.images)

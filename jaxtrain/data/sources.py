@@ -22,6 +22,7 @@ import os
 import struct
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -251,5 +252,29 @@ def data_source(name: str, split: str, *, idx_dir: str | os.PathLike | None = No
 
 
 def load_split(name: str, split: str, **kwargs) -> Split:
-    """The whole split in memory (47 MB for Fashion-MNIST train: cheap to keep)."""
-    return _read_source(data_source(name, split, **kwargs))
+    """The whole split in memory (47 MB for Fashion-MNIST train: cheap to keep).
+
+    Decoding 60,000 TFDS records one by one takes seconds, so the arrays are
+    also kept beside the prepared dataset (``SPLIT-arrays.npz``, with their
+    sha256, checked on every read); a missing, damaged or unwritable copy
+    just means reading the records again.
+    """
+    source = data_source(name, split, **kwargs)
+    cache = Path(source.dataset_info.data_dir) / f"jaxtrain-{split}-arrays.npz"
+    try:
+        with np.load(cache) as f:
+            arrays = Split(f["images"], f["labels"])
+            if len(arrays) == len(source) and str(f["sha256"]) == split_digest(arrays):
+                return arrays
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        pass
+    arrays = _read_source(source)
+    if _process_index() == 0:
+        tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, images=arrays.images, labels=arrays.labels, sha256=split_digest(arrays))
+            os.replace(tmp, cache)
+        except OSError:  # a read-only TFDS dir: fine, only slower next time
+            tmp.unlink(missing_ok=True)
+    return arrays
