@@ -26,7 +26,7 @@ class DirLock:
         self.flag = flag
         self._fd: int | None = None
 
-    def acquire(self) -> "DirLock":
+    def acquire(self) -> DirLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 
@@ -148,11 +147,10 @@ def run(args: argparse.Namespace, model: Model, stop: StopOnSignal | None = None
     stop.multi_process = jax.process_count() > 1
     stop.reinstall()
 
+    from jaxtrain import remat
     from jaxtrain.data import loader, sources
     from jaxtrain.loop import Interrupted, fit
-    from jaxtrain.report import RunWriter, ensure_room, make_out_dir, params_digest
-
-    from jaxtrain import remat
+    from jaxtrain.report import RunWriter, ensure_room, make_out_dir, params_digest, run_summary
 
     remat.policy(args.remat)  # a bad name fails here, before any data is read
     mesh = jt.make_mesh(devices)
@@ -275,7 +273,8 @@ def run(args: argparse.Namespace, model: Model, stop: StopOnSignal | None = None
     if checkpointer is not None:
         with stop.busy():
             checkpointer.close()
-    summary = _summary(args, model, history, first_loss, stats, peak, devices, call_batch, len(train), data, settings)
+    summary = run_summary(args, model.name, history, first_loss, stats, peak, devices, call_batch, len(train),
+                          {k: len(v) for k, v in data.items()}, settings["data_sha256"])
     summary["params_digest"] = params_digest(state.params)
     last, plural = history[-1], "s" * (len(devices) != 1)
     # The result first: if writing the files fails (full disk), the user still has it.
@@ -287,58 +286,6 @@ def run(args: argparse.Namespace, model: Model, stop: StopOnSignal | None = None
     if jax.process_count() > 1:  # every process vouches for the same result
         print(f"process {jax.process_index()}: params_digest {summary['params_digest']}", flush=True)
     return summary
-
-
-def _summary(args, model, history, first_loss, stats, peak, devices, call_batch, steps_per_epoch, data, settings):
-    import jax
-
-    # Steady-state speed: leave out the first epoch (it compiles) when there are others.
-    timed = history[1:] if len(history) > 1 else history
-    examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
-    achieved_flops = stats["flops"] * len(devices) * examples_per_sec / call_batch
-    last = history[-1]
-    return {
-        "experiment": model.name,
-        "test_acc": last.test_acc,
-        "test_loss": last.test_loss,
-        "train_loss": last.train_loss,
-        "train_acc": last.train_acc,
-        "initial_loss": first_loss,
-        "sec_per_epoch": steps_per_epoch * call_batch / examples_per_sec,
-        "ms_per_update": 1000 * args.batch_size / examples_per_sec,
-        "first_epoch_sec": history[0].train_sec,
-        "median_epoch_sec": statistics.median(h.train_sec for h in history),
-        "examples_per_sec": examples_per_sec,
-        "data_wait_fraction": sum(h.data_wait_sec for h in timed) / max(sum(h.train_sec for h in timed), 1e-9),
-        "workers": args.workers,
-        "prefetch": args.prefetch,
-        "devices": len(devices),
-        "processes": jax.process_count(),
-        "platform": devices[0].platform,
-        "strategy": args.strategy,
-        "precision": args.precision,
-        "accum_steps": args.accum_steps,
-        "accum": args.accum,
-        "remat": args.remat,
-        "compiled_flops": stats["flops"],  # per device
-        "ms_per_step": 1000 * call_batch / examples_per_sec,
-        "achieved_flops_per_sec": achieved_flops,
-        "peak_flops_per_sec": peak,
-        "mfu": achieved_flops / peak if peak else None,
-        "compiled_temp_bytes": stats["temp_bytes"],
-        "saved_residual_bytes": stats["saved_residual_bytes"],
-        "steps": sum(h.steps for h in history),
-        "epochs": len(history),
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "seed": args.seed,
-        "dataset": args.dataset,
-        "data_source": args.data_dir or "default",
-        "data_sha256": settings["data_sha256"],
-        "train_examples": len(data["train"]),
-        "test_examples": last.test_examples,
-        "jax_version": jax.__version__,
-    }
 
 
 class _Exit(Exception):

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -143,3 +144,55 @@ class RunWriter:
         plt.close(fig)
         self._write(path, png.getvalue())
         return path
+
+
+def run_summary(args, name: str, history, first_loss, stats, peak, devices, call_batch: int, steps_per_epoch: int,
+                examples: dict, data_sha256: str) -> dict:
+    """summary.json of a finished run: results, steady-state speed, compiled costs, settings."""
+    # Steady-state speed: leave out the first epoch (it compiles) when there are others.
+    timed = history[1:] if len(history) > 1 else history
+    examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
+    achieved_flops = stats["flops"] * len(devices) * examples_per_sec / call_batch
+    last = history[-1]
+    return {
+        "experiment": name,
+        "test_acc": last.test_acc,
+        "test_loss": last.test_loss,
+        "train_loss": last.train_loss,
+        "train_acc": last.train_acc,
+        "initial_loss": first_loss,
+        "sec_per_epoch": steps_per_epoch * call_batch / examples_per_sec,
+        "ms_per_update": 1000 * args.batch_size / examples_per_sec,
+        "first_epoch_sec": history[0].train_sec,
+        "median_epoch_sec": statistics.median(h.train_sec for h in history),
+        "examples_per_sec": examples_per_sec,
+        "data_wait_fraction": sum(h.data_wait_sec for h in timed) / max(sum(h.train_sec for h in timed), 1e-9),
+        "workers": args.workers,
+        "prefetch": args.prefetch,
+        "devices": len(devices),
+        "processes": jax.process_count(),
+        "platform": devices[0].platform,
+        "strategy": args.strategy,
+        "precision": args.precision,
+        "accum_steps": args.accum_steps,
+        "accum": args.accum,
+        "remat": args.remat,
+        "compiled_flops": stats["flops"],  # per device
+        "ms_per_step": 1000 * call_batch / examples_per_sec,
+        "achieved_flops_per_sec": achieved_flops,
+        "peak_flops_per_sec": peak,
+        "mfu": achieved_flops / peak if peak else None,
+        "compiled_temp_bytes": stats["temp_bytes"],
+        "saved_residual_bytes": stats["saved_residual_bytes"],
+        "steps": sum(h.steps for h in history),
+        "epochs": len(history),
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "dataset": args.dataset,
+        "data_source": args.data_dir or "default",
+        "data_sha256": data_sha256,
+        "train_examples": examples["train"],
+        "test_examples": last.test_examples,
+        "jax_version": jax.__version__,
+    }

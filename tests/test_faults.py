@@ -78,7 +78,7 @@ def test_flipped_bytes_are_detected_moved_aside_and_later_saves_land(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "checkpoint at step 15" in resumed.stderr and "does not match the digest of its state" in resumed.stderr
     assert "resuming from step 10" in resumed.stdout
-    assert [p.name for p in (ck / "unreadable").iterdir()][0].startswith("15-")
+    assert [p.name[:3] for p in (ck / "unreadable").iterdir()] == ["15-"]
     assert (ck / "15").is_dir() and (ck / "20").is_dir()  # the new step 15 landed where the bad one was
     assert summary(tmp_path / "b")["params_digest"] == summary(tmp_path / "full")["params_digest"]
 
@@ -133,12 +133,10 @@ def test_a_signal_during_start_up_exits_cleanly(tmp_path, sig):
 @pytest.mark.slow
 def test_sigterm_without_checkpoint_dir_says_nothing_was_saved(tmp_path):
     """(8) Ctrl-C without --checkpoint-dir exited with no message."""
-    proc = start(*LENET, "--max-steps", "100000", "--out", str(tmp_path / "o"))
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "o" / "metrics.jsonl").exists():  # written when training starts
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
-    time.sleep(2)
+    proc = start(*LENET, "--train-subset", "2560", "--epochs", "1000", "--out", str(tmp_path / "o"))
+    for line in proc.stdout:  # training has begun once the first epoch (10 steps) is reported
+        if line.startswith("epoch 1/"):
+            break
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err[-3000:]
@@ -267,7 +265,7 @@ def _files_whole(out_dir, epochs_done):
 
 
 @pytest.mark.slow
-def test_chaos_killed_ten_times_then_resumed_gives_the_uninterrupted_params(tmp_path):
+def test_chaos_killed_eight_times_then_resumed_gives_the_uninterrupted_params(tmp_path):
     """Killed at random moments (start-up, mid-save, mid-step; SIGKILL and SIGTERM), resumed each time:
     the final params equal the uninterrupted run's bit for bit, and no run file is ever truncated."""
     import random
@@ -278,8 +276,7 @@ def test_chaos_killed_ten_times_then_resumed_gives_the_uninterrupted_params(tmp_
     args = [*base, "--checkpoint-every", "5"]
     assert full.returncode == 0, full.stderr[-3000:]
     ck, out = tmp_path / "ck", tmp_path / "o"
-    faults = ["start-up TERM", "save KILL", "step KILL", "step TERM", "save TERM", "step KILL", "save KILL",
-              "step TERM", "step KILL", "save KILL"]
+    faults = ["start-up TERM", "save KILL", "step KILL", "step TERM", "save TERM", "step KILL", "save KILL", "step TERM"]
     killed = 0
     for fault in faults:
         moment, sig = fault.split()
@@ -295,8 +292,7 @@ def test_chaos_killed_ten_times_then_resumed_gives_the_uninterrupted_params(tmp_
             time.sleep(0.01)
         if moment == "step":
             time.sleep(rng.uniform(0.0, 1.0))
-        if proc.poll() is not None:  # finished before the fault: only possible near the end
-            break
+        assert proc.poll() is None, f"{fault}: the run ended before the fault"
         proc.send_signal(getattr(signal, f"SIG{sig}"))
         _, err = proc.communicate(timeout=120)
         assert proc.returncode in (128 + getattr(signal, f"SIG{sig}"), -getattr(signal, f"SIG{sig}")), err[-3000:]
@@ -304,7 +300,7 @@ def test_chaos_killed_ten_times_then_resumed_gives_the_uninterrupted_params(tmp_
         killed += 1
         if out.is_dir() and (out / "metrics.jsonl").exists():
             _files_whole(out, len((out / "metrics.jsonl").read_text().splitlines()))
-    assert killed >= 8
+    assert killed == len(faults)
     final = run_cli(*args, "--checkpoint-dir", str(ck), "--out", str(out), "--resume")
     assert final.returncode == 0, final.stderr[-3000:]
     assert summary(out)["params_digest"] == summary(tmp_path / "full")["params_digest"]
