@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import sys
 
-from jaxtrain.experiment import Model, main, make_parser
-from jaxtrain.models import lenet
+from jaxtrain.experiment import Model, main, make_parser  # light: JAX is imported inside main()
 
 
 def model(args) -> Model:
+    from jaxtrain.models import lenet
+
     return Model(
         name="lenet",
         init=lambda rng: (lenet.init_params(rng), {}),
@@ -36,4 +37,4 @@ def parser():
 
 
 if __name__ == "__main__":
-    sys.exit(main(parser(), model))
+    sys.exit(main(parser, model))

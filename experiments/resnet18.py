@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import sys
 
-from jaxtrain.experiment import Model, main, make_parser
-from jaxtrain.models import resnet
+from jaxtrain.experiment import Model, main, make_parser  # light: JAX is imported inside main()
 
 
 def model(args) -> Model:
+    from jaxtrain.models import resnet
+
     net = resnet.ResNet18(weight_init=args.init, remat=args.remat, axis_name=resnet.axis_name_for(args.strategy))
     eval_net = resnet.ResNet18(weight_init=args.init)
     return Model(
@@ -41,4 +42,4 @@ def parser():
 
 
 if __name__ == "__main__":
-    sys.exit(main(parser(), model))
+    sys.exit(main(parser, model))

@@ -1,25 +1,37 @@
-"""jaxtrain: pure functional train-step builders for multi-device training."""
+"""jaxtrain: pure functional train-step builders for multi-device training.
 
-from jaxtrain.diagnostics import compiled_stats
-from jaxtrain.devices import DATA_AXIS, make_mesh, setup_devices
-from jaxtrain.errors import ConfigError
-from jaxtrain.parallel import STRATEGIES, ring_allreduce
-from jaxtrain.precision import Precision
-from jaxtrain.state import TrainState
-from jaxtrain.step import Evaluator, Trainer, make_eval_step, make_train_step
+The public names below are imported on first use, so that ``import
+jaxtrain.signals`` (or ``jaxtrain.errors``) does not import JAX: the
+experiments take SIGINT / SIGTERM over before anything heavy is imported.
+"""
 
-__all__ = [
-    "DATA_AXIS",
-    "STRATEGIES",
-    "ConfigError",
-    "Precision",
-    "compiled_stats",
-    "Evaluator",
-    "TrainState",
-    "Trainer",
-    "make_eval_step",
-    "make_mesh",
-    "make_train_step",
-    "ring_allreduce",
-    "setup_devices",
-]
+import importlib
+
+_EXPORTS = {
+    "DATA_AXIS": "jaxtrain.devices",
+    "STRATEGIES": "jaxtrain.parallel",
+    "ConfigError": "jaxtrain.errors",
+    "Precision": "jaxtrain.precision",
+    "compiled_stats": "jaxtrain.diagnostics",
+    "Evaluator": "jaxtrain.step",
+    "TrainState": "jaxtrain.state",
+    "Trainer": "jaxtrain.step",
+    "make_eval_step": "jaxtrain.step",
+    "make_mesh": "jaxtrain.devices",
+    "make_train_step": "jaxtrain.step",
+    "ring_allreduce": "jaxtrain.parallel",
+    "setup_devices": "jaxtrain.devices",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxtrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # next time: a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

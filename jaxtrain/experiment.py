@@ -293,17 +293,24 @@ class _Exit(Exception):
         self.code = code
 
 
-def main(parser: argparse.ArgumentParser, model_factory: Callable[[argparse.Namespace], Model],
-         argv: Sequence[str] | None = None) -> int:
+def main(parser: argparse.ArgumentParser | Callable[[], argparse.ArgumentParser],
+         model_factory: Callable[[argparse.Namespace], Model], argv: Sequence[str] | None = None) -> int:
     """Parse, run, and turn user errors into one line on stderr with exit code 2.
 
     SIGTERM / SIGINT are handled from here on (jaxtrain.signals): at start-up
-    they exit at once, during training they checkpoint and stop.
+    they exit at once, during training they checkpoint and stop. Pass the
+    parser as a function (and import models inside ``model_factory``) so that
+    importing JAX happens here too.
     """
-    args = parser.parse_args(argv)
+    with StopOnSignal() as stop:
+        parser = parser() if callable(parser) else parser
+        args = parser.parse_args(argv)
+        return _main(parser, args, model_factory, stop)
+
+
+def _main(parser, args, model_factory, stop) -> int:
     try:
-        with StopOnSignal() as stop:
-            run(args, model_factory(args), stop)
+        run(args, model_factory(args), stop)
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
