@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     from experiments.bench_strategies import time_steps
     from experiments.bench_torch import TorchWorker
     from jaxtrain import diagnostics
-    from jaxtrain.step import replicate
+    from jaxtrain.sharding import place
 
     mesh = jt.make_mesh(devices)
     loss_fn, params0, model_state0 = build(args.model, "none")
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
 
     hand = jax.jit(sgd_step, in_shardings=(replicated, sharded), out_shardings=replicated, donate_argnums=0)
 
-    hand_carry = replicate((params0, model_state0), replicated)  # fresh buffers: the step donates them
+    hand_carry = place((params0, model_state0), replicated)  # fresh buffers: the step donates them
     runs = {"jaxtrain": [trainer, state], "handwritten": [hand, hand_carry]}
     for run in runs.values():
         run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up

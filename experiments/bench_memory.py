@@ -40,7 +40,7 @@ def build(model_name: str, remat: str, strategy: str = "jit"):
         return lenet.make_loss_fn(remat), lenet.init_params(jax.random.key(0)), {}
     from jaxtrain.models import resnet
 
-    net = resnet.ResNet18(remat=remat, axis_name=resnet.axis_name_for(strategy))
+    net = resnet.ResNet18(remat=remat)
     params, stats = resnet.init_variables(jax.random.key(0))
     return resnet.make_loss_fn(net), params, stats
 

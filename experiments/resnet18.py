@@ -17,7 +17,7 @@ from jaxtrain.experiment import Model, main, make_parser  # light: JAX is import
 def model(args) -> Model:
     from jaxtrain.models import resnet
 
-    net = resnet.ResNet18(weight_init=args.init, remat=args.remat, axis_name=resnet.axis_name_for(args.strategy))
+    net = resnet.ResNet18(weight_init=args.init, remat=args.remat)
     eval_net = resnet.ResNet18(weight_init=args.init)
     return Model(
         name="resnet18",

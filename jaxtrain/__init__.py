@@ -19,7 +19,12 @@ _EXPORTS = {
     "make_eval_step": "jaxtrain.step",
     "make_mesh": "jaxtrain.devices",
     "make_train_step": "jaxtrain.step",
-    "ring_allreduce": "jaxtrain.parallel",
+    "ring_allreduce": "jaxtrain.ring",
+    "ring_all_gather": "jaxtrain.ring",
+    "ring_reduce_scatter": "jaxtrain.ring",
+    "FSDP": "jaxtrain.sharding",
+    "MODEL_AXIS": "jaxtrain.devices",
+    "batch_axis": "jaxtrain.parallel",
     "setup_devices": "jaxtrain.devices",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,9 +1,10 @@
-"""Pick the devices a run uses and build its 1-D data-parallel mesh."""
+"""Pick the devices a run uses and build the mesh over them (named axes; "data" is the batch axis)."""
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -11,7 +12,9 @@ from jax.sharding import AxisType, Mesh
 from jaxtrain import compat
 from jaxtrain.errors import ConfigError
 
-DATA_AXIS = "data"  # the one mesh axis name; every module imports it from here
+# The mesh axis names; every module imports them from here.
+DATA_AXIS = "data"  # the batch is sharded over it (and replicated over every other axis)
+MODEL_AXIS = "model"  # tensor parallelism: what the models' TP rules shard over
 
 # Virtual CPU devices share the cores; past a few per core they only add
 # rendezvous overhead (and XLA:CPU's all-reduce rendezvous can starve).
@@ -152,8 +155,13 @@ def _platform_hint() -> str:
     return "gpu" if has_gpu_plugin else "cpu"
 
 
-def make_mesh(devices: int | Sequence[jax.Device] | Mesh | None = None) -> Mesh:
-    """A 1-D mesh with the axis ``"data"`` over ``devices`` (a list, or the first N); a Mesh is returned as is."""
+def make_mesh(devices: int | Sequence[jax.Device] | Mesh | None = None, axes: Mapping[str, int] | None = None) -> Mesh:
+    """A mesh over ``devices`` (a list, or the first N); a Mesh is returned as is.
+
+    ``axes``: named axis sizes, e.g. ``{"data": 2, "model": 2}``, in mesh
+    order; their product must be the number of devices. Default: one axis
+    ``"data"`` over all of them. ``"data"`` is always the batch axis.
+    """
     if isinstance(devices, Mesh):
         return devices
     available = jax.devices()
@@ -168,7 +176,32 @@ def make_mesh(devices: int | Sequence[jax.Device] | Mesh | None = None) -> Mesh:
             )
         devices = available[:devices]
     devices = list(devices)
-    # Auto (GSPMD) axis: users' model code stays sharding-agnostic. With
+    axes = dict(axes) if axes else {DATA_AXIS: len(devices)}
+    _check_axes(axes, len(devices))
+    # Auto (GSPMD) axes: users' model code stays sharding-agnostic. With
     # Explicit axes a plain reshape of a batch-sharded array (e.g. a pooling
     # written as reshape+mean) is a ShardingTypeError unless annotated.
-    return jax.make_mesh((len(devices),), (DATA_AXIS,), axis_types=(AxisType.Auto,), devices=devices)
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+
+
+def _check_axes(axes: dict, num_devices: int) -> None:
+    shown = ",".join(f"{k}={v}" for k, v in axes.items())
+    if DATA_AXIS not in axes:
+        raise ConfigError(f"mesh {shown} has no {DATA_AXIS!r} axis: the batch is sharded over it (add {DATA_AXIS}=N)")
+    bad = [k for k, v in axes.items() if not isinstance(v, int) or v < 1]
+    if bad:
+        raise ConfigError(f"mesh {shown}: axis sizes must be whole numbers >= 1 ({', '.join(bad)})")
+    if math.prod(axes.values()) != num_devices:
+        raise ConfigError(f"mesh {shown} has {math.prod(axes.values())} places but there are {num_devices} devices: "
+                          "make the product of the axis sizes equal the device count")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,model=2"`` -> ``{"data": 2, "model": 2}`` (the CLI's --mesh); ConfigError if malformed."""
+    axes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name.strip() or not size.strip().isdigit() or name.strip() in axes:
+            raise ConfigError(f"--mesh {text!r}: write axis sizes as name=N separated by commas, e.g. data=2,model=2")
+        axes[name.strip()] = int(size)
+    return axes

@@ -1,37 +1,71 @@
-"""Data-parallel strategies: one per-shard body, wrapped four ways.
+"""Parallel strategies: one per-shard computation, wrapped four ways; each strategy one small object.
 
-A *body* is ``body(state, batch, comm) -> outputs``: it sees one shard of the
-batch and talks to the other shards only through ``comm`` (a ``Comm``). The
-strategies differ only in how the body is wrapped:
+The step (``step.py``) hands a strategy two functions:
 
-- ``jit``: the body sees the GLOBAL batch (sharded ``P("data")``) and ``comm``
-  does nothing; XLA (GSPMD) inserts the all-reduce of the gradients. Only
-  micro-batch accumulation runs per device (``comm.per_device``), so that the
-  gradients are reduced once per update rather than once per micro-batch.
-- ``shard_map``: ``jax.shard_map`` runs the body per device; ``comm.mean`` is
-  ``lax.pmean``.
-- ``pmap``: the legacy API, ``in_axes=(None, 0)``; ``comm.mean`` is ``lax.pmean``.
-- ``ring``: the shard_map body with ``ring_allreduce`` (``lax.ppermute``)
-  instead of ``psum``.
+- ``local(params, model_state, loss_scale, batch, rng, vary) -> (grads, loss, model_state, metrics)``:
+  gradients and means over the examples it is given, NOT reduced across
+  devices (``vary`` marks fresh zeros per-device, for the micro-batch scan);
+- ``update(state, grads, loss, model_state, metrics) -> (state, metrics)``:
+  the optimizer step on global arrays, after the reduction.
+
+A strategy runs ``local`` on each device's share of the batch, reduces what
+it returns across the ``"data"`` axis with its own collectives (``Comm``),
+and places the state with the shardings of ``sharding.py``:
+
+- ``jit``: ``local`` sees the GLOBAL batch and XLA (GSPMD) inserts every
+  collective, for any parameter sharding (FSDP, tensor parallelism). With
+  micro-batch accumulation the scan runs per device (as under ``shard_map``)
+  so that gradients are reduced once per update, not once per micro-batch.
+- ``shard_map``: ``jax.shard_map`` over ``"data"``; explicit ``lax``
+  collectives: FSDP parameters are all-gathered before use, their gradients
+  reduce-scattered (``psum_scatter``) to the local shard; the rest ``pmean``.
+- ``ring``: as ``shard_map``, with our ring collectives (``ring.py``).
+- ``pmap``: the legacy API, replicated state only; the update runs inside.
+
+The optimizer update runs outside the per-device function on global arrays,
+so an optimizer that looks across parameters (a global-norm clip) sees the
+whole gradient under every sharding; element-wise ones stay shard-local.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-import math
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain import sharding
 from jaxtrain.devices import DATA_AXIS
 from jaxtrain.errors import ConfigError
+from jaxtrain.ring import ring_all_gather, ring_allreduce, ring_reduce_scatter
 
 STRATEGIES = ("jit", "shard_map", "pmap", "ring")
+
+_BATCH_AXIS = contextvars.ContextVar("jaxtrain_batch_axis", default=None)
+
+
+def batch_axis() -> str | None:
+    """The mesh axis the batch is split over inside the step being traced; None where it sees the global batch.
+
+    Models pass it to their batch statistics (``nn.BatchNorm(axis_name=jt.batch_axis())``)
+    so that BatchNorm averages over the global batch under every strategy,
+    without being told the strategy.
+    """
+    return _BATCH_AXIS.get()
+
+
+@contextlib.contextmanager
+def _split_over(axis: str):
+    token = _BATCH_AXIS.set(axis)
+    try:
+        yield
+    finally:
+        _BATCH_AXIS.reset(token)
 
 
 def check_strategy(strategy: str) -> None:
@@ -39,121 +73,85 @@ def check_strategy(strategy: str) -> None:
         raise ConfigError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
 
 
-def ring_allreduce(tree, axis_name: str = DATA_AXIS):
-    """Sum ``tree`` over ``axis_name`` with a ring: reduce-scatter, then all-gather.
-
-    Inside ``shard_map`` (or ``pmap``) over n devices. Each leaf dtype is packed
-    into one flat buffer, padded to a multiple of n and cut into n chunks.
-    Reduce-scatter: in each of n-1 steps every device passes one chunk to its
-    right neighbour, which adds it to its own copy; afterwards device i holds
-    the complete sum of chunk (i + 1) mod n. All-gather: n-1 more steps pass
-    the finished chunks around the ring.
-
-    Why bandwidth-optimal: each device sends and receives 2(n-1)/n of the data
-    in total, whatever n is, and every link of the ring is busy in every step.
-    Summing at one device and broadcasting back moves (n-1) times the data
-    through that device. No algorithm can do with less than 2(n-1)/n per
-    device: every device must send out its (n-1)/n share of contributions and
-    receive the (n-1)/n of the result it did not compute. This is the
-    algorithm NCCL and XLA use for large all-reduces; ``lax.psum`` is the
-    built-in equivalent, and the tests check that the two agree.
-    """
-    n = lax.axis_size(axis_name)
-    leaves, treedef = jax.tree.flatten(tree)
-    if n == 1 or not leaves:
-        return tree
-    idx = lax.axis_index(axis_name)
-    right = [(j, (j + 1) % n) for j in range(n)]
-
-    out = list(leaves)
-    for dtype in sorted({jnp.result_type(x) for x in leaves}, key=str):
-        members = [i for i, x in enumerate(leaves) if jnp.result_type(x) == dtype]
-        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in members])
-        chunk = math.ceil(flat.size / n)
-        buf = jnp.pad(flat, (0, chunk * n - flat.size)).reshape(n, chunk)
-
-        for s in range(n - 1):  # reduce-scatter
-            send = lax.dynamic_index_in_dim(buf, (idx - s) % n, keepdims=False)
-            recv = lax.ppermute(send, axis_name, right)
-            slot = (idx - s - 1) % n
-            mine = lax.dynamic_index_in_dim(buf, slot, keepdims=False)
-            buf = lax.dynamic_update_index_in_dim(buf, mine + recv, slot, 0)
-        for s in range(n - 1):  # all-gather the finished chunks
-            send = lax.dynamic_index_in_dim(buf, (idx + 1 - s) % n, keepdims=False)
-            recv = lax.ppermute(send, axis_name, right)
-            buf = lax.dynamic_update_index_in_dim(buf, recv, (idx - s) % n, 0)
-
-        flat = buf.reshape(-1)[: flat.size]
-        offset = 0
-        for i in members:
-            size = int(np.prod(jnp.shape(leaves[i])))
-            out[i] = flat[offset : offset + size].reshape(jnp.shape(leaves[i]))
-            offset += size
-    return jax.tree.unflatten(treedef, out)
-
-
 @dataclasses.dataclass(frozen=True)
 class Comm:
-    """How a per-shard body talks to the other shards."""
+    """How a per-device function talks to the other devices along ``"data"``."""
 
     mean: Callable  # pytree -> its mean over devices
     sum: Callable  # pytree -> its sum over devices
-    vary: Callable  # mark replicated values per-device (so grads stay local)
-    index: Callable  # () -> this shard's index (0 under "jit")
-    # f(params, batch, rng, vary) -> pytree  =>  (params, batch, rng) -> f run on
-    # each device's share of the batch; under "jit" also averaged (one pmean).
-    per_device: Callable
+    vary: Callable  # mark replicated values per-device (so gradients stay local)
+    gather: Callable  # params (FSDP leaves: local shards) -> whole params, per-device
+    scatter_mean: Callable  # gradients of whole params -> their mean, FSDP leaves as the local shard
 
 
 def _pcast(tree):
     return jax.tree.map(lambda x: lax.pcast(x, DATA_AXIS, to="varying"), tree)
 
 
-def _ring_mean(tree):
-    n = lax.axis_size(DATA_AXIS)
-    return jax.tree.map(lambda x: x / n, ring_allreduce(tree, DATA_AXIS))
+def _by_dim(tree, dims, sharded: Callable, replicated: Callable):
+    """Apply ``sharded(leaves, dims)`` to the leaves with a data dimension, ``replicated(leaves)`` to the rest."""
+    leaves, treedef = jax.tree.flatten(tree)
+    per_leaf = treedef.flatten_up_to(dims)
+    out = list(leaves)
+    split = [i for i, d in enumerate(per_leaf) if d is not None]
+    whole = [i for i, d in enumerate(per_leaf) if d is None]
+    if split:
+        for i, x in zip(split, sharded([leaves[i] for i in split], [per_leaf[i] for i in split])):
+            out[i] = x
+    if whole:
+        for i, x in zip(whole, replicated([leaves[i] for i in whole])):
+            out[i] = x
+    return jax.tree.unflatten(treedef, out)
 
 
-def _per_device_under_jit(mesh):
-    """Comm.per_device for "jit", whose body sees the GLOBAL batch.
+def make_comm(dims, ring: bool = False) -> Comm:
+    """``lax`` (or ring) collectives over ``"data"``; ``dims``: per parameter, its FSDP dimension or None."""
+    if ring:
+        total = lambda t: ring_allreduce(t, DATA_AXIS)  # noqa: E731
+        gather_split = lambda xs, ds: ring_all_gather(xs, DATA_AXIS, ds)  # noqa: E731
+        scatter_split = lambda xs, ds: ring_reduce_scatter(xs, DATA_AXIS, ds)  # noqa: E731
+    else:
+        total = lambda t: lax.psum(t, DATA_AXIS)  # noqa: E731
+        gather_split = lambda xs, ds: [lax.all_gather(x, DATA_AXIS, axis=d, tiled=True) for x, d in zip(xs, ds)]  # noqa: E731
+        scatter_split = lambda xs, ds: [  # noqa: E731
+            lax.psum_scatter(x, DATA_AXIS, scatter_dimension=d, tiled=True) for x, d in zip(xs, ds)]
 
-    Left to GSPMD, every micro-batch's gradient is reduced across devices (one
-    combined all-reduce, k times the bytes; a vmap over the devices' shares
-    made GSPMD gather activations instead). So the accumulation runs as
-    shard_map strategy's does: per device, params marked varying, one pmean
-    after the loop.
-    """
+    def mean(tree):
+        n = lax.axis_size(DATA_AXIS)
+        return jax.tree.map(lambda x: x / n, total(tree))
 
-    def per_device(f):
-        def local(params, batch, rng):
-            rng = jax.random.fold_in(rng, lax.axis_index(DATA_AXIS))
-            return lax.pmean(f(_pcast(params), batch, rng, _pcast), DATA_AXIS)
+    def scatter_mean(grads):
+        n = lax.axis_size(DATA_AXIS)
+        return jax.tree.map(lambda g: g / n, _by_dim(grads, dims, scatter_split, total))
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DATA_AXIS), P()), out_specs=P())
-
-    return per_device
-
-
-def comm_for(strategy: str, mesh) -> Comm:
-    """The collectives a body uses under ``strategy`` over ``mesh``."""
-    identity = lambda tree: tree  # noqa: E731
-    if strategy == "jit":
-        return Comm(mean=identity, sum=identity, vary=identity, index=lambda: 0,
-                    per_device=_per_device_under_jit(mesh))
-    pmean = lambda tree: lax.pmean(tree, DATA_AXIS)  # noqa: E731
-    psum = lambda tree: lax.psum(tree, DATA_AXIS)  # noqa: E731
-    index = lambda: lax.axis_index(DATA_AXIS)  # noqa: E731
-    # shard_map (and the shard_map-based pmap) already sums the gradient of a
-    # replicated input over the axis; pcast to "varying" keeps it local so that
-    # the one explicit reduction below is the only one (REFERENCE §3).
-    per_device = lambda f: lambda p, b, r: f(p, b, r, _pcast)  # noqa: E731  (a shard already is per device)
-    if strategy == "ring":
-        return Comm(mean=_ring_mean, sum=lambda t: ring_allreduce(t, DATA_AXIS), vary=_pcast, index=index,
-                    per_device=per_device)
-    return Comm(mean=pmean, sum=psum, vary=_pcast, index=index, per_device=per_device)
+    return Comm(mean=mean, sum=total, vary=_pcast, gather=lambda p: _by_dim(p, dims, gather_split, _pcast),
+                scatter_mean=scatter_mean)
 
 
-class _Compiled:
+def _per_device(local: Callable, comm: Comm) -> Callable:
+    """(params, model_state, loss_scale, batch, base_rng) -> reduced (grads, loss, model_state, metrics), per device."""
+
+    def run(params, model_state, loss_scale, batch, rng):
+        rng = jax.random.fold_in(rng, lax.axis_index(DATA_AXIS))
+        with _split_over(DATA_AXIS):
+            grads, loss, model_state, metrics = local(comm.gather(params), model_state, loss_scale, batch, rng,
+                                                      comm.vary)
+        return (comm.scatter_mean(grads), *comm.mean((loss, model_state, metrics)))
+
+    return run
+
+
+def _step_with(update: Callable, reduced: Callable) -> Callable:
+    """state, batch -> update(state, *reduced(...)): the key folds in the step (and, per device, its index)."""
+
+    def step(state, batch):
+        rng = jax.random.fold_in(state.rng, state.step)
+        return update(state, *reduced(state.params, state.model_state, state.loss_scale, batch, rng))
+
+    return step
+
+
+class Compiled:
     """A wrapped step: call it, or ``lower(state, batch, platforms)`` it (e.g. ``("cuda",)`` on a CPU host)."""
 
     def __init__(self, jitted, prepare=lambda batch: batch):
@@ -166,7 +164,7 @@ class _Compiled:
         return self._jitted.trace(state, self._prepare(batch)).lower(lowering_platforms=platforms)
 
 
-class _Pmapped(_Compiled):
+class _Pmapped(Compiled):
     """``jax.pmap``'s own ``lower`` takes no platforms: other platforms lower the same pmap under a jit."""
 
     def __init__(self, pmapped, prepare, donate):
@@ -179,38 +177,132 @@ class _Pmapped(_Compiled):
         return self._under_jit.trace(state, batch).lower(lowering_platforms=platforms)
 
 
-def wrap(body: Callable, mesh, strategy: str, *, donate_state: bool) -> _Compiled:
-    """Compile ``body(state, batch, comm)`` for ``strategy`` over ``mesh``.
+class Strategy:
+    """Owns one strategy's collectives, wrapping and shardings over ``mesh`` for the parameter specs ``pspecs``."""
 
-    The returned function takes the replicated state and the GLOBAL batch
-    already sharded ``P("data")``, and returns replicated outputs.
-    """
-    check_strategy(strategy)
-    comm = comm_for(strategy, mesh)
-    fn = lambda state, batch: body(state, batch, comm)  # noqa: E731
-    donate = (0,) if donate_state else ()
-    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
-    if strategy == "jit":
-        return _Compiled(jax.jit(fn, in_shardings=(replicated, sharded), out_shardings=replicated,
-                                 donate_argnums=donate))
-    if strategy in ("shard_map", "ring"):
-        mapped = jax.shard_map(
-            fn,
-            mesh=mesh,
-            in_specs=(P(), P(DATA_AXIS)),
-            out_specs=P(),
-            # ppermute results are typed "varying" even when all devices hold
-            # the same values, so the ring's outputs cannot be checked as P().
-            check_vma=strategy != "ring",
-        )
-        return _Compiled(jax.jit(mapped, donate_argnums=donate))
-    devices = list(mesh.devices.flat)
-    n = len(devices)
-    pmapped = jax.pmap(
-        fn, axis_name=DATA_AXIS, in_axes=(None, 0), out_axes=None, devices=devices, donate_argnums=donate
-    )
+    name = ""
 
-    def per_device(batch):  # users never reshape to [devices, per_device, ...]
-        return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+    def __init__(self, mesh, pspecs):
+        self.mesh, self.pspecs = mesh, pspecs
+        self.replicated = NamedSharding(mesh, P())
+        self.batch = NamedSharding(mesh, P(DATA_AXIS))
 
-    return _Pmapped(pmapped, per_device, donate)
+    def _jit(self, fn, state_specs, donate: bool):
+        state = sharding.named(self.mesh, state_specs)
+        return Compiled(jax.jit(fn, in_shardings=(state, self.batch), out_shardings=(state, self.replicated),
+                                 donate_argnums=(0,) if donate else ()))
+
+    def train(self, local: Callable, update: Callable, state_specs, per_device: bool) -> Compiled:
+        """The compiled, donated train step."""
+        raise NotImplementedError
+
+    def evaluate(self, local_sums: Callable, pspecs) -> Compiled:
+        """``local_sums(params, model_state, batch) -> sums`` over the examples given, summed over the devices."""
+        raise NotImplementedError
+
+
+class Jit(Strategy):
+    name = "jit"
+
+    def _manual(self, fn, in_specs, out_specs):
+        """``fn`` per device along "data" only; other mesh axes stay with GSPMD (tensor parallelism)."""
+        only_data = lambda specs: jax.tree.map(_data_only, specs, is_leaf=sharding.is_spec)  # noqa: E731
+        manual = frozenset({DATA_AXIS}) if len(self.mesh.axis_names) > 1 else frozenset()
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=only_data(in_specs), out_specs=only_data(out_specs),
+                             axis_names=manual)
+
+    def train(self, local, update, state_specs, per_device):
+        if per_device:  # left to GSPMD, every micro-batch's gradient would be reduced (k times the bytes)
+            reduced = self._manual(_per_device(local, make_comm(sharding.data_dims(self.pspecs))),
+                                   (self.pspecs, P(), P(), P(DATA_AXIS), P()), (self.pspecs, P(), P(), P()))
+        else:
+            def reduced(params, model_state, loss_scale, batch, rng):
+                return local(params, model_state, loss_scale, batch, jax.random.fold_in(rng, 0), lambda t: t)
+
+        return self._jit(_step_with(update, reduced), state_specs, donate=True)
+
+    def evaluate(self, local_sums, pspecs):
+        return Compiled(jax.jit(lambda state, batch: local_sums(state.params, state.model_state, batch),
+                                 out_shardings=self.replicated))
+
+
+def _data_only(spec: P) -> P:
+    return P(*(DATA_AXIS if e is not None and DATA_AXIS in ((e,) if isinstance(e, str) else e) else None for e in spec))
+
+
+class ShardMap(Strategy):
+    name = "shard_map"
+    ring = False
+
+    def __init__(self, mesh, pspecs):
+        super().__init__(mesh, pspecs)
+        other = sorted(sharding.mesh_axes_used(pspecs) - {DATA_AXIS})
+        if other:
+            raise ConfigError(f"strategy {self.name!r} shards parameters over {DATA_AXIS!r} only (fsdp), but the rules "
+                              f"name {', '.join(map(repr, other))}: use strategy='jit' for tensor parallelism")
+
+    def _map(self, fn, in_specs, out_specs):
+        # ppermute results are typed "varying" even when all devices hold the
+        # same values, so the ring's outputs cannot be checked as P().
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not self.ring)
+
+    def train(self, local, update, state_specs, per_device):
+        comm = make_comm(sharding.data_dims(self.pspecs), ring=self.ring)
+        reduced = self._map(_per_device(local, comm), (self.pspecs, P(), P(), P(DATA_AXIS), P()),
+                            (self.pspecs, P(), P(), P()))
+        return self._jit(_step_with(update, reduced), state_specs, donate=True)
+
+    def evaluate(self, local_sums, pspecs):
+        comm = make_comm(sharding.data_dims(pspecs), ring=self.ring)
+
+        def run(params, model_state, batch):
+            return comm.sum(local_sums(comm.gather(params), model_state, batch))
+
+        mapped = self._map(run, (pspecs, P(), P(DATA_AXIS)), P())
+        return Compiled(jax.jit(lambda state, batch: mapped(state.params, state.model_state, batch)))
+
+
+class Ring(ShardMap):
+    name = "ring"
+    ring = True
+
+
+class Pmap(Strategy):
+    name = "pmap"
+
+    def __init__(self, mesh, pspecs):
+        super().__init__(mesh, pspecs)
+        if sharding.mesh_axes_used(pspecs) or len(mesh.axis_names) > 1:
+            raise ConfigError("strategy 'pmap' keeps the whole state on every device of a 1-D mesh: use strategy='jit' "
+                              "(any sharding) or 'shard_map' / 'ring' (fsdp) for sharded state or a 2-D mesh")
+        self.devices = list(mesh.devices.flat)
+
+    def _pmap(self, fn, donate: bool) -> _Pmapped:
+        n = len(self.devices)
+        donate_argnums = (0,) if donate else ()
+        pmapped = jax.pmap(fn, axis_name=DATA_AXIS, in_axes=(None, 0), out_axes=None, devices=self.devices,
+                           donate_argnums=donate_argnums)
+
+        def per_device(batch):  # users never reshape to [devices, per_device, ...]
+            return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
+        return _Pmapped(pmapped, per_device, donate_argnums)
+
+    def train(self, local, update, state_specs, per_device):
+        reduced = _per_device(local, make_comm(sharding.data_dims(self.pspecs)))
+        return self._pmap(_step_with(update, reduced), donate=True)
+
+    def evaluate(self, local_sums, pspecs):
+        if sharding.mesh_axes_used(pspecs):
+            raise ConfigError("strategy 'pmap' evaluates a replicated state only: evaluate a sharded one under 'jit'")
+        psum = lambda t: lax.psum(t, DATA_AXIS)  # noqa: E731
+        return self._pmap(lambda state, batch: psum(local_sums(state.params, state.model_state, batch)), donate=False)
+
+
+_CLASSES = {cls.name: cls for cls in (Jit, ShardMap, Ring, Pmap)}
+
+
+def make_strategy(name: str, mesh, pspecs) -> Strategy:
+    """The strategy object for ``name``; ConfigError for an unknown name or a sharding it cannot run."""
+    check_strategy(name)
+    return _CLASSES[name](mesh, pspecs)

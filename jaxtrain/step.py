@@ -6,12 +6,11 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import accumulate, parallel
+from jaxtrain import accumulate, parallel, sharding
 from jaxtrain import precision as prec
 from jaxtrain.devices import DATA_AXIS, make_mesh
 from jaxtrain.errors import ConfigError
@@ -19,65 +18,6 @@ from jaxtrain.state import TrainState
 
 LossFn = Callable  # (params, model_state, batch, rng) -> (loss, (model_state, metrics))
 EvalFn = Callable  # (params, model_state, batch) -> {name: per-example values [B]}
-
-
-class _Sharder:
-    """Checks a global batch and places it on the mesh, sharded ``P("data")``."""
-
-    def __init__(self, mesh: Mesh, divisor: int = 1):
-        self.mesh = mesh
-        self.divisor = divisor  # examples per device must divide by this (accumulation)
-        self.replicated = NamedSharding(mesh, P())
-        self.sharding = NamedSharding(mesh, P(DATA_AXIS))
-
-    @property
-    def num_devices(self) -> int:
-        return self.mesh.devices.size
-
-    def check_batch_size(self, size: int) -> None:
-        """Raise ConfigError unless ``size`` splits evenly over the devices."""
-        unit = self.num_devices * self.divisor
-        if size < 1 or size % unit:
-            what = f"{self.num_devices} devices" + (f" x {self.divisor} micro-batches" if self.divisor > 1 else "")
-            lower, upper = max(unit, size // unit * unit), (size // unit + 1) * unit
-            raise ConfigError(
-                f"batch size {size} does not split evenly over {what}: use a multiple of {unit} (e.g. {lower} or {upper})"
-            )
-
-    def __call__(self, batch: Mapping) -> dict:
-        sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch)}
-        if len(sizes) != 1:
-            raise ConfigError(f"every array in the batch needs the same leading (examples) axis, got sizes {sorted(sizes)}")
-        local = sizes.pop()
-        self.check_batch_size(local * (1 if _is_global(batch) else jax.process_count()))
-        return jax.tree.map(self._put, batch)
-
-    def _put(self, x):
-        if isinstance(x, jax.Array):
-            return x if x.sharding.is_equivalent_to(self.sharding, x.ndim) else jax.device_put(x, self.sharding)
-        # This process's rows of the global batch (all of it in a 1-process run).
-        return jax.make_array_from_process_local_data(self.sharding, np.asarray(x))
-
-
-def replicate(tree, sharding: NamedSharding):
-    """Every leaf as a NEW global array replicated over ``sharding``'s mesh.
-
-    Built from host values with ``make_array_from_callback``, so it works in
-    multi-process runs (every process holds the same values) and never
-    aliases the caller's arrays (``device_put`` may, and the step donates).
-    """
-
-    def put(x):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys: place their data
-            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-        host = np.asarray(jax.device_get(x))
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    return jax.tree.map(put, tree)
-
-
-def _is_global(batch) -> bool:
-    return all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
 
 
 def _checked_loss_output(out):
@@ -96,7 +36,9 @@ def _checked_loss_output(out):
     return out
 
 
-def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, accum_steps: int):
+def _train_fns(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, accum_steps: int):
+    """(local, update): the two halves of the step a strategy wraps (see parallel.py)."""
+
     def grad_fn(params, model_state, batch, rng, scale):
         """fp32 grads of the (scaled) loss, computed in the policy's compute dtype."""
 
@@ -110,19 +52,19 @@ def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.
         (_, (loss, new_model_state, metrics)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
         return grads, loss, new_model_state, metrics
 
-    def body(state: TrainState, batch, comm: parallel.Comm):
-        rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), comm.index())
-        scale = prec.current_scale(state.loss_scale)
-        params = comm.vary(state.params)  # grads stay per-device until the one reduction below
+    def local(params, model_state, loss_scale, batch, rng, vary):
+        """Gradients and means over the examples given (a device's share, or all under "jit"), not reduced."""
+        scale = prec.current_scale(loss_scale)
         if accum_steps > 1:
             one = lambda p, ms, b, r: grad_fn(p, ms, b, r, scale)  # noqa: E731
-            grads, loss, model_state, metrics = comm.per_device(
-                lambda p, b, r, vary: accumulate.scan_gradients(one, p, state.model_state, b, r, accum_steps, vary))(
-                    params, batch, rng)
+            grads, loss, model_state, metrics = accumulate.scan_gradients(one, params, model_state, batch, rng,
+                                                                         accum_steps, vary)
         else:
-            grads, loss, model_state, metrics = grad_fn(params, state.model_state, batch, rng, scale)
-        grads = prec.cast_floats(grads, policy.reduce_dtype)
-        grads, loss, metrics, model_state = comm.mean((grads, loss, metrics, model_state))
+            grads, loss, model_state, metrics = grad_fn(params, model_state, batch, rng, scale)
+        return prec.cast_floats(grads, policy.reduce_dtype), loss, model_state, metrics
+
+    def update(state: TrainState, grads, loss, model_state, metrics):
+        scale = prec.current_scale(state.loss_scale)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -139,24 +81,29 @@ def _train_body(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.
                                   model_state=model_state, loss_scale=loss_scale)
         return new_state, metrics
 
-    return body
+    return local, update
 
 
 class Trainer:
-    """A compiled data-parallel train step: ``state, metrics = trainer(state, batch)``."""
+    """A compiled train step: ``state, metrics = trainer(state, batch)``; the state placed by ``param_sharding``."""
 
     def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, strategy: str,
-                 precision: str | prec.Precision = "fp32", accum_steps: int = 1, accum: str = "scan"):
+                 precision: str | prec.Precision = "fp32", accum_steps: int = 1, accum: str = "scan",
+                 param_sharding="replicated", min_size: int = sharding.MIN_SIZE):
         parallel.check_strategy(strategy)
         accumulate.check(accum_steps, accum)
+        sharding.param_specs({}, param_sharding, mesh)  # malformed rules: an error now, not at init
+        if strategy == "pmap" and param_sharding != "replicated":
+            parallel.make_strategy(strategy, mesh, {"sharded": P(DATA_AXIS)})  # its one-line error
         self.policy = prec.get_policy(precision)
         self.loss_fn = loss_fn
         self.mesh, self.strategy, self.accum_steps, self.accum = mesh, strategy, accum_steps, accum
+        self.param_sharding, self.min_size = param_sharding, min_size
         self.tx = accumulate.wrap_optimizer(tx, accum_steps, accum)
-        scan_steps = accum_steps if accum == "scan" else 1
-        self.shard = _Sharder(mesh, divisor=scan_steps)
-        body = _train_body(loss_fn, self.tx, self.policy, scan_steps)
-        self._step = parallel.wrap(body, mesh, strategy, donate_state=True)
+        self.scan_steps = accum_steps if accum == "scan" else 1
+        self.shard = sharding.BatchSharder(mesh, divisor=self.scan_steps)
+        self._local, self._update = _train_fns(loss_fn, self.tx, self.policy, self.scan_steps)
+        self._steps = {}  # state tree structure -> compiled step
 
     @property
     def num_devices(self) -> int:
@@ -165,19 +112,47 @@ class Trainer:
     def check_batch_size(self, size: int) -> None:
         self.shard.check_batch_size(size)
 
-    def init(self, params, model_state=None, rng: jax.Array | None = None) -> TrainState:
-        """A TrainState replicated over the mesh (fp32 params, fresh optimizer state)."""
-        rng = jax.random.key(0) if rng is None else rng
+    def state_specs(self, state) -> TrainState:
+        """A PartitionSpec per leaf of ``state`` (arrays or shapes): parameters by ``param_sharding``."""
+        pspecs = sharding.param_specs(state.params, self.param_sharding, self.mesh, self.min_size)
+        return sharding.state_specs(state, pspecs, self.tx)
+
+    def layout(self, state) -> dict:
+        """Which parameters are sharded how (for summaries)."""
+        return sharding.describe(state.params, self.state_specs(state).params)
+
+    def _fresh(self, params, model_state, rng) -> TrainState:
         params = prec.cast_floats(params, self.policy.param_dtype)
-        state = TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=self.tx.init(params),
-            model_state={} if model_state is None else model_state,
-            rng=rng,
-            loss_scale=prec.init_loss_scale(self.policy),
-        )
-        return replicate(state, self.shard.replicated)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                          model_state={} if model_state is None else model_state, rng=rng,
+                          loss_scale=prec.init_loss_scale(self.policy))
+
+    def init(self, params=None, model_state=None, rng: jax.Array | None = None, *, init_fn=None) -> TrainState:
+        """A TrainState on the mesh (fp32 params, fresh optimizer state), each leaf with its sharding.
+
+        ``init_fn(rng) -> (params, model_state)`` instead of ``params``: run
+        compiled with the state's shardings, so the whole state never exists
+        on one device (``init(init_fn=f, rng=k)`` equals ``init(*jax.jit(f)(k), rng=k)``).
+        """
+        if (params is None) == (init_fn is None):
+            raise ConfigError("trainer.init takes params (and model_state) or init_fn=f with f(rng) -> "
+                              "(params, model_state): one of the two")
+        rng = jax.random.key(0) if rng is None else rng
+        make = (lambda r: self._fresh(*init_fn(r), r)) if init_fn else (lambda r: self._fresh(params, model_state, r))
+        specs = self.state_specs(jax.eval_shape(make, rng))
+        parallel.make_strategy(self.strategy, self.mesh, specs.params)  # a sharding it cannot run: an error now
+        shardings = sharding.named(self.mesh, specs)
+        if init_fn is None:
+            return sharding.place(self._fresh(params, model_state, rng), shardings)
+        return jax.jit(make, out_shardings=shardings)(sharding.place(rng, self.shard.replicated))
+
+    def _compiled(self, state) -> parallel.Compiled:
+        key = jax.tree.structure(state)
+        if key not in self._steps:
+            specs = self.state_specs(state)
+            strategy = parallel.make_strategy(self.strategy, self.mesh, specs.params)
+            self._steps[key] = strategy.train(self._local, self._update, specs, per_device=self.scan_steps > 1)
+        return self._steps[key]
 
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a global batch (numpy or jax arrays): checked and sharded first."""
@@ -185,7 +160,7 @@ class Trainer:
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
             raise ConfigError("this TrainState was donated to an earlier step and its buffers are gone: "
                               "pass the state the previous call returned (state, metrics = trainer(state, batch))")
-        return self._step(state, self.shard(batch))
+        return self._compiled(state)(state, self.shard(batch))
 
     def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a batch ALREADY on the mesh (what ``prefetch_to_device`` yields).
@@ -193,7 +168,7 @@ class Trainer:
         No checks, no copies: the hot-loop entry. Under
         ``jax.transfer_guard("disallow")`` a host array here is an error.
         """
-        return self._step(state, batch)
+        return self._compiled(state)(state, batch)
 
     def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
         """The lowered (not yet compiled) step for this state and batch.
@@ -201,7 +176,7 @@ class Trainer:
         ``platforms``: lower for these instead of the mesh's devices, e.g.
         ``("cuda",)`` to check on a CPU host what a GPU would compile.
         """
-        return self._step.lower(state, self.shard(batch), platforms)
+        return self._compiled(state).lower(state, self.shard(batch), platforms)
 
 
 def make_train_step(
@@ -213,8 +188,10 @@ def make_train_step(
     precision: str | prec.Precision = "fp32",
     accum_steps: int = 1,
     accum: str = "scan",
+    param_sharding="replicated",
+    min_size: int = sharding.MIN_SIZE,
 ) -> Trainer:
-    """Build a data-parallel train step.
+    """Build a (data-parallel, optionally sharded-state) train step.
 
     ``loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics))``
     computes the mean loss over the examples it is given; ``metrics`` are
@@ -226,22 +203,35 @@ def make_train_step(
     every device's share into k micro-batches, one update per call;
     ``accum="multisteps"``: ``optax.MultiSteps``, one micro-batch per call and
     an update every k calls.
+
+    ``param_sharding``: "replicated" (data parallelism), "fsdp" (every
+    parameter of at least ``min_size`` elements, and its optimizer state,
+    sharded over "data" along its largest dimension that divides), or rules
+    ``[(regex, PartitionSpec | "fsdp" | jt.FSDP(spec) | "replicated"), ...]``
+    on the "/"-joined parameter path (first match wins; unmatched =
+    replicated): tensor parallelism and FSDP x TP on a 2-D mesh (``jit``).
     """
-    return Trainer(loss_fn, tx, make_mesh(mesh), strategy, precision, accum_steps, accum)
+    return Trainer(loss_fn, tx, make_mesh(mesh), strategy, precision, accum_steps, accum, param_sharding, min_size)
 
 
-def _eval_body(eval_fn: EvalFn):
-    def body(state: TrainState, batch, comm: parallel.Comm):
+def _eval_sums(eval_fn: EvalFn):
+    def local_sums(params, model_state, batch):
         batch = dict(batch)
         mask = batch.pop("mask", None)
-        per_example = eval_fn(state.params, state.model_state, batch)
+        per_example = eval_fn(params, model_state, batch)
         size = jax.tree.leaves(batch)[0].shape[0]
         mask = jnp.ones((size,), jnp.float32) if mask is None else mask.astype(jnp.float32)
         sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in per_example.items()}
         sums["count"] = jnp.sum(mask)
-        return comm.sum(sums)
+        return sums
 
-    return body
+    return local_sums
+
+
+def _specs_of(tree):
+    """The PartitionSpec each leaf is placed with (P() for what is not on a named mesh)."""
+    return jax.tree.map(lambda x: x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P(),
+                        tree)
 
 
 class Evaluator:
@@ -250,20 +240,30 @@ class Evaluator:
     Returns the SUM of each per-example metric over the unmasked examples and
     ``count``, the number of them; divide to get means. A batch may carry a
     ``"mask"`` (1 = real example, 0 = padding) so that every example of a
-    test set counts exactly once.
+    test set counts exactly once. The state may be sharded any way the
+    strategy supports (its placement is read from the state).
     """
 
     def __init__(self, eval_fn: EvalFn, mesh: Mesh, strategy: str):
+        parallel.check_strategy(strategy)
         self.mesh, self.strategy = mesh, strategy
-        self.shard = _Sharder(mesh)
-        self._step = parallel.wrap(_eval_body(eval_fn), mesh, strategy, donate_state=False)
+        self.shard = sharding.BatchSharder(mesh)
+        self._sums = _eval_sums(eval_fn)
+        self._steps = {}  # (tree structure, param specs) -> compiled
+
+    def _compiled(self, state):
+        pspecs = _specs_of(state.params)
+        key = (jax.tree.structure(state), tuple(jax.tree.leaves(pspecs, is_leaf=sharding.is_spec)))
+        if key not in self._steps:
+            self._steps[key] = parallel.make_strategy(self.strategy, self.mesh, pspecs).evaluate(self._sums, pspecs)
+        return self._steps[key]
 
     def __call__(self, state: TrainState, batch: Mapping) -> dict:
-        return self._step(state, self.shard(batch))
+        return self._compiled(state)(state, self.shard(batch))
 
     def step(self, state: TrainState, batch: Mapping) -> dict:
         """The eval step on a batch already on the mesh (no checks, no copies)."""
-        return self._step(state, batch)
+        return self._compiled(state)(state, batch)
 
 
 def make_eval_step(eval_fn: EvalFn, *, mesh: Mesh | int | None = None, strategy: str = "jit") -> Evaluator:

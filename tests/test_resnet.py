@@ -19,7 +19,7 @@ def variables():
 
 
 def one_step(variables, strategy="jit", n=1, precision="fp32", remat="none"):
-    model = resnet.ResNet18(remat=remat, axis_name=resnet.axis_name_for(strategy))
+    model = resnet.ResNet18(remat=remat)
     trainer = jt.make_train_step(resnet.make_loss_fn(model), optax.sgd(0.1), mesh=n, strategy=strategy,
                                  precision=precision)
     state, metrics = trainer(trainer.init(*variables), BATCH)

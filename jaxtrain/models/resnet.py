@@ -7,13 +7,12 @@ pool, dense 10. Convs have biases, as in d2l; Linear/Conv weights ~ N(0, 0.01^2)
 (d2l's ``init_weights``) or He-normal (``weight_init="he"``).
 
 BatchNorm statistics live in the ``batch_stats`` collection (the step's
-``model_state``). In training they are computed over the GLOBAL batch under
-every strategy: under "jit" the batch axis is global anyway; under
-shard_map / pmap / ring, ``axis_name="data"`` makes BatchNorm average its
-statistics over the devices (a synchronised BatchNorm). Exception: "jit"
-with scan accumulation runs the micro-batches per device (one gradient
-reduction), so there each device normalises by its own share of the
-micro-batch. Evaluation uses the running averages.
+``model_state``). In training they are computed over the GLOBAL (micro-)batch
+under every strategy without the model knowing which: ``jt.batch_axis()``
+names the axis the step splits the batch over while it is traced (None
+under "jit", where the batch axis is global anyway), and BatchNorm averages
+its statistics over it (a synchronised BatchNorm). Evaluation uses the
+running averages.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from functools import partial
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jaxtrain.devices import DATA_AXIS
+from jaxtrain.parallel import batch_axis
 from jaxtrain.models import classify
 from jaxtrain.remat import policy as remat_policy
 
@@ -39,8 +38,8 @@ def _kernel_init(init: str):
     raise ValueError(f"unknown init {init!r}: use d2l or he")
 
 
-def _batch_norm(train: bool, axis_name: str | None) -> nn.BatchNorm:
-    """d2l's BatchNorm (momentum 0.9, eps 1e-5), its statistics synchronised over ``axis_name`` in training.
+def _batch_norm(train: bool) -> nn.BatchNorm:
+    """d2l's BatchNorm (momentum 0.9, eps 1e-5), its statistics synchronised over the devices in training.
 
     Two-pass variance (mean first, then the mean squared deviation), not
     flax's fast E[x^2] - E[x]^2: on a CPU without AVX-512 (jax 0.10.2) the
@@ -49,7 +48,7 @@ def _batch_norm(train: bool, axis_name: str | None) -> nn.BatchNorm:
     two passes put both at 2e-6. It costs one more pass over each activation.
     """
     return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                        axis_name=axis_name if train else None, use_fast_variance=False)
+                        axis_name=batch_axis() if train else None, use_fast_variance=False)
 
 
 class Residual(nn.Module):
@@ -59,12 +58,11 @@ class Residual(nn.Module):
     strides: int = 1
     projection: bool = False
     weight_init: str = "d2l"
-    axis_name: str | None = None
 
     @nn.compact
     def __call__(self, x, train: bool):
         conv = partial(nn.Conv, kernel_init=_kernel_init(self.weight_init))
-        norm = partial(_batch_norm, train, self.axis_name)
+        norm = partial(_batch_norm, train)
         y = conv(self.channels, (3, 3), strides=self.strides, padding=1)(x)
         y = nn.relu(norm()(y))
         y = norm()(conv(self.channels, (3, 3), padding=1)(y))
@@ -77,13 +75,12 @@ class ResNet18(nn.Module):
     num_classes: int = NUM_CLASSES
     weight_init: str = "d2l"
     remat: str = "none"  # a jaxtrain.remat policy name, applied per residual block
-    axis_name: str | None = None  # "data" under shard_map / pmap / ring: synchronised BatchNorm
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         kinit = _kernel_init(self.weight_init)
         x = nn.Conv(64, (3, 3), padding=1, kernel_init=kinit)(x)
-        x = _batch_norm(train, self.axis_name)(x)
+        x = _batch_norm(train)(x)
         x = nn.relu(x)
         block = Residual
         pol = remat_policy(self.remat)
@@ -95,14 +92,9 @@ class ResNet18(nn.Module):
                 # Explicit names: the remat'd class would otherwise name its
                 # params differently, and params must not depend on --remat.
                 x = block(channels, strides if first else 1, projection=first, weight_init=self.weight_init,
-                          axis_name=self.axis_name, name=f"Residual_{2 * stage + i}")(x, train)
+                          name=f"Residual_{2 * stage + i}")(x, train)
         x = x.mean(axis=(1, 2))  # global average pool
         return nn.Dense(self.num_classes, kernel_init=kinit)(x)
-
-
-def axis_name_for(strategy: str) -> str | None:
-    """Under "jit" the batch is global already; the others need BatchNorm to average over "data"."""
-    return None if strategy == "jit" else DATA_AXIS
 
 
 def init_variables(rng: jax.Array, model: ResNet18 | None = None) -> tuple[dict, dict]:

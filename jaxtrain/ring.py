@@ -1,0 +1,144 @@
+"""Our own ring collectives, written with ``lax.ppermute``: all-reduce, reduce-scatter, all-gather.
+
+Inside ``shard_map`` (or ``pmap``) over n devices along ``axis_name``. Each
+works on a pytree: leaves of one dtype are packed into ONE buffer of n rows,
+so a whole gradient tree moves in n-1 neighbour-to-neighbour steps per phase,
+however many leaves it has.
+
+- ``ring_reduce_scatter``: in each of n-1 steps every device passes one row to
+  its right neighbour, which adds it to its own copy; afterwards device i
+  holds the complete sum of row i (``lax.psum_scatter(..., tiled=True)``).
+- ``ring_all_gather``: n-1 more steps pass the finished rows around the ring
+  (``lax.all_gather(..., tiled=True)``).
+- ``ring_allreduce``: the two in a row (``lax.psum``).
+
+Why bandwidth-optimal: in the all-reduce each device sends and receives
+2(n-1)/n of the data in total, whatever n is, and every link of the ring is
+busy in every step. Summing at one device and broadcasting back moves (n-1)
+times the data through that device. No algorithm can do with less than
+2(n-1)/n per device: every device must send out its (n-1)/n share of
+contributions and receive the (n-1)/n of the result it did not compute. This
+is the algorithm NCCL and XLA use for large all-reduces; the tests check each
+of the three against its ``lax`` built-in. FSDP uses the two halves apart:
+reduce-scatter for the gradients, all-gather for the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxtrain.devices import DATA_AXIS
+
+
+def _right(n: int) -> list[tuple[int, int]]:
+    return [(j, (j + 1) % n) for j in range(n)]
+
+
+def _reduce_scatter_rows(buf, axis_name: str):
+    """[n, c] on each device -> [c]: row i of the sum over devices, on device i."""
+    n, idx = buf.shape[0], lax.axis_index(axis_name)
+    for s in range(n - 1):
+        send = lax.dynamic_index_in_dim(buf, (idx - s - 1) % n, keepdims=False)
+        recv = lax.ppermute(send, axis_name, _right(n))
+        slot = (idx - s - 2) % n
+        mine = lax.dynamic_index_in_dim(buf, slot, keepdims=False)
+        buf = lax.dynamic_update_index_in_dim(buf, mine + recv, slot, 0)
+    return lax.dynamic_index_in_dim(buf, idx, keepdims=False)
+
+
+def _all_gather_rows(row, axis_name: str, n: int):
+    """[c] on device i (row i) -> [n, c]: every device's row, on every device."""
+    idx = lax.axis_index(axis_name)
+    buf = lax.dynamic_update_index_in_dim(jnp.zeros((n, *row.shape), row.dtype), row, idx, 0)
+    for s in range(n - 1):
+        send = lax.dynamic_index_in_dim(buf, (idx - s) % n, keepdims=False)
+        recv = lax.ppermute(send, axis_name, _right(n))
+        buf = lax.dynamic_update_index_in_dim(buf, recv, (idx - s - 1) % n, 0)
+    return buf
+
+
+def _by_dtype(leaves):
+    """Indices of ``leaves`` grouped by dtype (one packed buffer each)."""
+    groups: dict = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(jnp.result_type(x), []).append(i)
+    return [groups[d] for d in sorted(groups, key=str)]
+
+
+def _dims(tree, dims):
+    leaves, treedef = jax.tree.flatten(tree)
+    per_leaf = [dims] * len(leaves) if isinstance(dims, int) else treedef.flatten_up_to(dims)
+    return leaves, treedef, [d % max(jnp.ndim(x), 1) for x, d in zip(leaves, per_leaf)]
+
+
+def ring_reduce_scatter(tree, axis_name: str = DATA_AXIS, dims=0):
+    """Sum ``tree`` over ``axis_name`` and keep this device's block of dimension ``dims`` of each leaf.
+
+    ``dims``: an int for every leaf, or a tree of ints like ``tree``. Equals
+    ``lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)`` per
+    leaf; each leaf's dimension d must divide by the axis size.
+    """
+    n = lax.axis_size(axis_name)
+    leaves, treedef, dims = _dims(tree, dims)
+    if n == 1 or not leaves:
+        return tree
+    out = list(leaves)
+    for members in _by_dtype(leaves):
+        rows = [jnp.moveaxis(leaves[i], dims[i], 0).reshape(n, -1) for i in members]
+        mine = _reduce_scatter_rows(jnp.concatenate(rows, axis=1), axis_name)
+        offset = 0
+        for i, r in zip(members, rows):
+            moved = jnp.moveaxis(leaves[i], dims[i], 0)
+            block = mine[offset : offset + r.shape[1]].reshape(moved.shape[0] // n, *moved.shape[1:])
+            out[i] = jnp.moveaxis(block, 0, dims[i])
+            offset += r.shape[1]
+    return jax.tree.unflatten(treedef, out)
+
+
+def ring_all_gather(tree, axis_name: str = DATA_AXIS, dims=0):
+    """Concatenate every device's ``tree`` along dimension ``dims`` of each leaf, in device order.
+
+    Equals ``lax.all_gather(x, axis_name, axis=d, tiled=True)`` per leaf.
+    """
+    n = lax.axis_size(axis_name)
+    leaves, treedef, dims = _dims(tree, dims)
+    if n == 1 or not leaves:
+        return tree
+    out = list(leaves)
+    for members in _by_dtype(leaves):
+        moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in members]
+        everyone = _all_gather_rows(jnp.concatenate([m.reshape(-1) for m in moved]), axis_name, n)
+        offset = 0
+        for i, m in zip(members, moved):
+            block = everyone[:, offset : offset + m.size].reshape(n * m.shape[0], *m.shape[1:])
+            out[i] = jnp.moveaxis(block, 0, dims[i])
+            offset += m.size
+    return jax.tree.unflatten(treedef, out)
+
+
+def ring_allreduce(tree, axis_name: str = DATA_AXIS):
+    """Sum ``tree`` over ``axis_name`` with a ring: reduce-scatter, then all-gather (equals ``lax.psum``).
+
+    Each dtype's leaves are packed into one flat buffer, padded to a multiple
+    of n and cut into n rows, so any leaf shape works.
+    """
+    n = lax.axis_size(axis_name)
+    leaves, treedef = jax.tree.flatten(tree)
+    if n == 1 or not leaves:
+        return tree
+    out = list(leaves)
+    for members in _by_dtype(leaves):
+        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in members])
+        chunk = math.ceil(flat.size / n)
+        buf = jnp.pad(flat, (0, chunk * n - flat.size)).reshape(n, chunk)
+        total = _all_gather_rows(_reduce_scatter_rows(buf, axis_name), axis_name, n).reshape(-1)
+        offset = 0
+        for i in members:
+            size = math.prod(jnp.shape(leaves[i]))
+            out[i] = total[offset : offset + size].reshape(jnp.shape(leaves[i]))
+            offset += size
+    return jax.tree.unflatten(treedef, out)

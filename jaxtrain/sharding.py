@@ -1,0 +1,230 @@
+"""Where the batch and the training state live on the mesh: written once, used by every strategy.
+
+- The batch: sharded over ``"data"`` (its leading axis), replicated over
+  every other mesh axis (``BatchSharder``).
+- The parameters: ``param_sharding`` = ``"replicated"`` (data parallelism),
+  ``"fsdp"`` (ZeRO-3: each parameter sharded over ``"data"`` along its largest
+  dimension that divides) or rules: ``[(regex, PartitionSpec | "fsdp" |
+  FSDP(base) | "replicated"), ...]`` matched against the "/"-joined parameter
+  path, first match wins, unmatched = replicated (``param_specs``).
+- The optimizer state follows its parameter (``optax.tree_map_params`` over
+  ``jax.eval_shape(tx.init, ...)``); step, rng, loss scale and model state
+  (e.g. BatchNorm statistics) are replicated (``state_specs``).
+- ``place``: host values onto any sharding, as new global arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.devices import DATA_AXIS
+from jaxtrain.errors import ConfigError
+
+MIN_SIZE = 1024  # elements: smaller parameters stay replicated under FSDP (all-gathering them costs more than it saves)
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDP:
+    """A rule's value: ``base`` (e.g. a tensor-parallel spec), plus ``"data"`` on the largest free dimension that divides."""
+
+    base: P = P()
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def path_name(path) -> str:
+    """``("dense1", "w")`` -> ``"dense1/w"``: what rules match."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _rules(param_sharding) -> list[tuple[re.Pattern, object]]:
+    if param_sharding == "replicated":
+        return []
+    if param_sharding == "fsdp":
+        return [(re.compile(".*"), FSDP())]
+    if isinstance(param_sharding, str) or not isinstance(param_sharding, (list, tuple)):
+        raise ConfigError(f"param_sharding {param_sharding!r}: use 'replicated', 'fsdp' or a list of "
+                          "(regex, PartitionSpec | 'fsdp' | 'replicated') rules")
+    rules = []
+    for rule in param_sharding:
+        if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ConfigError(f"sharding rule {rule!r}: write each rule as (regex, PartitionSpec | 'fsdp' | 'replicated')")
+        pattern, value = rule
+        if value == "fsdp":
+            value = FSDP()
+        if not (value == "replicated" or isinstance(value, (P, FSDP))):
+            raise ConfigError(f"sharding rule {pattern!r}: {value!r} is not a PartitionSpec, 'fsdp' or 'replicated'")
+        try:
+            rules.append((re.compile(pattern), value))
+        except re.error as e:
+            raise ConfigError(f"sharding rule {pattern!r} is not a regular expression: {e}") from None
+    return rules
+
+
+def _checked(name: str, shape: tuple, spec: P, mesh: Mesh) -> tuple:
+    """``spec`` padded to ``len(shape)`` entries, or a ConfigError saying what does not fit."""
+    if len(spec) > len(shape):
+        raise ConfigError(f"parameter {name} {shape}: PartitionSpec {spec} has more entries than dimensions")
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    seen = []
+    for dim, entry in zip(shape, entries):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        for axis in axes:
+            if axis not in mesh.shape:
+                raise ConfigError(f"parameter {name}: PartitionSpec {spec} names axis {axis!r} but the mesh has "
+                                  f"only {', '.join(mesh.axis_names)} (add it, e.g. --mesh data=2,{axis}=2)")
+            if axis in seen:
+                raise ConfigError(f"parameter {name}: PartitionSpec {spec} uses axis {axis!r} twice")
+            seen.append(axis)
+        ways = math.prod(mesh.shape[a] for a in axes)
+        if dim % ways:
+            raise ConfigError(f"parameter {name} {shape}: PartitionSpec {spec} splits a dimension of {dim} "
+                              f"{ways} ways; it does not divide (change the rule or the mesh)")
+    return entries
+
+
+def _fsdp(entries: tuple, shape: tuple, mesh: Mesh, min_size: int) -> tuple:
+    """``entries`` plus ``"data"`` on the largest free dimension divisible by its size (ties: the last)."""
+    n = mesh.shape[DATA_AXIS]
+    used = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    if n == 1 or DATA_AXIS in used or math.prod(shape) < min_size:
+        return entries
+    free = [d for d, e in enumerate(entries) if e is None and shape[d] % n == 0]
+    if not free:
+        return entries
+    best = max(free, key=lambda d: (shape[d], d))
+    return entries[:best] + (DATA_AXIS,) + entries[best + 1:]
+
+
+def param_specs(params, param_sharding, mesh: Mesh, min_size: int = MIN_SIZE):
+    """A PartitionSpec per parameter (``params``: arrays or shapes); ConfigError before anything compiles."""
+    rules = _rules(param_sharding)
+
+    def spec(path, leaf):
+        name, shape = path_name(path), tuple(np.shape(leaf))
+        value = next((v for pattern, v in rules if pattern.search(name)), "replicated")
+        if value == "replicated":
+            return P()
+        if isinstance(value, FSDP):
+            return P(*_fsdp(_checked(name, shape, value.base, mesh), shape, mesh, min_size))
+        return P(*_checked(name, shape, value, mesh))
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def mesh_axes_used(specs) -> set[str]:
+    """The mesh axes any spec in ``specs`` shards over."""
+    axes = set()
+    for spec in jax.tree.leaves(specs, is_leaf=is_spec):
+        for e in spec:
+            axes.update(() if e is None else (e,) if isinstance(e, str) else e)
+    return axes
+
+
+def data_dims(specs):
+    """Per parameter: the dimension sharded over ``"data"`` (FSDP), or None."""
+
+    def dim(spec):
+        hits = [d for d, e in enumerate(spec) if e is not None and DATA_AXIS in ((e,) if isinstance(e, str) else e)]
+        return hits[0] if hits else None
+
+    return jax.tree.map(dim, specs, is_leaf=is_spec)
+
+
+def describe(params, specs) -> dict:
+    """``{"sharded": {name: spec}, "replicated": [names]}``: what the summary records."""
+    sharded, replicated = {}, []
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
+    for path, spec in flat:
+        if any(e is not None for e in spec):
+            sharded[path_name(path)] = str(spec)
+        else:
+            replicated.append(path_name(path))
+    return {"sharded": sharded, "replicated": replicated}
+
+
+def state_specs(state_shapes, pspecs, tx: optax.GradientTransformation):
+    """PartitionSpecs for a whole TrainState: optimizer state follows its parameter, the rest replicated."""
+    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    opt = optax.tree_map_params(tx, lambda _, spec: spec, state_shapes.opt_state, pspecs,
+                                transform_non_params=lambda _: P(), is_leaf=is_spec)
+    return state_shapes.replace(step=P(), params=pspecs, opt_state=opt, model_state=replicated(state_shapes.model_state),
+                                rng=P(), loss_scale=replicated(state_shapes.loss_scale))
+
+
+def named(mesh: Mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+
+
+def place(tree, shardings):
+    """Every leaf as a NEW global array with its sharding (``shardings``: one, or a tree like ``tree``).
+
+    Built from host values with ``make_array_from_callback``, so it works in
+    multi-process runs (every process holds the same values) and never
+    aliases the caller's arrays (``device_put`` may, and the step donates).
+    """
+
+    def put(x, sharding):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys: place their data
+            return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    if isinstance(shardings, NamedSharding):
+        return jax.tree.map(lambda x: put(x, shardings), tree)
+    return jax.tree.map(put, tree, shardings)
+
+
+class BatchSharder:
+    """Checks a global batch and places it on the mesh: sharded over ``"data"``, replicated over the rest."""
+
+    def __init__(self, mesh: Mesh, divisor: int = 1):
+        self.mesh = mesh
+        self.divisor = divisor  # examples per data shard must divide by this (accumulation)
+        self.replicated = NamedSharding(mesh, P())
+        self.sharding = NamedSharding(mesh, P(DATA_AXIS))
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.devices.size
+
+    @property
+    def num_shards(self) -> int:
+        return self.mesh.shape[DATA_AXIS]
+
+    def check_batch_size(self, size: int) -> None:
+        """Raise ConfigError unless ``size`` splits evenly over the data shards."""
+        unit = self.num_shards * self.divisor
+        if size < 1 or size % unit:
+            what = f"{self.num_shards} {'devices' if self.num_shards == self.num_devices else 'data shards'}"
+            what += f" x {self.divisor} micro-batches" if self.divisor > 1 else ""
+            lower, upper = max(unit, size // unit * unit), (size // unit + 1) * unit
+            raise ConfigError(
+                f"batch size {size} does not split evenly over {what}: use a multiple of {unit} (e.g. {lower} or {upper})"
+            )
+
+    def __call__(self, batch: Mapping) -> dict:
+        sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch)}
+        if len(sizes) != 1:
+            raise ConfigError(f"every array in the batch needs the same leading (examples) axis, got sizes {sorted(sizes)}")
+        local = sizes.pop()
+        is_global = all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
+        self.check_batch_size(local * (1 if is_global else jax.process_count()))
+        return jax.tree.map(self._put, batch)
+
+    def _put(self, x):
+        if isinstance(x, jax.Array):
+            return x if x.sharding.is_equivalent_to(self.sharding, x.ndim) else jax.device_put(x, self.sharding)
+        # This process's rows of the global batch (all of it in a 1-process run).
+        return jax.make_array_from_process_local_data(self.sharding, np.asarray(x))

@@ -1,0 +1,160 @@
+"""Sharded state (FSDP, tensor parallelism, both on a 2-D mesh): every combination equals the 1-device step."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import random_batch
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxtrain as jt
+from jaxtrain.models import lenet
+
+BATCHES = [random_batch(64, seed=s) for s in range(3)]
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.2), "adam": lambda: optax.adam(1e-3, eps=1e-6)}  # eps: see test_step
+TP = [(r"dense1/w$", P(None, "model")), (r"dense1/b$", P("model")), (r"dense2/w$", P("model", None))]
+FSDP_TP = [(r"dense1/w$", jt.FSDP(P(None, "model"))), (r"dense1/b$", P("model")),
+           (r"dense2/w$", jt.FSDP(P("model", None))), (".*", "fsdp")]
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def init_params():
+    return lenet.init_params(jax.random.key(0), scale=0.1)
+
+
+def train(opt="sgd", mesh=1, loss_fn=lenet.loss_fn, **kw):
+    trainer = jt.make_train_step(loss_fn, OPTIMIZERS[opt](), mesh=mesh, **kw)
+    state = trainer.init(init_params())
+    history = []
+    for batch in BATCHES:
+        state, metrics = trainer(state, batch)
+        history.append(jax.device_get(metrics))
+    return trainer, state, history
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {opt: train(opt)[1:] for opt in OPTIMIZERS}
+
+
+def assert_equal_to(reference, state, history):
+    ref_state, ref_history = reference
+    host = jax.device_get(state)
+    chex.assert_trees_all_close(host.params, jax.device_get(ref_state.params), **TOL)
+    chex.assert_trees_all_close(host.opt_state, jax.device_get(ref_state.opt_state), **TOL)
+    chex.assert_trees_all_close(history, ref_history, **TOL)
+    assert not np.allclose(host.params["dense1"]["w"], jax.device_get(init_params())["dense1"]["w"])
+
+
+def shard_fraction(x) -> float:
+    return x.addressable_shards[0].data.size / x.size
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("strategy", ["jit", "shard_map", "ring"])
+def test_fsdp_equals_one_device_reference(reference, strategy, n, opt):
+    trainer, state, history = train(opt, n, strategy=strategy, param_sharding="fsdp")
+    assert_equal_to(reference[opt], state, history)
+    # Really sharded: each device holds 1/n of every big parameter and of its optimizer state.
+    w = state.params["dense1"]["w"]  # (800, 128): the larger dimension is split
+    assert w.sharding.spec == P(jt.DATA_AXIS, None) and shard_fraction(w) == 1 / n
+    assert state.params["conv2"]["w"].sharding.spec == P(None, None, None, jt.DATA_AXIS) or n == 4
+    assert shard_fraction(state.params["conv1"]["w"]) == 1  # 180 elements < min_size: replicated
+    if opt == "adam":
+        mu = state.opt_state[0].mu["dense1"]["w"]
+        assert mu.sharding.spec == w.sharding.spec and shard_fraction(mu) == 1 / n
+    layout = trainer.layout(state)
+    assert "dense1/w" in layout["sharded"] and "conv1/w" in layout["replicated"]
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+@pytest.mark.parametrize("rules", ["tp", "fsdp+tp"])
+def test_tensor_parallel_and_2d_fsdp_on_a_2x2_mesh_equal_the_reference(reference, rules, opt):
+    mesh = jt.make_mesh(4, axes={"data": 2, "model": 2})
+    _, state, history = train(opt, mesh, param_sharding=TP if rules == "tp" else FSDP_TP)
+    assert_equal_to(reference[opt], state, history)
+    w1, w2 = state.params["dense1"]["w"], state.params["dense2"]["w"]
+    if rules == "tp":
+        assert w1.sharding.spec == P(None, "model") and shard_fraction(w1) == 1 / 2
+    else:
+        assert w1.sharding.spec == P("data", "model") and shard_fraction(w1) == 1 / 4
+        assert w2.sharding.spec == P("model", None) or shard_fraction(w2) <= 1 / 2
+    assert shard_fraction(w2) <= 1 / 2
+
+
+@pytest.mark.parametrize("strategy", ["jit", "shard_map", "ring"])
+@pytest.mark.parametrize("mode", ["bf16", "fp16", "accum4", "remat"])
+def test_fsdp_composes_with_precision_accumulation_and_remat(strategy, mode):
+    kw = {"bf16": {"precision": "bf16"}, "fp16": {"precision": "fp16"}, "accum4": {"accum_steps": 4},
+          "remat": {"loss_fn": lenet.make_loss_fn("full")}}[mode]
+    ref_kw = {k: v for k, v in kw.items() if k != "loss_fn"} if mode != "remat" else {}
+    _, ref_state, ref_history = train("adam", 1, **ref_kw)
+    _, state, history = train("adam", 4, strategy=strategy, param_sharding="fsdp", **kw)
+    tol = TOL if mode in ("accum4", "remat") else {"rtol": 2e-2, "atol": 2e-3}  # bf16/fp16: one rounding apart
+    chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref_state.params), **tol)
+    chex.assert_trees_all_close(history, ref_history, **tol)
+    if mode == "fp16":
+        assert float(state.loss_scale["scale"]) == float(ref_state.loss_scale["scale"])
+
+
+def test_tp_composes_with_accumulation_and_bf16(reference):
+    mesh = jt.make_mesh(4, axes={"data": 2, "model": 2})
+    _, ref_state, ref_history = train("adam", 1, accum_steps=4)
+    _, state, history = train("adam", mesh, param_sharding=FSDP_TP, accum_steps=4)
+    chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref_state.params), **TOL)
+    chex.assert_trees_all_close(history, ref_history, **TOL)
+
+
+def test_init_fn_builds_the_sharded_state_in_place():
+    trainer = jt.make_train_step(lenet.loss_fn, optax.adam(1e-3), mesh=4, param_sharding="fsdp")
+    rng = jax.random.key(3)
+    init_fn = lambda r: (lenet.init_params(r), {})  # noqa: E731
+    direct = trainer.init(*jax.jit(init_fn)(rng), rng=rng)  # compiled, as init_fn is (eager differs by 1 ulp)
+    built = trainer.init(init_fn=init_fn, rng=rng)
+    chex.assert_trees_all_equal(jax.device_get(built.params), jax.device_get(direct.params))
+    chex.assert_trees_all_equal(jax.device_get(built.opt_state), jax.device_get(direct.opt_state))
+    for a, b in zip(jax.tree.leaves(built), jax.tree.leaves(direct)):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    assert shard_fraction(built.params["dense1"]["w"]) == 1 / 4
+    with pytest.raises(jt.ConfigError, match="params .* or init_fn"):
+        trainer.init()
+
+
+def run_collectives(mesh, tree, dims):
+    """(lax result, ring result) of reduce-scatter and all-gather on per-device values stacked on axis 0."""
+    n = mesh.shape[jt.DATA_AXIS]
+    specs = jax.tree.map(lambda _: P(jt.DATA_AXIS), tree)
+
+    def f(t):
+        t = jax.tree.map(lambda x: x[0], t)  # this device's value
+        lax_rs = jax.tree.map(lambda x, d: lax.psum_scatter(x, jt.DATA_AXIS, scatter_dimension=d, tiled=True), t, dims)
+        lax_ag = jax.tree.map(lambda x, d: lax.all_gather(x, jt.DATA_AXIS, axis=d, tiled=True), lax_rs, dims)
+        ring_rs = jt.ring_reduce_scatter(t, jt.DATA_AXIS, dims)
+        ring_ag = jt.ring_all_gather(ring_rs, jt.DATA_AXIS, dims)
+        return jax.tree.map(lambda x: x[None], (lax_rs, ring_rs, lax_ag, ring_ag))
+
+    out = jax.shard_map(f, mesh=mesh, in_specs=(specs,), out_specs=P(jt.DATA_AXIS), check_vma=False)
+    return jax.device_get(jax.jit(out)(tree)), n
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_reduce_scatter_and_all_gather_equal_lax(n):
+    mesh = jt.make_mesh(jax.devices()[:n])
+    rng = np.random.default_rng(n)
+    # The scattered dimension divides by n; the others do not (and sizes overall do not).
+    shapes = {"a": ((n * 3,), 0), "b": ((5, n * 2, 7), 1), "c": ((n, 3), 0), "d": ((7, n), 1)}
+    tree = {k: jnp.asarray(rng.normal(size=(n, *s)), jnp.float32) for k, (s, _) in shapes.items()}
+    tree["e"] = jnp.asarray(rng.integers(-5, 5, (n, n * 2, 3)), jnp.int32)  # mixed dtypes in one call
+    dims = {**{k: d for k, (_, d) in shapes.items()}, "e": 0}
+    (lax_rs, ring_rs, lax_ag, ring_ag), n = run_collectives(mesh, tree, dims)
+    chex.assert_trees_all_close(ring_rs, lax_rs, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(ring_ag, lax_ag, rtol=1e-6, atol=1e-6)
+    # ... and right, not merely equal to lax: device i holds block i of the sum; everyone holds the whole sum.
+    total = np.asarray(tree["b"]).sum(0)
+    for i in range(n):
+        np.testing.assert_allclose(ring_rs["b"][i], total[:, 2 * i : 2 * i + 2], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(ring_ag["b"][i], total, rtol=1e-6, atol=1e-6)
