@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxtrain.diagnostics import compiled_stats, step_bytes
 from jaxtrain.errors import ConfigError
+from jaxtrain.sharding import device_bytes
 
 UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
          "G": 2**30, "GB": 2**30, "GIB": 2**30}
@@ -69,7 +70,7 @@ def find_batch_size(trainer, state, make_batch: Callable[[int], dict], budget_by
         if budget_bytes is None:
             raise ConfigError(f"{jax.local_devices()[0].platform} devices report no memory limit: "
                               "pass budget_bytes (CLI: --memory-budget 2GiB)")
-    unit = trainer.num_devices * (trainer.accum_steps if trainer.accum == "scan" else 1)
+    unit = trainer.shard.num_shards * (trainer.accum_steps if trainer.accum == "scan" else 1)
     measured: dict[int, int] = {}
 
     def need(batch: int) -> int:
@@ -79,10 +80,10 @@ def find_batch_size(trainer, state, make_batch: Callable[[int], dict], budget_by
                 progress(batch, measured[batch])
         return measured[batch]
 
-    model_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    model_bytes = device_bytes(state)
     if budget_bytes < model_bytes or need(unit) > budget_bytes:
         raise ConfigError(f"a budget of {budget_bytes / 2**20:,.1f} MiB is smaller than the model itself: "
-                          f"state {model_bytes / 2**20:,.1f} MiB, the step at the smallest batch ({unit}) needs "
+                          f"state {model_bytes / 2**20:,.1f} MiB per device, the step at the smallest batch ({unit}) needs "
                           f"{need(unit) / 2**20:,.1f} MiB per device; raise the budget or shrink the model")
     lo, hi = unit, 2 * unit  # lo fits; once the doubling stops, hi (a multiple of unit) does not
     while hi <= max_batch and need(hi) <= budget_bytes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from collections.abc import Mapping
 
@@ -27,7 +29,7 @@ def saved_residual_bytes(trainer, state, batch: Mapping) -> int:
     (params and inputs exist anyway). This is what a remat policy controls,
     whatever the backend's scheduler then does with the memory.
     """
-    per_call = trainer.num_devices * (trainer.accum_steps if trainer.accum == "scan" else 1)
+    per_call = trainer.shard.num_shards * (trainer.accum_steps if trainer.accum == "scan" else 1)
     local = {k: jax.ShapeDtypeStruct((v.shape[0] // per_call, *v.shape[1:]), v.dtype) for k, v in batch.items()}
     policy = trainer.policy
 
@@ -45,6 +47,55 @@ def saved_residual_bytes(trainer, state, batch: Mapping) -> int:
     return total
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) (" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$", re.M)
+_ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+)\[([\d,]*)\]")
+
+
+def _bytes(shape_text: str) -> list[int]:
+    """Bytes of each array in an HLO shape, e.g. ``(f32[20]{0}, bf16[3,4]{1,0})`` -> [80, 24]."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape_text):
+        itemsize = 1 if dtype == "pred" else 2 if dtype == "bf16" else int(dtype[1:]) // 8
+        out.append(itemsize * math.prod(int(d) for d in dims.split(",") if d))
+    return out
+
+
+def _group_size(attrs: str) -> int:
+    """Devices in one replica group, from any of the three ways HLO prints them."""
+    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", attrs):
+        return len(m.group(1).split(","))
+    if m := re.search(r"replica_groups=\[([\d,]+)\]<=", attrs):
+        return int(m.group(1).split(",")[-1])
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    return 1
+
+
+def collective_bytes(hlo_text: str) -> dict:
+    """Per device, per kind: ``{kind: {"ops": count, "bytes": size}}`` of the collectives in compiled HLO text.
+
+    ``bytes`` is the size of the whole buffer each collective works on: the
+    result of an all-reduce, all-gather (the gathered array), all-to-all or
+    collective-permute, and the INPUT of a reduce-scatter (its result is
+    1/n of that). A ring moves about (n-1)/n of it per device for all-gather
+    and reduce-scatter, 2(n-1)/n for all-reduce.
+    """
+    stats: dict = {}
+    for result, kind, start, attrs in _OP.findall(hlo_text):
+        sizes = _bytes(result)
+        if start and kind == "all-gather":
+            sizes = sizes[-1:]  # (operand, result)
+        elif start and kind == "collective-permute":
+            sizes = sizes[1:2]  # (operand, result, contexts...)
+        size = sum(sizes) * (_group_size(attrs) if kind == "reduce-scatter" else 1)
+        entry = stats.setdefault(kind, {"ops": 0, "bytes": 0})
+        entry["ops"] += 1
+        entry["bytes"] += size
+    return stats
+
+
 def compiled_stats(trainer, state, batch: Mapping, residuals: bool = True) -> dict:
     """FLOPs, bytes and memory of the compiled train step, without running it.
 
@@ -53,7 +104,8 @@ def compiled_stats(trainer, state, batch: Mapping, residuals: bool = True) -> di
     ``bytes_accessed`` come from XLA's ``cost_analysis``; ``temp_bytes``,
     ``argument_bytes``, ``output_bytes`` and ``alias_bytes`` (outputs written
     into donated inputs) from ``memory_analysis``; ``saved_residual_bytes``
-    from ``saved_residual_bytes`` (skipped with ``residuals=False``).
+    from ``saved_residual_bytes`` (skipped with ``residuals=False``);
+    ``collectives`` from the compiled HLO (``collective_bytes``).
     """
     compiled = trainer.lower(state, batch).compile()
     cost = _first(compiled.cost_analysis())
@@ -66,6 +118,7 @@ def compiled_stats(trainer, state, batch: Mapping, residuals: bool = True) -> di
         "output_bytes": int(getattr(mem, "output_size_in_bytes", -1)),
         "alias_bytes": int(getattr(mem, "alias_size_in_bytes", -1)),
         "saved_residual_bytes": saved_residual_bytes(trainer, state, batch) if residuals else None,
+        "collectives": collective_bytes(compiled.as_text()),
         "devices": trainer.num_devices,
     }
 

@@ -216,14 +216,25 @@ class Jit(Strategy):
             reduced = self._manual(_per_device(local, make_comm(sharding.data_dims(self.pspecs))),
                                    (self.pspecs, P(), P(), P(DATA_AXIS), P()), (self.pspecs, P(), P(), P()))
         else:
+            grad_shardings = sharding.named(self.mesh, self.pspecs)
+            gathered = sharding.named(self.mesh, jax.tree.map(_without_data, self.pspecs, is_leaf=sharding.is_spec))
+
             def reduced(params, model_state, loss_scale, batch, rng):
-                return local(params, model_state, loss_scale, batch, jax.random.fold_in(rng, 0), lambda t: t)
+                params = lax.with_sharding_constraint(params, gathered)
+                grads, *rest = local(params, model_state, loss_scale, batch, jax.random.fold_in(rng, 0), lambda t: t)
+                # Sharded like their parameters: GSPMD then reduce-scatters them (an all-reduce plus a slice without).
+                return lax.with_sharding_constraint(grads, grad_shardings), *rest
 
         return self._jit(_step_with(update, reduced), state_specs, donate=True)
 
     def evaluate(self, local_sums, pspecs):
         return Compiled(jax.jit(lambda state, batch: local_sums(state.params, state.model_state, batch),
                                  out_shardings=self.replicated))
+
+
+def _without_data(spec: P) -> P:
+    drop = lambda e: e if e is None or isinstance(e, str) else tuple(a for a in e if a != DATA_AXIS) or None  # noqa: E731
+    return P(*(None if e == DATA_AXIS else drop(e) for e in spec))
 
 
 def _data_only(spec: P) -> P:

@@ -163,6 +163,11 @@ def state_specs(state_shapes, pspecs, tx: optax.GradientTransformation):
                                 rng=P(), loss_scale=replicated(state_shapes.loss_scale))
 
 
+def device_bytes(tree) -> int:
+    """Bytes of ``tree``'s arrays that ONE device holds (its shard of each; all of a replicated one)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def named(mesh: Mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 

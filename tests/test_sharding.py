@@ -19,6 +19,7 @@ TP = [(r"dense1/w$", P(None, "model")), (r"dense1/b$", P("model")), (r"dense2/w$
 FSDP_TP = [(r"dense1/w$", jt.FSDP(P(None, "model"))), (r"dense1/b$", P("model")),
            (r"dense2/w$", jt.FSDP(P("model", None))), (".*", "fsdp")]
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+PARAMS, KEY = lenet.init_params(jax.random.key(0)), jax.random.key(0)  # made before the compile checks below
 
 
 def init_params():
@@ -158,3 +159,83 @@ def test_ring_reduce_scatter_and_all_gather_equal_lax(n):
     for i in range(n):
         np.testing.assert_allclose(ring_rs["b"][i], total[:, 2 * i : 2 * i + 2], rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(ring_ag["b"][i], total, rtol=1e-6, atol=1e-6)
+
+
+def collectives(trainer, state, batch=BATCHES[0]):
+    return jt.compiled_stats(trainer, state, batch, residuals=False)["collectives"]
+
+
+@pytest.mark.parametrize("strategy", ["jit", "shard_map", "ring"])
+def test_gradients_reduce_scattered_once_per_update_with_accumulation(strategy):
+    """k=4 micro-batches move exactly what k=1 moves (CPU unrolls the scan: a reduction inside it would count 4x)."""
+    stats = {}
+    for k in (1, 4):
+        trainer = jt.make_train_step(lenet.loss_fn, optax.adam(1e-3), mesh=4, strategy=strategy,
+                                     param_sharding="fsdp", accum_steps=k)
+        stats[k] = collectives(trainer, trainer.init(init_params()))
+    sharded = 3  # conv2/w, dense1/w, dense2/w (the rest is under min_size)
+    if strategy == "ring":
+        assert stats[4] == stats[1] and set(stats[4]) == {"collective-permute"}
+    else:
+        assert stats[4]["reduce-scatter"]["ops"] == sharded
+        assert stats[4]["all-gather"]["ops"] == sharded  # each parameter gathered once, before the loop
+        params_bytes = 4 * sum(init_params()[k]["w"].size for k in ("conv2", "dense1", "dense2"))
+        assert stats[4]["reduce-scatter"]["bytes"] == stats[4]["all-gather"]["bytes"] == params_bytes
+    if strategy == "shard_map":
+        assert stats[4] == stats[1]
+
+
+def test_collective_bytes_match_the_theory_for_data_parallel_and_fsdp():
+    params = init_params()
+    grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
+    dp = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, strategy="shard_map")
+    fsdp = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, strategy="shard_map", param_sharding="fsdp")
+    got_dp, got_fsdp = collectives(dp, dp.init(params)), collectives(fsdp, fsdp.init(params))
+    scalars = 4 * 2  # the loss and the accuracy are averaged too
+    assert got_dp == {"all-reduce": {"ops": 1, "bytes": grad_bytes + scalars}}  # XLA combines them into one
+    sharded = 4 * sum(params[k]["w"].size for k in ("conv2", "dense1", "dense2"))
+    assert got_fsdp["all-gather"]["bytes"] == got_fsdp["reduce-scatter"]["bytes"] == sharded
+    assert got_fsdp["all-reduce"]["bytes"] == grad_bytes - sharded + scalars
+
+
+def test_hlo_collective_parser_reads_every_replica_group_format():
+    from jaxtrain.diagnostics import collective_bytes
+
+    hlo = """
+  %a = f32[8,4]{1,0} all-gather(%p), replica_groups={{0,1},{2,3}}, dimensions={0}
+  %b = f32[2,4]{1,0} reduce-scatter(%q), replica_groups=[1,4]<=[4], dimensions={0}
+  %c = bf16[2,4]{1,0} reduce-scatter(%q), replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, dimensions={0}
+  ROOT %d = (f32[20]{0}, /*index=1*/s32[]) all-reduce(%x, %y), replica_groups={{0,1,2,3}}
+  %e = f32[16]{0} collective-permute(%z), source_target_pairs={{0,1},{1,0}}
+"""
+    assert collective_bytes(hlo) == {
+        "all-gather": {"ops": 1, "bytes": 128},
+        "reduce-scatter": {"ops": 2, "bytes": 32 * 4 + 16 * 2},
+        "all-reduce": {"ops": 1, "bytes": 84},
+        "collective-permute": {"ops": 1, "bytes": 64},
+    }
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, strategy="pmap", param_sharding="fsdp"),
+     "'pmap' keeps the whole state.*use strategy='jit'"),
+    (lambda: jt.make_mesh(4, axes={"data": 3, "model": 2}), "6 places but there are 4 devices"),
+    (lambda: jt.make_mesh(4, axes={"model": 4}), "no 'data' axis"),
+    (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, param_sharding=TP).init(PARAMS, rng=KEY),
+     r"dense1/\w: PartitionSpec.*names axis 'model' but the mesh has only data"),
+    (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(4, axes={"data": 1, "model": 4}),
+                                param_sharding=[("dense2/w", P(None, "model"))]).init(PARAMS, rng=KEY),
+     r"dense2/w \(128, 10\).*splits a dimension of 10 4 ways"),
+    (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(4, axes={"data": 2, "model": 2}),
+                                strategy="shard_map", param_sharding=TP).init(PARAMS, rng=KEY),
+     "'shard_map' shards parameters over 'data' only.*use strategy='jit'"),
+    (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, param_sharding="zero3"),
+     "param_sharding 'zero3'"),
+    (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, param_sharding=[("dense(", "fsdp")]),
+     "not a regular expression"),
+])
+def test_bad_combinations_are_one_line_errors_before_compiling(make, says, caplog):
+    with jax.log_compiles(), pytest.raises(jt.ConfigError, match=says) as err:
+        make()
+    assert "\n" not in str(err.value)
+    assert not [r for r in caplog.records if "Compiling" in r.getMessage()]
