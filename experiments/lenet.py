@@ -22,6 +22,7 @@ def model(args) -> Model:
         loss_fn=lenet.make_loss_fn(args.remat),
         eval_fn=lenet.eval_fn,
         apply=lenet.apply,
+        tp_rules=lenet.TP_RULES,
     )
 
 

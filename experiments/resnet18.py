@@ -24,6 +24,7 @@ def model(args) -> Model:
         init=lambda rng: resnet.init_variables(rng, eval_net),
         loss_fn=resnet.make_loss_fn(net),
         eval_fn=resnet.make_eval_fn(eval_net),
+        tp_rules=resnet.TP_RULES,
     )
 
 

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.flags import make_parser, positive_int  # noqa: F401  (the experiments' imports)
 from jaxtrain.signals import StopOnSignal
 
 
@@ -24,111 +25,14 @@ class Model:
     loss_fn: Callable
     eval_fn: Callable
     apply: Callable | None = None  # apply(params, images) -> logits, for the model summary
-
-
-def _whole_number(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (a one-line error otherwise)."""
-    return _whole_number(text, 1)
-
-
-def _non_negative_int(text: str) -> int:
-    return _whole_number(text, 0)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
-
-
-def make_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr: float) -> argparse.ArgumentParser:
-    from jaxtrain.data.sources import DATASETS, DEFAULT_IDX_DIRS
-    from jaxtrain.parallel import STRATEGIES
-
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--devices", type=positive_int, default=None,
-                   help="devices to train on: on CPU this many virtual devices sharing the cores "
-                        "(default: one per core), on GPU the first N GPUs (default: all)")
-    p.add_argument("--devices-per-process", type=positive_int, default=None,
-                   help="multi-process runs: CPU virtual devices per process (python -m jaxtrain.launch sets it)")
-    p.add_argument("--coordinator", default=None,
-                   help="multi-process runs without the launcher: HOST:PORT of process 0's coordinator")
-    p.add_argument("--num-processes", type=positive_int, default=None, help="multi-process runs: process count")
-    p.add_argument("--process-id", type=int, default=None, help="multi-process runs: this process's id (0..N-1)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="jit",
-                   help="data-parallel strategy: jit (XLA inserts the all-reduce), shard_map (explicit pmean), "
-                        "pmap (legacy API), ring (our ppermute ring all-reduce)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="compute dtype (fp32 master params either way); fp16 uses a dynamic loss scale")
-    p.add_argument("--accum-steps", type=positive_int, default=1,
-                   help="gradient accumulation: micro-batches per optimizer update")
-    p.add_argument("--accum", choices=("scan", "multisteps"), default="scan",
-                   help="scan: one call = one update over k micro-batches (one all-reduce); "
-                        "multisteps: optax.MultiSteps, one call per micro-batch, an update every k calls")
-    p.add_argument("--remat", default="none",
-                   help="remat policy per block: none, full, dots, dots_no_batch, or a jax.checkpoint_policies name")
-    p.add_argument("--epochs", type=positive_int, default=epochs, help="passes over the training set")
-    p.add_argument("--batch-size", type=positive_int, default=batch_size,
-                   help="GLOBAL batch per optimizer update, split evenly over the devices (and micro-batches)")
-    p.add_argument("--lr", type=_positive_float, default=lr, help="learning rate of plain SGD")
-    p.add_argument("--seed", type=int, default=0, help="seed of the init and of the shuffling")
-    p.add_argument("--dataset", choices=DATASETS, default="fashion_mnist", help="dataset to train on")
-    p.add_argument("--data-dir", default=None,
-                   help="directory holding the four IDX files (train-images-idx3-ubyte[.gz], ...); "
-                        f"default for fashion_mnist: {DEFAULT_IDX_DIRS['fashion_mnist']} (Debian package)")
-    p.add_argument("--tfds-dir", default=None,
-                   help="TFDS data dir where the converted dataset is cached (default: $TFDS_DATA_DIR "
-                        "or ~/tensorflow_datasets)")
-    p.add_argument("--out", default=None,
-                   help="output directory for metrics.jsonl, summary.json and curves.png "
-                        "(default: a fresh runs/NAME-DATE-TIME)")
-    p.add_argument("--workers", type=_non_negative_int, default=0,
-                   help="grain worker threads building batches ahead (0: in the prefetch thread; see README)")
-    p.add_argument("--prefetch", type=_non_negative_int, default=2,
-                   help="batches copied to the devices ahead of the step by a background thread (0: off)")
-    p.add_argument("--max-steps", type=positive_int, default=None,
-                   help="stop after this many train steps in total (for smoke runs), then evaluate")
-    p.add_argument("--memory-report", action="store_true",
-                   help="print host and device memory at the start and after the first step")
-    p.add_argument("--summary", action="store_true",
-                   help="print the model summary (parameters per layer, bytes, FLOPs per example) before training")
-    p.add_argument("--measure-peak", action="store_true",
-                   help="measure this device's fp32 matmul peak once, for the MFU in summary.json "
-                        "(GPUs use datasheet peaks without it)")
-    p.add_argument("--train-subset", type=positive_int, default=None,
-                   help="train on the first N training examples only (CPU-sized runs); the test set stays whole")
-    p.add_argument("--test-subset", type=positive_int, default=None,
-                   help="evaluate on the first N test examples only (smoke runs); default: every test example")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="save orbax checkpoints (TrainState + data position) here, at every epoch end")
-    p.add_argument("--checkpoint-every", type=positive_int, default=None,
-                   help="also checkpoint every N train steps")
-    p.add_argument("--keep-checkpoints", type=positive_int, default=3, help="keep the newest K checkpoints")
-    p.add_argument("--resume", action="store_true",
-                   help="continue exactly where the newest readable checkpoint in --checkpoint-dir stopped")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (they show only on a terminal anyway)")
-    return p
+    tp_rules: tuple = ()  # ((regex, PartitionSpec over "model"), ...): --param-sharding tp / fsdp+tp
 
 
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
 FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "batch_size", "seed",
                   "precision", "accum_steps", "accum")
 # Settings a resumed run may change (reported when they do).
-FREE_SETTINGS = ("devices", "processes", "strategy", "remat", "epochs", "max_steps")
+FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps")
 
 
 def run(args: argparse.Namespace, model: Model, stop: StopOnSignal | None = None) -> dict:
@@ -147,15 +51,19 @@ def run(args: argparse.Namespace, model: Model, stop: StopOnSignal | None = None
     stop.multi_process = jax.process_count() > 1
     stop.reinstall()
 
-    from jaxtrain import remat
+    from jaxtrain import remat, sharding
     from jaxtrain.data import loader, sources
     from jaxtrain.loop import Interrupted, fit
     from jaxtrain.report import RunWriter, ensure_room, make_out_dir, params_digest, run_summary
 
     remat.policy(args.remat)  # a bad name fails here, before any data is read
-    mesh = jt.make_mesh(devices)
+    mesh = jt.make_mesh(devices, axes=args.mesh)
+    param_sharding = sharding.preset(args.param_sharding, model.tp_rules)
     trainer = jt.make_train_step(model.loss_fn, optax.sgd(args.lr), mesh=mesh, strategy=args.strategy,
-                                 precision=args.precision, accum_steps=args.accum_steps, accum=args.accum)
+                                 precision=args.precision, accum_steps=args.accum_steps, accum=args.accum,
+                                 param_sharding=param_sharding)
+    # A bad sharding (an axis the mesh lacks, a split that does not divide) fails here, before any data is read.
+    layout = trainer.plan(jax.eval_shape(model.init, jax.random.key(args.seed))[0])
     call_batch = args.batch_size
     if args.accum == "multisteps":  # one call per micro-batch
         if args.batch_size % args.accum_steps:
@@ -179,6 +87,7 @@ def run(args: argparse.Namespace, model: Model, stop: StopOnSignal | None = None
                 "train_subset": args.train_subset, "optimizer": "sgd", "lr": args.lr, "batch_size": args.batch_size,
                 "seed": args.seed, "precision": args.precision, "accum_steps": args.accum_steps, "accum": args.accum,
                 "devices": len(devices), "processes": jax.process_count(), "strategy": args.strategy,
+                "mesh": dict(mesh.shape), "param_sharding": args.param_sharding,
                 "remat": args.remat, "epochs": args.epochs, "max_steps": args.max_steps}
     if checkpointer is not None:
         checkpointer.settings = settings
@@ -189,8 +98,7 @@ def run(args: argparse.Namespace, model: Model, stop: StopOnSignal | None = None
 
     from jaxtrain import diagnostics
 
-    params, model_state = model.init(jax.random.key(args.seed))
-    state = trainer.init(params, model_state, jax.random.key(args.seed))
+    state = trainer.init(init_fn=model.init, rng=jax.random.key(args.seed))  # each device makes its shards
     position = None
     if args.resume:
         restored = checkpointer.restore(state)
@@ -221,11 +129,13 @@ def run(args: argparse.Namespace, model: Model, stop: StopOnSignal | None = None
     writer = RunWriter(out_dir, position.history if position else ()) if main_process else None
     say(f"{model.name}: {len(data['train'])} train / {len(data['test'])} test examples of {args.dataset}, "
         f"batch {args.batch_size} on {len(devices)} {platform} device(s), strategy {args.strategy}, "
+        f"mesh {','.join(f'{k}={v}' for k, v in mesh.shape.items())}, {args.param_sharding} "
+        f"({len(layout['sharded'])} of {len(layout['sharded']) + len(layout['replicated'])} parameters sharded), "
         f"{args.precision}, accum {args.accum_steps} ({args.accum}), remat {args.remat}"
         + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "") + f"; out: {out_dir}", flush=True)
     if args.summary:
         images = loader.normalise(data["test"].head(8).images) if model.apply else None
-        say(diagnostics.format_summary(diagnostics.summarize(params, model.apply, images)))
+        say(diagnostics.format_summary(diagnostics.summarize(state.params, model.apply, images)))
     if args.memory_report:
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     stats = jt.compiled_stats(trainer, state, next(iter(train.epoch(0))))
@@ -276,6 +186,8 @@ def run(args: argparse.Namespace, model: Model, stop: StopOnSignal | None = None
     summary = run_summary(args, model.name, history, first_loss, stats, peak, devices, call_batch, len(train),
                           {k: len(v) for k, v in data.items()}, settings["data_sha256"])
     summary["params_digest"] = params_digest(state.params)
+    summary.update(mesh=dict(mesh.shape), param_sharding=args.param_sharding, sharded_params=layout["sharded"],
+                   collectives=stats["collectives"])
     last, plural = history[-1], "s" * (len(devices) != 1)
     # The result first: if writing the files fails (full disk), the user still has it.
     say(f"test acc {last.test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(devices)} device{plural} "

@@ -21,6 +21,10 @@ from jaxtrain.errors import ConfigError
 def params_digest(params) -> str:
     """sha256 of the params' bytes, leaves in tree order (dict keys sorted)."""
     h = hashlib.sha256()
+    if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params)):
+        from jax.experimental import multihost_utils  # sharded over processes: every process gets the whole
+
+        params = multihost_utils.process_allgather(params, tiled=True)
     for leaf in jax.tree.leaves(jax.device_get(params)):
         h.update(np.ascontiguousarray(leaf).tobytes())
     return h.hexdigest()

@@ -39,6 +39,22 @@ class FSDP:
     base: P = P()
 
 
+PRESETS = ("replicated", "fsdp", "tp", "fsdp+tp")  # the CLI's --param-sharding
+
+
+def preset(name: str, tp_rules=()) -> object:
+    """``param_sharding`` for a CLI preset; ``tp_rules``: the model's ((regex, PartitionSpec over "model"), ...)."""
+    if name in ("replicated", "fsdp"):
+        return name
+    if name not in PRESETS:
+        raise ConfigError(f"unknown --param-sharding {name!r}: use one of {', '.join(PRESETS)}")
+    if not tp_rules:
+        raise ConfigError(f"--param-sharding {name}: this model has no tensor-parallel rules; use replicated or fsdp")
+    if name == "tp":
+        return list(tp_rules)
+    return [(pattern, FSDP(spec)) for pattern, spec in tp_rules] + [(".*", "fsdp")]
+
+
 def is_spec(x) -> bool:
     return isinstance(x, P)
 

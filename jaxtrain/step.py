@@ -117,9 +117,15 @@ class Trainer:
         pspecs = sharding.param_specs(state.params, self.param_sharding, self.mesh, self.min_size)
         return sharding.state_specs(state, pspecs, self.tx)
 
-    def layout(self, state) -> dict:
-        """Which parameters are sharded how (for summaries)."""
-        return sharding.describe(state.params, self.state_specs(state).params)
+    def plan(self, params) -> dict:
+        """Where each parameter goes (``params``: arrays or shapes): ``{"sharded": {name: spec}, "replicated": [...]}``.
+
+        A ConfigError, before anything compiles, if a rule does not fit these
+        parameters or this strategy cannot run the sharding.
+        """
+        pspecs = sharding.param_specs(params, self.param_sharding, self.mesh, self.min_size)
+        parallel.make_strategy(self.strategy, self.mesh, pspecs)
+        return sharding.describe(params, pspecs)
 
     def _fresh(self, params, model_state, rng) -> TrainState:
         params = prec.cast_floats(params, self.policy.param_dtype)

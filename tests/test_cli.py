@@ -26,6 +26,29 @@ def test_lenet_cli_end_to_end_with_max_steps(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 1000
 
 
+@needs_fashion_mnist
+def test_lenet_cli_on_a_2d_mesh_with_fsdp_and_tensor_parallelism(tmp_path):
+    out = run_cli(*LENET, "--devices", "4", "--mesh", "data=2,model=2", "--param-sharding", "fsdp+tp", "--max-steps", "5",
+                  "--test-subset", "512", "--out", str(tmp_path), "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mesh data=2,model=2, fsdp+tp (4 of 8 parameters sharded)" in out.stdout, out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["mesh"] == {"data": 2, "model": 2} and summary["param_sharding"] == "fsdp+tp"
+    assert summary["sharded_params"]["dense1/w"] == "P('data', 'model')"
+    assert summary["collectives"]["all-gather"]["ops"] > 0 and summary["steps"] == 5
+
+
+@pytest.mark.parametrize(("flags", "fragments"), [
+    (["--devices", "4", "--mesh", "data=3,model=2"], ["mesh data=3,model=2 has 6 places", "4 devices"]),
+    (["--devices", "2", "--param-sharding", "tp"], ["names axis 'model'", "--mesh data=2,model=2"]),
+    (["--devices", "2", "--strategy", "pmap", "--param-sharding", "fsdp"], ["'pmap' keeps the whole state"]),
+    (["--devices", "4", "--mesh", "data=2,model=2", "--strategy", "ring", "--param-sharding", "fsdp+tp"],
+     ["'ring' shards parameters over 'data' only", "strategy='jit'"]),
+])
+def test_bad_sharding_flags_are_one_line_errors(tmp_path, flags, fragments):
+    one_line_error(run_cli(*LENET, *flags, "--out", str(tmp_path)), *fragments)
+
+
 def one_line_error(out, *fragments):
     assert out.returncode == 2, (out.stdout, out.stderr)
     lines = out.stderr.strip().splitlines()
@@ -45,7 +68,8 @@ def test_missing_data_dir_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.parametrize("flags, fragment", [(["--epochs", "0"], "--epochs"), (["--strategy", "nccl"], "--strategy"),
-                                             (["--lr", "-1"], "--lr")])
+                                             (["--lr", "-1"], "--lr"), (["--mesh", "data:2"], "--mesh"),
+                                             (["--param-sharding", "zero"], "--param-sharding")])
 def test_bad_flags_exit_2(flags, fragment):
     out = run_cli(*LENET, *flags)
     assert out.returncode == 2 and fragment in out.stderr and "Traceback" not in out.stderr
@@ -55,7 +79,7 @@ def test_help_explains_every_flag():
     out = run_cli(*LENET, "--help")
     assert out.returncode == 0
     for flag in ("--devices", "--epochs", "--batch-size", "--lr", "--seed", "--dataset", "--data-dir", "--out",
-                 "--max-steps", "--strategy"):
+                 "--max-steps", "--strategy", "--param-sharding", "--mesh"):
         assert flag in out.stdout
 
 
@@ -85,10 +109,12 @@ def test_memory_benchmark_smoke():
 @needs_fashion_mnist
 def test_resnet18_cli_trains(tmp_path):
     out = run_cli("-m", "experiments.resnet18", "--devices", "2", "--max-steps", "4", "--batch-size", "16",
-                  "--train-subset", "512", "--test-subset", "64", "--out", str(tmp_path), "--no-progress")
+                  "--train-subset", "512", "--test-subset", "64", "--param-sharding", "fsdp", "--strategy", "shard_map",
+                  "--out", str(tmp_path), "--no-progress")
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["experiment"] == "resnet18" and summary["steps"] == 4 and summary["train_examples"] == 512
+    assert summary["param_sharding"] == "fsdp" and summary["collectives"]["reduce-scatter"]["ops"] > 0
     assert summary["test_examples"] == 64 and summary["train_loss"] > 0
 
 
@@ -136,3 +162,25 @@ def test_launcher_exits_128_plus_signal_when_a_worker_is_killed():
     out = run_cli("-m", "jaxtrain.launch", "--processes", "2", "--", sys.executable, "-c", kill_self, timeout=120)
     assert out.returncode == 128 + 9, (out.returncode, out.stderr)
     assert "was killed by SIGKILL; stopping the others" in out.stderr
+
+
+@pytest.mark.slow
+@needs_fashion_mnist
+def test_resume_under_another_mesh_and_sharding_goes_on_where_the_run_stopped(tmp_path):
+    def lenet(max_steps, *flags):
+        return run_cli(*LENET, "--max-steps", str(max_steps), "--batch-size", "64", "--train-subset", "2048",
+                       "--test-subset", "512", "--checkpoint-every", "4", "--no-progress", *flags)
+
+    ck = str(tmp_path / "ck")
+    first = lenet(4, "--devices", "4", "--param-sharding", "fsdp", "--checkpoint-dir", ck, "--out", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = lenet(8, "--devices", "2", "--checkpoint-dir", ck, "--resume", "--out", str(tmp_path / "b"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ("resuming from step 4 (epoch 1, batch 4); changed since: devices 4 -> 2, mesh {'data': 4} -> {'data': 2}, "
+            "param_sharding 'fsdp' -> 'replicated', max_steps 4 -> 8") in resumed.stdout, resumed.stdout
+    straight = lenet(8, "--devices", "4", "--param-sharding", "fsdp", "--checkpoint-dir", str(tmp_path / "ck2"),
+                     "--out", str(tmp_path / "c"))
+    got, want = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("b", "c"))
+    assert got["steps"] == want["steps"] == 8
+    # Float re-association differs between the meshes; the run is the same run.
+    assert got["test_loss"] == pytest.approx(want["test_loss"], rel=1e-4)

@@ -68,7 +68,7 @@ def test_fsdp_equals_one_device_reference(reference, strategy, n, opt):
     if opt == "adam":
         mu = state.opt_state[0].mu["dense1"]["w"]
         assert mu.sharding.spec == w.sharding.spec and shard_fraction(mu) == 1 / n
-    layout = trainer.layout(state)
+    layout = trainer.plan(state.params)
     assert "dense1/w" in layout["sharded"] and "conv1/w" in layout["replicated"]
 
 
@@ -239,3 +239,40 @@ def test_bad_combinations_are_one_line_errors_before_compiling(make, says, caplo
         make()
     assert "\n" not in str(err.value)
     assert not [r for r in caplog.records if "Compiling" in r.getMessage()]
+
+
+@pytest.mark.parametrize(("saved", "restored"), [
+    ((4, None, "fsdp"), (2, None, "replicated")),
+    ((4, {"data": 2, "model": 2}, TP), (4, None, "fsdp")),
+    ((2, None, "replicated"), (4, {"data": 2, "model": 2}, FSDP_TP)),
+])
+def test_checkpoint_restores_bit_identically_onto_another_mesh_and_sharding(tmp_path, saved, restored):
+    from jaxtrain.checkpoint import Checkpointer
+    from jaxtrain.loop import Position
+
+    def trainer_for(n, axes, param_sharding):
+        return jt.make_train_step(lenet.loss_fn, optax.adam(1e-3), mesh=jt.make_mesh(n, axes=axes),
+                                  param_sharding=param_sharding)
+
+    first = trainer_for(*saved)
+    state = first.init(init_params())
+    for batch in BATCHES[:2]:
+        state, _ = first(state, batch)
+    ck = Checkpointer(tmp_path / "ck", keep=2)
+    ck.save(state, Position(total_steps=2), wait=True)
+    ck.close()
+
+    second = trainer_for(*restored)
+    like = second.init(init_params())
+    ck = Checkpointer(tmp_path / "ck", keep=2)
+    got = ck.restore(like)
+    ck.close()
+    chex.assert_trees_all_equal(jax.device_get(got.state.params), jax.device_get(state.params))
+    chex.assert_trees_all_equal(jax.device_get(got.state.opt_state), jax.device_get(state.opt_state))
+    for a, b in zip(jax.tree.leaves(got.state), jax.tree.leaves(like)):  # placed the NEW way
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    # ... and training goes on from there as it would have on the first mesh.
+    after, metrics = second(got.state, BATCHES[2])
+    expected, expected_metrics = first(state, BATCHES[2])
+    chex.assert_trees_all_close(jax.device_get(after.params), jax.device_get(expected.params), **TOL)
+    chex.assert_trees_all_close(jax.device_get(metrics), jax.device_get(expected_metrics), **TOL)

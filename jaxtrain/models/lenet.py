@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from jaxtrain.devices import MODEL_AXIS
 from jaxtrain.models import classify
 from jaxtrain.remat import remat as _remat
 
@@ -18,6 +20,11 @@ _SHAPES = {
     "dense1": ((800, 128), (128,)),
     "dense2": ((128, NUM_CLASSES), (NUM_CLASSES,)),
 }
+
+
+# Tensor parallelism over "model" (Megatron's MLP split): dense1 column-parallel (its outputs split), dense2
+# row-parallel (its inputs split); XLA adds the one all-reduce of dense2's partial sums. Convs stay replicated.
+TP_RULES = ((r"dense1/w$", P(None, MODEL_AXIS)), (r"dense1/b$", P(MODEL_AXIS)), (r"dense2/w$", P(MODEL_AXIS, None)))
 
 
 def init_params(rng: jax.Array, scale: float = 0.01) -> dict:

@@ -22,12 +22,21 @@ from functools import partial
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jaxtrain.parallel import batch_axis
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.devices import MODEL_AXIS
 from jaxtrain.models import classify
+from jaxtrain.parallel import batch_axis
 from jaxtrain.remat import policy as remat_policy
 
 NUM_CLASSES = 10
 STAGES = ((64, 1), (128, 2), (256, 2), (512, 2))  # (channels, stride of the first block)
+
+
+# Tensor parallelism over "model": every conv's output channels (kernel HWIO: O; and its bias), and the
+# classifier's input features; BatchNorm parameters and statistics stay replicated.
+TP_RULES = ((r"Conv_\d+/kernel$", P(None, None, None, MODEL_AXIS)), (r"Conv_\d+/bias$", P(MODEL_AXIS)),
+            (r"Dense_0/kernel$", P(MODEL_AXIS, None)))
 
 
 def _kernel_init(init: str):

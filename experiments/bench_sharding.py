@@ -1,0 +1,124 @@
+"""Benchmark sharded state: ResNet-18 + Adam under replicated / fsdp / tp / fsdp+tp.
+
+    python -m experiments.bench_sharding [--devices 4] [--batch-size 64] [--budget 600MiB]
+
+Per setting, on one device of the mesh (XLA compiles one program per
+device): compiled argument and temp bytes, the state's own bytes, ms/step
+(median over repeats, the settings interleaved so that machine noise hits
+them alike) and the collective bytes per step by kind, read from the
+compiled HLO. Then the batch-size finder's largest batch within one fixed
+budget, replicated vs fsdp. replicated and fsdp use a 1-D mesh (data=N);
+tp and fsdp+tp a 2-D one (data=N/2, model=2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from experiments.bench_strategies import time_steps
+from jaxtrain.flags import positive_int
+
+SETTINGS = ("replicated", "fsdp", "tp", "fsdp+tp")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_sharding", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--devices", type=positive_int, default=4, help="devices (even: tp needs model=2)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="GLOBAL batch size")
+    p.add_argument("--strategy", default="jit", help="strategy for replicated and fsdp (tp needs jit)")
+    p.add_argument("--steps", type=positive_int, default=3, help="steps timed per repeat")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per setting (median reported)")
+    p.add_argument("--budget", default="600MiB", help="per-device budget for the batch-size finder (0: skip it)")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    import jaxtrain as jt
+
+    try:
+        if args.devices % 2:
+            raise jt.ConfigError(f"--devices {args.devices}: use an even count (tp splits over model=2)")
+        devices = jt.setup_devices(args.devices)
+        from jaxtrain.batch_size import parse_bytes
+
+        budget = parse_bytes(args.budget) if args.budget not in ("0", "") else None
+    except jt.ConfigError as e:
+        print(f"bench_sharding: error: {e}", file=sys.stderr)
+        return 2
+    import jax
+    import numpy as np
+    import optax
+
+    from jaxtrain import sharding
+    from jaxtrain.diagnostics import COLLECTIVES
+    from jaxtrain.models import resnet
+
+    n = len(devices)
+    model = resnet.ResNet18()
+    variables = resnet.init_variables(jax.random.key(0))
+
+    def batch_of(size):
+        rng = np.random.default_rng(size)
+        return {"image": rng.random((size, 28, 28, 1), dtype=np.float32),
+                "label": rng.integers(0, 10, size).astype(np.int32)}
+
+    def trainer_for(setting):
+        axes = {"data": n} if setting in ("replicated", "fsdp") else {"data": n // 2, "model": 2}
+        strategy = args.strategy if setting in ("replicated", "fsdp") else "jit"
+        return jt.make_train_step(resnet.make_loss_fn(model), optax.adam(1e-3), mesh=jt.make_mesh(n, axes=axes),
+                                  strategy=strategy, param_sharding=sharding.preset(setting, resnet.TP_RULES))
+
+    batch = batch_of(args.batch_size)
+    runs, rows = {}, {}
+    for setting in SETTINGS:
+        trainer = trainer_for(setting)
+        state = trainer.init(*variables)
+        stats = jt.compiled_stats(trainer, state, batch, residuals=False)
+        state, _ = time_steps(trainer, state, batch, 1)  # compile and warm up
+        runs[setting] = [trainer, state, []]
+        rows[setting] = {"state_mib": sharding.device_bytes(state) / 2**20,
+                         "argument_mib": stats["argument_bytes"] / 2**20, "temp_mib": stats["temp_bytes"] / 2**20,
+                         "collectives": stats["collectives"]}
+        print(f"compiled {setting}", file=sys.stderr, flush=True)
+    for _ in range(args.repeats):  # interleaved
+        for setting, run in runs.items():
+            run[1], sec = time_steps(run[0], run[1], batch, args.steps)
+            run[2].append(1000 * sec)
+    print(f"ResNet-18 + Adam, batch {args.batch_size}, {n} {devices[0].platform} devices, per device:")
+    kinds = [k for k in COLLECTIVES if any(k in r["collectives"] for r in rows.values())]
+    print(f"{'setting':>10} {'state MiB':>9} {'args MiB':>8} {'temp MiB':>8} {'ms/step':>8} "
+          + " ".join(f"{k + ' MiB':>20}" for k in kinds))
+    for setting, row in rows.items():
+        row["ms_per_step"] = statistics.median(runs[setting][2])
+        row["ms_spread"] = [min(runs[setting][2]), max(runs[setting][2])]
+        cells = [f"{row['collectives'][k]['bytes'] / 2**20:>11.2f} ({row['collectives'][k]['ops']:>3} ops)"
+                 if k in row["collectives"] else f"{'-':>20}" for k in kinds]
+        print(f"{setting:>10} {row['state_mib']:>9.1f} {row['argument_mib']:>8.1f} {row['temp_mib']:>8.1f} "
+              f"{row['ms_per_step']:>8.0f} " + " ".join(cells))
+    print(f"fsdp / replicated argument bytes: {rows['fsdp']['argument_mib'] / rows['replicated']['argument_mib']:.3f}")
+    results = {"settings": rows, "devices": n, "batch_size": args.batch_size}
+    if budget:
+        from jaxtrain.batch_size import find_batch_size
+
+        found = {}
+        for setting in ("replicated", "fsdp"):
+            trainer = trainer_for(setting)
+            state = trainer.init(*variables)
+            found[setting] = find_batch_size(trainer, state, batch_of, budget, max_batch=4096).batch_size
+        print(f"largest batch within {budget / 2**20:,.0f} MiB per device: replicated {found['replicated']}, "
+              f"fsdp {found['fsdp']}")
+        results["largest_batch"] = {"budget_bytes": budget, **found}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
