@@ -1,5 +1,7 @@
 """Sharded state (FSDP, tensor parallelism, both on a 2-D mesh): every combination equals the 1-device step."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,13 @@ def train(opt="sgd", mesh=1, loss_fn=lenet.loss_fn, **kw):
 @pytest.fixture(scope="module")
 def reference():
     return {opt: train(opt)[1:] for opt in OPTIMIZERS}
+
+
+@functools.cache
+def reference_for(mode: str):
+    """The 1-device Adam run (no remat: remat must not change the numbers) for a precision / accumulation mode."""
+    kw = {"bf16": {"precision": "bf16"}, "fp16": {"precision": "fp16"}, "accum4": {"accum_steps": 4}, "fp32": {}}[mode]
+    return train("adam", 1, **kw)[1:]
 
 
 def assert_equal_to(reference, state, history):
@@ -92,8 +101,7 @@ def test_tensor_parallel_and_2d_fsdp_on_a_2x2_mesh_equal_the_reference(reference
 def test_fsdp_composes_with_precision_accumulation_and_remat(strategy, mode):
     kw = {"bf16": {"precision": "bf16"}, "fp16": {"precision": "fp16"}, "accum4": {"accum_steps": 4},
           "remat": {"loss_fn": lenet.make_loss_fn("full")}}[mode]
-    ref_kw = {k: v for k, v in kw.items() if k != "loss_fn"} if mode != "remat" else {}
-    _, ref_state, ref_history = train("adam", 1, **ref_kw)
+    ref_state, ref_history = reference_for(mode if mode != "remat" else "fp32")
     _, state, history = train("adam", 4, strategy=strategy, param_sharding="fsdp", **kw)
     tol = TOL if mode in ("accum4", "remat") else {"rtol": 2e-2, "atol": 2e-3}  # bf16/fp16: one rounding apart
     chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref_state.params), **tol)
@@ -102,12 +110,22 @@ def test_fsdp_composes_with_precision_accumulation_and_remat(strategy, mode):
         assert float(state.loss_scale["scale"]) == float(ref_state.loss_scale["scale"])
 
 
-def test_tp_composes_with_accumulation_and_bf16(reference):
+def test_fsdp_tp_composes_with_accumulation():
     mesh = jt.make_mesh(4, axes={"data": 2, "model": 2})
-    _, ref_state, ref_history = train("adam", 1, accum_steps=4)
+    ref_state, ref_history = reference_for("accum4")
     _, state, history = train("adam", mesh, param_sharding=FSDP_TP, accum_steps=4)
     chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref_state.params), **TOL)
     chex.assert_trees_all_close(history, ref_history, **TOL)
+
+
+def test_fsdp_with_optax_multisteps_keeps_its_accumulator_sharded():
+    _, ref_state, ref_history = train("adam", 1, accum_steps=3, accum="multisteps")
+    _, state, history = train("adam", 4, strategy="shard_map", param_sharding="fsdp", accum_steps=3,
+                              accum="multisteps")
+    chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref_state.params), **TOL)
+    chex.assert_trees_all_close(history, ref_history, **TOL)
+    acc = state.opt_state.acc_grads["dense1"]["w"]
+    assert acc.sharding.spec == P(jt.DATA_AXIS, None) and shard_fraction(acc) == 1 / 4
 
 
 def test_init_fn_builds_the_sharded_state_in_place():
