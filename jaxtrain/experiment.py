@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, model: Model, stop: StopOnSignal | None = None
                 "train_subset": args.train_subset, "optimizer": "sgd", "lr": args.lr, "batch_size": args.batch_size,
                 "seed": args.seed, "precision": args.precision, "accum_steps": args.accum_steps, "accum": args.accum,
                 "devices": len(devices), "processes": jax.process_count(), "strategy": args.strategy,
-                "mesh": dict(mesh.shape), "param_sharding": args.param_sharding,
+                "mesh": args.mesh, "param_sharding": args.param_sharding,  # mesh: the flag (None: data=devices)
                 "remat": args.remat, "epochs": args.epochs, "max_steps": args.max_steps}
     if checkpointer is not None:
         checkpointer.settings = settings
