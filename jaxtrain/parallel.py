@@ -19,7 +19,7 @@ and places the state with the shardings of ``sharding.py``:
 - ``shard_map``: ``jax.shard_map`` over ``"data"``; explicit ``lax``
   collectives: FSDP parameters are all-gathered before use, their gradients
   reduce-scattered (``psum_scatter``) to the local shard; the rest ``pmean``.
-- ``ring``: as ``shard_map``, with our ring collectives (``ring.py``).
+- ``ring``: as ``shard_map``, with our ring collectives (``collectives.py``).
 - ``pmap``: the legacy API, replicated state only; the update runs inside.
 
 The optimizer update runs outside the per-device function on global arrays,
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -40,9 +39,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import sharding
+from jaxtrain.collectives import Comm, make_comm
 from jaxtrain.devices import DATA_AXIS
 from jaxtrain.errors import ConfigError
-from jaxtrain.ring import ring_all_gather, ring_allreduce, ring_reduce_scatter
 
 STRATEGIES = ("jit", "shard_map", "pmap", "ring")
 
@@ -71,61 +70,6 @@ def _split_over(axis: str):
 def check_strategy(strategy: str) -> None:
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Comm:
-    """How a per-device function talks to the other devices along ``"data"``."""
-
-    mean: Callable  # pytree -> its mean over devices
-    sum: Callable  # pytree -> its sum over devices
-    vary: Callable  # mark replicated values per-device (so gradients stay local)
-    gather: Callable  # params (FSDP leaves: local shards) -> whole params, per-device
-    scatter_mean: Callable  # gradients of whole params -> their mean, FSDP leaves as the local shard
-
-
-def _pcast(tree):
-    return jax.tree.map(lambda x: lax.pcast(x, DATA_AXIS, to="varying"), tree)
-
-
-def _by_dim(tree, dims, sharded: Callable, replicated: Callable):
-    """Apply ``sharded(leaves, dims)`` to the leaves with a data dimension, ``replicated(leaves)`` to the rest."""
-    leaves, treedef = jax.tree.flatten(tree)
-    per_leaf = treedef.flatten_up_to(dims)
-    out = list(leaves)
-    split = [i for i, d in enumerate(per_leaf) if d is not None]
-    whole = [i for i, d in enumerate(per_leaf) if d is None]
-    if split:
-        for i, x in zip(split, sharded([leaves[i] for i in split], [per_leaf[i] for i in split])):
-            out[i] = x
-    if whole:
-        for i, x in zip(whole, replicated([leaves[i] for i in whole])):
-            out[i] = x
-    return jax.tree.unflatten(treedef, out)
-
-
-def make_comm(dims, ring: bool = False) -> Comm:
-    """``lax`` (or ring) collectives over ``"data"``; ``dims``: per parameter, its FSDP dimension or None."""
-    if ring:
-        total = lambda t: ring_allreduce(t, DATA_AXIS)  # noqa: E731
-        gather_split = lambda xs, ds: ring_all_gather(xs, DATA_AXIS, ds)  # noqa: E731
-        scatter_split = lambda xs, ds: ring_reduce_scatter(xs, DATA_AXIS, ds)  # noqa: E731
-    else:
-        total = lambda t: lax.psum(t, DATA_AXIS)  # noqa: E731
-        gather_split = lambda xs, ds: [lax.all_gather(x, DATA_AXIS, axis=d, tiled=True) for x, d in zip(xs, ds)]  # noqa: E731
-        scatter_split = lambda xs, ds: [  # noqa: E731
-            lax.psum_scatter(x, DATA_AXIS, scatter_dimension=d, tiled=True) for x, d in zip(xs, ds)]
-
-    def mean(tree):
-        n = lax.axis_size(DATA_AXIS)
-        return jax.tree.map(lambda x: x / n, total(tree))
-
-    def scatter_mean(grads):
-        n = lax.axis_size(DATA_AXIS)
-        return jax.tree.map(lambda g: g / n, _by_dim(grads, dims, scatter_split, total))
-
-    return Comm(mean=mean, sum=total, vary=_pcast, gather=lambda p: _by_dim(p, dims, gather_split, _pcast),
-                scatter_mean=scatter_mean)
 
 
 def _per_device(local: Callable, comm: Comm) -> Callable:

@@ -1,4 +1,7 @@
-"""Our own ring collectives, written with ``lax.ppermute``: all-reduce, reduce-scatter, all-gather.
+"""The collectives of a per-device step: ``lax``'s, or our own ring written with ``lax.ppermute``.
+
+``Comm`` bundles what a strategy's per-device function uses (``make_comm``);
+the ring collectives below are all-reduce, reduce-scatter and all-gather.
 
 Inside ``shard_map`` (or ``pmap``) over n devices along ``axis_name``. Each
 works on a pytree: leaves of one dtype are packed into ONE buffer of n rows,
@@ -25,7 +28,9 @@ reduce-scatter for the gradients, all-gather for the parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -142,3 +147,58 @@ def ring_allreduce(tree, axis_name: str = DATA_AXIS):
             out[i] = total[offset : offset + size].reshape(jnp.shape(leaves[i]))
             offset += size
     return jax.tree.unflatten(treedef, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """How a per-device function talks to the other devices along ``"data"``."""
+
+    mean: Callable  # pytree -> its mean over devices
+    sum: Callable  # pytree -> its sum over devices
+    vary: Callable  # mark replicated values per-device (so gradients stay local)
+    gather: Callable  # params (FSDP leaves: local shards) -> whole params, per-device
+    scatter_mean: Callable  # gradients of whole params -> their mean, FSDP leaves as the local shard
+
+
+def _pcast(tree):
+    return jax.tree.map(lambda x: lax.pcast(x, DATA_AXIS, to="varying"), tree)
+
+
+def _by_dim(tree, dims, sharded: Callable, replicated: Callable):
+    """Apply ``sharded(leaves, dims)`` to the leaves with a data dimension, ``replicated(leaves)`` to the rest."""
+    leaves, treedef = jax.tree.flatten(tree)
+    per_leaf = treedef.flatten_up_to(dims)
+    out = list(leaves)
+    split = [i for i, d in enumerate(per_leaf) if d is not None]
+    whole = [i for i, d in enumerate(per_leaf) if d is None]
+    if split:
+        for i, x in zip(split, sharded([leaves[i] for i in split], [per_leaf[i] for i in split])):
+            out[i] = x
+    if whole:
+        for i, x in zip(whole, replicated([leaves[i] for i in whole])):
+            out[i] = x
+    return jax.tree.unflatten(treedef, out)
+
+
+def make_comm(dims, ring: bool = False) -> Comm:
+    """``lax`` (or ring) collectives over ``"data"``; ``dims``: per parameter, its FSDP dimension or None."""
+    if ring:
+        total = lambda t: ring_allreduce(t, DATA_AXIS)  # noqa: E731
+        gather_split = lambda xs, ds: ring_all_gather(xs, DATA_AXIS, ds)  # noqa: E731
+        scatter_split = lambda xs, ds: ring_reduce_scatter(xs, DATA_AXIS, ds)  # noqa: E731
+    else:
+        total = lambda t: lax.psum(t, DATA_AXIS)  # noqa: E731
+        gather_split = lambda xs, ds: [lax.all_gather(x, DATA_AXIS, axis=d, tiled=True) for x, d in zip(xs, ds)]  # noqa: E731
+        scatter_split = lambda xs, ds: [  # noqa: E731
+            lax.psum_scatter(x, DATA_AXIS, scatter_dimension=d, tiled=True) for x, d in zip(xs, ds)]
+
+    def mean(tree):
+        n = lax.axis_size(DATA_AXIS)
+        return jax.tree.map(lambda x: x / n, total(tree))
+
+    def scatter_mean(grads):
+        n = lax.axis_size(DATA_AXIS)
+        return jax.tree.map(lambda g: g / n, _by_dim(grads, dims, scatter_split, total))
+
+    return Comm(mean=mean, sum=total, vary=_pcast, gather=lambda p: _by_dim(p, dims, gather_split, _pcast),
+                scatter_mean=scatter_mean)
