@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain import accumulate, parallel, sharding
 from jaxtrain import precision as prec
-from jaxtrain.devices import DATA_AXIS, make_mesh
+from jaxtrain.devices import make_mesh
 from jaxtrain.errors import ConfigError
 from jaxtrain.state import TrainState
 
@@ -93,8 +93,6 @@ class Trainer:
         parallel.check_strategy(strategy)
         accumulate.check(accum_steps, accum)
         sharding.param_specs({}, param_sharding, mesh)  # malformed rules: an error now, not at init
-        if strategy == "pmap" and param_sharding != "replicated":
-            parallel.make_strategy(strategy, mesh, {"sharded": P(DATA_AXIS)})  # its one-line error
         self.policy = prec.get_policy(precision)
         self.loss_fn = loss_fn
         self.mesh, self.strategy, self.accum_steps, self.accum = mesh, strategy, accum_steps, accum

@@ -93,6 +93,7 @@ def test_transfer_experiment_smoke(tmp_path):
     assert "| 64 |" in out.stdout and (tmp_path / "transfer.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # a subprocess end to end
 def test_batch_size_cli(tmp_path):
     out = run_cli("-m", "experiments.batch_size", "--devices", "1", "--memory-budget", "16MiB")
     assert out.returncode == 0, out.stderr[-2000:]

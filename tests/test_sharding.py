@@ -235,7 +235,8 @@ def test_hlo_collective_parser_reads_every_replica_group_format():
 
 
 @pytest.mark.parametrize(("make", "says"), [
-    (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, strategy="pmap", param_sharding="fsdp"),
+    (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, strategy="pmap",
+                                param_sharding="fsdp").init(PARAMS, rng=KEY),
      "'pmap' keeps the whole state.*use strategy='jit'"),
     (lambda: jt.make_mesh(4, axes={"data": 3, "model": 2}), "6 places but there are 4 devices"),
     (lambda: jt.make_mesh(4, axes={"model": 4}), "no 'data' axis"),
