@@ -131,16 +131,17 @@ class Strategy:
         self.replicated = NamedSharding(mesh, P())
         self.batch = NamedSharding(mesh, P(DATA_AXIS))
 
-    def _jit(self, fn, state_specs, donate: bool):
+    def _jit(self, fn, state_specs):
+        """The train step over global arrays, the state donated and kept in its shardings."""
         state = sharding.named(self.mesh, state_specs)
         return Compiled(jax.jit(fn, in_shardings=(state, self.batch), out_shardings=(state, self.replicated),
-                                 donate_argnums=(0,) if donate else ()))
+                                 donate_argnums=(0,)))
 
     def train(self, local: Callable, update: Callable, state_specs, per_device: bool) -> Compiled:
         """The compiled, donated train step."""
         raise NotImplementedError
 
-    def evaluate(self, local_sums: Callable, pspecs) -> Compiled:
+    def evaluate(self, local_sums: Callable) -> Compiled:
         """``local_sums(params, model_state, batch) -> sums`` over the examples given, summed over the devices."""
         raise NotImplementedError
 
@@ -150,7 +151,7 @@ class Jit(Strategy):
 
     def _manual(self, fn, in_specs, out_specs):
         """``fn`` per device along "data" only; other mesh axes stay with GSPMD (tensor parallelism)."""
-        only_data = lambda specs: jax.tree.map(_data_only, specs, is_leaf=sharding.is_spec)  # noqa: E731
+        only_data = lambda specs: jax.tree.map(sharding.data_only, specs, is_leaf=sharding.is_spec)  # noqa: E731
         manual = frozenset({DATA_AXIS}) if len(self.mesh.axis_names) > 1 else frozenset()
         return jax.shard_map(fn, mesh=self.mesh, in_specs=only_data(in_specs), out_specs=only_data(out_specs),
                              axis_names=manual)
@@ -161,28 +162,21 @@ class Jit(Strategy):
                                    (self.pspecs, P(), P(), P(DATA_AXIS), P()), (self.pspecs, P(), P(), P()))
         else:
             grad_shardings = sharding.named(self.mesh, self.pspecs)
-            gathered = sharding.named(self.mesh, jax.tree.map(_without_data, self.pspecs, is_leaf=sharding.is_spec))
+            gathered = sharding.named(self.mesh, jax.tree.map(sharding.without_data, self.pspecs,
+                                                              is_leaf=sharding.is_spec))
 
             def reduced(params, model_state, loss_scale, batch, rng):
                 params = lax.with_sharding_constraint(params, gathered)
                 grads, *rest = local(params, model_state, loss_scale, batch, jax.random.fold_in(rng, 0), lambda t: t)
-                # Sharded like their parameters: GSPMD then reduce-scatters them (an all-reduce plus a slice without).
+                # Gathered params at the loss, grads sharded like their params: without the first constraint GSPMD
+                # gathered activations instead. (XLA:CPU still reduces FSDP grads as all-reduce + slice: README.)
                 return lax.with_sharding_constraint(grads, grad_shardings), *rest
 
-        return self._jit(_step_with(update, reduced), state_specs, donate=True)
+        return self._jit(_step_with(update, reduced), state_specs)
 
-    def evaluate(self, local_sums, pspecs):
+    def evaluate(self, local_sums):
         return Compiled(jax.jit(lambda state, batch: local_sums(state.params, state.model_state, batch),
                                  out_shardings=self.replicated))
-
-
-def _without_data(spec: P) -> P:
-    drop = lambda e: e if e is None or isinstance(e, str) else tuple(a for a in e if a != DATA_AXIS) or None  # noqa: E731
-    return P(*(None if e == DATA_AXIS else drop(e) for e in spec))
-
-
-def _data_only(spec: P) -> P:
-    return P(*(DATA_AXIS if e is not None and DATA_AXIS in ((e,) if isinstance(e, str) else e) else None for e in spec))
 
 
 class ShardMap(Strategy):
@@ -205,15 +199,15 @@ class ShardMap(Strategy):
         comm = make_comm(sharding.data_dims(self.pspecs), ring=self.ring)
         reduced = self._map(_per_device(local, comm), (self.pspecs, P(), P(), P(DATA_AXIS), P()),
                             (self.pspecs, P(), P(), P()))
-        return self._jit(_step_with(update, reduced), state_specs, donate=True)
+        return self._jit(_step_with(update, reduced), state_specs)
 
-    def evaluate(self, local_sums, pspecs):
-        comm = make_comm(sharding.data_dims(pspecs), ring=self.ring)
+    def evaluate(self, local_sums):
+        comm = make_comm(sharding.data_dims(self.pspecs), ring=self.ring)
 
         def run(params, model_state, batch):
             return comm.sum(local_sums(comm.gather(params), model_state, batch))
 
-        mapped = self._map(run, (pspecs, P(), P(DATA_AXIS)), P())
+        mapped = self._map(run, (self.pspecs, P(), P(DATA_AXIS)), P())
         return Compiled(jax.jit(lambda state, batch: mapped(state.params, state.model_state, batch)))
 
 
@@ -247,9 +241,7 @@ class Pmap(Strategy):
         reduced = _per_device(local, make_comm(sharding.data_dims(self.pspecs)))
         return self._pmap(_step_with(update, reduced), donate=True)
 
-    def evaluate(self, local_sums, pspecs):
-        if sharding.mesh_axes_used(pspecs):
-            raise ConfigError("strategy 'pmap' evaluates a replicated state only: evaluate a sharded one under 'jit'")
+    def evaluate(self, local_sums):
         psum = lambda t: lax.psum(t, DATA_AXIS)  # noqa: E731
         return self._pmap(lambda state, batch: psum(local_sums(state.params, state.model_state, batch)), donate=False)
 

@@ -59,6 +59,22 @@ def is_spec(x) -> bool:
     return isinstance(x, P)
 
 
+def axes_of(entry) -> tuple:
+    """The mesh axes one PartitionSpec entry names: None -> (), "data" -> ("data",), ("data", "model") as is."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def data_only(spec: P) -> P:
+    """``spec`` with only its "data" entries (what a shard_map manual over "data" alone sees)."""
+    return P(*(DATA_AXIS if DATA_AXIS in axes_of(e) else None for e in spec))
+
+
+def without_data(spec: P) -> P:
+    """``spec`` gathered over "data": its other axes (e.g. "model") kept."""
+    return P(*(tuple(a for a in axes_of(e) if a != DATA_AXIS) or None if isinstance(e, tuple)
+               else None if e == DATA_AXIS else e for e in spec))
+
+
 def path_name(path) -> str:
     """``("dense1", "w")`` -> ``"dense1/w"``: what rules match."""
     return jax.tree_util.keystr(path, simple=True, separator="/")
@@ -95,7 +111,7 @@ def _checked(name: str, shape: tuple, spec: P, mesh: Mesh) -> tuple:
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     seen = []
     for dim, entry in zip(shape, entries):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = axes_of(entry)
         for axis in axes:
             if axis not in mesh.shape:
                 raise ConfigError(f"parameter {name}: PartitionSpec {spec} names axis {axis!r} but the mesh has "
@@ -113,7 +129,7 @@ def _checked(name: str, shape: tuple, spec: P, mesh: Mesh) -> tuple:
 def _fsdp(entries: tuple, shape: tuple, mesh: Mesh, min_size: int) -> tuple:
     """``entries`` plus ``"data"`` on the largest free dimension divisible by its size (ties: the last)."""
     n = mesh.shape[DATA_AXIS]
-    used = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    used = {a for e in entries for a in axes_of(e)}
     if n == 1 or DATA_AXIS in used or math.prod(shape) < min_size:
         return entries
     free = [d for d, e in enumerate(entries) if e is None and shape[d] % n == 0]
@@ -144,7 +160,7 @@ def mesh_axes_used(specs) -> set[str]:
     axes = set()
     for spec in jax.tree.leaves(specs, is_leaf=is_spec):
         for e in spec:
-            axes.update(() if e is None else (e,) if isinstance(e, str) else e)
+            axes.update(axes_of(e))
     return axes
 
 
@@ -152,7 +168,7 @@ def data_dims(specs):
     """Per parameter: the dimension sharded over ``"data"`` (FSDP), or None."""
 
     def dim(spec):
-        hits = [d for d, e in enumerate(spec) if e is not None and DATA_AXIS in ((e,) if isinstance(e, str) else e)]
+        hits = [d for d, e in enumerate(spec) if DATA_AXIS in axes_of(e)]
         return hits[0] if hits else None
 
     return jax.tree.map(dim, specs, is_leaf=is_spec)

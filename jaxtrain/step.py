@@ -259,7 +259,7 @@ class Evaluator:
         pspecs = _specs_of(state.params)
         key = (jax.tree.structure(state), tuple(jax.tree.leaves(pspecs, is_leaf=sharding.is_spec)))
         if key not in self._steps:
-            self._steps[key] = parallel.make_strategy(self.strategy, self.mesh, pspecs).evaluate(self._sums, pspecs)
+            self._steps[key] = parallel.make_strategy(self.strategy, self.mesh, pspecs).evaluate(self._sums)
         return self._steps[key]
 
     def __call__(self, state: TrainState, batch: Mapping) -> dict:
