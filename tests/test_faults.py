@@ -3,6 +3,7 @@
 The CLI runs are marked slow (10-60 s each: they run in `make test`, not in CI's newest-JAX leg).
 """
 
+import errno
 import json
 import os
 import signal
@@ -210,10 +211,12 @@ def test_failed_checkpoint_save_is_one_line_naming_the_newest_good_one(tmp_path,
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 4 MiB tmpfs (needs root and mount rights; skipped elsewhere: the simulated tests above still run)."""
+    """An 8 MiB tmpfs (needs root and mount rights; skipped elsewhere: the simulated tests above still run).
+    ``huge=never``: where the kernel gives tmpfs files 2 MiB pages, a few small files would fill it."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,huge=never", "tmpfs", str(disk)],
+                      capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
@@ -231,17 +234,17 @@ def test_full_disk_up_front_and_during_the_run(small_disk, tmp_path):
     while not (small_disk / "ck" / "10").is_dir():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
-    with open(small_disk / "filler", "wb") as f:  # fill the disk
-        try:
+    try:  # fill the disk (full already, if the run's own files filled it: the same fault for the run)
+        with open(small_disk / "filler", "wb") as f:
             while True:
                 f.write(b"\0" * 65536)
-        except OSError:
-            pass
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
     _, err = proc.communicate(timeout=120)
     last = one_line_error(subprocess.CompletedProcess(args, proc.returncode, "", err), "the disk is full",
                           "newest good checkpoint is step", "--resume")
     good = int(last.split("newest good checkpoint is step ")[1].split(":")[0])
-    (small_disk / "filler").unlink()
+    (small_disk / "filler").unlink(missing_ok=True)
     resumed = run_cli(*args, "--max-steps", str(good + 5), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from step {good}" in resumed.stdout
