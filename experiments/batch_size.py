@@ -12,19 +12,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-MODELS = ("lenet", "resnet18")
+from jaxtrain.choices import PRECISIONS, STRATEGIES
+from jaxtrain.models import names as model_names
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.batch_size", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=MODELS, default="lenet", help="model whose train step is compiled")
+    p.add_argument("--model", choices=model_names(), default="lenet", help="model whose train step is compiled")
     p.add_argument("--memory-budget", default=None,
                    help="memory per device, like 2GiB or 512MiB (default: 90%% of the device's limit; "
                         "required on CPU, which reports none)")
     p.add_argument("--devices", type=int, default=None, help="devices the batch is split over")
-    p.add_argument("--strategy", default="jit", help="data-parallel strategy")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="compute dtype")
+    p.add_argument("--strategy", choices=STRATEGIES, default="jit", help="data-parallel strategy")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="compute dtype")
     p.add_argument("--remat", default="none", help="remat policy per block")
     p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per update (scan)")
     p.add_argument("--max-batch", type=int, default=2**16, help="largest batch to try")
@@ -37,20 +38,20 @@ def main(argv=None) -> int:
 
     try:
         devices = jt.setup_devices(args.devices)
-        import numpy as np
+        import jax
         import optax
 
-        from experiments.bench_memory import build
+        from jaxtrain import models
         from jaxtrain.batch_size import find_batch_size, parse_bytes
 
         budget = parse_bytes(args.memory_budget) if args.memory_budget else None
-        loss_fn, params, model_state = build(args.model, args.remat, args.strategy)
-        trainer = jt.make_train_step(loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices),
+        model = models.get(args.model, remat=args.remat)
+        trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices),
                                      strategy=args.strategy, precision=args.precision, accum_steps=args.accum_steps)
-        state = trainer.init(params, model_state)
+        state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
 
         def make_batch(size):
-            return {"image": np.zeros((size, 28, 28, 1), np.float32), "label": np.zeros(size, np.int32)}
+            return model.example_batch(size)
 
         print(f"{args.model}: compiling the train step ({args.precision}, remat {args.remat}, "
               f"{len(devices)} {devices[0].platform} device(s)) at growing batch sizes ...", file=sys.stderr)

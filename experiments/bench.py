@@ -20,7 +20,8 @@ import statistics
 import sys
 import time
 
-from jaxtrain.experiment import positive_int
+from jaxtrain.cli import positive_int
+from jaxtrain.models import names as model_names
 
 # Worker threads (XLA's, PyTorch's OpenMP) keep spinning for a while after a
 # step and steal the cores from whatever runs next. So every timed block
@@ -37,7 +38,7 @@ H100_BF16_FLOPS, H100_BYTES_PER_S = 790e12, 3.0e12
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=("lenet", "resnet18"), default="lenet")
+    p.add_argument("--model", choices=model_names(), default="lenet")
     p.add_argument("--batch-size", type=positive_int, default=None, help="global batch (default: 256 LeNet, 64 ResNet-18)")
     p.add_argument("--steps", type=positive_int, default=None, help="steps per timed block (default: 10 LeNet, 3 ResNet-18)")
     p.add_argument("--repeats", type=positive_int, default=None,
@@ -73,30 +74,22 @@ def main(argv=None) -> int:
 
     devices = jt.setup_devices()
     import jax
-    import numpy as np
     import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from tqdm import tqdm
 
-    from experiments.bench_memory import build
-    from experiments.bench_strategies import time_steps
     from experiments.bench_torch import TorchWorker
-    from jaxtrain import diagnostics
+    from jaxtrain import diagnostics, models
     from jaxtrain.sharding import place
+    from jaxtrain.timing import time_steps
 
     mesh = jt.make_mesh(devices)
-    loss_fn, params0, model_state0 = build(args.model, "none")
-    if lenet_model:
-        from jaxtrain.models.lenet import eval_fn
-    else:
-        from jaxtrain.models import resnet
-
-        eval_fn = resnet.make_eval_fn(resnet.ResNet18())
+    model = models.get(args.model)
+    loss_fn, eval_fn = model.loss_fn, model.eval_fn
+    params0, model_state0 = jax.jit(model.init)(jax.random.key(0))
     try:
-        rng = np.random.default_rng(0)
-        host = {"image": rng.random((args.batch_size, 28, 28, 1), dtype=np.float32),
-                "label": rng.integers(0, 10, args.batch_size).astype(np.int32)}
+        host = model.example_batch(args.batch_size)
         trainer = jt.make_train_step(loss_fn, optax.sgd(0.2), mesh=mesh)  # (a) the defaults
         trainer.check_batch_size(args.batch_size)
     except jt.ConfigError as e:

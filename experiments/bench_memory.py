@@ -14,13 +14,14 @@ import argparse
 import statistics
 import sys
 
-from experiments.bench_strategies import time_steps
+from jaxtrain.models import names as model_names
+from jaxtrain.timing import time_steps
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_memory", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=("lenet", "resnet18"), default="lenet")
+    p.add_argument("--model", choices=model_names(), default="lenet")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--batch-sizes", default="256", help="comma-separated global batch sizes")
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated precisions")
@@ -28,21 +29,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="steps timed per repeat")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
     return p
-
-
-def build(model_name: str, remat: str, strategy: str = "jit"):
-    """(loss_fn, params, model_state) of the named model."""
-    import jax
-
-    if model_name == "lenet":
-        from jaxtrain.models import lenet
-
-        return lenet.make_loss_fn(remat), lenet.init_params(jax.random.key(0)), {}
-    from jaxtrain.models import resnet
-
-    net = resnet.ResNet18(remat=remat)
-    params, stats = resnet.init_variables(jax.random.key(0))
-    return resnet.make_loss_fn(net), params, stats
 
 
 def main(argv=None) -> int:
@@ -54,20 +40,19 @@ def main(argv=None) -> int:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
         configs = [(p, r) for p in args.precisions.split(",") for r in args.remats.split(",")]
         import jax
-        import numpy as np
         import optax
+
+        from jaxtrain import models
 
         rows = []
         for size in sizes:
-            rng = np.random.default_rng(0)
-            batch = {"image": rng.random((size, 28, 28, 1), dtype=np.float32),
-                     "label": rng.integers(0, 10, size).astype(np.int32)}
+            batch = models.Model.example_batch(size)
             runs = {}
             for precision, remat in configs:
-                loss_fn, params, model_state = build(args.model, remat)
-                trainer = jt.make_train_step(loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices), precision=precision)
+                model = models.get(args.model, remat=remat)
+                trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices), precision=precision)
                 trainer.check_batch_size(size)
-                state = trainer.init(params, model_state)
+                state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
                 stats = jt.compiled_stats(trainer, state, batch)
                 device_batch = trainer.shard(batch)
                 state, _ = time_steps(trainer, state, device_batch, 2)  # compile + warm up

@@ -19,8 +19,8 @@ import os
 import subprocess
 import sys
 
-from experiments.transfer import median_seconds
-from jaxtrain.experiment import positive_int
+from jaxtrain.cli import positive_int
+from jaxtrain.timing import median_seconds
 
 
 def parser() -> argparse.ArgumentParser:

@@ -18,8 +18,8 @@ import json
 import statistics
 import sys
 
-from experiments.bench_strategies import time_steps
-from jaxtrain.flags import positive_int
+from jaxtrain.cli import positive_int
+from jaxtrain.choices import STRATEGIES
 
 SETTINGS = ("replicated", "fsdp", "tp", "fsdp+tp")
 
@@ -29,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--devices", type=positive_int, default=4, help="devices (even: tp needs model=2)")
     p.add_argument("--batch-size", type=positive_int, default=64, help="GLOBAL batch size")
-    p.add_argument("--strategy", default="jit", help="strategy for replicated and fsdp (tp needs jit)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="jit", help="strategy for replicated and fsdp (tp needs jit)")
     p.add_argument("--steps", type=positive_int, default=3, help="steps timed per repeat")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per setting (median reported)")
     p.add_argument("--budget", default="600MiB", help="per-device budget for the batch-size finder (0: skip it)")
@@ -52,27 +52,24 @@ def main(argv=None) -> int:
         print(f"bench_sharding: error: {e}", file=sys.stderr)
         return 2
     import jax
-    import numpy as np
     import optax
 
-    from jaxtrain import sharding
+    from jaxtrain import models, sharding
     from jaxtrain.diagnostics import COLLECTIVES
-    from jaxtrain.models import resnet
+    from jaxtrain.timing import time_steps
 
     n = len(devices)
-    model = resnet.ResNet18()
-    variables = resnet.init_variables(jax.random.key(0))
+    model = models.get("resnet18")
+    variables = jax.jit(model.init)(jax.random.key(0))
 
     def batch_of(size):
-        rng = np.random.default_rng(size)
-        return {"image": rng.random((size, 28, 28, 1), dtype=np.float32),
-                "label": rng.integers(0, 10, size).astype(np.int32)}
+        return model.example_batch(size, seed=size)
 
     def trainer_for(setting):
         axes = {"data": n} if setting in ("replicated", "fsdp") else {"data": n // 2, "model": 2}
         strategy = args.strategy if setting in ("replicated", "fsdp") else "jit"
-        return jt.make_train_step(resnet.make_loss_fn(model), optax.adam(1e-3), mesh=jt.make_mesh(n, axes=axes),
-                                  strategy=strategy, param_sharding=sharding.preset(setting, resnet.TP_RULES))
+        return jt.make_train_step(model.loss_fn, optax.adam(1e-3), mesh=jt.make_mesh(n, axes=axes),
+                                  strategy=strategy, param_sharding=sharding.preset(setting, model.tp_rules))
 
     batch = batch_of(args.batch_size)
     runs, rows = {}, {}

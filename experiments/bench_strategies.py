@@ -13,7 +13,8 @@ import argparse
 import json
 import statistics
 import sys
-import time
+
+from jaxtrain.models import Model
 
 
 def parse_devices(text: str) -> list[int]:
@@ -37,19 +38,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def time_steps(trainer, state, batch, steps: int):
-    """Seconds per step over ``steps`` steps, <= 2 in flight (as in jaxtrain.loop)."""
-    start = time.perf_counter()
-    prev = None
-    for _ in range(steps):
-        state, metrics = trainer(state, batch)
-        if prev is not None:
-            prev["loss"].block_until_ready()
-        prev = metrics
-    prev["loss"].block_until_ready()
-    return state, (time.perf_counter() - start) / steps
-
-
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     import jaxtrain as jt
@@ -60,14 +48,12 @@ def main(argv=None) -> int:
         print(f"bench_strategies: error: {e}", file=sys.stderr)
         return 2
     import jax
-    import numpy as np
     import optax
 
     from jaxtrain.models import lenet
+    from jaxtrain.timing import time_steps
 
-    rng = np.random.default_rng(0)
-    host_batch = {"image": rng.random((args.batch_size, 28, 28, 1), dtype=np.float32),
-                  "label": rng.integers(0, 10, args.batch_size).astype(np.int32)}
+    host_batch = Model.example_batch(args.batch_size)
     results: dict[str, dict[int, list[float]]] = {s: {} for s in jt.STRATEGIES}
     for n in args.devices:
         runs = {}

@@ -10,9 +10,7 @@ Prints ms, GFLOP/s and ratios, and saves transfer.png.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 
 def parser() -> argparse.ArgumentParser:
@@ -22,16 +20,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per variant (median reported)")
     p.add_argument("--out", default=None, help="directory for transfer.png (default: a fresh runs/transfer-...)")
     return p
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up (and compile)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -47,6 +35,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from jaxtrain.report import make_out_dir
+    from jaxtrain.timing import median_seconds
 
     device = jax.local_devices()[0]
     matmul = jax.jit(lambda a, b: a @ b)

@@ -26,6 +26,8 @@ _EXPORTS = {
     "MODEL_AXIS": "jaxtrain.devices",
     "batch_axis": "jaxtrain.parallel",
     "setup_devices": "jaxtrain.devices",
+    "RunConfig": "jaxtrain.config",
+    "run": "jaxtrain.runner",
 }
 __all__ = sorted(_EXPORTS)
 

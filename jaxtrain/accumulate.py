@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxtrain.choices import ACCUM_MODES
 from jaxtrain.errors import ConfigError
 
-MODES = ("scan", "multisteps")
+MODES = ACCUM_MODES
 
 
 def check(accum_steps: int, accum: str) -> None:

@@ -1,9 +1,8 @@
-"""fit / evaluate: the host loop around compiled steps.
+"""fit / evaluate: the host loop around compiled steps, with hooks.
 
-At most 2 steps are in flight: metrics of step k-1 are read (which waits for
-it) right after step k is dispatched. That keeps the device busy while the
-host prepares the next batch, and it avoids XLA:CPU's all-reduce rendezvous
-deadlock seen with many steps queued on virtual CPU devices (REFERENCE §3).
+Results are read one step late (``jaxtrain.timing.OneStepLate``): at most 2
+steps are in flight. What happens around the steps (logging, checkpoints,
+stop checks) are ``Hook``s with a period, called with the ``Loop``'s view.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -21,6 +20,7 @@ from tqdm import tqdm
 
 from jaxtrain.data.prefetch import prefetch_to_device, to_device
 from jaxtrain.devices import DATA_AXIS
+from jaxtrain.timing import Chrono, OneStepLate
 
 
 @dataclasses.dataclass
@@ -37,6 +37,7 @@ class EpochStats:
     eval_sec: float
     data_wait_sec: float
     data_wait_fraction: float
+    checkpoint_sec: float = 0.0  # pauses of the epoch to save (not in train_sec)
 
 
 def device_batches(batches: Iterable[dict], mesh, prefetch: int):
@@ -56,19 +57,16 @@ def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> di
     """
     totals: dict[str, float] = {}
 
-    def add(sums):
-        for k, v in jax.device_get(sums).items():
-            totals[k] = totals.get(k, 0.0) + float(v)
+    def add(read):
+        if read is not None:
+            for k, v in read[0].items():
+                totals[k] = totals.get(k, 0.0) + float(v)
 
-    pending = None
+    late = OneStepLate()
     with contextlib.closing(device_batches(batches, evaluator.mesh, prefetch)) as it, jax.transfer_guard("disallow"):
         for batch in it:
-            out = evaluator.step(state, batch)
-            if pending is not None:
-                add(pending)  # one step late: <= 2 in flight
-            pending = out
-    if pending is not None:
-        add(pending)
+            add(late.push(evaluator.step(state, batch)))
+    add(late.flush())
     count = totals.pop("count", 0.0)
     means = {k: v / count for k, v in totals.items()} if count else {k: float("nan") for k in totals}
     return {**means, "count": int(count)}
@@ -95,140 +93,173 @@ class Interrupted(Exception):
         self.position = position
 
 
-def _position(epoch, batch, total_steps, first_loss, history, partial=None, result=None) -> Position:
-    return Position(epoch, batch, total_steps, first_loss, [dataclasses.asdict(h) for h in history], partial or {},
-                    dataclasses.asdict(result) if result else {})
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """``fn(loop)`` every ``every`` steps (``unit="step"``, after the step was dispatched) or epochs (``"epoch"``,
+    after the evaluation, ``loop.stats`` set). A step hook that needs this step's metrics calls ``loop.sync()``."""
+
+    fn: Callable[[Loop], None]
+    every: int = 1
+    unit: str = "step"
+
+    def due(self, unit: str, count: int) -> bool:
+        return unit == self.unit and count % self.every == 0
 
 
-_NO_SUMS = {"loss": 0.0, "accuracy": 0.0, "steps": 0, "examples": 0, "wait": 0.0, "train_sec": 0.0}
+_NO_SUMS = {"loss": 0.0, "accuracy": 0.0, "steps": 0, "examples": 0}
 
 
-def fit(
-    trainer,
-    state,
-    train_loader,
-    evaluator,
-    test_loader,
-    *,
-    epochs: int,
-    max_steps: int | None = None,
-    on_epoch: Callable[[EpochStats], None] | None = None,
-    progress: bool | None = None,
-    prefetch: int = 2,
-    on_step: Callable[[int], None] | None = None,
-    position: Position | None = None,
-    save: Callable[[object, Position], None] | None = None,
-    save_every: int | None = None,
-    should_stop: Callable[[], bool] | None = None,
-):
+class Loop:
+    """The loop as hooks see it: ``state``, ``epoch``, ``total_steps``, ``recent`` (the newest metrics read,
+    one step late), ``chrono``, ``stats`` (at an epoch's end); ``sync()``, ``position()``."""
+
+    def __init__(self, state, epochs: int, max_steps: int | None, steps_per_epoch: int, position: Position,
+                 bar_factory: Callable):
+        self.state, self.epochs, self.max_steps, self.steps_per_epoch = state, epochs, max_steps, steps_per_epoch
+        self.total_steps, self.first_loss = position.total_steps, position.first_loss
+        self.history = [EpochStats(**h) for h in position.history]
+        self.recent: dict = {}
+        self.stats: EpochStats | None = None
+        self._late, self._bar_factory = OneStepLate(), bar_factory
+
+    def start_epoch(self, epoch: int, batch: int, partial: dict | None) -> None:
+        self.epoch, self.batch, self.stats = epoch, batch, None
+        self.sums = {k: (partial or _NO_SUMS).get(k, v) for k, v in _NO_SUMS.items()}
+        self.chrono = Chrono(partial)
+        self.bar = self._bar_factory(epoch, batch)
+
+    @property
+    def last_of_epoch(self) -> bool:
+        """The newest step ends this epoch's training (its last batch, or ``max_steps``)."""
+        return self.batch >= self.steps_per_epoch or self.max_steps is not None and self.total_steps >= self.max_steps
+
+    def stepped(self, state, metrics, batch_size: int) -> None:
+        self.state = state
+        self.batch += 1
+        self.total_steps += 1
+        self._record(self._late.push(metrics, batch_size))
+
+    def sync(self) -> None:
+        """Read the newest step's metrics now (waits for it): before saving a position that counts it."""
+        self._record(self._late.flush())
+
+    def _record(self, read) -> None:
+        if read is None:
+            return
+        m, batch_size = read
+        self.recent = m
+        self.first_loss = float(m["loss"]) if self.first_loss is None else self.first_loss
+        for k in ("loss", "accuracy"):
+            self.sums[k] += float(m.get(k, np.nan))
+        self.sums["steps"] += 1
+        self.sums["examples"] += batch_size
+        self.bar.update(1)
+        if not self.bar.disable:  # no string formatting in the hot loop when nobody sees it
+            sec = max(self.chrono.train_sec, 1e-9)
+            self.bar.set_postfix(loss=f"{self.sums['loss'] / self.sums['steps']:.4f}",
+                                 ex_per_s=f"{self.sums['examples'] / sec:,.0f}",
+                                 data_wait=f"{100 * self.chrono.wait / sec:.0f}%", refresh=False)
+
+    def position(self) -> Position:
+        """Where to resume from here: inside the epoch, or (at the end of a whole epoch) the next one."""
+        history = [dataclasses.asdict(h) for h in self.history]
+        result = dataclasses.asdict(self.stats) if self.stats else {}
+        if self.stats is not None and self.batch >= self.steps_per_epoch:
+            return Position(self.epoch + 1, 0, self.total_steps, self.first_loss, history, {}, result)
+        if self.stats is not None:  # stopped by max_steps: this epoch is not history yet
+            history = history[:-1]
+        return Position(self.epoch, self.batch, self.total_steps, self.first_loss, history,
+                        {**self.sums, **self.chrono.state()}, result)
+
+
+def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, max_steps: int | None = None,
+        hooks: Sequence[Hook] = (), on_epoch: Callable[[EpochStats], None] | None = None,
+        progress: bool | None = None, prefetch: int = 2, position: Position | None = None):
     """Train for ``epochs`` (or until ``max_steps`` in total), evaluating after each epoch.
 
     The hot loop runs under ``jax.transfer_guard("disallow")``: batches reach
     the devices only through ``device_batches`` (explicit copies, ``prefetch``
-    batches ahead in a background thread), so a stray host array fails
-    loudly instead of being copied silently each step. The time spent
-    waiting for the next batch is reported as ``data_wait_fraction``.
-
-    ``on_step(n)`` is called after the n-th step's metrics were read.
-    ``position`` resumes a run where a checkpoint left it. ``save(state,
-    position)`` is called every ``save_every`` steps and after each epoch;
-    when ``should_stop()`` turns true, the state is saved and ``Interrupted``
-    is raised.
+    ahead in a background thread), so a stray host array fails loudly instead
+    of being copied each step; the time spent waiting for a batch is
+    ``data_wait_fraction``. ``hooks`` run every N steps / epochs;
+    ``on_epoch(stats)`` is the common epoch hook. ``position`` resumes a run
+    where a checkpoint left it.
 
     Returns ``(state, history, first_loss)``: the final state, one EpochStats
     per epoch, and the loss of the very first step.
     """
     pos = position or Position()
-    history = [EpochStats(**h) for h in pos.history]
-    first_loss, total_steps = pos.first_loss, pos.total_steps
-    recorded = pos.total_steps  # steps whose metrics were read (one behind total_steps)
+    hooks = [*([Hook(lambda loop: on_epoch(loop.stats), unit="epoch")] if on_epoch else []), *hooks]
+
+    def bar(epoch, batch):
+        return tqdm(total=len(train_loader), initial=batch, desc=f"epoch {epoch}/{epochs}", unit="step",
+                    disable=None if progress is None else not progress,  # None: only on a terminal
+                    leave=False, mininterval=0.5)
+
+    loop = Loop(state, epochs, max_steps, len(train_loader), pos, bar)
     for epoch in range(pos.epoch, epochs + 1):
-        if max_steps is not None and total_steps >= max_steps:
+        if max_steps is not None and loop.total_steps >= max_steps:
             break
         resuming = epoch == pos.epoch and pos.batch > 0
-        batch_index = pos.batch if resuming else 0
-        sums = dict(pos.partial if resuming else _NO_SUMS)
-        bar = tqdm(total=len(train_loader), initial=batch_index, desc=f"epoch {epoch}/{epochs}", unit="step",
-                   disable=None if progress is None else not progress,  # None: only on a terminal
-                   leave=False, mininterval=0.5)
-        start = time.perf_counter()
-
-        def elapsed():
-            return sums["train_sec"] + time.perf_counter() - start
-
-        def record(metrics, batch_size):
-            nonlocal first_loss, recorded
-            m = jax.device_get(metrics)
-            first_loss = float(m["loss"]) if first_loss is None else first_loss
-            for k in ("loss", "accuracy"):
-                sums[k] += float(m.get(k, np.nan))
-            sums["steps"] += 1
-            sums["examples"] += batch_size
-            bar.update(1)
-            if not bar.disable:  # no string formatting in the hot loop when nobody sees it
-                bar.set_postfix(loss=f"{sums['loss'] / sums['steps']:.4f}",
-                                ex_per_s=f"{sums['examples'] / elapsed():,.0f}",
-                                data_wait=f"{100 * sums['wait'] / elapsed():.0f}%", refresh=False)
-            recorded += 1
-            if on_step is not None:
-                on_step(recorded)
-
-        def here() -> Position:
-            return _position(epoch, batch_index, total_steps, first_loss, history, {**sums, "train_sec": elapsed()})
-
-        pending = None
-        batches = device_batches(train_loader.epoch(epoch, start=batch_index), trainer.mesh, prefetch)
-        with contextlib.closing(batches), jax.transfer_guard("disallow"):
-            while max_steps is None or total_steps < max_steps:
-                t0 = time.perf_counter()
-                batch = next(batches, None)
-                sums["wait"] += time.perf_counter() - t0
+        loop.start_epoch(epoch, pos.batch if resuming else 0, pos.partial if resuming else None)
+        batches = device_batches(train_loader.epoch(epoch, start=loop.batch), trainer.mesh, prefetch)
+        with contextlib.closing(loop.bar), contextlib.closing(batches), jax.transfer_guard("disallow"):
+            while not loop.last_of_epoch:
+                with loop.chrono.waiting(), jax.profiler.TraceAnnotation("data_wait"):
+                    batch = next(batches, None)
                 if batch is None:
                     break
-                state, metrics = trainer.step(state, batch)
-                batch_index += 1
-                total_steps += 1
-                if pending is not None:
-                    record(*pending)
-                pending = (metrics, train_loader.batch_size)
-                stop = should_stop is not None and should_stop()
-                last = batch_index >= len(train_loader) or max_steps is not None and total_steps >= max_steps
-                periodic = save_every is not None and total_steps % save_every == 0 and not last  # last: saved below
-                if save is not None and (stop or periodic):
-                    record(*pending)  # the checkpoint's sums include this step
-                    pending = None
-                    save(state, here())
-                if stop:
-                    bar.close()
-                    raise Interrupted(here())
-            if pending is not None:
-                record(*pending)
-        train_sec = elapsed()
-        bar.close()
+                with jax.profiler.StepTraceAnnotation("train_step", step_num=loop.total_steps + 1):
+                    out = trainer.step(loop.state, batch)
+                loop.stepped(*out, train_loader.batch_size)
+                for hook in hooks:
+                    if hook.due("step", loop.total_steps):
+                        hook.fn(loop)
+            loop.sync()
+        _end_epoch(loop, evaluator, test_loader, prefetch)
+        for hook in hooks:
+            if hook.due("epoch", epoch):
+                hook.fn(loop)
+    return loop.state, loop.history, loop.first_loss
 
-        start_eval = time.perf_counter()
-        test = evaluate(evaluator, state, test_loader.epoch(epoch), prefetch)
-        stats = EpochStats(
-            epoch=epoch,
-            steps=sums["steps"],
-            examples=sums["examples"],
-            train_loss=sums["loss"] / max(sums["steps"], 1),
-            train_acc=sums["accuracy"] / max(sums["steps"], 1),
-            test_loss=test.get("loss", float("nan")),
-            test_acc=test.get("accuracy", float("nan")),
-            test_examples=test["count"],
-            train_sec=train_sec,
-            eval_sec=time.perf_counter() - start_eval,
-            data_wait_sec=sums["wait"],
-            data_wait_fraction=sums["wait"] / max(train_sec, 1e-9),
-        )
-        history.append(stats)
-        if on_epoch is not None:
-            on_epoch(stats)
-        if save is not None:
-            if batch_index >= len(train_loader):  # the epoch is complete: resume at the next one
-                save(state, _position(epoch + 1, 0, total_steps, first_loss, history, result=stats))
-            else:  # stopped by max_steps: resume inside this epoch, which is not history yet
-                save(state, _position(epoch, batch_index, total_steps, first_loss, history[:-1],
-                                      {**sums, "train_sec": train_sec}, result=stats))
-    return state, history, first_loss
+
+def _end_epoch(loop: Loop, evaluator, test_loader, prefetch: int) -> None:
+    train_sec, sums, chrono = loop.chrono.train_sec, loop.sums, loop.chrono
+    start_eval = time.perf_counter()
+    with jax.profiler.TraceAnnotation("eval"):
+        test = evaluate(evaluator, loop.state, test_loader.epoch(loop.epoch), prefetch)
+    loop.stats = EpochStats(
+        epoch=loop.epoch, steps=sums["steps"], examples=sums["examples"],
+        train_loss=sums["loss"] / max(sums["steps"], 1), train_acc=sums["accuracy"] / max(sums["steps"], 1),
+        test_loss=test.get("loss", float("nan")), test_acc=test.get("accuracy", float("nan")),
+        test_examples=test["count"], train_sec=train_sec, eval_sec=time.perf_counter() - start_eval,
+        data_wait_sec=chrono.wait, data_wait_fraction=chrono.wait / max(train_sec, 1e-9),
+        checkpoint_sec=chrono.pauses.get("checkpoint", 0.0))
+    loop.history.append(loop.stats)
+
+
+def checkpoint_hooks(save: Callable[[object, Position], None] | None, every: int | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> list[Hook]:
+    """Save every ``every`` steps and at each epoch's end; when ``should_stop()`` turns true (checked each
+    step), save and raise ``Interrupted``. The time saving takes is a pause of the epoch's clock."""
+    saved = [None]
+
+    def save_here(loop: Loop) -> None:
+        if save is None or saved[0] == (loop.total_steps, loop.stats is not None):
+            return
+        loop.sync()  # the checkpoint's sums include the newest step
+        with loop.chrono.paused("checkpoint"):
+            save(loop.state, loop.position())
+        saved[0] = (loop.total_steps, loop.stats is not None)
+
+    def periodic(loop: Loop) -> None:
+        if not loop.last_of_epoch:  # the last step of an epoch is saved after its evaluation
+            save_here(loop)
+
+    def check(loop: Loop) -> None:
+        if should_stop():
+            save_here(loop)
+            raise Interrupted(loop.position())
+
+    return ([Hook(periodic, every)] if save is not None and every else []) + (
+        [Hook(check)] if should_stop is not None else []) + ([Hook(save_here, unit="epoch")] if save else [])

@@ -39,11 +39,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import sharding
+from jaxtrain.choices import STRATEGIES
 from jaxtrain.collectives import Comm, make_comm
 from jaxtrain.devices import DATA_AXIS
 from jaxtrain.errors import ConfigError
 
-STRATEGIES = ("jit", "shard_map", "pmap", "ring")
 
 _BATCH_AXIS = contextvars.ContextVar("jaxtrain_batch_axis", default=None)
 

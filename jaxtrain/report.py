@@ -112,8 +112,10 @@ class RunWriter:
                               "make room (or fix --out), then run again (with --resume if you checkpoint)") from None
 
     def epoch(self, stats) -> None:
+        """metrics.jsonl with this epoch's row, and curves.png redrawn (a long run can be watched)."""
         self.epochs.append(dataclasses.asdict(stats))
         self._write(self.metrics_path, self._metrics_text())
+        self.plot()
 
     def summary(self, summary: dict) -> Path:
         path = self.out_dir / "summary.json"

@@ -26,6 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.choices import PARAM_SHARDINGS
 from jaxtrain.devices import DATA_AXIS
 from jaxtrain.errors import ConfigError
 
@@ -39,7 +40,7 @@ class FSDP:
     base: P = P()
 
 
-PRESETS = ("replicated", "fsdp", "tp", "fsdp+tp")  # the CLI's --param-sharding
+PRESETS = PARAM_SHARDINGS  # the CLI's --param-sharding
 
 
 def preset(name: str, tp_rules=()) -> object:

@@ -1,0 +1,79 @@
+"""The model registry: ``get(name)`` -> a ``Model`` every experiment and benchmark trains.
+
+Importing this package does not import JAX (the command line parses flags
+first); ``get`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+IMAGE_SHAPE = (28, 28, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """A model's recipe: what its experiment trains with unless told otherwise."""
+
+    epochs: int
+    batch_size: int
+    lr: float
+    inits: tuple[str, ...] = ("d2l",)  # weight inits it offers; the first is the default
+    description: str = ""
+
+
+# name -> the recipe (d2l's "Multiple GPUs" lessons: LeNet lr 0.2, ResNet-18 lr 0.1; 10 epochs, batch 256)
+MODELS = {
+    "lenet": Defaults(10, 256, 0.2, description="d2l's LeNet (sigmoid, average pooling), weights ~ N(0, 0.01^2)"),
+    "resnet18": Defaults(10, 256, 0.1, inits=("d2l", "he"),
+                         description="d2l's ResNet-18 for 28x28 (3x3 stem, no max-pool), BatchNorm synchronised "
+                                     "over the devices"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What is trained: ``init(rng) -> (params, model_state)``, its loss / eval fns, its sharding rules."""
+
+    name: str
+    init: Callable
+    loss_fn: Callable
+    eval_fn: Callable
+    apply: Callable | None = None  # apply(params, images) -> logits, for the model summary
+    tp_rules: tuple = ()  # ((regex, PartitionSpec over "model"), ...): --param-sharding tp / fsdp+tp
+
+    @staticmethod
+    def example_batch(batch_size: int, seed: int = 0) -> dict:
+        """A random host batch of the models' input (images in [0, 1), labels 0..9): benchmarks and tests."""
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        return {"image": rng.random((batch_size, *IMAGE_SHAPE), dtype=np.float32),
+                "label": rng.integers(0, 10, batch_size).astype(np.int32)}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(MODELS)
+
+
+def get(name: str, *, remat: str = "none", init: str | None = None) -> Model:
+    """The named model, its train-mode loss remat'ed per block by the ``remat`` policy."""
+    from jaxtrain.errors import ConfigError
+
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+    inits = MODELS[name].inits
+    init = init or inits[0]
+    if init not in inits:
+        raise ConfigError(f"model {name} has no init {init!r}: choose one of {', '.join(inits)}")
+    if name == "lenet":
+        from jaxtrain.models import lenet
+
+        return Model(name, lambda rng: (lenet.init_params(rng), {}), lenet.make_loss_fn(remat), lenet.eval_fn,
+                     apply=lenet.apply, tp_rules=lenet.TP_RULES)
+    from jaxtrain.models import resnet
+
+    net, eval_net = resnet.ResNet18(weight_init=init, remat=remat), resnet.ResNet18(weight_init=init)
+    return Model(name, lambda rng: resnet.init_variables(rng, eval_net), resnet.make_loss_fn(net),
+                 resnet.make_eval_fn(eval_net), tp_rules=resnet.TP_RULES)

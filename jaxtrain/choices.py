@@ -1,0 +1,6 @@
+"""The library's named choices, in one JAX-free place (the command line reads them before JAX is imported)."""
+
+STRATEGIES = ("jit", "shard_map", "pmap", "ring")  # jaxtrain.parallel
+PRECISIONS = ("fp32", "bf16", "fp16")  # jaxtrain.precision.POLICIES
+ACCUM_MODES = ("scan", "multisteps")  # jaxtrain.accumulate
+PARAM_SHARDINGS = ("replicated", "fsdp", "tp", "fsdp+tp")  # jaxtrain.sharding.preset

@@ -1,0 +1,148 @@
+"""The command line of a training run: flags <-> RunConfig, and ``main`` with its exit codes.
+
+    python -m experiments.lenet --devices 2      # = jaxtrain.cli.main("lenet")
+
+Every flag is a RunConfig field (its help and check come from there);
+``to_argv`` writes a config back as flags (``parse(to_argv(c)) == c``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+from jaxtrain.config import RunConfig, flag
+from jaxtrain.errors import ConfigError
+from jaxtrain.models import MODELS
+
+
+def whole_number(minimum: int):
+    """argparse type: a whole number >= ``minimum`` (a one-line error otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = whole_number(1)
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _mesh(text: str) -> dict[str, int]:
+    from jaxtrain.devices import parse_mesh
+
+    try:
+        return parse_mesh(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _flag_type(f: dataclasses.Field):
+    if f.metadata["flag_type"] == "mesh":
+        return _mesh
+    if f.type.startswith("int"):
+        return int
+    if f.type.startswith("float"):
+        return _number
+    return str
+
+
+def make_parser(model: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+    """Flags of every RunConfig field; ``model`` fixes the model (its recipe gives the defaults shown)."""
+    prog = f"python -m experiments.{model}" if model else "python -m jaxtrain.cli"
+    defaults = RunConfig(model=model or "lenet")
+    p = argparse.ArgumentParser(prog=prog, description=description or (MODELS[model].description if model else None),
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(RunConfig):
+        if model and (f.name == "model" or f.name == "init" and len(MODELS[model].inits) == 1):
+            continue
+        meta, default = f.metadata, getattr(defaults, f.name)
+        if f.type == "bool":
+            p.add_argument(flag(f.name), action="store_true", help=meta["help"])
+            continue
+        metavar = {"mesh": "data=N[,model=M]", "steps": "START:STOP"}.get(meta["flag_type"])
+        choices = meta["choices"] or (MODELS[model].inits if model and f.name == "init" else None)
+        p.add_argument(flag(f.name), type=_flag_type(f), default=default, choices=choices, metavar=metavar,
+                       help=meta["help"])
+    if model:
+        p.set_defaults(model=model)
+    return p
+
+
+def parse(argv: Sequence[str] | None = None, model: str | None = None) -> RunConfig:
+    """The RunConfig the flags say (argparse exits 2 on a malformed value; ConfigError on a bad one)."""
+    return RunConfig(**vars(make_parser(model).parse_args(argv)))
+
+
+def to_argv(config: RunConfig, model_fixed: bool = True) -> list[str]:
+    """Flags that give ``config`` back from ``parse(..., model=config.model)`` (defaults left out)."""
+    base, argv = RunConfig(model=config.model), [] if model_fixed else ["--model", config.model]
+    for f in dataclasses.fields(RunConfig):
+        value = getattr(config, f.name)
+        if f.name == "model" or value == getattr(base, f.name):
+            continue
+        if f.type == "bool":
+            argv.append(flag(f.name))
+        elif f.metadata["flag_type"] == "mesh":
+            argv += [flag(f.name), ",".join(f"{k}={v}" for k, v in value.items())]
+        else:
+            argv += [flag(f.name), str(value)]
+    return argv
+
+
+def main(model: str | None = None, argv: Sequence[str] | None = None, description: str | None = None) -> int:
+    """Parse, run, and turn user errors into one line on stderr with exit code 2.
+
+    SIGTERM / SIGINT are handled from here on (jaxtrain.signals): at start-up
+    they exit at once, during training they checkpoint and stop. JAX is
+    imported after that.
+    """
+    from jaxtrain.signals import StopOnSignal
+
+    with StopOnSignal() as stop:
+        parser = make_parser(model, description)
+        args = parser.parse_args(argv)
+        try:
+            config = RunConfig(**vars(args))
+            from jaxtrain.runner import Exit, run
+
+            run(config, stop)
+        except ConfigError as e:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            return 2
+        except Exit as e:
+            return e.code
+        except Exception as e:
+            if not _peer_gone(e):
+                raise
+            print(f"{parser.prog}: error: a collective failed ({str(e).splitlines()[0][:200]}): another process "
+                  "of this run is gone (the launcher's message says which); --resume continues from the last "
+                  "checkpoint", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _peer_gone(e: Exception) -> bool:
+    """A runtime error of a multi-process run's collective: a peer died (gloo: "Connection closed by peer")."""
+    jax = sys.modules.get("jax")
+    return (jax is not None and type(e).__name__ == "JaxRuntimeError" and jax.distributed.is_initialized()
+            and jax.process_count() > 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""RunConfig: every setting of a training run, one frozen dataclass.
+
+Built from the command line by ``jaxtrain.cli`` or directly in Python::
+
+    jt.run(RunConfig(model="lenet", devices=2, epochs=1))
+
+Each field's metadata holds its flag's help and its check; a bad value is a
+``ConfigError`` naming the flag, whichever way the config was built. JAX is
+not imported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtrain.choices import ACCUM_MODES, PARAM_SHARDINGS, PRECISIONS, STRATEGIES
+from jaxtrain.data.sources import DATASETS, DEFAULT_IDX_DIRS
+from jaxtrain.errors import ConfigError
+from jaxtrain.models import MODELS
+
+
+
+def _field(default, help: str, *, choices=None, minimum=None, above=None, flag_type=None):
+    """A setting: its flag's help, its allowed values (``choices``, ``>= minimum``, ``> above``)."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "choices": choices, "minimum": minimum, "above": above, "flag_type": flag_type})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: str = _field("lenet", "model to train (jaxtrain.models registry)", choices=tuple(MODELS))
+    devices: int | None = _field(None, "devices to train on: on CPU this many virtual devices sharing the cores "
+                                       "(default: one per core), on GPU the first N GPUs (default: all)", minimum=1)
+    devices_per_process: int | None = _field(None, "multi-process runs: CPU virtual devices per process "
+                                                   "(python -m jaxtrain.launch sets it)", minimum=1)
+    coordinator: str | None = _field(None, "multi-process runs without the launcher: HOST:PORT of process 0's "
+                                           "coordinator")
+    num_processes: int | None = _field(None, "multi-process runs: process count", minimum=1)
+    process_id: int | None = _field(None, "multi-process runs: this process's id (0..N-1)", minimum=0)
+    strategy: str = _field("jit", "parallel strategy: jit (XLA inserts the collectives), shard_map (explicit pmean; "
+                                  "all-gather and reduce-scatter under fsdp), pmap (legacy API, replicated only), "
+                                  "ring (our ppermute ring)", choices=STRATEGIES)
+    param_sharding: str = _field("replicated", "where parameters and optimizer state live: replicated (data "
+                                               "parallelism), fsdp (sharded over the data axis, ZeRO-3), tp (the "
+                                               "model's tensor-parallel rules over the 'model' axis; jit only), "
+                                               "fsdp+tp (both, on a 2-D --mesh)", choices=PARAM_SHARDINGS)
+    mesh: dict | None = _field(None, "named mesh axes, their product = --devices (default: data over every device); "
+                                     "the batch is split over 'data' and replicated over 'model'", flag_type="mesh")
+    precision: str = _field("fp32", "compute dtype (fp32 master params either way); fp16 uses a dynamic loss scale",
+                            choices=PRECISIONS)
+    accum_steps: int = _field(1, "gradient accumulation: micro-batches per optimizer update", minimum=1)
+    accum: str = _field("scan", "scan: one call = one update over k micro-batches (one all-reduce); multisteps: "
+                                "optax.MultiSteps, one call per micro-batch, an update every k calls",
+                        choices=ACCUM_MODES)
+    remat: str = _field("none", "remat policy per block: none, full, dots, dots_no_batch, or a "
+                                "jax.checkpoint_policies name")
+    epochs: int | None = _field(None, "passes over the training set (default: the model's recipe)", minimum=1)
+    batch_size: int | None = _field(None, "GLOBAL batch per optimizer update, split evenly over the devices (and "
+                                          "micro-batches) (default: the model's recipe)", minimum=1)
+    lr: float | None = _field(None, "learning rate of plain SGD (default: the model's recipe)", above=0.0)
+    init: str | None = _field(None, "weight init, where the model offers several (resnet18: d2l or he; "
+                                    "default: the first)")
+    seed: int = _field(0, "seed of the init and of the shuffling")
+    dataset: str = _field("fashion_mnist", "dataset to train on", choices=DATASETS)
+    data_dir: str | None = _field(None, "directory holding the four IDX files (train-images-idx3-ubyte[.gz], ...); "
+                                        f"default for fashion_mnist: {DEFAULT_IDX_DIRS['fashion_mnist']} (Debian package)")
+    tfds_dir: str | None = _field(None, "TFDS data dir where the converted dataset is cached (default: "
+                                        "$TFDS_DATA_DIR or ~/tensorflow_datasets)")
+    out: str | None = _field(None, "output directory for metrics.jsonl, summary.json, curves.png and the "
+                                   "TensorBoard events (default: a fresh runs/NAME-DATE-TIME)")
+    workers: int = _field(0, "grain worker threads building batches ahead (0: in the prefetch thread; see README)",
+                          minimum=0)
+    prefetch: int = _field(2, "batches copied to the devices ahead of the step by a background thread (0: off)",
+                           minimum=0)
+    max_steps: int | None = _field(None, "stop after this many train steps in total (for smoke runs), then evaluate",
+                                   minimum=1)
+    memory_report: bool = _field(False, "print host and device memory at the start and after the first step")
+    summary: bool = _field(False, "print the model summary (parameters per layer, bytes, FLOPs per example) "
+                                  "before training")
+    measure_peak: bool = _field(False, "measure this device's fp32 matmul peak once, for the MFU in summary.json "
+                                       "(GPUs use datasheet peaks without it)")
+    train_subset: int | None = _field(None, "train on the first N training examples only (CPU-sized runs); the test "
+                                            "set stays whole", minimum=1)
+    test_subset: int | None = _field(None, "evaluate on the first N test examples only (smoke runs); default: every "
+                                           "test example", minimum=1)
+    checkpoint_dir: str | None = _field(None, "save orbax checkpoints (TrainState + data position) here, at every "
+                                              "epoch end")
+    checkpoint_every: int | None = _field(None, "also checkpoint every N train steps", minimum=1)
+    keep_checkpoints: int = _field(3, "keep the newest K checkpoints", minimum=1)
+    resume: bool = _field(False, "continue exactly where the newest readable checkpoint in --checkpoint-dir stopped")
+    no_progress: bool = _field(False, "no progress bars (they show only on a terminal anyway)")
+    log_every: int | None = _field(None, "print a line every N steps (loss, examples/s, data wait; read one step "
+                                         "late, never waiting for the device) and log them to TensorBoard",
+                                   minimum=1)
+    profile: str | None = _field(None, "write a jax.profiler trace of steps START..STOP-1 to OUT/profile (open "
+                                       "it in XProf, TensorBoard or ui.perfetto.dev; see README)", flag_type="steps")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if value is None or isinstance(value, bool):
+                continue
+            if meta["choices"] and value not in meta["choices"]:
+                raise ConfigError(f"{flag(f.name)}: {value!r} is not one of {', '.join(meta['choices'])}")
+            if meta["minimum"] is not None and not value >= meta["minimum"]:
+                raise ConfigError(f"{flag(f.name)}: expected a number >= {meta['minimum']}, got {value}")
+            if meta["above"] is not None and not value > meta["above"]:
+                raise ConfigError(f"{flag(f.name)}: expected a number > {meta['above']}, got {value}")
+        if self.profile is not None:
+            parse_steps(self.profile)
+        recipe = MODELS[self.model]
+        if self.init is not None and self.init not in recipe.inits:
+            raise ConfigError(f"--init: model {self.model} has no init {self.init!r}; choose one of "
+                              f"{', '.join(recipe.inits)}")
+        for name in ("epochs", "batch_size", "lr"):  # the model's recipe fills what was not given
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(recipe, name))
+        if self.init is None:
+            object.__setattr__(self, "init", recipe.inits[0])
+
+    def replace(self, **changes) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """``--profile START:STOP`` -> (START, STOP), 1 <= START < STOP."""
+    try:
+        start, stop = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--profile {text!r}: expected START:STOP, two step numbers like 10:15") from None
+    if not 1 <= start < stop:
+        raise ConfigError(f"--profile {text}: expected 1 <= START < STOP")
+    return start, stop
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a RunConfig field: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")

@@ -1,0 +1,110 @@
+"""Watching a run: step lines, TensorBoard events, a profiler trace of chosen steps (hooks for ``fit``).
+
+Step numbers are read one step late (``loop.recent``): logging never waits
+for the device. TensorBoard events are written with tensorboardX (no
+TensorFlow); ``tensorboard --logdir RUN_DIR`` shows them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+
+from jaxtrain.config import RunConfig, parse_steps
+from jaxtrain.loop import Hook, Loop
+
+
+class Events:
+    """TensorBoard event files in ``log_dir``: step and epoch scalars, the config as text."""
+
+    def __init__(self, log_dir: Path, config: dict):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir), flush_secs=10)
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, sort_keys=True, default=str) + "\n```")
+
+    def scalars(self, step: int, values: dict, prefix: str) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(f"{prefix}/{k}", float(v), step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def step_log(every: int, say, events: Events | None) -> Hook:
+    """Every ``every`` steps: one line (loss, examples/s, data wait since the last line) and step scalars."""
+    last = {"sec": None, "examples": 0, "wait": 0.0}
+
+    def log(loop: Loop) -> None:
+        if not loop.recent:
+            return  # nothing read yet (the first step of a run)
+        sec, examples, wait = loop.chrono.train_sec, loop.sums["examples"], loop.chrono.wait
+        if last["sec"] is None or sec < last["sec"]:  # a new epoch's clock
+            last.update(sec=0.0, examples=0, wait=0.0)
+        dt = max(sec - last["sec"], 1e-9)
+        values = {"loss": float(loop.recent["loss"]), "examples_per_sec": (examples - last["examples"]) / dt,
+                  "data_wait_fraction": (wait - last["wait"]) / dt}
+        last.update(sec=sec, examples=examples, wait=wait)
+        step = loop.total_steps - 1  # the step these metrics are of
+        say(f"step {step}: loss {values['loss']:.4f}, {values['examples_per_sec']:,.0f} examples/s, data wait "
+            f"{100 * values['data_wait_fraction']:.0f}%", flush=True)
+        if events is not None:
+            events.scalars(step, values, "train_step")
+
+    return Hook(log, every)
+
+
+def epoch_events(events: Events) -> Hook:
+    def write(loop: Loop) -> None:
+        s = loop.stats
+        events.scalars(s.epoch, {"train_loss": s.train_loss, "train_acc": s.train_acc, "test_loss": s.test_loss,
+                                 "test_acc": s.test_acc, "train_sec": s.train_sec,
+                                 "data_wait_fraction": s.data_wait_fraction}, "epoch")
+        events.writer.flush()
+
+    return Hook(write, unit="epoch")
+
+
+class Profile:
+    """A ``jax.profiler`` trace of steps START..STOP-1 into ``log_dir`` (XProf / TensorBoard's profile plugin
+    layout, plus a Perfetto trace); the loop's named scopes (data_wait, train_step, eval) are in it."""
+
+    def __init__(self, log_dir: Path, start: int, stop: int):
+        self.log_dir, self.start, self.stop, self.active = log_dir, start, stop, False
+
+    def hook(self) -> Hook:
+        return Hook(self._on_step)
+
+    def _on_step(self, loop: Loop) -> None:
+        # Called after step N was dispatched: starting here traces steps N+1 ...
+        if loop.total_steps == self.start - 1:  # (START 1: begin() before the loop)
+            self.begin()
+        elif loop.total_steps == self.stop - 1 and self.active:
+            loop.sync()  # the traced steps have run
+            self.end()
+
+    def begin(self) -> None:
+        if not self.active:
+            jax.profiler.start_trace(str(self.log_dir), create_perfetto_trace=True)
+            self.active = True
+
+    def end(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+
+
+def watchers(config: RunConfig, out_dir: Path | None, say) -> tuple[list[Hook], Profile | None, Events | None]:
+    """The hooks that --log-every, --profile and the TensorBoard events ask for (files on process 0 only)."""
+    events = Events(out_dir, dataclasses.asdict(config)) if out_dir is not None else None
+    hooks = [epoch_events(events)] if events else []
+    if config.log_every:
+        hooks.append(step_log(config.log_every, say, events))
+    profile = None
+    if config.profile:
+        profile = Profile((out_dir or Path("profile")) / "profile", *parse_steps(config.profile))
+        hooks.append(profile.hook())
+    return hooks, profile, events

@@ -1,0 +1,271 @@
+"""``run(config)``: a whole training run in small phases, each readable alone.
+
+    devices, mesh -> trainer -> checkpoints -> data -> state (or resume) -> outputs -> train -> summary
+
+Only process 0 prints and writes files; every process trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+
+import jaxtrain as jt
+from jaxtrain import diagnostics, models, observe, remat, sharding
+from jaxtrain.checkpoint import Checkpointer
+from jaxtrain.config import RunConfig
+from jaxtrain.data import loader, sources
+from jaxtrain.errors import ConfigError
+from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
+from jaxtrain.report import RunWriter, ensure_room, make_out_dir, params_digest, run_summary
+from jaxtrain.signals import StopOnSignal
+
+# Settings that change what a checkpoint's state means: --resume refuses to mix them.
+FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "batch_size", "seed",
+                  "precision", "accum_steps", "accum")
+# Settings a resumed run may change (reported when they do).
+FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps")
+
+
+class Exit(Exception):
+    """The run ends with this process exit code (a signal stopped it)."""
+
+    def __init__(self, code: int):
+        self.code = code
+
+
+@dataclasses.dataclass
+class Setup:
+    """What the phases build and pass on."""
+
+    config: RunConfig
+    model: models.Model
+    devices: list
+    mesh: object
+    say: object  # print on process 0, nothing elsewhere
+    trainer: object = None
+    evaluator: object = None
+    layout: dict = None
+    call_batch: int = 0
+    checkpointer: Checkpointer | None = None
+
+
+def setup_devices(c: RunConfig) -> Setup:
+    devices = jt.setup_devices(c.devices, devices_per_process=c.devices_per_process, coordinator=c.coordinator,
+                               num_processes=c.num_processes, process_id=c.process_id)
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    remat.policy(c.remat)  # a bad name fails here, before any data is read
+    return Setup(c, models.get(c.model, remat=c.remat, init=c.init), devices, jt.make_mesh(devices, axes=c.mesh), say)
+
+
+def build_trainer(s: Setup) -> None:
+    """The train / eval steps; a bad sharding or batch size fails here, before any data is read."""
+    c = s.config
+    s.trainer = jt.make_train_step(s.model.loss_fn, optax.sgd(c.lr), mesh=s.mesh, strategy=c.strategy,
+                                   precision=c.precision, accum_steps=c.accum_steps, accum=c.accum,
+                                   param_sharding=sharding.preset(c.param_sharding, s.model.tp_rules))
+    s.layout = s.trainer.plan(jax.eval_shape(s.model.init, jax.random.key(c.seed))[0])
+    s.call_batch = c.batch_size
+    if c.accum == "multisteps":  # one call per micro-batch
+        if c.batch_size % c.accum_steps:
+            raise ConfigError(f"--batch-size {c.batch_size} does not split into --accum-steps {c.accum_steps} "
+                              f"micro-batches: use a multiple of {c.accum_steps}")
+        s.call_batch = c.batch_size // c.accum_steps
+    s.trainer.check_batch_size(s.call_batch)
+    s.evaluator = jt.make_eval_step(s.model.eval_fn, mesh=s.mesh, strategy=c.strategy)
+
+
+def open_checkpoints(s: Setup) -> None:
+    """Writable and ours (locked) before the data is read; refuses to mix with another run's checkpoints."""
+    c = s.config
+    if (c.resume or c.checkpoint_every) and not c.checkpoint_dir:
+        raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+    if not c.checkpoint_dir:
+        return
+    s.checkpointer = Checkpointer(c.checkpoint_dir, c.keep_checkpoints, fixed=FIXED_SETTINGS)
+    if not c.resume and s.checkpointer.latest() is not None:
+        raise ConfigError(f"{s.checkpointer.directory} already holds checkpoints (newest: step "
+                          f"{s.checkpointer.latest()}): pass --resume to continue that run, or another "
+                          "--checkpoint-dir to start afresh")
+
+
+def load_data(s: Setup) -> tuple[dict, dict]:
+    """The splits (subsets applied) and the run's settings (what a checkpoint records)."""
+    c = s.config
+    data = {k: sources.load_split(c.dataset, k, idx_dir=c.data_dir, tfds_dir=c.tfds_dir) for k in ("train", "test")}
+    settings = {"experiment": c.model, "dataset": c.dataset, "data_sha256": sources.split_digest(*data.values()),
+                "train_subset": c.train_subset, "optimizer": "sgd", "lr": c.lr, "batch_size": c.batch_size,
+                "seed": c.seed, "precision": c.precision, "accum_steps": c.accum_steps, "accum": c.accum,
+                "devices": len(s.devices), "processes": jax.process_count(), "strategy": c.strategy,
+                "mesh": c.mesh, "param_sharding": c.param_sharding,  # mesh: the flag (None: data=devices)
+                "remat": c.remat, "epochs": c.epochs, "max_steps": c.max_steps}
+    if s.checkpointer is not None:
+        s.checkpointer.settings = settings
+    return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, settings
+
+
+def initial_state(s: Setup, settings: dict):
+    """(state, position): fresh, or the newest checkpoint's; position None when fresh; raises Finished."""
+    c = s.config
+    state = s.trainer.init(init_fn=s.model.init, rng=jax.random.key(c.seed))  # each device makes its shards
+    if not c.resume:
+        return state, None
+    restored = s.checkpointer.restore(state)
+    if restored is None:
+        s.say(f"no checkpoint in {c.checkpoint_dir} yet: starting from scratch")
+        return state, None
+    position = restored.position
+    if position.result and (position.epoch > c.epochs or c.max_steps is not None and position.total_steps >= c.max_steps):
+        r = position.result
+        s.say(f"already finished at step {position.total_steps} (checkpoint in {c.checkpoint_dir}): test acc "
+              f"{r['test_acc']:.3f}, test loss {r['test_loss']:.4f}; nothing to do (raise --epochs or --max-steps "
+              "to train on)")
+        s.checkpointer.close()
+        raise Finished({"already_finished": True, "steps": position.total_steps, "test_acc": r["test_acc"]})
+    changed = [f"{k} {restored.settings.get(k)!r} -> {settings[k]!r}" for k in FREE_SETTINGS
+               if restored.settings.get(k) != settings[k]]
+    s.say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})"
+          + (f"; changed since: {', '.join(changed)}" if changed else ""))
+    return restored.state, position
+
+
+class Finished(Exception):
+    """A resumed run that had already finished: ``summary`` says where."""
+
+    def __init__(self, summary: dict):
+        self.summary = summary
+
+
+def open_outputs(s: Setup, state, position) -> RunWriter | None:
+    """The run directory (process 0), checked for room for the files and the checkpoints to come."""
+    c = s.config
+    if jax.process_index() != 0:
+        return None
+    out_dir = make_out_dir(c.out, c.model)
+    ensure_room(out_dir, 2**20, "metrics, summary and curves", "--out")
+    if s.checkpointer is not None:  # keep + 1 on disk at once (the newest is written before the oldest goes)
+        more = max(c.keep_checkpoints + 1 - len(s.checkpointer.manager.all_steps()), 1)
+        size = sum(x.nbytes for x in jax.tree.leaves(state)) + 2**16  # + orbax's metadata files
+        ensure_room(s.checkpointer.directory, more * size, f"{more} more checkpoint(s)", "--checkpoint-dir")
+    return RunWriter(out_dir, position.history if position else ())
+
+
+def describe(s: Setup, data: dict, writer) -> str:
+    c, sharded = s.config, len(s.layout["sharded"])
+    return (f"{c.model}: {len(data['train'])} train / {len(data['test'])} test examples of {c.dataset}, batch "
+            f"{c.batch_size} on {len(s.devices)} {s.devices[0].platform} device(s), strategy {c.strategy}, mesh "
+            f"{','.join(f'{k}={v}' for k, v in s.mesh.shape.items())}, {c.param_sharding} ({sharded} of "
+            f"{sharded + len(s.layout['replicated'])} parameters sharded), {c.precision}, accum {c.accum_steps} "
+            f"({c.accum}), remat {c.remat}" + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+            + f"; out: {writer.out_dir if writer else None}")
+
+
+def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
+    """fit with the run's outputs, checkpoints and signal handling; (state, history, first_loss, stats)."""
+    c, say = s.config, s.say
+    train_data = loader.Loader(data["train"], s.call_batch, train=True, seed=c.seed, workers=c.workers)
+    test_data = loader.Loader(data["test"], c.batch_size, train=False, workers=c.workers)
+    if c.summary:
+        images = loader.normalise(data["test"].head(8).images) if s.model.apply else None
+        say(diagnostics.format_summary(diagnostics.summarize(state.params, s.model.apply, images)))
+    if c.memory_report:
+        say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
+    stats = jt.compiled_stats(s.trainer, state, next(iter(train_data.epoch(0))))
+
+    def memory_after_first_step(loop):
+        if loop.total_steps == 1:
+            loop.sync()
+            say("memory after the first step:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
+
+    def on_epoch(e):
+        if writer is not None:
+            writer.epoch(e)
+        say(f"epoch {e.epoch}/{c.epochs}: train loss {e.train_loss:.4f}, train acc {e.train_acc:.3f}, test acc "
+            f"{e.test_acc:.3f}, {e.train_sec:.1f} sec, data wait {100 * e.data_wait_fraction:.1f}%", flush=True)
+
+    def save(state, position):
+        with stop.busy():
+            s.checkpointer.save(state, position)
+
+    watching, profile, events = observe.watchers(c, writer.out_dir if writer else None, say)
+    hooks = [*watching, *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested)]
+    if c.memory_report:
+        hooks.append(Hook(memory_after_first_step))
+    try:
+        stop.training()
+        if profile and profile.start == 1:
+            profile.begin()
+        state, history, first_loss = fit(
+            s.trainer, state, train_data, s.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,
+            hooks=hooks, on_epoch=on_epoch, progress=False if c.no_progress or writer is None else None,
+            prefetch=c.prefetch, position=position)
+    except Interrupted as e:
+        stop.done()
+        stopped(s, e.position.total_steps, stop)
+    finally:
+        if profile:
+            profile.end()
+        if events:
+            events.close()
+    stop.done()
+    if s.checkpointer is not None:
+        with stop.busy():
+            s.checkpointer.close()
+    return state, history, first_loss, stats, len(train_data)
+
+
+def stopped(s: Setup, step: int, stop: StopOnSignal):
+    """A signal stopped training at ``step``: say what was saved, exit with 128 + the signal."""
+    if s.checkpointer is None:
+        s.say(f"stopped by signal at step {step}; nothing saved (no --checkpoint-dir)")
+    else:
+        with stop.busy():
+            s.checkpointer.close()
+        if s.checkpointer.committed(step):
+            s.say(f"stopped by signal at step {step}; checkpoint saved in {s.checkpointer.directory}: continue with "
+                  "--resume")
+        else:
+            s.say(f"stopped by signal at step {step}; the checkpoint of step {step} was NOT written; the newest is "
+                  f"step {s.checkpointer.latest()}: continue from there with --resume")
+    raise Exit(128 + stop.signum) from None
+
+
+def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data, settings, writer) -> dict:
+    """summary.json: the result first on stdout (if the files fail, the user still has it), then the files."""
+    c, platform = s.config, s.devices[0].platform
+    peak = (diagnostics.measure_matmul_peak() if c.measure_peak
+            else diagnostics.gpu_peak_flops(s.devices[0].device_kind, c.precision) if platform == "gpu" else None)
+    summary = run_summary(c, c.model, history, first_loss, stats, peak, s.devices, s.call_batch, steps_per_epoch,
+                          {k: len(v) for k, v in data.items()}, settings["data_sha256"])
+    summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
+                   sharded_params=s.layout["sharded"], collectives=stats["collectives"])
+    plural = "s" * (len(s.devices) != 1)
+    s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
+          f"device{plural} ({platform})", flush=True)
+    if writer is not None:
+        writer.summary(summary)
+        s.say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl, curves.png")
+    if jax.process_count() > 1:  # every process vouches for the same result
+        print(f"process {jax.process_index()}: params_digest {summary['params_digest']}", flush=True)
+    return summary
+
+
+def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
+    """Train as ``config`` says; print progress; write the run's files; return the summary."""
+    s = setup_devices(config)  # first: the device count is set before anything starts JAX's backend
+    stop = stop or StopOnSignal()
+    stop.multi_process = jax.process_count() > 1
+    stop.reinstall()
+    build_trainer(s)
+    open_checkpoints(s)
+    data, settings = load_data(s)
+    try:
+        state, position = initial_state(s, settings)
+    except Finished as f:
+        return f.summary
+    writer = open_outputs(s, state, position)
+    s.say(describe(s, data, writer), flush=True)
+    state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop)
+    return summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)

@@ -1,0 +1,108 @@
+"""Where the time goes: read results one step late, one clock per epoch, and the benchmarks' timers.
+
+``OneStepLate``: the outputs of step k are read (which waits for step k)
+only after step k+1 was dispatched, so at most 2 steps are in flight: the
+device stays busy while the host prepares the next batch, and XLA:CPU's
+all-reduce rendezvous deadlock with many steps queued on virtual devices is
+avoided (REFERENCE §3). ``fit``, ``evaluate`` and the benchmarks all use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import jax
+
+
+class OneStepLate:
+    """``previous = late.push(outputs, *context)``: hold this step's outputs, return the previous step's, read.
+
+    Returns ``None`` for the first push; ``flush()`` returns (and forgets) the
+    last one. Read means ``jax.device_get``: host numbers, the step finished.
+    """
+
+    def __init__(self):
+        self._held = None
+
+    def push(self, outputs, *context):
+        previous, self._held = self._held, (outputs, context)
+        return self._read(previous)
+
+    def flush(self):
+        previous, self._held = self._held, None
+        return self._read(previous)
+
+    @property
+    def pending(self) -> bool:
+        return self._held is not None
+
+    @staticmethod
+    def _read(held):
+        return None if held is None else (jax.device_get(held[0]), *held[1])
+
+
+class Chrono:
+    """One epoch's clock: train time (wall time less the pauses), data wait, and the pauses by name.
+
+    ``with chrono.waiting():`` around fetching a batch, ``with chrono.paused("checkpoint"):``
+    around work that is not training (saving, evaluating). ``prior`` carries
+    the numbers of a resumed epoch's first part.
+    """
+
+    def __init__(self, prior: dict | None = None):
+        prior = prior or {}
+        self._start = time.perf_counter()
+        self._base = prior.get("train_sec", 0.0)
+        self.wait = prior.get("wait", 0.0)
+        self.pauses: dict[str, float] = dict(prior.get("pauses", {}))
+        self._paused = 0.0  # pause time since _start
+
+    @property
+    def train_sec(self) -> float:
+        return self._base + time.perf_counter() - self._start - self._paused
+
+    @contextlib.contextmanager
+    def waiting(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def paused(self, what: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self._paused += dt
+            self.pauses[what] = self.pauses.get(what, 0.0) + dt
+
+    def state(self) -> dict:
+        """What a checkpoint keeps to resume this clock."""
+        return {"train_sec": self.train_sec, "wait": self.wait, "pauses": dict(self.pauses)}
+
+
+def time_steps(step, state, batch, steps: int):
+    """(state, seconds per step) over ``steps`` calls of ``step(state, batch)``, read one step late."""
+    late = OneStepLate()
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        late.push(metrics["loss"])
+    late.flush()
+    return state, (time.perf_counter() - start) / steps
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` (which must wait for its own result) over ``repeats``, after a warm-up."""
+    fn()  # warm-up (and compile)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)

@@ -1,0 +1,55 @@
+"""Watching a run: step lines, TensorBoard events read back, the profiler trace and its named scopes."""
+
+import gzip
+import json
+import re
+import struct
+
+from conftest import needs_fashion_mnist, run_cli
+
+
+def read_events(path):
+    """(tag, step, value or text) of every summary value in a TensorBoard event file (TFRecord framing)."""
+    from tensorboardX.proto import event_pb2
+
+    rows, data = [], path.read_bytes()
+    while data:
+        (length,) = struct.unpack("<Q", data[:8])
+        event = event_pb2.Event.FromString(data[12:12 + length])
+        data = data[12 + length + 4:]
+        for v in event.summary.value:
+            rows.append((v.tag, event.step, v.simple_value if v.WhichOneof("value") == "simple_value"
+                         else v.tensor.string_val[0].decode() if v.tensor.string_val else None))
+    return rows
+
+
+@needs_fashion_mnist
+def test_log_lines_tensorboard_events_and_a_profile_of_chosen_steps(tmp_path):
+    out = run_cli("-m", "experiments.lenet", "--devices", "2", "--train-subset", "1024", "--epochs", "2",
+                  "--test-subset", "256", "--log-every", "2", "--profile", "2:4", "--out", str(tmp_path),
+                  "--no-progress")  # 4 steps per epoch
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = re.findall(r"^step (\d+): loss [\d.]+, [\d,]+ examples/s, data wait \d+%$", out.stdout, re.M)
+    assert lines == ["1", "3", "5", "7"], out.stdout  # every 2 steps, each the step before (read one step late)
+
+    events = read_events(next(tmp_path.glob("events.out.tfevents.*")))
+    by_tag = {}
+    for tag, step, value in events:
+        by_tag.setdefault(tag, []).append((step, value))
+    assert [s for s, _ in by_tag["train_step/loss"]] == [1, 3, 5, 7]
+    assert all(2.0 < v < 2.5 for _, v in by_tag["train_step/loss"])
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(s, round(v, 5)) for s, v in by_tag["epoch/test_acc"]] == [(m["epoch"], round(m["test_acc"], 5))
+                                                                       for m in metrics]
+    assert '"batch_size": 256' in by_tag["config/text_summary"][0][1]
+
+    traces = list((tmp_path / "profile").rglob("perfetto_trace.json.gz"))
+    assert len(traces) == 1 and list((tmp_path / "profile").rglob("*.xplane.pb"))
+    names = {e.get("name") for e in json.load(gzip.open(traces[0]))["traceEvents"]}
+    assert {"data_wait", "train_step"} <= names, sorted(n for n in names if n)[:50]
+
+
+def test_a_bad_profile_range_is_a_one_line_error(tmp_path):
+    out = run_cli("-m", "experiments.lenet", "--profile", "5:3", "--out", str(tmp_path))
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "python -m experiments.lenet: error: --profile 5:3: expected 1 <= START < STOP"], out.stderr

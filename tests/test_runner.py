@@ -1,0 +1,134 @@
+"""RunConfig <-> command line, the model registry, one-step-late reading, the clock, the loop's hooks."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxtrain as jt
+from jaxtrain import accumulate, choices, cli, models, parallel, precision, sharding
+from jaxtrain.config import RunConfig
+from jaxtrain.data import loader, sources
+from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
+from jaxtrain.timing import Chrono, OneStepLate, time_steps
+
+
+def test_the_choices_are_the_librarys_own():
+    assert choices.STRATEGIES == parallel.STRATEGIES == jt.STRATEGIES
+    assert choices.PRECISIONS == tuple(precision.POLICIES)
+    assert choices.ACCUM_MODES == accumulate.MODES
+    assert choices.PARAM_SHARDINGS == sharding.PRESETS
+
+
+@pytest.mark.parametrize("config", [
+    RunConfig(),
+    RunConfig(model="resnet18", init="he", devices=4, mesh={"data": 2, "model": 2}, param_sharding="fsdp+tp",
+              strategy="jit", precision="bf16", accum_steps=2, accum="multisteps", remat="dots", epochs=3,
+              batch_size=128, lr=0.05, seed=7, out="/tmp/x", max_steps=9, summary=True, resume=True,
+              checkpoint_dir="/tmp/ck", checkpoint_every=5, no_progress=True, train_subset=100, prefetch=0),
+])
+def test_run_config_round_trips_through_the_command_line(config):
+    argv = cli.to_argv(config)
+    assert cli.parse(argv, model=config.model) == config
+    assert cli.parse(cli.to_argv(config, model_fixed=False)) == config
+
+
+def test_the_models_recipe_fills_what_was_not_given():
+    assert (RunConfig().epochs, RunConfig().batch_size, RunConfig().lr, RunConfig().init) == (10, 256, 0.2, "d2l")
+    assert RunConfig(model="resnet18").lr == 0.1 and RunConfig(model="resnet18", lr=0.3).lr == 0.3
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"batch_size": 0}, "--batch-size: expected a number >= 1, got 0"),
+    ({"lr": -1.0}, "--lr: expected a number > 0"),
+    ({"strategy": "magic"}, "--strategy: 'magic' is not one of jit, shard_map"),
+    ({"init": "he"}, "--init: model lenet has no init 'he'"),
+    ({"model": "vgg"}, "--model: 'vgg' is not one of lenet, resnet18"),
+])
+def test_a_bad_value_is_a_config_error_naming_the_flag(changes, says):
+    with pytest.raises(jt.ConfigError, match=says.replace("(", r"\(")):
+        RunConfig(**changes)
+
+
+def test_a_bad_flag_value_is_one_line_on_stderr_with_exit_2(capsys):
+    assert cli.main("lenet", ["--batch-size", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m experiments.lenet: error: --batch-size: expected a number >= 1, got 0"]
+
+
+@pytest.mark.parametrize("name", models.names())
+def test_registry_models_train_on_their_example_batch(name):
+    model = models.get(name)
+    batch = model.example_batch(8)
+    assert batch["image"].shape == (8, 28, 28, 1) and batch["label"].dtype == np.int32
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=2)
+    state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+    state, metrics = trainer(state, trainer.shard(batch))
+    assert np.isfinite(float(metrics["loss"]))
+    with pytest.raises(jt.ConfigError, match="unknown model 'vgg'"):
+        models.get("vgg")
+
+
+def test_one_step_late_hands_back_the_previous_outputs_read():
+    late = OneStepLate()
+    assert late.push(jnp.ones(2), "a") is None and late.pending
+    previous = late.push(jnp.zeros(2), "b")
+    assert isinstance(previous[0], np.ndarray) and previous[0].tolist() == [1, 1] and previous[1] == "a"
+    assert late.flush()[1] == "b" and late.flush() is None and not late.pending
+
+
+def test_chrono_counts_waits_and_leaves_pauses_out_of_train_time():
+    chrono = Chrono({"train_sec": 1.0, "wait": 0.5, "pauses": {"checkpoint": 2.0}})
+    with chrono.waiting():
+        time.sleep(0.05)
+    with chrono.paused("checkpoint"):
+        time.sleep(0.2)
+    assert 1.05 <= chrono.train_sec < 1.2, chrono.train_sec
+    assert 0.55 <= chrono.wait < 0.7 and 2.2 <= chrono.pauses["checkpoint"] < 2.4
+    assert set(chrono.state()) == {"train_sec", "wait", "pauses"}
+
+
+def _setup(n_train=1024, batch=128):
+    from jaxtrain.models import lenet
+
+    rng = np.random.default_rng(0)
+    split = sources.Split(rng.integers(0, 256, (n_train, 28, 28, 1), dtype=np.uint8),
+                          rng.integers(0, 10, n_train).astype(np.int32))
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=2)
+    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    return (trainer, state, loader.Loader(split, batch, train=True), jt.make_eval_step(lenet.eval_fn, mesh=2),
+            loader.Loader(split.head(256), 128, train=False))
+
+
+def test_hooks_run_at_their_period_and_checkpoints_hold_the_steps_they_say():
+    trainer, state, train, evaluator, test = _setup()  # 8 steps per epoch
+    seen, saved = [], []
+    hooks = [Hook(lambda loop: seen.append(("step", loop.total_steps)), every=3),
+             Hook(lambda loop: seen.append(("epoch", loop.stats.epoch)), unit="epoch", every=2),
+             *checkpoint_hooks(lambda s, p: saved.append((int(s.step), p.total_steps, p.epoch, p.batch,
+                                                          p.partial.get("steps"))), every=4)]
+    state, history, _ = fit(trainer, state, train, evaluator, test, epochs=2, max_steps=14, hooks=hooks,
+                            progress=False)
+    assert seen == [("step", 3), ("step", 6), ("step", 9), ("step", 12), ("epoch", 2)]
+    # step 4 inside epoch 1; step 8 ends epoch 1 (saved after its evaluation, for epoch 2); 12; max_steps 14.
+    assert saved == [(4, 4, 1, 4, 4), (8, 8, 2, 0, None), (12, 12, 2, 4, 4), (14, 14, 2, 6, 6)]
+    assert [h.steps for h in history] == [8, 6]
+
+
+def test_a_stop_request_saves_once_and_raises_interrupted_with_the_position():
+    trainer, state, train, evaluator, test = _setup()
+    saved = []
+    hooks = checkpoint_hooks(lambda s, p: saved.append(p.total_steps), every=4, should_stop=lambda: len(saved) > 0)
+    with pytest.raises(Interrupted) as e:
+        fit(trainer, state, train, evaluator, test, epochs=2, hooks=hooks, progress=False)
+    assert saved == [4] and e.value.position.total_steps == 4 and e.value.position.partial["steps"] == 4
+
+
+def test_time_steps_times_a_step_read_one_step_late():
+    trainer, state, train, _, _ = _setup()
+    batch = trainer.shard(next(iter(train.epoch(0))))
+    state, sec = time_steps(trainer, state, batch, 3)
+    assert int(state.step) == 3 and sec > 0
