@@ -28,6 +28,8 @@ _EXPORTS = {
     "setup_devices": "jaxtrain.devices",
     "RunConfig": "jaxtrain.config",
     "run": "jaxtrain.runner",
+    "dropout": "jaxtrain.rng",
+    "example_keys": "jaxtrain.rng",
 }
 __all__ = sorted(_EXPORTS)
 

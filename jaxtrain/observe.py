@@ -1,7 +1,7 @@
 """Watching a run: step lines, TensorBoard events, a profiler trace of chosen steps (hooks for ``fit``).
 
 Step numbers are read one step late (``loop.recent``): logging never waits
-for the device. TensorBoard events are written with tensorboardX (no
+for the device. TensorBoard events are written with tensorboard's own record writer (no
 TensorFlow); ``tensorboard --logdir RUN_DIR`` shows them.
 """
 
@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import socket
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -18,20 +22,54 @@ from jaxtrain.loop import Hook, Loop
 
 
 class Events:
-    """TensorBoard event files in ``log_dir``: step and epoch scalars, the config as text."""
+    """TensorBoard event files in ``log_dir``: step and epoch scalars, the config as text.
+
+    Written in line (no writer thread), flushed at each epoch's end. They are a
+    view of the run, not its record: if a write fails (full disk), one warning
+    says so and the run goes on without them (metrics.jsonl and checkpoints
+    report their own failures).
+    """
 
     def __init__(self, log_dir: Path, config: dict):
-        from tensorboardX import SummaryWriter
+        self.broken = False
+        self._guard(self._open, log_dir, config)
 
-        self.writer = SummaryWriter(str(log_dir), flush_secs=10)
-        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, sort_keys=True, default=str) + "\n```")
+    def _open(self, log_dir, config):
+        from tensorboard.plugins.text.summary_v2 import text_pb
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        path = log_dir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self.writer = RecordWriter(open(path, "ab"))  # noqa: SIM115 - closed in close()
+        self._write(0, None, file_version="brain.Event:2")
+        self._write(0, text_pb("config", "```\n" + json.dumps(config, indent=2, sort_keys=True, default=str) + "\n```"))
+
+    def _write(self, step, summary, **fields):
+        from tensorboard.compat.proto import event_pb2
+
+        self.writer.write(event_pb2.Event(wall_time=time.time(), step=step, summary=summary, **fields)
+                          .SerializeToString())
+
+    def _guard(self, fn, *args):
+        if self.broken:
+            return
+        try:
+            fn(*args)
+        except OSError as e:
+            self.broken = True
+            print(f"warning: TensorBoard events not written from here on ({e.strerror or e})", file=sys.stderr,
+                  flush=True)
 
     def scalars(self, step: int, values: dict, prefix: str) -> None:
+        from tensorboard.plugins.scalar.summary_v2 import scalar_pb
+
         for k, v in values.items():
-            self.writer.add_scalar(f"{prefix}/{k}", float(v), step)
+            self._guard(self._write, step, scalar_pb(f"{prefix}/{k}", float(v)))
+
+    def flush(self) -> None:
+        self._guard(lambda: self.writer.flush())
 
     def close(self) -> None:
-        self.writer.close()
+        self._guard(lambda: self.writer.close())
 
 
 def step_log(every: int, say, events: Events | None) -> Hook:
@@ -63,7 +101,7 @@ def epoch_events(events: Events) -> Hook:
         events.scalars(s.epoch, {"train_loss": s.train_loss, "train_acc": s.train_acc, "test_loss": s.test_loss,
                                  "test_acc": s.test_acc, "train_sec": s.train_sec,
                                  "data_wait_fraction": s.data_wait_fraction}, "epoch")
-        events.writer.flush()
+        events.flush()
 
     return Hook(write, unit="epoch")
 

@@ -2,9 +2,10 @@
 
 The step (``step.py``) hands a strategy two functions:
 
-- ``local(params, model_state, loss_scale, batch, rng, vary) -> (grads, loss, model_state, metrics)``:
-  gradients and means over the examples it is given, NOT reduced across
-  devices (``vary`` marks fresh zeros per-device, for the micro-batch scan);
+- ``local(params, model_state, loss_scale, batch, rng, vary, step_key, rows) -> (grads, loss, model_state,
+  metrics)``: gradients and means over the examples it is given, NOT reduced
+  across devices (``vary`` marks fresh zeros per-device, for the micro-batch
+  scan; ``step_key`` and ``rows``, the examples' global rows, for jt.dropout);
 - ``update(state, grads, loss, model_state, metrics) -> (state, metrics)``:
   the optimizer step on global arrays, after the reduction.
 
@@ -38,6 +39,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain import rng as random_rule
 from jaxtrain import sharding
 from jaxtrain.choices import STRATEGIES
 from jaxtrain.collectives import Comm, make_comm
@@ -75,18 +77,20 @@ def check_strategy(strategy: str) -> None:
 def _per_device(local: Callable, comm: Comm) -> Callable:
     """(params, model_state, loss_scale, batch, base_rng) -> reduced (grads, loss, model_state, metrics), per device."""
 
-    def run(params, model_state, loss_scale, batch, rng):
-        rng = jax.random.fold_in(rng, lax.axis_index(DATA_AXIS))
+    def run(params, model_state, loss_scale, batch, step_key):
+        d = lax.axis_index(DATA_AXIS)
+        rows = random_rule.local_rows(batch, d * jax.tree.leaves(batch)[0].shape[0])  # this shard's global rows
         with _split_over(DATA_AXIS):
-            grads, loss, model_state, metrics = local(comm.gather(params), model_state, loss_scale, batch, rng,
-                                                      comm.vary)
+            grads, loss, model_state, metrics = local(comm.gather(params), model_state, loss_scale, batch,
+                                                      jax.random.fold_in(step_key, d), comm.vary, step_key, rows)
         return (comm.scatter_mean(grads), *comm.mean((loss, model_state, metrics)))
 
     return run
 
 
 def _step_with(update: Callable, reduced: Callable) -> Callable:
-    """state, batch -> update(state, *reduced(...)): the key folds in the step (and, per device, its index)."""
+    """state, batch -> update(state, *reduced(...)): the key folds in the step (and, per device, its index:
+    the rule in jaxtrain/rng.py)."""
 
     def step(state, batch):
         rng = jax.random.fold_in(state.rng, state.step)
@@ -167,7 +171,8 @@ class Jit(Strategy):
 
             def reduced(params, model_state, loss_scale, batch, rng):
                 params = lax.with_sharding_constraint(params, gathered)
-                grads, *rest = local(params, model_state, loss_scale, batch, jax.random.fold_in(rng, 0), lambda t: t)
+                grads, *rest = local(params, model_state, loss_scale, batch, jax.random.fold_in(rng, 0), lambda t: t,
+                                     rng, random_rule.local_rows(batch))
                 # Gathered params at the loss, grads sharded like their params: without the first constraint GSPMD
                 # gathered activations instead. (XLA:CPU still reduces FSDP grads as all-reduce + slice: README.)
                 return lax.with_sharding_constraint(grads, grad_shardings), *rest

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain import accumulate, parallel, sharding
 from jaxtrain import precision as prec
+from jaxtrain import rng as random_rule
 from jaxtrain.devices import make_mesh
 from jaxtrain.errors import ConfigError
 from jaxtrain.state import TrainState
@@ -39,28 +40,31 @@ def _checked_loss_output(out):
 def _train_fns(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, accum_steps: int):
     """(local, update): the two halves of the step a strategy wraps (see parallel.py)."""
 
-    def grad_fn(params, model_state, batch, rng, scale):
+    def grad_fn(params, model_state, batch, rng, scale, step_key, rows):
         """fp32 grads of the (scaled) loss, computed in the policy's compute dtype."""
 
         def scaled_loss(p):
-            loss, (new_model_state, metrics) = _checked_loss_output(loss_fn(
-                prec.cast_floats(p, policy.compute_dtype), model_state,
-                prec.cast_floats(batch, policy.compute_dtype), rng))
+            with random_rule.examples(step_key, rows):  # for jt.dropout: the step's key, the examples' rows
+                loss, (new_model_state, metrics) = _checked_loss_output(loss_fn(
+                    prec.cast_floats(p, policy.compute_dtype), model_state,
+                    prec.cast_floats(batch, policy.compute_dtype), rng))
             loss = loss.astype(policy.output_dtype)
             return loss * scale, (loss, new_model_state, metrics)
 
         (_, (loss, new_model_state, metrics)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
         return grads, loss, new_model_state, metrics
 
-    def local(params, model_state, loss_scale, batch, rng, vary):
-        """Gradients and means over the examples given (a device's share, or all under "jit"), not reduced."""
+    def local(params, model_state, loss_scale, batch, rng, vary, step_key, rows):
+        """Gradients and means over the examples given (a device's share, or all under "jit"), not reduced.
+
+        ``rows``: the examples' rows in the update's whole batch (jaxtrain.rng)."""
         scale = prec.current_scale(loss_scale)
-        if accum_steps > 1:
-            one = lambda p, ms, b, r: grad_fn(p, ms, b, r, scale)  # noqa: E731
-            grads, loss, model_state, metrics = accumulate.scan_gradients(one, params, model_state, batch, rng,
-                                                                         accum_steps, vary)
+        if accum_steps > 1:  # the rows split into micro-batches with the examples
+            one = lambda p, ms, b, r: grad_fn(p, ms, b[0], r, scale, step_key, b[1])  # noqa: E731
+            grads, loss, model_state, metrics = accumulate.scan_gradients(one, params, model_state, (batch, rows),
+                                                                         rng, accum_steps, vary)
         else:
-            grads, loss, model_state, metrics = grad_fn(params, model_state, batch, rng, scale)
+            grads, loss, model_state, metrics = grad_fn(params, model_state, batch, rng, scale, step_key, rows)
         return prec.cast_floats(grads, policy.reduce_dtype), loss, model_state, metrics
 
     def update(state: TrainState, grads, loss, model_state, metrics):
