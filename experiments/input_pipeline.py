@@ -27,6 +27,9 @@ def parser() -> argparse.ArgumentParser:
                    help="sleep per batch in the slow-transform variant (0: skip the variant)")
     p.add_argument("--data-dir", default=None, help="directory with the IDX files (see experiments.lenet --help)")
     p.add_argument("--tfds-dir", default=None, help="TFDS data dir for the converted dataset")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also trace 5 steps of the slow variant starved (workers 0, prefetch off) and fed (workers "
+                        "4, prefetch 2) into DIR/starved and DIR/fed (see README, 'Watching a run')")
     return p
 
 
@@ -82,6 +85,18 @@ def main(argv=None) -> int:
                 rows.append((name, w, prefetch, sec_per_epoch, 100 * h.data_wait_fraction))
                 print(f"  {name:>22} workers {w} prefetch {prefetch or 'off':>3}: {sec_per_epoch:6.2f} sec/epoch, "
                       f"data wait {100 * h.data_wait_fraction:5.1f}%", file=sys.stderr, flush=True)
+
+    if args.profile:
+        from pathlib import Path
+
+        from jaxtrain.observe import Profile
+
+        for name, w, prefetch in (("starved", 0, 0), ("fed", 4, 2)):
+            profile = Profile(Path(args.profile) / name, 3, 8)  # steps 3..7
+            train = loader.Loader(train_split, args.batch_size, train=True, workers=w, transform=slow)
+            state, _, _ = fit(trainer, state, train, evaluator, test, epochs=1, max_steps=10, progress=False,
+                              prefetch=prefetch, hooks=[profile.hook()])
+            print(f"  trace of the {name} loader in {profile.log_dir}", file=sys.stderr, flush=True)
 
     print(f"\nLeNet, batch {args.batch_size}, {len(devices)} {devices[0].platform} devices, jax {jax.__version__}"
           f"{'' if args.max_steps is None else f', {args.max_steps} steps per epoch measured'}\n")
