@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from jaxtrain.choices import PRECISIONS, STRATEGIES
+from jaxtrain.cli import one_line_errors
 from jaxtrain.models import names as model_names
 
 
@@ -32,35 +33,32 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@one_line_errors("batch_size")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     import jaxtrain as jt
 
-    try:
-        devices = jt.setup_devices(args.devices)
-        import jax
-        import optax
+    devices = jt.setup_devices(args.devices)
+    import jax
+    import optax
 
-        from jaxtrain import models
-        from jaxtrain.batch_size import find_batch_size, parse_bytes
+    from jaxtrain import models
+    from jaxtrain.batch_size import find_batch_size, parse_bytes
 
-        budget = parse_bytes(args.memory_budget) if args.memory_budget else None
-        model = models.get(args.model, remat=args.remat)
-        trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices),
-                                     strategy=args.strategy, precision=args.precision, accum_steps=args.accum_steps)
-        state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    model = models.get(args.model, remat=args.remat)
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices),
+                                 strategy=args.strategy, precision=args.precision, accum_steps=args.accum_steps)
+    state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
 
-        def make_batch(size):
-            return model.example_batch(size)
+    def make_batch(size):
+        return model.example_batch(size)
 
-        print(f"{args.model}: compiling the train step ({args.precision}, remat {args.remat}, "
-              f"{len(devices)} {devices[0].platform} device(s)) at growing batch sizes ...", file=sys.stderr)
-        result = find_batch_size(trainer, state, make_batch, budget, max_batch=args.max_batch,
-                                 progress=lambda b, m: print(f"  batch {b:>7}: {m / 2**20:10.2f} MiB per device",
-                                                             file=sys.stderr, flush=True))
-    except jt.ConfigError as e:
-        print(f"batch_size: error: {e}", file=sys.stderr)
-        return 2
+    print(f"{args.model}: compiling the train step ({args.precision}, remat {args.remat}, "
+          f"{len(devices)} {devices[0].platform} device(s)) at growing batch sizes ...", file=sys.stderr)
+    result = find_batch_size(trainer, state, make_batch, budget, max_batch=args.max_batch,
+                             progress=lambda b, m: print(f"  batch {b:>7}: {m / 2**20:10.2f} MiB per device",
+                                                         file=sys.stderr, flush=True))
 
     print("\n| global batch | predicted MiB per device |\n|---|---|")
     for b, m in result.table:

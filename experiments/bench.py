@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from jaxtrain.cli import positive_int
+from jaxtrain.cli import one_line_errors, positive_int
 from jaxtrain.models import names as model_names
 
 # Worker threads (XLA's, PyTorch's OpenMP) keep spinning for a while after a
@@ -55,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@one_line_errors("bench")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     lenet_model = args.model == "lenet"
@@ -88,13 +89,9 @@ def main(argv=None) -> int:
     model = models.get(args.model)
     loss_fn, eval_fn = model.loss_fn, model.eval_fn
     params0, model_state0 = jax.jit(model.init)(jax.random.key(0))
-    try:
-        host = model.example_batch(args.batch_size)
-        trainer = jt.make_train_step(loss_fn, optax.sgd(0.2), mesh=mesh)  # (a) the defaults
-        trainer.check_batch_size(args.batch_size)
-    except jt.ConfigError as e:
-        print(f"bench: error: {e}", file=sys.stderr)
-        return 2
+    host = model.example_batch(args.batch_size)
+    trainer = jt.make_train_step(loss_fn, optax.sgd(0.2), mesh=mesh)  # (a) the defaults
+    trainer.check_batch_size(args.batch_size)
     state = trainer.init(params0, model_state0)
     batch = trainer.shard(host)
     cost = jt.compiled_stats(trainer, state, host, residuals=False)  # per device

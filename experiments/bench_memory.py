@@ -14,6 +14,7 @@ import argparse
 import statistics
 import sys
 
+from jaxtrain.cli import one_line_errors
 from jaxtrain.models import names as model_names
 from jaxtrain.timing import time_steps
 
@@ -31,44 +32,41 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@one_line_errors("bench_memory")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     import jaxtrain as jt
 
-    try:
-        devices = jt.setup_devices(args.devices)
-        sizes = [int(b) for b in args.batch_sizes.split(",")]
-        configs = [(p, r) for p in args.precisions.split(",") for r in args.remats.split(",")]
-        import jax
-        import optax
+    devices = jt.setup_devices(args.devices)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    configs = [(p, r) for p in args.precisions.split(",") for r in args.remats.split(",")]
+    import jax
+    import optax
 
-        from jaxtrain import models
+    from jaxtrain import models
 
-        rows = []
-        for size in sizes:
-            batch = models.Model.example_batch(size)
-            runs = {}
-            for precision, remat in configs:
-                model = models.get(args.model, remat=remat)
-                trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices), precision=precision)
-                trainer.check_batch_size(size)
-                state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
-                stats = jt.compiled_stats(trainer, state, batch)
-                device_batch = trainer.shard(batch)
-                state, _ = time_steps(trainer, state, device_batch, 2)  # compile + warm up
-                runs[(precision, remat)] = [trainer, state, device_batch, stats, []]
-            for _ in range(args.repeats):
-                for run in runs.values():
-                    run[1], sec = time_steps(run[0], run[1], run[2], args.steps)
-                    run[4].append(1000 * sec)
-            for (precision, remat), run in runs.items():
-                stats = run[3]
-                rows.append((size, precision, remat, statistics.median(run[4]), stats["temp_bytes"] / 2**20,
-                             stats["saved_residual_bytes"] / 2**20, stats["flops"] * len(devices) / 1e9))
-            print(f"measured batch {size}", file=sys.stderr, flush=True)
-    except jt.ConfigError as e:
-        print(f"bench_memory: error: {e}", file=sys.stderr)
-        return 2
+    rows = []
+    for size in sizes:
+        batch = models.Model.example_batch(size)
+        runs = {}
+        for precision, remat in configs:
+            model = models.get(args.model, remat=remat)
+            trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices), precision=precision)
+            trainer.check_batch_size(size)
+            state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+            stats = jt.compiled_stats(trainer, state, batch)
+            device_batch = trainer.shard(batch)
+            state, _ = time_steps(trainer, state, device_batch, 2)  # compile + warm up
+            runs[(precision, remat)] = [trainer, state, device_batch, stats, []]
+        for _ in range(args.repeats):
+            for run in runs.values():
+                run[1], sec = time_steps(run[0], run[1], run[2], args.steps)
+                run[4].append(1000 * sec)
+        for (precision, remat), run in runs.items():
+            stats = run[3]
+            rows.append((size, precision, remat, statistics.median(run[4]), stats["temp_bytes"] / 2**20,
+                         stats["saved_residual_bytes"] / 2**20, stats["flops"] * len(devices) / 1e9))
+        print(f"measured batch {size}", file=sys.stderr, flush=True)
 
     print(f"\n{args.model} train step on {len(devices)} {devices[0].platform} devices, jax {jax.__version__}; "
           f"memory per device, GFLOP per step (all devices), median of {args.repeats} x {args.steps} steps\n")

@@ -18,8 +18,8 @@ import json
 import statistics
 import sys
 
-from jaxtrain.cli import positive_int
 from jaxtrain.choices import STRATEGIES
+from jaxtrain.cli import one_line_errors, positive_int
 
 SETTINGS = ("replicated", "fsdp", "tp", "fsdp+tp")
 
@@ -37,20 +37,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@one_line_errors("bench_sharding")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     import jaxtrain as jt
 
-    try:
-        if args.devices % 2:
-            raise jt.ConfigError(f"--devices {args.devices}: use an even count (tp splits over model=2)")
-        devices = jt.setup_devices(args.devices)
-        from jaxtrain.batch_size import parse_bytes
+    if args.devices % 2:
+        raise jt.ConfigError(f"--devices {args.devices}: use an even count (tp splits over model=2)")
+    devices = jt.setup_devices(args.devices)
+    from jaxtrain.batch_size import parse_bytes
 
-        budget = parse_bytes(args.budget) if args.budget not in ("0", "") else None
-    except jt.ConfigError as e:
-        print(f"bench_sharding: error: {e}", file=sys.stderr)
-        return 2
+    budget = parse_bytes(args.budget) if args.budget not in ("0", "") else None
     import jax
     import optax
 

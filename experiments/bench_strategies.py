@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 
+from jaxtrain.cli import one_line_errors
 from jaxtrain.models import Model
 
 
@@ -38,15 +39,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@one_line_errors("bench_strategies")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     import jaxtrain as jt
 
-    try:
-        jt.setup_devices(max(args.devices))
-    except jt.ConfigError as e:
-        print(f"bench_strategies: error: {e}", file=sys.stderr)
-        return 2
+    jt.setup_devices(max(args.devices))
     import jax
     import optax
 
@@ -59,11 +57,7 @@ def main(argv=None) -> int:
         runs = {}
         for strategy in jt.STRATEGIES:
             trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=n, strategy=strategy)
-            try:
-                trainer.check_batch_size(args.batch_size)
-            except jt.ConfigError as e:
-                print(f"bench_strategies: error: {e}", file=sys.stderr)
-                return 2
+            trainer.check_batch_size(args.batch_size)
             batch = trainer.shard(host_batch)  # the step alone: batch already on the devices
             state = trainer.init(lenet.init_params(jax.random.key(0)))
             state, _ = time_steps(trainer, state, batch, 3)  # compile + warm up

@@ -15,6 +15,8 @@ import argparse
 import sys
 import time
 
+from jaxtrain.cli import one_line_errors
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.input_pipeline", description=__doc__.split("\n")[0],
@@ -33,6 +35,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@one_line_errors("input_pipeline")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     import jaxtrain as jt
@@ -45,23 +48,19 @@ def main(argv=None) -> int:
         print(f"input_pipeline: error: --workers takes counts >= 0 like 0,1,2,4, got {args.workers!r}",
               file=sys.stderr)
         return 2
-    try:
-        devices = jt.setup_devices(args.devices)
-        import jax
-        import optax
+    devices = jt.setup_devices(args.devices)
+    import jax
+    import optax
 
-        from jaxtrain.data import loader, sources
-        from jaxtrain.loop import fit
-        from jaxtrain.models import lenet
+    from jaxtrain.data import loader, sources
+    from jaxtrain.loop import fit
+    from jaxtrain.models import lenet
 
-        trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=jt.make_mesh(devices))
-        trainer.check_batch_size(args.batch_size)
-        evaluator = jt.make_eval_step(lenet.eval_fn, mesh=trainer.mesh)
-        train_split = sources.load_split("fashion_mnist", "train", idx_dir=args.data_dir, tfds_dir=args.tfds_dir)
-        test_split = sources.load_split("fashion_mnist", "test", idx_dir=args.data_dir, tfds_dir=args.tfds_dir)
-    except jt.ConfigError as e:
-        print(f"input_pipeline: error: {e}", file=sys.stderr)
-        return 2
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=jt.make_mesh(devices))
+    trainer.check_batch_size(args.batch_size)
+    evaluator = jt.make_eval_step(lenet.eval_fn, mesh=trainer.mesh)
+    train_split = sources.load_split("fashion_mnist", "train", idx_dir=args.data_dir, tfds_dir=args.tfds_dir)
+    test_split = sources.load_split("fashion_mnist", "test", idx_dir=args.data_dir, tfds_dir=args.tfds_dir)
 
     test = loader.Loader(test_split.head(args.batch_size), args.batch_size, train=False)
     state = trainer.init(lenet.init_params(jax.random.key(0)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from collections.abc import Sequence
 
@@ -34,6 +35,23 @@ def whole_number(minimum: int):
 
 
 positive_int = whole_number(1)
+
+
+def one_line_errors(prog: str):
+    """Decorator of a command's ``main(argv)``: a ConfigError becomes ``prog: error: ...`` on stderr, exit 2."""
+
+    def wrap(main):
+        @functools.wraps(main)
+        def run(argv=None) -> int:
+            try:
+                return main(argv)
+            except ConfigError as e:
+                print(f"{prog}: error: {e}", file=sys.stderr)
+                return 2
+
+        return run
+
+    return wrap
 
 
 def _number(text: str) -> float:

@@ -19,7 +19,6 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
 
-
 def _field(default, help: str, *, choices=None, minimum=None, above=None, flag_type=None):
     """A setting: its flag's help, its allowed values (``choices``, ``>= minimum``, ``> above``)."""
     return dataclasses.field(default=default, metadata={

@@ -46,7 +46,6 @@ from jaxtrain.collectives import Comm, make_comm
 from jaxtrain.devices import DATA_AXIS
 from jaxtrain.errors import ConfigError
 
-
 _BATCH_AXIS = contextvars.ContextVar("jaxtrain_batch_axis", default=None)
 
 

@@ -39,6 +39,8 @@ def test_log_lines_tensorboard_events_and_a_profile_of_chosen_steps(tmp_path):
     assert len(traces) == 1 and list((tmp_path / "profile").rglob("*.xplane.pb"))
     names = {e.get("name") for e in json.load(gzip.open(traces[0]))["traceEvents"]}
     assert {"data_wait", "train_step"} <= names, sorted(n for n in names if n)[:50]
+    drawn = run_cli("tools/trace_png.py", f"lenet={tmp_path / 'profile'}", "--out", str(tmp_path / "trace.png"))
+    assert drawn.returncode == 0 and (tmp_path / "trace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", drawn.stderr
 
 
 def test_a_bad_profile_range_is_a_one_line_error(tmp_path):
