@@ -43,23 +43,24 @@ def masks(use_jt_dropout, strategy="jit", n=2, seed=0, accum_steps=1):
     return out
 
 
-CONFIGS = [(s, n, k) for s in jt.STRATEGIES for n in (1, 2, 4) for k in (1, 2)]
+# Every strategy on one device, on 2 devices, and on 4 devices with 2 scan micro-batches per device.
+CONFIGS = [(s, n, k) for s in jt.STRATEGIES for n, k in ((1, 1), (2, 1), (4, 2))]
 
 
-def test_same_seed_strategy_and_devices_give_bit_identical_params_and_another_seed_differs():
+@pytest.mark.parametrize("strategy", jt.STRATEGIES)
+def test_same_seed_strategy_and_devices_give_bit_identical_params_and_another_seed_differs(strategy):
     for use_jt in (False, True):
-        for strategy in jt.STRATEGIES:
-            a, b = masks(use_jt, strategy, 2), masks.__wrapped__(use_jt, strategy, 2)
-            np.testing.assert_array_equal(a, b)
-            assert not np.array_equal(a, masks(use_jt, strategy, 2, seed=1))
-            assert set(np.unique(a)) <= {0.0, 2.0, 4.0} and 0.3 < (a / (2 * STEPS)).mean() < 0.7
+        a, b = masks(use_jt, strategy, 2), masks.__wrapped__(use_jt, strategy, 2)
+        np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(a, masks(use_jt, strategy, 2, seed=1))
+        assert set(np.unique(a)) <= {0.0, 2.0, 4.0} and 0.3 < (a / (2 * STEPS)).mean() < 0.7
 
 
-@pytest.mark.parametrize("strategy, n, k", CONFIGS)
-def test_no_two_examples_share_a_mask_whatever_the_devices(strategy, n, k):
-    for use_jt in (False, True):
-        m = masks(use_jt, strategy, n, accum_steps=k)
-        assert len({row.tobytes() for row in m}) == B, (use_jt, strategy, n, k)
+def test_no_two_examples_share_a_mask_whatever_the_devices():
+    for strategy, n, k in CONFIGS:
+        for use_jt in (False, True):
+            m = masks(use_jt, strategy, n, accum_steps=k)
+            assert len({row.tobytes() for row in m}) == B, (use_jt, strategy, n, k)
 
 
 def test_jt_dropout_gives_each_example_the_same_mask_under_every_strategy_device_count_and_scan():
@@ -74,9 +75,8 @@ def test_the_keys_a_loss_fn_gets_differ_between_strategies_and_device_counts_as_
     jit = masks(False, "jit", 2)
     np.testing.assert_array_equal(jit, masks(False, "jit", 4))
     np.testing.assert_array_equal(jit, masks(False, "shard_map", 1))
-    for n in (2, 4):
-        np.testing.assert_array_equal(masks(False, "shard_map", n), masks(False, "pmap", n))
-        np.testing.assert_array_equal(masks(False, "shard_map", n), masks(False, "ring", n))
+    np.testing.assert_array_equal(masks(False, "shard_map", 2), masks(False, "pmap", 2))
+    np.testing.assert_array_equal(masks(False, "shard_map", 2), masks(False, "ring", 2))
     assert not np.array_equal(masks(False, "shard_map", 2), masks(False, "shard_map", 4))
     assert not np.array_equal(masks(False, "shard_map", 2), jit)
 
