@@ -95,6 +95,7 @@ def test_help_explains_every_flag():
 
 
 @needs_fashion_mnist
+@pytest.mark.slow
 def test_input_pipeline_experiment_smoke():
     out = run_cli("-m", "experiments.input_pipeline", "--devices", "2", "--max-steps", "3", "--workers", "0,1",
                   "--slow-ms", "5")
@@ -149,6 +150,7 @@ def test_bench_smoke(tmp_path, model):
     assert "| jaxtrain |" in out.stdout and "jaxtrain/handwritten" in out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("torch", ["--no-torch", None])
 def test_bench_ops_smoke(torch):
     out = run_cli("-m", "experiments.bench_ops", "--batch-size", "32", "--repeats", "2", *([torch] if torch else []))

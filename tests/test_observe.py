@@ -4,6 +4,7 @@ import gzip
 import json
 import re
 
+import pytest
 from conftest import needs_fashion_mnist, run_cli
 
 
@@ -19,6 +20,7 @@ def read_events(run_dir):
 
 
 @needs_fashion_mnist
+@pytest.mark.slow
 def test_log_lines_tensorboard_events_and_a_profile_of_chosen_steps(tmp_path):
     out = run_cli("-m", "experiments.lenet", "--devices", "2", "--train-subset", "1024", "--epochs", "2",
                   "--test-subset", "256", "--log-every", "2", "--profile", "2:4", "--out", str(tmp_path),

@@ -56,6 +56,7 @@ def test_same_seed_strategy_and_devices_give_bit_identical_params_and_another_se
         assert set(np.unique(a)) <= {0.0, 2.0, 4.0} and 0.3 < (a / (2 * STEPS)).mean() < 0.7
 
 
+@pytest.mark.slow  # 12 configurations x 2; the other tests here run a subset of them
 def test_no_two_examples_share_a_mask_whatever_the_devices():
     for strategy, n, k in CONFIGS:
         for use_jt in (False, True):
