@@ -61,12 +61,3 @@ def saved_residuals(fn, *args):
     from jax._src.ad_checkpoint import saved_residuals as listing  # public: only the printer
 
     return listing(fn, *args)
-
-
-def distributed_client():
-    """The client of jax.distributed's coordination service (key-value store), or None."""
-    # jax 0.10.2 ... 0.12.0.1 expose initialize/is_initialized/shutdown only;
-    # the key-value store the multi-process stop protocol uses is private.
-    from jax._src import distributed  # public API missing: the coordination KV store
-
-    return distributed.global_state.client

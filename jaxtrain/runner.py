@@ -20,7 +20,7 @@ from jaxtrain.data import loader, sources
 from jaxtrain.errors import ConfigError
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.report import RunWriter, ensure_room, make_out_dir, params_digest, run_summary
-from jaxtrain.signals import StopOnSignal
+from jaxtrain.signals import StopOnSignal, StopVote
 
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
 FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "batch_size", "seed",
@@ -256,7 +256,7 @@ def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
     """Train as ``config`` says; print progress; write the run's files; return the summary."""
     s = setup_devices(config)  # first: the device count is set before anything starts JAX's backend
     stop = stop or StopOnSignal()
-    stop.multi_process = jax.process_count() > 1
+    stop.vote = StopVote(s.devices) if jax.process_count() > 1 else None
     stop.reinstall()
     build_trainer(s)
     open_checkpoints(s)

@@ -5,11 +5,18 @@
   compilation (Python's own KeyboardInterrupt there could crash XLA).
 - Training: the first signal asks the loop to checkpoint and stop
   (``requested()`` turns true); a second one exits at once.
-- Multi-process runs must stop at the same step: the first process to see a
-  signal posts a stop step a few steps ahead in jax.distributed's key-value
-  store (first writer wins), and every process stops there. If no step
-  finishes for a while after a signal (a peer is gone and the step waits on
-  its collective forever), the process exits instead of waiting to be killed.
+- Multi-process runs must stop at the same step: each step, every process
+  puts its request (the signal number, or 0) into a tiny compiled max over
+  all devices (``StopVote``), read one step late like the metrics; all
+  processes read the same answer after the same step, so they all save that
+  step. No coordinator round trip, no blocking. If no step finishes for a
+  while after a signal (a peer is gone and the step waits on its collective
+  forever), the process exits instead of waiting to be killed.
+
+Why not JAX's preemption sync points (``multihost_utils.reached_preemption_sync_point``,
+orbax's ``reached_preemption``): they need JAX's C++ notifier to own SIGTERM,
+and then Python never sees it: no exit during start-up, no stuck-peer
+watchdog, and SIGINT would still need this module.
 
 The work is done by a thread woken through ``signal.set_wakeup_fd``, so it
 happens even while the main thread is blocked inside JAX; the Python-level
@@ -24,6 +31,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -44,19 +52,16 @@ def _exit_now(signum: int, why: str) -> None:
 class StopOnSignal:
     """``with StopOnSignal() as stop:`` ... ``stop.training()`` ... ``fit(should_stop=stop.requested)``."""
 
-    KEY = "jaxtrain/stop_at_step"
-    AHEAD = 3  # steps; processes are at most ~2 steps apart (<= 2 in flight)
     STALL = 5.0  # seconds without a step after a signal (at least 3x the slowest step) before giving up
 
-    def __init__(self, multi_process: bool = False):
-        self.multi_process = multi_process
+    def __init__(self, vote: Callable[[int], int] | None = None):
+        self.vote = vote  # multi-process: StopVote(devices); None: this process decides alone
         self.signum = 0
         self._count = 0
         self._training = False
         self._started = False
         self._busy = 0
         self._step = 0
-        self._stop_at = None
         self._last = time.monotonic()
         self._slowest = 0.0
         self._previous: dict = {}
@@ -91,7 +96,7 @@ class StopOnSignal:
                               "the ones before it are intact)")
         self.signum = signum
         since = time.monotonic()
-        while self.multi_process and self._training:
+        while self.vote is not None and self._training:
             time.sleep(0.2)
             quiet = time.monotonic() - max(self._last, since)
             if not self._busy and self._training and self._step > 1 and quiet > max(self.STALL, 3 * self._slowest):
@@ -118,25 +123,11 @@ class StopOnSignal:
             self._slowest = max(self._slowest, now - self._last)
         self._last = now
         self._step += 1
-        if not self.multi_process:
+        if self.vote is None:
             return bool(self.signum)
-        from jaxtrain import compat
-
-        client = compat.distributed_client()
-        if self._stop_at is None:
-            if self.signum:
-                try:
-                    client.key_value_set(self.KEY, f"{self._step + self.AHEAD} {self.signum}")
-                except Exception:  # noqa: BLE001 - another process posted first
-                    pass
-            try:
-                value = client.key_value_try_get(self.KEY)
-            except Exception:  # noqa: BLE001 - not posted yet
-                value = None
-            if value:
-                step, signum = (int(v) for v in value.split())
-                self._stop_at, self.signum = step, self.signum or signum
-        return self._stop_at is not None and self._step >= self._stop_at
+        agreed = self.vote(self.signum)  # the same on every process, one step late
+        self.signum = self.signum or agreed
+        return bool(agreed)
 
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
@@ -164,3 +155,34 @@ class StopOnSignal:
             signal.signal(s, handler)
         os.close(self._pipe[1])  # the watcher reads EOF and ends
         self._pipe = None
+
+
+class StopVote:
+    """``vote(signum) -> signum``: the largest request of any process, as posted at the previous call.
+
+    Each process's request goes to its devices; one compiled max over all of
+    them (a collective, dispatched without waiting) answers; the answer of the
+    previous call is read, so the loop never waits for it beyond the step
+    before. Every process calls it once per step, in the same order as its
+    steps, and gets the same answers at the same steps.
+    """
+
+    def __init__(self, devices):
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        mesh = Mesh(np.asarray(devices), ("all",))
+        self._sharding = NamedSharding(mesh, PartitionSpec("all"))
+        self._mine = [d for d in devices if d.process_index == jax.process_index()]
+        self._max = jax.jit(lambda requests: requests.max(), out_shardings=NamedSharding(mesh, PartitionSpec()))
+        self._pending = None
+
+    def __call__(self, signum: int) -> int:
+        import jax
+        import numpy as np
+
+        mine = [jax.device_put(np.full((1,), signum, np.int32), d) for d in self._mine]
+        requests = jax.make_array_from_single_device_arrays((self._sharding.mesh.size,), self._sharding, mine)
+        previous, self._pending = self._pending, self._max(requests)
+        return 0 if previous is None else int(jax.device_get(previous))

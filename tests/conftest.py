@@ -1,6 +1,8 @@
 """Test set-up: 4 virtual CPU devices before JAX starts; a private TFDS dir."""
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_NUM_CPU_DEVICES"] = "4"
 _TFDS_DIR = tempfile.mkdtemp(prefix="jaxtrain-tfds-")
+atexit.register(shutil.rmtree, _TFDS_DIR, ignore_errors=True)  # ~100 MB per test process
 os.environ["TFDS_DATA_DIR"] = _TFDS_DIR  # subprocesses inherit it too
 
 import numpy as np  # noqa: E402

@@ -133,17 +133,20 @@ def test_launcher_needs_a_command():
     assert out.returncode == 2 and "give the command" in out.stderr
 
 
-def test_sigterm_to_the_launcher_stops_all_processes_at_one_step_and_resume_is_exact(tmp_path):
+def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_exact(tmp_path):
+    """One worker gets the signal; the other learns it through the per-step vote and saves the same step."""
     ck = tmp_path / "ck"
     args = ["--max-steps", "60", "--checkpoint-every", "10", "--checkpoint-dir", str(ck)]
     launcher = start("-m", "jaxtrain.launch", "--processes", "2", "--devices-per-process", "1", "--",
                      sys.executable, *LENET, *args, "--out", str(tmp_path / "a"))
     wait_for(ck / "20", launcher)
-    launcher.send_signal(signal.SIGTERM)
+    os.kill(children(launcher.pid)[1], signal.SIGTERM)
     output, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 143, output[-3000:]
     stopped = [line for line in output.splitlines() if "stopped by signal at step" in line]
-    assert len(stopped) == 1  # process 0 reports it; both saved the same step together
+    assert len(stopped) == 1 and "checkpoint saved" in stopped[0], output[-3000:]  # process 0 reports it
+    step = int(stopped[0].split("at step ")[1].split(";")[0])
+    assert (ck / str(step)).is_dir() and 20 <= step < 60
     resumed = launch(2, 1, *args, "--out", str(tmp_path / "b"), "--resume")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     single = run_cli(*LENET, "--devices", "2", "--max-steps", "60", "--out", str(tmp_path / "c"))

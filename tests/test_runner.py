@@ -132,3 +132,13 @@ def test_time_steps_times_a_step_read_one_step_late():
     batch = trainer.shard(next(iter(train.epoch(0))))
     state, sec = time_steps(trainer, state, batch, 3)
     assert int(state.step) == 3 and sec > 0
+
+
+def test_the_stop_vote_answers_one_call_late_with_the_largest_request():
+    from jaxtrain.signals import StopOnSignal, StopVote
+
+    vote = StopVote(jax.devices())
+    assert [vote(s) for s in (0, 0, 15, 0, 2, 0)] == [0, 0, 0, 15, 0, 2]
+    stop = StopOnSignal(vote=StopVote(jax.devices()))
+    stop.signum = 15  # as the signal thread sets it
+    assert [stop.requested(), stop.requested()] == [False, True]  # the vote's answer comes one step late
