@@ -91,6 +91,9 @@ class RunConfig:
     log_every: int | None = _field(None, "print a line every N steps (loss, examples/s, data wait; read one step "
                                          "late, never waiting for the device) and log them to TensorBoard",
                                    minimum=1)
+    eval_every: int = _field(1, "evaluate on the test set every N epochs (and after the last)", minimum=1)
+    eval_every_steps: int | None = _field(None, "also evaluate every N train steps (a line, and TensorBoard's "
+                                                "test_step/ scalars)", minimum=1)
     profile: str | None = _field(None, "write a jax.profiler trace of steps START..STOP-1 to OUT/profile (open "
                                        "it in XProf, TensorBoard or ui.perfetto.dev; see README)", flag_type="steps")
 

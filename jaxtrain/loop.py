@@ -55,6 +55,9 @@ def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> di
     through ``device_batches``, and the eval step runs under
     ``jax.transfer_guard("disallow")``.
     """
+    if any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array)):  # jaxlib would crash
+        raise ValueError("evaluate: this state was donated to a later train step (its buffers are gone): evaluate "
+                         "the newest state, or keep a copy (jax.tree.map(jnp.copy, state)) before the next step")
     totals: dict[str, float] = {}
 
     def add(read):
@@ -111,7 +114,7 @@ _NO_SUMS = {"loss": 0.0, "accuracy": 0.0, "steps": 0, "examples": 0}
 
 class Loop:
     """The loop as hooks see it: ``state``, ``epoch``, ``total_steps``, ``recent`` (the newest metrics read,
-    one step late), ``chrono``, ``stats`` (at an epoch's end); ``sync()``, ``position()``."""
+    one step late), ``chrono``, ``stats`` (at an epoch's end), ``evaluated``; ``sync()``, ``position()``."""
 
     def __init__(self, state, epochs: int, max_steps: int | None, steps_per_epoch: int, position: Position,
                  bar_factory: Callable):
@@ -119,6 +122,7 @@ class Loop:
         self.total_steps, self.first_loss = position.total_steps, position.first_loss
         self.history = [EpochStats(**h) for h in position.history]
         self.recent: dict = {}
+        self.evaluated: dict = {}  # the newest evaluation's result (``evaluation``)
         self.stats: EpochStats | None = None
         self._late, self._bar_factory = OneStepLate(), bar_factory
 
@@ -174,8 +178,9 @@ class Loop:
 
 def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, max_steps: int | None = None,
         hooks: Sequence[Hook] = (), on_epoch: Callable[[EpochStats], None] | None = None,
-        progress: bool | None = None, prefetch: int = 2, position: Position | None = None):
-    """Train for ``epochs`` (or until ``max_steps`` in total), evaluating after each epoch.
+        progress: bool | None = None, prefetch: int = 2, position: Position | None = None, eval_every: int = 1):
+    """Train for ``epochs`` (or until ``max_steps`` in total), evaluating every ``eval_every`` epochs and after
+    the last (``evaluator`` None: never).
 
     The hot loop runs under ``jax.transfer_guard("disallow")``: batches reach
     the devices only through ``device_batches`` (explicit copies, ``prefetch``
@@ -189,7 +194,8 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
     per epoch, and the loss of the very first step.
     """
     pos = position or Position()
-    hooks = [*([Hook(lambda loop: on_epoch(loop.stats), unit="epoch")] if on_epoch else []), *hooks]
+    hooks = [*([evaluation(evaluator, test_loader, eval_every, prefetch=prefetch)] if evaluator else []),
+             *([Hook(lambda loop: on_epoch(loop.stats), unit="epoch")] if on_epoch else []), *hooks]
 
     def bar(epoch, batch):
         return tqdm(total=len(train_loader), initial=batch, desc=f"epoch {epoch}/{epochs}", unit="step",
@@ -216,26 +222,48 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
                     if hook.due("step", loop.total_steps):
                         hook.fn(loop)
             loop.sync()
-        _end_epoch(loop, evaluator, test_loader, prefetch)
+        _end_epoch(loop)
         for hook in hooks:
             if hook.due("epoch", epoch):
                 hook.fn(loop)
     return loop.state, loop.history, loop.first_loss
 
 
-def _end_epoch(loop: Loop, evaluator, test_loader, prefetch: int) -> None:
-    train_sec, sums, chrono = loop.chrono.train_sec, loop.sums, loop.chrono
-    start_eval = time.perf_counter()
-    with jax.profiler.TraceAnnotation("eval"):
-        test = evaluate(evaluator, loop.state, test_loader.epoch(loop.epoch), prefetch)
+def _end_epoch(loop: Loop) -> None:
+    sums, chrono = loop.sums, loop.chrono
     loop.stats = EpochStats(
         epoch=loop.epoch, steps=sums["steps"], examples=sums["examples"],
         train_loss=sums["loss"] / max(sums["steps"], 1), train_acc=sums["accuracy"] / max(sums["steps"], 1),
-        test_loss=test.get("loss", float("nan")), test_acc=test.get("accuracy", float("nan")),
-        test_examples=test["count"], train_sec=train_sec, eval_sec=time.perf_counter() - start_eval,
-        data_wait_sec=chrono.wait, data_wait_fraction=chrono.wait / max(train_sec, 1e-9),
+        test_loss=float("nan"), test_acc=float("nan"), test_examples=0, train_sec=chrono.train_sec, eval_sec=0.0,
+        data_wait_sec=chrono.wait, data_wait_fraction=chrono.wait / max(chrono.train_sec, 1e-9),
         checkpoint_sec=chrono.pauses.get("checkpoint", 0.0))
     loop.history.append(loop.stats)
+
+
+def evaluation(evaluator, test_loader, every: int = 1, unit: str = "epoch", prefetch: int = 2,
+               on_result: Callable[[Loop, dict], None] | None = None) -> Hook:
+    """Evaluate on ``test_loader`` every ``every`` epochs (and after the run's last) or steps.
+
+    An epoch's evaluation fills its ``EpochStats``' test fields; a step's is a pause of the epoch's clock.
+    Each result (``{"step", "loss", "accuracy", "count", "sec"}``) is ``loop.evaluated`` and goes to
+    ``on_result(loop, result)``.
+    """
+    def run(loop: Loop) -> None:
+        last = loop.epoch >= loop.epochs or loop.max_steps is not None and loop.total_steps >= loop.max_steps
+        if unit == "epoch" and loop.epoch % every and not last:
+            return
+        start = time.perf_counter()
+        with loop.chrono.paused("eval") if unit == "step" else contextlib.nullcontext(), \
+                jax.profiler.TraceAnnotation("eval"):
+            test = evaluate(evaluator, loop.state, test_loader.epoch(loop.epoch), prefetch)
+        loop.evaluated = {"step": loop.total_steps, **test, "sec": time.perf_counter() - start}
+        if unit == "epoch":
+            loop.stats.test_loss, loop.stats.test_acc = test.get("loss", np.nan), test.get("accuracy", np.nan)
+            loop.stats.test_examples, loop.stats.eval_sec = test["count"], loop.evaluated["sec"]
+        if on_result is not None:
+            on_result(loop, loop.evaluated)
+
+    return Hook(run, every if unit == "step" else 1, unit)
 
 
 def checkpoint_hooks(save: Callable[[object, Position], None] | None, every: int | None = None,

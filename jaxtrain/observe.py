@@ -95,12 +95,23 @@ def step_log(every: int, say, events: Events | None) -> Hook:
     return Hook(log, every)
 
 
+def eval_line(say, events: Events | None):
+    """``on_result`` of a step-period ``evaluation``: one line and ``test_step/`` scalars."""
+    def show(loop: Loop, result: dict) -> None:
+        say(f"step {result['step']}: test loss {result['loss']:.4f}, test acc {result['accuracy']:.3f} "
+            f"({result['count']} examples, {result['sec']:.1f} s)", flush=True)
+        if events is not None:
+            events.scalars(result["step"], {"loss": result["loss"], "accuracy": result["accuracy"]}, "test_step")
+
+    return show
+
+
 def epoch_events(events: Events) -> Hook:
     def write(loop: Loop) -> None:
         s = loop.stats
-        events.scalars(s.epoch, {"train_loss": s.train_loss, "train_acc": s.train_acc, "test_loss": s.test_loss,
-                                 "test_acc": s.test_acc, "train_sec": s.train_sec,
-                                 "data_wait_fraction": s.data_wait_fraction}, "epoch")
+        tested = {"test_loss": s.test_loss, "test_acc": s.test_acc} if s.test_examples else {}
+        events.scalars(s.epoch, {"train_loss": s.train_loss, "train_acc": s.train_acc, **tested,
+                                 "train_sec": s.train_sec, "data_wait_fraction": s.data_wait_fraction}, "epoch")
         events.flush()
 
     return Hook(write, unit="epoch")

@@ -18,7 +18,7 @@ from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import RunConfig
 from jaxtrain.data import loader, sources
 from jaxtrain.errors import ConfigError
-from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
+from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, evaluation, fit
 from jaxtrain.report import RunWriter, ensure_room, make_out_dir, params_digest, run_summary
 from jaxtrain.signals import StopOnSignal, StopVote
 
@@ -182,14 +182,18 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
     def on_epoch(e):
         if writer is not None:
             writer.epoch(e)
-        say(f"epoch {e.epoch}/{c.epochs}: train loss {e.train_loss:.4f}, train acc {e.train_acc:.3f}, test acc "
-            f"{e.test_acc:.3f}, {e.train_sec:.1f} sec, data wait {100 * e.data_wait_fraction:.1f}%", flush=True)
+        test = f"test acc {e.test_acc:.3f}" if e.test_examples else "not evaluated"
+        say(f"epoch {e.epoch}/{c.epochs}: train loss {e.train_loss:.4f}, train acc {e.train_acc:.3f}, {test}, "
+            f"{e.train_sec:.1f} sec, data wait {100 * e.data_wait_fraction:.1f}%", flush=True)
 
     def save(state, position):
         with stop.busy():
             s.checkpointer.save(state, position)
 
     watching, profile, events = observe.watchers(c, writer.out_dir if writer else None, say)
+    if c.eval_every_steps:
+        watching.append(evaluation(s.evaluator, test_data, c.eval_every_steps, "step", c.prefetch,
+                                   observe.eval_line(say, events)))
     hooks = [*watching, *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested)]
     if c.memory_report:
         hooks.append(Hook(memory_after_first_step))
@@ -200,7 +204,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
         state, history, first_loss = fit(
             s.trainer, state, train_data, s.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,
             hooks=hooks, on_epoch=on_epoch, progress=False if c.no_progress or writer is None else None,
-            prefetch=c.prefetch, position=position)
+            prefetch=c.prefetch, position=position, eval_every=c.eval_every)
     except Interrupted as e:
         stop.done()
         stopped(s, e.position.total_steps, stop)

@@ -24,7 +24,7 @@ def read_events(run_dir):
 def test_log_lines_tensorboard_events_and_a_profile_of_chosen_steps(tmp_path):
     out = run_cli("-m", "experiments.lenet", "--devices", "2", "--train-subset", "1024", "--epochs", "2",
                   "--test-subset", "256", "--log-every", "2", "--profile", "2:4", "--out", str(tmp_path),
-                  "--no-progress")  # 4 steps per epoch
+                  "--eval-every", "2", "--eval-every-steps", "6", "--no-progress")  # 4 steps per epoch
     assert out.returncode == 0, out.stderr[-3000:]
     lines = re.findall(r"^step (\d+): loss [\d.]+, [\d,]+ examples/s, data wait \d+%$", out.stdout, re.M)
     assert lines == ["1", "3", "5", "7"], out.stdout  # every 2 steps, each the step before (read one step late)
@@ -33,8 +33,10 @@ def test_log_lines_tensorboard_events_and_a_profile_of_chosen_steps(tmp_path):
     assert [s for s, _ in by_tag["train_step/loss"]] == [1, 3, 5, 7]
     assert all(2.0 < v < 2.5 for _, v in by_tag["train_step/loss"])
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(s, round(v, 5)) for s, v in by_tag["epoch/test_acc"]] == [(m["epoch"], round(m["test_acc"], 5))
-                                                                       for m in metrics]
+    assert [(s, round(v, 5)) for s, v in by_tag["epoch/test_acc"]] == [(2, round(metrics[1]["test_acc"], 5))]
+    assert metrics[0]["test_examples"] == 0 and "epoch 1/2: train loss" in out.stdout and "not evaluated" in out.stdout
+    tested = re.findall(r"^step (\d+): test loss [\d.]+, test acc ([\d.]+) \(256 examples", out.stdout, re.M)
+    assert [s for s, _ in tested] == ["6"] and [s for s, _ in by_tag["test_step/accuracy"]] == [6], out.stdout
     assert b'"batch_size": 256' in by_tag["config"][0][1]
 
     traces = list((tmp_path / "profile").rglob("perfetto_trace.json.gz"))

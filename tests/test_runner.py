@@ -118,6 +118,26 @@ def test_hooks_run_at_their_period_and_checkpoints_hold_the_steps_they_say():
     assert [h.steps for h in history] == [8, 6]
 
 
+def test_evaluation_is_a_hook_with_a_period_in_epochs_or_steps():
+    trainer, state, train, evaluator, test = _setup(n_train=512)  # 4 steps per epoch
+    from jaxtrain.loop import evaluate, evaluation
+
+    results, states = [], {}
+    keep = Hook(lambda loop: states.__setitem__(loop.total_steps, (loop.state, jax.tree.map(jnp.copy, loop.state))),
+                every=3)
+    at_steps = evaluation(evaluator, test, every=3, unit="step", on_result=lambda loop, r: results.append(r))
+    _, history, _ = fit(trainer, state, train, evaluator, test, epochs=3, eval_every=2, hooks=[keep, at_steps],
+                        progress=False)
+    assert [h.test_examples for h in history] == [0, 256, 256]  # epochs 2 and 3 (the last is always evaluated)
+    assert np.isnan(history[0].test_acc) and history[0].eval_sec == 0 and history[1].eval_sec > 0
+    assert [r["step"] for r in results] == [3, 6, 9, 12] and all(r["count"] == 256 for r in results)
+    with pytest.raises(ValueError, match="donated to a later train step"):
+        evaluate(evaluator, states[6][0], test.epoch(0))  # a clear error, not jaxlib's segfault
+    again = evaluate(evaluator, states[6][1], test.epoch(0))
+    assert results[1]["accuracy"] == again["accuracy"] and results[1]["loss"] == pytest.approx(again["loss"])
+    assert history[-1].test_acc == results[-1]["accuracy"]  # step 12 ends epoch 3
+
+
 def test_a_stop_request_saves_once_and_raises_interrupted_with_the_position():
     trainer, state, train, evaluator, test = _setup()
     saved = []
