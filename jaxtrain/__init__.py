@@ -30,6 +30,8 @@ _EXPORTS = {
     "run": "jaxtrain.runner",
     "dropout": "jaxtrain.rng",
     "example_keys": "jaxtrain.rng",
+    "make_pipeline_step": "jaxtrain.pipeline",
+    "STAGE_AXIS": "jaxtrain.pipeline",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,0 +1,167 @@
+"""Pipeline parallelism (jaxtrain.pipeline): GPipe and circular schedules against the sequential model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxtrain as jt
+from jaxtrain import pipeline
+from jaxtrain.errors import ConfigError
+
+LAYERS, WIDTH = 8, 16
+
+
+def embed_fn(E, batch):
+    return jnp.tanh(batch["x"] @ E["w"])
+
+
+def stage_fn(p, x):  # a residual MLP block with a per-example normalisation (no batch statistics)
+    h = x - x.mean(-1, keepdims=True)
+    return x + jnp.tanh(h @ p["w"] + p["b"])
+
+
+def head_loss_fn(H, x, batch):
+    logits = x @ H["w"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+
+
+def init_fn(rng, layers=LAYERS):
+    k = jax.random.split(rng, 4)
+    return {"embed": {"w": jax.random.normal(k[0], (8, WIDTH)) / 3},
+            "stages": {"w": jax.random.normal(k[1], (layers, WIDTH, WIDTH)) / 4,
+                       "b": jax.random.normal(k[2], (layers, WIDTH)) / 10},
+            "head": {"w": jax.random.normal(k[3], (WIDTH, 5)) / 4}}
+
+
+def batches(n=3, size=16):
+    rng = np.random.default_rng(0)
+    return [{"x": rng.normal(size=(size, 8)).astype(np.float32), "y": rng.integers(0, 5, size).astype(np.int32)}
+            for _ in range(n)]
+
+
+def reference(tx, data):
+    trainer = jt.make_train_step(pipeline.sequential_loss(embed_fn, stage_fn, head_loss_fn), tx, mesh=1)
+    state = trainer.init(init_fn(jax.random.key(0)))
+    losses = []
+    for b in data:
+        state, m = trainer(state, b)
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
+def pipelined(tx, data, axes, **kw):
+    mesh = jt.make_mesh(int(np.prod(list(axes.values()))), axes=axes)
+    trainer = jt.make_pipeline_step(embed_fn, stage_fn, head_loss_fn, tx, mesh=mesh, **kw)
+    state = trainer.init(init_fn=init_fn, rng=jax.random.key(0))
+    losses = []
+    for b in data:
+        state, m = trainer(state, b)
+        losses.append(float(m["loss"]))
+    return trainer, state, losses
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("axes,kw", [
+    ({"data": 1, "stage": 2}, dict(microbatches=1)),
+    ({"data": 1, "stage": 2}, dict(microbatches=4)),
+    ({"data": 1, "stage": 4}, dict(microbatches=8)),
+    ({"data": 1, "stage": 4}, dict(microbatches=4, schedule="circular", repeats=2)),
+    ({"data": 1, "stage": 2}, dict(microbatches=8, schedule="circular", repeats=2, remat="full")),
+    ({"data": 2, "stage": 2}, dict(microbatches=4)),
+])
+def test_pipelined_steps_equal_the_sequential_model(opt, axes, kw):
+    tx = optax.sgd(0.3) if opt == "sgd" else optax.adam(1e-2)
+    data = batches()
+    ref, ref_losses = reference(tx, data)
+    trainer, state, losses = pipelined(tx, data, axes, **kw)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    got = {**state.params, "stages": pipeline.layers(state.params["stages"])}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, ref.params)
+
+
+def test_each_stage_holds_only_its_layers_and_the_step_gathers_none():
+    trainer, state, _ = pipelined(optax.adam(1e-2), batches(1), {"data": 1, "stage": 4}, microbatches=4,
+                                  schedule="circular", repeats=2)
+    w = state.params["stages"]["w"]  # [R=2, S=4, K=1, ...]
+    assert w.shape == (2, 4, 1, WIDTH, WIDTH) and tuple(w.sharding.spec)[:2] == (None, "stage")
+    assert set(tuple(w.sharding.spec)[2:]) <= {None}
+    logical = np.asarray(pipeline.layers(state.params["stages"])["w"])
+    for shard in w.addressable_shards:
+        stage = list(trainer.mesh.devices.flat).index(shard.device)  # data=1: device index = stage index
+        assert shard.data.shape == (2, 1, 1, WIDTH, WIDTH)
+        np.testing.assert_array_equal(np.asarray(shard.data)[:, 0, 0], logical[[stage, stage + 4]])  # chunks s, s+S
+    mu = state.opt_state[0].mu["stages"]["w"]
+    assert mu.sharding.spec == w.sharding.spec  # Adam's moments follow their layers
+    stats = jt.compiled_stats(trainer, state, batches(1)[0], residuals=False)["collectives"]
+    assert "all-gather" not in stats, stats
+    assert stats["collective-permute"]["ops"] >= 1, stats
+
+
+def test_pipelined_evaluation_equals_the_sequential_model():
+    trainer, state, _ = pipelined(optax.sgd(0.3), batches(1), {"data": 2, "stage": 2}, microbatches=2)
+
+    def head_eval_fn(H, x, batch):
+        logits = x @ H["w"]
+        return {"accuracy": (logits.argmax(-1) == batch["y"]).astype(jnp.float32),
+                "loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])}
+
+    def plain_eval_fn(params, model_state, batch):
+        x = embed_fn(params["embed"], batch)
+        for i in range(LAYERS):
+            x = stage_fn(jax.tree.map(lambda w: w[i], params["stages"]), x)
+        return head_eval_fn(params["head"], x, batch)
+
+    batch = batches(1, size=32)[0]
+    got = jt.make_eval_step(trainer.eval_fn(head_eval_fn), mesh=trainer.mesh)(state, batch)
+    plain = {**state.params, "stages": pipeline.layers(state.params["stages"])}
+    want = jax.jit(plain_eval_fn)(jax.device_get(plain), {}, batch)
+    assert float(got["count"]) == 32
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"].sum()), rtol=1e-5)
+    assert float(got["accuracy"]) == float(want["accuracy"].sum())
+
+
+def test_a_checkpoint_resumes_the_pipelined_run_exactly(tmp_path):
+    from jaxtrain.checkpoint import Checkpointer
+    from jaxtrain.loop import Position
+
+    data = batches(4)
+    trainer, state, _ = pipelined(optax.adam(1e-2), data[:2], {"data": 1, "stage": 2}, microbatches=2)
+    ck = Checkpointer(tmp_path / "ck", keep=2)
+    ck.save(state, Position(total_steps=2), wait=True)
+    ck.close()
+    for b in data[2:]:
+        state, _ = trainer(state, b)
+    again = Checkpointer(tmp_path / "ck", keep=2)
+    restored = again.restore(trainer.init(init_fn=init_fn, rng=jax.random.key(1))).state
+    again.close()
+    for b in data[2:]:
+        restored, _ = trainer(restored, b)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.params), jax.device_get(state.params))
+
+
+@pytest.mark.parametrize("axes,kw,layers,match", [
+    ({"data": 4}, {}, LAYERS, "pipelining needs a mesh axis 'stage'"),
+    ({"data": 1, "stage": 4}, dict(microbatches=2, schedule="circular", repeats=2), LAYERS,
+     "circular schedule needs microbatches >= stages"),
+    ({"data": 1, "stage": 4}, dict(repeats=2), LAYERS, "repeats=2 needs schedule='circular'"),
+    ({"data": 1, "stage": 4}, dict(schedule="1f1b"), LAYERS, "unknown schedule '1f1b'"),
+    ({"data": 1, "stage": 4}, dict(microbatches=4, schedule="circular", repeats=2), 12,
+     "12 layers do not split into 4 stages x 2 repeats"),
+])
+def test_bad_pipelines_are_one_line_errors_before_compiling(axes, kw, layers, match):
+    mesh = jt.make_mesh(4, axes=axes)
+    with pytest.raises(ConfigError, match=match) as e:
+        trainer = jt.make_pipeline_step(embed_fn, stage_fn, head_loss_fn, optax.sgd(0.1), mesh=mesh, **kw)
+        trainer.init(init_fn=lambda r: init_fn(r, layers), rng=jax.random.key(0))
+    assert "\n" not in str(e.value)
+
+
+def test_a_batch_that_does_not_split_into_the_microbatches_is_a_one_line_error():
+    mesh = jt.make_mesh(4, axes={"data": 2, "stage": 2})
+    trainer = jt.make_pipeline_step(embed_fn, stage_fn, head_loss_fn, optax.sgd(0.1), mesh=mesh, microbatches=4)
+    state = trainer.init(init_fn=init_fn, rng=jax.random.key(0))
+    with pytest.raises(ConfigError, match="batch size 12 does not split evenly over 2 data shards x 4 micro-batches"):
+        trainer(state, batches(1, size=12)[0])
