@@ -4,3 +4,5 @@ STRATEGIES = ("jit", "shard_map", "pmap", "ring")  # jaxtrain.parallel
 PRECISIONS = ("fp32", "bf16", "fp16")  # jaxtrain.precision.POLICIES
 ACCUM_MODES = ("scan", "multisteps")  # jaxtrain.accumulate
 PARAM_SHARDINGS = ("replicated", "fsdp", "tp", "fsdp+tp")  # jaxtrain.sharding.preset
+OPTIMIZERS = ("sgd", "adam")
+SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.pipeline)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtrain.choices import ACCUM_MODES, PARAM_SHARDINGS, PRECISIONS, STRATEGIES
+from jaxtrain.choices import ACCUM_MODES, OPTIMIZERS, PARAM_SHARDINGS, PRECISIONS, SCHEDULES, STRATEGIES
 from jaxtrain.data.sources import DATASETS, DEFAULT_IDX_DIRS
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
@@ -91,6 +91,13 @@ class RunConfig:
     log_every: int | None = _field(None, "print a line every N steps (loss, examples/s, data wait; read one step "
                                          "late, never waiting for the device) and log them to TensorBoard",
                                    minimum=1)
+    optimizer: str | None = _field(None, "optimizer (default: the model's recipe: sgd for lenet/resnet18, adam for "
+                                         "vit)", choices=OPTIMIZERS)
+    microbatches: int = _field(1, "pipelined runs (a 'stage' axis in --mesh): micro-batches per step; the bubble "
+                                  "is (stages-1)/(repeats*microbatches+stages-1)", minimum=1)
+    schedule: str = _field("gpipe", "pipelined runs: gpipe, or circular (each stage holds --repeats chunks of "
+                                    "layers)", choices=SCHEDULES)
+    repeats: int = _field(1, "pipelined runs, circular schedule: layer chunks per stage", minimum=1)
     eval_every: int = _field(1, "evaluate on the test set every N epochs (and after the last)", minimum=1)
     eval_every_steps: int | None = _field(None, "also evaluate every N train steps (a line, and TensorBoard's "
                                                 "test_step/ scalars)", minimum=1)
@@ -114,7 +121,7 @@ class RunConfig:
         if self.init is not None and self.init not in recipe.inits:
             raise ConfigError(f"--init: model {self.model} has no init {self.init!r}; choose one of "
                               f"{', '.join(recipe.inits)}")
-        for name in ("epochs", "batch_size", "lr"):  # the model's recipe fills what was not given
+        for name in ("epochs", "batch_size", "lr", "optimizer"):  # the model's recipe fills what was not given
             if getattr(self, name) is None:
                 object.__setattr__(self, name, getattr(recipe, name))
         if self.init is None:

@@ -160,7 +160,9 @@ def make_mesh(devices: int | Sequence[jax.Device] | Mesh | None = None, axes: Ma
 
     ``axes``: named axis sizes, e.g. ``{"data": 2, "model": 2}``, in mesh
     order; their product must be the number of devices. Default: one axis
-    ``"data"`` over all of them. ``"data"`` is always the batch axis.
+    ``"data"`` over all of them. ``"data"`` is always the batch axis; left
+    out, it comes first with the devices the others leave (``{"stage": 4}``
+    on 8 devices is ``{"data": 2, "stage": 4}``).
     """
     if isinstance(devices, Mesh):
         return devices
@@ -177,6 +179,9 @@ def make_mesh(devices: int | Sequence[jax.Device] | Mesh | None = None, axes: Ma
         devices = available[:devices]
     devices = list(devices)
     axes = dict(axes) if axes else {DATA_AXIS: len(devices)}
+    rest = math.prod(v for v in axes.values() if isinstance(v, int) and v >= 1)
+    if DATA_AXIS not in axes and len(devices) % rest == 0:  # "data" takes the devices the others leave
+        axes = {DATA_AXIS: len(devices) // rest, **axes}
     _check_axes(axes, len(devices))
     # Auto (GSPMD) axes: users' model code stays sharding-agnostic. With
     # Explicit axes a plain reshape of a batch-sharded array (e.g. a pooling

@@ -23,7 +23,8 @@ stage back to the first, for the next repeat): ``R*M + S - 1`` ticks, bubble ``(
 ``repeats=1`` is GPipe, ``microbatches=1`` the naive model parallelism (one stage busy at a time). The
 backward pass is autodiff of the scan over ticks: the transposed scan runs the ticks in reverse with the
 ppermutes reversed, i.e. all forward ticks, then all backward ticks (GPipe). Each tick's activations are
-kept for it, or with ``remat="full"`` only the tick's input (``jax.checkpoint`` per tick).
+kept for it, or with ``remat`` (a ``jaxtrain.remat`` policy: "full" keeps only the tick's input) less of
+them (``jax.checkpoint`` around each tick's chunk of layers).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.choices import SCHEDULES
 from jaxtrain.devices import DATA_AXIS, make_mesh
 from jaxtrain.errors import ConfigError
+from jaxtrain.remat import policy
+from jaxtrain.remat import remat as remat_policy
 from jaxtrain.step import Trainer
 
 STAGE_AXIS = "stage"
-SCHEDULES = ("gpipe", "circular")
 
 
 def layers(stored):
@@ -73,7 +76,7 @@ def sequential_loss(embed_fn, stage_fn, head_loss_fn):
     return loss_fn
 
 
-def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: int, remat: bool):
+def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: int, remat: str):
     """Per device: ``(E, stored stages, batch) -> x`` after the last layer (valid on the last stage only)."""
     S, R, M = num_stages, repeats, microbatches
     ring = [(j, (j + 1) % S) for j in range(S)]
@@ -81,8 +84,7 @@ def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: i
     def chunk(params, x):  # this device's K layers of one repeat
         return lax.scan(lambda x, p: (stage_fn(p, x), None), x, params)[0]
 
-    if remat:
-        chunk = jax.checkpoint(chunk)
+    chunk = remat_policy(chunk, remat)
 
     def run(embed, stored, batch):
         s = lax.axis_index(STAGE_AXIS)
@@ -131,8 +133,7 @@ class PipelineTrainer(Trainer):
                               f"axes={{'data': 1, 'stage': 4}}); this mesh has {', '.join(mesh.axis_names)}")
         if schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
-        if remat not in ("none", "full"):
-            raise ConfigError(f"pipeline remat {remat!r}: use 'none' or 'full' (jax.checkpoint per tick)")
+        policy(remat)  # an unknown name: a ConfigError now
         if schedule == "gpipe" and repeats != 1:
             raise ConfigError(f"repeats={repeats} needs schedule='circular' (gpipe has one chunk per stage)")
         if microbatches < 1 or repeats < 1:
@@ -143,7 +144,7 @@ class PipelineTrainer(Trainer):
                               f"{self.num_stages}): a micro-batch must leave the last stage before it re-enters")
         self.microbatches, self.schedule, self.repeats, self.remat = microbatches, schedule, repeats, remat
         self.embed_fn, self.stage_fn = embed_fn, stage_fn
-        self._forward = _schedule(embed_fn, stage_fn, self.num_stages, repeats, microbatches, remat == "full")
+        self._forward = _schedule(embed_fn, stage_fn, self.num_stages, repeats, microbatches, remat)
         super().__init__(self._loss(head_loss_fn), tx, mesh, "jit", precision,
                          param_sharding=[(r"^stages/|^stages$", P(None, STAGE_AXIS))], min_size=1)
         self.shard.divisor = microbatches  # each data shard's examples split into the micro-batches
@@ -188,10 +189,25 @@ class PipelineTrainer(Trainer):
 
     def init(self, params=None, model_state=None, rng=None, *, init_fn=None):
         """``init(params)`` or ``init(init_fn=f, rng=key)`` with ``f(rng) -> {"embed", "stages", "head"}``
-        (stages leaves ``[L, ...]``); stored as the schedule places them."""
+        (or ``(that, {})``; stages leaves ``[L, ...]``); stored as the schedule places them."""
         if init_fn is not None:
-            return super().init(init_fn=lambda r: (self._pipelined(init_fn(r)), {}), rng=rng)
+            first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+            return super().init(init_fn=lambda r: (self._pipelined(first(init_fn(r))), {}), rng=rng)
         return super().init(None if params is None else self._pipelined(params), model_state, rng)
+
+    def plan(self, params) -> dict:
+        """As ``Trainer.plan``, for params with ``[L, ...]`` stages leaves (arrays or shapes)."""
+        return super().plan(jax.eval_shape(self._pipelined, params))
+
+    def describe(self) -> dict:
+        return {"stages": self.num_stages, "microbatches": self.microbatches, "schedule": self.schedule,
+                "repeats": self.repeats, "bubble": self.bubble}
+
+
+def pipeline_layout(trainer) -> dict | None:
+    """How a trainer stores its layers (``[repeats, stages, K, ...]``: checkpoints must match); None if not
+    pipelined."""
+    return {"stages": trainer.num_stages, "repeats": trainer.repeats} if isinstance(trainer, PipelineTrainer) else None
 
 
 def make_pipeline_step(embed_fn, stage_fn, head_loss_fn, tx: optax.GradientTransformation, *, mesh,

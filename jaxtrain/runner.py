@@ -18,15 +18,17 @@ from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import RunConfig
 from jaxtrain.data import loader, sources
 from jaxtrain.errors import ConfigError
+from jaxtrain.pipeline import STAGE_AXIS, pipeline_layout
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, evaluation, fit
 from jaxtrain.report import RunWriter, ensure_room, make_out_dir, params_digest, run_summary
 from jaxtrain.signals import StopOnSignal, StopVote
 
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
 FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "batch_size", "seed",
-                  "precision", "accum_steps", "accum")
+                  "precision", "accum_steps", "accum", "pipeline_layout")
 # Settings a resumed run may change (reported when they do).
-FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps")
+FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
+                 "microbatches")
 
 
 class Exit(Exception):
@@ -63,9 +65,14 @@ def setup_devices(c: RunConfig) -> Setup:
 def build_trainer(s: Setup) -> None:
     """The train / eval steps; a bad sharding or batch size fails here, before any data is read."""
     c = s.config
-    s.trainer = jt.make_train_step(s.model.loss_fn, optax.sgd(c.lr), mesh=s.mesh, strategy=c.strategy,
-                                   precision=c.precision, accum_steps=c.accum_steps, accum=c.accum,
-                                   param_sharding=sharding.preset(c.param_sharding, s.model.tp_rules))
+    tx = {"sgd": optax.sgd, "adam": optax.adam}[c.optimizer](c.lr)
+    if STAGE_AXIS in s.mesh.axis_names:
+        build_pipeline(s, tx)
+    else:
+        s.trainer = jt.make_train_step(s.model.loss_fn, tx, mesh=s.mesh, strategy=c.strategy,
+                                       precision=c.precision, accum_steps=c.accum_steps, accum=c.accum,
+                                       param_sharding=sharding.preset(c.param_sharding, s.model.tp_rules))
+        s.evaluator = jt.make_eval_step(s.model.eval_fn, mesh=s.mesh, strategy=c.strategy)
     s.layout = s.trainer.plan(jax.eval_shape(s.model.init, jax.random.key(c.seed))[0])
     s.call_batch = c.batch_size
     if c.accum == "multisteps":  # one call per micro-batch
@@ -74,7 +81,22 @@ def build_trainer(s: Setup) -> None:
                               f"micro-batches: use a multiple of {c.accum_steps}")
         s.call_batch = c.batch_size // c.accum_steps
     s.trainer.check_batch_size(s.call_batch)
-    s.evaluator = jt.make_eval_step(s.model.eval_fn, mesh=s.mesh, strategy=c.strategy)
+
+
+def build_pipeline(s: Setup, tx) -> None:
+    """A --mesh with a "stage" axis: the model's layers pipelined over it."""
+    c = s.config
+    if s.model.pipeline is None:
+        raise ConfigError(f"--mesh {STAGE_AXIS}=...: model {c.model} cannot be pipelined (it has no stack of "
+                          "identical layers): use --model vit, or a mesh without a 'stage' axis")
+    if (c.strategy, c.param_sharding, c.accum_steps) != ("jit", "replicated", 1):
+        raise ConfigError("pipelined runs use --strategy jit, --param-sharding replicated and --accum-steps 1 "
+                          "(micro-batches are the pipeline's: --microbatches)")
+    embed_fn, stage_fn, head_loss_fn, head_eval_fn = s.model.pipeline
+    s.trainer = jt.make_pipeline_step(embed_fn, stage_fn, head_loss_fn, tx, mesh=s.mesh,
+                                      microbatches=c.microbatches, schedule=c.schedule, repeats=c.repeats,
+                                      precision=c.precision, remat=c.remat)
+    s.evaluator = jt.make_eval_step(s.trainer.eval_fn(head_eval_fn), mesh=s.mesh)
 
 
 def open_checkpoints(s: Setup) -> None:
@@ -96,11 +118,12 @@ def load_data(s: Setup) -> tuple[dict, dict]:
     c = s.config
     data = {k: sources.load_split(c.dataset, k, idx_dir=c.data_dir, tfds_dir=c.tfds_dir) for k in ("train", "test")}
     settings = {"experiment": c.model, "dataset": c.dataset, "data_sha256": sources.split_digest(*data.values()),
-                "train_subset": c.train_subset, "optimizer": "sgd", "lr": c.lr, "batch_size": c.batch_size,
+                "train_subset": c.train_subset, "optimizer": c.optimizer, "lr": c.lr, "batch_size": c.batch_size,
                 "seed": c.seed, "precision": c.precision, "accum_steps": c.accum_steps, "accum": c.accum,
                 "devices": len(s.devices), "processes": jax.process_count(), "strategy": c.strategy,
                 "mesh": c.mesh, "param_sharding": c.param_sharding,  # mesh: the flag (None: data=devices)
-                "remat": c.remat, "epochs": c.epochs, "max_steps": c.max_steps}
+                "remat": c.remat, "epochs": c.epochs, "max_steps": c.max_steps, "microbatches": c.microbatches,
+                "pipeline_layout": pipeline_layout(s.trainer)}
     if s.checkpointer is not None:
         s.checkpointer.settings = settings
     return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, settings
@@ -159,6 +182,8 @@ def describe(s: Setup, data: dict, writer) -> str:
             f"{','.join(f'{k}={v}' for k, v in s.mesh.shape.items())}, {c.param_sharding} ({sharded} of "
             f"{sharded + len(s.layout['replicated'])} parameters sharded), {c.precision}, accum {c.accum_steps} "
             f"({c.accum}), remat {c.remat}" + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+            + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
+               "{bubble:.0%})".format(**s.trainer.describe()) if pipeline_layout(s.trainer) else "")
             + f"; out: {writer.out_dir if writer else None}")
 
 
@@ -244,7 +269,8 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
     summary = run_summary(c, c.model, history, first_loss, stats, peak, s.devices, s.call_batch, steps_per_epoch,
                           {k: len(v) for k, v in data.items()}, settings["data_sha256"])
     summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
-                   sharded_params=s.layout["sharded"], collectives=stats["collectives"])
+                   sharded_params=s.layout["sharded"], collectives=stats["collectives"],
+                   pipeline=s.trainer.describe() if pipeline_layout(s.trainer) else None)
     plural = "s" * (len(s.devices) != 1)
     s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
           f"device{plural} ({platform})", flush=True)

@@ -21,6 +21,7 @@ class Defaults:
     lr: float
     inits: tuple[str, ...] = ("d2l",)  # weight inits it offers; the first is the default
     description: str = ""
+    optimizer: str = "sgd"
 
 
 # name -> the recipe (d2l's "Multiple GPUs" lessons: LeNet lr 0.2, ResNet-18 lr 0.1; 10 epochs, batch 256)
@@ -29,6 +30,9 @@ MODELS = {
     "resnet18": Defaults(10, 256, 0.1, inits=("d2l", "he"),
                          description="d2l's ResNet-18 for 28x28 (3x3 stem, no max-pool), BatchNorm synchronised "
                                      "over the devices"),
+    "vit": Defaults(3, 128, 1e-3, inits=("trunc",), optimizer="adam",
+                    description="a small Vision Transformer (4x4 patches, 8 pre-norm blocks of width 64): trains "
+                                "unpipelined or pipelined (--mesh stage=N --microbatches M)"),
 }
 
 
@@ -42,6 +46,7 @@ class Model:
     eval_fn: Callable
     apply: Callable | None = None  # apply(params, images) -> logits, for the model summary
     tp_rules: tuple = ()  # ((regex, PartitionSpec over "model"), ...): --param-sharding tp / fsdp+tp
+    pipeline: tuple | None = None  # (embed_fn, stage_fn, head_loss_fn, head_eval_fn): it can be pipelined
 
     @staticmethod
     def example_batch(batch_size: int, seed: int = 0) -> dict:
@@ -72,6 +77,15 @@ def get(name: str, *, remat: str = "none", init: str | None = None) -> Model:
 
         return Model(name, lambda rng: (lenet.init_params(rng), {}), lenet.make_loss_fn(remat), lenet.eval_fn,
                      apply=lenet.apply, tp_rules=lenet.TP_RULES)
+    if name == "vit":
+        from jaxtrain.models import vit
+        from jaxtrain.pipeline import sequential_loss
+        from jaxtrain.remat import remat as remat_block
+
+        block = remat_block(vit.block, remat)
+        return Model(name, lambda rng: (vit.init(rng), {}), sequential_loss(vit.embed_fn, block, vit.head_loss_fn),
+                     vit.eval_fn, apply=vit.apply, pipeline=(vit.embed_fn, vit.block, vit.head_loss_fn,
+                                                              vit.head_eval_fn))
     from jaxtrain.models import resnet
 
     net, eval_net = resnet.ResNet18(weight_init=init, remat=remat), resnet.ResNet18(weight_init=init)

@@ -1,0 +1,86 @@
+"""A small Vision Transformer for 28x28 images, shaped to pipeline: embedding -> DEPTH identical blocks -> head.
+
+Patches of 4x4 (49 tokens) -> linear + position embedding; pre-norm blocks (multi-head self-attention,
+GELU MLP, residuals); layer norm, mean over the tokens, dense classifier. Plain functions over a params
+dict ``{"embed", "stages", "head"}`` whose ``"stages"`` leaves stack the blocks on a leading axis, so the
+same model trains unpipelined (``loss_fn``, through ``make_train_step``) or pipelined (``embed_fn``,
+``block``, ``head_loss_fn`` through ``make_pipeline_step``). Layer norms and softmax run in fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.models import classify
+from jaxtrain.pipeline import sequential_loss
+
+PATCH, DIM, HEADS, MLP, DEPTH, NUM_CLASSES = 4, 64, 4, 128, 8, 10
+TOKENS = (28 // PATCH) ** 2
+
+
+def init(rng: jax.Array, depth: int = DEPTH) -> dict:
+    """Truncated-normal-ish weights (std 0.02; fan-in for the patch embedding), zero biases, unit norms."""
+    k = iter(jax.random.split(rng, 8))
+    normal = lambda shape, std=0.02: std * jax.random.normal(next(k), shape, jnp.float32)  # noqa: E731
+    zeros, ones = (lambda *s: jnp.zeros(s, jnp.float32)), (lambda *s: jnp.ones(s, jnp.float32))
+    return {
+        "embed": {"patch": normal((PATCH * PATCH, DIM), PATCH ** -1), "bias": zeros(DIM), "pos": normal((TOKENS, DIM))},
+        "stages": {"ln1": ones(depth, DIM), "ln1_b": zeros(depth, DIM), "qkv": normal((depth, DIM, 3 * DIM)),
+                   "qkv_b": zeros(depth, 3 * DIM), "proj": normal((depth, DIM, DIM)), "proj_b": zeros(depth, DIM),
+                   "ln2": ones(depth, DIM), "ln2_b": zeros(depth, DIM), "mlp1": normal((depth, DIM, MLP)),
+                   "mlp1_b": zeros(depth, MLP), "mlp2": normal((depth, MLP, DIM)), "mlp2_b": zeros(depth, DIM)},
+        "head": {"ln": ones(DIM), "ln_b": zeros(DIM), "w": zeros(DIM, NUM_CLASSES), "b": zeros(NUM_CLASSES)},
+    }
+
+
+def _norm(x, scale, bias):
+    x32 = x.astype(jnp.float32)
+    mean, var = x32.mean(-1, keepdims=True), x32.var(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + 1e-6) * scale + bias).astype(x.dtype)
+
+
+def embed_fn(E, batch):
+    """Images [B, 28, 28, 1] -> tokens [B, 49, DIM]."""
+    x = batch["image"]
+    n, side = x.shape[0], 28 // PATCH
+    patches = x.reshape(n, side, PATCH, side, PATCH).transpose(0, 1, 3, 2, 4).reshape(n, TOKENS, PATCH * PATCH)
+    return patches @ E["patch"] + E["bias"] + E["pos"]
+
+
+def block(p, x):
+    """One pre-norm transformer block (one layer's params: the "stages" leaves without their leading axis)."""
+    n, t, d = x.shape
+    q, k, v = jnp.split(_norm(x, p["ln1"], p["ln1_b"]) @ p["qkv"] + p["qkv_b"], 3, axis=-1)
+    heads = lambda a: a.reshape(n, t, HEADS, d // HEADS)  # noqa: E731
+    scores = jnp.einsum("nqhc,nkhc->nhqk", heads(q), heads(k)).astype(jnp.float32) / (d // HEADS) ** 0.5
+    att = jnp.einsum("nhqk,nkhc->nqhc", jax.nn.softmax(scores, axis=-1).astype(x.dtype), heads(v)).reshape(n, t, d)
+    x = x + att @ p["proj"] + p["proj_b"]
+    h = jax.nn.gelu(_norm(x, p["ln2"], p["ln2_b"]) @ p["mlp1"] + p["mlp1_b"])
+    return x + h @ p["mlp2"] + p["mlp2_b"]
+
+
+def logits(H, x):
+    return jnp.mean(_norm(x, H["ln"], H["ln_b"]), axis=1) @ H["w"] + H["b"]
+
+
+def head_loss_fn(H, x, batch):
+    return classify.mean_loss(logits(H, x), batch["label"])
+
+
+def head_eval_fn(H, x, batch):
+    return classify.per_example(logits(H, x), batch["label"])
+
+
+def apply(params, images):
+    x = embed_fn(params["embed"], {"image": images})
+    x = jax.lax.scan(lambda x, p: (block(p, x), None), x, params["stages"])[0]
+    return logits(params["head"], x)
+
+
+loss_fn = sequential_loss(embed_fn, block, head_loss_fn)
+
+
+def eval_fn(params, model_state, batch):
+    del model_state
+    return classify.per_example(apply(params, batch["image"]), batch["label"])
