@@ -77,7 +77,8 @@ def sequential_loss(embed_fn, stage_fn, head_loss_fn):
 
 
 def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: int, remat: str):
-    """Per device: ``(E, stored stages, batch) -> x`` after the last layer (valid on the last stage only)."""
+    """Per device: ``(E, stored stages, batch) -> (x, idle)``: x after the last layer (valid on the last stage
+    only), idle the fraction of stage-ticks that had no micro-batch (the bubble, counted as the schedule ran)."""
     S, R, M = num_stages, repeats, microbatches
     ring = [(j, (j + 1) % S) for j in range(S)]
 
@@ -95,7 +96,7 @@ def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: i
         zeros = vary(jnp.zeros(micro.shape, micro.dtype))
 
         def tick(carry, t):
-            x, loop, outs = carry
+            x, loop, outs, busy = carry
             i = t - s
             item = jnp.clip(i, 0, R * M - 1)
             m, r = item % M, item // M
@@ -109,10 +110,14 @@ def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: i
                 slot = jnp.clip(back, 0, R * M - 1) % M
                 keep = (s == 0) & (back >= 0) & (back < (R - 1) * M)
                 loop = loop.at[slot].set(jnp.where(keep, received, loop[slot]))
-            return (received, loop, outs), None
+            busy = busy + ((i >= 0) & (i < R * M)).astype(jnp.float32)
+            return (received, loop, outs, busy), None
 
-        (_, _, outs), _ = lax.scan(tick, (zeros[0], zeros, zeros), jnp.arange(R * M + S - 1))
-        return outs.reshape(x0.shape)
+        ticks = R * M + S - 1
+        start = (zeros[0], zeros, zeros, vary(jnp.zeros((), jnp.float32)))
+        (_, _, outs, busy), _ = lax.scan(tick, start, jnp.arange(ticks))
+        idle = 1 - lax.psum(busy, STAGE_AXIS) / (S * ticks)  # this step's idle stage-ticks, counted as run
+        return outs.reshape(x0.shape), idle
 
     return run
 
@@ -161,9 +166,9 @@ class PipelineTrainer(Trainer):
 
     def _loss(self, head_loss_fn):
         def per_device(embed, stored, head, batch):
-            x = self._forward(embed, stored, batch)
+            x, idle = self._forward(embed, stored, batch)
             loss, metrics = _on_last_stage(head_loss_fn(head, x, batch), self.num_stages)
-            return lax.pmean((loss, metrics), DATA_AXIS)
+            return lax.pmean((loss, {**metrics, "pipeline_bubble": idle}), DATA_AXIS)
 
         def loss_fn(params, model_state, batch, rng):
             loss, metrics = self._mapped(per_device, P())(params["embed"], params["stages"], params["head"], batch)
@@ -174,7 +179,7 @@ class PipelineTrainer(Trainer):
     def eval_fn(self, head_eval_fn: Callable):
         """An ``eval_fn`` for ``make_eval_step`` from ``head_eval_fn(H, x, batch) -> {name: [B] values}``."""
         def per_device(embed, stored, head, batch):
-            return _on_last_stage(head_eval_fn(head, self._forward(embed, stored, batch), batch), self.num_stages)
+            return _on_last_stage(head_eval_fn(head, self._forward(embed, stored, batch)[0], batch), self.num_stages)
 
         def eval_fn(params, model_state, batch):
             return self._mapped(per_device, P(DATA_AXIS))(params["embed"], params["stages"], params["head"], batch)

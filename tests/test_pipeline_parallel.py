@@ -165,3 +165,27 @@ def test_a_batch_that_does_not_split_into_the_microbatches_is_a_one_line_error()
     state = trainer.init(init_fn=init_fn, rng=jax.random.key(0))
     with pytest.raises(ConfigError, match="batch size 12 does not split evenly over 2 data shards x 4 micro-batches"):
         trainer(state, batches(1, size=12)[0])
+
+
+def test_the_step_counts_its_bubble():
+    for kw, stages, ticks in ((dict(microbatches=4), 2, 5), (dict(microbatches=4, schedule="circular", repeats=2), 2, 9)):
+        trainer, state, _ = pipelined(optax.sgd(0.1), [], {"data": 2, "stage": stages}, **kw)
+        _, metrics = trainer(state, batches(1)[0])
+        assert float(metrics["pipeline_bubble"]) == pytest.approx((stages - 1) / ticks) == trainer.bubble
+
+
+@pytest.mark.slow
+def test_bench_pipeline_prints_the_bubble_table(tmp_path):
+    import json
+
+    from conftest import run_cli
+
+    out = run_cli("-m", "experiments.bench_pipeline", "--devices", "2", "--stages", "2", "--microbatches", "2", "4",
+                  "--steps", "1", "--repeats", "1", "--json", str(tmp_path / "rows.json"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [(r["schedule"], r["microbatches"]) for r in rows] == [("gpipe", 2), ("gpipe", 4), ("circular", 2),
+                                                                   ("circular", 4)]
+    assert all(r["counted_bubble"] == pytest.approx(r["theory_bubble"]) for r in rows)
+    assert all(r["temp_mib_full"] < r["temp_mib_none"] for r in rows), rows  # remat keeps less per stage
+    assert "bubble: timed" in out.stdout
