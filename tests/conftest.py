@@ -59,3 +59,9 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None):
     full_env.pop("JAX_NUM_CPU_DEVICES", None)  # the CLI sets up its own devices
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow (subprocess, end-to-end) tests first: under ``-n 2`` they start at once and the short ones fill
+    the gaps, instead of one long test running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise

@@ -1,5 +1,7 @@
 """Pipeline parallelism (jaxtrain.pipeline): GPipe and circular schedules against the sequential model."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from jaxtrain import pipeline
 from jaxtrain.errors import ConfigError
 
 LAYERS, WIDTH = 8, 16
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.3), "adam": lambda: optax.adam(1e-2)}
 
 
 def embed_fn(E, batch):
@@ -42,6 +45,11 @@ def batches(n=3, size=16):
             for _ in range(n)]
 
 
+@functools.cache
+def reference_of(opt):
+    return reference(OPTIMIZERS[opt](), batches())
+
+
 def reference(tx, data):
     trainer = jt.make_train_step(pipeline.sequential_loss(embed_fn, stage_fn, head_loss_fn), tx, mesh=1)
     state = trainer.init(init_fn(jax.random.key(0)))
@@ -63,20 +71,20 @@ def pipelined(tx, data, axes, **kw):
     return trainer, state, losses
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adam"])
-@pytest.mark.parametrize("axes,kw", [
-    ({"data": 1, "stage": 2}, dict(microbatches=1)),
-    ({"data": 1, "stage": 2}, dict(microbatches=4)),
-    ({"data": 1, "stage": 4}, dict(microbatches=8)),
-    ({"data": 1, "stage": 4}, dict(microbatches=4, schedule="circular", repeats=2)),
-    ({"data": 1, "stage": 2}, dict(microbatches=8, schedule="circular", repeats=2, remat="full")),
-    ({"data": 2, "stage": 2}, dict(microbatches=4)),
+@pytest.mark.parametrize("opt,axes,kw", [
+    ("sgd", {"data": 1, "stage": 2}, dict(microbatches=1)),  # the naive model parallelism
+    ("adam", {"data": 1, "stage": 2}, dict(microbatches=4)),
+    ("sgd", {"data": 1, "stage": 4}, dict(microbatches=8)),
+    ("adam", {"data": 1, "stage": 4}, dict(microbatches=1)),
+    ("sgd", {"data": 1, "stage": 4}, dict(microbatches=4, schedule="circular", repeats=2)),
+    ("adam", {"data": 1, "stage": 4}, dict(microbatches=8, schedule="circular", repeats=2)),
+    ("sgd", {"data": 1, "stage": 2}, dict(microbatches=8, schedule="circular", repeats=2, remat="full")),
+    ("sgd", {"data": 2, "stage": 2}, dict(microbatches=4)),
+    ("adam", {"data": 2, "stage": 2}, dict(microbatches=4, schedule="circular", repeats=2)),
 ])
 def test_pipelined_steps_equal_the_sequential_model(opt, axes, kw):
-    tx = optax.sgd(0.3) if opt == "sgd" else optax.adam(1e-2)
-    data = batches()
-    ref, ref_losses = reference(tx, data)
-    trainer, state, losses = pipelined(tx, data, axes, **kw)
+    ref, ref_losses = reference_of(opt)  # the plain model on 1 device, shared by the cases
+    trainer, state, losses = pipelined(OPTIMIZERS[opt](), batches(), axes, **kw)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     got = {**state.params, "stages": pipeline.layers(state.params["stages"])}
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, ref.params)
@@ -180,12 +188,11 @@ def test_bench_pipeline_prints_the_bubble_table(tmp_path):
 
     from conftest import run_cli
 
-    out = run_cli("-m", "experiments.bench_pipeline", "--devices", "2", "--stages", "2", "--microbatches", "2", "4",
+    out = run_cli("-m", "experiments.bench_pipeline", "--devices", "2", "--stages", "2", "--microbatches", "2",
                   "--steps", "1", "--repeats", "1", "--json", str(tmp_path / "rows.json"))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert [(r["schedule"], r["microbatches"]) for r in rows] == [("gpipe", 2), ("gpipe", 4), ("circular", 2),
-                                                                   ("circular", 4)]
+    assert [(r["schedule"], r["microbatches"]) for r in rows] == [("gpipe", 2), ("circular", 2)]
     assert all(r["counted_bubble"] == pytest.approx(r["theory_bubble"]) for r in rows)
     assert all(r["temp_mib_full"] < r["temp_mib_none"] for r in rows), rows  # remat keeps less per stage
     assert "bubble: timed" in out.stdout
