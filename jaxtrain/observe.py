@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 
 from jaxtrain.config import RunConfig, parse_steps
-from jaxtrain.loop import Hook, Loop
+from jaxtrain.loop import Hook, Loop, evaluation
 
 
 class Events:
@@ -146,12 +146,17 @@ class Profile:
             self.active = False
 
 
-def watchers(config: RunConfig, out_dir: Path | None, say) -> tuple[list[Hook], Profile | None, Events | None]:
-    """The hooks that --log-every, --profile and the TensorBoard events ask for (files on process 0 only)."""
+def watchers(config: RunConfig, out_dir: Path | None, say, evaluator=None, test_loader=None
+             ) -> tuple[list[Hook], Profile | None, Events | None]:
+    """The hooks that --log-every, --eval-every-steps, --profile and the TensorBoard events ask for (files on
+    process 0 only)."""
     events = Events(out_dir, dataclasses.asdict(config)) if out_dir is not None else None
     hooks = [epoch_events(events)] if events else []
     if config.log_every:
         hooks.append(step_log(config.log_every, say, events))
+    if config.eval_every_steps:
+        hooks.append(evaluation(evaluator, test_loader, config.eval_every_steps, "step", config.prefetch,
+                                eval_line(say, events)))
     profile = None
     if config.profile:
         profile = Profile((out_dir or Path("profile")) / "profile", *parse_steps(config.profile))

@@ -19,7 +19,7 @@ from jaxtrain.config import RunConfig
 from jaxtrain.data import loader, sources
 from jaxtrain.errors import ConfigError
 from jaxtrain.pipeline import STAGE_AXIS, pipeline_layout
-from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, evaluation, fit
+from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.report import RunWriter, ensure_room, make_out_dir, params_digest, run_summary
 from jaxtrain.signals import StopOnSignal, StopVote
 
@@ -52,6 +52,7 @@ class Setup:
     layout: dict = None
     call_batch: int = 0
     checkpointer: Checkpointer | None = None
+    last: dict = dataclasses.field(default_factory=dict)  # the last step's metrics
 
 
 def setup_devices(c: RunConfig) -> Setup:
@@ -75,10 +76,10 @@ def build_trainer(s: Setup) -> None:
         s.evaluator = jt.make_eval_step(s.model.eval_fn, mesh=s.mesh, strategy=c.strategy)
     s.layout = s.trainer.plan(jax.eval_shape(s.model.init, jax.random.key(c.seed))[0])
     s.call_batch = c.batch_size
-    if c.accum == "multisteps":  # one call per micro-batch
-        if c.batch_size % c.accum_steps:
-            raise ConfigError(f"--batch-size {c.batch_size} does not split into --accum-steps {c.accum_steps} "
-                              f"micro-batches: use a multiple of {c.accum_steps}")
+    if c.accum == "multisteps" and c.batch_size % c.accum_steps:  # one call per micro-batch
+        raise ConfigError(f"--batch-size {c.batch_size} does not split into --accum-steps {c.accum_steps} "
+                          f"micro-batches: use a multiple of {c.accum_steps}")
+    if c.accum == "multisteps":
         s.call_batch = c.batch_size // c.accum_steps
     s.trainer.check_batch_size(s.call_batch)
 
@@ -87,15 +88,14 @@ def build_pipeline(s: Setup, tx) -> None:
     """A --mesh with a "stage" axis: the model's layers pipelined over it."""
     c = s.config
     if s.model.pipeline is None:
-        raise ConfigError(f"--mesh {STAGE_AXIS}=...: model {c.model} cannot be pipelined (it has no stack of "
-                          "identical layers): use --model vit, or a mesh without a 'stage' axis")
+        raise ConfigError(f"--mesh {STAGE_AXIS}=N: model {c.model} has no stack of identical layers to pipeline: "
+                          "use experiments.vit, or a mesh without a 'stage' axis")
     if (c.strategy, c.param_sharding, c.accum_steps) != ("jit", "replicated", 1):
         raise ConfigError("pipelined runs use --strategy jit, --param-sharding replicated and --accum-steps 1 "
                           "(micro-batches are the pipeline's: --microbatches)")
-    embed_fn, stage_fn, head_loss_fn, head_eval_fn = s.model.pipeline
-    s.trainer = jt.make_pipeline_step(embed_fn, stage_fn, head_loss_fn, tx, mesh=s.mesh,
-                                      microbatches=c.microbatches, schedule=c.schedule, repeats=c.repeats,
-                                      precision=c.precision, remat=c.remat)
+    *fns, head_eval_fn = s.model.pipeline
+    s.trainer = jt.make_pipeline_step(*fns, tx, mesh=s.mesh, microbatches=c.microbatches, schedule=c.schedule,
+                                      repeats=c.repeats, precision=c.precision, remat=c.remat)
     s.evaluator = jt.make_eval_step(s.trainer.eval_fn(head_eval_fn), mesh=s.mesh)
 
 
@@ -155,10 +155,7 @@ def initial_state(s: Setup, settings: dict):
 
 
 class Finished(Exception):
-    """A resumed run that had already finished: ``summary`` says where."""
-
-    def __init__(self, summary: dict):
-        self.summary = summary
+    """A resumed run that had already finished: ``args[0]``, its summary, says where."""
 
 
 def open_outputs(s: Setup, state, position) -> RunWriter | None:
@@ -177,9 +174,10 @@ def open_outputs(s: Setup, state, position) -> RunWriter | None:
 
 def describe(s: Setup, data: dict, writer) -> str:
     c, sharded = s.config, len(s.layout["sharded"])
+    placement = "layers over the stages" if pipeline_layout(s.trainer) else c.param_sharding
     return (f"{c.model}: {len(data['train'])} train / {len(data['test'])} test examples of {c.dataset}, batch "
             f"{c.batch_size} on {len(s.devices)} {s.devices[0].platform} device(s), strategy {c.strategy}, mesh "
-            f"{','.join(f'{k}={v}' for k, v in s.mesh.shape.items())}, {c.param_sharding} ({sharded} of "
+            f"{','.join(f'{k}={v}' for k, v in s.mesh.shape.items())}, {placement} ({sharded} of "
             f"{sharded + len(s.layout['replicated'])} parameters sharded), {c.precision}, accum {c.accum_steps} "
             f"({c.accum}), remat {c.remat}" + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
             + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
@@ -215,11 +213,9 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
         with stop.busy():
             s.checkpointer.save(state, position)
 
-    watching, profile, events = observe.watchers(c, writer.out_dir if writer else None, say)
-    if c.eval_every_steps:
-        watching.append(evaluation(s.evaluator, test_data, c.eval_every_steps, "step", c.prefetch,
-                                   observe.eval_line(say, events)))
-    hooks = [*watching, *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested)]
+    watching, profile, events = observe.watchers(c, writer.out_dir if writer else None, say, s.evaluator, test_data)
+    hooks = [*watching, *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
+             Hook(lambda loop: s.last.update(loop.recent), unit="epoch")]  # the last step's metrics
     if c.memory_report:
         hooks.append(Hook(memory_after_first_step))
     try:
@@ -270,7 +266,8 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
                           {k: len(v) for k, v in data.items()}, settings["data_sha256"])
     summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
                    sharded_params=s.layout["sharded"], collectives=stats["collectives"],
-                   pipeline=s.trainer.describe() if pipeline_layout(s.trainer) else None)
+                   pipeline={**s.trainer.describe(), "counted_bubble": float(s.last["pipeline_bubble"])}
+                   if pipeline_layout(s.trainer) else None)
     plural = "s" * (len(s.devices) != 1)
     s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
           f"device{plural} ({platform})", flush=True)
@@ -294,7 +291,7 @@ def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
     try:
         state, position = initial_state(s, settings)
     except Finished as f:
-        return f.summary
+        return f.args[0]
     writer = open_outputs(s, state, position)
     s.say(describe(s, data, writer), flush=True)
     state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop)

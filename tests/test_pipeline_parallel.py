@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import needs_fashion_mnist
 
 import jaxtrain as jt
 from jaxtrain import pipeline
@@ -196,3 +197,37 @@ def test_bench_pipeline_prints_the_bubble_table(tmp_path):
     assert all(r["counted_bubble"] == pytest.approx(r["theory_bubble"]) for r in rows)
     assert all(r["temp_mib_full"] < r["temp_mib_none"] for r in rows), rows  # remat keeps less per stage
     assert "bubble: timed" in out.stdout
+
+
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_pipelined_vit_cli_stops_on_sigterm_and_resumes_to_the_uninterrupted_digest(tmp_path):
+    import json
+    import signal
+
+    from conftest import run_cli
+    from test_distributed import digest, start, wait_for
+
+    common = ["-m", "experiments.vit", "--devices", "4", "--mesh", "data=2,stage=2", "--microbatches", "2",
+              "--schedule", "circular", "--repeats", "2", "--batch-size", "32", "--train-subset", "1024",
+              "--test-subset", "128", "--max-steps", "24", "--checkpoint-every", "4", "--no-progress"]
+    full = run_cli(*common, "--checkpoint-dir", str(tmp_path / "ck-full"), "--out", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert "pipeline 2 stages x 2 micro-batches (circular, repeats 2, bubble 20%)" in full.stdout, full.stdout
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["pipeline"] == {"stages": 2, "microbatches": 2, "schedule": "circular", "repeats": 2,
+                                   "bubble": pytest.approx(0.2), "counted_bubble": pytest.approx(0.2)}
+    assert "all-gather" not in summary["collectives"] and summary["mesh"] == {"data": 2, "stage": 2}
+
+    ck = tmp_path / "ck"
+    proc = start(*common, "--checkpoint-dir", str(ck), "--out", str(tmp_path / "a"))
+    wait_for(ck / "8", proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "continue with --resume" in output, output[-3000:]
+    resumed = run_cli(*common, "--checkpoint-dir", str(ck), "--out", str(tmp_path / "b"), "--resume")
+    assert resumed.returncode == 0 and "resuming from step" in resumed.stdout, resumed.stderr[-3000:]
+    assert digest(tmp_path / "b") == digest(tmp_path / "full")
+    gpipe = [*common[:9], "gpipe", "--repeats", "1", *common[12:]]  # another layout of the layers
+    other = run_cli(*gpipe, "--checkpoint-dir", str(ck), "--out", str(tmp_path / "c"), "--resume")
+    assert other.returncode == 2 and "pipeline_layout" in other.stderr, other.stderr[-2000:]
