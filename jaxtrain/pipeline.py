@@ -29,6 +29,8 @@ them (``jax.checkpoint`` around each tick's chunk of layers).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -37,6 +39,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain import precision as prec
 from jaxtrain.choices import SCHEDULES
 from jaxtrain.devices import DATA_AXIS, make_mesh
 from jaxtrain.errors import ConfigError
@@ -76,7 +79,7 @@ def sequential_loss(embed_fn, stage_fn, head_loss_fn):
     return loss_fn
 
 
-def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: int, remat: str):
+def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: int, remat: str, dtype):
     """Per device: ``(E, stored stages, batch) -> (x, idle)``: x after the last layer (valid on the last stage
     only), idle the fraction of stage-ticks that had no micro-batch (the bubble, counted as the schedule ran)."""
     S, R, M = num_stages, repeats, microbatches
@@ -89,8 +92,8 @@ def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: i
 
     def run(embed, stored, batch):
         s = lax.axis_index(STAGE_AXIS)
-        mine = jax.tree.map(lambda w: w[:, 0], stored)  # [R, K, ...]
-        x0 = embed_fn(embed, batch)
+        mine = jax.tree.map(lambda w: w[:, 0], stored)  # [R, K, ...], fp32: cast per tick (see PipelineTrainer)
+        x0 = embed_fn(prec.cast_floats(embed, dtype), prec.cast_floats(batch, dtype))
         micro = x0.reshape(M, x0.shape[0] // M, *x0.shape[1:])
         vary = lambda x: lax.pcast(x, (DATA_AXIS, STAGE_AXIS), to="varying")  # noqa: E731
         zeros = vary(jnp.zeros(micro.shape, micro.dtype))
@@ -101,7 +104,7 @@ def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: i
             item = jnp.clip(i, 0, R * M - 1)
             m, r = item % M, item // M
             first = micro[m] if R == 1 else jnp.where(r == 0, micro[m], loop[m])
-            y = chunk(jax.tree.map(lambda w: w[r], mine), jnp.where(s == 0, first, x))
+            y = chunk(prec.cast_floats(jax.tree.map(lambda w: w[r], mine), dtype), jnp.where(s == 0, first, x))
             done = (i >= 0) & (i < R * M) & (s == S - 1) & (r == R - 1)
             outs = outs.at[m].set(jnp.where(done, y, outs[m]))
             received = lax.ppermute(y, STAGE_AXIS, ring)
@@ -149,9 +152,15 @@ class PipelineTrainer(Trainer):
                               f"{self.num_stages}): a micro-batch must leave the last stage before it re-enters")
         self.microbatches, self.schedule, self.repeats, self.remat = microbatches, schedule, repeats, remat
         self.embed_fn, self.stage_fn = embed_fn, stage_fn
-        self._forward = _schedule(embed_fn, stage_fn, self.num_stages, repeats, microbatches, remat)
-        super().__init__(self._loss(head_loss_fn), tx, mesh, "jit", precision,
-                         param_sharding=[(r"^stages/|^stages$", P(None, STAGE_AXIS))], min_size=1)
+        # The params reach the loss in fp32 and are cast where used: the gradients of the stage params then
+        # add up over the ticks in fp32 (cast before the loss, they would add up in bf16 / fp16).
+        mixed = prec.get_policy(precision)
+        self.compute_dtype = mixed.compute_dtype
+        forward = functools.partial(_schedule, embed_fn, stage_fn, self.num_stages, repeats, microbatches, remat)
+        self._forward, self._forward32 = forward(mixed.compute_dtype), forward(jnp.float32)  # train, eval
+        super().__init__(self._loss(head_loss_fn), tx, mesh, "jit", dataclasses.replace(
+            mixed, compute_dtype=jnp.float32), param_sharding=[(r"^stages/|^stages$", P(None, STAGE_AXIS))],
+            min_size=1)
         self.shard.divisor = microbatches  # each data shard's examples split into the micro-batches
 
     @property
@@ -167,7 +176,8 @@ class PipelineTrainer(Trainer):
     def _loss(self, head_loss_fn):
         def per_device(embed, stored, head, batch):
             x, idle = self._forward(embed, stored, batch)
-            loss, metrics = _on_last_stage(head_loss_fn(head, x, batch), self.num_stages)
+            low = prec.cast_floats((head, batch), self.compute_dtype)
+            loss, metrics = _on_last_stage(head_loss_fn(*low[:1], x, *low[1:]), self.num_stages)
             return lax.pmean((loss, {**metrics, "pipeline_bubble": idle}), DATA_AXIS)
 
         def loss_fn(params, model_state, batch, rng):
@@ -179,7 +189,8 @@ class PipelineTrainer(Trainer):
     def eval_fn(self, head_eval_fn: Callable):
         """An ``eval_fn`` for ``make_eval_step`` from ``head_eval_fn(H, x, batch) -> {name: [B] values}``."""
         def per_device(embed, stored, head, batch):
-            return _on_last_stage(head_eval_fn(head, self._forward(embed, stored, batch)[0], batch), self.num_stages)
+            x = self._forward32(embed, stored, batch)[0]  # fp32, as make_eval_step evaluates any model
+            return _on_last_stage(head_eval_fn(head, x, batch), self.num_stages)
 
         def eval_fn(params, model_state, batch):
             return self._mapped(per_device, P(DATA_AXIS))(params["embed"], params["stages"], params["head"], batch)
