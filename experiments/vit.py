@@ -4,7 +4,7 @@
     python -m experiments.vit --devices 4 --mesh stage=4 --microbatches 8   # GPipe over 4 stages
     python -m experiments.vit --devices 4 --mesh stage=2 --microbatches 4 --schedule circular --repeats 2
 
-Recipe (jaxtrain.models.MODELS["vit"]): 3 epochs, global batch 128, Adam lr 1e-3.
+Recipe (jaxtrain.models.MODELS["vit"]): 3 epochs, global batch 64, Adam lr 1e-3.
 """
 
 import sys

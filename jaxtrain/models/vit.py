@@ -20,16 +20,18 @@ TOKENS = (28 // PATCH) ** 2
 
 
 def init(rng: jax.Array, depth: int = DEPTH) -> dict:
-    """Truncated-normal-ish weights (std 0.02; fan-in for the patch embedding), zero biases, unit norms."""
+    """Glorot-normal block matrices (std 0.02 trained 0.54 -> 0.72 test acc after 200 steps: README), position
+    embedding std 0.02, fan-in patch embedding, zero head and biases, unit norms."""
     k = iter(jax.random.split(rng, 8))
     normal = lambda shape, std=0.02: std * jax.random.normal(next(k), shape, jnp.float32)  # noqa: E731
+    glorot = lambda *shape: normal(shape, (2 / (shape[-2] + shape[-1])) ** 0.5)  # noqa: E731
     zeros, ones = (lambda *s: jnp.zeros(s, jnp.float32)), (lambda *s: jnp.ones(s, jnp.float32))
     return {
         "embed": {"patch": normal((PATCH * PATCH, DIM), PATCH ** -1), "bias": zeros(DIM), "pos": normal((TOKENS, DIM))},
-        "stages": {"ln1": ones(depth, DIM), "ln1_b": zeros(depth, DIM), "qkv": normal((depth, DIM, 3 * DIM)),
-                   "qkv_b": zeros(depth, 3 * DIM), "proj": normal((depth, DIM, DIM)), "proj_b": zeros(depth, DIM),
-                   "ln2": ones(depth, DIM), "ln2_b": zeros(depth, DIM), "mlp1": normal((depth, DIM, MLP)),
-                   "mlp1_b": zeros(depth, MLP), "mlp2": normal((depth, MLP, DIM)), "mlp2_b": zeros(depth, DIM)},
+        "stages": {"ln1": ones(depth, DIM), "ln1_b": zeros(depth, DIM), "qkv": glorot(depth, DIM, 3 * DIM),
+                   "qkv_b": zeros(depth, 3 * DIM), "proj": glorot(depth, DIM, DIM), "proj_b": zeros(depth, DIM),
+                   "ln2": ones(depth, DIM), "ln2_b": zeros(depth, DIM), "mlp1": glorot(depth, DIM, MLP),
+                   "mlp1_b": zeros(depth, MLP), "mlp2": glorot(depth, MLP, DIM), "mlp2_b": zeros(depth, DIM)},
         "head": {"ln": ones(DIM), "ln_b": zeros(DIM), "w": zeros(DIM, NUM_CLASSES), "b": zeros(NUM_CLASSES)},
     }
 
