@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, needs_fashion_mnist, run_cli
+from conftest import ROOT, cached_compiles, needs_fashion_mnist, run_cli
 
 pytestmark = [needs_fashion_mnist, pytest.mark.slow]
 
@@ -49,7 +49,7 @@ def test_two_processes_with_two_devices_each_agree(tmp_path):
 
 
 def start(*args):
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env = {k: v for k, v in cached_compiles(os.environ).items() if k != "JAX_NUM_CPU_DEVICES"}
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
