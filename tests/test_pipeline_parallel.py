@@ -210,7 +210,7 @@ def test_pipelined_vit_cli_stops_on_sigterm_and_resumes_to_the_uninterrupted_dig
 
     common = ["-m", "experiments.vit", "--devices", "4", "--mesh", "data=2,stage=2", "--microbatches", "2",
               "--schedule", "circular", "--repeats", "2", "--batch-size", "32", "--train-subset", "1024",
-              "--test-subset", "128", "--max-steps", "24", "--checkpoint-every", "4", "--no-progress"]
+              "--test-subset", "128", "--max-steps", "12", "--checkpoint-every", "4", "--no-progress"]
     full = run_cli(*common, "--checkpoint-dir", str(tmp_path / "ck-full"), "--out", str(tmp_path / "full"))
     assert full.returncode == 0, full.stderr[-3000:]
     assert "pipeline 2 stages x 2 micro-batches (circular, repeats 2, bubble 20%)" in full.stdout, full.stdout
@@ -221,7 +221,7 @@ def test_pipelined_vit_cli_stops_on_sigterm_and_resumes_to_the_uninterrupted_dig
 
     ck = tmp_path / "ck"
     proc = start(*common, "--checkpoint-dir", str(ck), "--out", str(tmp_path / "a"))
-    wait_for(ck / "8", proc)
+    wait_for(ck / "4", proc)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "continue with --resume" in output, output[-3000:]

@@ -239,7 +239,7 @@ def test_hlo_collective_parser_reads_every_replica_group_format():
                                 param_sharding="fsdp").init(PARAMS, rng=KEY),
      "'pmap' keeps the whole state.*use strategy='jit'"),
     (lambda: jt.make_mesh(4, axes={"data": 3, "model": 2}), "6 places but there are 4 devices"),
-    (lambda: jt.make_mesh(4, axes={"model": 4}), "no 'data' axis"),
+    (lambda: jt.make_mesh(4, axes={"model": 3}), "no 'data' axis"),  # 3 does not leave "data" a whole count
     (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, param_sharding=TP).init(PARAMS, rng=KEY),
      r"dense1/\w: PartitionSpec.*names axis 'model' but the mesh has only data"),
     (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(4, axes={"data": 1, "model": 4}),
@@ -295,3 +295,8 @@ def test_checkpoint_restores_bit_identically_onto_another_mesh_and_sharding(tmp_
     expected, expected_metrics = first(state, BATCHES[2])
     chex.assert_trees_all_close(jax.device_get(after.params), jax.device_get(expected.params), **TOL)
     chex.assert_trees_all_close(jax.device_get(metrics), jax.device_get(expected_metrics), **TOL)
+
+
+def test_a_mesh_without_data_gives_it_the_devices_the_other_axes_leave():
+    assert dict(jt.make_mesh(4, axes={"stage": 2}).shape) == {"data": 2, "stage": 2}
+    assert list(jt.make_mesh(4, axes={"model": 4}).shape) == ["data", "model"]  # "data" first, size 1
