@@ -257,5 +257,10 @@ def test_precision_policies_pipeline_as_closely_as_the_sequential_model(precisio
         return max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(params[part]),
                                                                 jax.tree.leaves(fp32[part])))
 
-    for part in ("embed", "stages", "head"):  # measured: 1.0-1.25x for bf16 and fp16
-        assert 0 < error(got, part) <= 1.5 * error(jax.device_get(ref.params), part), part
+    # Pipelined and plain sum in other orders: at most 2 roundings (ulps of the compute dtype at the params'
+    # size) apart. Measured: within 1.0-1.25x of the plain model's error on jax 0.10.2, 1.54x (fp16 stages,
+    # +0.00033 = 1.4 ulps) on jax 0.12.
+    ulp = float(jnp.finfo(jnp.bfloat16 if precision == "bf16" else jnp.float16).eps) / 2
+    for part in ("embed", "stages", "head"):
+        size = max(float(np.abs(w).max()) for w in jax.tree.leaves(fp32[part]))
+        assert 0 < error(got, part) <= error(jax.device_get(ref.params), part) + 2 * ulp * size, part
