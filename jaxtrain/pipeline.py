@@ -151,7 +151,6 @@ class PipelineTrainer(Trainer):
             raise ConfigError(f"the circular schedule needs microbatches >= stages ({microbatches} < "
                               f"{self.num_stages}): a micro-batch must leave the last stage before it re-enters")
         self.microbatches, self.schedule, self.repeats, self.remat = microbatches, schedule, repeats, remat
-        self.embed_fn, self.stage_fn = embed_fn, stage_fn
         # The params reach the loss in fp32 and are cast where used: the gradients of the stage params then
         # add up over the ticks in fp32 (cast before the loss, they would add up in bf16 / fp16).
         mixed = prec.get_policy(precision)
