@@ -32,6 +32,8 @@ _EXPORTS = {
     "example_keys": "jaxtrain.rng",
     "make_pipeline_step": "jaxtrain.pipeline",
     "STAGE_AXIS": "jaxtrain.pipeline",
+    "make_optimizer": "jaxtrain.optim",
+    "make_schedule": "jaxtrain.optim",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtrain.choices import ACCUM_MODES, OPTIMIZERS, PARAM_SHARDINGS, PRECISIONS, SCHEDULES, STRATEGIES
+from jaxtrain.choices import (ACCUM_MODES, LR_SCHEDULES, OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS,
+                              STRATEGIES)
 from jaxtrain.data.sources import DATASETS, DEFAULT_IDX_DIRS
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
@@ -56,7 +57,7 @@ class RunConfig:
     epochs: int | None = _field(None, "passes over the training set (default: the model's recipe)", minimum=1)
     batch_size: int | None = _field(None, "GLOBAL batch per optimizer update, split evenly over the devices (and "
                                           "micro-batches) (default: the model's recipe)", minimum=1)
-    lr: float | None = _field(None, "learning rate of plain SGD (default: the model's recipe)", above=0.0)
+    lr: float | None = _field(None, "(peak) learning rate (default: the model's recipe)", above=0.0)
     init: str | None = _field(None, "weight init, where the model offers several (resnet18: d2l or he; "
                                     "default: the first)")
     seed: int = _field(0, "seed of the init and of the shuffling")
@@ -91,12 +92,21 @@ class RunConfig:
     log_every: int | None = _field(None, "print a line every N steps (loss, examples/s, data wait; read one step "
                                          "late, never waiting for the device) and log them to TensorBoard",
                                    minimum=1)
-    optimizer: str | None = _field(None, "optimizer (default: the model's recipe: sgd for lenet/resnet18, adam for "
-                                         "vit)", choices=OPTIMIZERS)
+    optimizer: str | None = _field(None, "optax optimizer: sgd, momentum / nesterov (SGD, momentum 0.9), adam, adamw "
+                                         "(default: the model's recipe: sgd for lenet/resnet18, adam for vit)",
+                                   choices=OPTIMIZERS)
+    schedule: str = _field("constant", "learning-rate schedule over the run's updates: constant, cosine (to 0), "
+                                       "warmup_cosine (linear warm-up from 0, then cosine), onecycle (up over the "
+                                       "warm-up, default 30%% of the run, then down)", choices=LR_SCHEDULES)
+    warmup_epochs: float = _field(0.0, "warm-up length in epochs (warmup_cosine, onecycle)", minimum=0.0)
+    weight_decay: float = _field(0.0, "weight decay of kernels (not biases or norm scales): decoupled for adamw, "
+                                      "an L2 term in the gradient otherwise", minimum=0.0)
+    clip_grad_norm: float | None = _field(None, "clip the gradient to this global norm (over every parameter, "
+                                                "whatever the sharding)", above=0.0)
     microbatches: int = _field(1, "pipelined runs (a 'stage' axis in --mesh): micro-batches per step; the bubble "
                                   "is (stages-1)/(repeats*microbatches+stages-1)", minimum=1)
-    schedule: str = _field("gpipe", "pipelined runs: gpipe, or circular (each stage holds --repeats chunks of "
-                                    "layers)", choices=SCHEDULES)
+    pipeline_schedule: str = _field("gpipe", "pipelined runs: gpipe, or circular (each stage holds --repeats "
+                                             "chunks of layers)", choices=PIPELINE_SCHEDULES)
     repeats: int = _field(1, "pipelined runs, circular schedule: layer chunks per stage", minimum=1)
     eval_every: int = _field(1, "evaluate on the test set every N epochs (and after the last)", minimum=1)
     eval_every_steps: int | None = _field(None, "also evaluate every N train steps (a line, and TensorBoard's "

@@ -84,10 +84,12 @@ def step_log(every: int, say, events: Events | None) -> Hook:
             last.update(sec=0.0, examples=0, wait=0.0)
         dt = max(sec - last["sec"], 1e-9)
         values = {"loss": float(loop.recent["loss"]), "examples_per_sec": (examples - last["examples"]) / dt,
-                  "data_wait_fraction": (wait - last["wait"]) / dt}
+                  "data_wait_fraction": (wait - last["wait"]) / dt,
+                  **({"lr": float(loop.recent["lr"])} if "lr" in loop.recent else {})}
         last.update(sec=sec, examples=examples, wait=wait)
         step = loop.total_steps - 1  # the step these metrics are of
-        say(f"step {step}: loss {values['loss']:.4f}, {values['examples_per_sec']:,.0f} examples/s, data wait "
+        lr = f", lr {values['lr']:.4g}" if "lr" in values else ""
+        say(f"step {step}: loss {values['loss']:.4f}{lr}, {values['examples_per_sec']:,.0f} examples/s, data wait "
             f"{100 * values['data_wait_fraction']:.0f}%", flush=True)
         if events is not None:
             events.scalars(step, values, "train_step")

@@ -40,7 +40,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import precision as prec
-from jaxtrain.choices import SCHEDULES
+from jaxtrain.choices import PIPELINE_SCHEDULES
 from jaxtrain.devices import DATA_AXIS, make_mesh
 from jaxtrain.errors import ConfigError
 from jaxtrain.remat import policy
@@ -139,8 +139,8 @@ class PipelineTrainer(Trainer):
         if STAGE_AXIS not in mesh.axis_names:
             raise ConfigError(f"pipelining needs a mesh axis {STAGE_AXIS!r}, e.g. jt.make_mesh(devices, "
                               f"axes={{'data': 1, 'stage': 4}}); this mesh has {', '.join(mesh.axis_names)}")
-        if schedule not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"unknown schedule {schedule!r}: use one of {', '.join(PIPELINE_SCHEDULES)}")
         policy(remat)  # an unknown name: a ConfigError now
         if schedule == "gpipe" and repeats != 1:
             raise ConfigError(f"repeats={repeats} needs schedule='circular' (gpipe has one chunk per stage)")

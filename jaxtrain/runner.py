@@ -10,10 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import optax
 
 import jaxtrain as jt
-from jaxtrain import diagnostics, models, observe, remat, sharding
+from jaxtrain import diagnostics, models, observe, optim, remat, sharding
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import RunConfig
 from jaxtrain.data import loader, sources
@@ -24,8 +23,9 @@ from jaxtrain.report import RunWriter, ensure_room, make_out_dir, params_digest,
 from jaxtrain.signals import StopOnSignal, StopVote
 
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
-FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "batch_size", "seed",
-                  "precision", "accum_steps", "accum", "pipeline_layout")
+FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "schedule",
+                  "warmup_epochs", "weight_decay", "clip_grad_norm", "batch_size", "seed", "precision", "accum_steps",
+                  "accum", "pipeline_layout")
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
                  "microbatches")
@@ -63,10 +63,14 @@ def setup_devices(c: RunConfig) -> Setup:
     return Setup(c, models.get(c.model, remat=c.remat, init=c.init), devices, jt.make_mesh(devices, axes=c.mesh), say)
 
 
-def build_trainer(s: Setup) -> None:
-    """The train / eval steps; a bad sharding or batch size fails here, before any data is read."""
+def build_trainer(s: Setup, train_examples: int | None = None) -> None:
+    """The optimizer and the train / eval steps. Built before the data is read with a constant learning rate (a
+    bad sharding or batch size fails before anything is read), then with the schedule over the run's updates."""
     c = s.config
-    tx = {"sgd": optax.sgd, "adam": optax.adam}[c.optimizer](c.lr)
+    updates = c.epochs * ((train_examples or 0) // c.batch_size)
+    tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if train_examples else "constant",
+                              total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),
+                              weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm)
     if STAGE_AXIS in s.mesh.axis_names:
         build_pipeline(s, tx)
     else:
@@ -94,7 +98,7 @@ def build_pipeline(s: Setup, tx) -> None:
         raise ConfigError("pipelined runs use --strategy jit, --param-sharding replicated and --accum-steps 1 "
                           "(micro-batches are the pipeline's: --microbatches)")
     *fns, head_eval_fn = s.model.pipeline
-    s.trainer = jt.make_pipeline_step(*fns, tx, mesh=s.mesh, microbatches=c.microbatches, schedule=c.schedule,
+    s.trainer = jt.make_pipeline_step(*fns, tx, mesh=s.mesh, microbatches=c.microbatches, schedule=c.pipeline_schedule,
                                       repeats=c.repeats, precision=c.precision, remat=c.remat)
     s.evaluator = jt.make_eval_step(s.trainer.eval_fn(head_eval_fn), mesh=s.mesh)
 
@@ -117,13 +121,9 @@ def load_data(s: Setup) -> tuple[dict, dict]:
     """The splits (subsets applied) and the run's settings (what a checkpoint records)."""
     c = s.config
     data = {k: sources.load_split(c.dataset, k, idx_dir=c.data_dir, tfds_dir=c.tfds_dir) for k in ("train", "test")}
-    settings = {"experiment": c.model, "dataset": c.dataset, "data_sha256": sources.split_digest(*data.values()),
-                "train_subset": c.train_subset, "optimizer": c.optimizer, "lr": c.lr, "batch_size": c.batch_size,
-                "seed": c.seed, "precision": c.precision, "accum_steps": c.accum_steps, "accum": c.accum,
-                "devices": len(s.devices), "processes": jax.process_count(), "strategy": c.strategy,
-                "mesh": c.mesh, "param_sharding": c.param_sharding,  # mesh: the flag (None: data=devices)
-                "remat": c.remat, "epochs": c.epochs, "max_steps": c.max_steps, "microbatches": c.microbatches,
-                "pipeline_layout": pipeline_layout(s.trainer)}
+    settings = {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS) if hasattr(c, k)},  # mesh: the flag
+                "data_sha256": sources.split_digest(*data.values()), "experiment": c.model, "devices": len(s.devices),
+                "processes": jax.process_count(), "pipeline_layout": pipeline_layout(s.trainer)}
     if s.checkpointer is not None:
         s.checkpointer.settings = settings
     return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, settings
@@ -288,6 +288,7 @@ def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
     build_trainer(s)
     open_checkpoints(s)
     data, settings = load_data(s)
+    build_trainer(s, len(data["train"]))
     try:
         state, position = initial_state(s, settings)
     except Finished as f:

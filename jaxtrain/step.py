@@ -10,7 +10,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import accumulate, parallel, sharding
+from jaxtrain import accumulate, optim, parallel, sharding
 from jaxtrain import precision as prec
 from jaxtrain import rng as random_rule
 from jaxtrain.devices import make_mesh
@@ -73,6 +73,9 @@ def _train_fns(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.P
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, **metrics}
+        lr = optim.learning_rate(opt_state)  # what this update used, where the optimizer records it (jt.optim)
+        if lr is not None:
+            metrics["lr"] = lr
         loss_scale = state.loss_scale
         if loss_scale is not None:
             # Non-finite on ANY device is non-finite after the reduction, everywhere.

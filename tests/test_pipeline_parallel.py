@@ -209,7 +209,7 @@ def test_pipelined_vit_cli_stops_on_sigterm_and_resumes_to_the_uninterrupted_dig
     from test_distributed import digest, start, wait_for
 
     common = ["-m", "experiments.vit", "--devices", "4", "--mesh", "data=2,stage=2", "--microbatches", "2",
-              "--schedule", "circular", "--repeats", "2", "--batch-size", "32", "--train-subset", "1024",
+              "--pipeline-schedule", "circular", "--repeats", "2", "--batch-size", "32", "--train-subset", "1024",
               "--test-subset", "128", "--max-steps", "12", "--checkpoint-every", "4", "--no-progress"]
     full = run_cli(*common, "--checkpoint-dir", str(tmp_path / "ck-full"), "--out", str(tmp_path / "full"))
     assert full.returncode == 0, full.stderr[-3000:]
