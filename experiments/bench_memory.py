@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
     rows = []
     for size in sizes:
-        batch = models.Model.example_batch(size)
+        batch = models.get(args.model).example_batch(size)
         runs = {}
         for precision, remat in configs:
             model = models.get(args.model, remat=remat)

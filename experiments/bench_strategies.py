@@ -15,7 +15,7 @@ import statistics
 import sys
 
 from jaxtrain.cli import one_line_errors
-from jaxtrain.models import Model
+from jaxtrain import models
 
 
 def parse_devices(text: str) -> list[int]:
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from jaxtrain.models import lenet
     from jaxtrain.timing import time_steps
 
-    host_batch = Model.example_batch(args.batch_size)
+    host_batch = models.get("lenet").example_batch(args.batch_size)
     results: dict[str, dict[int, list[float]]] = {s: {} for s in jt.STRATEGIES}
     for n in args.devices:
         runs = {}

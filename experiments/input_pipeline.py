@@ -59,8 +59,8 @@ def main(argv=None) -> int:
     trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=jt.make_mesh(devices))
     trainer.check_batch_size(args.batch_size)
     evaluator = jt.make_eval_step(lenet.eval_fn, mesh=trainer.mesh)
-    train_split = sources.load_split("fashion_mnist", "train", idx_dir=args.data_dir, tfds_dir=args.tfds_dir)
-    test_split = sources.load_split("fashion_mnist", "test", idx_dir=args.data_dir, tfds_dir=args.tfds_dir)
+    train_split = sources.load_split("fashion_mnist", "train", data_dir=args.data_dir, tfds_dir=args.tfds_dir)
+    test_split = sources.load_split("fashion_mnist", "test", data_dir=args.data_dir, tfds_dir=args.tfds_dir)
 
     test = loader.Loader(test_split.head(args.batch_size), args.batch_size, train=False)
     state = trainer.init(lenet.init_params(jax.random.key(0)))

@@ -15,7 +15,7 @@ import dataclasses
 
 from jaxtrain.choices import (ACCUM_MODES, LR_SCHEDULES, OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS,
                               STRATEGIES)
-from jaxtrain.data.sources import DATASETS, DEFAULT_IDX_DIRS
+from jaxtrain.data.sources import DATASETS, DEFAULT_DATA_DIRS, check_name
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
@@ -61,9 +61,12 @@ class RunConfig:
     init: str | None = _field(None, "weight init, where the model offers several (resnet18: d2l or he; "
                                     "default: the first)")
     seed: int = _field(0, "seed of the init and of the shuffling")
-    dataset: str = _field("fashion_mnist", "dataset to train on", choices=DATASETS)
-    data_dir: str | None = _field(None, "directory holding the four IDX files (train-images-idx3-ubyte[.gz], ...); "
-                                        f"default for fashion_mnist: {DEFAULT_IDX_DIRS['fashion_mnist']} (Debian package)")
+    dataset: str = _field("fashion_mnist", f"dataset to train on: {', '.join(DATASETS)}, or tfds:NAME (an image "
+                                           "classification dataset TFDS has prepared in --tfds-dir)")
+    data_dir: str | None = _field(None, "directory of the dataset's files: the four IDX files (train-images-idx3-"
+                                        "ubyte[.gz], ...) or CIFAR-10's binary batches (data_batch_1.bin, ..., "
+                                        f"test_batch.bin); default for fashion_mnist: "
+                                        f"{DEFAULT_DATA_DIRS['fashion_mnist']} (Debian package)")
     tfds_dir: str | None = _field(None, "TFDS data dir where the converted dataset is cached (default: "
                                         "$TFDS_DATA_DIR or ~/tensorflow_datasets)")
     out: str | None = _field(None, "output directory for metrics.jsonl, summary.json, curves.png and the "
@@ -127,6 +130,10 @@ class RunConfig:
                 raise ConfigError(f"{flag(f.name)}: expected a number > {meta['above']}, got {value}")
         if self.profile is not None:
             parse_steps(self.profile)
+        try:
+            check_name(self.dataset)
+        except ConfigError as e:
+            raise ConfigError(f"--dataset: {e}") from None
         recipe = MODELS[self.model]
         if self.init is not None and self.init not in recipe.inits:
             raise ConfigError(f"--init: model {self.model} has no init {self.init!r}; choose one of "

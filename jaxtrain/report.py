@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.pipeline import pipeline_layout
 
 
 def params_digest(params) -> str:
@@ -202,3 +203,19 @@ def run_summary(args, name: str, history, first_loss, stats, peak, devices, call
         "test_examples": last.test_examples,
         "jax_version": jax.__version__,
     }
+
+
+def describe(s, data: dict, writer) -> str:
+    """The run's first line: model, data, devices, placement, precision ... (``s``: the runner's Setup)."""
+    c, sharded = s.config, len(s.layout["sharded"])
+    placement = "layers over the stages" if pipeline_layout(s.trainer) else c.param_sharding
+    return (f"{c.model}: {len(data['train'])} train / {len(data['test'])} test examples of {c.dataset} "
+            f"({'x'.join(map(str, s.model.input_shape))}, {s.model.num_classes} classes), batch "
+            f"{c.batch_size} on {len(s.devices)} {s.devices[0].platform} device(s), strategy {c.strategy}, mesh "
+            f"{','.join(f'{k}={v}' for k, v in s.mesh.shape.items())}, {placement} ({sharded} of "
+            f"{sharded + len(s.layout['replicated'])} parameters sharded), {c.precision}, accum {c.accum_steps} "
+            f"({c.accum}), remat {c.remat}, {c.optimizer} lr {c.lr:g} ({c.schedule})"
+            + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+            + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
+               "{bubble:.0%})".format(**s.trainer.describe()) if pipeline_layout(s.trainer) else "")
+            + f"; out: {writer.out_dir if writer else None}")

@@ -19,7 +19,7 @@ from jaxtrain.data import loader, sources
 from jaxtrain.errors import ConfigError
 from jaxtrain.pipeline import STAGE_AXIS, pipeline_layout
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
-from jaxtrain.report import RunWriter, ensure_room, make_out_dir, params_digest, run_summary
+from jaxtrain.report import RunWriter, describe, ensure_room, make_out_dir, params_digest, run_summary
 from jaxtrain.signals import StopOnSignal, StopVote
 
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
@@ -43,10 +43,10 @@ class Setup:
     """What the phases build and pass on."""
 
     config: RunConfig
-    model: models.Model
     devices: list
     mesh: object
     say: object  # print on process 0, nothing elsewhere
+    model: models.Model = None
     trainer: object = None
     evaluator: object = None
     layout: dict = None
@@ -60,15 +60,17 @@ def setup_devices(c: RunConfig) -> Setup:
                                num_processes=c.num_processes, process_id=c.process_id)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     remat.policy(c.remat)  # a bad name fails here, before any data is read
-    return Setup(c, models.get(c.model, remat=c.remat, init=c.init), devices, jt.make_mesh(devices, axes=c.mesh), say)
+    return Setup(c, devices, jt.make_mesh(devices, axes=c.mesh), say)
 
 
-def build_trainer(s: Setup, train_examples: int | None = None) -> None:
-    """The optimizer and the train / eval steps. Built before the data is read with a constant learning rate (a
-    bad sharding or batch size fails before anything is read), then with the schedule over the run's updates."""
+def build_trainer(s: Setup, train=None) -> None:
+    """The model, optimizer and train / eval steps. Built before the data is read (the dataset's usual shape, a
+    constant learning rate: a bad sharding or batch size fails before anything is read), then for the ``train``
+    split: its image shape and classes, the schedule over the run's updates."""
     c = s.config
-    updates = c.epochs * ((train_examples or 0) // c.batch_size)
-    tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if train_examples else "constant",
+    s.model = models.get(c.model, remat=c.remat, init=c.init, **sources.shape_of(c.dataset, train))
+    updates = c.epochs * (len(train) // c.batch_size) if train else 0
+    tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if train else "constant",
                               total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),
                               weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm)
     if STAGE_AXIS in s.mesh.axis_names:
@@ -120,7 +122,7 @@ def open_checkpoints(s: Setup) -> None:
 def load_data(s: Setup) -> tuple[dict, dict]:
     """The splits (subsets applied) and the run's settings (what a checkpoint records)."""
     c = s.config
-    data = {k: sources.load_split(c.dataset, k, idx_dir=c.data_dir, tfds_dir=c.tfds_dir) for k in ("train", "test")}
+    data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir) for k in ("train", "test")}
     settings = {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS) if hasattr(c, k)},  # mesh: the flag
                 "data_sha256": sources.split_digest(*data.values()), "experiment": c.model, "devices": len(s.devices),
                 "processes": jax.process_count(), "pipeline_layout": pipeline_layout(s.trainer)}
@@ -170,19 +172,6 @@ def open_outputs(s: Setup, state, position) -> RunWriter | None:
         size = sum(x.nbytes for x in jax.tree.leaves(state)) + 2**16  # + orbax's metadata files
         ensure_room(s.checkpointer.directory, more * size, f"{more} more checkpoint(s)", "--checkpoint-dir")
     return RunWriter(out_dir, position.history if position else ())
-
-
-def describe(s: Setup, data: dict, writer) -> str:
-    c, sharded = s.config, len(s.layout["sharded"])
-    placement = "layers over the stages" if pipeline_layout(s.trainer) else c.param_sharding
-    return (f"{c.model}: {len(data['train'])} train / {len(data['test'])} test examples of {c.dataset}, batch "
-            f"{c.batch_size} on {len(s.devices)} {s.devices[0].platform} device(s), strategy {c.strategy}, mesh "
-            f"{','.join(f'{k}={v}' for k, v in s.mesh.shape.items())}, {placement} ({sharded} of "
-            f"{sharded + len(s.layout['replicated'])} parameters sharded), {c.precision}, accum {c.accum_steps} "
-            f"({c.accum}), remat {c.remat}" + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
-            + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
-               "{bubble:.0%})".format(**s.trainer.describe()) if pipeline_layout(s.trainer) else "")
-            + f"; out: {writer.out_dir if writer else None}")
 
 
 def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
@@ -288,7 +277,7 @@ def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
     build_trainer(s)
     open_checkpoints(s)
     data, settings = load_data(s)
-    build_trainer(s, len(data["train"]))
+    build_trainer(s, data["train"])
     try:
         state, position = initial_state(s, settings)
     except Finished as f:

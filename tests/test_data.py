@@ -8,7 +8,7 @@ import pytest
 from conftest import FASHION_MNIST_DIR, needs_fashion_mnist
 
 from jaxtrain import ConfigError
-from jaxtrain.data import loader, sources
+from jaxtrain.data import idx, loader, sources
 
 
 def write_idx(path, array, gz):
@@ -24,7 +24,7 @@ def make_idx_dir(root, gz=True, n_train=40, n_test=12, seed=0):
     for split, n in (("train", n_train), ("test", n_test)):
         images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
         labels = rng.integers(0, 10, n).astype(np.uint8)
-        img_stem, lbl_stem = sources.IDX_FILES[split]
+        img_stem, lbl_stem = idx.FILES[split]
         suffix = ".gz" if gz else ""
         write_idx(root / (img_stem + suffix), images, gz)
         write_idx(root / (lbl_stem + suffix), labels, gz)
@@ -42,7 +42,7 @@ def test_idx_files_convert_once_and_read_back(tmp_path, gz):
     idx_dir, tfds_dir = tmp_path / "idx", tmp_path / "tfds"
     arrays = make_idx_dir(idx_dir, gz=gz)
     for split, (images, labels) in arrays.items():
-        got = sources.load_split("fashion_mnist", split, idx_dir=idx_dir, tfds_dir=tfds_dir)
+        got = sources.load_split("fashion_mnist", split, data_dir=idx_dir, tfds_dir=tfds_dir)
         assert got.images.shape == (len(labels), 28, 28, 1) and got.images.dtype == np.uint8
         assert got.labels.dtype == np.int32
         assert as_sorted_pairs(got.images, got.labels) == as_sorted_pairs(images, labels)
@@ -50,7 +50,7 @@ def test_idx_files_convert_once_and_read_back(tmp_path, gz):
     assert prepared, "expected array_record files in the TFDS data dir"
     # Converted once: reading again leaves the converted files alone.
     stamps = {p: p.stat().st_mtime_ns for p in prepared}
-    again = sources.load_split("fashion_mnist", "test", idx_dir=idx_dir, tfds_dir=tfds_dir)
+    again = sources.load_split("fashion_mnist", "test", data_dir=idx_dir, tfds_dir=tfds_dir)
     assert len(again) == 12
     assert {p: p.stat().st_mtime_ns for p in prepared} == stamps
 
@@ -59,18 +59,18 @@ def test_other_idx_files_are_never_served_from_an_earlier_conversion(tmp_path):
     """Issue 20 (1): the cache was keyed by the dataset name only."""
     idx_dir, tfds_dir = tmp_path / "idx", tmp_path / "tfds"
     make_idx_dir(idx_dir, n_train=40)
-    assert len(sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)) == 40
+    assert len(sources.load_split("fashion_mnist", "train", data_dir=idx_dir, tfds_dir=tfds_dir)) == 40
     other = make_idx_dir(idx_dir, n_train=24, seed=1)  # same directory, other files
-    got = sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)
+    got = sources.load_split("fashion_mnist", "train", data_dir=idx_dir, tfds_dir=tfds_dir)
     assert as_sorted_pairs(got.images, got.labels) == as_sorted_pairs(*other["train"])
     raw = (idx_dir / "train-images-idx3-ubyte.gz").read_bytes()
     (idx_dir / "train-images-idx3-ubyte.gz").write_bytes(raw[: len(raw) // 2])  # truncated
     with pytest.raises(ConfigError, match="train-images-idx3-ubyte.gz"):
-        sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)
+        sources.load_split("fashion_mnist", "train", data_dir=idx_dir, tfds_dir=tfds_dir)
     for f in idx_dir.iterdir():  # gone: nothing to vouch for a cached copy
         f.unlink()
     with pytest.raises(ConfigError, match="is missing"):
-        sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)
+        sources.load_split("fashion_mnist", "train", data_dir=idx_dir, tfds_dir=tfds_dir)
 
 
 def corrupt(idx_dir, stem, data: bytes):
@@ -94,18 +94,18 @@ def test_bad_idx_files_name_the_file(tmp_path, damage, message):
     make_idx_dir(idx_dir)
     damage(idx_dir)
     with pytest.raises(ConfigError, match=message):
-        sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tmp_path / "tfds")
+        sources.load_split("fashion_mnist", "train", data_dir=idx_dir, tfds_dir=tmp_path / "tfds")
     assert not list((tmp_path / "tfds").glob("**/*.array_record*")), "nothing may be written from bad files"
 
 
 def test_missing_data_lists_the_ways_to_get_it(tmp_path, monkeypatch):
-    monkeypatch.setitem(sources.DEFAULT_IDX_DIRS, "mnist", str(tmp_path / "nowhere"))
+    monkeypatch.setitem(sources.DEFAULT_DATA_DIRS, "mnist", str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match="make data.*--data-dir.*TFDS download"):
         sources.load_split("mnist", "train", tfds_dir=tmp_path / "tfds", download=False)
     with pytest.raises(ConfigError, match="not a directory"):
-        sources.load_split("mnist", "train", idx_dir=tmp_path / "nowhere", tfds_dir=tmp_path / "tfds")
+        sources.load_split("mnist", "train", data_dir=tmp_path / "nowhere", tfds_dir=tmp_path / "tfds")
     with pytest.raises(ConfigError, match="unknown dataset"):
-        sources.load_split("cifar10", "train")
+        sources.load_split("cifar100", "train")
 
 
 @needs_fashion_mnist
@@ -115,7 +115,7 @@ def test_real_fashion_mnist(tfds_dir):
     assert (len(train), len(test)) == (60000, 10000)
     assert np.bincount(train.labels).tolist() == [6000] * 10
     assert np.bincount(test.labels).tolist() == [1000] * 10
-    direct = sources.read_idx_split(FASHION_MNIST_DIR, "test")
+    direct = idx.read_split(FASHION_MNIST_DIR, "test")
     assert as_sorted_pairs(test.images, test.labels) == as_sorted_pairs(direct.images, direct.labels)
 
 
@@ -137,12 +137,12 @@ def test_loader_train_and_eval_batches():
 def test_in_memory_copy_is_checked_and_rebuilt_when_damaged(tmp_path):
     idx_dir, tfds_dir = tmp_path / "idx", tmp_path / "tfds"
     arrays = make_idx_dir(idx_dir)
-    first = sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)
+    first = sources.load_split("fashion_mnist", "train", data_dir=idx_dir, tfds_dir=tfds_dir)
     [cache] = tfds_dir.glob("*/fashion_mnist_*/1.0.0/jaxtrain-train-arrays.npz")
     raw = bytearray(cache.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # inside the images
     cache.write_bytes(bytes(raw))
-    again = sources.load_split("fashion_mnist", "train", idx_dir=idx_dir, tfds_dir=tfds_dir)
+    again = sources.load_split("fashion_mnist", "train", data_dir=idx_dir, tfds_dir=tfds_dir)
     assert np.array_equal(again.images, first.images) and np.array_equal(again.labels, first.labels)
     assert as_sorted_pairs(again.images, again.labels) == as_sorted_pairs(*arrays["train"])
     with np.load(cache) as f:  # rewritten whole

@@ -1,144 +1,63 @@
-"""Datasets as TFDS data sources: local IDX files (converted once) or TFDS's own.
+"""Datasets as TFDS data sources: local files (converted once), or datasets TFDS has prepared.
 
-Resolution order for ``fashion_mnist`` / ``mnist``:
-  (a) the four IDX files in ``idx_dir`` (default for fashion_mnist: the Debian
-      package's ``/usr/share/datasets/fashion-mnist``), converted ONCE by our
-      small TFDS builder into array_record in the TFDS data dir. The cached
-      copy is keyed by the sha256 of the four files' bytes (config
-      ``NAME_<12 hex digits>``): other or damaged files are never mistaken
-      for a copy made earlier; they are validated and converted anew;
+``fashion_mnist`` / ``mnist`` / ``cifar10``, in this order:
+  (a) local files: the four IDX files (``jaxtrain.data.idx``; default for
+      fashion_mnist: the Debian package's ``/usr/share/datasets/fashion-mnist``)
+      or CIFAR-10's binary batches (``jaxtrain.data.cifar``) in ``data_dir``,
+      converted ONCE by our small TFDS builder into array_record in the TFDS
+      data dir. The cached copy is keyed by the sha256 of the files' bytes
+      (config ``NAME_<12 hex digits>``): other or damaged files are never
+      mistaken for a copy made earlier; they are validated and converted anew;
   (b) TFDS's own prepared (or downloadable) dataset;
   (c) otherwise a ConfigError that lists the ways to get the data.
-No TensorFlow is needed: images are stored as uint8 tensors, not PNGs.
+``tfds:NAME``: any image-classification dataset TFDS has already prepared
+(array_record) in the TFDS data dir; shape and classes from its metadata.
+No TensorFlow is needed: our images are stored as uint8 tensors, not PNGs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import gzip
-import hashlib
 import os
-import struct
 import sys
 import time
 import zipfile
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
+from jaxtrain.data import cifar, idx
+from jaxtrain.data.split import Split, files_digest, split_digest  # noqa: F401 - Split: the public home
 from jaxtrain.errors import ConfigError
 
-DATASETS = ("fashion_mnist", "mnist")
-DEFAULT_IDX_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
-IDX_FILES = {
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
-IMAGE_SHAPE = (28, 28, 1)
-NUM_CLASSES = 10
-_HOW_TO_GET = (
-    "get it with `make data` (Debian package dataset-fashion-mnist), or pass --data-dir DIR "
-    "holding the four IDX files (train-images-idx3-ubyte[.gz], ...), or let TFDS download it (needs internet)"
-)
+LOCAL = {"fashion_mnist": idx, "mnist": idx, "cifar10": cifar}  # name -> the module reading its local files
+DATASETS = tuple(LOCAL)  # and "tfds:NAME"
+DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
+TFDS_PREFIX = "tfds:"
 
 
-@dataclasses.dataclass(frozen=True)
-class Split:
-    """A whole split in memory: uint8 images [N, 28, 28, 1] and int32 labels [N]."""
-
-    images: np.ndarray
-    labels: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def head(self, n: int | None) -> "Split":
-        """The first ``n`` examples (all of them for None)."""
-        return self if n is None else Split(self.images[:n], self.labels[:n])
+def shape_of(name: str, split: Split | None = None) -> dict:
+    """``{"input_shape": (H, W, C), "num_classes": K}`` of ``split``, or (not read yet) the dataset's usual."""
+    if split is not None:
+        return {"input_shape": split.image_shape, "num_classes": split.num_classes}
+    fmt = LOCAL.get(name, idx)  # tfds:NAME: unknown until read; checked again then
+    return {"input_shape": fmt.IMAGE_SHAPE, "num_classes": fmt.NUM_CLASSES}
 
 
-# ---------------------------------------------------------------- IDX files
-
-
-def find_idx_file(idx_dir: Path, stem: str) -> Path | None:
-    for name in (stem + ".gz", stem):
-        if (idx_dir / name).is_file():
-            return idx_dir / name
-    return None
-
-
-def read_idx(path: Path, expect_dims: int) -> np.ndarray:
-    """Read one IDX file (gzip'd or plain) and check its header against its size."""
-    raw = Path(path).read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
-            raise ConfigError(f"{path}: not a readable gzip file ({e}); replace it with an intact copy") from None
-    if len(raw) < 4 or raw[:3] != b"\x00\x00\x08" or raw[3] != expect_dims:
-        raise ConfigError(
-            f"{path}: not an IDX file of uint8 with {expect_dims} dimension(s) "
-            f"(magic {raw[:4].hex()}, expected 0000080{expect_dims}); replace it with an intact copy"
-        )
-    header = 4 + 4 * expect_dims
-    dims = struct.unpack(f">{expect_dims}I", raw[4:header])
-    if len(raw) - header != int(np.prod(dims)):
-        raise ConfigError(
-            f"{path}: header says {'x'.join(map(str, dims))} bytes of data but the file holds "
-            f"{len(raw) - header}; the file is truncated or corrupt"
-        )
-    return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
-
-
-def read_idx_split(idx_dir: Path, split: str) -> Split:
-    """Read and validate one split (images and labels) from IDX files."""
-    image_stem, label_stem = IDX_FILES[split]
-    paths = [find_idx_file(idx_dir, image_stem), find_idx_file(idx_dir, label_stem)]
-    for stem, path in zip((image_stem, label_stem), paths):
-        if path is None:
-            raise ConfigError(f"{idx_dir}: {stem}[.gz] is missing; {_HOW_TO_GET}")
-    images, labels = read_idx(paths[0], 3), read_idx(paths[1], 1)
-    if images.shape[1:] != IMAGE_SHAPE[:2]:
-        raise ConfigError(f"{paths[0]}: images are {images.shape[1]}x{images.shape[2]}, expected 28x28")
-    if len(images) != len(labels):
-        raise ConfigError(f"{paths[0]} holds {len(images)} images but {paths[1]} holds {len(labels)} labels")
-    if labels.size and labels.max() >= NUM_CLASSES:
-        raise ConfigError(f"{paths[1]}: label {labels.max()} found, expected labels 0-9")
-    return Split(images.reshape(-1, *IMAGE_SHAPE), labels.astype(np.int32))
-
-
-def has_idx_files(idx_dir: Path) -> bool:
-    return all(find_idx_file(idx_dir, stem) for pair in IDX_FILES.values() for stem in pair)
-
-
-def idx_files_digest(idx_dir: Path) -> str:
-    """sha256 over the four IDX files' names and bytes (what a cached conversion is keyed by)."""
-    h = hashlib.sha256()
-    for stem in (stem for pair in IDX_FILES.values() for stem in pair):
-        path = find_idx_file(idx_dir, stem)
-        h.update(path.name.encode() + b"\0")
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
-
-
-def split_digest(*splits: Split) -> str:
-    """sha256 of the examples themselves (images, then labels, split by split): what a run trained on."""
-    h = hashlib.sha256()
-    for split in splits:
-        h.update(np.ascontiguousarray(split.images).tobytes())
-        h.update(np.ascontiguousarray(split.labels).tobytes())
-    return h.hexdigest()
+def check_name(name: str) -> None:
+    if name not in LOCAL and not (name.startswith(TFDS_PREFIX) and len(name) > len(TFDS_PREFIX)):
+        raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}, or tfds:NAME for a dataset "
+                          "TFDS has prepared")
 
 
 # ---------------------------------------------------------------- TFDS
 
 
 @functools.cache
-def _builder_class():
-    """Our TFDS builder, defined lazily (once) so that importing jaxtrain stays cheap."""
+def _builder_class(fmt: ModuleType):
+    """Our TFDS builder for one local file format (idx or cifar), defined lazily (once): importing jaxtrain stays
+    cheap."""
     import logging
 
     import tensorflow_datasets as tfds
@@ -146,33 +65,30 @@ def _builder_class():
     # Our configs are made per set of source files on purpose: not worth a warning each run.
     logging.getLogger("absl").addFilter(lambda r: not r.getMessage().startswith("Using custom data configuration"))
 
-    class JaxtrainIdxImages(tfds.core.GeneratorBasedBuilder):
-        """28x28 grayscale IDX datasets (fashion_mnist, mnist) read from local files."""
+    class LocalImages(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+        """Images read from local files (their format: ``fmt``), stored as uint8 tensors."""
 
+        name = {idx: "jaxtrain_idx_images", cifar: "jaxtrain_cifar10_binary"}[fmt]
         VERSION = tfds.core.Version("1.0.0")
         BUILDER_CONFIGS = []  # one config per set of source files: NAME_<digest>, see data_source
-        MANUAL_DOWNLOAD_INSTRUCTIONS = "Put the four IDX files in the manual dir."
+        MANUAL_DOWNLOAD_INSTRUCTIONS = "Put the dataset's files in the manual dir."
 
         def _info(self):
             return self.dataset_info_from_configs(
-                features=tfds.features.FeaturesDict(
-                    {
-                        "image": tfds.features.Tensor(shape=IMAGE_SHAPE, dtype=np.uint8),
-                        "label": tfds.features.ClassLabel(num_classes=NUM_CLASSES),
-                    }
-                ),
-                supervised_keys=("image", "label"),
-            )
+                features=tfds.features.FeaturesDict({
+                    "image": tfds.features.Tensor(shape=fmt.IMAGE_SHAPE, dtype=np.uint8),
+                    "label": tfds.features.ClassLabel(num_classes=fmt.NUM_CLASSES)}),
+                supervised_keys=("image", "label"))
 
         def _split_generators(self, dl_manager):
-            idx_dir = Path(dl_manager.manual_dir)
-            return {split: self._generate_examples(read_idx_split(idx_dir, split)) for split in IDX_FILES}
+            return {split: self._generate_examples(fmt.read_split(Path(dl_manager.manual_dir), split))
+                    for split in fmt.FILES}
 
         def _generate_examples(self, split: Split):
             for i in range(len(split)):
                 yield i, {"image": split.images[i], "label": int(split.labels[i])}
 
-    return JaxtrainIdxImages
+    return LocalImages
 
 
 def _process_index() -> int:
@@ -191,63 +107,98 @@ def _wait_until_prepared(make_builder, timeout: float = 600.0):
     raise ConfigError(f"process 0 did not finish converting the dataset within {timeout:.0f} s")
 
 
+def _keys(info) -> tuple[str, str]:
+    """The (image, label) feature names of an image-classification dataset; a ConfigError otherwise."""
+    image, label = info.supervised_keys if isinstance(info.supervised_keys, tuple) and len(
+        info.supervised_keys) == 2 and isinstance(info.supervised_keys[0], str) else ("image", "label")
+    features = info.features
+    if image not in features or label not in features or not hasattr(features[label], "num_classes"):
+        raise ConfigError(f"dataset {info.name} is not an image classification dataset (features "
+                          f"{', '.join(features.keys())}; expected an image and a class label)")
+    shape = features[image].shape
+    if len(shape) != 3 or None in shape:
+        raise ConfigError(f"dataset {info.name}: images of shape {shape}; jaxtrain needs one fixed HxWxC shape")
+    return image, label
+
+
 def _read_source(source) -> Split:
     """Read a whole TFDS data source into memory, in large chunks (fast path)."""
-    n, chunk = len(source), 8192
-    images = np.empty((n, *IMAGE_SHAPE), np.uint8)
+    info = source.dataset_info
+    image, label = _keys(info)
+    shape, n, chunk = tuple(info.features[image].shape), len(source), 8192
+    images = np.empty((n, *shape), np.uint8)
     labels = np.empty((n,), np.int32)
     for start in range(0, n, chunk):
         records = source.__getitems__(list(range(start, min(n, start + chunk))))
-        images[start : start + len(records)] = np.stack([np.asarray(r["image"]).reshape(IMAGE_SHAPE) for r in records])
-        labels[start : start + len(records)] = [int(r["label"]) for r in records]
-    return Split(images, labels)
+        images[start : start + len(records)] = np.stack([np.asarray(r[image]).reshape(shape) for r in records])
+        labels[start : start + len(records)] = [int(r[label]) for r in records]
+    return Split(images, labels, info.features[label].num_classes)
 
 
-def data_source(name: str, split: str, *, idx_dir: str | os.PathLike | None = None, tfds_dir=None, download=True):
+def _prepared_tfds(name: str, split: str, tfds_dir):
+    """``tfds:NAME``: a dataset TFDS has already prepared, read as a data source (no download, no TensorFlow)."""
+    import tensorflow_datasets as tfds
+
+    where = tfds_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
+    try:
+        builder = tfds.builder(name, data_dir=tfds_dir)
+    except Exception as e:  # noqa: BLE001 - any failure here means "not there"
+        raise ConfigError(f"tfds:{name}: no such dataset prepared in {where} ({type(e).__name__}): prepare it with "
+                          f"`tfds build {name} --file_format=array_record`, or pass --tfds-dir DIR") from None
+    if not builder.is_prepared():
+        raise ConfigError(f"tfds:{name} is not prepared in {where}: prepare it with `tfds build {name} "
+                          "--file_format=array_record`, or pass --tfds-dir DIR")
+    if split not in builder.info.splits:
+        raise ConfigError(f"tfds:{name} has no {split!r} split (it has {', '.join(builder.info.splits)})")
+    _keys(builder.info)
+    try:
+        return builder.as_data_source(split=split)
+    except Exception as e:  # noqa: BLE001 - e.g. prepared as tfrecord only
+        raise ConfigError(f"tfds:{name} cannot be read as a data source ({e}); prepare it with "
+                          "--file_format=array_record") from None
+
+
+def data_source(name: str, split: str, *, data_dir: str | os.PathLike | None = None, tfds_dir=None, download=True):
     """The TFDS data source of ``name``/``split``, by the resolution order above."""
     import tensorflow_datasets as tfds
 
-    if name not in DATASETS:
-        raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}")
-    if split not in IDX_FILES:
+    check_name(name)
+    if split not in ("train", "test"):
         raise ConfigError(f"unknown split {split!r}: use train or test")
-    explicit = idx_dir is not None
-    idx_path = Path(idx_dir if explicit else DEFAULT_IDX_DIRS[name])
-    if explicit and not idx_path.is_dir():
-        raise ConfigError(f"--data-dir {idx_path} is not a directory; {_HOW_TO_GET}")
-    if has_idx_files(idx_path) or explicit:
-        for stem in (stem for pair in IDX_FILES.values() for stem in pair):
-            if find_idx_file(idx_path, stem) is None:
-                raise ConfigError(f"{idx_path}: {stem}[.gz] is missing; {_HOW_TO_GET}")
-        config = tfds.core.BuilderConfig(name=f"{name}_{idx_files_digest(idx_path)[:12]}",
-                                         description=f"{name} from the IDX files in {idx_path}")
+    if name.startswith(TFDS_PREFIX):
+        return _prepared_tfds(name[len(TFDS_PREFIX):], split, tfds_dir)
+    fmt, explicit = LOCAL[name], data_dir is not None
+    local = Path(data_dir if explicit else DEFAULT_DATA_DIRS.get(name, "/nonexistent"))
+    if explicit and not local.is_dir():
+        raise ConfigError(f"--data-dir {local} is not a directory; {fmt.HOW_TO_GET}")
+    if fmt.present(local) or explicit:
+        config = tfds.core.BuilderConfig(name=f"{name}_{files_digest(fmt.paths(local))[:12]}",
+                                         description=f"{name} from the files in {local}")
 
         def make_builder():
-            return _builder_class()(config=config, data_dir=tfds_dir)
+            return _builder_class(fmt)(config=config, data_dir=tfds_dir)
 
         builder = make_builder()
         if not builder.is_prepared():
             if _process_index() > 0:  # in a multi-process run, process 0 converts; the others wait
                 builder = _wait_until_prepared(make_builder)
             else:
-                for s in IDX_FILES:  # validate before writing anything
-                    read_idx_split(idx_path, s)
-                print(f"converting the IDX files in {idx_path} to array_record (once) ...", file=sys.stderr, flush=True)
-                builder.download_and_prepare(
-                    download_config=tfds.download.DownloadConfig(manual_dir=str(idx_path)), file_format="array_record"
-                )
+                for s in fmt.FILES:  # validate before writing anything
+                    fmt.read_split(local, s)
+                print(f"converting the files in {local} to array_record (once) ...", file=sys.stderr, flush=True)
+                builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
+                    manual_dir=str(cifar.directory_of(local) if fmt is cifar else local)), file_format="array_record")
         return builder.as_data_source(split=split)
     builder = tfds.builder(name, data_dir=tfds_dir)
     if not builder.is_prepared():
         if not download:
-            raise ConfigError(f"dataset {name} not found (no IDX files in {idx_path}, no prepared TFDS copy); {_HOW_TO_GET}")
+            raise ConfigError(f"dataset {name} not found (no files in {local}, no prepared TFDS copy); "
+                              f"{fmt.HOW_TO_GET}")
         try:
             builder.download_and_prepare(file_format="array_record")
         except Exception as e:  # noqa: BLE001 - any failure here means "no data"
-            raise ConfigError(
-                f"dataset {name} not found (no IDX files in {idx_path}) and TFDS could not download it "
-                f"({type(e).__name__}); {_HOW_TO_GET}"
-            ) from None
+            raise ConfigError(f"dataset {name} not found (no files in {local}) and TFDS could not download it "
+                              f"({type(e).__name__}); {fmt.HOW_TO_GET}") from None
     return builder.as_data_source(split=split, file_format="array_record")
 
 
@@ -263,7 +214,7 @@ def load_split(name: str, split: str, **kwargs) -> Split:
     cache = Path(source.dataset_info.data_dir) / f"jaxtrain-{split}-arrays.npz"
     try:
         with np.load(cache) as f:
-            arrays = Split(f["images"], f["labels"])
+            arrays = Split(f["images"], f["labels"], int(f["num_classes"]))
             if len(arrays) == len(source) and str(f["sha256"]) == split_digest(arrays):
                 return arrays
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
@@ -273,7 +224,8 @@ def load_split(name: str, split: str, **kwargs) -> Split:
         tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
         try:
             with open(tmp, "wb") as f:
-                np.savez(f, images=arrays.images, labels=arrays.labels, sha256=split_digest(arrays))
+                np.savez(f, images=arrays.images, labels=arrays.labels, num_classes=arrays.num_classes,
+                         sha256=split_digest(arrays))
             os.replace(tmp, cache)
         except OSError:  # a read-only TFDS dir: fine, only slower next time
             tmp.unlink(missing_ok=True)

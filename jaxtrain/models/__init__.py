@@ -47,23 +47,26 @@ class Model:
     apply: Callable | None = None  # apply(params, images) -> logits, for the model summary
     tp_rules: tuple = ()  # ((regex, PartitionSpec over "model"), ...): --param-sharding tp / fsdp+tp
     pipeline: tuple | None = None  # (embed_fn, stage_fn, head_loss_fn, head_eval_fn): it can be pipelined
+    input_shape: tuple = IMAGE_SHAPE  # (H, W, C) of the images it was built for
+    num_classes: int = 10
 
-    @staticmethod
-    def example_batch(batch_size: int, seed: int = 0) -> dict:
-        """A random host batch of the models' input (images in [0, 1), labels 0..9): benchmarks and tests."""
+    def example_batch(self, batch_size: int, seed: int = 0) -> dict:
+        """A random host batch of the model's input (images in [0, 1), labels): benchmarks and tests."""
         import numpy as np
 
         rng = np.random.default_rng(seed)
-        return {"image": rng.random((batch_size, *IMAGE_SHAPE), dtype=np.float32),
-                "label": rng.integers(0, 10, batch_size).astype(np.int32)}
+        return {"image": rng.random((batch_size, *self.input_shape), dtype=np.float32),
+                "label": rng.integers(0, self.num_classes, batch_size).astype(np.int32)}
 
 
 def names() -> tuple[str, ...]:
     return tuple(MODELS)
 
 
-def get(name: str, *, remat: str = "none", init: str | None = None) -> Model:
-    """The named model, its train-mode loss remat'ed per block by the ``remat`` policy."""
+def get(name: str, *, remat: str = "none", init: str | None = None, input_shape: tuple = IMAGE_SHAPE,
+        num_classes: int = 10) -> Model:
+    """The named model for images of ``input_shape`` (H, W, C) and ``num_classes`` classes (the dataset's), its
+    train-mode loss remat'ed per block by the ``remat`` policy."""
     from jaxtrain.errors import ConfigError
 
     if name not in MODELS:
@@ -72,22 +75,33 @@ def get(name: str, *, remat: str = "none", init: str | None = None) -> Model:
     init = init or inits[0]
     if init not in inits:
         raise ConfigError(f"model {name} has no init {init!r}: choose one of {', '.join(inits)}")
+    shape = dict(input_shape=tuple(input_shape), num_classes=num_classes)
+    try:
+        return _build(name, remat, init, shape)
+    except ValueError as e:  # e.g. images too small for the model
+        raise ConfigError(f"model {name}: {e}") from None
+
+
+def _build(name: str, remat: str, init: str, shape: dict) -> Model:
     if name == "lenet":
         from jaxtrain.models import lenet
 
-        return Model(name, lambda rng: (lenet.init_params(rng), {}), lenet.make_loss_fn(remat), lenet.eval_fn,
-                     apply=lenet.apply, tp_rules=lenet.TP_RULES)
+        lenet.shapes(**shape)  # images too small: an error now
+        return Model(name, lambda rng: (lenet.init_params(rng, **shape), {}), lenet.make_loss_fn(remat),
+                     lenet.eval_fn, apply=lenet.apply, tp_rules=lenet.TP_RULES, **shape)
     if name == "vit":
         from jaxtrain.models import vit
         from jaxtrain.pipeline import sequential_loss
         from jaxtrain.remat import remat as remat_block
 
         block = remat_block(vit.block, remat)
-        return Model(name, lambda rng: (vit.init(rng), {}), sequential_loss(vit.embed_fn, block, vit.head_loss_fn),
-                     vit.eval_fn, apply=vit.apply, pipeline=(vit.embed_fn, vit.block, vit.head_loss_fn,
-                                                              vit.head_eval_fn))
+        vit.tokens(shape["input_shape"])  # sides not divisible by the patch: an error now
+        return Model(name, lambda rng: (vit.init(rng, **shape), {}),
+                     sequential_loss(vit.embed_fn, block, vit.head_loss_fn), vit.eval_fn, apply=vit.apply,
+                     pipeline=(vit.embed_fn, vit.block, vit.head_loss_fn, vit.head_eval_fn), **shape)
     from jaxtrain.models import resnet
 
-    net, eval_net = resnet.ResNet18(weight_init=init, remat=remat), resnet.ResNet18(weight_init=init)
-    return Model(name, lambda rng: resnet.init_variables(rng, eval_net), resnet.make_loss_fn(net),
-                 resnet.make_eval_fn(eval_net), tp_rules=resnet.TP_RULES)
+    net = resnet.ResNet18(weight_init=init, remat=remat, num_classes=shape["num_classes"])
+    eval_net = resnet.ResNet18(weight_init=init, num_classes=shape["num_classes"])
+    return Model(name, lambda rng: resnet.init_variables(rng, eval_net, shape["input_shape"]),
+                 resnet.make_loss_fn(net), resnet.make_eval_fn(eval_net), tp_rules=resnet.TP_RULES, **shape)

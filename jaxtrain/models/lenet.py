@@ -12,14 +12,17 @@ from jaxtrain.models import classify
 from jaxtrain.remat import remat as _remat
 
 NUM_CLASSES = 10
+IMAGE_SHAPE = (28, 28, 1)
 
-# (name, shape): convs are HWIO, inputs NHWC (28x28x1).
-_SHAPES = {
-    "conv1": ((3, 3, 1, 20), (20,)),
-    "conv2": ((5, 5, 20, 50), (50,)),
-    "dense1": ((800, 128), (128,)),
-    "dense2": ((128, NUM_CLASSES), (NUM_CLASSES,)),
-}
+
+def shapes(input_shape=IMAGE_SHAPE, num_classes: int = NUM_CLASSES) -> dict:
+    """(name -> (weight shape, bias shape)): convs HWIO, inputs NHWC; 28x28x1 gives d2l's 800 features."""
+    h, w, c = input_shape
+    side = lambda n: ((n - 2) // 2 - 4) // 2  # noqa: E731 - conv 3 valid, pool 2, conv 5 valid, pool 2
+    if side(h) < 1 or side(w) < 1:
+        raise ValueError(f"LeNet needs images of at least 14x14, got {h}x{w}")
+    return {"conv1": ((3, 3, c, 20), (20,)), "conv2": ((5, 5, 20, 50), (50,)),
+            "dense1": ((side(h) * side(w) * 50, 128), (128,)), "dense2": ((128, num_classes), (num_classes,))}
 
 
 # Tensor parallelism over "model" (Megatron's MLP split): dense1 column-parallel (its outputs split), dense2
@@ -27,12 +30,13 @@ _SHAPES = {
 TP_RULES = ((r"dense1/w$", P(None, MODEL_AXIS)), (r"dense1/b$", P(MODEL_AXIS)), (r"dense2/w$", P(MODEL_AXIS, None)))
 
 
-def init_params(rng: jax.Array, scale: float = 0.01) -> dict:
+def init_params(rng: jax.Array, scale: float = 0.01, input_shape=IMAGE_SHAPE, num_classes: int = NUM_CLASSES) -> dict:
     """d2l's init: weights ~ N(0, 1) * scale, biases 0."""
-    keys = jax.random.split(rng, len(_SHAPES))
+    layers = shapes(input_shape, num_classes)
+    keys = jax.random.split(rng, len(layers))
     return {
         name: {"w": scale * jax.random.normal(k, w_shape, jnp.float32), "b": jnp.zeros(b_shape, jnp.float32)}
-        for k, (name, (w_shape, b_shape)) in zip(keys, _SHAPES.items())
+        for k, (name, (w_shape, b_shape)) in zip(keys, layers.items())
     }
 
 
@@ -53,11 +57,11 @@ def _conv_block(p, x):
 
 
 def apply(params: dict, images: jax.Array, remat: str = "none") -> jax.Array:
-    """Logits [B, 10] for images [B, 28, 28, 1]; ``remat`` names a policy per conv block."""
+    """Logits [B, classes] for images [B, H, W, C]; ``remat`` names a policy per conv block."""
     block = _remat(_conv_block, remat)
     x = block(params["conv1"], images)  # 28 -> 26 -> 13
     x = block(params["conv2"], x)  # 13 -> 9 -> 4
-    x = x.reshape(x.shape[0], -1)  # 4*4*50 = 800
+    x = x.reshape(x.shape[0], -1)  # 4*4*50 = 800 for 28x28
     x = jax.nn.relu(x @ params["dense1"]["w"] + params["dense1"]["b"])
     return x @ params["dense2"]["w"] + params["dense2"]["b"]
 

@@ -106,10 +106,10 @@ class ResNet18(nn.Module):
         return nn.Dense(self.num_classes, kernel_init=kinit)(x)
 
 
-def init_variables(rng: jax.Array, model: ResNet18 | None = None) -> tuple[dict, dict]:
-    """(params, batch_stats) for 28x28x1 input."""
+def init_variables(rng: jax.Array, model: ResNet18 | None = None, input_shape=(28, 28, 1)) -> tuple[dict, dict]:
+    """(params, batch_stats) for images of ``input_shape`` (H, W, C)."""
     model = model or ResNet18()
-    variables = model.init(rng, jnp.zeros((1, 28, 28, 1), jnp.float32), train=False)
+    variables = model.init(rng, jnp.zeros((1, *input_shape), jnp.float32), train=False)
     return variables["params"], variables["batch_stats"]
 
 

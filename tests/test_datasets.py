@@ -1,0 +1,128 @@
+"""CIFAR-10's binary files and datasets TFDS has prepared (tfds:NAME): read, validated, converted once."""
+
+import numpy as np
+import pytest
+from test_data import as_sorted_pairs
+
+from jaxtrain import ConfigError
+from jaxtrain.data import cifar, sources
+
+
+def make_cifar_dir(root, per_file=3, n_test=4, seed=0):
+    """The six binary files, small: returns {split: (images [N, 32, 32, 3], labels)} as they should read."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    expected = {}
+    for split, names in cifar.FILES.items():
+        parts = []
+        for name in names:
+            n = per_file if split == "train" else n_test
+            labels = rng.integers(0, 10, n, dtype=np.uint8)
+            planes = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)  # channel-major, as in the files
+            (root / name).write_bytes(np.concatenate([labels[:, None], planes.reshape(n, -1)], axis=1).tobytes())
+            parts.append((planes.transpose(0, 2, 3, 1), labels.astype(np.int32)))
+        expected[split] = tuple(np.concatenate(x) for x in zip(*parts))
+    return expected
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_cifar10_binary_files_round_trip_through_the_tfds_conversion(tmp_path, nested):
+    data_dir = tmp_path / "c"
+    expected = make_cifar_dir(data_dir / "cifar-10-batches-bin" if nested else data_dir)
+    for split, (images, labels) in expected.items():
+        got = sources.load_split("cifar10", split, data_dir=data_dir, tfds_dir=tmp_path / "tfds")
+        assert got.image_shape == (32, 32, 3) and got.num_classes == 10 and len(got) == len(labels)
+        assert as_sorted_pairs(got.images, got.labels) == as_sorted_pairs(images, labels)  # TFDS shuffles
+        direct = cifar.read_split(data_dir, split)  # the reader alone keeps the files' order
+        np.testing.assert_array_equal(direct.images, images)
+        np.testing.assert_array_equal(direct.labels, labels)
+    assert list((tmp_path / "tfds").glob("jaxtrain_cifar10_binary/cifar10_*/1.0.0/*.array_record*"))
+    red = expected["test"][0][0, 0, 0, 0]  # the first pixel's red byte is the file's second byte
+    assert red == (data_dir / ("cifar-10-batches-bin" if nested else "") / "test_batch.bin").read_bytes()[1]
+
+
+def damage_truncated(d):
+    raw = (d / "data_batch_3.bin").read_bytes()
+    (d / "data_batch_3.bin").write_bytes(raw[:-100])
+
+
+def damage_record_size(d):  # CIFAR-100's records: 2 label bytes
+    (d / "test_batch.bin").write_bytes(bytes(4 * 3074))
+
+
+def damage_label(d):
+    raw = bytearray((d / "data_batch_2.bin").read_bytes())
+    raw[cifar.RECORD] = 12  # the second record's label
+    (d / "data_batch_2.bin").write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (damage_truncated, r"data_batch_3\.bin: \d+ bytes is not a whole number of 3073-byte"),
+    (damage_record_size, r"test_batch\.bin: \d+ bytes is not a whole number"),
+    (damage_label, r"data_batch_2\.bin: record 1 has label 12, expected 0-9"),
+    (lambda d: (d / "data_batch_5.bin").unlink(), r"data_batch_5\.bin is missing; pass --data-dir DIR"),
+])
+def test_bad_cifar10_files_are_one_line_errors_naming_the_file(tmp_path, damage, message):
+    make_cifar_dir(tmp_path / "c")
+    damage(tmp_path / "c")
+    with pytest.raises(ConfigError, match=message) as e:
+        sources.load_split("cifar10", "train" if "test" not in message else "test", data_dir=tmp_path / "c",
+                           tfds_dir=tmp_path / "tfds")
+    assert "\n" not in str(e.value)
+    assert not list((tmp_path / "tfds").glob("**/*.array_record*")), "nothing may be written from bad files"
+
+
+def png(image) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, format="PNG")
+    return out.getvalue()
+
+
+def prepare_tfds_dataset(tfds_dir, shape=(8, 6, 3), classes=5, n=(7, 3)):
+    """A tiny image-classification dataset prepared by TFDS itself (PNG-encoded images, array_record)."""
+    import tensorflow_datasets as tfds
+
+    tfds_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    data = {split: (rng.integers(0, 256, (k, *shape), dtype=np.uint8), rng.integers(0, classes, k))
+            for split, k in zip(("train", "test"), n)}
+
+    class TinyShapes(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+        name = "tiny_shapes"
+        VERSION = tfds.core.Version("1.0.0")
+        pkg_dir_path = tfds_dir  # where TFDS looks for README/citation files (none): not this test module
+
+        def _info(self):
+            return self.dataset_info_from_configs(
+                features=tfds.features.FeaturesDict({"picture": tfds.features.Image(shape=shape),
+                                                     "kind": tfds.features.ClassLabel(num_classes=classes)}),
+                supervised_keys=("picture", "kind"))
+
+        def _split_generators(self, dl_manager):
+            return {s: self._generate_examples(*data[s]) for s in data}
+
+        def _generate_examples(self, images, labels):
+            for i, (image, label) in enumerate(zip(images, labels)):
+                yield i, {"picture": png(image), "kind": int(label)}  # TFDS itself would encode with TensorFlow
+
+    TinyShapes(data_dir=tfds_dir).download_and_prepare(file_format="array_record")
+    return data
+
+
+def test_a_dataset_tfds_prepared_is_read_by_name_with_its_shape_and_classes(tmp_path):
+    data = prepare_tfds_dataset(tmp_path / "tfds")
+    for split, (images, labels) in data.items():
+        got = sources.load_split("tfds:tiny_shapes", split, tfds_dir=tmp_path / "tfds")  # no builder code: files
+        assert got.image_shape == (8, 6, 3) and got.num_classes == 5
+        assert as_sorted_pairs(got.images, got.labels) == as_sorted_pairs(images, labels)
+
+
+def test_tfds_datasets_not_prepared_or_not_images_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"tfds:nothing_here.*tfds build nothing_here --file_format=array_record"):
+        sources.load_split("tfds:nothing_here", "train", tfds_dir=tmp_path / "tfds")
+    with pytest.raises(ConfigError, match="unknown dataset 'tfds:'"):
+        sources.load_split("tfds:", "train")
