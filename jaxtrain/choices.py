@@ -7,3 +7,4 @@ PARAM_SHARDINGS = ("replicated", "fsdp", "tp", "fsdp+tp")  # jaxtrain.sharding.p
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")  # jaxtrain.optim
 LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "onecycle")  # jaxtrain.optim.make_schedule
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.pipeline)
+AUGMENTATIONS = ("none", "crop+flip")  # jaxtrain.data.augment

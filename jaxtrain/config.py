@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtrain.choices import (ACCUM_MODES, LR_SCHEDULES, OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS,
+from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, LR_SCHEDULES, OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS,
                               STRATEGIES)
 from jaxtrain.data.sources import DATASETS, DEFAULT_DATA_DIRS, check_name
 from jaxtrain.errors import ConfigError
@@ -67,6 +67,9 @@ class RunConfig:
                                         "ubyte[.gz], ...) or CIFAR-10's binary batches (data_batch_1.bin, ..., "
                                         f"test_batch.bin); default for fashion_mnist: "
                                         f"{DEFAULT_DATA_DIRS['fashion_mnist']} (Debian package)")
+    augment: str = _field("none", "training-time augmentation: crop+flip (pad 4, random crop back to the image "
+                                  "size, horizontal flip; drawn from seed, epoch and example index) or none; never "
+                                  "on the test set", choices=AUGMENTATIONS)
     tfds_dir: str | None = _field(None, "TFDS data dir where the converted dataset is cached (default: "
                                         "$TFDS_DATA_DIR or ~/tensorflow_datasets)")
     out: str | None = _field(None, "output directory for metrics.jsonl, summary.json, curves.png and the "

@@ -24,8 +24,8 @@ from jaxtrain.signals import StopOnSignal, StopVote
 
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
 FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "schedule",
-                  "warmup_epochs", "weight_decay", "clip_grad_norm", "batch_size", "seed", "precision", "accum_steps",
-                  "accum", "pipeline_layout")
+                  "warmup_epochs", "weight_decay", "clip_grad_norm", "augment", "batch_size", "seed", "precision",
+                  "accum_steps", "accum", "pipeline_layout")
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
                  "microbatches")
@@ -177,7 +177,8 @@ def open_outputs(s: Setup, state, position) -> RunWriter | None:
 def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
     """fit with the run's outputs, checkpoints and signal handling; (state, history, first_loss, stats)."""
     c, say = s.config, s.say
-    train_data = loader.Loader(data["train"], s.call_batch, train=True, seed=c.seed, workers=c.workers)
+    train_data = loader.Loader(data["train"], s.call_batch, train=True, seed=c.seed, workers=c.workers,
+                               augment=c.augment)
     test_data = loader.Loader(data["test"], c.batch_size, train=False, workers=c.workers)
     if c.summary:
         images = loader.normalise(data["test"].head(8).images) if s.model.apply else None

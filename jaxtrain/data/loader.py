@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 import grain
 import numpy as np
 
-from jaxtrain.data.sources import Split
+from jaxtrain.data import augment as augment_lib
+from jaxtrain.data.split import Split
 from jaxtrain.errors import ConfigError
 
 
@@ -36,13 +37,14 @@ class Loader:
     Evaluation: in order, every example exactly once; the last global batch
     is padded to full size and carries ``mask`` (0 for padding).
     ``workers``: grain worker threads building batches ahead (0: in the
-    caller's thread). ``transform``: an extra per-batch function (e.g. an
-    augmentation), run in the workers.
+    caller's thread). ``augment``: "crop+flip" on training batches
+    (``jaxtrain.data.augment``); ``transform``: an extra per-batch function;
+    both run in the workers.
     """
 
     def __init__(self, split: Split, batch_size: int, *, train: bool, seed: int = 0, workers: int = 0,
                  process_index: int | None = None, process_count: int | None = None,
-                 transform: Callable[[dict], dict] | None = None):
+                 transform: Callable[[dict], dict] | None = None, augment: str = "none"):
         import jax
 
         self.process_index = jax.process_index() if process_index is None else process_index
@@ -56,6 +58,7 @@ class Loader:
             raise ConfigError(f"batch size {batch_size} is larger than the {len(split)} training examples")
         self.split, self.batch_size, self.train, self.seed = split, batch_size, train, seed
         self.workers, self.transform = workers, transform
+        self.augment = augment_lib.get(augment) if train else None  # never on evaluation batches
 
     def __len__(self) -> int:
         """Global batches per epoch."""
@@ -69,7 +72,7 @@ class Loader:
     def dataset(self, epoch: int, start: int = 0) -> grain.MapDataset:
         """Batches ``start..`` of ``epoch`` as a grain MapDataset (random access)."""
         order = epoch_order(len(self.split), self.seed, epoch) if self.train else None
-        return grain.MapDataset.range(start, len(self)).map(lambda b: self._batch(order, b))
+        return grain.MapDataset.range(start, len(self)).map(lambda b: self._batch(order, b, epoch))
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict]:
         """Iterate over one epoch from batch ``start`` (a resumed run starts mid-epoch)."""
@@ -78,12 +81,15 @@ class Loader:
         options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=2 * self.workers)
         return iter(self.dataset(epoch, start).to_iter_dataset(options))
 
-    def _batch(self, order: np.ndarray | None, b: int) -> dict:
+    def _batch(self, order: np.ndarray | None, b: int, epoch: int) -> dict:
         bs, n = self.batch_size, len(self.split)
         lo, hi = b * bs + self.process_index * self.local_batch_size, b * bs + (self.process_index + 1) * self.local_batch_size
         if order is not None:
             idx = order[lo:hi]
-            batch = {"image": normalise(self.split.images[idx]), "label": self.split.labels[idx]}
+            images = self.split.images[idx]
+            if self.augment is not None:
+                images = self.augment(images, self.seed, epoch, idx)
+            batch = {"image": normalise(images), "label": self.split.labels[idx]}
         else:  # eval: in order, padded past the end, masked
             idx = np.arange(lo, hi)
             real = idx < n
