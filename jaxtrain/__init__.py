@@ -33,6 +33,7 @@ _EXPORTS = {
     "make_pipeline_step": "jaxtrain.pipeline",
     "STAGE_AXIS": "jaxtrain.pipeline",
     "make_optimizer": "jaxtrain.optim",
+    "from_nnx": "jaxtrain.flax_nnx",
     "make_schedule": "jaxtrain.optim",
 }
 __all__ = sorted(_EXPORTS)

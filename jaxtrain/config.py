@@ -101,10 +101,12 @@ class RunConfig:
     optimizer: str | None = _field(None, "optax optimizer: sgd, momentum / nesterov (SGD, momentum 0.9), adam, adamw "
                                          "(default: the model's recipe: sgd for lenet/resnet18, adam for vit)",
                                    choices=OPTIMIZERS)
-    schedule: str = _field("constant", "learning-rate schedule over the run's updates: constant, cosine (to 0), "
+    schedule: str | None = _field(None, "learning-rate schedule over the run's updates: constant, cosine (to 0), "
                                        "warmup_cosine (linear warm-up from 0, then cosine), onecycle (up over the "
-                                       "warm-up, default 30%% of the run, then down)", choices=LR_SCHEDULES)
-    warmup_epochs: float = _field(0.0, "warm-up length in epochs (warmup_cosine, onecycle)", minimum=0.0)
+                                       "warm-up, default 30%% of the run, then down) (default: the model's recipe: "
+                                       "constant for lenet/resnet18, warmup_cosine for vit)", choices=LR_SCHEDULES)
+    warmup_epochs: float | None = _field(None, "warm-up length in epochs (warmup_cosine, onecycle) (default: the "
+                                               "model's recipe: 0.5 for vit)", minimum=0.0)
     weight_decay: float = _field(0.0, "weight decay of kernels (not biases or norm scales): decoupled for adamw, "
                                       "an L2 term in the gradient otherwise", minimum=0.0)
     clip_grad_norm: float | None = _field(None, "clip the gradient to this global norm (over every parameter, "
@@ -141,7 +143,7 @@ class RunConfig:
         if self.init is not None and self.init not in recipe.inits:
             raise ConfigError(f"--init: model {self.model} has no init {self.init!r}; choose one of "
                               f"{', '.join(recipe.inits)}")
-        for name in ("epochs", "batch_size", "lr", "optimizer"):  # the model's recipe fills what was not given
+        for name in ("epochs", "batch_size", "lr", "optimizer", "schedule", "warmup_epochs"):  # recipe fills the rest
             if getattr(self, name) is None:
                 object.__setattr__(self, name, getattr(recipe, name))
         if self.init is None:

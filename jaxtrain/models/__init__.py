@@ -22,6 +22,8 @@ class Defaults:
     inits: tuple[str, ...] = ("d2l",)  # weight inits it offers; the first is the default
     description: str = ""
     optimizer: str = "sgd"
+    schedule: str = "constant"  # learning rate over the run (jaxtrain.optim.make_schedule)
+    warmup_epochs: float = 0.0
 
 
 # name -> the recipe (d2l's "Multiple GPUs" lessons: LeNet lr 0.2, ResNet-18 lr 0.1; 10 epochs, batch 256)
@@ -30,7 +32,7 @@ MODELS = {
     "resnet18": Defaults(10, 256, 0.1, inits=("d2l", "he"),
                          description="d2l's ResNet-18 for 28x28 (3x3 stem, no max-pool), BatchNorm synchronised "
                                      "over the devices"),
-    "vit": Defaults(3, 64, 1e-3, inits=("glorot",), optimizer="adam",
+    "vit": Defaults(3, 64, 1e-3, inits=("glorot",), optimizer="adam", schedule="warmup_cosine", warmup_epochs=0.5,
                     description="a small Vision Transformer (4x4 patches, 8 pre-norm blocks of width 64): trains "
                                 "unpipelined or pipelined (--mesh stage=N --microbatches M)"),
 }
@@ -101,7 +103,6 @@ def _build(name: str, remat: str, init: str, shape: dict) -> Model:
                      pipeline=(vit.embed_fn, vit.block, vit.head_loss_fn, vit.head_eval_fn), **shape)
     from jaxtrain.models import resnet
 
-    net = resnet.ResNet18(weight_init=init, remat=remat, num_classes=shape["num_classes"])
-    eval_net = resnet.ResNet18(weight_init=init, num_classes=shape["num_classes"])
-    return Model(name, lambda rng: resnet.init_variables(rng, eval_net, shape["input_shape"]),
-                 resnet.make_loss_fn(net), resnet.make_eval_fn(eval_net), tp_rules=resnet.TP_RULES, **shape)
+    net = resnet.adapter(shape["input_shape"], shape["num_classes"], weight_init=init, remat=remat)
+    return Model(name, lambda rng: resnet.init_variables(rng, weight_init=init, **shape), net.loss_fn, net.eval_fn,
+                 tp_rules=resnet.TP_RULES, **shape)
