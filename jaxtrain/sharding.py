@@ -190,8 +190,9 @@ def describe(params, specs) -> dict:
 def state_specs(state_shapes, pspecs, tx: optax.GradientTransformation):
     """PartitionSpecs for a whole TrainState: optimizer state follows its parameter, the rest replicated."""
     replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
-    opt = optax.tree_map_params(tx, lambda _, spec: spec, state_shapes.opt_state, pspecs,
-                                transform_non_params=lambda _: P(), is_leaf=is_spec)
+    with jax.transfer_guard("allow"):  # tree_map_params runs tx.init eagerly (inject_hyperparams makes arrays)
+        opt = optax.tree_map_params(tx, lambda _, spec: spec, state_shapes.opt_state, pspecs,
+                                    transform_non_params=lambda _: P(), is_leaf=is_spec)
     return state_shapes.replace(step=P(), params=pspecs, opt_state=opt, model_state=replicated(state_shapes.model_state),
                                 rng=P(), loss_scale=replicated(state_shapes.loss_scale))
 

@@ -32,7 +32,7 @@ MODELS = {
     "resnet18": Defaults(10, 256, 0.1, inits=("d2l", "he"),
                          description="d2l's ResNet-18 for 28x28 (3x3 stem, no max-pool), BatchNorm synchronised "
                                      "over the devices"),
-    "vit": Defaults(3, 64, 1e-3, inits=("glorot",), optimizer="adam", schedule="warmup_cosine", warmup_epochs=0.5,
+    "vit": Defaults(3, 64, 2e-3, inits=("glorot",), optimizer="adam", schedule="warmup_cosine", warmup_epochs=0.5,
                     description="a small Vision Transformer (4x4 patches, 8 pre-norm blocks of width 64): trains "
                                 "unpipelined or pipelined (--mesh stage=N --microbatches M)"),
 }
