@@ -8,3 +8,15 @@ OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")  # jaxtrain.optim
 LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "onecycle")  # jaxtrain.optim.make_schedule
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.pipeline)
 AUGMENTATIONS = ("none", "crop+flip")  # jaxtrain.data.augment
+DATASETS = ("fashion_mnist", "mnist", "cifar10")  # jaxtrain.data.sources.LOCAL; and "tfds:NAME"
+DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
+TFDS_PREFIX = "tfds:"
+
+
+def check_dataset(name: str) -> None:
+    """A ConfigError unless ``name`` is one of DATASETS or ``tfds:NAME``."""
+    from jaxtrain.errors import ConfigError
+
+    if name not in DATASETS and not (name.startswith(TFDS_PREFIX) and len(name) > len(TFDS_PREFIX)):
+        raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}, or tfds:NAME for a dataset "
+                          "TFDS has prepared")

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, LR_SCHEDULES, OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS,
-                              STRATEGIES)
-from jaxtrain.data.sources import DATASETS, DEFAULT_DATA_DIRS, check_name
+from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, DATASETS, DEFAULT_DATA_DIRS, LR_SCHEDULES, OPTIMIZERS,
+                              PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES, check_dataset)
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
@@ -136,7 +135,7 @@ class RunConfig:
         if self.profile is not None:
             parse_steps(self.profile)
         try:
-            check_name(self.dataset)
+            check_dataset(self.dataset)
         except ConfigError as e:
             raise ConfigError(f"--dataset: {e}") from None
         recipe = MODELS[self.model]

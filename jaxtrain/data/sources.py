@@ -27,14 +27,13 @@ from types import ModuleType
 
 import numpy as np
 
+from jaxtrain.choices import DATASETS, DEFAULT_DATA_DIRS, TFDS_PREFIX, check_dataset
 from jaxtrain.data import cifar, idx
 from jaxtrain.data.split import Split, files_digest, split_digest  # noqa: F401 - Split: the public home
 from jaxtrain.errors import ConfigError
 
 LOCAL = {"fashion_mnist": idx, "mnist": idx, "cifar10": cifar}  # name -> the module reading its local files
-DATASETS = tuple(LOCAL)  # and "tfds:NAME"
-DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
-TFDS_PREFIX = "tfds:"
+assert tuple(LOCAL) == DATASETS
 
 
 def shape_of(name: str, split: Split | None = None) -> dict:
@@ -43,12 +42,6 @@ def shape_of(name: str, split: Split | None = None) -> dict:
         return {"input_shape": split.image_shape, "num_classes": split.num_classes}
     fmt = LOCAL.get(name, idx)  # tfds:NAME: unknown until read; checked again then
     return {"input_shape": fmt.IMAGE_SHAPE, "num_classes": fmt.NUM_CLASSES}
-
-
-def check_name(name: str) -> None:
-    if name not in LOCAL and not (name.startswith(TFDS_PREFIX) and len(name) > len(TFDS_PREFIX)):
-        raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}, or tfds:NAME for a dataset "
-                          "TFDS has prepared")
 
 
 # ---------------------------------------------------------------- TFDS
@@ -162,7 +155,7 @@ def data_source(name: str, split: str, *, data_dir: str | os.PathLike | None = N
     """The TFDS data source of ``name``/``split``, by the resolution order above."""
     import tensorflow_datasets as tfds
 
-    check_name(name)
+    check_dataset(name)
     if split not in ("train", "test"):
         raise ConfigError(f"unknown split {split!r}: use train or test")
     if name.startswith(TFDS_PREFIX):
