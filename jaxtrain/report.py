@@ -84,6 +84,21 @@ def atomic_write(path: Path, data: str | bytes) -> None:
         raise
 
 
+def remove_stale_temps(directory: Path) -> None:
+    """Delete ``atomic_write`` temp files whose writer is dead (a SIGKILL mid-write leaves one; nothing can
+    clean up then, so the next run in the directory does)."""
+    for tmp in directory.glob(".*.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        try:
+            os.kill(int(pid), 0)
+        except ValueError:
+            continue  # not ours
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
 class OutputError(ConfigError):
     """A run file could not be written (full disk, vanished directory)."""
 
@@ -98,6 +113,7 @@ class RunWriter:
     def __init__(self, out_dir: Path, history: list[dict] = ()):
         self.out_dir = out_dir
         self.metrics_path = out_dir / "metrics.jsonl"
+        remove_stale_temps(out_dir)
         self.epochs: list[dict] = list(history)
         self._write(self.metrics_path, self._metrics_text())
 

@@ -260,12 +260,13 @@ def _in_flight(ck):
     return ck.is_dir() and any("tmp" in p.name for p in ck.iterdir())
 
 
-def _files_whole(out_dir, epochs_done):
+def _files_whole(out_dir, epochs_done, killed=False):
+    """The run files are whole; temp files only where a SIGKILL cut a write (the next run removes those)."""
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == list(range(1, epochs_done + 1))
     if (out_dir / "curves.png").exists():
         assert (out_dir / "curves.png").read_bytes().endswith(b"IEND\xaeB`\x82")
-    assert not [p for p in out_dir.iterdir() if ".tmp-" in p.name]
+    assert killed or not [p for p in out_dir.iterdir() if ".tmp-" in p.name]
 
 
 @pytest.mark.slow
@@ -303,10 +304,23 @@ def test_chaos_killed_eight_times_then_resumed_gives_the_uninterrupted_params(tm
         assert "Traceback" not in err, err[-3000:]
         killed += 1
         if out.is_dir() and (out / "metrics.jsonl").exists():
-            _files_whole(out, len((out / "metrics.jsonl").read_text().splitlines()))
+            _files_whole(out, len((out / "metrics.jsonl").read_text().splitlines()), killed=sig == "KILL")
     assert killed == len(faults)
     final = run_cli(*args, "--checkpoint-dir", str(ck), "--out", str(out), "--resume")
     assert final.returncode == 0, final.stderr[-3000:]
     assert summary(out)["params_digest"] == summary(tmp_path / "full")["params_digest"]
     _files_whole(out, 6)
     assert not (ck / "unreadable").exists()  # killed saves are never mistaken for corrupt ones
+
+
+def test_a_run_removes_temp_files_a_killed_writer_left(tmp_path):
+    """A SIGKILL mid-write leaves `.metrics.jsonl.tmp-PID`; the next run in the directory deletes it."""
+    from jaxtrain import report
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    stale, live = tmp_path / f".metrics.jsonl.tmp-{dead}", tmp_path / f".summary.json.tmp-{os.getpid()}"
+    stale.write_text("half a row")
+    live.write_text("being written")  # a live writer's: kept
+    report.RunWriter(tmp_path)
+    assert not stale.exists() and live.exists() and (tmp_path / "metrics.jsonl").read_text() == ""

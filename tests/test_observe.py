@@ -26,7 +26,7 @@ def test_log_lines_tensorboard_events_and_a_profile_of_chosen_steps(tmp_path):
                   "--test-subset", "256", "--log-every", "2", "--profile", "2:4", "--out", str(tmp_path),
                   "--eval-every", "2", "--eval-every-steps", "6", "--no-progress")  # 4 steps per epoch
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = re.findall(r"^step (\d+): loss [\d.]+, [\d,]+ examples/s, data wait \d+%$", out.stdout, re.M)
+    lines = re.findall(r"^step (\d+): loss [\d.]+, lr 0\.2, [\d,]+ examples/s, data wait \d+%$", out.stdout, re.M)
     assert lines == ["1", "3", "5", "7"], out.stdout  # every 2 steps, each the step before (read one step late)
 
     by_tag = read_events(tmp_path)
