@@ -12,7 +12,7 @@ import dataclasses
 import jax
 
 import jaxtrain as jt
-from jaxtrain import diagnostics, models, observe, optim, remat, sharding
+from jaxtrain import diagnostics, export, models, observe, optim, remat, sharding
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import RunConfig
 from jaxtrain.data import loader, sources
@@ -271,7 +271,7 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
 
 def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
     """Train as ``config`` says; print progress; write the run's files; return the summary."""
-    s = setup_devices(config)  # first: the device count is set before anything starts JAX's backend
+    s, c = setup_devices(config), config  # first: the device count is set before anything starts JAX's backend
     stop = stop or StopOnSignal()
     stop.vote = StopVote(s.devices) if jax.process_count() > 1 else None
     stop.reinstall()
@@ -286,4 +286,8 @@ def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
     writer = open_outputs(s, state, position)
     s.say(describe(s, data, writer), flush=True)
     state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop)
-    return summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
+    summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
+    export.save(writer and writer.out_dir, state.params, state.model_state, {  # the finished run's model
+        **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": c.model, "init": s.model.init_name,
+        "input_shape": s.model.input_shape, "num_classes": s.model.num_classes, "settings": settings})
+    return summary

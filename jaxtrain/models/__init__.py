@@ -51,6 +51,7 @@ class Model:
     pipeline: tuple | None = None  # (embed_fn, stage_fn, head_loss_fn, head_eval_fn): it can be pipelined
     input_shape: tuple = IMAGE_SHAPE  # (H, W, C) of the images it was built for
     num_classes: int = 10
+    init_name: str = "d2l"  # which of the recipe's inits made ``init``'s weights
 
     def example_batch(self, batch_size: int, seed: int = 0) -> dict:
         """A random host batch of the model's input (images in [0, 1), labels): benchmarks and tests."""
@@ -79,7 +80,7 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
         raise ConfigError(f"model {name} has no init {init!r}: choose one of {', '.join(inits)}")
     shape = dict(input_shape=tuple(input_shape), num_classes=num_classes)
     try:
-        return _build(name, remat, init, shape)
+        return dataclasses.replace(_build(name, remat, init, shape), init_name=init)
     except ValueError as e:  # e.g. images too small for the model
         raise ConfigError(f"model {name}: {e}") from None
 

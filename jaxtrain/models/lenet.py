@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -40,8 +42,11 @@ def init_params(rng: jax.Array, scale: float = 0.01, input_shape=IMAGE_SHAPE, nu
     }
 
 
-def _conv(x, p):
-    y = lax.conv_general_dilated(x, p["w"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+FLOAT_OPS = (lax.conv_general_dilated, jnp.matmul)  # (conv, matmul): jaxtrain.quantize swaps in int8 ones
+
+
+def _conv(x, p, conv=lax.conv_general_dilated):
+    y = conv(x, p["w"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     return y + p["b"]
 
 
@@ -52,18 +57,20 @@ def _avg_pool2(x):
     return x.reshape(b, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
 
 
-def _conv_block(p, x):
-    return _avg_pool2(jax.nn.relu(_conv(x, p)))
+def _conv_block(p, x, conv=lax.conv_general_dilated):
+    return _avg_pool2(jax.nn.relu(_conv(x, p, conv)))
 
 
-def apply(params: dict, images: jax.Array, remat: str = "none") -> jax.Array:
-    """Logits [B, classes] for images [B, H, W, C]; ``remat`` names a policy per conv block."""
-    block = _remat(_conv_block, remat)
+def apply(params: dict, images: jax.Array, remat: str = "none", ops: tuple = FLOAT_OPS) -> jax.Array:
+    """Logits [B, classes] for images [B, H, W, C]; ``remat`` names a policy per conv block; ``ops``: the
+    (conv, matmul) the layers use."""
+    conv, matmul = ops
+    block = _remat(functools.partial(_conv_block, conv=conv), remat)
     x = block(params["conv1"], images)  # 28 -> 26 -> 13
     x = block(params["conv2"], x)  # 13 -> 9 -> 4
     x = x.reshape(x.shape[0], -1)  # 4*4*50 = 800 for 28x28
-    x = jax.nn.relu(x @ params["dense1"]["w"] + params["dense1"]["b"])
-    return x @ params["dense2"]["w"] + params["dense2"]["b"]
+    x = jax.nn.relu(matmul(x, params["dense1"]["w"]) + params["dense1"]["b"])
+    return matmul(x, params["dense2"]["w"]) + params["dense2"]["b"]
 
 
 def make_loss_fn(remat: str = "none"):

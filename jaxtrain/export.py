@@ -1,0 +1,97 @@
+"""A finished run's model on disk: ``RUN_DIR/model/`` (orbax: params and model state) and ``RUN_DIR/model.json``.
+
+Every experiment run writes both when it finishes, so a run can be
+evaluated, quantised or used as a teacher later without its checkpoints
+(``load(run_dir)``). ``model.json`` says what the arrays are: the model's
+registry name, init, input shape and class count, the dataset and the run's
+settings, the test accuracy and a digest of the params. It is written after
+the arrays (orbax renames a finished save into place), so a run killed
+while saving has no ``model.json`` and is not taken for a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxtrain.errors import ConfigError
+from jaxtrain.report import atomic_write, params_digest
+
+ARRAYS, INFO = "model", "model.json"
+
+
+def _host(tree):
+    """Whole arrays as numpy on every process (gathering sharded arrays is collective: every process calls it)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.device_get(tree)
+
+
+def save(out_dir: Path | None, params, model_state, info: dict) -> None:
+    """Write the model into ``out_dir`` (process 0; the others pass None but must call this too)."""
+    import orbax.checkpoint as ocp
+
+    tree = _host({"params": params, "model_state": model_state})
+    if out_dir is None:
+        return
+    me = jax.process_index()
+    writer = ocp.StandardCheckpointer(  # this process alone: the others hold the same numbers
+        multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me}))
+    path = Path(out_dir).absolute()
+    (path / INFO).unlink(missing_ok=True)
+    writer.save(path / ARRAYS, tree, force=True)
+    writer.wait_until_finished()
+    writer.close()
+    atomic_write(path / INFO, json.dumps({**info, "params_digest": params_digest(tree["params"])}, indent=1) + "\n")
+
+
+def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag: str = "--run") -> dict:
+    """``model.json`` of a finished run; one-line errors for a missing directory, no saved model, another model."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {run_dir}: no such directory; pass the --out directory of a finished run")
+    if not (path / INFO).is_file() or not (path / ARRAYS).is_dir():
+        raise ConfigError(f"{flag} {run_dir}: holds no saved model ({INFO} and {ARRAYS}/ are written when a run "
+                          "finishes); train one first, e.g. python -m experiments.lenet --out DIR")
+    try:
+        meta = json.loads((path / INFO).read_text())
+        meta["model"], meta["input_shape"], meta["num_classes"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{flag} {run_dir}: {INFO} is unreadable ({type(e).__name__}): the run's files are "
+                          "damaged; train it again") from None
+    wanted = (expect,) if isinstance(expect, str) else expect
+    if wanted and meta["model"] not in wanted:
+        raise ConfigError(f"{flag} {run_dir}: holds a {meta['model']} model, not {' or '.join(wanted)}")
+    if (meta.get("settings") or {}).get("pipeline_layout"):
+        raise ConfigError(f"{flag} {run_dir}: a pipelined run (its layers are stored per stage); use an "
+                          "unpipelined run")
+    return meta
+
+
+def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag: str = "--run"):
+    """(info, params, model_state) of a finished run, as numpy arrays, checked against ``info``'s digest."""
+    import orbax.checkpoint as ocp
+
+    from jaxtrain import models
+
+    meta = info(run_dir, expect, flag)
+    model = models.get(meta["model"], init=meta.get("init"), input_shape=tuple(meta["input_shape"]),
+                       num_classes=meta["num_classes"])
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), {"params": shapes[0], "model_state": shapes[1]})
+    try:
+        with ocp.StandardCheckpointer() as reader:
+            tree = reader.restore(Path(run_dir).absolute() / ARRAYS, target)
+    except Exception as e:  # orbax raises many types for damaged files
+        raise ConfigError(f"{flag} {run_dir}: its saved model cannot be read ({str(e).splitlines()[0][:120] or type(e).__name__})"
+                          "; train it again") from None
+    tree = jax.tree.map(np.asarray, tree)
+    if params_digest(tree["params"]) != meta.get("params_digest"):
+        raise ConfigError(f"{flag} {run_dir}: the saved params do not match the digest in {INFO}: the files are "
+                          "damaged; train it again")
+    return meta, tree["params"], tree["model_state"]

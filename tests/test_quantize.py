@@ -1,0 +1,136 @@
+"""A finished run keeps its model (jaxtrain.export); post-training int8 quantisation (jaxtrain.quantize, qwix)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import qwix
+
+import jaxtrain as jt
+from conftest import needs_fashion_mnist, run_cli
+from experiments import quantize as quantize_cli
+from jaxtrain import export, models, quantize
+from jaxtrain.data import loader, sources
+from jaxtrain.errors import ConfigError
+from jaxtrain.report import params_digest
+
+
+def _info(model="lenet", **extra):
+    return {"model": model, "init": "d2l", "input_shape": [28, 28, 1], "num_classes": 10,
+            "settings": {"dataset": "fashion_mnist"}, **extra}
+
+
+def test_a_saved_model_loads_back_bit_exact(tmp_path):
+    params, state = models.get("resnet18").init(jax.random.key(3))
+    export.save(tmp_path, params, state, _info("resnet18", test_acc=0.5))
+    meta, p, s = export.load(tmp_path, "resnet18")
+    assert meta["test_acc"] == 0.5 and meta["params_digest"] == params_digest(params)
+    for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p, s))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("missing", "no such directory"), ("empty", "holds no saved model"), ("other", "holds a lenet model, not vit"),
+    ("json", "model.json is unreadable"), ("digest", "do not match the digest"), ("arrays", "cannot be read"),
+])
+def test_a_bad_run_directory_is_one_line(tmp_path, damage, says):
+    run = tmp_path / "run"
+    if damage != "missing":
+        run.mkdir()
+    if damage not in ("missing", "empty"):
+        export.save(run, *models.get("lenet").init(jax.random.key(0)), _info())
+    if damage == "json":
+        (run / export.INFO).write_text("{not json")
+    if damage == "digest":
+        meta = json.loads((run / export.INFO).read_text())
+        (run / export.INFO).write_text(json.dumps({**meta, "params_digest": "0" * 64}))
+    if damage == "arrays":
+        for f in (run / export.ARRAYS).rglob("*"):
+            if f.is_file() and f.stat().st_size > 1000:
+                f.write_bytes(b"\0" * f.stat().st_size)
+    with pytest.raises(ConfigError, match=says) as e:
+        export.load(run, "vit" if damage == "other" else None)
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def trained_lenet():
+    """LeNet after 300 Adam steps on Fashion-MNIST (test acc ~0.8), and 512 test images."""
+    train = sources.load_split("fashion_mnist", "train").head(19200)
+    test = sources.load_split("fashion_mnist", "test").head(512)
+    model = models.get("lenet")
+    trainer = jt.make_train_step(model.loss_fn, optax.adam(2e-3), mesh=jt.make_mesh(jax.devices()[:1]))
+    state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+    batches = loader.Loader(train, 64, train=True, seed=0)
+    for epoch in range(1):
+        for batch in batches.epoch(epoch):
+            state, _ = trainer(state, batch)
+    return jax.device_get(state.params), loader.normalise(test.images), test.labels
+
+
+@needs_fashion_mnist
+def test_int8_lenet_agrees_with_fp32_and_runs_integer_ops(trained_lenet):
+    params, images, labels = trained_lenet
+    q = quantize.quantize(_info(), params, {})
+    fp32, int8 = np.asarray(q.fp32(images)).argmax(-1), np.asarray(q.int8(images)).argmax(-1)
+    assert (fp32 == labels).mean() > 0.7  # trained
+    assert (fp32 == int8).mean() >= 0.99
+    ops = quantize.integer_ops(q.compiled_text(images))  # int8 widened to int32 under jaxtrain's CPU flag
+    assert (ops["convolution"], ops["dot"]) == (2, 2)
+    assert quantize.integer_ops(q.compiled_text(images, "fp32")) == {"convolution": 0, "dot": 0, "s8": 0}
+    for name, layer in q.int8_params.items():
+        w = layer["w"]
+        assert isinstance(w, qwix.QArray) and w.qvalue.dtype == jnp.int8 and w.scale.dtype == jnp.float32
+        assert w.scale.size == params[name]["w"].shape[-1]  # a scale per output channel
+        np.testing.assert_allclose(w.qvalue * w.scale, params[name]["w"], atol=float(w.scale.max()) / 2 + 1e-7)
+    assert q.int8_param_bytes < 0.26 * q.fp32_param_bytes
+
+
+def test_int8_resnet18_quantises_every_conv_and_the_classifier():
+    params, stats = models.get("resnet18").init(jax.random.key(0))
+    q = quantize.quantize(_info("resnet18"), params, stats)
+    images = np.random.default_rng(0).random((4, 28, 28, 1), dtype=np.float32)
+    ops = quantize.integer_ops(q.compiled_text(images))
+    assert (ops["convolution"], ops["dot"]) == (20, 1)
+    leaves = {jax.tree_util.keystr(k, simple=True, separator="/"): v
+              for k, v in jax.tree_util.tree_flatten_with_path(q.int8_params)[0]}
+    qvalues = [k for k in leaves if k.endswith("kernel/array/qvalue")]
+    assert len(qvalues) == 21 and all(leaves[k].dtype == jnp.int8 for k in qvalues)
+    assert all(leaves[k.replace("qvalue", "scale")].dtype == jnp.float32 for k in qvalues)
+    assert not any(v.dtype == jnp.float32 and k.endswith("kernel") for k, v in leaves.items())
+    assert 0.25 <= q.int8_param_bytes / q.fp32_param_bytes < 0.26
+    fp32, int8 = np.asarray(q.fp32(images)), np.asarray(q.int8(images))
+    np.testing.assert_allclose(int8, fp32, atol=0.05 * np.abs(fp32).max())  # same model, int8 rounding
+
+
+def test_another_model_is_refused():
+    with pytest.raises(ConfigError, match="covers lenet, resnet18; this run trained vit"):
+        quantize.quantize(_info("vit"), {}, {})
+
+
+def test_the_cli_says_a_bad_run_in_one_line(tmp_path, capsys):
+    assert quantize_cli.main(["--run", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    assert quantize_cli.main(["--run", str(tmp_path), "--batch-sizes", "0"]) == 2
+
+
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_a_finished_lenet_run_is_quantised_from_its_directory(tmp_path):
+    out = tmp_path / "run"
+    r = run_cli("-m", "experiments.lenet", "--devices", "2", "--optimizer", "adam", "--lr", "2e-3", "--epochs", "1",
+                "--train-subset", "12800", "--batch-size", "64", "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "model.json").read_text())["model"] == "lenet"
+    r = run_cli("-m", "experiments.quantize", "--run", str(out), "--repeats", "2", "--json", str(tmp_path / "q.json"),
+                env={"XLA_FLAGS": ""})  # as users run it: XLA's defaults (not the test process's training flag)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "q.json").read_text())
+    assert result["test_examples"] == 10000 and result["fp32_acc"] > 0.7
+    assert abs(result["int8_acc"] - result["fp32_acc"]) < 0.01 and result["argmax_agreement"] >= 0.99
+    assert result["int8_param_bytes"] < 0.26 * result["fp32_param_bytes"]
+    assert (result["int8_convolutions"], result["int8_dots"], result["int8_operands"]) == (2, 2, 4)
+    assert "| test accuracy |" in r.stdout
