@@ -15,6 +15,7 @@ _EXPORTS = {
     "compiled_stats": "jaxtrain.diagnostics",
     "Evaluator": "jaxtrain.step",
     "TrainState": "jaxtrain.state",
+    "Frozen": "jaxtrain.state",
     "Trainer": "jaxtrain.step",
     "make_eval_step": "jaxtrain.step",
     "make_mesh": "jaxtrain.devices",

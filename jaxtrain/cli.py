@@ -80,9 +80,10 @@ def _flag_type(f: dataclasses.Field):
     return str
 
 
-def make_parser(model: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+def make_parser(model: str | None = None, description: str | None = None, prog: str | None = None
+                ) -> argparse.ArgumentParser:
     """Flags of every RunConfig field; ``model`` fixes the model (its recipe gives the defaults shown)."""
-    prog = f"python -m experiments.{model}" if model else "python -m jaxtrain.cli"
+    prog = prog or (f"python -m experiments.{model}" if model else "python -m jaxtrain.cli")
     defaults = RunConfig(model=model or "lenet")
     p = argparse.ArgumentParser(prog=prog, description=description or (MODELS[model].description if model else None),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -123,7 +124,8 @@ def to_argv(config: RunConfig, model_fixed: bool = True) -> list[str]:
     return argv
 
 
-def main(model: str | None = None, argv: Sequence[str] | None = None, description: str | None = None) -> int:
+def main(model: str | None = None, argv: Sequence[str] | None = None, description: str | None = None,
+         prog: str | None = None) -> int:
     """Parse, run, and turn user errors into one line on stderr with exit code 2.
 
     SIGTERM / SIGINT are handled from here on (jaxtrain.signals): at start-up
@@ -133,7 +135,7 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
     from jaxtrain.signals import StopOnSignal
 
     with StopOnSignal() as stop:
-        parser = make_parser(model, description)
+        parser = make_parser(model, description, prog)
         args = parser.parse_args(argv)
         try:
             config = RunConfig(**vars(args))

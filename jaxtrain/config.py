@@ -115,6 +115,11 @@ class RunConfig:
     pipeline_schedule: str = _field("gpipe", "pipelined runs: gpipe, or circular (each stage holds --repeats "
                                              "chunks of layers)", choices=PIPELINE_SCHEDULES)
     repeats: int = _field(1, "pipelined runs, circular schedule: layer chunks per stage", minimum=1)
+    teacher: str | None = _field(None, "distil from this finished run (its --out directory, holding model/ and "
+                                       "model.json): its softened outputs join the loss (README 'Smaller models')")
+    temperature: float = _field(4.0, "distillation: softmax temperature T of teacher and student", above=0.0)
+    alpha: float = _field(0.9, "distillation: weight of the soft (teacher) loss; 1 - alpha goes to the labels' "
+                               "cross-entropy", minimum=0.0)
     eval_every: int = _field(1, "evaluate on the test set every N epochs (and after the last)", minimum=1)
     eval_every_steps: int | None = _field(None, "also evaluate every N train steps (a line, and TensorBoard's "
                                                 "test_step/ scalars)", minimum=1)
@@ -134,6 +139,8 @@ class RunConfig:
                 raise ConfigError(f"{flag(f.name)}: expected a number > {meta['above']}, got {value}")
         if self.profile is not None:
             parse_steps(self.profile)
+        if self.alpha > 1:
+            raise ConfigError(f"--alpha: expected a weight in [0, 1], got {self.alpha}")
         try:
             check_dataset(self.dataset)
         except ConfigError as e:

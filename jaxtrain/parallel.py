@@ -45,6 +45,7 @@ from jaxtrain.choices import STRATEGIES
 from jaxtrain.collectives import Comm, make_comm
 from jaxtrain.devices import DATA_AXIS
 from jaxtrain.errors import ConfigError
+from jaxtrain.state import keep_frozen, map_unfrozen
 
 _BATCH_AXIS = contextvars.ContextVar("jaxtrain_batch_axis", default=None)
 
@@ -80,9 +81,10 @@ def _per_device(local: Callable, comm: Comm) -> Callable:
         d = lax.axis_index(DATA_AXIS)
         rows = random_rule.local_rows(batch, d * jax.tree.leaves(batch)[0].shape[0])  # this shard's global rows
         with _split_over(DATA_AXIS):
-            grads, loss, model_state, metrics = local(comm.gather(params), model_state, loss_scale, batch,
-                                                      jax.random.fold_in(step_key, d), comm.vary, step_key, rows)
-        return (comm.scatter_mean(grads), *comm.mean((loss, model_state, metrics)))
+            grads, loss, new_state, metrics = local(comm.gather(params), model_state, loss_scale, batch,
+                                                    jax.random.fold_in(step_key, d), comm.vary, step_key, rows)
+        loss, metrics = comm.mean((loss, metrics))
+        return comm.scatter_mean(grads), loss, map_unfrozen(comm.mean, keep_frozen(new_state, model_state)), metrics
 
     return run
 

@@ -12,7 +12,7 @@ import dataclasses
 import jax
 
 import jaxtrain as jt
-from jaxtrain import diagnostics, export, models, observe, optim, remat, sharding
+from jaxtrain import diagnostics, distill, export, models, observe, optim, remat, sharding
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import RunConfig
 from jaxtrain.data import loader, sources
@@ -25,7 +25,7 @@ from jaxtrain.signals import StopOnSignal, StopVote
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
 FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "schedule",
                   "warmup_epochs", "weight_decay", "clip_grad_norm", "augment", "batch_size", "seed", "precision",
-                  "accum_steps", "accum", "pipeline_layout")
+                  "accum_steps", "accum", "pipeline_layout", "teacher", "temperature", "alpha")
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
                  "microbatches")
@@ -69,6 +69,8 @@ def build_trainer(s: Setup, train=None) -> None:
     split: its image shape and classes, the schedule over the run's updates."""
     c = s.config
     s.model = models.get(c.model, remat=c.remat, init=c.init, **sources.shape_of(c.dataset, train))
+    if c.teacher:  # the teacher's params and state join the model state (Frozen)
+        s.model = distill.from_run(s.model, c.teacher, c.temperature, c.alpha)[0]
     updates = c.epochs * (len(train) // c.batch_size) if train else 0
     tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if train else "constant",
                               total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),
@@ -287,7 +289,7 @@ def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
     s.say(describe(s, data, writer), flush=True)
     state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop)
     summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
-    export.save(writer and writer.out_dir, state.params, state.model_state, {  # the finished run's model
+    export.save(writer and writer.out_dir, state.params, distill.own_state(state.model_state), {  # its model
         **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": c.model, "init": s.model.init_name,
         "input_shape": s.model.input_shape, "num_classes": s.model.num_classes, "settings": settings})
     return summary

@@ -15,7 +15,7 @@ from jaxtrain import precision as prec
 from jaxtrain import rng as random_rule
 from jaxtrain.devices import make_mesh
 from jaxtrain.errors import ConfigError
-from jaxtrain.state import TrainState
+from jaxtrain.state import TrainState, keep_frozen
 
 LossFn = Callable  # (params, model_state, batch, rng) -> (loss, (model_state, metrics))
 EvalFn = Callable  # (params, model_state, batch) -> {name: per-example values [B]}
@@ -85,7 +85,7 @@ def _train_fns(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.P
             loss_scale = prec.update_loss_scale(loss_scale, finite, policy)
             metrics.update(loss_scale=state.loss_scale["scale"], grads_finite=finite.astype(jnp.float32))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                                  model_state=model_state, loss_scale=loss_scale)
+                                  model_state=keep_frozen(model_state, state.model_state), loss_scale=loss_scale)
         return new_state, metrics
 
     return local, update

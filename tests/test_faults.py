@@ -30,7 +30,9 @@ def start(*args):
 
 
 def snapshot(directory):
-    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.iterdir()}
+    """Every file under ``directory`` (the saved model's too): its bytes and modification time."""
+    return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in directory.rglob("*") if p.is_file()}
 
 
 def one_line_error(proc, *fragments):

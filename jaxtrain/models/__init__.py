@@ -52,6 +52,8 @@ class Model:
     input_shape: tuple = IMAGE_SHAPE  # (H, W, C) of the images it was built for
     num_classes: int = 10
     init_name: str = "d2l"  # which of the recipe's inits made ``init``'s weights
+    logits: Callable | None = None  # logits(params, model_state, images): evaluation mode (a teacher's forward)
+    with_head: Callable | None = None  # with_head(head) -> loss_fn whose loss is head(logits, batch) (a student)
 
     def example_batch(self, batch_size: int, seed: int = 0) -> dict:
         """A random host batch of the model's input (images in [0, 1), labels): benchmarks and tests."""
@@ -91,7 +93,9 @@ def _build(name: str, remat: str, init: str, shape: dict) -> Model:
 
         lenet.shapes(**shape)  # images too small: an error now
         return Model(name, lambda rng: (lenet.init_params(rng, **shape), {}), lenet.make_loss_fn(remat),
-                     lenet.eval_fn, apply=lenet.apply, tp_rules=lenet.TP_RULES, **shape)
+                     lenet.eval_fn, apply=lenet.apply, tp_rules=lenet.TP_RULES,
+                     logits=lambda params, _, images: lenet.apply(params, images),
+                     with_head=lambda head: lenet.make_loss_fn(remat, head), **shape)
     if name == "vit":
         from jaxtrain.models import vit
         from jaxtrain.pipeline import sequential_loss
@@ -101,9 +105,12 @@ def _build(name: str, remat: str, init: str, shape: dict) -> Model:
         vit.tokens(shape["input_shape"])  # sides not divisible by the patch: an error now
         return Model(name, lambda rng: (vit.init(rng, **shape), {}),
                      sequential_loss(vit.embed_fn, block, vit.head_loss_fn), vit.eval_fn, apply=vit.apply,
-                     pipeline=(vit.embed_fn, vit.block, vit.head_loss_fn, vit.head_eval_fn), **shape)
+                     pipeline=(vit.embed_fn, vit.block, vit.head_loss_fn, vit.head_eval_fn),
+                     logits=lambda params, _, images: vit.apply(params, images), **shape)
     from jaxtrain.models import resnet
 
     net = resnet.adapter(shape["input_shape"], shape["num_classes"], weight_init=init, remat=remat)
     return Model(name, lambda rng: resnet.init_variables(rng, weight_init=init, **shape), net.loss_fn, net.eval_fn,
-                 tp_rules=resnet.TP_RULES, **shape)
+                 tp_rules=resnet.TP_RULES, logits=lambda params, stats, images: net.module(params, stats)(images),
+                 with_head=lambda head: resnet.adapter(weight_init=init, remat=remat, head=head, **shape).loss_fn,
+                 **shape)

@@ -20,3 +20,8 @@ def mean_loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, dict]:
     """(mean cross-entropy, {"accuracy": mean}): what a train-step loss_fn returns."""
     metrics = per_example(logits, labels)
     return metrics["loss"].mean(), {"accuracy": metrics["accuracy"].mean()}
+
+
+def label_loss(logits: jax.Array, batch: dict) -> tuple[jax.Array, dict]:
+    """``mean_loss`` against ``batch["label"]``: a model's default loss head."""
+    return mean_loss(logits, batch["label"])

@@ -73,12 +73,13 @@ def apply(params: dict, images: jax.Array, remat: str = "none", ops: tuple = FLO
     return matmul(x, params["dense2"]["w"]) + params["dense2"]["b"]
 
 
-def make_loss_fn(remat: str = "none"):
-    """Softmax cross-entropy (logits in fp32); the train-step contract of jaxtrain."""
+def make_loss_fn(remat: str = "none", head=classify.label_loss):
+    """The train-step contract of jaxtrain; ``head(logits, batch) -> (loss, metrics)``: softmax cross-entropy
+    (logits in fp32) unless told otherwise (distillation's)."""
 
     def loss_fn(params, model_state, batch, rng):
         del rng
-        loss, metrics = classify.mean_loss(apply(params, batch["image"], remat), batch["label"])
+        loss, metrics = head(apply(params, batch["image"], remat), batch)
         return loss, (model_state, metrics)
 
     return loss_fn

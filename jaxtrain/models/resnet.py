@@ -99,11 +99,12 @@ class ResNet18(nnx.Module):
 
 
 def adapter(input_shape=(28, 28, 1), num_classes: int = NUM_CLASSES, weight_init: str = "d2l",
-            remat: str = "none"):
-    """``jt.from_nnx`` of an abstract ResNet-18 (no weights made): the loss / eval fns and the state's layout."""
+            remat: str = "none", head=classify.label_loss):
+    """``jt.from_nnx`` of an abstract ResNet-18 (no weights made): the loss / eval fns and the state's layout;
+    ``head(logits, batch) -> (loss, metrics)``."""
     model = nnx.eval_shape(lambda: ResNet18(input_shape[-1], num_classes, weight_init=weight_init, remat=remat,
                                             rngs=nnx.Rngs(0)))
-    return from_nnx(model, loss=lambda logits, batch: classify.mean_loss(logits, batch["label"]),
+    return from_nnx(model, loss=head,
                     per_example=lambda logits, batch: classify.per_example(logits, batch["label"]))
 
 

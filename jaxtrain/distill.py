@@ -1,0 +1,90 @@
+"""Knowledge distillation: a student learns from a finished run's softened outputs, inside the same train step.
+
+The loss (Hinton et al.) mixes the hard-label cross-entropy with the
+teacher's soft targets at temperature T:
+
+    (1 - alpha) * CE(student, labels) + alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T))
+
+T^2 keeps the soft term's gradient on the scale of the hard one's as T
+grows. The teacher's forward pass runs in the student's compiled step, on
+each device's share of the batch, in evaluation mode: its params and model
+state are step inputs held in ``model_state["teacher"]`` as a ``Frozen``
+part (never updated, never averaged over devices, bit-identical after
+training). The student's own model state is ``model_state["student"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxtrain import export, models
+from jaxtrain.errors import ConfigError
+from jaxtrain.models import classify
+from jaxtrain.state import Frozen
+
+
+def soft_loss(student_logits: jax.Array, teacher_logits: jax.Array, temperature: float) -> jax.Array:
+    """Mean over the batch of ``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` (no gradient to the
+    teacher)."""
+    t = jax.lax.stop_gradient(teacher_logits.astype(jnp.float32)) / temperature
+    s = student_logits.astype(jnp.float32) / temperature
+    return temperature**2 * optax.kl_divergence(jax.nn.log_softmax(s), jax.nn.softmax(t)).mean()
+
+
+def make_head(temperature: float, alpha: float):
+    """head(logits, batch) -> (loss, metrics) for ``batch["teacher_logits"]`` beside the labels."""
+
+    def head(logits, batch):
+        hard, metrics = classify.mean_loss(logits, batch["label"])
+        soft = soft_loss(logits, batch["teacher_logits"], temperature)
+        return (1 - alpha) * hard + alpha * soft, {**metrics, "hard_loss": hard, "soft_loss": soft}
+
+    return head
+
+
+def distilled(student: models.Model, teacher: models.Model, teacher_params, teacher_state, temperature: float,
+              alpha: float) -> models.Model:
+    """``student`` trained against ``teacher`` (whose params and state are given): a registry Model to train."""
+    if student.with_head is None:
+        raise ConfigError(f"model {student.name} cannot be a distillation student (its loss takes no head)")
+    if (student.input_shape, student.num_classes) != (teacher.input_shape, teacher.num_classes):
+        raise ConfigError(f"the teacher ({teacher.name}) was trained on {_shape(teacher)} and the student's data is "
+                          f"{_shape(student)}: use the teacher's dataset")
+    loss_fn = student.with_head(make_head(temperature, alpha))
+    frozen = Frozen({"params": teacher_params, "model_state": teacher_state})
+
+    def loss(params, model_state, batch, rng):
+        t = model_state["teacher"].tree
+        logits = teacher.logits(t["params"], t["model_state"], batch["image"])
+        value, (own, metrics) = loss_fn(params, model_state["student"], {**batch, "teacher_logits": logits}, rng)
+        return value, ({"student": own, "teacher": model_state["teacher"]}, metrics)
+
+    def init(rng):
+        params, own = student.init(rng)
+        return params, {"student": own, "teacher": frozen}
+
+    return dataclasses.replace(student, init=init, loss_fn=loss, pipeline=None, with_head=None,
+                               eval_fn=lambda params, state, batch: student.eval_fn(params, state["student"], batch))
+
+
+def own_state(model_state):
+    """The student's model state (what its saved model keeps), whether distilled or not."""
+    return model_state["student"] if isinstance(model_state, dict) and "teacher" in model_state else model_state
+
+
+def from_run(student: models.Model, run_dir: str, temperature: float, alpha: float) -> tuple[models.Model, dict]:
+    """``distilled`` from a finished run's directory (``--teacher``): (model, the teacher's model.json)."""
+    meta, params, state = export.load(run_dir, flag="--teacher")
+    teacher = models.get(meta["model"], init=meta.get("init"), input_shape=tuple(meta["input_shape"]),
+                         num_classes=meta["num_classes"])
+    if teacher.logits is None:
+        raise ConfigError(f"--teacher {run_dir}: a {meta['model']} model cannot be a teacher here")
+    return distilled(student, teacher, params, state, temperature, alpha), meta
+
+
+def _shape(m: models.Model) -> str:
+    return "x".join(map(str, m.input_shape)) + f", {m.num_classes} classes"

@@ -1,0 +1,139 @@
+"""Distillation (jaxtrain.distill): the loss, the teacher as Frozen step input under every strategy, the CLI."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxtrain as jt
+from conftest import needs_fashion_mnist, random_batch, run_cli
+from experiments import distill as distill_cli
+from jaxtrain import distill, export, models
+from jaxtrain.errors import ConfigError
+from jaxtrain.state import Frozen
+
+
+def test_the_soft_loss_gradient_is_the_softened_cross_entropys_times_t_squared():
+    rng = np.random.default_rng(0)
+    s, t = rng.normal(size=(8, 10)).astype(np.float32), 3 * rng.normal(size=(8, 10)).astype(np.float32)
+    for temperature in (1.0, 4.0):
+        targets = jax.nn.softmax(t / temperature)
+        ce = lambda s: optax.softmax_cross_entropy(s / temperature, targets).mean()  # noqa: E731
+        g = jax.grad(distill.soft_loss)(s, t, temperature)
+        np.testing.assert_allclose(g, temperature**2 * jax.grad(ce)(s), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(distill.soft_loss(t, t, temperature), 0, atol=1e-6)
+    assert float(jax.grad(distill.soft_loss, argnums=1)(s, t, 4.0).__abs__().max()) == 0  # no gradient to it
+
+
+def _teacher():
+    """A LeNet teacher with its own (random) weights: cheap, and a real forward pass."""
+    from jaxtrain.models import lenet
+
+    return jax.device_get(lenet.init_params(jax.random.key(7), scale=0.1)), {}  # logits of order 1
+
+
+def _distilled():
+    return distill.distilled(models.get("lenet"), models.get("lenet"), *_teacher(), temperature=4.0, alpha=0.7)
+
+
+def _train(model, strategy, devices, steps=3):
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.5), mesh=jt.make_mesh(jax.devices()[:devices]),
+                                 strategy=strategy)
+    state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+    for i in range(steps):
+        state, metrics = trainer(state, random_batch(16, seed=i))
+    return trainer, jax.device_get(state), jax.device_get(metrics)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _train(_distilled(), "jit", 1)[1:]
+
+
+@pytest.mark.parametrize("strategy, devices", [("jit", 2), ("jit", 4), ("shard_map", 2), ("ring", 2), ("pmap", 2),
+                                               ("shard_map", 4)])
+def test_a_distilled_step_equals_one_device_and_leaves_the_teacher_bit_identical(one_device, strategy, devices):
+    state, metrics = _train(_distilled(), strategy, devices)[1:]
+    ref_state, ref_metrics = one_device
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for k in ("loss", "hard_loss", "soft_loss"):
+        np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5)
+    assert ref_metrics["soft_loss"] > 0.01  # the teacher's outputs differ from the student's: the term is live
+    teacher = state.model_state["teacher"]
+    assert isinstance(teacher, Frozen)
+    params, model_state = _teacher()
+    for a, b in zip(jax.tree.leaves(teacher.tree), jax.tree.leaves({"params": params, "model_state": model_state})):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_teacher_stays_out_of_the_all_reduce():
+    """shard_map averages the model state over the devices; the Frozen teacher (1.7 MB here) is not in it."""
+    batch = random_batch(16)
+    sizes = {}
+    for name, model in (("student", models.get("lenet")), ("distilled", _distilled())):
+        trainer, state, _ = _train(model, "shard_map", 2, steps=1)
+        state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+        sizes[name] = jt.compiled_stats(trainer, state, batch)["collectives"]["all-reduce"]["bytes"]
+    assert sizes["distilled"] - sizes["student"] <= 64  # two more scalar metrics, not the teacher's weights
+
+
+def test_the_soft_loss_falls_as_the_student_learns_the_teacher():
+    first = _train(_distilled(), "jit", 1, steps=1)[2]["soft_loss"]
+    assert _train(_distilled(), "jit", 1, steps=30)[2]["soft_loss"] < 0.5 * first
+
+
+def _saved(path, model="lenet", shape=(28, 28, 1)):
+    m = models.get(model, input_shape=shape)
+    export.save(path, *m.init(jax.random.key(0)), {"model": model, "init": "d2l", "input_shape": list(shape),
+                                                    "num_classes": 10, "settings": {"dataset": "x"}})
+    return path
+
+
+@pytest.mark.parametrize("case, says", [("missing", "--teacher .*: no such directory"),
+                                        ("empty", "--teacher .*: holds no saved model"),
+                                        ("shape", r"trained on 32x32x3, 10 classes .* use the teacher's dataset")])
+def test_a_bad_teacher_is_one_line(tmp_path, case, says):
+    run = tmp_path / "teacher"
+    if case == "empty":
+        run.mkdir()
+    if case == "shape":
+        _saved(run, shape=(32, 32, 3))
+    with pytest.raises(ConfigError, match=says) as e:
+        distill.from_run(models.get("lenet"), str(run), 4.0, 0.9)
+    assert "\n" not in str(e.value)
+
+
+def test_the_cli_needs_a_teacher_and_a_student(capsys):
+    assert distill_cli.run(["--student", "lenet"]) == 2
+    assert "--teacher RUN_DIR is required" in capsys.readouterr().err
+    assert distill_cli.run(["--teacher", "/nowhere"]) == 2
+    assert "--student NAME is required" in capsys.readouterr().err
+    assert distill_cli.run(["--teacher", "/nowhere", "--student", "lenet", "--alpha", "1.5"]) == 2
+    assert "--alpha: expected a weight in [0, 1]" in capsys.readouterr().err
+
+
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_a_student_distils_from_a_finished_run_and_resumes_exactly(tmp_path):
+    teacher, common = tmp_path / "teacher", ["--train-subset", "2048", "--batch-size", "64", "--no-progress"]
+    r = run_cli("-m", "experiments.lenet", "--devices", "1", "--optimizer", "adam", "--lr", "2e-3", "--epochs", "1",
+                "--out", str(teacher), *common)
+    assert r.returncode == 0, r.stderr
+    args = ["-m", "experiments.distill", "--teacher", str(teacher), "--student", "lenet", "--devices", "2",
+            "--strategy", "shard_map", "--epochs", "2", *common]
+    ck = ["--checkpoint-dir", str(tmp_path / "ck")]
+    r = run_cli(*args, *ck, "--max-steps", "40", "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli(*args, *ck, "--resume", "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr
+    whole = run_cli(*args, "--out", str(tmp_path / "b"))
+    assert whole.returncode == 0, whole.stderr
+    resumed, straight = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("a", "b"))
+    assert resumed["params_digest"] == straight["params_digest"]
+    meta, params, state = export.load(tmp_path / "b", "lenet")
+    assert state == {} and meta["settings"]["teacher"] == str(teacher)  # the student's model alone
+    r = run_cli(*args, *ck, "--resume", "--alpha", "0.5", "--out", str(tmp_path / "c"))
+    assert r.returncode == 2 and "alpha" in r.stderr
