@@ -115,6 +115,9 @@ class RunConfig:
     pipeline_schedule: str = _field("gpipe", "pipelined runs: gpipe, or circular (each stage holds --repeats "
                                              "chunks of layers)", choices=PIPELINE_SCHEDULES)
     repeats: int = _field(1, "pipelined runs, circular schedule: layer chunks per stage", minimum=1)
+    quantize: str = _field("none", "quantisation-aware training: int8 rounds each conv / dense layer's weights (a "
+                                   "scale per output channel) and inputs (a scale per example) to int8 in the "
+                                   "forward pass, gradients straight through (lenet)", choices=("none", "int8"))
     teacher: str | None = _field(None, "distil from this finished run (its --out directory, holding model/ and "
                                        "model.json): its softened outputs join the loss (README 'Smaller models')")
     temperature: float = _field(4.0, "distillation: softmax temperature T of teacher and student", above=0.0)

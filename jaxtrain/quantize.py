@@ -52,6 +52,24 @@ def matmul(x, w):
 INT8_OPS = (conv, matmul)  # lenet.apply(..., ops=INT8_OPS)
 
 
+def fake_int8(x: jax.Array, channel_axis: int) -> jax.Array:
+    """``x`` rounded to the int8 grid ``int8_weight`` / the activations use (a scale per ``channel_axis`` slice),
+    in float; the gradient passes straight through (quantisation-aware training)."""
+    rounded = qwix.dequantize(qwix.quantize(x, jnp.int8, channelwise_axes=(channel_axis % x.ndim,)))
+    return x + jax.lax.stop_gradient(rounded.astype(x.dtype) - x)
+
+
+def fake_conv(x, w, *args, **kwargs):
+    return jax.lax.conv_general_dilated(fake_int8(x, 0), fake_int8(w, -1), *args, **kwargs)
+
+
+def fake_matmul(x, w):
+    return jnp.matmul(fake_int8(x, 0), fake_int8(w, -1))
+
+
+QAT_OPS = (fake_conv, fake_matmul)  # training with --quantize int8: the int8 model's numbers, float gradients
+
+
 @dataclasses.dataclass
 class Quantized:
     """A trained model and its int8 version: ``fp32(images)`` and ``int8(images)`` give logits.

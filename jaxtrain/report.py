@@ -232,6 +232,7 @@ def describe(s, data: dict, writer) -> str:
             f"{sharded + len(s.layout['replicated'])} parameters sharded), {c.precision}, accum {c.accum_steps} "
             f"({c.accum}), remat {c.remat}, {c.optimizer} lr {c.lr:g} ({c.schedule})"
             + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+            + (", quantisation-aware int8" if c.quantize == "int8" else "")
             + (f", distilled from {c.teacher} (T {c.temperature:g}, alpha {c.alpha:g})" if c.teacher else "")
             + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
                "{bubble:.0%})".format(**s.trainer.describe()) if pipeline_layout(s.trainer) else "")

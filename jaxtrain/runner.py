@@ -25,7 +25,8 @@ from jaxtrain.signals import StopOnSignal, StopVote
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
 FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "schedule",
                   "warmup_epochs", "weight_decay", "clip_grad_norm", "augment", "batch_size", "seed", "precision",
-                  "accum_steps", "accum", "pipeline_layout", "teacher", "temperature", "alpha")
+                  "accum_steps", "accum", "pipeline_layout", "quantize", "teacher", "temperature",
+                  "alpha")
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
                  "microbatches")
@@ -68,7 +69,8 @@ def build_trainer(s: Setup, train=None) -> None:
     constant learning rate: a bad sharding or batch size fails before anything is read), then for the ``train``
     split: its image shape and classes, the schedule over the run's updates."""
     c = s.config
-    s.model = models.get(c.model, remat=c.remat, init=c.init, **sources.shape_of(c.dataset, train))
+    s.model = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize,
+                         **sources.shape_of(c.dataset, train))
     if c.teacher:  # the teacher's params and state join the model state (Frozen)
         s.model = distill.from_run(s.model, c.teacher, c.temperature, c.alpha)[0]
     updates = c.epochs * (len(train) // c.batch_size) if train else 0

@@ -134,3 +134,62 @@ def test_a_finished_lenet_run_is_quantised_from_its_directory(tmp_path):
     assert result["int8_param_bytes"] < 0.26 * result["fp32_param_bytes"]
     assert (result["int8_convolutions"], result["int8_dots"], result["int8_operands"]) == (2, 2, 4)
     assert "| test accuracy |" in r.stdout
+
+
+def test_fake_int8_is_the_int8_grid_with_a_straight_through_gradient():
+    w = np.random.default_rng(0).normal(size=(5, 5, 20, 50)).astype(np.float32)
+    q = quantize.int8_weight(w)
+    np.testing.assert_array_equal(quantize.fake_int8(jnp.asarray(w), -1), q.qvalue * q.scale)
+    np.testing.assert_array_equal(jax.grad(lambda w: (quantize.fake_int8(w, -1) * 3).sum())(w), np.full_like(w, 3))
+
+
+def test_a_quantisation_aware_lenet_computes_what_its_int8_export_computes(trained_lenet):
+    """QAT's forward (float math on int8-rounded values) = the post-training int8 model's (integer math)."""
+    params, images, _ = trained_lenet
+    qat = models.get("lenet", quantize="int8")
+    logits = jax.jit(qat.logits)(params, {}, images)
+    np.testing.assert_allclose(logits, quantize.quantize(_info(), params, {}).int8(images), rtol=1e-4, atol=1e-4)
+
+
+def _qat_steps(strategy, devices, steps=4):
+    model = models.get("lenet", quantize="int8")
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.5), mesh=jt.make_mesh(jax.devices()[:devices]),
+                                 strategy=strategy)
+    state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+    batch = models.get("lenet").example_batch(32)
+    losses = []
+    for _ in range(steps):
+        state, metrics = trainer(state, batch)
+        losses.append(float(metrics["loss"]))
+    return jax.device_get(state.params), losses
+
+
+def test_a_quantisation_aware_step_equals_one_device_and_learns():
+    ref, losses = _qat_steps("jit", 1)
+    assert losses[-1] < losses[0]
+    for strategy, devices in (("jit", 2), ("jit", 4), ("shard_map", 2), ("shard_map", 4), ("ring", 2), ("pmap", 2)):
+        params, _ = _qat_steps(strategy, devices)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{strategy} x {devices}")
+
+
+def test_quantisation_aware_training_is_refused_where_not_built():
+    with pytest.raises(ConfigError, match="--quantize int8: quantisation-aware training covers int8 for lenet only"):
+        models.get("resnet18", quantize="int8")
+
+
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_a_quantisation_aware_run_exports_the_int8_model_it_evaluated(tmp_path):
+    out = tmp_path / "qat"
+    r = run_cli("-m", "experiments.lenet", "--devices", "2", "--quantize", "int8", "--optimizer", "adam", "--lr", "2e-3",
+                "--epochs", "1", "--train-subset", "6400", "--batch-size", "64", "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "quantisation-aware int8" in r.stdout
+    trained = json.loads((out / "summary.json").read_text())["test_acc"]  # evaluated with int8-rounded numbers
+    r = run_cli("-m", "experiments.quantize", "--run", str(out), "--repeats", "1", "--batch-sizes", "1",
+                "--json", str(tmp_path / "q.json"), env={"XLA_FLAGS": ""})
+    assert r.returncode == 0, r.stderr
+    assert abs(json.loads((tmp_path / "q.json").read_text())["int8_acc"] - trained) <= 0.002
+    r = run_cli("-m", "experiments.resnet18", "--quantize", "int8", "--max-steps", "1")
+    assert r.returncode == 2 and "covers int8 for lenet only" in r.stderr and "Traceback" not in r.stderr

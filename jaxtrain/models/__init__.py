@@ -69,9 +69,10 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str, *, remat: str = "none", init: str | None = None, input_shape: tuple = IMAGE_SHAPE,
-        num_classes: int = 10) -> Model:
+        num_classes: int = 10, quantize: str = "none") -> Model:
     """The named model for images of ``input_shape`` (H, W, C) and ``num_classes`` classes (the dataset's), its
-    train-mode loss remat'ed per block by the ``remat`` policy."""
+    train-mode loss remat'ed per block by the ``remat`` policy; ``quantize="int8"``: quantisation-aware (its
+    convs and dense layers see int8-rounded weights and activations, gradients straight through)."""
     from jaxtrain.errors import ConfigError
 
     if name not in MODELS:
@@ -81,21 +82,27 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     if init not in inits:
         raise ConfigError(f"model {name} has no init {init!r}: choose one of {', '.join(inits)}")
     shape = dict(input_shape=tuple(input_shape), num_classes=num_classes)
+    if quantize != "none" and (quantize, name) != ("int8", "lenet"):
+        raise ConfigError(f"--quantize {quantize}: quantisation-aware training covers int8 for lenet only "
+                          f"(model {name}: post-training int8 with python -m experiments.quantize)")
     try:
-        return dataclasses.replace(_build(name, remat, init, shape), init_name=init)
+        return dataclasses.replace(_build(name, remat, init, shape, quantize), init_name=init)
     except ValueError as e:  # e.g. images too small for the model
         raise ConfigError(f"model {name}: {e}") from None
 
 
-def _build(name: str, remat: str, init: str, shape: dict) -> Model:
+def _build(name: str, remat: str, init: str, shape: dict, quantize: str) -> Model:
     if name == "lenet":
         from jaxtrain.models import lenet
 
         lenet.shapes(**shape)  # images too small: an error now
-        return Model(name, lambda rng: (lenet.init_params(rng, **shape), {}), lenet.make_loss_fn(remat),
-                     lenet.eval_fn, apply=lenet.apply, tp_rules=lenet.TP_RULES,
-                     logits=lambda params, _, images: lenet.apply(params, images),
-                     with_head=lambda head: lenet.make_loss_fn(remat, head), **shape)
+        ops = lenet.FLOAT_OPS
+        if quantize == "int8":
+            from jaxtrain.quantize import QAT_OPS as ops
+        return Model(name, lambda rng: (lenet.init_params(rng, **shape), {}), lenet.make_loss_fn(remat, ops=ops),
+                     lenet.make_eval_fn(ops), apply=lenet.apply, tp_rules=lenet.TP_RULES,
+                     logits=lambda params, _, images: lenet.apply(params, images, ops=ops),
+                     with_head=lambda head: lenet.make_loss_fn(remat, head, ops), **shape)
     if name == "vit":
         from jaxtrain.models import vit
         from jaxtrain.pipeline import sequential_loss

@@ -73,13 +73,13 @@ def apply(params: dict, images: jax.Array, remat: str = "none", ops: tuple = FLO
     return matmul(x, params["dense2"]["w"]) + params["dense2"]["b"]
 
 
-def make_loss_fn(remat: str = "none", head=classify.label_loss):
+def make_loss_fn(remat: str = "none", head=classify.label_loss, ops: tuple = FLOAT_OPS):
     """The train-step contract of jaxtrain; ``head(logits, batch) -> (loss, metrics)``: softmax cross-entropy
-    (logits in fp32) unless told otherwise (distillation's)."""
+    (logits in fp32) unless told otherwise (distillation's); ``ops``: the layers' (conv, matmul)."""
 
     def loss_fn(params, model_state, batch, rng):
         del rng
-        loss, metrics = head(apply(params, batch["image"], remat), batch)
+        loss, metrics = head(apply(params, batch["image"], remat, ops), batch)
         return loss, (model_state, metrics)
 
     return loss_fn
@@ -88,7 +88,13 @@ def make_loss_fn(remat: str = "none", head=classify.label_loss):
 loss_fn = make_loss_fn()
 
 
-def eval_fn(params, model_state, batch):
-    """Per-example metrics; the eval-step contract (masked and summed there)."""
-    del model_state
-    return classify.per_example(apply(params, batch["image"]), batch["label"])
+def make_eval_fn(ops: tuple = FLOAT_OPS):
+    def eval_fn(params, model_state, batch):
+        """Per-example metrics; the eval-step contract (masked and summed there)."""
+        del model_state
+        return classify.per_example(apply(params, batch["image"], ops=ops), batch["label"])
+
+    return eval_fn
+
+
+eval_fn = make_eval_fn()
