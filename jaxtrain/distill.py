@@ -76,14 +76,15 @@ def own_state(model_state):
     return model_state["student"] if isinstance(model_state, dict) and "teacher" in model_state else model_state
 
 
-def from_run(student: models.Model, run_dir: str, temperature: float, alpha: float) -> tuple[models.Model, dict]:
-    """``distilled`` from a finished run's directory (``--teacher``): (model, the teacher's model.json)."""
+def teacher_from_run(run_dir: str) -> tuple[models.Model, dict, dict]:
+    """(model, params, model_state) of a finished run (``--teacher RUN_DIR``): one-line errors for a directory that
+    is missing, holds no saved model, or holds a model that cannot be a teacher."""
     meta, params, state = export.load(run_dir, flag="--teacher")
     teacher = models.get(meta["model"], init=meta.get("init"), input_shape=tuple(meta["input_shape"]),
                          num_classes=meta["num_classes"])
     if teacher.logits is None:
         raise ConfigError(f"--teacher {run_dir}: a {meta['model']} model cannot be a teacher here")
-    return distilled(student, teacher, params, state, temperature, alpha), meta
+    return teacher, params, state
 
 
 def _shape(m: models.Model) -> str:

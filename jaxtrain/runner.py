@@ -53,6 +53,7 @@ class Setup:
     layout: dict = None
     call_batch: int = 0
     checkpointer: Checkpointer | None = None
+    teacher: tuple | None = None  # --teacher: (model, params, model_state)
     last: dict = dataclasses.field(default_factory=dict)  # the last step's metrics
 
 
@@ -71,8 +72,9 @@ def build_trainer(s: Setup, train=None) -> None:
     c = s.config
     s.model = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize,
                          **sources.shape_of(c.dataset, train))
-    if c.teacher:  # the teacher's params and state join the model state (Frozen)
-        s.model = distill.from_run(s.model, c.teacher, c.temperature, c.alpha)[0]
+    if c.teacher:  # the teacher's params and state (read once) join the model state, Frozen
+        s.teacher = s.teacher or distill.teacher_from_run(c.teacher)
+        s.model = distill.distilled(s.model, *s.teacher, c.temperature, c.alpha)
     updates = c.epochs * (len(train) // c.batch_size) if train else 0
     tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if train else "constant",
                               total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),

@@ -102,7 +102,7 @@ def test_a_bad_teacher_is_one_line(tmp_path, case, says):
     if case == "shape":
         _saved(run, shape=(32, 32, 3))
     with pytest.raises(ConfigError, match=says) as e:
-        distill.from_run(models.get("lenet"), str(run), 4.0, 0.9)
+        distill.distilled(models.get("lenet"), *distill.teacher_from_run(str(run)), 4.0, 0.9)
     assert "\n" not in str(e.value)
 
 
