@@ -7,6 +7,7 @@ PARAM_SHARDINGS = ("replicated", "fsdp", "tp", "fsdp+tp")  # jaxtrain.sharding.p
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")  # jaxtrain.optim
 LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "onecycle")  # jaxtrain.optim.make_schedule
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.pipeline)
+KERNELS = ("jnp", "pallas")  # the train loss's cross-entropy: optax's, or jaxtrain.kernels.softmax_ce
 AUGMENTATIONS = ("none", "crop+flip")  # jaxtrain.data.augment
 DATASETS = ("fashion_mnist", "mnist", "cifar10")  # jaxtrain.data.sources.LOCAL; and "tfds:NAME"
 DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}

@@ -61,3 +61,23 @@ def saved_residuals(fn, *args):
     from jax._src.ad_checkpoint import saved_residuals as listing  # public: only the printer
 
     return listing(fn, *args)
+
+
+# Lowering a Pallas kernel for CUDA on a host without a GPU (tests, docs/kernels.md): the Triton lowering needs
+# the target GPU's compute capability. jax 0.10.2 falls back to sm_90 when it finds no GPU; jax 0.12 asks for
+# an abstract GPU device in the context mesh instead, which cannot hold a step whose mesh is of CPU devices,
+# so there a whole train step does not lower for CUDA on a CPU host (the kernel and its gradient alone do).
+TRITON_FALLBACK_WITHOUT_GPU = (0, 10, 2) <= (installed_version("jax") or (0,)) < (0, 11, 0)
+CUDA_TARGET = "NVIDIA H100"  # sm_90, what jax 0.10.2 falls back to
+
+
+def cuda_kernel_target():
+    """A context in which a Pallas Triton kernel (not a CPU-mesh step) lowers for CUDA on a host without a GPU."""
+    import contextlib
+
+    import jax
+
+    if TRITON_FALLBACK_WITHOUT_GPU:
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind=CUDA_TARGET, num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device))

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, DATASETS, DEFAULT_DATA_DIRS, LR_SCHEDULES, OPTIMIZERS,
-                              PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES, check_dataset)
+from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, DATASETS, DEFAULT_DATA_DIRS, KERNELS, LR_SCHEDULES,
+                              OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES, check_dataset)
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
@@ -118,6 +118,9 @@ class RunConfig:
     quantize: str = _field("none", "quantisation-aware training: int8 rounds each conv / dense layer's weights (a "
                                    "scale per output channel) and inputs (a scale per example) to int8 in the "
                                    "forward pass, gradients straight through (lenet)", choices=("none", "int8"))
+    kernels: str = _field("jnp", "the train loss's softmax cross-entropy: jnp (optax, XLA fuses it), or pallas (the "
+                                 "fused Pallas kernel of jaxtrain.kernels: Triton on GPUs, interpret mode on CPU, "
+                                 "slower there; docs/kernels.md)", choices=KERNELS)
     teacher: str | None = _field(None, "distil from this finished run (its --out directory, holding model/ and "
                                        "model.json): its softened outputs join the loss (README 'Smaller models')")
     temperature: float = _field(4.0, "distillation: softmax temperature T of teacher and student", above=0.0)

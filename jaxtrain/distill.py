@@ -35,11 +35,12 @@ def soft_loss(student_logits: jax.Array, teacher_logits: jax.Array, temperature:
     return temperature**2 * optax.kl_divergence(jax.nn.log_softmax(s), jax.nn.softmax(t)).mean()
 
 
-def make_head(temperature: float, alpha: float):
-    """head(logits, batch) -> (loss, metrics) for ``batch["teacher_logits"]`` beside the labels."""
+def make_head(temperature: float, alpha: float, kernels: str = "jnp"):
+    """head(logits, batch) -> (loss, metrics) for ``batch["teacher_logits"]`` beside the labels (their
+    cross-entropy with ``kernels``)."""
 
     def head(logits, batch):
-        hard, metrics = classify.mean_loss(logits, batch["label"])
+        hard, metrics = classify.mean_loss(logits, batch["label"], kernels)
         soft = soft_loss(logits, batch["teacher_logits"], temperature)
         return (1 - alpha) * hard + alpha * soft, {**metrics, "hard_loss": hard, "soft_loss": soft}
 
@@ -47,14 +48,14 @@ def make_head(temperature: float, alpha: float):
 
 
 def distilled(student: models.Model, teacher: models.Model, teacher_params, teacher_state, temperature: float,
-              alpha: float) -> models.Model:
+              alpha: float, kernels: str = "jnp") -> models.Model:
     """``student`` trained against ``teacher`` (whose params and state are given): a registry Model to train."""
     if student.with_head is None:
         raise ConfigError(f"model {student.name} cannot be a distillation student (its loss takes no head)")
     if (student.input_shape, student.num_classes) != (teacher.input_shape, teacher.num_classes):
         raise ConfigError(f"the teacher ({teacher.name}) was trained on {_shape(teacher)} and the student's data is "
                           f"{_shape(student)}: use the teacher's dataset")
-    loss_fn = student.with_head(make_head(temperature, alpha))
+    loss_fn = student.with_head(make_head(temperature, alpha, kernels))
     frozen = Frozen({"params": teacher_params, "model_state": teacher_state})
 
     def loss(params, model_state, batch, rng):

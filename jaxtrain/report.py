@@ -233,6 +233,7 @@ def describe(s, data: dict, writer) -> str:
             f"({c.accum}), remat {c.remat}, {c.optimizer} lr {c.lr:g} ({c.schedule})"
             + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
             + (", quantisation-aware int8" if c.quantize == "int8" else "")
+            + (", Pallas cross-entropy kernel" if c.kernels == "pallas" else "")
             + (f", distilled from {c.teacher} (T {c.temperature:g}, alpha {c.alpha:g})" if c.teacher else "")
             + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
                "{bubble:.0%})".format(**s.trainer.describe()) if pipeline_layout(s.trainer) else "")

@@ -70,11 +70,11 @@ def build_trainer(s: Setup, train=None) -> None:
     constant learning rate: a bad sharding or batch size fails before anything is read), then for the ``train``
     split: its image shape and classes, the schedule over the run's updates."""
     c = s.config
-    s.model = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize,
+    s.model = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize, kernels=c.kernels,
                          **sources.shape_of(c.dataset, train))
     if c.teacher:  # the teacher's params and state (read once) join the model state, Frozen
         s.teacher = s.teacher or distill.teacher_from_run(c.teacher)
-        s.model = distill.distilled(s.model, *s.teacher, c.temperature, c.alpha)
+        s.model = distill.distilled(s.model, *s.teacher, c.temperature, c.alpha, c.kernels)
     updates = c.epochs * (len(train) // c.batch_size) if train else 0
     tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if train else "constant",
                               total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),

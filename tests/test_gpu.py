@@ -104,3 +104,34 @@ def test_bench_runs_on_gpus(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["devices"] == gpu_count() and 0 < result["jaxtrain_ms"] < 1000, result
+
+
+KERNEL = """
+import jax, jax.numpy as jnp, numpy as np, optax
+import jaxtrain as jt
+from jaxtrain import models
+from jaxtrain.kernels import softmax_ce
+jt.setup_devices()
+jax.config.update("jax_default_matmul_precision", "highest")
+for batch, classes in [(100, 10), (37, 1000), (4096, 1000)]:
+    x = 4 * jax.random.normal(jax.random.key(0), (batch, classes))
+    y = jax.random.randint(jax.random.key(1), (batch,), 0, classes)
+    f = lambda ce: jax.jit(jax.value_and_grad(lambda x: ce(x, y).mean()))(x)
+    (v, g), (rv, rg) = f(softmax_ce.cross_entropy), f(softmax_ce.reference)
+    np.testing.assert_allclose(v, rv, rtol=1e-5); np.testing.assert_allclose(g, rg, rtol=1e-5, atol=1e-6)
+    assert "triton" in jax.jit(softmax_ce.cross_entropy).lower(x, y).as_text()
+def steps(kernels):
+    model = models.get("lenet", kernels=kernels)
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.5), mesh=jt.make_mesh(jax.devices()))
+    state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+    for seed in range(3):
+        state, _ = trainer(state, model.example_batch(64 * len(jax.devices()), seed=seed))
+    return jax.device_get(state.params)
+for a, b in zip(jax.tree.leaves(steps("pallas")), jax.tree.leaves(steps("jnp"))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+print("ok", jax.devices()[0].platform)
+"""
+
+
+def test_the_pallas_kernel_runs_through_triton_on_gpus():
+    assert run_gpu(KERNEL).split()[-2:] == ["ok", "gpu"]

@@ -69,10 +69,12 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str, *, remat: str = "none", init: str | None = None, input_shape: tuple = IMAGE_SHAPE,
-        num_classes: int = 10, quantize: str = "none") -> Model:
+        num_classes: int = 10, quantize: str = "none", kernels: str = "jnp") -> Model:
     """The named model for images of ``input_shape`` (H, W, C) and ``num_classes`` classes (the dataset's), its
     train-mode loss remat'ed per block by the ``remat`` policy; ``quantize="int8"``: quantisation-aware (its
-    convs and dense layers see int8-rounded weights and activations, gradients straight through)."""
+    convs and dense layers see int8-rounded weights and activations, gradients straight through);
+    ``kernels="pallas"``: its train loss's cross-entropy is the fused Pallas kernel (evaluation stays jnp)."""
+    from jaxtrain.choices import KERNELS
     from jaxtrain.errors import ConfigError
 
     if name not in MODELS:
@@ -85,13 +87,18 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     if quantize != "none" and (quantize, name) != ("int8", "lenet"):
         raise ConfigError(f"--quantize {quantize}: quantisation-aware training covers int8 for lenet only "
                           f"(model {name}: post-training int8 with python -m experiments.quantize)")
+    if kernels not in KERNELS:
+        raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
     try:
-        return dataclasses.replace(_build(name, remat, init, shape, quantize), init_name=init)
+        return dataclasses.replace(_build(name, remat, init, shape, quantize, kernels), init_name=init)
     except ValueError as e:  # e.g. images too small for the model
         raise ConfigError(f"model {name}: {e}") from None
 
 
-def _build(name: str, remat: str, init: str, shape: dict, quantize: str) -> Model:
+def _build(name: str, remat: str, init: str, shape: dict, quantize: str, kernels: str) -> Model:
+    from jaxtrain.models import classify
+
+    head = classify.loss_head(kernels)
     if name == "lenet":
         from jaxtrain.models import lenet
 
@@ -99,7 +106,7 @@ def _build(name: str, remat: str, init: str, shape: dict, quantize: str) -> Mode
         ops = lenet.FLOAT_OPS
         if quantize == "int8":
             from jaxtrain.quantize import QAT_OPS as ops
-        return Model(name, lambda rng: (lenet.init_params(rng, **shape), {}), lenet.make_loss_fn(remat, ops=ops),
+        return Model(name, lambda rng: (lenet.init_params(rng, **shape), {}), lenet.make_loss_fn(remat, head, ops),
                      lenet.make_eval_fn(ops), apply=lenet.apply, tp_rules=lenet.TP_RULES,
                      logits=lambda params, _, images: lenet.apply(params, images, ops=ops),
                      with_head=lambda head: lenet.make_loss_fn(remat, head, ops), **shape)
@@ -111,12 +118,13 @@ def _build(name: str, remat: str, init: str, shape: dict, quantize: str) -> Mode
         block = remat_block(vit.block, remat)
         vit.tokens(shape["input_shape"])  # sides not divisible by the patch: an error now
         return Model(name, lambda rng: (vit.init(rng, **shape), {}),
-                     sequential_loss(vit.embed_fn, block, vit.head_loss_fn), vit.eval_fn, apply=vit.apply,
-                     pipeline=(vit.embed_fn, vit.block, vit.head_loss_fn, vit.head_eval_fn),
-                     logits=lambda params, _, images: vit.apply(params, images), **shape)
+                     sequential_loss(vit.embed_fn, block, vit.head_loss(head)), vit.eval_fn, apply=vit.apply,
+                     pipeline=(vit.embed_fn, vit.block, vit.head_loss(head), vit.head_eval_fn),
+                     logits=lambda params, _, images: vit.apply(params, images),
+                     with_head=lambda head: sequential_loss(vit.embed_fn, block, vit.head_loss(head)), **shape)
     from jaxtrain.models import resnet
 
-    net = resnet.adapter(shape["input_shape"], shape["num_classes"], weight_init=init, remat=remat)
+    net = resnet.adapter(shape["input_shape"], shape["num_classes"], weight_init=init, remat=remat, head=head)
     return Model(name, lambda rng: resnet.init_variables(rng, weight_init=init, **shape), net.loss_fn, net.eval_fn,
                  tp_rules=resnet.TP_RULES, logits=lambda params, stats, images: net.module(params, stats)(images),
                  with_head=lambda head: resnet.adapter(weight_init=init, remat=remat, head=head, **shape).loss_fn,

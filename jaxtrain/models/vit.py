@@ -77,8 +77,12 @@ def logits(H, x):
     return jnp.mean(_norm(x, H["ln"], H["ln_b"]), axis=1) @ H["w"] + H["b"]
 
 
-def head_loss_fn(H, x, batch):
-    return classify.mean_loss(logits(H, x), batch["label"])
+def head_loss(head=classify.label_loss):
+    """The pipeline's head_loss_fn(H, x, batch) for a loss ``head(logits, batch) -> (loss, metrics)``."""
+    return lambda H, x, batch: head(logits(H, x), batch)
+
+
+head_loss_fn = head_loss()
 
 
 def head_eval_fn(H, x, batch):

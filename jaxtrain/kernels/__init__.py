@@ -1,0 +1,1 @@
+"""Pallas kernels, each beside its ``jnp`` reference (docs/kernels.md); opt-in with ``kernels="pallas"``."""

@@ -1,0 +1,107 @@
+"""Row-block Pallas kernels: how jaxtrain's kernels cut [N, D] operands into blocks, and run on CPU or GPU.
+
+A 1-D grid; program ``i`` owns rows ``i*BLOCK_ROWS ... i*BLOCK_ROWS+15`` and all D columns, held as one
+[BLOCK_ROWS, next_power_of_2(D)] tile (Triton wants power-of-two shapes). Operands come in four kinds:
+``ROWS`` [N, D] (a tile per program), ``ROW`` [N] (a value per row), ``COLS`` [D] (the same vector for every
+program, e.g. a layer norm's scale) and ``BLOCK`` [programs, D] (one row per program: per-block partial
+sums, reduced outside). Kernels mask by the true N and D (``tile``) and read / write through ``read`` /
+``write``.
+
+Where the step is lowered for a CPU the kernels run in Pallas interpret mode, for a GPU through Triton:
+``run`` picks at lowering time (``lax.platform_dependent``), so one traced step lowers for either. On GPUs a
+partial last block is a masked load / store. In interpret mode the operands are padded to whole blocks
+first: interpret mode pads partial blocks itself (and every masked load), with a pad value that does not vary
+over the mesh axes, which ``shard_map(check_vma=True)`` refuses; padded here with a varying value, the
+kernels read whole blocks plainly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+BLOCK_ROWS = 16  # rows per program: a power of two (Triton), small enough for ~1000 columns in registers
+NUM_WARPS = 4
+ROWS, ROW, COLS, BLOCK = "rows", "row", "cols", "block"  # operand kinds (module docstring)
+
+
+def tile(rows: int, cols: int):
+    """(row mask [R], column ids [Dp], valid-element mask [R, Dp]) of this program's tile."""
+    row_ok = pl.program_id(0) * BLOCK_ROWS + jnp.arange(BLOCK_ROWS) < rows
+    col_ids = jnp.arange(pl.next_power_of_2(cols))
+    return row_ok, col_ids, row_ok[:, None] & (col_ids[None, :] < cols)
+
+
+def read(ref, mask, other, triton: bool):
+    """The block, ``other`` where ``mask`` is off: a masked load on GPUs (a block may overrun the array), a
+    plain read of the padded block in interpret mode."""
+    if triton:
+        return plgpu.load(ref.at[tuple(pl.ds(0, n) for n in mask.shape)], mask=mask, other=other)
+    return jnp.where(mask, ref[...], other)
+
+
+def write(ref, value, mask, triton: bool):
+    if triton:
+        plgpu.store(ref.at[tuple(pl.ds(0, n) for n in mask.shape)], value, mask=mask)
+    else:
+        ref[...] = value  # the padding is cut off after the call
+
+
+def result(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """An output's type; inside ``shard_map`` it varies over the mesh axes its inputs vary over (check_vma)."""
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in inputs))
+    if not varying:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+def _spec(kind: str, cols: int) -> pl.BlockSpec:
+    wide = pl.next_power_of_2(cols)
+    return {ROWS: pl.BlockSpec((BLOCK_ROWS, wide), lambda i: (i, 0)), ROW: pl.BlockSpec((BLOCK_ROWS,), lambda i: (i,)),
+            COLS: pl.BlockSpec((wide,), lambda i: (0,)), BLOCK: pl.BlockSpec((1, wide), lambda i: (i, 0))}[kind]
+
+
+def _call(kernel, inputs, kinds, outputs, out_kinds, rows, cols, interpret):
+    return tuple(pl.pallas_call(
+        functools.partial(kernel, rows=rows, cols=cols, triton=not interpret), grid=(pl.cdiv(rows, BLOCK_ROWS),),
+        in_specs=[_spec(k, cols) for k in kinds], out_specs=[_spec(k, cols) for k in out_kinds], out_shape=outputs,
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1), interpret=interpret,
+        name=kernel.__name__.strip("_"))(*inputs))
+
+
+def _padded_shape(kind: str, shape: tuple, rows: int, cols: int) -> tuple:
+    full_rows, wide = rows + -rows % BLOCK_ROWS, pl.next_power_of_2(cols)
+    return {ROWS: (full_rows, wide), ROW: (full_rows,), COLS: (wide,), BLOCK: (shape[0], wide)}[kind]
+
+
+def _pad(a, shape):
+    value = jnp.zeros((), a.dtype)  # jnp.pad's own pad value would not vary over the mesh axes like ``a``
+    if varying := tuple(jax.typeof(a).manual_axis_type.varying):
+        value = jax.lax.pcast(value, varying, to="varying")
+    return jax.lax.pad(a, value, [(0, n - m, 0) for n, m in zip(shape, a.shape)])
+
+
+def _interpret(kernel, inputs, kinds, outputs, out_kinds, rows, cols):
+    grown = [jax.ShapeDtypeStruct(_padded_shape(k, o.shape, rows, cols), o.dtype,
+                                  **({"manual_axis_type": o.manual_axis_type} if o.manual_axis_type else {}))
+             for o, k in zip(outputs, out_kinds)]
+    padded = [_pad(a, _padded_shape(k, a.shape, rows, cols)) for a, k in zip(inputs, kinds)]
+    outs = _call(kernel, padded, kinds, grown, out_kinds, rows, cols, interpret=True)
+    return tuple(o[tuple(slice(0, n) for n in spec.shape)] for o, spec in zip(outs, outputs))
+
+
+def run(kernel, inputs, kinds, outputs, out_kinds, rows: int, cols: int):
+    """``kernel(*in_refs, *out_refs, rows=, cols=, triton=)`` over the row blocks of a [rows, cols] problem:
+    ``inputs`` / ``outputs`` (ShapeDtypeStructs, see ``result``) of the given kinds. Returns the outputs."""
+    return jax.lax.platform_dependent(
+        *inputs, cpu=lambda *a: _interpret(kernel, a, kinds, outputs, out_kinds, rows, cols),
+        default=lambda *a: _call(kernel, a, kinds, outputs, out_kinds, rows, cols, interpret=False))
+
+
+def programs(rows: int) -> int:
+    """How many programs (row blocks) a problem of ``rows`` rows runs: the leading size of BLOCK operands."""
+    return pl.cdiv(rows, BLOCK_ROWS)
