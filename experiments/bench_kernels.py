@@ -1,17 +1,17 @@
-"""What the Pallas cross-entropy kernel moves and costs, next to XLA's own loss: bytes, and time on this host.
+"""What the Pallas kernels move and cost, next to XLA's own jnp versions: bytes, and time on this host.
 
     python -m experiments.bench_kernels [--batch-size 256] [--classes 10,1000] [--devices 2] [--json FILE]
 
-Per problem size (batch x classes), the loss's forward + backward alone:
-``xla_bytes`` is XLA's compile-time count ("bytes accessed", cost_analysis)
-of the jnp loss and its gradient compiled for this host; ``kernel_bytes`` is
-what the two kernels read and write by construction (forward: logits and
-labels in, loss and logsumexp out; backward: logits, labels, logsumexp and
-the cotangent in, the logits' gradient out): what they would move on a GPU.
-For scale, the whole LeNet train step's bytes (compiled_stats) at the same
-batch. Then ms per call here: the jnp loss, the kernel in interpret mode,
-and the LeNet step with ``kernels="jnp"`` vs ``"pallas"`` (interpret mode is
-an emulation on the CPU: it measures nothing about GPUs).
+Each kernel's forward + backward alone, per problem: the softmax
+cross-entropy at batch x classes, the ViT's layer norm at its batch (64) x 49
+tokens x 64 features. ``xla_bytes`` is XLA's compile-time count ("bytes
+accessed", cost_analysis) of the jnp version and its gradient compiled for
+this host; ``kernel_bytes`` is what the kernels read and write by
+construction (every operand block, the per-block partial sums and their
+reduction): what they would move on a GPU. For scale, the whole train step's
+bytes (compiled_stats) of LeNet (batch --batch-size) and of the ViT (batch
+64), jnp vs pallas. Then ms per call here: jnp vs the kernels in interpret
+mode (an emulation on the CPU: it says nothing about GPUs).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import sys
 
 from jaxtrain.cli import positive_int
 from jaxtrain.timing import median_seconds
+
+
+VIT_BATCH, VIT_DEPTH = 64, 8  # the ViT recipe's batch; its blocks
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,12 +38,35 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def kernel_bytes(batch: int, classes: int, itemsize: int = 4) -> int:
-    """Bytes the forward and backward kernels read + write (int32 labels, fp32 per-row values)."""
+def ce_kernel_bytes(batch: int, classes: int, itemsize: int = 4) -> int:
+    """Bytes the cross-entropy kernels read + write (int32 labels, fp32 per-row values)."""
     logits, row = batch * classes * itemsize, batch * 4
     forward = logits + row + 2 * row  # in: logits, labels; out: loss, logsumexp
     backward = logits + 3 * row + logits  # in: logits, labels, logsumexp, cotangent; out: dlogits
     return forward + backward
+
+
+def ln_kernel_bytes(rows: int, features: int, itemsize: int = 4) -> int:
+    """Bytes the layer-norm kernels read + write, and the jnp sum of their partial sums."""
+    from jaxtrain.kernels.rows import programs
+
+    x, row, vector, blocks = rows * features * itemsize, rows * 4, features * 4, programs(rows)
+    forward = x + 2 * blocks * vector + x + 2 * row  # in: x, scale + bias per program; out: y, mean, rstd
+    backward = 2 * x + blocks * vector + 2 * row + x + 2 * blocks * vector  # in: x, dy, scale, stats; out: dx, partials
+    return forward + backward + 2 * blocks * vector + 2 * vector  # the partials summed to dscale, dbias
+
+
+def _xla_bytes(fn, *args) -> float:
+    cost = fn.lower(*args).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["bytes accessed"])
+
+
+def _both(fns: dict, args, repeats: int, problem: dict, kernel_bytes: int) -> dict:
+    import jax
+
+    timed = {k: 1000 * median_seconds(lambda f=f: jax.block_until_ready(f(*args)), repeats) for k, f in fns.items()}
+    return {**problem, "xla_bytes": _xla_bytes(fns["jnp"], *args), "kernel_bytes": kernel_bytes,
+            "jnp_ms": timed["jnp"], "interpret_ms": timed["pallas"]}
 
 
 def loss_figures(batch: int, classes: int, repeats: int) -> dict:
@@ -54,15 +80,29 @@ def loss_figures(batch: int, classes: int, repeats: int) -> dict:
     labels = jax.device_put(rng.integers(0, classes, batch).astype(np.int32))
     grads = {k: jax.jit(jax.value_and_grad(lambda x, y, k=k: classify.cross_entropy(x, y, k).mean()))
              for k in ("jnp", "pallas")}
-    cost = grads["jnp"].lower(logits, labels).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    timed = {k: 1000 * median_seconds(lambda f=f: jax.block_until_ready(f(logits, labels)), repeats)
-             for k, f in grads.items()}
-    return {"batch": batch, "classes": classes, "xla_bytes": float(cost["bytes accessed"]),
-            "kernel_bytes": kernel_bytes(batch, classes), "jnp_ms": timed["jnp"], "interpret_ms": timed["pallas"]}
+    return _both(grads, (logits, labels), repeats, {"kernel": "cross-entropy", "shape": f"{batch} x {classes}"},
+                 ce_kernel_bytes(batch, classes))
 
 
-def step_figures(batch: int, devices: int, repeats: int) -> dict:
+def layer_norm_figures(batch: int, repeats: int) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxtrain.kernels import layer_norm
+    from jaxtrain.models import vit
+
+    shape = (batch, vit.tokens(vit.IMAGE_SHAPE), vit.DIM)
+    rng = np.random.default_rng(0)
+    x, dy = (jax.device_put(rng.normal(size=shape).astype(np.float32)) for _ in range(2))
+    scale, bias = jax.device_put(np.ones(vit.DIM, np.float32)), jax.device_put(np.zeros(vit.DIM, np.float32))
+    grads = {k: jax.jit(jax.grad(lambda x, s, b, dy, f=f: (f(x, s, b) * dy).sum(), argnums=(0, 1, 2)))
+             for k, f in (("jnp", layer_norm.reference), ("pallas", layer_norm.layer_norm))}
+    rows = shape[0] * shape[1]
+    return _both(grads, (x, scale, bias, dy), repeats, {"kernel": "layer norm", "shape": f"{rows} x {vit.DIM}"},
+                 ln_kernel_bytes(rows, vit.DIM))
+
+
+def step_figures(name: str, batch: int, devices: int, repeats: int) -> dict:
     import jax
     import optax
 
@@ -71,7 +111,7 @@ def step_figures(batch: int, devices: int, repeats: int) -> dict:
 
     out = {}
     for kernels in ("jnp", "pallas"):
-        model = models.get("lenet", kernels=kernels)
+        model = models.get(name, kernels=kernels)
         trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices))
         state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
         host = model.example_batch(batch)
@@ -101,24 +141,29 @@ def main(argv=None) -> int:
 
     jt.setup_devices(args.devices)
     rows = [loss_figures(args.batch_size, c, args.repeats) for c in classes]
-    step = step_figures(args.batch_size, args.devices, args.repeats)
-    print(f"softmax cross-entropy, forward + backward, batch {args.batch_size}:\n")
-    print("| classes | XLA bytes (jnp) | kernel bytes | ms jnp | ms kernel (interpret) |")
-    print("|---|---|---|---|---|")
+    rows.append(layer_norm_figures(VIT_BATCH, args.repeats))
+    steps = {"lenet": step_figures("lenet", args.batch_size, args.devices, args.repeats),
+             "vit": step_figures("vit", VIT_BATCH, args.devices, args.repeats)}
+    print("Each kernel's forward + backward alone:\n")
+    print("| kernel | rows x columns | XLA bytes (jnp) | kernel bytes | ratio | ms jnp | ms kernel (interpret) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['classes']} | {r['xla_bytes']:,.0f} | {r['kernel_bytes']:,} | {r['jnp_ms']:.3f} | "
-              f"{r['interpret_ms']:.3f} |")
-    print(f"\nLeNet train step, batch {args.batch_size} on {args.devices} device(s) (strategy jit):\n")
-    print("| kernels | step bytes (XLA, this host) | ms per step |")
-    print("|---|---|---|")
-    for k, v in step.items():
-        print(f"| {k} | {v['step_bytes']:,.0f} | {v['step_ms']:.2f} |")
-    ten = next((r for r in rows if r["classes"] == 10), rows[0])
-    print(f"\nThe loss is {ten['xla_bytes'] / step['jnp']['step_bytes']:.2%} of the step's bytes at "
-          f"{ten['classes']} classes (XLA's count on this host).")
+        print(f"| {r['kernel']} | {r['shape']} | {r['xla_bytes']:,.0f} | {r['kernel_bytes']:,} | "
+              f"{r['kernel_bytes'] / r['xla_bytes']:.2f} | {r['jnp_ms']:.3f} | {r['interpret_ms']:.3f} |")
+    print(f"\nWhole train steps on {args.devices} device(s) (strategy jit; LeNet batch {args.batch_size}, ViT batch "
+          f"{VIT_BATCH}):\n")
+    print("| model | kernels | step bytes (XLA, this host) | ms per step |")
+    print("|---|---|---|---|")
+    for name, step in steps.items():
+        for k, v in step.items():
+            print(f"| {name} | {k} | {v['step_bytes']:,.0f} | {v['step_ms']:.2f} |")
+    ln, ce = rows[-1], next((r for r in rows if r["shape"].endswith(" x 10")), rows[0])
+    print(f"\nLeNet's loss (batch x 10) is {ce['xla_bytes'] / steps['lenet']['jnp']['step_bytes']:.2%} of its "
+          f"step's bytes; one ViT layer norm is {ln['xla_bytes'] / steps['vit']['jnp']['step_bytes']:.2%} of the "
+          f"ViT step's, and the step has {2 * VIT_DEPTH + 1} (XLA's counts on this host).")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"loss": rows, "lenet_step": step, "batch_size": args.batch_size, "devices": args.devices}, f,
+            json.dump({"kernels": rows, "steps": steps, "batch_size": args.batch_size, "devices": args.devices}, f,
                       indent=1)
     return 0
 

@@ -118,9 +118,9 @@ class RunConfig:
     quantize: str = _field("none", "quantisation-aware training: int8 rounds each conv / dense layer's weights (a "
                                    "scale per output channel) and inputs (a scale per example) to int8 in the "
                                    "forward pass, gradients straight through (lenet)", choices=("none", "int8"))
-    kernels: str = _field("jnp", "the train loss's softmax cross-entropy: jnp (optax, XLA fuses it), or pallas (the "
-                                 "fused Pallas kernel of jaxtrain.kernels: Triton on GPUs, interpret mode on CPU, "
-                                 "slower there; docs/kernels.md)", choices=KERNELS)
+    kernels: str = _field("jnp", "jnp (XLA fuses the ops), or pallas: the fused Pallas kernels of jaxtrain.kernels "
+                                 "for the train loss's softmax cross-entropy and the ViT's layer norms (Triton on "
+                                 "GPUs; interpret mode on CPUs, slow there; docs/kernels.md)", choices=KERNELS)
     teacher: str | None = _field(None, "distil from this finished run (its --out directory, holding model/ and "
                                        "model.json): its softened outputs join the loss (README 'Smaller models')")
     temperature: float = _field(4.0, "distillation: softmax temperature T of teacher and student", above=0.0)

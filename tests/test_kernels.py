@@ -1,7 +1,8 @@
-"""The Pallas softmax cross-entropy kernel: equal to its jnp reference (values, gradients, dtypes, odd shapes),
-inside every strategy's step, and lowered for CUDA (Triton) on this CPU host."""
+"""The Pallas kernels (softmax cross-entropy, layer norm): equal to their jnp references (values, gradients,
+dtypes, odd shapes), inside every strategy's step, and lowered for CUDA (Triton) on this CPU host."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jaxtrain as jt
 from jaxtrain import compat, models
 from jaxtrain.errors import ConfigError
-from jaxtrain.kernels import rows, softmax_ce
+from jaxtrain.kernels import layer_norm, rows, softmax_ce
 from jaxtrain.models import classify
 
 SHAPES = [(100, 10), (37, 1000), (16, 10), (1, 10), (130, 3)]  # batch not a multiple of the block; odd classes
@@ -115,13 +116,15 @@ def test_a_lenet_step_with_the_kernel_equals_the_default_step(strategy):
 @pytest.mark.skipif(not compat.TRITON_FALLBACK_WITHOUT_GPU,
                     reason="this jax's Triton lowering needs a GPU device kind, which a CPU-device mesh cannot hold "
                            "(jaxtrain.compat.cuda_kernel_target)")
-@pytest.mark.parametrize("strategy", jt.STRATEGIES)
-def test_a_train_step_with_the_kernel_lowers_for_cuda(strategy):
-    model = models.get("lenet", kernels="pallas")
+@pytest.mark.parametrize(("name", "strategy"), [("lenet", s) for s in jt.STRATEGIES] + [("vit", "jit")])
+def test_a_train_step_with_the_kernels_lowers_for_cuda(name, strategy):
+    model = models.get(name, kernels="pallas")
     trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=2, strategy=strategy, precision="bf16")
     state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
     cuda = trainer.lower(state, model.example_batch(64), platforms=("cuda",)).as_text()
-    assert cuda.count("__gpu$xla.gpu.triton") == 2 and "stablehlo.convolution" in cuda
+    # cross-entropy forward + backward; the ViT's 3 layer norms (2 in the block its scan runs, 1 in the head)
+    # both ways too
+    assert cuda.count("__gpu$xla.gpu.triton") == {"lenet": 2, "vit": 8}[name]
 
 
 def test_kernels_are_checked_where_models_are_built():
@@ -133,6 +136,94 @@ def test_kernels_are_checked_where_models_are_built():
     logits, labels, _ = _problem(20, 10)
     loss, metrics = head(logits, {"label": labels})
     np.testing.assert_allclose(loss, classify.label_loss(logits, {"label": labels})[0], rtol=1e-6)
+
+
+LN_SHAPES = [(4, 49, 64), (37, 10), (16, 64), (3, 100), (1, 1000)]  # the ViT's; partial blocks; odd widths
+
+
+def _ln_problem(shape, dtype=jnp.float32):
+    k = jax.random.split(jax.random.key(0), 4)
+    x = (3 * jax.random.normal(k[0], shape) + 1).astype(dtype)
+    scale = 1 + 0.1 * jax.random.normal(k[1], shape[-1:])
+    bias = 0.1 * jax.random.normal(k[2], shape[-1:])
+    return x, scale, bias, jax.random.normal(k[3], shape)
+
+
+def _ln_value_and_grads(norm, x, scale, bias, weights):
+    loss = lambda x, s, b: (norm(x, s, b).astype(jnp.float32) * weights).sum()  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, scale, bias)
+
+
+@pytest.mark.parametrize("shape", LN_SHAPES)
+def test_layer_norm_and_its_gradients_equal_the_reference(shape):
+    x, scale, bias, weights = _ln_problem(shape)
+    np.testing.assert_allclose(jax.jit(layer_norm.layer_norm)(x, scale, bias), layer_norm.reference(x, scale, bias),
+                               rtol=1e-5, atol=1e-5)
+    value, grads = _ln_value_and_grads(layer_norm.layer_norm, x, scale, bias, weights)
+    ref_value, ref_grads = _ln_value_and_grads(layer_norm.reference, x, scale, bias, weights)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-4)
+    for got, ref, name in zip(grads, ref_grads, ("x", "scale", "bias")):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=name)
+
+
+def test_layer_norm_in_bf16_keeps_the_dtype_and_rounds_like_the_reference():
+    x, scale, bias, weights = _ln_problem((4, 49, 64), jnp.bfloat16)
+    y, ref = layer_norm.layer_norm(x, scale, bias), layer_norm.reference(x, scale, bias)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(y.astype(jnp.float32), ref.astype(jnp.float32), rtol=1e-2, atol=1e-2)
+    (_, grads), (_, ref_grads) = (_ln_value_and_grads(f, x, scale, bias, weights)
+                                  for f in (layer_norm.layer_norm, layer_norm.reference))
+    assert grads[0].dtype == jnp.bfloat16
+    np.testing.assert_allclose(grads[0].astype(jnp.float32), ref_grads[0].astype(jnp.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_layer_norm_under_shard_map_sums_the_scale_gradient_over_the_devices():
+    mesh = jt.make_mesh(2)
+    x, scale, bias, _ = _ln_problem((8, 49, 64))
+    grad = lambda norm: jax.grad(lambda s, b, x: (norm(x, s, b) ** 2).sum() / 100, argnums=(0, 1))  # noqa: E731
+    sharded = jax.device_put(x, NamedSharding(mesh, P(jt.DATA_AXIS)))
+    got = jax.jit(jax.shard_map(grad(layer_norm.layer_norm), mesh=mesh, in_specs=(P(), P(), P(jt.DATA_AXIS)),
+                                out_specs=P(), check_vma=True))(scale, bias, sharded)
+    for a, b in zip(got, grad(layer_norm.reference)(scale, bias, x)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_layer_norm_lowers_for_cuda_through_triton():
+    x, scale, bias, weights = _ln_problem((4, 49, 64))
+    fn = jax.jit(jax.grad(lambda x, s, b: (layer_norm.layer_norm(x, s, b) * weights).sum(), argnums=(0, 1, 2)))
+    with compat.cuda_kernel_target():
+        cuda = fn.trace(x, scale, bias).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count("__gpu$xla.gpu.triton") == 2 and "stablehlo.while" not in cuda
+
+
+def _vit_steps(strategy, kernels, devices=2, steps=2, **mesh_kw):
+    model = models.get("vit", kernels=kernels)
+    mesh = jt.make_mesh(jax.devices()[:devices], **mesh_kw)
+    if "stage" in mesh.axis_names:
+        trainer = jt.make_pipeline_step(*model.pipeline[:3], optax.sgd(0.1), mesh=mesh, microbatches=2)
+    else:
+        trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=mesh, strategy=strategy)
+    state = trainer.init(init_fn=lambda rng: vit_init(rng), rng=jax.random.key(0))
+    for step in range(steps):
+        state, metrics = trainer(state, model.example_batch(8, seed=step))
+    return jax.device_get(state.params)
+
+
+def vit_init(rng):
+    from jaxtrain.models import vit
+
+    params = vit.init(rng, depth=2)
+    params["head"]["w"] = 0.1 * jax.random.normal(rng, params["head"]["w"].shape)  # a gradient into the blocks
+    return params, {}
+
+
+@pytest.mark.parametrize(("strategy", "mesh_kw"), [("jit", {}), ("shard_map", {}), ("ring", {}),
+                                                   ("pipeline", {"axes": {"data": 1, "stage": 2}})])
+def test_a_vit_step_with_the_kernels_equals_the_default_step(strategy, mesh_kw):
+    ref = _vit_steps("jit", "jnp", devices=1)
+    params = _vit_steps(strategy, "pallas", **mesh_kw)
+    for a, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):  # pipelined stages reshape to [layers, ...]
+        np.testing.assert_allclose(np.reshape(a, r.shape), r, rtol=1e-5, atol=1e-6, err_msg=strategy)
 
 
 @pytest.mark.parametrize("name", ["resnet18", "vit"])
@@ -155,3 +246,17 @@ def test_the_kernels_flag_trains_lenet_from_the_command_line(tmp_path):
     assert "Pallas cross-entropy kernel" in r.stdout
     r = run_cli("-m", "experiments.lenet", "--kernels", "cuda", "--max-steps", "1")
     assert r.returncode == 2 and "--kernels" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_kernels_prints_the_bytes_table(tmp_path):
+    r = run_cli("-m", "experiments.bench_kernels", "--batch-size", "32", "--classes", "10", "--repeats", "2",
+                "--json", str(tmp_path / "k.json"))
+    assert r.returncode == 0, r.stderr
+    assert "| cross-entropy | 32 x 10 |" in r.stdout and "| layer norm | 3136 x 64 |" in r.stdout
+    figures = json.loads((tmp_path / "k.json").read_text())
+    for row in figures["kernels"]:
+        assert 0 < row["kernel_bytes"] < row["xla_bytes"] and row["interpret_ms"] > 0, row
+    assert set(figures["steps"]) == {"lenet", "vit"} and set(figures["steps"]["vit"]) == {"jnp", "pallas"}
+    r = run_cli("-m", "experiments.bench_kernels", "--classes", "ten")
+    assert r.returncode == 2 and "--classes takes class counts" in r.stderr and "Traceback" not in r.stderr

@@ -59,6 +59,16 @@ def result(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
+def vary_like(arrays, like) -> tuple:
+    """``arrays`` cast to vary over the mesh axes ``like`` varies over (inside ``shard_map``; else as they are)."""
+    axes = jax.typeof(like).manual_axis_type.varying
+    out = []
+    for a in arrays:
+        missing = tuple(axes - jax.typeof(a).manual_axis_type.varying)
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return tuple(out)
+
+
 def _spec(kind: str, cols: int) -> pl.BlockSpec:
     wide = pl.next_power_of_2(cols)
     return {ROWS: pl.BlockSpec((BLOCK_ROWS, wide), lambda i: (i, 0)), ROW: pl.BlockSpec((BLOCK_ROWS,), lambda i: (i,)),

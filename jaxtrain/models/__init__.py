@@ -7,6 +7,7 @@ first); ``get`` does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 IMAGE_SHAPE = (28, 28, 1)
@@ -115,13 +116,15 @@ def _build(name: str, remat: str, init: str, shape: dict, quantize: str, kernels
         from jaxtrain.pipeline import sequential_loss
         from jaxtrain.remat import remat as remat_block
 
-        block = remat_block(vit.block, remat)
+        layer = functools.partial(vit.block, kernels=kernels)  # kernels="pallas": its layer norms too
+        block = remat_block(layer, remat)
         vit.tokens(shape["input_shape"])  # sides not divisible by the patch: an error now
         return Model(name, lambda rng: (vit.init(rng, **shape), {}),
-                     sequential_loss(vit.embed_fn, block, vit.head_loss(head)), vit.eval_fn, apply=vit.apply,
-                     pipeline=(vit.embed_fn, vit.block, vit.head_loss(head), vit.head_eval_fn),
+                     sequential_loss(vit.embed_fn, block, vit.head_loss(head, kernels)), vit.eval_fn, apply=vit.apply,
+                     pipeline=(vit.embed_fn, layer, vit.head_loss(head, kernels), vit.head_eval_fn),
                      logits=lambda params, _, images: vit.apply(params, images),
-                     with_head=lambda head: sequential_loss(vit.embed_fn, block, vit.head_loss(head)), **shape)
+                     with_head=lambda head: sequential_loss(vit.embed_fn, block, vit.head_loss(head, kernels)),
+                     **shape)
     from jaxtrain.models import resnet
 
     net = resnet.adapter(shape["input_shape"], shape["num_classes"], weight_init=init, remat=remat, head=head)

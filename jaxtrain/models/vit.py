@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.kernels import layer_norm
 from jaxtrain.models import classify
 from jaxtrain.pipeline import sequential_loss
 
@@ -46,10 +47,9 @@ def init(rng: jax.Array, depth: int = DEPTH, input_shape=IMAGE_SHAPE, num_classe
     }
 
 
-def _norm(x, scale, bias):
-    x32 = x.astype(jnp.float32)
-    mean, var = x32.mean(-1, keepdims=True), x32.var(-1, keepdims=True)
-    return ((x32 - mean) * jax.lax.rsqrt(var + 1e-6) * scale + bias).astype(x.dtype)
+def _norm(x, scale, bias, kernels="jnp"):
+    """Layer norm in fp32 (eps 1e-6): jnp, or the fused Pallas kernel (``kernels="pallas"``)."""
+    return (layer_norm.layer_norm if kernels == "pallas" else layer_norm.reference)(x, scale, bias)
 
 
 def embed_fn(E, batch):
@@ -61,25 +61,25 @@ def embed_fn(E, batch):
     return patches @ E["patch"] + E["bias"] + E["pos"]
 
 
-def block(p, x):
+def block(p, x, kernels="jnp"):
     """One pre-norm transformer block (one layer's params: the "stages" leaves without their leading axis)."""
     n, t, d = x.shape
-    q, k, v = jnp.split(_norm(x, p["ln1"], p["ln1_b"]) @ p["qkv"] + p["qkv_b"], 3, axis=-1)
+    q, k, v = jnp.split(_norm(x, p["ln1"], p["ln1_b"], kernels) @ p["qkv"] + p["qkv_b"], 3, axis=-1)
     heads = lambda a: a.reshape(n, t, HEADS, d // HEADS)  # noqa: E731
     scores = jnp.einsum("nqhc,nkhc->nhqk", heads(q), heads(k)).astype(jnp.float32) / (d // HEADS) ** 0.5
     att = jnp.einsum("nhqk,nkhc->nqhc", jax.nn.softmax(scores, axis=-1).astype(x.dtype), heads(v)).reshape(n, t, d)
     x = x + att @ p["proj"] + p["proj_b"]
-    h = jax.nn.gelu(_norm(x, p["ln2"], p["ln2_b"]) @ p["mlp1"] + p["mlp1_b"])
+    h = jax.nn.gelu(_norm(x, p["ln2"], p["ln2_b"], kernels) @ p["mlp1"] + p["mlp1_b"])
     return x + h @ p["mlp2"] + p["mlp2_b"]
 
 
-def logits(H, x):
-    return jnp.mean(_norm(x, H["ln"], H["ln_b"]), axis=1) @ H["w"] + H["b"]
+def logits(H, x, kernels="jnp"):
+    return jnp.mean(_norm(x, H["ln"], H["ln_b"], kernels), axis=1) @ H["w"] + H["b"]
 
 
-def head_loss(head=classify.label_loss):
+def head_loss(head=classify.label_loss, kernels="jnp"):
     """The pipeline's head_loss_fn(H, x, batch) for a loss ``head(logits, batch) -> (loss, metrics)``."""
-    return lambda H, x, batch: head(logits(H, x), batch)
+    return lambda H, x, batch: head(logits(H, x, kernels), batch)
 
 
 head_loss_fn = head_loss()
