@@ -157,6 +157,7 @@ class Comm:
     sum: Callable  # pytree -> its sum over devices
     vary: Callable  # mark replicated values per-device (so gradients stay local)
     gather: Callable  # params (FSDP leaves: local shards) -> whole params, per-device
+    gather_like: Callable  # (tree, dims) -> the tree with its leaves that have a data dimension gathered whole
     scatter_mean: Callable  # gradients of whole params -> their mean, FSDP leaves as the local shard
 
 
@@ -201,4 +202,4 @@ def make_comm(dims, ring: bool = False) -> Comm:
         return jax.tree.map(lambda g: g / n, _by_dim(grads, dims, scatter_split, total))
 
     return Comm(mean=mean, sum=total, vary=_pcast, gather=lambda p: _by_dim(p, dims, gather_split, _pcast),
-                scatter_mean=scatter_mean)
+                gather_like=lambda t, d: _by_dim(t, d, gather_split, lambda xs: xs), scatter_mean=scatter_mean)

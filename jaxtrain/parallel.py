@@ -74,14 +74,16 @@ def check_strategy(strategy: str) -> None:
         raise ConfigError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
 
 
-def _per_device(local: Callable, comm: Comm) -> Callable:
-    """(params, model_state, loss_scale, batch, base_rng) -> reduced (grads, loss, model_state, metrics), per device."""
+def _per_device(local: Callable, comm: Comm, state_dims=None) -> Callable:
+    """(params, model_state, loss_scale, batch, base_rng) -> reduced (grads, loss, model_state, metrics), per device.
+    ``state_dims``: per model-state leaf, its FSDP dimension (Frozen parts placed like params) or None."""
 
     def run(params, model_state, loss_scale, batch, step_key):
         d = lax.axis_index(DATA_AXIS)
         rows = random_rule.local_rows(batch, d * jax.tree.leaves(batch)[0].shape[0])  # this shard's global rows
+        whole_state = model_state if state_dims is None else comm.gather_like(model_state, state_dims)
         with _split_over(DATA_AXIS):
-            grads, loss, new_state, metrics = local(comm.gather(params), model_state, loss_scale, batch,
+            grads, loss, new_state, metrics = local(comm.gather(params), whole_state, loss_scale, batch,
                                                     jax.random.fold_in(step_key, d), comm.vary, step_key, rows)
         loss, metrics = comm.mean((loss, metrics))
         return comm.scatter_mean(grads), loss, map_unfrozen(comm.mean, keep_frozen(new_state, model_state)), metrics
@@ -137,17 +139,24 @@ class Strategy:
         self.batch = NamedSharding(mesh, P(DATA_AXIS))
 
     def _jit(self, fn, state_specs):
-        """The train step over global arrays, the state donated and kept in its shardings."""
+        """The train step over global arrays, the state donated and kept in its shardings. It traces under its
+        mesh, so code inside can see the mesh (the Pallas kernels split their rows over "data" with it)."""
         state = sharding.named(self.mesh, state_specs)
-        return Compiled(jax.jit(fn, in_shardings=(state, self.batch), out_shardings=(state, self.replicated),
+
+        def under_mesh(*args):
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                return fn(*args)
+
+        return Compiled(jax.jit(under_mesh, in_shardings=(state, self.batch), out_shardings=(state, self.replicated),
                                  donate_argnums=(0,)))
 
     def train(self, local: Callable, update: Callable, state_specs, per_device: bool) -> Compiled:
         """The compiled, donated train step."""
         raise NotImplementedError
 
-    def evaluate(self, local_sums: Callable) -> Compiled:
-        """``local_sums(params, model_state, batch) -> sums`` over the examples given, summed over the devices."""
+    def evaluate(self, local_sums: Callable, mspecs=P()) -> Compiled:
+        """``local_sums(params, model_state, batch) -> sums`` over the examples given, summed over the devices;
+        ``mspecs``: how the model state is placed (Frozen parts may be sharded like the params)."""
         raise NotImplementedError
 
 
@@ -162,16 +171,20 @@ class Jit(Strategy):
                              axis_names=manual)
 
     def train(self, local, update, state_specs, per_device):
+        mspecs = state_specs.model_state
         if per_device:  # left to GSPMD, every micro-batch's gradient would be reduced (k times the bytes)
-            reduced = self._manual(_per_device(local, make_comm(sharding.data_dims(self.pspecs))),
-                                   (self.pspecs, P(), P(), P(DATA_AXIS), P()), (self.pspecs, P(), P(), P()))
+            comm = make_comm(sharding.data_dims(self.pspecs))
+            reduced = self._manual(_per_device(local, comm, sharding.data_dims(mspecs)),
+                                   (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.pspecs, P(), mspecs, P()))
         else:
             grad_shardings = sharding.named(self.mesh, self.pspecs)
-            gathered = sharding.named(self.mesh, jax.tree.map(sharding.without_data, self.pspecs,
-                                                              is_leaf=sharding.is_spec))
+            whole = lambda specs: sharding.named(  # noqa: E731
+                self.mesh, jax.tree.map(sharding.without_data, specs, is_leaf=sharding.is_spec))
+            gathered, gathered_state = whole(self.pspecs), whole(mspecs)
 
             def reduced(params, model_state, loss_scale, batch, rng):
                 params = lax.with_sharding_constraint(params, gathered)
+                model_state = lax.with_sharding_constraint(model_state, gathered_state)  # an FSDP teacher: gathered
                 grads, *rest = local(params, model_state, loss_scale, batch, jax.random.fold_in(rng, 0), lambda t: t,
                                      rng, random_rule.local_rows(batch))
                 # Gathered params at the loss, grads sharded like their params: without the first constraint GSPMD
@@ -180,7 +193,7 @@ class Jit(Strategy):
 
         return self._jit(_step_with(update, reduced), state_specs)
 
-    def evaluate(self, local_sums):
+    def evaluate(self, local_sums, mspecs=P()):
         return Compiled(jax.jit(lambda state, batch: local_sums(state.params, state.model_state, batch),
                                  out_shardings=self.replicated))
 
@@ -202,18 +215,20 @@ class ShardMap(Strategy):
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not self.ring)
 
     def train(self, local, update, state_specs, per_device):
-        comm = make_comm(sharding.data_dims(self.pspecs), ring=self.ring)
-        reduced = self._map(_per_device(local, comm), (self.pspecs, P(), P(), P(DATA_AXIS), P()),
-                            (self.pspecs, P(), P(), P()))
+        comm, mspecs = make_comm(sharding.data_dims(self.pspecs), ring=self.ring), state_specs.model_state
+        reduced = self._map(_per_device(local, comm, sharding.data_dims(mspecs)),
+                            (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.pspecs, P(), mspecs, P()))
         return self._jit(_step_with(update, reduced), state_specs)
 
-    def evaluate(self, local_sums):
+    def evaluate(self, local_sums, mspecs=P()):
         comm = make_comm(sharding.data_dims(self.pspecs), ring=self.ring)
+        state_dims = sharding.data_dims(mspecs)
 
         def run(params, model_state, batch):
-            return comm.sum(local_sums(comm.gather(params), model_state, batch))
+            whole_state = model_state if state_dims is None else comm.gather_like(model_state, state_dims)
+            return comm.sum(local_sums(comm.gather(params), whole_state, batch))
 
-        mapped = self._map(run, (self.pspecs, P(), P(DATA_AXIS)), P())
+        mapped = self._map(run, (self.pspecs, mspecs, P(DATA_AXIS)), P())
         return Compiled(jax.jit(lambda state, batch: mapped(state.params, state.model_state, batch)))
 
 
@@ -247,7 +262,7 @@ class Pmap(Strategy):
         reduced = _per_device(local, make_comm(sharding.data_dims(self.pspecs)))
         return self._pmap(_step_with(update, reduced), donate=True)
 
-    def evaluate(self, local_sums):
+    def evaluate(self, local_sums, mspecs=P()):
         psum = lambda t: lax.psum(t, DATA_AXIS)  # noqa: E731
         return self._pmap(lambda state, batch: psum(local_sums(state.params, state.model_state, batch)), donate=False)
 

@@ -8,8 +8,10 @@
   FSDP(base) | "replicated"), ...]`` matched against the "/"-joined parameter
   path, first match wins, unmatched = replicated (``param_specs``).
 - The optimizer state follows its parameter (``optax.tree_map_params`` over
-  ``jax.eval_shape(tx.init, ...)``); step, rng, loss scale and model state
-  (e.g. BatchNorm statistics) are replicated (``state_specs``).
+  ``jax.eval_shape(tx.init, ...)``); ``Frozen`` model state (a distillation
+  teacher's weights) is placed by the same rules as the parameters; step,
+  rng, loss scale and the rest of the model state (e.g. BatchNorm
+  statistics) are replicated (``state_specs``).
 - ``place``: host values onto any sharding, as new global arrays.
 """
 
@@ -29,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.choices import PARAM_SHARDINGS
 from jaxtrain.devices import DATA_AXIS
 from jaxtrain.errors import ConfigError
+from jaxtrain.state import Frozen, is_frozen
 
 MIN_SIZE = 1024  # elements: smaller parameters stay replicated under FSDP (all-gathering them costs more than it saves)
 
@@ -187,14 +190,18 @@ def describe(params, specs) -> dict:
     return {"sharded": sharded, "replicated": replicated}
 
 
-def state_specs(state_shapes, pspecs, tx: optax.GradientTransformation):
-    """PartitionSpecs for a whole TrainState: optimizer state follows its parameter, the rest replicated."""
+def state_specs(state_shapes, pspecs, tx: optax.GradientTransformation, frozen_specs=None):
+    """PartitionSpecs for a whole TrainState: optimizer state follows its parameter; ``Frozen`` model state gets
+    ``frozen_specs(tree)`` (the parameters' rules; default replicated); the rest replicated."""
     replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    frozen_specs = frozen_specs or replicated
     with jax.transfer_guard("allow"):  # tree_map_params runs tx.init eagerly (inject_hyperparams makes arrays)
         opt = optax.tree_map_params(tx, lambda _, spec: spec, state_shapes.opt_state, pspecs,
                                     transform_non_params=lambda _: P(), is_leaf=is_spec)
-    return state_shapes.replace(step=P(), params=pspecs, opt_state=opt, model_state=replicated(state_shapes.model_state),
-                                rng=P(), loss_scale=replicated(state_shapes.loss_scale))
+    model_state = jax.tree.map(lambda x: Frozen(frozen_specs(x.tree)) if is_frozen(x) else P(),
+                               state_shapes.model_state, is_leaf=is_frozen)
+    return state_shapes.replace(step=P(), params=pspecs, opt_state=opt, model_state=model_state, rng=P(),
+                                loss_scale=replicated(state_shapes.loss_scale))
 
 
 def device_bytes(tree) -> int:

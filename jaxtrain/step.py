@@ -118,9 +118,10 @@ class Trainer:
         self.shard.check_batch_size(size)
 
     def state_specs(self, state) -> TrainState:
-        """A PartitionSpec per leaf of ``state`` (arrays or shapes): parameters by ``param_sharding``."""
-        pspecs = sharding.param_specs(state.params, self.param_sharding, self.mesh, self.min_size)
-        return sharding.state_specs(state, pspecs, self.tx)
+        """A PartitionSpec per leaf of ``state`` (arrays or shapes): parameters, and Frozen model state (a
+        distillation teacher), by ``param_sharding``."""
+        specs = lambda tree: sharding.param_specs(tree, self.param_sharding, self.mesh, self.min_size)  # noqa: E731
+        return sharding.state_specs(state, specs(state.params), self.tx, frozen_specs=specs)
 
     def plan(self, params) -> dict:
         """Where each parameter goes (``params``: arrays or shapes): ``{"sharded": {name: spec}, "replicated": [...]}``.
@@ -263,10 +264,11 @@ class Evaluator:
         self._steps = {}  # (tree structure, param specs) -> compiled
 
     def _compiled(self, state):
-        pspecs = _specs_of(state.params)
-        key = (jax.tree.structure(state), tuple(jax.tree.leaves(pspecs, is_leaf=sharding.is_spec)))
+        pspecs, mspecs = _specs_of(state.params), _specs_of(state.model_state)
+        key = (jax.tree.structure(state), tuple(jax.tree.leaves((pspecs, mspecs), is_leaf=sharding.is_spec)))
         if key not in self._steps:
-            self._steps[key] = parallel.make_strategy(self.strategy, self.mesh, pspecs).evaluate(self._sums)
+            strategy = parallel.make_strategy(self.strategy, self.mesh, pspecs)
+            self._steps[key] = strategy.evaluate(self._sums, mspecs)
         return self._steps[key]
 
     def __call__(self, state: TrainState, batch: Mapping) -> dict:

@@ -38,9 +38,9 @@ def _distilled():
     return distill.distilled(models.get("lenet"), models.get("lenet"), *_teacher(), temperature=4.0, alpha=0.7)
 
 
-def _train(model, strategy, devices, steps=3):
+def _train(model, strategy, devices, steps=3, **kw):
     trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.5), mesh=jt.make_mesh(jax.devices()[:devices]),
-                                 strategy=strategy)
+                                 strategy=strategy, **kw)
     state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
     for i in range(steps):
         state, metrics = trainer(state, random_batch(16, seed=i))
@@ -67,6 +67,33 @@ def test_a_distilled_step_equals_one_device_and_leaves_the_teacher_bit_identical
     params, model_state = _teacher()
     for a, b in zip(jax.tree.leaves(teacher.tree), jax.tree.leaves({"params": params, "model_state": model_state})):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("strategy, devices, accum_steps", [("jit", 2, 1), ("jit", 4, 2), ("shard_map", 2, 1),
+                                                            ("ring", 4, 1)])
+def test_an_fsdp_student_gets_an_fsdp_teacher(one_device, strategy, devices, accum_steps):
+    """The teacher is placed by the student's sharding rules: under FSDP its large weights are split over the
+    devices too (gathered for its forward like the student's), and the step still equals 1 device."""
+    model = _distilled()
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.5), mesh=jt.make_mesh(jax.devices()[:devices]),
+                                 strategy=strategy, param_sharding="fsdp", accum_steps=accum_steps)
+    state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+    teacher = state.model_state["teacher"].tree["params"]
+    assert "data" in teacher["dense1"]["w"].sharding.spec and "data" in state.params["dense1"]["w"].sharding.spec
+    assert "data" not in teacher["dense1"]["b"].sharding.spec  # small: replicated, like the student's
+    for i in range(3):
+        state, metrics = trainer(state, random_batch(16, seed=i))
+    ref_state, ref_metrics = one_device
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["soft_loss"], ref_metrics["soft_loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.model_state["teacher"].tree), jax.tree.leaves(_teacher()[0])):
+        np.testing.assert_array_equal(a, b)
+    assert "data" in state.model_state["teacher"].tree["params"]["dense1"]["w"].sharding.spec  # still split
+    evaluator = jt.make_eval_step(model.eval_fn, mesh=trainer.mesh, strategy=strategy)
+    sums = jax.device_get(evaluator(state, random_batch(16, seed=9)))
+    ref = jax.device_get(jt.make_eval_step(model.eval_fn, mesh=1)(jax.device_get(state), random_batch(16, seed=9)))
+    np.testing.assert_allclose(sums["loss"], ref["loss"], rtol=1e-5)
 
 
 def test_the_teacher_stays_out_of_the_all_reduce():

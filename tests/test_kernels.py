@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
-from jaxtrain import compat, models
+from jaxtrain import compat, diagnostics, models
 from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import layer_norm, rows, softmax_ce
 from jaxtrain.models import classify
@@ -111,6 +111,21 @@ def test_a_lenet_step_with_the_kernel_equals_the_default_step(strategy):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=strategy)
         np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-7, err_msg=f"{strategy} vs 1 device")
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(("name", "param_sharding"), [("lenet", "replicated"), ("vit", "replicated"), ("vit", "fsdp")])
+def test_under_jit_each_device_runs_the_kernels_on_its_own_rows(name, param_sharding):
+    """GSPMD cannot split a kernel: left to it, every device would gather the whole batch's activations and run
+    all rows. The step's collectives with the kernels must be exactly those without."""
+    collectives = {}
+    for kernels in ("jnp", "pallas"):
+        model = models.get(name, kernels=kernels)
+        trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=2, param_sharding=param_sharding)
+        state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+        stats = diagnostics.compiled_stats(trainer, state, model.example_batch(64), residuals=False)
+        collectives[kernels] = stats["collectives"]
+    assert "all-gather" not in collectives["jnp"] or param_sharding == "fsdp"
+    assert collectives["pallas"] == collectives["jnp"]
 
 
 @pytest.mark.skipif(not compat.TRITON_FALLBACK_WITHOUT_GPU,

@@ -65,11 +65,9 @@ def _backward_kernel(x_ref, scale_ref, dy_ref, mean_ref, rstd_ref, dx_ref, dscal
 
 def _forward(x, scale, bias):
     rows2 = x.reshape(-1, x.shape[-1])
-    n, d = rows2.shape
-    y = rb.result(rows2.shape, x.dtype, rows2, scale, bias)
-    stat = rb.result((n,), jnp.float32, rows2)
-    y, mean, rstd = rb.run(_forward_kernel, (rows2, scale, bias), (rb.ROWS, rb.COLS, rb.COLS), [y, stat, stat],
-                           (rb.ROWS, rb.ROW, rb.ROW), n, d)
+    stat = (rb.ROW, jnp.float32)
+    y, mean, rstd = rb.run(_forward_kernel, (rows2, scale, bias), (rb.ROWS, rb.COLS, rb.COLS),
+                           [(rb.ROWS, x.dtype), stat, stat], *rows2.shape)
     return y.reshape(x.shape), (mean, rstd)
 
 
@@ -93,11 +91,10 @@ def _layer_norm_fwd(x, scale, bias):
 def _layer_norm_bwd(residuals, dy):
     x, scale, bias, mean, rstd = residuals
     rows2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
-    n, d = rows2.shape
-    partial = rb.result((rb.programs(n), d), jnp.float32, rows2, dy2)
-    dx, dscale, dbias = rb.run(
-        _backward_kernel, (rows2, scale, dy2, mean, rstd), (rb.ROWS, rb.COLS, rb.ROWS, rb.ROW, rb.ROW),
-        [rb.result(rows2.shape, x.dtype, rows2, dy2), partial, partial], (rb.ROWS, rb.BLOCK, rb.BLOCK), n, d)
+    partial = (rb.BLOCK, jnp.float32)
+    dx, dscale, dbias = rb.run(_backward_kernel, (rows2, scale, dy2, mean, rstd),
+                               (rb.ROWS, rb.COLS, rb.ROWS, rb.ROW, rb.ROW), [(rb.ROWS, x.dtype), partial, partial],
+                               *rows2.shape)
     return dx.reshape(x.shape), dscale.sum(0).astype(scale.dtype), dbias.sum(0).astype(bias.dtype)
 
 

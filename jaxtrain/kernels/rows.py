@@ -23,6 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.devices import DATA_AXIS
 
 BLOCK_ROWS = 16  # rows per program: a power of two (Triton), small enough for ~1000 columns in registers
 NUM_WARPS = 4
@@ -51,7 +54,7 @@ def write(ref, value, mask, triton: bool):
         ref[...] = value  # the padding is cut off after the call
 
 
-def result(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+def _result(shape, dtype, inputs) -> jax.ShapeDtypeStruct:
     """An output's type; inside ``shard_map`` it varies over the mesh axes its inputs vary over (check_vma)."""
     varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in inputs))
     if not varying:
@@ -104,12 +107,32 @@ def _interpret(kernel, inputs, kinds, outputs, out_kinds, rows, cols):
     return tuple(o[tuple(slice(0, n) for n in spec.shape)] for o, spec in zip(outs, outputs))
 
 
-def run(kernel, inputs, kinds, outputs, out_kinds, rows: int, cols: int):
-    """``kernel(*in_refs, *out_refs, rows=, cols=, triton=)`` over the row blocks of a [rows, cols] problem:
-    ``inputs`` / ``outputs`` (ShapeDtypeStructs, see ``result``) of the given kinds. Returns the outputs."""
+def _here(kernel, inputs, kinds, outputs, rows, cols):
+    shapes = {ROWS: (rows, cols), ROW: (rows,), BLOCK: (programs(rows), cols)}
+    structs = [_result(shapes[kind], dtype, inputs) for kind, dtype in outputs]
+    out_kinds = [kind for kind, _ in outputs]
     return jax.lax.platform_dependent(
-        *inputs, cpu=lambda *a: _interpret(kernel, a, kinds, outputs, out_kinds, rows, cols),
-        default=lambda *a: _call(kernel, a, kinds, outputs, out_kinds, rows, cols, interpret=False))
+        *inputs, cpu=lambda *a: _interpret(kernel, a, kinds, structs, out_kinds, rows, cols),
+        default=lambda *a: _call(kernel, a, kinds, structs, out_kinds, rows, cols, interpret=False))
+
+
+def run(kernel, inputs, kinds, outputs, rows: int, cols: int):
+    """``kernel(*in_refs, *out_refs, rows=, cols=, triton=)`` over the row blocks of a [rows, cols] problem;
+    ``inputs`` of the given kinds, ``outputs`` as (kind, dtype) pairs. Returns the outputs (BLOCK ones with a
+    row per program: per device, stacked, when the rows are split over the devices).
+
+    Traced under a mesh whose ``"data"`` axis is not manual yet (jaxtrain's ``jit`` strategy: the step traces
+    under its mesh), the rows are split over ``"data"`` with ``shard_map``: each device runs the kernel on its
+    own rows. Left to GSPMD, which cannot split a kernel, every device would gather all rows and run all of
+    them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = dict(mesh.shape).get(DATA_AXIS, 1) if mesh.axis_names else 1
+    if devices > 1 and DATA_AXIS not in mesh.manual_axes and rows % devices == 0:
+        spec = lambda kind: P() if kind == COLS else P(DATA_AXIS)  # noqa: E731
+        local = lambda *a: _here(kernel, a, kinds, outputs, rows // devices, cols)  # noqa: E731
+        return jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, kinds)),
+                             out_specs=tuple(spec(kind) for kind, _ in outputs), axis_names={DATA_AXIS})(*inputs)
+    return _here(kernel, inputs, kinds, outputs, rows, cols)
 
 
 def programs(rows: int) -> int:

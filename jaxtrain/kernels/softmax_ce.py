@@ -47,9 +47,8 @@ def _backward_kernel(logits_ref, labels_ref, lse_ref, g_ref, dlogits_ref, *, row
 
 
 def _forward(logits, labels):
-    labels = labels.astype(jnp.int32)
-    per_row = rb.result(labels.shape, jnp.float32, logits, labels)
-    return rb.run(_forward_kernel, (logits, labels), (rb.ROWS, rb.ROW), [per_row, per_row], (rb.ROW, rb.ROW),
+    per_row = (rb.ROW, jnp.float32)
+    return rb.run(_forward_kernel, (logits, labels.astype(jnp.int32)), (rb.ROWS, rb.ROW), [per_row, per_row],
                   *logits.shape)
 
 
@@ -66,10 +65,8 @@ def _cross_entropy_fwd(logits, labels):
 
 def _cross_entropy_bwd(residuals, g):
     logits, labels, lse = residuals
-    labels = labels.astype(jnp.int32)
-    out = [rb.result(logits.shape, logits.dtype, logits, labels, g)]
-    (dlogits,) = rb.run(_backward_kernel, (logits, labels, lse, g), (rb.ROWS, rb.ROW, rb.ROW, rb.ROW), out,
-                        (rb.ROWS,), *logits.shape)
+    (dlogits,) = rb.run(_backward_kernel, (logits, labels.astype(jnp.int32), lse, g),
+                        (rb.ROWS, rb.ROW, rb.ROW, rb.ROW), [(rb.ROWS, logits.dtype)], *logits.shape)
     return dlogits, None
 
 
