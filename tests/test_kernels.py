@@ -80,10 +80,10 @@ def test_the_kernel_and_its_gradient_lower_for_cuda_through_triton():
     assert rows.BLOCK_ROWS & (rows.BLOCK_ROWS - 1) == 0  # Triton wants powers of two
 
 
-def _lenet_steps(strategy, kernels, devices=2, steps=3):
+def _lenet_steps(strategy, kernels, devices=2, steps=3, accum_steps=1):
     model = models.get("lenet", kernels=kernels)
     trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.5), mesh=jt.make_mesh(jax.devices()[:devices]),
-                                 strategy=strategy)
+                                 strategy=strategy, accum_steps=accum_steps)
     state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
     losses = []
     for step in range(steps):
@@ -101,11 +101,11 @@ def test_the_lenet_loss_goes_through_the_kernel_forward_and_backward():
         p, {}, model.example_batch(8), None)[0])(params))
 
 
-@pytest.mark.parametrize("strategy", jt.STRATEGIES)
-def test_a_lenet_step_with_the_kernel_equals_the_default_step(strategy):
-    ref, _ = _lenet_steps("jit", "jnp", devices=1)
-    jnp_params, jnp_losses = _lenet_steps(strategy, "jnp")
-    params, losses = _lenet_steps(strategy, "pallas")
+@pytest.mark.parametrize(("strategy", "accum_steps"), [(s, 1) for s in jt.STRATEGIES] + [("jit", 2)])
+def test_a_lenet_step_with_the_kernel_equals_the_default_step(strategy, accum_steps):
+    ref, _ = _lenet_steps("jit", "jnp", devices=1, accum_steps=accum_steps)
+    jnp_params, jnp_losses = _lenet_steps(strategy, "jnp", accum_steps=accum_steps)
+    params, losses = _lenet_steps(strategy, "pallas", accum_steps=accum_steps)
     np.testing.assert_allclose(losses, jnp_losses, rtol=1e-5)
     for a, b, r in zip(jax.tree.leaves(params), jax.tree.leaves(jnp_params), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=strategy)
