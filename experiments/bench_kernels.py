@@ -50,7 +50,7 @@ def ln_kernel_bytes(rows: int, features: int, itemsize: int = 4) -> int:
     """Bytes the layer-norm kernels read + write, and the jnp sum of their partial sums."""
     from jaxtrain.kernels.rows import programs
 
-    x, row, vector, blocks = rows * features * itemsize, rows * 4, features * 4, programs(rows)
+    x, row, vector, blocks = rows * features * itemsize, rows * 4, features * 4, programs(rows, features)
     forward = x + 2 * blocks * vector + x + 2 * row  # in: x, scale + bias per program; out: y, mean, rstd
     backward = 2 * x + blocks * vector + 2 * row + x + 2 * blocks * vector  # in: x, dy, scale, stats; out: dx, partials
     return forward + backward + 2 * blocks * vector + 2 * vector  # the partials summed to dscale, dbias

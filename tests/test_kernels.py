@@ -19,7 +19,8 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import layer_norm, rows, softmax_ce
 from jaxtrain.models import classify
 
-SHAPES = [(100, 10), (37, 1000), (16, 10), (1, 10), (130, 3)]  # batch not a multiple of the block; odd classes
+# batch not a multiple of the block; odd classes; rows wider than 1024 (fewer rows per block: 5000 -> 2, 20000 -> 1)
+SHAPES = [(100, 10), (37, 1000), (16, 10), (1, 10), (130, 3), (9, 5000), (3, 20000)]
 
 
 def _problem(batch, classes, dtype=jnp.float32, seed=0):
@@ -77,7 +78,17 @@ def test_the_kernel_and_its_gradient_lower_for_cuda_through_triton():
     assert "stablehlo.while" not in cuda  # not the interpret-mode loop
     cpu = fn.trace(logits).lower().as_text()
     assert "triton" not in cpu and "stablehlo.while" in cpu  # interpret mode here
-    assert rows.BLOCK_ROWS & (rows.BLOCK_ROWS - 1) == 0  # Triton wants powers of two
+    for cols in (3, 10, 1000, 5000, 20000, 50000):  # Triton wants powers of two; tiles stay register-sized
+        n = rows.block_rows(cols)
+        assert n & (n - 1) == 0 and 1 <= n <= 16 and (n == 1 or n * triton_width(cols) <= rows.TILE)
+    vocab = jnp.zeros((8, 32000)), jnp.zeros(8, jnp.int32)  # a 32k-vocabulary loss: one row per program, 8 warps
+    with compat.cuda_kernel_target():
+        wide = jax.jit(softmax_ce.cross_entropy).trace(*vocab).lower(lowering_platforms=("cuda",))
+    assert wide.as_text().count("__gpu$xla.gpu.triton") == 1
+
+
+def triton_width(cols):
+    return 1 << (cols - 1).bit_length()
 
 
 def _lenet_steps(strategy, kernels, devices=2, steps=3, accum_steps=1):
@@ -153,7 +164,7 @@ def test_kernels_are_checked_where_models_are_built():
     np.testing.assert_allclose(loss, classify.label_loss(logits, {"label": labels})[0], rtol=1e-6)
 
 
-LN_SHAPES = [(4, 49, 64), (37, 10), (16, 64), (3, 100), (1, 1000)]  # the ViT's; partial blocks; odd widths
+LN_SHAPES = [(4, 49, 64), (37, 10), (16, 64), (3, 100), (1, 1000), (5, 3000)]  # the ViT's; partial blocks; widths
 
 
 def _ln_problem(shape, dtype=jnp.float32):

@@ -1,7 +1,7 @@
 """Row-block Pallas kernels: how jaxtrain's kernels cut [N, D] operands into blocks, and run on CPU or GPU.
 
-A 1-D grid; program ``i`` owns rows ``i*BLOCK_ROWS ... i*BLOCK_ROWS+15`` and all D columns, held as one
-[BLOCK_ROWS, next_power_of_2(D)] tile (Triton wants power-of-two shapes). Operands come in four kinds:
+A 1-D grid; program ``i`` owns ``R = block_rows(D)`` rows (16, fewer for rows wider than 1024) and all D
+columns, held as one [R, next_power_of_2(D)] tile (Triton wants power-of-two shapes). Operands come in four kinds:
 ``ROWS`` [N, D] (a tile per program), ``ROW`` [N] (a value per row), ``COLS`` [D] (the same vector for every
 program, e.g. a layer norm's scale) and ``BLOCK`` [programs, D] (one row per program: per-block partial
 sums, reduced outside). Kernels mask by the true N and D (``tile``) and read / write through ``read`` /
@@ -27,14 +27,28 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.devices import DATA_AXIS
 
-BLOCK_ROWS = 16  # rows per program: a power of two (Triton), small enough for ~1000 columns in registers
-NUM_WARPS = 4
+MAX_ROWS = 16  # rows per program for rows up to 1024 wide
+TILE = 16 * 1024  # elements per program's tile: 128 fp32 registers a thread at 4 warps (8 warps past 1024 wide)
+
+
+def block_rows(cols: int) -> int:
+    """Rows per program: a power of two, fewer for wide rows so that a tile holds <= TILE elements (>= 1 row)."""
+    return max(1, min(MAX_ROWS, TILE // pl.next_power_of_2(cols)))
+
+
+def num_warps(cols: int) -> int:
+    return 4 if pl.next_power_of_2(cols) <= 1024 else 8
+
+
+def programs(rows: int, cols: int) -> int:
+    """How many programs (row blocks) a [rows, cols] problem runs: the leading size of BLOCK operands."""
+    return pl.cdiv(rows, block_rows(cols))
 ROWS, ROW, COLS, BLOCK = "rows", "row", "cols", "block"  # operand kinds (module docstring)
 
 
 def tile(rows: int, cols: int):
     """(row mask [R], column ids [Dp], valid-element mask [R, Dp]) of this program's tile."""
-    row_ok = pl.program_id(0) * BLOCK_ROWS + jnp.arange(BLOCK_ROWS) < rows
+    row_ok = pl.program_id(0) * block_rows(cols) + jnp.arange(block_rows(cols)) < rows
     col_ids = jnp.arange(pl.next_power_of_2(cols))
     return row_ok, col_ids, row_ok[:, None] & (col_ids[None, :] < cols)
 
@@ -73,21 +87,21 @@ def vary_like(arrays, like) -> tuple:
 
 
 def _spec(kind: str, cols: int) -> pl.BlockSpec:
-    wide = pl.next_power_of_2(cols)
-    return {ROWS: pl.BlockSpec((BLOCK_ROWS, wide), lambda i: (i, 0)), ROW: pl.BlockSpec((BLOCK_ROWS,), lambda i: (i,)),
+    wide, n = pl.next_power_of_2(cols), block_rows(cols)
+    return {ROWS: pl.BlockSpec((n, wide), lambda i: (i, 0)), ROW: pl.BlockSpec((n,), lambda i: (i,)),
             COLS: pl.BlockSpec((wide,), lambda i: (0,)), BLOCK: pl.BlockSpec((1, wide), lambda i: (i, 0))}[kind]
 
 
 def _call(kernel, inputs, kinds, outputs, out_kinds, rows, cols, interpret):
     return tuple(pl.pallas_call(
-        functools.partial(kernel, rows=rows, cols=cols, triton=not interpret), grid=(pl.cdiv(rows, BLOCK_ROWS),),
+        functools.partial(kernel, rows=rows, cols=cols, triton=not interpret), grid=(programs(rows, cols),),
         in_specs=[_spec(k, cols) for k in kinds], out_specs=[_spec(k, cols) for k in out_kinds], out_shape=outputs,
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps(cols), num_stages=1), interpret=interpret,
         name=kernel.__name__.strip("_"))(*inputs))
 
 
 def _padded_shape(kind: str, shape: tuple, rows: int, cols: int) -> tuple:
-    full_rows, wide = rows + -rows % BLOCK_ROWS, pl.next_power_of_2(cols)
+    full_rows, wide = rows + -rows % block_rows(cols), pl.next_power_of_2(cols)
     return {ROWS: (full_rows, wide), ROW: (full_rows,), COLS: (wide,), BLOCK: (shape[0], wide)}[kind]
 
 
@@ -108,7 +122,7 @@ def _interpret(kernel, inputs, kinds, outputs, out_kinds, rows, cols):
 
 
 def _here(kernel, inputs, kinds, outputs, rows, cols):
-    shapes = {ROWS: (rows, cols), ROW: (rows,), BLOCK: (programs(rows), cols)}
+    shapes = {ROWS: (rows, cols), ROW: (rows,), BLOCK: (programs(rows, cols), cols)}
     structs = [_result(shapes[kind], dtype, inputs) for kind, dtype in outputs]
     out_kinds = [kind for kind, _ in outputs]
     return jax.lax.platform_dependent(
@@ -134,7 +148,3 @@ def run(kernel, inputs, kinds, outputs, rows: int, cols: int):
                              out_specs=tuple(spec(kind) for kind, _ in outputs), axis_names={DATA_AXIS})(*inputs)
     return _here(kernel, inputs, kinds, outputs, rows, cols)
 
-
-def programs(rows: int) -> int:
-    """How many programs (row blocks) a problem of ``rows`` rows runs: the leading size of BLOCK operands."""
-    return pl.cdiv(rows, BLOCK_ROWS)

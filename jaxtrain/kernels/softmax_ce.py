@@ -1,6 +1,6 @@
 """Softmax cross-entropy with integer labels as Pallas kernels: one pass over the logits forward, one backward.
 
-Logits [B, C] in row blocks (jaxtrain.kernels.rows: [16, next_pow2(C)] tiles, one program each). Forward:
+Logits [B, C] in row blocks (jaxtrain.kernels.rows: [R, next_pow2(C)] tiles, R = 16 rows up to 1024 classes). Forward:
 each row's logsumexp (max-shifted) and its loss ``lse - logit[label]``, both kept (the backward needs lse, not
 the softmax). Backward: ``g * (exp(logit - lse) - onehot(label))`` in the logits' dtype. ``reference`` is the
 same maths in ``jnp``; ``cross_entropy`` is the kernel pair under ``jax.custom_vjp`` (docs/kernels.md).
