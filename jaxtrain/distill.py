@@ -81,8 +81,7 @@ def teacher_from_run(run_dir: str) -> tuple[models.Model, dict, dict]:
     """(model, params, model_state) of a finished run (``--teacher RUN_DIR``): one-line errors for a directory that
     is missing, holds no saved model, or holds a model that cannot be a teacher."""
     meta, params, state = export.load(run_dir, flag="--teacher")
-    teacher = models.get(meta["model"], init=meta.get("init"), input_shape=tuple(meta["input_shape"]),
-                         num_classes=meta["num_classes"])
+    teacher = export.model_of(meta)
     if teacher.logits is None:
         raise ConfigError(f"--teacher {run_dir}: a {meta['model']} model cannot be a teacher here")
     return teacher, params, state

@@ -73,16 +73,20 @@ def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag:
     return meta
 
 
+def model_of(meta: dict):
+    """The registry Model a saved run's ``info`` describes (its name, init, image shape and classes)."""
+    from jaxtrain import models
+
+    return models.get(meta["model"], init=meta.get("init"), input_shape=tuple(meta["input_shape"]),
+                      num_classes=meta["num_classes"])
+
+
 def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag: str = "--run"):
     """(info, params, model_state) of a finished run, as numpy arrays, checked against ``info``'s digest."""
     import orbax.checkpoint as ocp
 
-    from jaxtrain import models
-
     meta = info(run_dir, expect, flag)
-    model = models.get(meta["model"], init=meta.get("init"), input_shape=tuple(meta["input_shape"]),
-                       num_classes=meta["num_classes"])
-    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    shapes = jax.eval_shape(model_of(meta).init, jax.random.key(0))
     target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), {"params": shapes[0], "model_state": shapes[1]})
     try:
         with ocp.StandardCheckpointer() as reader:

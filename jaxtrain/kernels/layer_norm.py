@@ -25,13 +25,6 @@ def reference(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = EPS)
     return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
 
 
-def _normalised(x_ref, mean, rstd, rows, cols, triton):
-    """(xhat [R, Dp] with padding at 0, valid mask) of this program's tile."""
-    _, _, valid = rb.tile(rows, cols)
-    x = rb.read(x_ref, valid, 0, triton).astype(jnp.float32)
-    return jnp.where(valid, (x - mean[:, None]) * rstd[:, None], 0.0), valid
-
-
 def _forward_kernel(x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, rows, cols, triton):
     row_ok, col_ids, valid = rb.tile(rows, cols)
     x = rb.read(x_ref, valid, 0, triton).astype(jnp.float32)
@@ -51,7 +44,8 @@ def _backward_kernel(x_ref, scale_ref, dy_ref, mean_ref, rstd_ref, dx_ref, dscal
                      triton):
     row_ok, col_ids, valid = rb.tile(rows, cols)
     mean, rstd = rb.read(mean_ref, row_ok, 0.0, triton), rb.read(rstd_ref, row_ok, 0.0, triton)
-    xhat, _ = _normalised(x_ref, mean, rstd, rows, cols, triton)
+    x = rb.read(x_ref, valid, 0, triton).astype(jnp.float32)
+    xhat = jnp.where(valid, (x - mean[:, None]) * rstd[:, None], 0.0)  # padding at 0
     dy = rb.read(dy_ref, valid, 0, triton).astype(jnp.float32)
     g = dy * rb.read(scale_ref, col_ids < cols, 0, triton).astype(jnp.float32)[None, :]
     mean_g = jnp.sum(g, axis=1) / cols

@@ -106,9 +106,7 @@ def _padded_shape(kind: str, shape: tuple, rows: int, cols: int) -> tuple:
 
 
 def _pad(a, shape):
-    value = jnp.zeros((), a.dtype)  # jnp.pad's own pad value would not vary over the mesh axes like ``a``
-    if varying := tuple(jax.typeof(a).manual_axis_type.varying):
-        value = jax.lax.pcast(value, varying, to="varying")
+    (value,) = vary_like((jnp.zeros((), a.dtype),), a)  # jnp.pad's own pad value would not vary like ``a``
     return jax.lax.pad(a, value, [(0, n - m, 0) for n, m in zip(shape, a.shape)])
 
 

@@ -74,7 +74,8 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     """The named model for images of ``input_shape`` (H, W, C) and ``num_classes`` classes (the dataset's), its
     train-mode loss remat'ed per block by the ``remat`` policy; ``quantize="int8"``: quantisation-aware (its
     convs and dense layers see int8-rounded weights and activations, gradients straight through);
-    ``kernels="pallas"``: its train loss's cross-entropy is the fused Pallas kernel (evaluation stays jnp)."""
+    ``kernels="pallas"``: its train loss's cross-entropy (and the ViT's layer norms) are the fused Pallas kernels
+    of jaxtrain.kernels (evaluation stays jnp)."""
     from jaxtrain.choices import KERNELS
     from jaxtrain.errors import ConfigError
 
