@@ -1,0 +1,128 @@
+"""An independent reference train step, for the tests only: no jaxtrain code on its path.
+
+Written from the documented contract (DESIGN.md "Public API contract",
+precision.py's and rng.py's docstrings), not from jaxtrain's code: plain
+``jax.value_and_grad`` of the model's loss, ``tx.update`` and
+``optax.apply_updates``, micro-batches in a Python loop, an explicit fp16
+loss scale, and the key rule spelled out. ``tests/test_reference.py`` holds
+``make_train_step`` on 1 device equal to it; every equivalence test then
+compares N devices with that 1-device step, so a bug on the shared path
+(the cast, the scaling, the update, the key rule) fails a test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+@dataclasses.dataclass
+class LossScale:
+    """fp16's dynamic loss scale, as documented: x2 after ``growth`` finite steps, /2 (floor 1) on overflow."""
+
+    scale: float = 2.0**15
+    good: int = 0
+    growth: int = 2000
+
+
+def _to_compute(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))  # compiled, as the step is: the same fusions' rounding
+def _grads(loss_fn, params, model_state, batch, rng, dtype, scale):
+    """fp32 gradients of ``scale`` x the loss computed in ``dtype``; the loss, new model state and metrics."""
+
+    def scaled(p):
+        loss, (new_state, metrics) = loss_fn(_to_compute(p, dtype), model_state, _to_compute(batch, dtype), rng)
+        loss = loss.astype(jnp.float32)
+        return loss * scale, (loss, new_state, metrics)
+
+    (_, aux), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+    return jax.tree.map(lambda g: g.astype(jnp.float32), grads), *aux
+
+
+def _micro_batches(batch, k):
+    """Micro-batch j of k: rows j, j + k, j + 2k, ... (the documented strided split)."""
+    return [jax.tree.map(lambda x: x[j::k], batch) for j in range(k)]
+
+
+def _mean(trees):
+    return jax.tree.map(lambda *xs: sum(x.astype(jnp.float32) for x in xs) / len(xs), *trees)
+
+
+def _all_finite(tree) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
+
+
+class Reference:
+    """The plain 1-device step: ``ref.step(batch)`` updates ``ref.params``, ``ref.opt_state``, ... in place.
+
+    ``precision``: "fp32" | "bf16" | "fp16" (fp16: a dynamic loss scale).
+    ``accum_steps`` k with ``accum="scan"``: one step averages k micro-batch
+    gradients; ``"multisteps"``: one step is one micro-batch, the optimizer
+    applies the mean of k of them every k-th step.
+    """
+
+    def __init__(self, loss_fn, tx, params, model_state=None, rng=None, precision="fp32", accum_steps=1,
+                 accum="scan", loss_scale: LossScale | None = None):
+        self.loss_fn, self.tx, self.dtype = loss_fn, tx, DTYPES[precision]
+        self.k, self.accum = accum_steps, accum
+        self.params = jax.tree.map(jnp.asarray, params)
+        self.opt_state = tx.init(self.params)
+        self.model_state = {} if model_state is None else model_state
+        self.rng = jax.random.key(0) if rng is None else rng
+        self.loss_scale = (loss_scale or LossScale()) if precision == "fp16" else None
+        self.step_count = 0
+        self.pending = []  # multisteps: the micro-batch gradients since the last update
+
+    def step(self, batch) -> dict:
+        batch = jax.tree.map(jnp.asarray, batch)
+        scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
+        step_key = jax.random.fold_in(self.rng, self.step_count)
+        device_key = jax.random.fold_in(step_key, 0)  # one device: index 0
+        scan = self.k if self.accum == "scan" else 1
+        keys = jax.random.split(device_key, scan) if scan > 1 else [device_key]
+        parts = []
+        for micro, key in zip(_micro_batches(batch, scan) if scan > 1 else [batch], keys):
+            grads, loss, self.model_state, metrics = _grads(self.loss_fn, self.params, self.model_state, micro,
+                                                            key, self.dtype, scale)
+            parts.append((grads, loss, metrics))
+        grads, loss, metrics = _mean(parts) if scan > 1 else parts[0]
+        grads = jax.tree.map(lambda g: g / scale, grads)
+        out = {"loss": loss, **metrics}
+        finite = _all_finite(grads)
+        if self.loss_scale is not None:
+            out.update(loss_scale=np.float32(scale), grads_finite=np.float32(finite))
+        if finite:
+            self._apply(grads)
+        if self.loss_scale is not None:
+            ls = self.loss_scale
+            ls.good = ls.good + 1 if finite else 0
+            if not finite:
+                ls.scale = max(ls.scale / 2, 1.0)
+            elif ls.good >= ls.growth:
+                ls.scale, ls.good = ls.scale * 2, 0
+        self.step_count += 1
+        return jax.device_get(out)
+
+    def _apply(self, grads):
+        if self.accum == "multisteps" and self.k > 1:
+            self.pending.append(grads)
+            if len(self.pending) < self.k:
+                return
+            grads, self.pending = _mean(self.pending), []
+        self.params, self.opt_state = _update(self.tx, grads, self.opt_state, self.params)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _update(tx, grads, opt_state, params):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state

@@ -1,0 +1,130 @@
+"""make_train_step on 1 device equals the independent reference step (tests/reference.py).
+
+The other equivalence tests compare N devices with jaxtrain's 1-device step;
+these tie that step to code that shares nothing with jaxtrain's, so a bug on
+the shared path (cast, loss scale, update, accumulation, key rule) fails here.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import random_batch
+from reference import LossScale, Reference
+
+import jaxtrain as jt
+from jaxtrain import models
+from jaxtrain.models import lenet
+
+STEPS = 4
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.2), "adam": lambda: optax.adam(1e-2, eps=1e-6)}  # eps: see test_step
+# fp16 starts at 2^18: LeNet's first step overflows and is skipped (the scale halves), the next two update and
+# the scale grows (every 2 finite steps), the fourth overflows again: skips, updates and growth (SGD; Adam's
+# larger moves overflow more often).
+FP16 = {"initial_scale": 2.0**18, "growth_interval": 2}
+# The two are the same program compiled twice; measured here they were bit-identical but for MultiSteps' running
+# mean and the scan's loss mean (re-associated sums: <= 1.6e-6 absolute after 4 Adam steps, any precision:
+# bf16/fp16 round the same values the same way). 1e-5 is 1000x below one update (SGD lr 0.2, Adam lr 1e-2:
+# ~1e-2 per parameter), so a skipped, doubled or wrongly scaled update fails.
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def run_both(loss_fn, params, model_state, batches, make_tx, precision, accum_steps=1, accum="scan", fp16=FP16):
+    """(jaxtrain's final state and metrics, the reference after the same batches and its metrics)."""
+    policy = jt.Precision(compute_dtype=jnp.float16, loss_scale="dynamic", **fp16) if precision == "fp16" else precision
+    trainer = jt.make_train_step(loss_fn, make_tx(), mesh=1, precision=policy, accum_steps=accum_steps, accum=accum)
+    state = trainer.init(params, model_state, rng=jax.random.key(7))
+    ref = Reference(loss_fn, make_tx(), params, model_state, rng=jax.random.key(7), precision=precision,
+                    accum_steps=accum_steps, accum=accum,
+                    loss_scale=LossScale(fp16["initial_scale"], growth=fp16["growth_interval"]))
+    got, want = [], []
+    for batch in batches:
+        state, metrics = trainer(state, batch)
+        got.append(jax.device_get(metrics))
+        want.append(ref.step(batch))
+    return jax.device_get(state), got, ref, want
+
+
+def assert_same(state, got, ref, want, tol, initial_params, moves=1e-3):
+    assert int(state.step) == ref.step_count == len(want)
+    chex.assert_trees_all_close(state.params, jax.device_get(ref.params), **tol)
+    opt_state = state.opt_state.inner_opt_state if ref.accum == "multisteps" and ref.k > 1 else state.opt_state
+    chex.assert_trees_all_close(opt_state, jax.device_get(ref.opt_state), **tol)
+    chex.assert_trees_all_close(state.model_state, jax.device_get(ref.model_state), **tol)
+    chex.assert_trees_all_close(got, want, **tol)
+    if ref.loss_scale is not None:
+        assert float(state.loss_scale["scale"]) == ref.loss_scale.scale
+        assert int(state.loss_scale["good_steps"]) == ref.loss_scale.good
+    # The runs moved the parameters by far more than the tolerance (a skipped update would show).
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(state.params),
+                                                            jax.tree.leaves(jax.device_get(initial_params))))
+    assert moved > moves, moved
+    if ref.loss_scale is not None:  # the loss scale did skip and update
+        finite = [float(m["grads_finite"]) for m in want]
+        assert 0.0 in finite and 1.0 in finite, finite
+
+
+LENET_BATCHES = [random_batch(32, seed=s) for s in range(STEPS)]
+
+
+@pytest.mark.parametrize("accum", ["none", "scan", "multisteps"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_lenet_one_device_step_equals_the_reference(opt, precision, accum):
+    params = lenet.init_params(jax.random.key(0), scale=0.1)
+    k, mode = (1, "scan") if accum == "none" else (2, accum)
+    state, got, ref, want = run_both(lenet.loss_fn, params, {}, LENET_BATCHES, OPTIMIZERS[opt], precision, k, mode)
+    assert_same(state, got, ref, want, TOL, params)
+    if precision == "fp16":  # ... and grew
+        scales = [float(m["loss_scale"]) for m in want] + [ref.loss_scale.scale]
+        assert opt == "adam" or any(b > a for a, b in zip(scales, scales[1:])), scales
+
+
+# ResNet-18 (He init; its BatchNorm statistics are model state) at SGD lr 3e-3 / Adam 1e-3: d2l's lr 0.1 on 8
+# random images diverges (loss 4.8 -> 25 -> 46), and a diverging run turns any rounding into a large difference.
+# Adam runs once, with multisteps: a conv bias before a BatchNorm has a zero gradient up to rounding, which Adam
+# normalises to a full step, so a different rounding (another fusion, bf16) moves those biases by a whole lr:
+# only the looser accumulation tolerance holds (LeNet covers Adam x every precision and accumulation). fp16 starts at 2^16: the first two steps overflow, the third updates.
+RESNET_TX = {"sgd": lambda: optax.sgd(3e-3), "adam": lambda: optax.adam(1e-3, eps=1e-6)}
+RESNET_FP16 = {"initial_scale": 2.0**16, "growth_interval": 2}
+# Without accumulation the two programs were bit-identical here. With scan accumulation jaxtrain compiles the
+# micro-batches into one program and the reference one by one: different fusions round differently (3e-7 after
+# one step) and 3 steps through ResNet's BatchNorms grow that to 1.5e-5 (measured); 1e-4 + 1e-3 relative is
+# 6x above that and 30x below one update (>= 3e-3 here), so a skipped or doubled update still fails.
+RESNET_TOL = {"rtol": 1e-3, "atol": 1e-4}
+RESNET_CASES = [("sgd", "fp32", "none"), ("sgd", "bf16", "none"), ("sgd", "fp16", "none"),
+                ("sgd", "fp32", "scan"), ("adam", "fp32", "multisteps")]
+
+
+@pytest.mark.parametrize(("opt", "precision", "accum"), RESNET_CASES)
+def test_resnet18_one_device_step_equals_the_reference(opt, precision, accum):
+    model = models.get("resnet18", init="he")
+    params, model_state = model.init(jax.random.key(0))
+    k, mode = (1, "scan") if accum == "none" else (2, accum)
+    batches = [random_batch(8, seed=10 + s) for s in range(3)]
+    state, got, ref, want = run_both(model.loss_fn, params, model_state, batches, RESNET_TX[opt], precision, k, mode,
+                                     fp16=RESNET_FP16)
+    assert_same(state, got, ref, want, TOL if accum == "none" else RESNET_TOL, params, moves=1e-3)
+
+
+def test_the_key_rulereaches_the_loss_fn_as_documented():
+    """A loss that returns the key's bits as metrics: jaxtrain's and the reference's keys are the same."""
+
+    def loss_fn(params, model_state, batch, rng):
+        bits = jax.random.key_data(rng).astype(jnp.float32)
+        loss = jnp.mean((batch["image"].reshape(batch["image"].shape[0], -1) @ params["w"]) ** 2)
+        return loss, (model_state, {"k0": bits[0], "k1": bits[1]})
+
+    params = {"w": jnp.full((784, 1), 1e-3)}
+    for accum_steps, accum in ((1, "scan"), (2, "scan"), (2, "multisteps")):
+        trainer = jt.make_train_step(loss_fn, optax.sgd(0.1), mesh=1, accum_steps=accum_steps, accum=accum)
+        state = trainer.init(params, rng=jax.random.key(3))
+        ref = Reference(loss_fn, optax.sgd(0.1), params, rng=jax.random.key(3), accum_steps=accum_steps,
+                        accum=accum)
+        for batch in LENET_BATCHES[:3]:
+            state, metrics = trainer(state, batch)
+            want = ref.step(batch)
+            # With scan accumulation the metrics are means over the micro-batches' keys: equal means, same keys.
+            assert float(metrics["k0"]) == float(want["k0"]) and float(metrics["k1"]) == float(want["k1"])
