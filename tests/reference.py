@@ -72,9 +72,9 @@ class Reference:
     """
 
     def __init__(self, loss_fn, tx, params, model_state=None, rng=None, precision="fp32", accum_steps=1,
-                 accum="scan", loss_scale: LossScale | None = None):
+                 accum="scan", loss_scale: LossScale | None = None, devices: int = 1):
         self.loss_fn, self.tx, self.dtype = loss_fn, tx, DTYPES[precision]
-        self.k, self.accum = accum_steps, accum
+        self.k, self.accum, self.devices = accum_steps, accum, devices
         self.params = jax.tree.map(jnp.asarray, params)
         self.opt_state = tx.init(self.params)
         self.model_state = {} if model_state is None else model_state
@@ -87,15 +87,22 @@ class Reference:
         batch = jax.tree.map(jnp.asarray, batch)
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
         step_key = jax.random.fold_in(self.rng, self.step_count)
-        device_key = jax.random.fold_in(step_key, 0)  # one device: index 0
         scan = self.k if self.accum == "scan" else 1
-        keys = jax.random.split(device_key, scan) if scan > 1 else [device_key]
-        parts = []
-        for micro, key in zip(_micro_batches(batch, scan) if scan > 1 else [batch], keys):
-            grads, loss, self.model_state, metrics = _grads(self.loss_fn, self.params, self.model_state, micro,
-                                                            key, self.dtype, scale)
-            parts.append((grads, loss, metrics))
-        grads, loss, metrics = _mean(parts) if scan > 1 else parts[0]
+        size = len(jax.tree.leaves(batch)[0]) // self.devices
+        shares, states = [], []
+        for d in range(self.devices):
+            block = jax.tree.map(lambda x: x[d * size:(d + 1) * size], batch)
+            device_key = jax.random.fold_in(step_key, d)
+            keys = jax.random.split(device_key, scan) if scan > 1 else [device_key]
+            model_state, parts = self.model_state, []
+            for micro, key in zip(_micro_batches(block, scan) if scan > 1 else [block], keys):
+                grads, loss, model_state, metrics = _grads(self.loss_fn, self.params, model_state, micro, key,
+                                                           self.dtype, scale)
+                parts.append((grads, loss, metrics))
+            shares.append(_mean(parts) if scan > 1 else parts[0])
+            states.append(model_state)
+        grads, loss, metrics = _mean(shares) if self.devices > 1 else shares[0]
+        self.model_state = _mean(states) if self.devices > 1 else states[0]
         grads = jax.tree.map(lambda g: g / scale, grads)
         out = {"loss": loss, **metrics}
         finite = _all_finite(grads)
@@ -126,3 +133,27 @@ class Reference:
 def _update(tx, grads, opt_state, params):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
+
+def assert_matches(state, history, loss_fn, tx, params, batches, model_state=None, rng=None, tol=None, **kw):
+    """jaxtrain's 1-device ``state`` and metrics ``history`` after ``batches`` equal this reference's.
+
+    ``tx``: a fresh optimizer like the trainer's; ``rng``: the trainer's init
+    key (default: its default, key 0); ``kw``: precision, accum_steps, accum,
+    loss_scale. What the equivalence tests' 1-device runs call once per
+    configuration, so their N-device comparisons rest on independent code.
+    """
+    import chex
+
+    tol = tol or {"rtol": 1e-5, "atol": 1e-5}  # see test_reference.TOL
+    ref = Reference(loss_fn, tx, params, model_state, rng=rng, **kw)
+    want = [ref.step(batch) for batch in batches]
+    host = jax.device_get(state)
+    assert int(host.step) == ref.step_count
+    chex.assert_trees_all_close(host.params, jax.device_get(ref.params), **tol)
+    opt_state = host.opt_state.inner_opt_state if ref.accum == "multisteps" and ref.k > 1 else host.opt_state
+    chex.assert_trees_all_close(opt_state, jax.device_get(ref.opt_state), **tol)
+    chex.assert_trees_all_close(host.model_state, jax.device_get(ref.model_state), **tol)
+    chex.assert_trees_all_close([{k: m[k] for k in w} for m, w in zip(jax.device_get(history), want)], want, **tol)
+    if ref.loss_scale is not None:
+        assert float(host.loss_scale["scale"]) == ref.loss_scale.scale
