@@ -9,15 +9,19 @@ checkpoints are kept; one run at a time owns the directory (a lock).
 
 Restoring reads the newest checkpoint's record first: settings that change
 what the state means, or a different layout, are a ``ConfigError`` (never
-"corruption"). A checkpoint that cannot be read, or whose digests do not
-match what was read, is moved aside into ``DIR/unreadable/`` (not deleted),
-with a warning, and the previous one is tried; moving it lets new saves at
-those step numbers land.
+"corruption"). A checkpoint whose digests do not match what was read, or
+that fails with a known read error (a file missing, truncated or not
+decodable), is moved aside into ``DIR/unreadable/`` (not deleted), with a
+warning, and the previous one is tried; moving it lets new saves at those
+step numbers land. Any other error (a changed dependency, a bug) moves
+nothing and stops with a ConfigError, and so does a directory whose every
+checkpoint was damaged: a resume never silently starts from scratch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import sys
 import time
@@ -34,6 +38,17 @@ from jaxtrain.report import ensure_writable, out_of_space
 from jaxtrain.state import TrainState
 
 UNREADABLE = "unreadable"
+# What orbax and tensorstore say when a checkpoint's bytes are damaged (seen with files truncated, zeroed,
+# deleted, or JSON overwritten, orbax 0.11): only these mark a checkpoint corrupt.
+_READ_ERRORS = ("Encountered error while reading", "was not found in the checkpoint", "DATA_LOSS", "NOT_FOUND",
+                "OUT_OF_RANGE", "Error reading", "Error opening")
+
+
+def _damaged(e: Exception) -> bool:
+    """Whether ``e``, raised while restoring, means damaged files (not a bug or a changed dependency)."""
+    if isinstance(e, (OSError, json.JSONDecodeError, UnicodeDecodeError)):
+        return True
+    return any(marker in str(e) for marker in _READ_ERRORS)
 
 
 def _saveable(state: TrainState) -> TrainState:
@@ -140,6 +155,7 @@ class Checkpointer:
         """The newest intact checkpoint, shaped and sharded like ``like``; None if there is none."""
         ocp = self._ocp
         self.manager.reload()
+        damaged = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 record = self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
@@ -149,14 +165,25 @@ class Checkpointer:
                 problem = self._verify(record, restored)
             except ConfigError:
                 raise
-            except Exception as e:  # noqa: BLE001 - a partial or corrupt checkpoint: try the previous one
+            except Exception as e:  # noqa: BLE001 - sorted below: damage on disk, or anything else
+                if not _damaged(e):
+                    raise ConfigError(
+                        f"restoring the checkpoint at step {step} in {self.directory} failed "
+                        f"({type(e).__name__}: {_first_line(e)}); that is not damage on disk, so nothing was moved "
+                        "aside: fix the cause (e.g. a changed orbax or jax version) and run again") from None
                 problem = f"is unreadable ({_first_line(e)})"
             if problem:
                 self._move_aside(step, problem)
+                damaged.append(step)
                 continue
             state = restored["state"]
             state = state.replace(rng=jax.random.wrap_key_data(state.rng, impl=jax.random.key_impl(like.rng)))
             return Restored(state, Position(**restored["position"]), step, record["settings"])
+        if damaged:
+            raise ConfigError(
+                f"none of the checkpoints in {self.directory} could be restored (steps "
+                f"{', '.join(map(str, damaged))} are damaged; moved to {self.directory / UNREADABLE}): this run "
+                f"cannot be resumed; start it anew with another {self.flag} (or remove that directory)")
         return None
 
     def _check_compatible(self, step: int, record: dict, like: TrainState) -> None:
@@ -191,8 +218,8 @@ class Checkpointer:
 
             multihost_utils.sync_global_devices(f"jaxtrain checkpoint {step} moved aside")
         self.manager.reload()
-        print(f"warning: checkpoint at step {step} in {self.directory} {problem}: moved it to {where}; "
-              "trying the previous one", file=sys.stderr, flush=True)
+        print(f"warning: checkpoint at step {step} in {self.directory} {problem}: moved it to {where}",
+              file=sys.stderr, flush=True)
 
     def close(self) -> None:
         with self._io(self._saving):
