@@ -64,6 +64,8 @@ print(len(devices), devices[0].platform, float(got[1]["loss"]))
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("strategy", ["jit", "shard_map", "pmap", "ring"])
 def test_lenet_step_on_all_gpus_equals_one_gpu(strategy, precision):
+    if gpu_count() < 2:
+        pytest.skip("one GPU: all GPUs vs one GPU would compare the step with itself")
     n, platform, loss = run_gpu(EQUIVALENCE, strategy, precision).split()
     assert int(n) == gpu_count() and platform == "gpu" and float(loss) > 0
 

@@ -147,8 +147,19 @@ def test_a_quantisation_aware_lenet_computes_what_its_int8_export_computes(train
     """QAT's forward (float math on int8-rounded values) = the post-training int8 model's (integer math)."""
     params, images, _ = trained_lenet
     qat = models.get("lenet", quantize="int8")
-    logits = jax.jit(qat.logits)(params, {}, images)
-    np.testing.assert_allclose(logits, quantize.quantize(_info(), params, {}).int8(images), rtol=1e-4, atol=1e-4)
+    got = np.asarray(jax.jit(qat.logits)(params, {}, images))
+    want = np.asarray(quantize.quantize(_info(), params, {}).int8(images))
+    # Where both round every value to the same int8 code they compute the same numbers, up to float
+    # re-association (float32 sums vs exact int32 ones): within 1e-5 here. But a value that sits at a rounding
+    # tie of the int8 grid can land on either side, depending on how the CPU's vector width re-associated the
+    # sum that made it: one of 512 examples, one code, on an AVX2-only CPU (its logit moved by 2e-3).
+    same = np.isclose(got, want, rtol=1e-5, atol=1e-5).all(axis=1)
+    assert same.mean() >= 0.99, f"{(~same).sum()} of {len(same)} examples differ"
+    # One code of one activation is 1/127 of its example's absmax, one term of a layer's sums: it moves the
+    # logits by far less than 1% of their spread (a wrong scale or a float layer would move them by ~100%).
+    spread = want.max(axis=1) - want.min(axis=1)
+    moved = np.abs(got - want).max(axis=1)
+    assert (moved[~same] <= 0.01 * spread[~same]).all(), moved[~same] / spread[~same]
 
 
 def _qat_steps(strategy, devices, steps=4):

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import random_batch
+from reference import Reference
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -39,7 +40,15 @@ def train(strategy, n, opt):
 
 @pytest.fixture(scope="module")
 def reference():
-    return {opt: train("jit", 1, opt) for opt in OPTIMIZERS}
+    """The independent reference step (tests/reference.py) on the same batches: every strategy and device
+    count, 1 device included, is compared with code that shares nothing with jaxtrain's step."""
+    runs = {}
+    for opt in OPTIMIZERS:
+        ref = Reference(lenet.loss_fn, OPTIMIZERS[opt](), init_params())
+        history = [ref.step(batch) for batch in BATCHES]
+        runs[opt] = (jt.TrainState(step=ref.step_count, params=ref.params, opt_state=ref.opt_state, model_state={},
+                                   rng=None), history)
+    return jax.device_get(runs)
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS)

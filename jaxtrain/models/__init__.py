@@ -29,7 +29,7 @@ class Defaults:
 
 # name -> the recipe (d2l's "Multiple GPUs" lessons: LeNet lr 0.2, ResNet-18 lr 0.1; 10 epochs, batch 256)
 MODELS = {
-    "lenet": Defaults(10, 256, 0.2, description="d2l's LeNet (sigmoid, average pooling), weights ~ N(0, 0.01^2)"),
+    "lenet": Defaults(10, 256, 0.2, description="d2l's LeNet (ReLU, average pooling), weights ~ N(0, 0.01^2)"),
     "resnet18": Defaults(10, 256, 0.1, inits=("d2l", "he"),
                          description="d2l's ResNet-18 for 28x28 (3x3 stem, no max-pool), BatchNorm synchronised "
                                      "over the devices"),
