@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -144,6 +145,8 @@ def main(argv=None) -> int:
         p.error("--processes must be >= 1")
     if args.devices_per_process is not None and args.devices_per_process < 1:
         p.error("--devices-per-process must be >= 1")
+    if shutil.which(command[0]) is None:  # before any process starts: none is left waiting for its peers
+        p.error(f"command not found: {command[0]} (give a program on PATH or a path to an executable file)")
     return launch(command, args.processes, args.devices_per_process)
 
 

@@ -91,6 +91,13 @@ def _train_fns(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.P
     return local, update
 
 
+def _check_not_donated(state) -> None:
+    """A donated state's buffers are gone; reusing it segfaulted jaxlib 0.10.2 on 2+ CPU devices."""
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        raise ConfigError("this TrainState was donated to an earlier step and its buffers are gone: "
+                          "pass the state the previous call returned (state, metrics = trainer(state, batch))")
+
+
 class Trainer:
     """A compiled train step: ``state, metrics = trainer(state, batch)``; the state placed by ``param_sharding``."""
 
@@ -168,10 +175,7 @@ class Trainer:
 
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a global batch (numpy or jax arrays): checked and sharded first."""
-        # A donated state's buffers are gone; reusing it segfaulted jaxlib 0.10.2 on 2+ CPU devices.
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-            raise ConfigError("this TrainState was donated to an earlier step and its buffers are gone: "
-                              "pass the state the previous call returned (state, metrics = trainer(state, batch))")
+        _check_not_donated(state)
         return self._compiled(state)(state, self.shard(batch))
 
     def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
@@ -272,6 +276,7 @@ class Evaluator:
         return self._steps[key]
 
     def __call__(self, state: TrainState, batch: Mapping) -> dict:
+        _check_not_donated(state)
         return self._compiled(state)(state, self.shard(batch))
 
     def step(self, state: TrainState, batch: Mapping) -> dict:

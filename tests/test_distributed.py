@@ -131,6 +131,9 @@ def test_killing_one_process_stops_the_run_within_60_seconds(tmp_path):
 def test_launcher_needs_a_command():
     out = run_cli("-m", "jaxtrain.launch", "--processes", "2")
     assert out.returncode == 2 and "give the command" in out.stderr
+    out = run_cli("-m", "jaxtrain.launch", "--processes", "2", "--", "/nonexistent/cmd")
+    assert out.returncode == 2 and "command not found: /nonexistent/cmd" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_exact(tmp_path):

@@ -115,6 +115,9 @@ def test_no_recompilation_between_steps_and_state_donated(strategy):
     # Reusing a donated state is a clear error, not a crash (it segfaulted on 2+ devices).
     with pytest.raises(jt.ConfigError, match="donated to an earlier step.*pass the state the previous call returned"):
         trainer(old, sharded)
+    evaluator = jt.make_eval_step(lenet.eval_fn, mesh=2, strategy=strategy)  # it crashed the process (rc 139)
+    with pytest.raises(jt.ConfigError, match="donated to an earlier step"):
+        evaluator(old, sharded)
 
 
 def psum_and_ring(mesh, tree):
