@@ -7,3 +7,7 @@ class ConfigError(ValueError):
     The message says what to do. Experiments print it as one line and exit 2
     instead of showing a traceback.
     """
+
+
+class Diverged(ConfigError):
+    """The loss (outside fp16's skipped steps) or the parameters became NaN or infinite: training stopped."""

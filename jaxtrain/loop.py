@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from jaxtrain.data.prefetch import prefetch_to_device, to_device
 from jaxtrain.devices import DATA_AXIS
+from jaxtrain.errors import Diverged
 from jaxtrain.timing import Chrono, OneStepLate
 
 
@@ -151,8 +153,13 @@ class Loop:
         if read is None:
             return
         m, batch_size = read
+        loss = float(m["loss"])
+        if not math.isfinite(loss) and float(m.get("grads_finite", 1.0)) != 0.0:  # fp16 skips its overflows
+            raise Diverged(f"the loss became {loss} at step {self.total_steps - self._late.pending}: training "
+                           "diverged (a learning rate too high for this model? lower --lr); stopped, nothing past "
+                           "the previous checkpoint was saved")
         self.recent = m
-        self.first_loss = float(m["loss"]) if self.first_loss is None else self.first_loss
+        self.first_loss = loss if self.first_loss is None else self.first_loss
         for k in ("loss", "accuracy"):
             self.sums[k] += float(m.get(k, np.nan))
         self.sums["steps"] += 1

@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -103,6 +104,19 @@ class OutputError(ConfigError):
     """A run file could not be written (full disk, vanished directory)."""
 
 
+def strict_json(data, **kw) -> str:
+    """JSON any parser reads: a NaN or infinite number (e.g. an epoch not evaluated) is written as null."""
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        return [clean(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+    return json.dumps(clean(data), allow_nan=False, **kw)
+
+
 class RunWriter:
     """Writes one run's files into ``out_dir`` as the run goes; each file whole or not at all.
 
@@ -118,7 +132,7 @@ class RunWriter:
         self._write(self.metrics_path, self._metrics_text())
 
     def _metrics_text(self) -> str:
-        return "".join(json.dumps(row) + "\n" for row in self.epochs)
+        return "".join(strict_json(row) + "\n" for row in self.epochs)
 
     def _write(self, path: Path, data) -> None:
         try:
@@ -136,7 +150,7 @@ class RunWriter:
 
     def summary(self, summary: dict) -> Path:
         path = self.out_dir / "summary.json"
-        self._write(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        self._write(path, strict_json(summary, indent=2, sort_keys=True) + "\n")
         self.plot()
         return path
 

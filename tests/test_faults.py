@@ -331,3 +331,24 @@ def test_a_run_removes_temp_files_a_killed_writer_left(tmp_path):
     live.write_text("being written")  # a live writer's: kept
     report.RunWriter(tmp_path)
     assert not stale.exists() and live.exists() and (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_with_one_line_and_keeps_its_last_good_checkpoint(tmp_path):
+    """(BAD 6) --lr 1e6: NaN loss every epoch, exit 0, NaN params exported, bare NaN in the JSON files."""
+    ck, out = tmp_path / "ck", tmp_path / "o"
+    r = run_cli(*LENET, "--lr", "1e6", "--epochs", "2", "--train-subset", "2560", "--checkpoint-every", "1",
+                "--checkpoint-dir", str(ck), "--out", str(out))
+    last = one_line_error(r, "training diverged", "lower --lr", "the newest checkpoint is step")
+    assert not (out / "summary.json").exists() and not (out / "model").exists()  # nothing claims a result
+    for line in (out / "metrics.jsonl").read_text().splitlines():  # strict JSON, if any epoch finished
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    newest = int(last.split("the newest checkpoint is step ")[1].split()[0])
+    assert (ck / str(newest)).is_dir() and not (ck / "unreadable").exists()
+
+
+def test_outputs_are_strict_json_with_null_for_what_was_not_measured(tmp_path):
+    from jaxtrain.report import strict_json
+
+    text = strict_json({"test_acc": float("nan"), "rows": [1.0, float("inf")], "n": 3})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {"test_acc": None, "rows": [1.0, None], "n": 3}
