@@ -12,13 +12,14 @@ while saving has no ``model.json`` and is not taken for a finished one.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.report import atomic_write, params_digest
+from jaxtrain.report import atomic_write, out_of_space, params_digest
 
 ARRAYS, INFO = "model", "model.json"
 
@@ -44,10 +45,24 @@ def save(out_dir: Path | None, params, model_state, info: dict) -> None:
         multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me}))
     path = Path(out_dir).absolute()
     (path / INFO).unlink(missing_ok=True)
-    writer.save(path / ARRAYS, tree, force=True)
-    writer.wait_until_finished()
-    writer.close()
+    try:
+        writer.save(path / ARRAYS, tree, force=True)
+        writer.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - orbax wraps the OS error; a full disk becomes one line
+        if not out_of_space(e):
+            raise
+        for tmp in path.glob(f"{ARRAYS}*tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"writing the model to {path / ARRAYS} failed (the disk is full): make room, then run "
+                          "again with --resume (a checkpointed run writes its model then)") from None
+    finally:
+        writer.close()
     atomic_write(path / INFO, json.dumps({**info, "params_digest": params_digest(tree["params"])}, indent=1) + "\n")
+
+
+def saved(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a whole saved model (model.json is written last)."""
+    return (Path(run_dir) / INFO).is_file() and (Path(run_dir) / ARRAYS).is_dir()
 
 
 def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag: str = "--run") -> dict:

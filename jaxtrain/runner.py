@@ -8,6 +8,7 @@ Only process 0 prints and writes files; every process trains.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 
@@ -30,7 +31,7 @@ FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optim
                   "alpha")
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
-                 "microbatches")
+                 "microbatches", "kernels", "test_subset")
 
 _all_finite = jax.jit(all_finite)
 
@@ -157,7 +158,8 @@ def initial_state(s: Setup, settings: dict):
               f"{r['test_acc']:.3f}, test loss {r['test_loss']:.4f}; nothing to do (raise --epochs or --max-steps "
               "to train on)")
         s.checkpointer.close()
-        raise Finished({"already_finished": True, "steps": position.total_steps, "test_acc": r["test_acc"]})
+        raise Finished({"already_finished": True, "steps": position.total_steps, "test_acc": r["test_acc"]},
+                       restored.state)
     changed = [f"{k} {restored.settings.get(k)!r} -> {settings[k]!r}" for k in FREE_SETTINGS
                if restored.settings.get(k) != settings[k]]
     s.say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})"
@@ -302,12 +304,21 @@ def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
     try:
         state, position = initial_state(s, settings)
     except Finished as f:
-        return f.args[0]
+        summary, state = f.args
+        if c.out is not None and not export.saved(c.out):  # killed between its last checkpoint and its export
+            s.say(f"its model was never written to {c.out}: writing it now")
+            save_model(s, Path(c.out), state, summary, settings)
+        return summary
     writer = open_outputs(s, state, position)
     s.say(describe(s, data, writer), flush=True)
     state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop)
     summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
-    export.save(writer and writer.out_dir, state.params, distill.own_state(state.model_state), {  # its model
-        **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": c.model, "init": s.model.init_name,
-        "input_shape": s.model.input_shape, "num_classes": s.model.num_classes, "settings": settings})
+    save_model(s, writer and writer.out_dir, state, summary, settings)
     return summary
+
+
+def save_model(s: Setup, out_dir, state, summary: dict, settings: dict) -> None:
+    """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.export)."""
+    export.save(out_dir, state.params, distill.own_state(state.model_state), {
+        **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": s.config.model, "init": s.model.init_name,
+        "input_shape": s.model.input_shape, "num_classes": s.model.num_classes, "settings": settings})

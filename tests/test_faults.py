@@ -6,6 +6,7 @@ The CLI runs are marked slow (10-60 s each: they run in `make test`, not in CI's
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -352,3 +353,22 @@ def test_outputs_are_strict_json_with_null_for_what_was_not_measured(tmp_path):
 
     text = strict_json({"test_acc": float("nan"), "rows": [1.0, float("inf")], "n": 3})
     assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {"test_acc": None, "rows": [1.0, None], "n": 3}
+
+
+@pytest.mark.slow
+def test_resume_writes_the_model_a_killed_run_never_exported(tmp_path):
+    """(BAD 1) SIGKILL after the final checkpoint, before model/: --resume said 'nothing to do', no model ever."""
+    from jaxtrain import export
+
+    args = [*LENET, "--max-steps", "10", "--checkpoint-every", "5", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--out", str(tmp_path / "o")]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    meta = json.loads((tmp_path / "o" / export.INFO).read_text())
+    shutil.rmtree(tmp_path / "o" / export.ARRAYS)  # what a kill at that moment leaves: no model at all
+    (tmp_path / "o" / export.INFO).unlink()
+    again = run_cli(*args, "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished at step 10" in again.stdout and "writing it now" in again.stdout
+    assert json.loads((tmp_path / "o" / export.INFO).read_text())["params_digest"] == meta["params_digest"]
+    export.load(tmp_path / "o", "lenet")  # whole and loadable (it checks the digest)
