@@ -15,6 +15,7 @@ from jaxtrain.errors import ConfigError
 # The mesh axis names; every module imports them from here.
 DATA_AXIS = "data"  # the batch is sharded over it (and replicated over every other axis)
 MODEL_AXIS = "model"  # tensor parallelism: what the models' TP rules shard over
+CLI_AXES = (DATA_AXIS, MODEL_AXIS, "stage")  # what --mesh may name ("stage": jaxtrain.pipeline.STAGE_AXIS)
 
 # Virtual CPU devices share the cores; past a few per core they only add
 # rendezvous overhead (and XLA:CPU's all-reduce rendezvous can starve).
@@ -209,4 +210,8 @@ def parse_mesh(text: str) -> dict[str, int]:
         if not name.strip() or not size.strip().isdigit() or name.strip() in axes:
             raise ConfigError(f"--mesh {text!r}: write axis sizes as name=N separated by commas, e.g. data=2,model=2")
         axes[name.strip()] = int(size)
+    unknown = [name for name in axes if name not in CLI_AXES]
+    if unknown:
+        raise ConfigError(f"--mesh {text!r}: unknown axis {unknown[0]!r}; the axes a run uses are "
+                          f"{', '.join(CLI_AXES)} (e.g. data=2,model=2 or data=1,stage=4)")
     return axes

@@ -255,10 +255,9 @@ class BatchSharder:
         if size < 1 or size % unit:
             what = f"{self.num_shards} {'devices' if self.num_shards == self.num_devices else 'data shards'}"
             what += f" x {self.divisor} micro-batches" if self.divisor > 1 else ""
-            lower, upper = max(unit, size // unit * unit), (size // unit + 1) * unit
-            raise ConfigError(
-                f"batch size {size} does not split evenly over {what}: use a multiple of {unit} (e.g. {lower} or {upper})"
-            )
+            lower, upper = size // unit * unit, (size // unit + 1) * unit
+            example = f"e.g. {lower} or {upper}" if lower else f"e.g. {upper}"
+            raise ConfigError(f"batch size {size} does not split evenly over {what}: use a multiple of {unit} ({example})")
 
     def __call__(self, batch: Mapping) -> dict:
         sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch)}

@@ -93,6 +93,9 @@ def test_indivisible_batch_is_clear_error_before_compiling(strategy):
     state = trainer.init(init_params())
     with pytest.raises(ValueError, match=r"batch size 30 does not split evenly over 4 devices: use a multiple of 4"):
         trainer(state, random_batch(30))
+    with pytest.raises(ValueError, match=r"batch size 1 does not split evenly over 4 devices: use a multiple of 4 "
+                                         r"\(e\.g\. 4\)"):  # it said "e.g. 4 or 4"
+        trainer(state, random_batch(1))
     assert traces == []
 
 
