@@ -44,6 +44,13 @@ def make_out_dir(out: str | None, name: str) -> Path:
     return ensure_writable(path, "to output directory", "--out DIR")
 
 
+def holds_results(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds a run's results (a summary, a model, or epochs in metrics.jsonl)."""
+    metrics = out_dir / "metrics.jsonl"
+    return any((out_dir / name).exists() for name in ("summary.json", "model.json")) or (
+        metrics.is_file() and metrics.stat().st_size > 0)
+
+
 def ensure_writable(path: Path, what: str, flag: str) -> Path:
     """Create ``path`` and prove it writable now, not after an hour of training."""
     try:

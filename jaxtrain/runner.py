@@ -17,10 +17,12 @@ from jaxtrain import diagnostics, distill, export, models, observe, optim, remat
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import RunConfig
 from jaxtrain.data import loader, sources
+from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.pipeline import STAGE_AXIS, pipeline_layout
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
-from jaxtrain.report import RunWriter, describe, ensure_room, make_out_dir, params_digest, run_summary
+from jaxtrain.report import (RunWriter, describe, ensure_room, holds_results, make_out_dir, params_digest,
+                             run_summary)
 from jaxtrain.precision import all_finite
 from jaxtrain.signals import StopOnSignal, StopVote
 
@@ -59,6 +61,7 @@ class Setup:
     checkpointer: Checkpointer | None = None
     teacher: tuple | None = None  # --teacher: (model, params, model_state)
     last: dict = dataclasses.field(default_factory=dict)  # the last step's metrics
+    out_lock: DirLock | None = None  # held on --out while the run writes there
 
 
 def setup_devices(c: RunConfig) -> Setup:
@@ -177,6 +180,10 @@ def open_outputs(s: Setup, state, position) -> RunWriter | None:
     if jax.process_index() != 0:
         return None
     out_dir = make_out_dir(c.out, c.model)
+    if not c.resume and holds_results(out_dir):
+        raise ConfigError(f"--out {out_dir} holds another run's results: pass a new --out (or continue that run "
+                          "with --resume and its --checkpoint-dir)")
+    s.out_lock = DirLock(out_dir, "--out").acquire()  # two runs never write one directory
     ensure_room(out_dir, 2**20, "metrics, summary and curves", "--out")
     if s.checkpointer is not None:  # keep + 1 on disk at once (the newest is written before the oldest goes)
         more = max(c.keep_checkpoints + 1 - len(s.checkpointer.manager.all_steps()), 1)
@@ -309,11 +316,15 @@ def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
             s.say(f"its model was never written to {c.out}: writing it now")
             save_model(s, Path(c.out), state, summary, settings)
         return summary
-    writer = open_outputs(s, state, position)
-    s.say(describe(s, data, writer), flush=True)
-    state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop)
-    summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
-    save_model(s, writer and writer.out_dir, state, summary, settings)
+    try:
+        writer = open_outputs(s, state, position)
+        s.say(describe(s, data, writer), flush=True)
+        state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop)
+        summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
+        save_model(s, writer and writer.out_dir, state, summary, settings)
+    finally:
+        if s.out_lock is not None:
+            s.out_lock.release()
     return summary
 
 

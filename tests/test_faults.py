@@ -372,3 +372,23 @@ def test_resume_writes_the_model_a_killed_run_never_exported(tmp_path):
     assert "already finished at step 10" in again.stdout and "writing it now" in again.stdout
     assert json.loads((tmp_path / "o" / export.INFO).read_text())["params_digest"] == meta["params_digest"]
     export.load(tmp_path / "o", "lenet")  # whole and loadable (it checks the digest)
+
+
+@pytest.mark.slow
+def test_a_fresh_run_refuses_an_out_dir_holding_another_run(tmp_path):
+    """(BAD 7) It overwrote metrics.jsonl beside the old summary.json and model.json: a mixed directory."""
+    out = tmp_path / "o"
+    first = run_cli(*LENET, "--max-steps", "3", "--out", str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = snapshot(out)
+    again = run_cli(*LENET, "--max-steps", "3", "--seed", "1", "--out", str(out))
+    one_line_error(again, f"--out {out} holds another run's results", "pass a new --out")
+    assert snapshot(out) == before  # nothing touched
+
+
+def test_two_runs_never_write_one_out_dir(tmp_path):
+    from jaxtrain.dirlock import DirLock
+
+    with DirLock(tmp_path, "--out"):  # what a running run holds on its --out
+        r = run_cli(*LENET, "--max-steps", "3", "--out", str(tmp_path))
+    one_line_error(r, "is in use by another run", "pass another --out")
