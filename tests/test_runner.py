@@ -80,14 +80,20 @@ def test_one_step_late_hands_back_the_previous_outputs_read():
     assert late.flush()[1] == "b" and late.flush() is None and not late.pending
 
 
-def test_chrono_counts_waits_and_leaves_pauses_out_of_train_time():
+def test_chrono_counts_waits_and_leaves_pauses_out_of_train_time(monkeypatch):
+    """On a clock the test moves (a busy machine cannot stretch it): exact sums."""
+    from jaxtrain import timing
+
+    now = [100.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
     chrono = Chrono({"train_sec": 1.0, "wait": 0.5, "pauses": {"checkpoint": 2.0}})
     with chrono.waiting():
-        time.sleep(0.05)
+        now[0] += 0.05
     with chrono.paused("checkpoint"):
-        time.sleep(0.2)
-    assert 1.05 <= chrono.train_sec < 1.2, chrono.train_sec
-    assert 0.55 <= chrono.wait < 0.7 and 2.2 <= chrono.pauses["checkpoint"] < 2.4
+        now[0] += 0.2
+    now[0] += 0.25  # training
+    assert chrono.train_sec == pytest.approx(1.0 + 0.05 + 0.25)
+    assert chrono.wait == pytest.approx(0.55) and chrono.pauses["checkpoint"] == pytest.approx(2.2)
     assert set(chrono.state()) == {"train_sec", "wait", "pauses"}
 
 
