@@ -51,9 +51,8 @@ def split_micro_batches(batch, k: int):
 def _platform_scan(step, carry, xs, k: int):
     """``lax.scan(step, carry, xs)``, fully unrolled when compiled for a CPU.
 
-    XLA:CPU runs convolutions inside a ``while`` body far slower than the same
-    ops outside one (jax-ml/jax#12868): the LeNet step with k=4 took 560 ms in
-    a loop vs ~45 ms unrolled. So on CPU no loop is left (compile time grows
+    XLA:CPU runs convolutions inside a ``while`` body many times slower than
+    the same ops outside one (jax-ml/jax#12868). So on CPU no loop is left (compile time grows
     with k); GPUs and TPUs keep the loop. ``lax.platform_dependent`` chooses
     when the step is lowered, for the platform it is compiled FOR, not the
     host's (a CUDA lowering on a CPU host keeps the loop; the compiler never
