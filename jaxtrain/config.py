@@ -144,7 +144,14 @@ class RunConfig:
             if meta["above"] is not None and not value > meta["above"]:
                 raise ConfigError(f"{flag(f.name)}: expected a number > {meta['above']}, got {value}")
         if self.profile is not None:
-            parse_steps(self.profile)
+            start, _ = parse_steps(self.profile)
+            if self.max_steps is not None and start > self.max_steps:
+                raise ConfigError(f"--profile {self.profile}: starts after --max-steps {self.max_steps}, so nothing "
+                                  "would be traced; profile steps within the run")
+        if self.microbatches > 1 and "stage" not in (self.mesh or {}):
+            raise ConfigError(f"--microbatches {self.microbatches}: micro-batches split a pipelined step; give "
+                              "--mesh a 'stage' axis (e.g. --mesh data=1,stage=4), or use --accum-steps to "
+                              "accumulate gradients")
         if self.alpha > 1:
             raise ConfigError(f"--alpha: expected a weight in [0, 1], got {self.alpha}")
         try:

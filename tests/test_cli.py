@@ -83,6 +83,8 @@ def test_missing_data_dir_is_a_one_line_error(tmp_path):
 @pytest.mark.parametrize("flags, fragment", [(["--epochs", "0"], "--epochs"), (["--strategy", "nccl"], "--strategy"),
                                              (["--lr", "-1"], "--lr"), (["--mesh", "data:2"], "--mesh"),
                                              (["--mesh", "data=2,foo=2"], "unknown axis 'foo'"),
+                                             (["--microbatches", "4"], "give --mesh a 'stage' axis"),
+                                             (["--max-steps", "5", "--profile", "10:12"], "starts after --max-steps"),
                                              (["--param-sharding", "zero"], "--param-sharding")])
 def test_bad_flags_exit_2(flags, fragment):
     out = run_cli(*LENET, *flags)

@@ -98,6 +98,7 @@ RESNET_CASES = [("sgd", "fp32", "none"), ("sgd", "bf16", "none"), ("sgd", "fp16"
                 ("sgd", "fp32", "scan"), ("adam", "fp32", "multisteps")]
 
 
+@pytest.mark.slow  # ~25 s each: the first leg runs them, CI's newest-JAX leg does not
 @pytest.mark.parametrize(("opt", "precision", "accum"), RESNET_CASES)
 def test_resnet18_one_device_step_equals_the_reference(opt, precision, accum):
     model = models.get("resnet18", init="he")
