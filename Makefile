@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
-# Two workers: compiles and subprocess start-ups overlap (~5 min instead of ~9 on 2 cores).
+# Two workers: compiles and subprocess start-ups overlap; --durations names the slowest tests.
 PYTEST_ARGS ?= -n 2 --durations=20
 
 .PHONY: setup data demo test test-latest clean help
