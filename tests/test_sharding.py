@@ -23,6 +23,10 @@ TP = [(r"dense1/w$", P(None, "model")), (r"dense1/b$", P("model")), (r"dense2/w$
 FSDP_TP = [(r"dense1/w$", jt.FSDP(P(None, "model"))), (r"dense1/b$", P("model")),
            (r"dense2/w$", jt.FSDP(P("model", None))), (".*", "fsdp")]
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+# SGD + momentum at lr 0.2 moves a parameter by ~1e-2 per update, so float re-association (the ring's order,
+# remat's recomputed ops, 4 micro-batches) grows faster than under Adam at 1e-3: conv1's bias gradient, a sum
+# with cancellation, drifted by 4.2e-6 after 3 steps (fsdp x remat x ring, jax 0.12). 3e-5 is 300x below an update.
+MOMENTUM_TOL = {"rtol": 1e-5, "atol": 3e-5}
 
 PARAMS, KEY = lenet.init_params(jax.random.key(0)), jax.random.key(0)  # made before the compile checks below
 
@@ -143,7 +147,7 @@ def test_fsdp_composes_with_precision_accumulation_and_remat(strategy, mode):
         reference = train("momentum", 4, strategy="jit", **kw)[1:]
     else:
         reference = per_device_reference(mode)
-    assert_equal_to(reference, state, history)
+    assert_equal_to(reference, state, history, MOMENTUM_TOL)
     if mode == "fp16":  # the loss scale was exercised: overflow skips, then updates
         finite = [float(m["grads_finite"]) for m in history]
         assert 1.0 in finite, finite
@@ -152,7 +156,7 @@ def test_fsdp_composes_with_precision_accumulation_and_remat(strategy, mode):
 def test_fsdp_tp_composes_with_accumulation():
     mesh = jt.make_mesh(4, axes={"data": 2, "model": 2})
     _, state, history = train("momentum", mesh, param_sharding=FSDP_TP, accum_steps=4)
-    assert_equal_to(reference_for("momentum", "accum4"), state, history)
+    assert_equal_to(reference_for("momentum", "accum4"), state, history, MOMENTUM_TOL)
 
 
 def test_fsdp_with_optax_multisteps_keeps_its_accumulator_sharded():
