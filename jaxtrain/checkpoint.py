@@ -15,7 +15,8 @@ decodable), is moved aside into ``DIR/unreadable/`` (not deleted), with a
 warning, and the previous one is tried; moving it lets new saves at those
 step numbers land. Any other error (a changed dependency, a bug) moves
 nothing and stops with a ConfigError, and so does a directory whose every
-checkpoint was damaged: a resume never silently starts from scratch.
+checkpoint was damaged: a resume never silently starts from scratch. A state
+whose parameters are not finite is never saved (``Diverged``).
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ import jax
 
 from jaxtrain import integrity
 from jaxtrain.dirlock import DirLock
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.loop import Position
+from jaxtrain.precision import all_finite
 from jaxtrain.report import ensure_writable, out_of_space
 from jaxtrain.state import TrainState
 
 UNREADABLE = "unreadable"
+_all_finite = jax.jit(all_finite)
 # What orbax and tensorstore say when a checkpoint's bytes are damaged (seen with files truncated, zeroed,
 # deleted, or JSON overwritten, orbax 0.11): only these mark a checkpoint corrupt.
 _READ_ERRORS = ("Encountered error while reading", "was not found in the checkpoint", "DATA_LOSS", "NOT_FOUND",
@@ -129,6 +132,8 @@ class Checkpointer:
         """Save at step ``position.total_steps`` (asynchronously unless ``wait``)."""
         ocp = self._ocp
         step = position.total_steps
+        if not jax.device_get(_all_finite(state.params)):  # an update overflowed: never saved as a good state
+            raise Diverged("the parameters became NaN or infinite", step)
         pos = dataclasses.asdict(position)
         with self._io(step):
             if step not in self.manager.all_steps():

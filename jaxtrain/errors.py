@@ -11,3 +11,8 @@ class ConfigError(ValueError):
 
 class Diverged(ConfigError):
     """The loss (outside fp16's skipped steps) or the parameters became NaN or infinite: training stopped."""
+
+    def __init__(self, what: str, step: int):
+        super().__init__(f"{what} at step {step}: training diverged (a learning rate too high for this model? "
+                         "lower --lr; or labels outside the model's classes); stopped, nothing past the previous "
+                         "checkpoint was saved")

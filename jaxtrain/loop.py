@@ -155,9 +155,7 @@ class Loop:
         m, batch_size = read
         loss = float(m["loss"])
         if not math.isfinite(loss) and float(m.get("grads_finite", 1.0)) != 0.0:  # fp16 skips its overflows
-            raise Diverged(f"the loss became {loss} at step {self.total_steps - self._late.pending}: training "
-                           "diverged (a learning rate too high for this model? lower --lr; or labels outside the "
-                           "model's classes); stopped, nothing past the previous checkpoint was saved")
+            raise Diverged(f"the loss became {loss}", self.total_steps - self._late.pending)
         self.recent = m
         self.first_loss = loss if self.first_loss is None else self.first_loss
         for k in ("loss", "accuracy"):

@@ -23,7 +23,6 @@ from jaxtrain.pipeline import STAGE_AXIS, pipeline_layout
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.report import (RunWriter, describe, ensure_room, holds_results, make_out_dir, params_digest,
                              run_summary)
-from jaxtrain.precision import all_finite
 from jaxtrain.signals import StopOnSignal, StopVote
 
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
@@ -34,8 +33,6 @@ FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optim
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
                  "microbatches", "kernels", "test_subset")
-
-_all_finite = jax.jit(all_finite)
 
 
 class Exit(Exception):
@@ -218,9 +215,6 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
             f"{e.train_sec:.1f} sec, data wait {100 * e.data_wait_fraction:.1f}%", flush=True)
 
     def save(state, position):
-        if not jax.device_get(_all_finite(state.params)):  # an update overflowed: never save that as good
-            raise Diverged(f"the parameters became NaN or infinite at step {position.total_steps}: training "
-                           "diverged (a learning rate too high for this model? lower --lr); stopped before saving")
         with stop.busy():
             s.checkpointer.save(state, position)
 
@@ -246,8 +240,8 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
             raise
         with stop.busy():
             s.checkpointer.close()  # the saves in flight, all of finite states, land
-        raise Diverged(f"{e}; the newest checkpoint is step {s.checkpointer.latest()} in "
-                       f"{s.checkpointer.directory}") from None
+        raise ConfigError(f"{e}; the newest checkpoint is step {s.checkpointer.latest()} in "
+                          f"{s.checkpointer.directory}") from None
     finally:
         if profile:
             profile.end()
