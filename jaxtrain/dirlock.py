@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -19,11 +20,16 @@ from jaxtrain.errors import ConfigError
 
 
 class DirLock:
-    """``with DirLock(path, flag):`` or ``acquire()`` / ``release()``."""
+    """``with DirLock(path, flag):`` or ``acquire()`` / ``release()``.
 
-    def __init__(self, directory: Path, flag: str):
-        self.path = Path(directory) / ".lock"
-        self.flag = flag
+    Held by another process: a ConfigError naming ``flag`` (the option that chose the directory); or, given
+    ``waiting`` (a message), that message on stderr and a wait for the holder to finish. ``name``: the lock
+    file's name in ``directory``.
+    """
+
+    def __init__(self, directory: Path, flag: str, *, name: str = ".lock", waiting: str | None = None):
+        self.path = Path(directory) / name
+        self.flag, self.waiting = flag, waiting
         self._fd: int | None = None
 
     def acquire(self) -> DirLock:
@@ -32,10 +38,17 @@ class DirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             owner = _read_owner(fd)
+            if self.waiting is not None:
+                print(f"{self.waiting} ({owner}) ...", file=sys.stderr, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                return self._own(fd)
             os.close(fd)
             raise ConfigError(
                 f"{self.path.parent} is in use by another run ({owner}); wait for it to finish, "
                 f"or pass another {self.flag}") from None
+        return self._own(fd)
+
+    def _own(self, fd: int) -> DirLock:
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())

@@ -126,3 +126,74 @@ def test_tfds_datasets_not_prepared_or_not_images_are_one_line_errors(tmp_path):
         sources.load_split("tfds:nothing_here", "train", tfds_dir=tmp_path / "tfds")
     with pytest.raises(ConfigError, match="unknown dataset 'tfds:'"):
         sources.load_split("tfds:", "train")
+
+
+def _damage(version_dir, how):
+    for cached in version_dir.glob("*.npz"):  # the arrays kept beside it would serve the split without the records
+        cached.unlink()
+    records = next(version_dir.glob("*train.array_record*"))
+    if how == "zeroed":
+        raw = bytearray(records.read_bytes())
+        raw[10:200] = bytes(190)
+        records.write_bytes(bytes(raw))
+    elif how == "truncated":
+        records.write_bytes(records.read_bytes()[:100])
+    else:
+        (version_dir / "dataset_info.json").write_text("{not json")
+
+
+@pytest.mark.parametrize("how", ["zeroed", "truncated", "metadata"])
+def test_a_damaged_conversion_is_converted_again_with_a_warning(tmp_path, capsys, how):
+    """(BAD 5) It raised a Riegeli or protobuf traceback on every run until the user deleted the cache."""
+    from test_data import make_idx_dir
+
+    arrays = make_idx_dir(tmp_path / "d", n_train=64, n_test=16)
+    first = sources.load_split("fashion_mnist", "train", data_dir=tmp_path / "d", tfds_dir=tmp_path / "tfds")
+    _damage(next((tmp_path / "tfds").rglob("1.0.0")), how)
+    capsys.readouterr()
+    again = sources.load_split("fashion_mnist", "train", data_dir=tmp_path / "d", tfds_dir=tmp_path / "tfds")
+    err = capsys.readouterr().err
+    assert "is damaged" in err and "converting again" in err, err
+    assert as_sorted_pairs(again.images, again.labels) == as_sorted_pairs(*arrays["train"])
+    assert as_sorted_pairs(first.images, first.labels) == as_sorted_pairs(*arrays["train"])
+
+
+def test_a_damaged_dataset_tfds_prepared_is_a_one_line_error_naming_its_directory(tmp_path):
+    prepare_tfds_dataset(tmp_path / "tfds")
+    _damage(next((tmp_path / "tfds" / "tiny_shapes").rglob("1.0.0")), "zeroed")
+    with pytest.raises(ConfigError, match=rf"tfds:tiny_shapes in {tmp_path / 'tfds'} cannot be read .*Riegeli.*delete"):
+        sources.load_split("tfds:tiny_shapes", "train", tfds_dir=tmp_path / "tfds")
+
+
+def test_runs_converting_the_same_files_at_once_take_turns(tmp_path):
+    """(BAD 4) Two runs converting one dataset into a fresh TFDS dir at once: one crashed with FileExistsError.
+    Here a held lock makes both wait; released, one converts and the other reads its result."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from test_data import make_idx_dir
+
+    from jaxtrain.data import idx
+    from jaxtrain.dirlock import DirLock
+
+    make_idx_dir(tmp_path / "d", n_train=64, n_test=16)
+    config = f"fashion_mnist_{sources.files_digest(idx.paths(tmp_path / 'd'))[:12]}"
+    code = (f"from jaxtrain.data import sources; s = sources.load_split('fashion_mnist', 'train', "
+            f"data_dir={str(tmp_path / 'd')!r}, tfds_dir={str(tmp_path / 'tfds')!r}); print(len(s), s.labels.sum())")
+    holder = tmp_path / "tfds" / "jaxtrain_idx_images"
+    holder.mkdir(parents=True)
+    with DirLock(holder, "--tfds-dir", name=f".{config}.lock"):  # another run converting: both must wait
+        procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        for p in procs:  # reads until each says it waits (no sleep); '' if it ended instead
+            line = "-"
+            while line and "waiting for another run converting" not in line:
+                line = p.stderr.readline()
+            assert line, p.communicate()[1][-2000:]
+        assert all(p.poll() is None for p in procs)
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    results = [out.strip().splitlines()[-1] for out, _ in outs]  # TFDS prints its progress on stdout
+    assert results[0] == results[1] and results[0].startswith("64 "), results
+    assert sum("to array_record (once)" in err for _, err in outs) == 1, [err[-2000:] for _, err in outs]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
 import time
 import zipfile
@@ -30,6 +31,7 @@ import numpy as np
 from jaxtrain.choices import DATASETS, DEFAULT_DATA_DIRS, TFDS_PREFIX, check_dataset
 from jaxtrain.data import cifar, idx
 from jaxtrain.data.split import Split, files_digest, split_digest  # noqa: F401 - Split: the public home
+from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError
 
 LOCAL = {"fashion_mnist": idx, "mnist": idx, "cifar10": cifar}  # name -> the module reading its local files
@@ -100,6 +102,44 @@ def _wait_until_prepared(make_builder, timeout: float = 600.0):
     raise ConfigError(f"process 0 did not finish converting the dataset within {timeout:.0f} s")
 
 
+def _conversion_dir(fmt: ModuleType, config_name: str, tfds_dir) -> Path:
+    """Where our builder keeps the conversion of one set of files: ``TFDS_DIR/BUILDER/CONFIG``."""
+    import tensorflow_datasets as tfds
+
+    return Path(tfds_dir or tfds.core.constants.DATA_DIR).expanduser() / _builder_class(fmt).name / config_name
+
+
+def _converted(fmt: ModuleType, name: str, split: str, local: Path, tfds_dir):
+    """The data source of our conversion of the files in ``local``, converted first if it is not there yet.
+
+    Runs that convert the same files at once take turns on a lock file: the first converts, the others find
+    its result. Process 0 converts for a multi-process run; the others wait for it.
+    """
+    import tensorflow_datasets as tfds
+
+    config = tfds.core.BuilderConfig(name=f"{name}_{files_digest(fmt.paths(local))[:12]}",
+                                     description=f"{name} from the files in {local}")
+
+    def make_builder():
+        return _builder_class(fmt)(config=config, data_dir=tfds_dir)
+
+    if _process_index() > 0:
+        builder = make_builder()
+        return (builder if builder.is_prepared() else _wait_until_prepared(make_builder)).as_data_source(split=split)
+    where = _conversion_dir(fmt, config.name, tfds_dir)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    with DirLock(where.parent, "--tfds-dir", name=f".{config.name}.lock",
+                 waiting=f"waiting for another run converting the files in {local}"):
+        builder = make_builder()
+        if not builder.is_prepared():
+            for s in fmt.FILES:  # validate before writing anything
+                fmt.read_split(local, s)
+            print(f"converting the files in {local} to array_record (once) ...", file=sys.stderr, flush=True)
+            builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
+                manual_dir=str(cifar.directory_of(local) if fmt is cifar else local)), file_format="array_record")
+        return builder.as_data_source(split=split)
+
+
 def _keys(info) -> tuple[str, str]:
     """The (image, label) feature names of an image-classification dataset; a ConfigError otherwise."""
     image, label = info.supervised_keys if isinstance(info.supervised_keys, tuple) and len(
@@ -160,49 +200,74 @@ def data_source(name: str, split: str, *, data_dir: str | os.PathLike | None = N
         raise ConfigError(f"unknown split {split!r}: use train or test")
     if name.startswith(TFDS_PREFIX):
         return _prepared_tfds(name[len(TFDS_PREFIX):], split, tfds_dir)
-    fmt, explicit = LOCAL[name], data_dir is not None
-    local = Path(data_dir if explicit else DEFAULT_DATA_DIRS.get(name, "/nonexistent"))
-    if explicit and not local.is_dir():
-        raise ConfigError(f"--data-dir {local} is not a directory; {fmt.HOW_TO_GET}")
-    if fmt.present(local) or explicit:
-        config = tfds.core.BuilderConfig(name=f"{name}_{files_digest(fmt.paths(local))[:12]}",
-                                         description=f"{name} from the files in {local}")
-
-        def make_builder():
-            return _builder_class(fmt)(config=config, data_dir=tfds_dir)
-
-        builder = make_builder()
-        if not builder.is_prepared():
-            if _process_index() > 0:  # in a multi-process run, process 0 converts; the others wait
-                builder = _wait_until_prepared(make_builder)
-            else:
-                for s in fmt.FILES:  # validate before writing anything
-                    fmt.read_split(local, s)
-                print(f"converting the files in {local} to array_record (once) ...", file=sys.stderr, flush=True)
-                builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-                    manual_dir=str(cifar.directory_of(local) if fmt is cifar else local)), file_format="array_record")
-        return builder.as_data_source(split=split)
+    fmt, local = LOCAL[name], _local_files(name, data_dir)
+    if local is not None:
+        return _converted(fmt, name, split, local, tfds_dir)
     builder = tfds.builder(name, data_dir=tfds_dir)
     if not builder.is_prepared():
         if not download:
-            raise ConfigError(f"dataset {name} not found (no files in {local}, no prepared TFDS copy); "
-                              f"{fmt.HOW_TO_GET}")
+            raise ConfigError(f"dataset {name} not found (no files in {DEFAULT_DATA_DIRS.get(name)}, no prepared "
+                              f"TFDS copy); {fmt.HOW_TO_GET}")
         try:
             builder.download_and_prepare(file_format="array_record")
         except Exception as e:  # noqa: BLE001 - any failure here means "no data"
-            raise ConfigError(f"dataset {name} not found (no files in {local}) and TFDS could not download it "
+            raise ConfigError(f"dataset {name} not found (no files in {DEFAULT_DATA_DIRS.get(name)}) and TFDS could "
+                              f"not download it "
                               f"({type(e).__name__}); {fmt.HOW_TO_GET}") from None
     return builder.as_data_source(split=split, file_format="array_record")
 
 
-def load_split(name: str, split: str, **kwargs) -> Split:
+def _local_files(name: str, data_dir) -> Path | None:
+    """The directory of ``name``'s local files (``data_dir``, or the default one if it has them), or None."""
+    fmt, explicit = LOCAL[name], data_dir is not None
+    local = Path(data_dir if explicit else DEFAULT_DATA_DIRS.get(name, "/nonexistent"))
+    if explicit and not local.is_dir():
+        raise ConfigError(f"--data-dir {local} is not a directory; {fmt.HOW_TO_GET}")
+    return local if explicit or fmt.present(local) else None
+
+
+def _damaged(e: Exception) -> bool:
+    """Errors of reading a damaged prepared copy: its records (array_record/Riegeli) or its JSON metadata."""
+    text = f"{type(e).__name__}: {e}"
+    return isinstance(e, (OSError, EOFError, ValueError)) or any(
+        marker in text for marker in ("Riegeli", "ArrayRecord", "array_record", "ParseError", "DecodeError"))
+
+
+def load_split(name: str, split: str, *, data_dir=None, tfds_dir=None, **kwargs) -> Split:
     """The whole split in memory (47 MB for Fashion-MNIST train: cheap to keep).
 
     Decoding 60,000 TFDS records one by one takes seconds, so the arrays are
     also kept beside the prepared dataset (``SPLIT-arrays.npz``, with their
     sha256, checked on every read); a missing, damaged or unwritable copy
-    just means reading the records again.
+    just means reading the records again. A damaged conversion of local files
+    is converted again (the files are the data); a damaged dataset TFDS
+    prepared is a one-line error naming its directory.
     """
+    try:
+        return _load_split(name, split, data_dir=data_dir, tfds_dir=tfds_dir, **kwargs)
+    except Exception as e:
+        if isinstance(e, ConfigError) or not _damaged(e):
+            raise
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        local = None if name.startswith(TFDS_PREFIX) else _local_files(name, data_dir)
+        if local is None or _process_index() > 0:
+            import tensorflow_datasets as tfds
+
+            where = Path(tfds_dir or tfds.core.constants.DATA_DIR).expanduser()
+            raise ConfigError(f"the prepared copy of {name} in {where} cannot be read ({reason}): delete its "
+                              f"directory there and prepare it again") from None
+        fmt = LOCAL[name]
+        config = f"{name}_{files_digest(fmt.paths(local))[:12]}"
+        where = _conversion_dir(fmt, config, tfds_dir)
+        with DirLock(where.parent, "--tfds-dir", name=f".{config}.lock",
+                     waiting=f"waiting for another run converting the files in {local}"):
+            print(f"warning: the converted copy of {local} in {where} is damaged ({reason}); converting again",
+                  file=sys.stderr, flush=True)
+            shutil.rmtree(where, ignore_errors=True)
+    return _load_split(name, split, data_dir=data_dir, tfds_dir=tfds_dir, **kwargs)
+
+
+def _load_split(name: str, split: str, **kwargs) -> Split:
     source = data_source(name, split, **kwargs)
     cache = Path(source.dataset_info.data_dir) / f"jaxtrain-{split}-arrays.npz"
     try:
