@@ -1,6 +1,6 @@
-"""Benchmark sharded state: ResNet-18 + Adam under replicated / fsdp / tp / fsdp+tp.
+"""Benchmark sharded state: ResNet-18 (or LeNet) + Adam under replicated / fsdp / tp / fsdp+tp.
 
-    python -m experiments.bench_sharding [--devices 4] [--batch-size 64] [--budget 600MiB]
+    python -m experiments.bench_sharding [--model resnet18] [--devices 4] [--batch-size 64] [--budget 600MiB]
 
 Per setting, on one device of the mesh (XLA compiles one program per
 device): compiled argument and temp bytes, the state's own bytes, ms/step
@@ -27,6 +27,7 @@ SETTINGS = ("replicated", "fsdp", "tp", "fsdp+tp")
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_sharding", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=("resnet18", "lenet"), default="resnet18", help="the model (both have tp rules)")
     p.add_argument("--devices", type=positive_int, default=4, help="devices (even: tp needs model=2)")
     p.add_argument("--batch-size", type=positive_int, default=64, help="GLOBAL batch size")
     p.add_argument("--strategy", choices=STRATEGIES, default="jit", help="strategy for replicated and fsdp (tp needs jit)")
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     from jaxtrain.timing import time_steps
 
     n = len(devices)
-    model = models.get("resnet18")
+    model = models.get(args.model)
     variables = jax.jit(model.init)(jax.random.key(0))
 
     def batch_of(size):
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
         for setting, run in runs.items():
             run[1], sec = time_steps(run[0], run[1], batch, args.steps)
             run[2].append(1000 * sec)
-    print(f"ResNet-18 + Adam, batch {args.batch_size}, {n} {devices[0].platform} devices, per device:")
+    print(f"{args.model} + Adam, batch {args.batch_size}, {n} {devices[0].platform} devices, per device:")
     kinds = [k for k in COLLECTIVES if any(k in r["collectives"] for r in rows.values())]
     print(f"{'setting':>10} {'state MiB':>9} {'args MiB':>8} {'temp MiB':>8} {'ms/step':>8} "
           + " ".join(f"{k + ' MiB':>20}" for k in kinds))

@@ -1,6 +1,6 @@
 """Knowledge distillation: train a student on a finished run's softened outputs mixed with the labels.
 
-    python -m experiments.distill --teacher RUN_DIR --student lenet [--temperature 4] [--alpha 0.9] [run flags]
+    python -m experiments.distill --teacher RUN_DIR --student lenet [--temperature 2] [--alpha 0.5] [run flags]
 
 RUN_DIR is the teacher run's --out directory (model/ and model.json). The
 loss is (1 - alpha) * CE(student, labels) + alpha * T^2 * KL(softmax(teacher / T) ||

@@ -123,8 +123,10 @@ class RunConfig:
                                  "GPUs; interpret mode on CPUs, slow there; docs/kernels.md)", choices=KERNELS)
     teacher: str | None = _field(None, "distil from this finished run (its --out directory, holding model/ and "
                                        "model.json): its softened outputs join the loss (README 'Smaller models')")
-    temperature: float = _field(4.0, "distillation: softmax temperature T of teacher and student", above=0.0)
-    alpha: float = _field(0.9, "distillation: weight of the soft (teacher) loss; 1 - alpha goes to the labels' "
+    # T 2, alpha 0.5: the defaults train at the student recipe's own pace (T 4, alpha 0.9 left a LeNet student at
+    # chance for 3 epochs: README "Distillation").
+    temperature: float = _field(2.0, "distillation: softmax temperature T of teacher and student", above=0.0)
+    alpha: float = _field(0.5, "distillation: weight of the soft (teacher) loss; 1 - alpha goes to the labels' "
                                "cross-entropy", minimum=0.0)
     eval_every: int = _field(1, "evaluate on the test set every N epochs (and after the last)", minimum=1)
     eval_every_steps: int | None = _field(None, "also evaluate every N train steps (a line, and TensorBoard's "

@@ -53,8 +53,8 @@ def test_bad_sharding_flags_are_one_line_errors(tmp_path, flags, fragments):
 
 @pytest.mark.slow
 def test_sharding_benchmark_smoke(tmp_path):
-    out = run_cli("-m", "experiments.bench_sharding", "--batch-size", "8", "--steps", "1", "--repeats", "1",
-                  "--budget", "0", "--json", str(tmp_path / "s.json"))
+    out = run_cli("-m", "experiments.bench_sharding", "--model", "lenet", "--batch-size", "8", "--steps", "1",
+                  "--repeats", "1", "--budget", "0", "--json", str(tmp_path / "s.json"))  # the script's smoke: LeNet
     assert out.returncode == 0, out.stderr[-3000:]
     for setting in ("replicated", "fsdp", "tp", "fsdp+tp"):
         assert re.search(rf"^ *{re.escape(setting)} +[\d.]+ ", out.stdout, re.M), out.stdout

@@ -94,10 +94,10 @@ def test_resume_refuses_other_settings_and_reports_allowed_changes(tmp_path):
     common = ["--checkpoint-every", "5", "--checkpoint-dir", str(ck)]
     first = run_cli(*LENET, "--max-steps", "5", *common, "--out", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr[-3000:]
-    for flags, named in ((["--precision", "fp16"], "precision 'fp32' -> 'fp16'"), (["--seed", "1"], "seed 0 -> 1"),
-                         (["--batch-size", "128"], "batch_size 256 -> 128")):
-        out = run_cli(*LENET, "--max-steps", "10", *common, *flags, "--out", str(tmp_path / "b"), "--resume")
-        one_line_error(out, "written with other settings", named, "--checkpoint-dir")
+    out = run_cli(*LENET, "--max-steps", "10", *common, "--precision", "fp16", "--seed", "1", "--batch-size", "128",
+                  "--out", str(tmp_path / "b"), "--resume")  # one run: the error names every fixed setting changed
+    one_line_error(out, "written with other settings", "precision 'fp32' -> 'fp16'", "seed 0 -> 1",
+                   "batch_size 256 -> 128", "--checkpoint-dir")
     assert sorted(p.name for p in ck.iterdir() if p.name.isdigit()) == ["5"]  # nothing moved or lost
     fresh = run_cli(*LENET, "--max-steps", "10", *common, "--out", str(tmp_path / "b"))
     one_line_error(fresh, "already holds checkpoints", "--resume")
@@ -278,9 +278,10 @@ def _files_whole(out_dir, epochs_done, killed=False):
 
 
 @pytest.mark.slow
-def test_chaos_killed_eight_times_then_resumed_gives_the_uninterrupted_params(tmp_path):
+def test_chaos_killed_five_times_then_resumed_gives_the_uninterrupted_params(tmp_path):
     """Killed at random moments (start-up, mid-save, mid-step; SIGKILL and SIGTERM), resumed each time:
-    the final params equal the uninterrupted run's bit for bit, and no run file is ever truncated."""
+    the final params equal the uninterrupted run's bit for bit, and no run file is ever truncated.
+    Each kind of fault once (a run start-up costs ~10 s on a 2-core CPU; repeats added time, not kinds)."""
     import random
 
     rng = random.Random(20)
@@ -289,7 +290,7 @@ def test_chaos_killed_eight_times_then_resumed_gives_the_uninterrupted_params(tm
     args = [*base, "--checkpoint-every", "5"]
     assert full.returncode == 0, full.stderr[-3000:]
     ck, out = tmp_path / "ck", tmp_path / "o"
-    faults = ["start-up TERM", "save KILL", "step KILL", "step TERM", "save TERM", "step KILL", "save KILL", "step TERM"]
+    faults = ["start-up TERM", "save KILL", "step KILL", "step TERM", "save TERM"]
     killed = 0
     for fault in faults:
         moment, sig = fault.split()

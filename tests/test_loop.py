@@ -21,8 +21,8 @@ def test_300_steps_on_2_devices_finish_without_deadlock():
     trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=2)
     evaluator = jt.make_eval_step(lenet.eval_fn, mesh=2)
     state = trainer.init(lenet.init_params(jax.random.key(0)))
-    train = loader.Loader(random_split(4096), 256, train=True)
-    test = loader.Loader(random_split(300, seed=1), 256, train=False)
+    train = loader.Loader(random_split(1024), 64, train=True)  # batch 64: the count of steps is what matters
+    test = loader.Loader(random_split(300, seed=1), 64, train=False)
     epochs = []
     state, history, first_loss = fit(trainer, state, train, evaluator, test, epochs=100, max_steps=300,
                                      on_epoch=epochs.append, progress=False)
