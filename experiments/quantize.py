@@ -35,6 +35,18 @@ def _predictions(fn, images, batch: int = 500):
     return np.concatenate([np.asarray(fn(images[i:i + batch])).argmax(-1) for i in range(0, len(images), batch)])
 
 
+def _run_data_dir(run: str) -> str | None:
+    """The --data-dir the run was trained with (its summary.json's data_source), or None for the default data."""
+    import json
+    from pathlib import Path
+
+    try:
+        source = json.loads((Path(run) / "summary.json").read_text()).get("data_source")
+    except (OSError, ValueError):
+        return None
+    return source if source not in (None, "default") and Path(source).is_dir() else None
+
+
 def measure(args) -> dict:
     import jax
     import numpy as np
@@ -45,7 +57,10 @@ def measure(args) -> dict:
 
     meta, params, model_state = export.load(args.run, quantize.MODELS)
     dataset = meta["settings"]["dataset"]
-    test = sources.load_split(dataset, "test", data_dir=args.data_dir, tfds_dir=args.tfds_dir).head(args.test_subset)
+    # The run's own data (its --data-dir, from summary.json) unless given; never a download (minutes, then a failure
+    # when offline): data not found is a one-line error saying to pass --data-dir.
+    test = sources.load_split(dataset, "test", data_dir=args.data_dir or _run_data_dir(args.run), tfds_dir=args.tfds_dir,
+                              download=False).head(args.test_subset)
     images = loader.normalise(test.images)
     q = quantize.quantize(meta, params, model_state)
     fp32, int8 = _predictions(q.fp32, images), _predictions(q.int8, images)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -75,10 +76,13 @@ def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag:
                           "finishes); train one first, e.g. python -m experiments.lenet --out DIR")
     try:
         meta = json.loads((path / INFO).read_text())
-        meta["model"], meta["input_shape"], meta["num_classes"]
+        shape, classes = meta["input_shape"], meta["num_classes"]
+        if not (isinstance(meta["model"], str) and isinstance(shape, list) and len(shape) == 3
+                and all(type(d) is int and d > 0 for d in shape) and type(classes) is int and classes >= 2):
+            raise TypeError(f"model {meta['model']!r}, input_shape {shape!r}, num_classes {classes!r}")
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{flag} {run_dir}: {INFO} is unreadable ({type(e).__name__}): the run's files are "
-                          "damaged; train it again") from None
+        raise ConfigError(f"{flag} {run_dir}: {INFO} is unreadable ({type(e).__name__}: {e}): the run's files are "
+                          "damaged or were edited; train it again") from None
     wanted = (expect,) if isinstance(expect, str) else expect
     if wanted and meta["model"] not in wanted:
         raise ConfigError(f"{flag} {run_dir}: holds a {meta['model']} model, not {' or '.join(wanted)}")
@@ -86,6 +90,19 @@ def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag:
         raise ConfigError(f"{flag} {run_dir}: a pipelined run (its layers are stored per stage); use an "
                           "unpipelined run")
     return meta
+
+
+def _quiet_closed_loop() -> None:
+    """After a failed orbax read, tensorstore's reads still in flight call back into the asyncio loop orbax has
+    closed, and Python prints each RuntimeError('Event loop is closed') as a stray traceback after our one-line
+    error. Drop those (and only those) from then on."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def model_of(meta: dict):
@@ -107,9 +124,16 @@ def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag:
         with ocp.StandardCheckpointer() as reader:
             tree = reader.restore(Path(run_dir).absolute() / ARRAYS, target)
     except Exception as e:  # orbax raises many types for damaged files
+        _quiet_closed_loop()
         raise ConfigError(f"{flag} {run_dir}: its saved model cannot be read ({str(e).splitlines()[0][:120] or type(e).__name__})"
                           "; train it again") from None
     tree = jax.tree.map(np.asarray, tree)
+    differ = [f"{jax.tree_util.keystr(path)} {got.shape} vs {want.shape}" for (path, got), want in
+              zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(target)) if got.shape != want.shape]
+    if differ:
+        raise ConfigError(f"{flag} {run_dir}: its saved arrays do not have the shapes {INFO} describes ({differ[0]}"
+                          f"{f' and {len(differ) - 1} more' if len(differ) > 1 else ''}): was {INFO} edited? Train "
+                          "it again")
     if params_digest(tree["params"]) != meta.get("params_digest"):
         raise ConfigError(f"{flag} {run_dir}: the saved params do not match the digest in {INFO}: the files are "
                           "damaged; train it again")

@@ -1,6 +1,8 @@
 """A finished run keeps its model (jaxtrain.export); post-training int8 quantisation (jaxtrain.quantize, qwix)."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +37,9 @@ def test_a_saved_model_loads_back_bit_exact(tmp_path):
 @pytest.mark.parametrize("damage, says", [
     ("missing", "no such directory"), ("empty", "holds no saved model"), ("other", "holds a lenet model, not vit"),
     ("json", "model.json is unreadable"), ("digest", "do not match the digest"), ("arrays", "cannot be read"),
+    ("ten", r"model.json is unreadable \(TypeError: .*num_classes 'ten'"),
+    ("eleven", r"do not have the shapes model.json describes \(\['params'\]\['dense2'\]\['b'\] \(10,\) vs \(11,\)"),
+    ("truncated", "cannot be read"),
 ])
 def test_a_bad_run_directory_is_one_line(tmp_path, damage, says):
     run = tmp_path / "run"
@@ -47,6 +52,12 @@ def test_a_bad_run_directory_is_one_line(tmp_path, damage, says):
     if damage == "digest":
         meta = json.loads((run / export.INFO).read_text())
         (run / export.INFO).write_text(json.dumps({**meta, "params_digest": "0" * 64}))
+    if damage in ("ten", "eleven"):  # hand-edited: a raw TypeError, or a wrong class count loaded silently
+        meta = json.loads((run / export.INFO).read_text())
+        (run / export.INFO).write_text(json.dumps({**meta, "num_classes": "ten" if damage == "ten" else 11}))
+    if damage == "truncated":
+        largest = max((f for f in (run / export.ARRAYS).rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+        largest.write_bytes(largest.read_bytes()[:1000])
     if damage == "arrays":
         for f in (run / export.ARRAYS).rglob("*"):
             if f.is_file() and f.stat().st_size > 1000:
@@ -54,6 +65,10 @@ def test_a_bad_run_directory_is_one_line(tmp_path, damage, says):
     with pytest.raises(ConfigError, match=says) as e:
         export.load(run, "vit" if damage == "other" else None)
     assert "\n" not in str(e.value)
+    if damage == "truncated":  # and nothing more is printed: tensorstore's late callbacks once printed tracebacks
+        code = f"from jaxtrain import export\ntry: export.load({str(run)!r})\nexcept Exception as e: print(e)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert "cannot be read" in out.stdout and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +222,23 @@ def test_a_quantisation_aware_run_exports_the_int8_model_it_evaluated(tmp_path):
     assert abs(json.loads((tmp_path / "q.json").read_text())["int8_acc"] - trained) <= 0.002
     r = run_cli("-m", "experiments.resnet18", "--quantize", "int8", "--max-steps", "1")
     assert r.returncode == 2 and "covers int8 for lenet only" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_quantize_reads_the_runs_own_data_and_never_downloads(tmp_path, capsys):
+    """A cifar10 run without --data-dir tried to download CIFAR-10 for minutes before failing."""
+    from test_datasets import make_cifar_dir
+
+    from experiments import quantize as quantize_cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    info = {**_info(), "input_shape": [32, 32, 3], "settings": {"dataset": "cifar10"}}
+    export.save(run, *models.get("lenet", input_shape=(32, 32, 3)).init(jax.random.key(0)), info)
+    args = ["--run", str(run), "--tfds-dir", str(tmp_path / "tfds"), "--repeats", "1", "--batch-sizes", "1"]
+    assert quantize_cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "dataset cifar10 not found" in err and "--data-dir" in err, err
+    make_cifar_dir(tmp_path / "cifar", per_file=2, n_test=6)
+    (run / "summary.json").write_text(json.dumps({"data_source": str(tmp_path / "cifar")}))  # as the run wrote it
+    assert quantize_cli.main([*args, "--json", str(tmp_path / "q.json")]) == 0
+    assert json.loads((tmp_path / "q.json").read_text())["test_examples"] == 6
