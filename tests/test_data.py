@@ -147,3 +147,17 @@ def test_in_memory_copy_is_checked_and_rebuilt_when_damaged(tmp_path):
     assert as_sorted_pairs(again.images, again.labels) == as_sorted_pairs(*arrays["train"])
     with np.load(cache) as f:  # rewritten whole
         assert np.array_equal(f["images"], first.images)
+
+
+@pytest.mark.parametrize("images, labels, says", [
+    (np.zeros((4, 28, 28, 1), np.uint8), np.array([0, 1, 10, 2]), r"labels must lie in 0..9 \(10 classes\), got 0..10"),
+    (np.zeros((4, 28, 28, 1), np.uint8), np.array([0, -1, 3, 2]), r"got -1..3"),
+    (np.zeros((4, 28, 28, 1), np.float32), np.zeros(4, np.int32), r"images must be uint8 \[N, H, W, C\].*float32"),
+    (np.zeros((4, 28, 28), np.uint8), np.zeros(4, np.int32), r"a channel axis even for grey\), got uint8 \[4, 28, 28\]"),
+    (np.zeros((4, 28, 28, 1), np.uint8), np.zeros(3, np.int32), r"labels must be integers \[N\] with N = 4 images"),
+    (np.zeros((4, 28, 28, 1), np.uint8), np.zeros(4, np.float32), r"labels must be integers"),
+])
+def test_a_split_with_bad_arrays_is_a_one_line_error(images, labels, says):
+    """Labels >= the class count trained to a silent NaN loss; a wrong image shape or dtype gave raw JAX errors."""
+    with pytest.raises(ConfigError, match=says):
+        sources.Split(images, labels)

@@ -7,6 +7,8 @@ import hashlib
 
 import numpy as np
 
+from jaxtrain.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Split:
@@ -15,6 +17,19 @@ class Split:
     images: np.ndarray
     labels: np.ndarray
     num_classes: int = 10
+
+    def __post_init__(self):
+        """Bad arrays are a one-line error here, not a raw JAX error (or a silent NaN loss) in the first step."""
+        images, labels = np.asarray(self.images), np.asarray(self.labels)
+        if images.dtype != np.uint8 or images.ndim != 4:
+            raise ConfigError(f"images must be uint8 [N, H, W, C] (pixels 0-255; a channel axis even for grey), got "
+                              f"{images.dtype} {list(images.shape)}")
+        if labels.ndim != 1 or len(labels) != len(images) or not np.issubdtype(labels.dtype, np.integer):
+            raise ConfigError(f"labels must be integers [N] with N = {len(images)} images, got {labels.dtype} "
+                              f"{list(labels.shape)}")
+        if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
+            raise ConfigError(f"labels must lie in 0..{self.num_classes - 1} ({self.num_classes} classes), got "
+                              f"{labels.min()}..{labels.max()}: pass the right num_classes")
 
     def __len__(self) -> int:
         return len(self.labels)
