@@ -59,6 +59,8 @@ ENV_PROCESS_ID = "JAXTRAIN_PROCESS_ID"
 ENV_DEVICES_PER_PROCESS = "JAXTRAIN_DEVICES_PER_PROCESS"
 # A dead peer must end the run within a minute, not after JAX's default 100 s.
 HEARTBEAT_TIMEOUT_SECONDS = 30
+ENV_JOIN_TIMEOUT = "JAXTRAIN_JOIN_TIMEOUT"
+JOIN_TIMEOUT_SECONDS = 300  # JAX's default: how long a process waits for the others to start
 
 
 def _cluster_env() -> bool:
@@ -84,9 +86,43 @@ def _start_distributed(coordinator, num_processes, process_id) -> None:
     if num_processes is not None and (coordinator is None or process_id is None):
         raise ConfigError("a multi-process run needs --coordinator HOST:PORT and --process-id too "
                           "(or start it with python -m jaxtrain.launch)")
-    # CPU runs use the gloo collectives (JAX's default for CPU); GPUs use NCCL.
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
-                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
+    _join(coordinator, num_processes, process_id)
+
+
+def _join(coordinator, num_processes, process_id) -> None:
+    """jax.distributed.initialize, saying what it waits for; peers that never join end the run with one line.
+
+    JAX's own timeout aborts the process with a C++ stack dump, so ours comes first: after
+    $JAXTRAIN_JOIN_TIMEOUT seconds (default 300) a message and exit 2.
+    """
+    import sys
+    import threading
+
+    timeout = float(os.environ.get(ENV_JOIN_TIMEOUT) or JOIN_TIMEOUT_SECONDS)
+    who = f"process {process_id} of {num_processes}" if num_processes else "this process"
+    where = f" at {coordinator}" if coordinator else ""
+
+    def waiting():
+        print(f"{who}: waiting for the other processes to join{where} (up to {timeout:.0f} s; "
+              f"${ENV_JOIN_TIMEOUT} sets it) ...", file=sys.stderr, flush=True)
+
+    def give_up():
+        print(f"error: {who}: the other processes did not join{where} within {timeout:.0f} s: start all of them "
+              "(python -m jaxtrain.launch starts them together) with the same --coordinator", file=sys.stderr,
+              flush=True)
+        os._exit(2)
+
+    timers = [threading.Timer(min(10.0, timeout / 2), waiting), threading.Timer(timeout, give_up)]
+    for t in timers:
+        t.daemon = True
+        t.start()
+    try:  # CPU runs use the gloo collectives (JAX's default for CPU); GPUs use NCCL.
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, initialization_timeout=int(timeout) + 60,
+                                   heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
+    finally:
+        for t in timers:
+            t.cancel()
 
 
 def setup_devices(n: int | None = None, *, devices_per_process: int | None = None, coordinator: str | None = None,

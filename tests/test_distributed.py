@@ -177,3 +177,19 @@ def test_a_worker_stuck_on_a_dead_peer_stops_promptly_on_sigterm(tmp_path):
     assert not any(alive(k) for k in kids)
     stuck = [line for line in output.splitlines() if "no step finished for" in line][0]
     assert int(stuck.split("no step finished for ")[1].split()[0]) < GRACE_SECONDS
+
+
+def test_a_process_whose_peers_never_join_says_so_and_exits_with_one_line(tmp_path):
+    """It waited 5 minutes in silence, then aborted with a C++ stack dump (JAX's own timeout)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    out = run_cli("-m", "experiments.lenet", "--coordinator", f"localhost:{port}", "--num-processes", "2",
+                  "--process-id", "0", "--max-steps", "1", "--out", str(tmp_path / "o"),
+                  env={"JAXTRAIN_JOIN_TIMEOUT": "4"}, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert "process 0 of 2: waiting for the other processes to join at localhost" in lines[0], lines
+    assert lines[-1].startswith("error: process 0 of 2: the other processes did not join") and len(lines) == 2, lines
