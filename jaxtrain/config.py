@@ -12,6 +12,7 @@ not imported here.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, DATASETS, DEFAULT_DATA_DIRS, KERNELS, LR_SCHEDULES,
                               OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES, check_dataset)
@@ -156,6 +157,8 @@ class RunConfig:
                               "accumulate gradients")
         if self.alpha > 1:
             raise ConfigError(f"--alpha: expected a weight in [0, 1], got {self.alpha}")
+        if self.checkpoint_dir is not None and self.out is not None:
+            _check_apart(Path(self.checkpoint_dir), Path(self.out))
         try:
             check_dataset(self.dataset)
         except ConfigError as e:
@@ -172,6 +175,15 @@ class RunConfig:
 
     def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _check_apart(checkpoints: Path, out: Path) -> None:
+    """--checkpoint-dir and --out must not hold each other's files: the export rewrites OUT/model, and a
+    checkpoint directory holds checkpoints only. A subdirectory of --out other than model/ is fine."""
+    ck, out = checkpoints.expanduser().resolve(), out.expanduser().resolve()
+    if ck == out or ck.is_relative_to(out / "model") or out.is_relative_to(ck):
+        raise ConfigError(f"--checkpoint-dir {checkpoints} and --out {out} overlap (the saved model goes to "
+                          f"{out / 'model'}); use separate directories, e.g. --checkpoint-dir {out / 'checkpoints'}")
 
 
 def parse_steps(text: str) -> tuple[int, int]:

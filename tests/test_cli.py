@@ -205,3 +205,15 @@ def test_resume_under_another_mesh_and_sharding_goes_on_where_the_run_stopped(tm
     assert got["steps"] == want["steps"] == 8
     # Float re-association differs between the meshes; the run is the same run.
     assert got["test_loss"] == pytest.approx(want["test_loss"], rel=1e-4)
+
+
+def test_a_checkpoint_dir_overlapping_the_out_dir_is_refused(tmp_path):
+    """--checkpoint-dir inside OUT/model (which the export rewrites) or equal to --out was accepted."""
+    from jaxtrain.config import RunConfig
+    from jaxtrain.errors import ConfigError
+
+    out = tmp_path / "run"
+    for ck in (out, out / "model", out / "model" / "ck", tmp_path):  # the last: --out inside the checkpoint dir
+        with pytest.raises(ConfigError, match=r"--checkpoint-dir .* and --out .* overlap .*use separate"):
+            RunConfig(model="lenet", out=str(out), checkpoint_dir=str(ck))
+    RunConfig(model="lenet", out=str(out), checkpoint_dir=str(out / "checkpoints"))  # beside model/: fine
