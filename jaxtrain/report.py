@@ -259,3 +259,12 @@ def describe(s, data: dict, writer) -> str:
             + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
                "{bubble:.0%})".format(**s.trainer.describe()) if pipeline_layout(s.trainer) else "")
             + f"; out: {writer.out_dir if writer else None}")
+
+
+def not_learning(history, first_loss: float, num_classes: int) -> str:
+    """A note for the result line when the run has not learned: test accuracy within 0.02 of guessing, and the
+    training loss not below 95% of the first step's."""
+    chance = 1 / num_classes
+    if history[-1].test_acc > chance + 0.02 or not history[-1].train_loss >= 0.95 * first_loss:
+        return ""
+    return f"; at chance ({chance:.2f}) and the loss did not fall: not learning (more epochs? another --lr?)"

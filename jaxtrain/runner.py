@@ -23,7 +23,7 @@ from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.pipeline import STAGE_AXIS, pipeline_layout
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.report import (RunWriter, describe, ensure_room, holds_results, make_out_dir, params_digest,
-                             run_summary)
+                             not_learning, run_summary)
 from jaxtrain.signals import StopOnSignal, StopVote
 
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
@@ -286,22 +286,13 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
                    if pipeline_layout(s.trainer) else None)
     plural = "s" * (len(s.devices) != 1)
     s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
-          f"device{plural} ({platform}){_at_chance(history, first_loss, s.model.num_classes)}", flush=True)
+          f"device{plural} ({platform}){not_learning(history, first_loss, s.model.num_classes)}", flush=True)
     if writer is not None:
         writer.summary(summary)
         s.say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl, curves.png")
     if jax.process_count() > 1:  # every process vouches for the same result
         print(f"process {jax.process_index()}: params_digest {summary['params_digest']}", flush=True)
     return summary
-
-
-def _at_chance(history, first_loss: float, num_classes: int) -> str:
-    """A note for the result line when the run has not learned: test accuracy within 0.02 of guessing, and the
-    training loss not below 95% of the first step's."""
-    chance = 1 / num_classes
-    if history[-1].test_acc > chance + 0.02 or not history[-1].train_loss >= 0.95 * first_loss:
-        return ""
-    return f"; at chance ({chance:.2f}) and the loss did not fall: not learning (more epochs? another --lr?)"
 
 
 def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:

@@ -188,9 +188,9 @@ def test_the_default_distillation_trains_as_well_as_the_recipe_alone(tmp_path):
 def test_a_run_at_chance_whose_loss_did_not_fall_says_so():
     from types import SimpleNamespace as Epoch
 
-    from jaxtrain.runner import _at_chance
+    from jaxtrain.report import not_learning
 
     stuck = [Epoch(test_acc=0.10, train_loss=7.61)]
-    assert "at chance (0.10) and the loss did not fall" in _at_chance(stuck, 7.13, 10)
-    assert _at_chance([Epoch(test_acc=0.10, train_loss=1.0)], 2.3, 10) == ""  # the loss fell: learning, slowly
-    assert _at_chance([Epoch(test_acc=0.75, train_loss=2.3)], 2.3, 10) == ""
+    assert "at chance (0.10) and the loss did not fall" in not_learning(stuck, 7.13, 10)
+    assert not_learning([Epoch(test_acc=0.10, train_loss=1.0)], 2.3, 10) == ""  # the loss fell: learning, slowly
+    assert not_learning([Epoch(test_acc=0.75, train_loss=2.3)], 2.3, 10) == ""
