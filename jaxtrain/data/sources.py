@@ -109,6 +109,12 @@ def _conversion_dir(fmt: ModuleType, config_name: str, tfds_dir) -> Path:
     return Path(tfds_dir or tfds.core.constants.DATA_DIR).expanduser() / _builder_class(fmt).name / config_name
 
 
+def _conversion_lock(where: Path, local: Path) -> DirLock:
+    """The lock of one conversion (``where``), beside it: runs converting the same files take turns."""
+    return DirLock(where.parent, "--tfds-dir", name=f".{where.name}.lock",
+                   waiting=f"waiting for another run converting the files in {local}")
+
+
 def _converted(fmt: ModuleType, name: str, split: str, local: Path, tfds_dir):
     """The data source of our conversion of the files in ``local``, converted first if it is not there yet.
 
@@ -128,8 +134,7 @@ def _converted(fmt: ModuleType, name: str, split: str, local: Path, tfds_dir):
         return (builder if builder.is_prepared() else _wait_until_prepared(make_builder)).as_data_source(split=split)
     where = _conversion_dir(fmt, config.name, tfds_dir)
     where.parent.mkdir(parents=True, exist_ok=True)
-    with DirLock(where.parent, "--tfds-dir", name=f".{config.name}.lock",
-                 waiting=f"waiting for another run converting the files in {local}"):
+    with _conversion_lock(where, local):
         builder = make_builder()
         if not builder.is_prepared():
             for s in fmt.FILES:  # validate before writing anything
@@ -259,8 +264,7 @@ def load_split(name: str, split: str, *, data_dir=None, tfds_dir=None, **kwargs)
         fmt = LOCAL[name]
         config = f"{name}_{files_digest(fmt.paths(local))[:12]}"
         where = _conversion_dir(fmt, config, tfds_dir)
-        with DirLock(where.parent, "--tfds-dir", name=f".{config}.lock",
-                     waiting=f"waiting for another run converting the files in {local}"):
+        with _conversion_lock(where, local):
             print(f"warning: the converted copy of {local} in {where} is damaged ({reason}); converting again",
                   file=sys.stderr, flush=True)
             shutil.rmtree(where, ignore_errors=True)
