@@ -103,6 +103,11 @@ def _lenet_steps(strategy, kernels, devices=2, steps=3, accum_steps=1):
     return jax.device_get(state.params), losses
 
 
+@functools.cache  # the 1-device run every strategy's case compares with: once per test process
+def _lenet_reference(accum_steps):
+    return _lenet_steps("jit", "jnp", devices=1, accum_steps=accum_steps)
+
+
 def test_the_lenet_loss_goes_through_the_kernel_forward_and_backward():
     model = models.get("lenet", kernels="pallas")
     params, _ = model.init(jax.random.key(0))
@@ -114,7 +119,7 @@ def test_the_lenet_loss_goes_through_the_kernel_forward_and_backward():
 
 @pytest.mark.parametrize(("strategy", "accum_steps"), [(s, 1) for s in jt.STRATEGIES] + [("jit", 2)])
 def test_a_lenet_step_with_the_kernel_equals_the_default_step(strategy, accum_steps):
-    ref, _ = _lenet_steps("jit", "jnp", devices=1, accum_steps=accum_steps)
+    ref, _ = _lenet_reference(accum_steps)
     jnp_params, jnp_losses = _lenet_steps(strategy, "jnp", accum_steps=accum_steps)
     params, losses = _lenet_steps(strategy, "pallas", accum_steps=accum_steps)
     np.testing.assert_allclose(losses, jnp_losses, rtol=1e-5)
@@ -243,10 +248,15 @@ def vit_init(rng):
     return params, {}
 
 
+@functools.cache  # as _lenet_reference
+def _vit_reference():
+    return _vit_steps("jit", "jnp", devices=1)
+
+
 @pytest.mark.parametrize(("strategy", "mesh_kw"), [("jit", {}), ("shard_map", {}), ("ring", {}),
                                                    ("pipeline", {"axes": {"data": 1, "stage": 2}})])
 def test_a_vit_step_with_the_kernels_equals_the_default_step(strategy, mesh_kw):
-    ref = _vit_steps("jit", "jnp", devices=1)
+    ref = _vit_reference()
     params = _vit_steps(strategy, "pallas", **mesh_kw)
     for a, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):  # pipelined stages reshape to [layers, ...]
         np.testing.assert_allclose(np.reshape(a, r.shape), r, rtol=1e-5, atol=1e-6, err_msg=strategy)
