@@ -23,6 +23,14 @@ import pytest  # noqa: E402
 import jaxtrain as jt  # noqa: E402
 
 jt.setup_devices(4)  # as users do: also sets jaxtrain's XLA:CPU flags
+# The test run's compiles are cached on disk and shared by both xdist workers: the same programs recur across tests
+# (one LeNet step built by many tests). Set in-process (jax.config, not the environment), so subprocesses get the cache
+# only where run_cli adds it (never the killed runs of test_faults). A half-written entry read by the other worker is
+# a warning and a recompile (jax_raise_persistent_cache_errors is off).
+import jax  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.environ["JAXTRAIN_TEST_JIT_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 ROOT = Path(__file__).resolve().parents[1]
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
