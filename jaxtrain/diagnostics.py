@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import time
 from collections.abc import Mapping
 
@@ -142,10 +143,11 @@ def _host_memory() -> tuple[int, int] | None:
         return None
 
 
-def host_memory_warning(stats: dict, devices) -> str | None:
+def warn_host_memory(stats: dict, devices) -> str | None:
     """On CPU every device's buffers live in host RAM, and a step that needs more than is free gets the process
-    killed (exit 137) with no message: a warning before the first step, when one step's temps and outputs on this
-    process's devices exceed 90% of the available memory (the state and the batch are already resident)."""
+    killed (exit 137) with no message: a warning on stderr (also returned) before the first step, when one step's
+    temps and outputs on this process's devices exceed 90% of the available memory (the state and the batch are
+    already resident)."""
     host = _host_memory()
     if not devices or devices[0].platform != "cpu" or host is None:
         return None
@@ -154,9 +156,11 @@ def host_memory_warning(stats: dict, devices) -> str | None:
     available = host[1] - host[0]
     if per_device * len(local) <= 0.9 * available:
         return None
-    return (f"warning: one step needs ~{per_device * len(local) / 2**30:.1f} GiB more host memory ({len(local)} "
-            f"devices x {per_device / 2**30:.2f} GiB) and {available / 2**30:.1f} GiB is available: the run may be "
-            "killed; use a smaller --batch-size (or fewer --devices)")
+    warning = (f"warning: one step needs ~{per_device * len(local) / 2**30:.1f} GiB more host memory ({len(local)} "
+               f"devices x {per_device / 2**30:.2f} GiB) and {available / 2**30:.1f} GiB is available: the run may be "
+               "killed; use a smaller --batch-size (or fewer --devices)")
+    print(warning, file=sys.stderr, flush=True)
+    return warning
 
 
 NOT_REPORTED = "not reported"

@@ -8,7 +8,6 @@ Only process 0 prints and writes files; every process trains.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import jax
@@ -202,8 +201,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
     if c.memory_report:
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     stats = jt.compiled_stats(s.trainer, state, next(iter(train_data.epoch(0))))
-    if warning := diagnostics.host_memory_warning(stats, s.devices):
-        print(warning, file=sys.stderr, flush=True)
+    diagnostics.warn_host_memory(stats, s.devices)
 
     def memory_after_first_step(loop):
         if loop.total_steps == 1:
