@@ -102,11 +102,13 @@ def _wait_until_prepared(make_builder, timeout: float = 600.0):
     raise ConfigError(f"process 0 did not finish converting the dataset within {timeout:.0f} s")
 
 
-def _conversion_dir(fmt: ModuleType, config_name: str, tfds_dir) -> Path:
-    """Where our builder keeps the conversion of one set of files: ``TFDS_DIR/BUILDER/CONFIG``."""
+def _conversion_dir(fmt: ModuleType, name: str, local: Path, tfds_dir) -> Path:
+    """Where our builder keeps the conversion of the files in ``local``: ``TFDS_DIR/BUILDER/NAME_<digest>`` (the
+    directory's name is the builder config's)."""
     import tensorflow_datasets as tfds
 
-    return Path(tfds_dir or tfds.core.constants.DATA_DIR).expanduser() / _builder_class(fmt).name / config_name
+    config = f"{name}_{files_digest(fmt.paths(local))[:12]}"
+    return Path(tfds_dir or tfds.core.constants.DATA_DIR).expanduser() / _builder_class(fmt).name / config
 
 
 def _conversion_lock(where: Path, local: Path) -> DirLock:
@@ -123,8 +125,8 @@ def _converted(fmt: ModuleType, name: str, split: str, local: Path, tfds_dir):
     """
     import tensorflow_datasets as tfds
 
-    config = tfds.core.BuilderConfig(name=f"{name}_{files_digest(fmt.paths(local))[:12]}",
-                                     description=f"{name} from the files in {local}")
+    where = _conversion_dir(fmt, name, local, tfds_dir)
+    config = tfds.core.BuilderConfig(name=where.name, description=f"{name} from the files in {local}")
 
     def make_builder():
         return _builder_class(fmt)(config=config, data_dir=tfds_dir)
@@ -132,7 +134,6 @@ def _converted(fmt: ModuleType, name: str, split: str, local: Path, tfds_dir):
     if _process_index() > 0:
         builder = make_builder()
         return (builder if builder.is_prepared() else _wait_until_prepared(make_builder)).as_data_source(split=split)
-    where = _conversion_dir(fmt, config.name, tfds_dir)
     where.parent.mkdir(parents=True, exist_ok=True)
     with _conversion_lock(where, local):
         builder = make_builder()
@@ -261,9 +262,7 @@ def load_split(name: str, split: str, *, data_dir=None, tfds_dir=None, **kwargs)
             where = Path(tfds_dir or tfds.core.constants.DATA_DIR).expanduser()
             raise ConfigError(f"the prepared copy of {name} in {where} cannot be read ({reason}): delete its "
                               f"directory there and prepare it again") from None
-        fmt = LOCAL[name]
-        config = f"{name}_{files_digest(fmt.paths(local))[:12]}"
-        where = _conversion_dir(fmt, config, tfds_dir)
+        where = _conversion_dir(LOCAL[name], name, local, tfds_dir)
         with _conversion_lock(where, local):
             print(f"warning: the converted copy of {local} in {where} is damaged ({reason}); converting again",
                   file=sys.stderr, flush=True)
