@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from jaxtrain.timing import time_steps
 
     model = models.get("vit")
-    embed_fn, stage_fn, head_loss_fn, _ = model.pipeline
+    embed_fn, stage_fn, head_loss_fn = model.stack.embed_fn, model.stack.stage_fn, model.stack.head_loss_fn
     runs = {}
     for s, schedule, repeats, m in configs(args.stages, args.microbatches):
         batch = model.example_batch(m * args.micro_batch, seed=m)

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         axes = {"data": n} if setting in ("replicated", "fsdp") else {"data": n // 2, "model": 2}
         strategy = args.strategy if setting in ("replicated", "fsdp") else "jit"
         return jt.make_train_step(model.loss_fn, optax.adam(1e-3), mesh=jt.make_mesh(n, axes=axes),
-                                  strategy=strategy, param_sharding=sharding.preset(setting, model.tp_rules))
+                                  strategy=strategy, param_sharding=sharding.preset(setting, model.logical_axes))
 
     batch = batch_of(args.batch_size)
     runs, rows = {}, {}

@@ -36,7 +36,7 @@ from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.loop import Position
 from jaxtrain.precision import all_finite
-from jaxtrain.report import ensure_writable, out_of_space
+from jaxtrain.files import ensure_writable, out_of_space
 from jaxtrain.state import TrainState
 
 UNREADABLE = "unreadable"

@@ -15,7 +15,6 @@ training). The student's own model state is ``model_state["student"]``.
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +49,7 @@ def make_head(temperature: float, alpha: float, kernels: str = "jnp"):
 def distilled(student: models.Model, teacher: models.Model, teacher_params, teacher_state, temperature: float,
               alpha: float, kernels: str = "jnp") -> models.Model:
     """``student`` trained against ``teacher`` (whose params and state are given): a registry Model to train."""
-    if student.with_head is None:
+    if not isinstance(student, models.Distillable):
         raise ConfigError(f"model {student.name} cannot be a distillation student (its loss takes no head)")
     if (student.input_shape, student.num_classes) != (teacher.input_shape, teacher.num_classes):
         raise ConfigError(f"the teacher ({teacher.name}) was trained on {_shape(teacher)} and the student's data is "
@@ -68,8 +67,9 @@ def distilled(student: models.Model, teacher: models.Model, teacher_params, teac
         params, own = student.init(rng)
         return params, {"student": own, "teacher": frozen}
 
-    return dataclasses.replace(student, init=init, loss_fn=loss, pipeline=None, with_head=None,
-                               eval_fn=lambda params, state, batch: student.eval_fn(params, state["student"], batch))
+    return models.Model(student.name, init, loss, lambda params, state, batch: student.eval_fn(params, state["student"], batch),
+                        lambda params, state, images: student.logits(params, state["student"], images),
+                        student.logical_axes, student.input_shape, student.num_classes, student.init_name)
 
 
 def own_state(model_state):
@@ -82,8 +82,6 @@ def teacher_from_run(run_dir: str) -> tuple[models.Model, dict, dict]:
     is missing, holds no saved model, or holds a model that cannot be a teacher."""
     meta, params, state = export.load(run_dir, flag="--teacher")
     teacher = export.model_of(meta)
-    if teacher.logits is None:
-        raise ConfigError(f"--teacher {run_dir}: a {meta['model']} model cannot be a teacher here")
     return teacher, params, state
 
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.report import atomic_write, out_of_space, params_digest
+from jaxtrain.files import atomic_write, out_of_space, params_digest
 
 ARRAYS, INFO = "model", "model.json"
 

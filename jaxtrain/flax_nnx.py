@@ -26,10 +26,10 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from jaxtrain import rng as random_rule
 from jaxtrain.parallel import batch_axis
+from jaxtrain.sharding import logical_spec
 
 
 def _called_with_train(model) -> bool:
@@ -99,13 +99,14 @@ class NnxAdapter:
 
 
 def _rules(params) -> list:
-    """The module's own sharding annotations (``nnx.with_partitioning``) as ``param_sharding`` rules."""
+    """The module's own sharding annotations (``nnx.with_partitioning``: logical names, or mesh axes) as
+    ``param_sharding`` rules."""
     rules = []
     for path, var in nnx.to_flat_state(params):
         meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
         names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
         if names:
-            rules.append(("^" + re.escape("/".join(map(str, path))) + "$", P(*names)))
+            rules.append(("^" + re.escape("/".join(map(str, path))) + "$", logical_spec(names)))
     return rules
 
 

@@ -7,7 +7,7 @@ A pipelined model is three functions and ``params = {"embed": E, "stages": S, "h
 - ``head_loss_fn(H, x, batch) -> (loss, metrics)``: means over the examples given.
 
 The reference is the sequential loop ``x = embed_fn(E, b); for i in range(L): x = stage_fn(S[i], x)``
-(``sequential_loss``). Placement: the L layers form ``stages x repeats`` chunks of K consecutive layers;
+(``jaxtrain.models.sequential.sequential_loss``). Placement: the L layers form ``stages x repeats`` chunks of K consecutive layers;
 chunk c runs on stage ``c % stages`` (its repeat is ``c // stages``). The stored ``"stages"`` leaves are
 ``[repeats, stages, K, ...]``, sharded over ``"stage"`` on their second axis, so each stage's layers live
 on its devices only, and a row-major reshape gives ``[L, ...]`` in layer order (``layers``).
@@ -65,18 +65,6 @@ def _stored(stages, num_stages: int, repeats: int):
         raise ConfigError(f"{n} layers do not split into {num_stages} stages x {repeats} repeats: use a layer "
                           f"count that is a multiple of {num_stages * repeats}")
     return jax.tree.map(lambda w: w.reshape(repeats, num_stages, n // (num_stages * repeats), *w.shape[1:]), stages)
-
-
-def sequential_loss(embed_fn, stage_fn, head_loss_fn):
-    """The plain model as a ``loss_fn`` for ``make_train_step`` (params["stages"] leaves ``[L, ...]``)."""
-
-    def loss_fn(params, model_state, batch, rng):
-        x = embed_fn(params["embed"], batch)
-        x = lax.scan(lambda x, p: (stage_fn(p, x), None), x, params["stages"])[0]
-        loss, metrics = head_loss_fn(params["head"], x, batch)
-        return loss, (model_state, metrics)
-
-    return loss_fn
 
 
 def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: int, remat: str, dtype):
@@ -214,15 +202,14 @@ class PipelineTrainer(Trainer):
         """As ``Trainer.plan``, for params with ``[L, ...]`` stages leaves (arrays or shapes)."""
         return super().plan(jax.eval_shape(self._pipelined, params))
 
+    @property
+    def pipeline_layout(self) -> dict:
+        """How the layers are stored (``[repeats, stages, K, ...]``): a checkpoint must match it."""
+        return {"stages": self.num_stages, "repeats": self.repeats}
+
     def describe(self) -> dict:
         return {"stages": self.num_stages, "microbatches": self.microbatches, "schedule": self.schedule,
                 "repeats": self.repeats, "bubble": self.bubble}
-
-
-def pipeline_layout(trainer) -> dict | None:
-    """How a trainer stores its layers (``[repeats, stages, K, ...]``: checkpoints must match); None if not
-    pipelined."""
-    return {"stages": trainer.num_stages, "repeats": trainer.repeats} if isinstance(trainer, PipelineTrainer) else None
 
 
 def make_pipeline_step(embed_fn, stage_fn, head_loss_fn, tx: optax.GradientTransformation, *, mesh,

@@ -9,8 +9,9 @@ then runs an int8 x int8 -> int32 convolution / dot, rescaled to float after
 the rest stay in fp32.
 
 - LeNet (params dict): its layers take their ops (``lenet.apply(..., ops=)``):
-  ``INT8_OPS`` quantise the activation and call ``qwix.conv_general_dilated``
-  / ``qwix.dot_general`` on the int8 weight (a ``qwix.QArray``).
+  ``jaxtrain.int8.INT8_OPS`` quantise the activation and call
+  ``qwix.conv_general_dilated`` / ``qwix.dot_general`` on the int8 weight
+  (a ``qwix.QArray``).
 - NNX models (ResNet-18): ``qwix.quantize_model`` with a ``PtqProvider``
   whose rule covers every conv and dense layer: qwix intercepts the module's
   ``lax`` calls and replaces each kernel by its int8 ``QArray``.
@@ -28,46 +29,9 @@ import jax.numpy as jnp
 import qwix
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.int8 import INT8_OPS, int8_weight
 
 MODELS = ("lenet", "resnet18")  # what ``quantize`` handles
-
-
-def int8_weight(w: jax.Array) -> qwix.QArray:
-    """int8 values, a float scale per output channel (the last axis: HWIO convs, [in, out] denses)."""
-    return qwix.quantize(w, jnp.int8, channelwise_axes=(w.ndim - 1,))
-
-
-def _int8_act(x: jax.Array) -> qwix.QArray:
-    return qwix.quantize(x, jnp.int8, channelwise_axes=(0,))  # a scale per example, from this batch
-
-
-def conv(x, w, *args, **kwargs):
-    return qwix.conv_general_dilated(_int8_act(x), w, *args, **kwargs)
-
-
-def matmul(x, w):
-    return qwix.dot_general(_int8_act(x), w, (((x.ndim - 1,), (0,)), ((), ())))
-
-
-INT8_OPS = (conv, matmul)  # lenet.apply(..., ops=INT8_OPS)
-
-
-def fake_int8(x: jax.Array, channel_axis: int) -> jax.Array:
-    """``x`` rounded to the int8 grid ``int8_weight`` / the activations use (a scale per ``channel_axis`` slice),
-    in float; the gradient passes straight through (quantisation-aware training)."""
-    rounded = qwix.dequantize(qwix.quantize(x, jnp.int8, channelwise_axes=(channel_axis % x.ndim,)))
-    return x + jax.lax.stop_gradient(rounded.astype(x.dtype) - x)
-
-
-def fake_conv(x, w, *args, **kwargs):
-    return jax.lax.conv_general_dilated(fake_int8(x, 0), fake_int8(w, -1), *args, **kwargs)
-
-
-def fake_matmul(x, w):
-    return jnp.matmul(fake_int8(x, 0), fake_int8(w, -1))
-
-
-QAT_OPS = (fake_conv, fake_matmul)  # training with --quantize int8: the int8 model's numbers, float gradients
 
 
 @dataclasses.dataclass

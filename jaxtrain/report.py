@@ -1,35 +1,18 @@
-"""Run outputs: metrics.jsonl, summary.json, the curves PNG, params digest."""
+"""Run outputs: metrics.jsonl, summary.json, the curves PNG, the run's first line."""
 
 from __future__ import annotations
 
 import dataclasses
-import errno
-import hashlib
 import json
 import math
-import os
-import shutil
 import statistics
 import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.pipeline import pipeline_layout
-
-
-def params_digest(params) -> str:
-    """sha256 of the params' bytes, leaves in tree order (dict keys sorted)."""
-    h = hashlib.sha256()
-    if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params)):
-        from jax.experimental import multihost_utils  # sharded over processes: every process gets the whole
-
-        params = multihost_utils.process_allgather(params, tiled=True)
-    for leaf in jax.tree.leaves(jax.device_get(params)):
-        h.update(np.ascontiguousarray(leaf).tobytes())
-    return h.hexdigest()
+from jaxtrain.files import atomic_write, ensure_writable, out_of_space, remove_stale_temps
 
 
 def make_out_dir(out: str | None, name: str) -> Path:
@@ -49,62 +32,6 @@ def holds_results(out_dir: Path) -> bool:
     metrics = out_dir / "metrics.jsonl"
     return any((out_dir / name).exists() for name in ("summary.json", "model.json")) or (
         metrics.is_file() and metrics.stat().st_size > 0)
-
-
-def ensure_writable(path: Path, what: str, flag: str) -> Path:
-    """Create ``path`` and prove it writable now, not after an hour of training."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{jax.process_index()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"cannot write {what} {path} ({e.strerror}); pass {flag} somewhere writable") from None
-    return path
-
-
-def out_of_space(e: BaseException) -> bool:
-    """Whether ``e`` (an OSError, or a library's wrapped error) says the disk is full."""
-    text = str(e)
-    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
-        s in text for s in ("No space left", "ENOSPC", "RESOURCE_EXHAUSTED", "Disk quota exceeded"))
-
-
-def ensure_room(path: Path, needed: int, what: str, flag: str) -> None:
-    """A one-line error now if ``path``'s file system has less than ``needed`` bytes free."""
-    free = shutil.disk_usage(path).free
-    if free < needed:
-        raise ConfigError(f"{path} has {free / 2**20:.1f} MiB free but the run will write about "
-                          f"{needed / 2**20:.1f} MiB of {what} there: make room, or pass {flag} elsewhere")
-
-
-def atomic_write(path: Path, data: str | bytes) -> None:
-    """Write ``path`` whole or not at all: a temp file in the same directory, fsync'd, then renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def remove_stale_temps(directory: Path) -> None:
-    """Delete ``atomic_write`` temp files whose writer is dead (a SIGKILL mid-write leaves one; nothing can
-    clean up then, so the next run in the directory does)."""
-    for tmp in directory.glob(".*.tmp-*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        try:
-            os.kill(int(pid), 0)
-        except ValueError:
-            continue  # not ours
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-        except PermissionError:
-            pass  # alive, another user's
 
 
 class OutputError(ConfigError):
@@ -245,7 +172,7 @@ def run_summary(args, name: str, history, first_loss, stats, peak, devices, call
 def describe(s, data: dict, writer) -> str:
     """The run's first line: model, data, devices, placement, precision ... (``s``: the runner's Setup)."""
     c, sharded = s.config, len(s.layout["sharded"])
-    placement = "layers over the stages" if pipeline_layout(s.trainer) else c.param_sharding
+    placement = "layers over the stages" if s.trainer.pipeline_layout else c.param_sharding
     return (f"{c.model}: {len(data['train'])} train / {len(data['test'])} test examples of {c.dataset} "
             f"({'x'.join(map(str, s.model.input_shape))}, {s.model.num_classes} classes), batch "
             f"{c.batch_size} on {len(s.devices)} {s.devices[0].platform} device(s), strategy {c.strategy}, mesh "
@@ -257,7 +184,7 @@ def describe(s, data: dict, writer) -> str:
             + (", Pallas cross-entropy kernel" if c.kernels == "pallas" else "")
             + (f", distilled from {c.teacher} (T {c.temperature:g}, alpha {c.alpha:g})" if c.teacher else "")
             + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
-               "{bubble:.0%})".format(**s.trainer.describe()) if pipeline_layout(s.trainer) else "")
+               "{bubble:.0%})".format(**s.trainer.describe()) if s.trainer.pipeline_layout else "")
             + f"; out: {writer.out_dir if writer else None}")
 
 

@@ -19,10 +19,10 @@ from jaxtrain.config import RunConfig
 from jaxtrain.data import loader, sources
 from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError, Diverged
-from jaxtrain.pipeline import STAGE_AXIS, pipeline_layout
+from jaxtrain.files import ensure_room, params_digest
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
-from jaxtrain.report import (RunWriter, describe, ensure_room, holds_results, make_out_dir, params_digest,
-                             not_learning, run_summary)
+from jaxtrain.pipeline import STAGE_AXIS
+from jaxtrain.report import RunWriter, describe, holds_results, make_out_dir, not_learning, run_summary
 from jaxtrain.signals import StopOnSignal, StopVote
 
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
@@ -88,7 +88,7 @@ def build_trainer(s: Setup, train=None) -> None:
     else:
         s.trainer = jt.make_train_step(s.model.loss_fn, tx, mesh=s.mesh, strategy=c.strategy,
                                        precision=c.precision, accum_steps=c.accum_steps, accum=c.accum,
-                                       param_sharding=sharding.preset(c.param_sharding, s.model.tp_rules))
+                                       param_sharding=sharding.preset(c.param_sharding, s.model.logical_axes))
         s.evaluator = jt.make_eval_step(s.model.eval_fn, mesh=s.mesh, strategy=c.strategy)
     s.layout = s.trainer.plan(jax.eval_shape(s.model.init, jax.random.key(c.seed))[0])
     s.call_batch = c.batch_size
@@ -103,16 +103,16 @@ def build_trainer(s: Setup, train=None) -> None:
 def build_pipeline(s: Setup, tx) -> None:
     """A --mesh with a "stage" axis: the model's layers pipelined over it."""
     c = s.config
-    if s.model.pipeline is None:
+    if not isinstance(s.model, models.Pipelinable):
         raise ConfigError(f"--mesh {STAGE_AXIS}=N: model {c.model} has no stack of identical layers to pipeline: "
                           "use experiments.vit, or a mesh without a 'stage' axis")
     if (c.strategy, c.param_sharding, c.accum_steps) != ("jit", "replicated", 1):
         raise ConfigError("pipelined runs use --strategy jit, --param-sharding replicated and --accum-steps 1 "
                           "(micro-batches are the pipeline's: --microbatches)")
-    *fns, head_eval_fn = s.model.pipeline
-    s.trainer = jt.make_pipeline_step(*fns, tx, mesh=s.mesh, microbatches=c.microbatches, schedule=c.pipeline_schedule,
+    stack = s.model.stack
+    s.trainer = jt.make_pipeline_step(stack.embed_fn, stack.stage_fn, stack.head_loss_fn, tx, mesh=s.mesh, microbatches=c.microbatches, schedule=c.pipeline_schedule,
                                       repeats=c.repeats, precision=c.precision, remat=c.remat)
-    s.evaluator = jt.make_eval_step(s.trainer.eval_fn(head_eval_fn), mesh=s.mesh)
+    s.evaluator = jt.make_eval_step(s.trainer.eval_fn(stack.head_eval_fn), mesh=s.mesh)
 
 
 def open_checkpoints(s: Setup) -> None:
@@ -135,7 +135,7 @@ def load_data(s: Setup) -> tuple[dict, dict]:
     data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir) for k in ("train", "test")}
     settings = {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS) if hasattr(c, k)},  # mesh: the flag
                 "data_sha256": sources.split_digest(*data.values()), "experiment": c.model, "devices": len(s.devices),
-                "processes": jax.process_count(), "pipeline_layout": pipeline_layout(s.trainer)}
+                "processes": jax.process_count(), "pipeline_layout": s.trainer.pipeline_layout}
     if s.checkpointer is not None:
         s.checkpointer.settings = settings
     return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, settings
@@ -196,8 +196,9 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
                                augment=c.augment)
     test_data = loader.Loader(data["test"], c.batch_size, train=False, workers=c.workers)
     if c.summary:
-        images = loader.normalise(data["test"].head(8).images) if s.model.apply else None
-        say(diagnostics.format_summary(diagnostics.summarize(state.params, s.model.apply, images)))
+        images = loader.normalise(data["test"].head(8).images)
+        forward = lambda params, x: s.model.logits(params, state.model_state, x)  # noqa: E731
+        say(diagnostics.format_summary(diagnostics.summarize(state.params, forward, images)))
     if c.memory_report:
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     stats = jt.compiled_stats(s.trainer, state, next(iter(train_data.epoch(0))))
@@ -281,7 +282,7 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
     summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
                    sharded_params=s.layout["sharded"], collectives=stats["collectives"],
                    pipeline={**s.trainer.describe(), "counted_bubble": float(s.last["pipeline_bubble"])}
-                   if pipeline_layout(s.trainer) else None)
+                   if s.trainer.pipeline_layout else None)
     plural = "s" * (len(s.devices) != 1)
     s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
           f"device{plural} ({platform}){not_learning(history, first_loss, s.model.num_classes)}", flush=True)

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.choices import PARAM_SHARDINGS
-from jaxtrain.devices import DATA_AXIS
+from jaxtrain.devices import DATA_AXIS, MODEL_AXIS
 from jaxtrain.errors import ConfigError
 from jaxtrain.state import Frozen, is_frozen
 
@@ -45,17 +45,29 @@ class FSDP:
 
 PRESETS = PARAM_SHARDINGS  # the CLI's --param-sharding
 
+# Logical axis names (what models annotate their parameters' dimensions with) -> the mesh axis that splits
+# them (None: not split). Tensor parallelism splits a layer's hidden units, heads or output channels over
+# "model"; the rest stays whole. A name not listed here is taken as a mesh axis name itself.
+LOGICAL_AXES = {"mlp": MODEL_AXIS, "heads": MODEL_AXIS, "conv_out": MODEL_AXIS,
+                "embed": None, "classes": None, "conv_in": None}
 
-def preset(name: str, tp_rules=()) -> object:
-    """``param_sharding`` for a CLI preset; ``tp_rules``: the model's ((regex, PartitionSpec over "model"), ...)."""
+
+def logical_spec(names) -> P:
+    """A PartitionSpec for one parameter's logical axis names, e.g. ``("embed", "mlp")`` -> ``P(None, "model")``."""
+    return P(*(LOGICAL_AXES.get(n, n) if n is not None else None for n in names))
+
+
+def preset(name: str, logical_axes=()) -> object:
+    """``param_sharding`` for a CLI preset; ``logical_axes``: the model's ((regex, names per dimension), ...)."""
     if name in ("replicated", "fsdp"):
         return name
     if name not in PRESETS:
         raise ConfigError(f"unknown --param-sharding {name!r}: use one of {', '.join(PRESETS)}")
-    if not tp_rules:
+    if not logical_axes:
         raise ConfigError(f"--param-sharding {name}: this model has no tensor-parallel rules; use replicated or fsdp")
+    tp_rules = [(pattern, logical_spec(names)) for pattern, names in logical_axes]
     if name == "tp":
-        return list(tp_rules)
+        return tp_rules
     return [(pattern, FSDP(spec)) for pattern, spec in tp_rules] + [(".*", "fsdp")]
 
 

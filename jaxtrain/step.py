@@ -101,6 +101,8 @@ def _check_not_donated(state) -> None:
 class Trainer:
     """A compiled train step: ``state, metrics = trainer(state, batch)``; the state placed by ``param_sharding``."""
 
+    pipeline_layout: dict | None = None  # how a pipelined trainer stores its layers (checkpoints must match)
+
     def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, strategy: str,
                  precision: str | prec.Precision = "fp32", accum_steps: int = 1, accum: str = "scan",
                  param_sharding="replicated", min_size: int = sharding.MIN_SIZE):

@@ -203,6 +203,7 @@ def test_resume_under_another_mesh_and_sharding_goes_on_where_the_run_stopped(tm
             "'replicated', max_steps 4 -> 8") in resumed.stdout, resumed.stdout
     straight = lenet(8, "--devices", "4", "--param-sharding", "fsdp", "--checkpoint-dir", str(tmp_path / "ck2"),
                      "--out", str(tmp_path / "c"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
     got, want = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("b", "c"))
     assert got["steps"] == want["steps"] == 8
     # Float re-association differs between the meshes; the run is the same run.

@@ -176,7 +176,7 @@ def test_full_output_disk_keeps_the_previous_file_and_is_one_line(tmp_path, monk
     """(7) ENOSPC from metrics.jsonl was a raw traceback (simulated at the write call; tmpfs below)."""
     import errno
 
-    from jaxtrain import report
+    from jaxtrain import files, report
     from jaxtrain.loop import EpochStats
 
     writer = report.RunWriter(tmp_path)
@@ -187,7 +187,7 @@ def test_full_output_disk_keeps_the_previous_file_and_is_one_line(tmp_path, monk
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(report.os, "fsync", full)
+    monkeypatch.setattr(files.os, "fsync", full)
     with pytest.raises(report.OutputError, match="the disk is full.*intact"):
         writer.epoch(stats)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before

@@ -231,7 +231,7 @@ def _vit_steps(strategy, kernels, devices=2, steps=2, **mesh_kw):
     model = models.get("vit", kernels=kernels)
     mesh = jt.make_mesh(jax.devices()[:devices], **mesh_kw)
     if "stage" in mesh.axis_names:
-        trainer = jt.make_pipeline_step(*model.pipeline[:3], optax.sgd(0.1), mesh=mesh, microbatches=2)
+        trainer = jt.make_pipeline_step(model.stack.embed_fn, model.stack.stage_fn, model.stack.head_loss_fn, optax.sgd(0.1), mesh=mesh, microbatches=2)
     else:
         trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=mesh, strategy=strategy)
     state = trainer.init(init_fn=lambda rng: vit_init(rng), rng=jax.random.key(0))

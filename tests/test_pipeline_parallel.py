@@ -11,6 +11,7 @@ from conftest import needs_fashion_mnist
 
 import jaxtrain as jt
 from jaxtrain import pipeline
+from jaxtrain.models.sequential import sequential_loss
 from jaxtrain.errors import ConfigError
 
 LAYERS, WIDTH = 8, 16
@@ -52,7 +53,7 @@ def reference_of(opt):
 
 
 def reference(tx, data):
-    trainer = jt.make_train_step(pipeline.sequential_loss(embed_fn, stage_fn, head_loss_fn), tx, mesh=1)
+    trainer = jt.make_train_step(sequential_loss(embed_fn, stage_fn, head_loss_fn), tx, mesh=1)
     state = trainer.init(init_fn(jax.random.key(0)))
     losses = []
     for b in data:
@@ -237,7 +238,7 @@ def test_pipelined_vit_cli_stops_on_sigterm_and_resumes_to_the_uninterrupted_dig
 def test_precision_policies_pipeline_as_closely_as_the_sequential_model(precision):
     """bf16 / fp16 runs differ from fp32 by rounding; pipelined, by no more than the plain model does."""
     data = batches()
-    trainer = jt.make_train_step(pipeline.sequential_loss(embed_fn, stage_fn, head_loss_fn), optax.sgd(0.3), mesh=1,
+    trainer = jt.make_train_step(sequential_loss(embed_fn, stage_fn, head_loss_fn), optax.sgd(0.3), mesh=1,
                                  precision=precision)
     ref = trainer.init(init_fn(jax.random.key(0)))
     mesh = jt.make_mesh(4, axes={"data": 2, "stage": 2})

@@ -14,10 +14,10 @@ import qwix
 import jaxtrain as jt
 from conftest import needs_fashion_mnist, run_cli
 from experiments import quantize as quantize_cli
-from jaxtrain import export, models, quantize
+from jaxtrain import export, int8, models, quantize
 from jaxtrain.data import loader, sources
 from jaxtrain.errors import ConfigError
-from jaxtrain.report import params_digest
+from jaxtrain.files import params_digest
 
 
 def _info(model="lenet", **extra):
@@ -153,9 +153,9 @@ def test_a_finished_lenet_run_is_quantised_from_its_directory(tmp_path):
 
 def test_fake_int8_is_the_int8_grid_with_a_straight_through_gradient():
     w = np.random.default_rng(0).normal(size=(5, 5, 20, 50)).astype(np.float32)
-    q = quantize.int8_weight(w)
-    np.testing.assert_array_equal(quantize.fake_int8(jnp.asarray(w), -1), q.qvalue * q.scale)
-    np.testing.assert_array_equal(jax.grad(lambda w: (quantize.fake_int8(w, -1) * 3).sum())(w), np.full_like(w, 3))
+    q = int8.int8_weight(w)
+    np.testing.assert_array_equal(int8.fake_int8(jnp.asarray(w), -1), q.qvalue * q.scale)
+    np.testing.assert_array_equal(jax.grad(lambda w: (int8.fake_int8(w, -1) * 3).sum())(w), np.full_like(w, 3))
 
 
 def test_a_quantisation_aware_lenet_computes_what_its_int8_export_computes(trained_lenet):

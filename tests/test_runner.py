@@ -1,7 +1,5 @@
 """RunConfig <-> command line, the model registry, one-step-late reading, the clock, the loop's hooks."""
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,6 +68,26 @@ def test_registry_models_train_on_their_example_batch(name):
     assert np.isfinite(float(metrics["loss"]))
     with pytest.raises(jt.ConfigError, match="unknown model 'vgg'"):
         models.get("vgg")
+
+
+def test_what_a_model_can_do_is_a_protocol_and_its_axes_are_logical():
+    """Capabilities are protocols (not None fields); tensor-parallel rules come from logical axis names."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxtrain import distill, sharding
+
+    lenet, vit, resnet = (models.get(n) for n in ("lenet", "vit", "resnet18"))
+    assert all(isinstance(m, models.Distillable) for m in (lenet, vit, resnet))
+    assert isinstance(vit, models.Pipelinable) and not isinstance(lenet, models.Pipelinable)
+    assert not isinstance(resnet, models.Pipelinable)
+    student = distill.distilled(lenet, lenet, {}, {}, 2.0, 0.5)  # a distilled model is neither
+    assert not isinstance(student, (models.Distillable, models.Pipelinable))
+    assert sharding.preset("tp", lenet.logical_axes) == [
+        (r"dense1/w$", P(None, "model")), (r"dense1/b$", P("model")), (r"dense2/w$", P("model", None))]
+    assert sharding.preset("tp", resnet.logical_axes)[0][1] == P(None, None, None, "model")
+    assert sharding.logical_spec(("data", None, "embed")) == P("data", None, None)  # mesh names pass through
+    with pytest.raises(jt.ConfigError, match="no tensor-parallel rules"):
+        sharding.preset("tp", vit.logical_axes)
 
 
 def test_one_step_late_hands_back_the_previous_outputs_read():

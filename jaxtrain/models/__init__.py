@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 IMAGE_SHAPE = (28, 28, 1)
 
@@ -41,20 +42,23 @@ MODELS = {
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """What is trained: ``init(rng) -> (params, model_state)``, its loss / eval fns, its sharding rules."""
+    """What is trained: ``init(rng) -> (params, model_state)``, its loss and eval fns, its evaluation-mode
+    ``logits(params, model_state, images)`` (a teacher's forward, the model summary's FLOPs), and how its
+    parameters split for tensor parallelism (``logical_axes``: ``((regex, (logical name | None per dim)),
+    ...)``, mapped to mesh axes by ``jaxtrain.sharding.LOGICAL_AXES``: a model never names a mesh axis).
+
+    What only some models can do is a capability of its own (``Student``, ``Stacked``): test it with
+    ``isinstance(model, Distillable)`` / ``isinstance(model, Pipelinable)``."""
 
     name: str
     init: Callable
     loss_fn: Callable
     eval_fn: Callable
-    apply: Callable | None = None  # apply(params, images) -> logits, for the model summary
-    tp_rules: tuple = ()  # ((regex, PartitionSpec over "model"), ...): --param-sharding tp / fsdp+tp
-    pipeline: tuple | None = None  # (embed_fn, stage_fn, head_loss_fn, head_eval_fn): it can be pipelined
+    logits: Callable
+    logical_axes: tuple = ()
     input_shape: tuple = IMAGE_SHAPE  # (H, W, C) of the images it was built for
     num_classes: int = 10
     init_name: str = "d2l"  # which of the recipe's inits made ``init``'s weights
-    logits: Callable | None = None  # logits(params, model_state, images): evaluation mode (a teacher's forward)
-    with_head: Callable | None = None  # with_head(head) -> loss_fn whose loss is head(logits, batch) (a student)
 
     def example_batch(self, batch_size: int, seed: int = 0) -> dict:
         """A random host batch of the model's input (images in [0, 1), labels): benchmarks and tests."""
@@ -63,6 +67,48 @@ class Model:
         rng = np.random.default_rng(seed)
         return {"image": rng.random((batch_size, *self.input_shape), dtype=np.float32),
                 "label": rng.integers(0, self.num_classes, batch_size).astype(np.int32)}
+
+
+@runtime_checkable
+class Distillable(Protocol):
+    """A model whose loss takes another head: ``with_head(head) -> loss_fn`` whose loss is
+    ``head(logits, batch) -> (loss, metrics)`` (a distillation student)."""
+
+    def with_head(self, head: Callable) -> Callable: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """A model as ``embed -> identical layers -> head``: what a pipeline splits (``jaxtrain.pipeline``)."""
+
+    embed_fn: Callable  # (E, batch) -> x
+    stage_fn: Callable  # (one layer's params, x) -> x
+    head_loss_fn: Callable  # (H, x, batch) -> (loss, metrics)
+    head_eval_fn: Callable  # (H, x, batch) -> per-example metrics
+
+
+@runtime_checkable
+class Pipelinable(Protocol):
+    """A model with a ``Stack`` of identical layers: it can train pipelined over a mesh's "stage" axis."""
+
+    stack: Stack
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Student(Model):
+    """A registry model that can be distilled into (``Distillable``)."""
+
+    head_loss: Callable  # head -> loss_fn
+
+    def with_head(self, head: Callable) -> Callable:
+        return self.head_loss(head)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stacked(Student):
+    """A registry model that can also be pipelined (``Pipelinable``)."""
+
+    stack: Stack
 
 
 def names() -> tuple[str, ...]:
@@ -92,44 +138,54 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
     try:
-        return dataclasses.replace(_build(name, remat, init, shape, quantize, kernels), init_name=init)
+        return dataclasses.replace(BUILDERS[name](remat, init, shape, quantize, kernels), init_name=init)
     except ValueError as e:  # e.g. images too small for the model
         raise ConfigError(f"model {name}: {e}") from None
 
 
-def _build(name: str, remat: str, init: str, shape: dict, quantize: str, kernels: str) -> Model:
-    from jaxtrain.models import classify
+def _lenet(remat: str, init: str, shape: dict, quantize: str, kernels: str) -> Model:
+    from jaxtrain.models import classify, lenet
 
-    head = classify.loss_head(kernels)
-    if name == "lenet":
-        from jaxtrain.models import lenet
+    lenet.shapes(**shape)  # images too small: an error now
+    ops = lenet.FLOAT_OPS
+    if quantize == "int8":
+        from jaxtrain.int8 import QAT_OPS as ops
+    return Student(name="lenet", init=lambda rng: (lenet.init_params(rng, **shape), {}),
+                   loss_fn=lenet.make_loss_fn(remat, classify.loss_head(kernels), ops), eval_fn=lenet.make_eval_fn(ops),
+                   logits=lambda params, _, images: lenet.apply(params, images, ops=ops),
+                   logical_axes=lenet.LOGICAL_AXES, head_loss=lambda head: lenet.make_loss_fn(remat, head, ops),
+                   **shape)
 
-        lenet.shapes(**shape)  # images too small: an error now
-        ops = lenet.FLOAT_OPS
-        if quantize == "int8":
-            from jaxtrain.quantize import QAT_OPS as ops
-        return Model(name, lambda rng: (lenet.init_params(rng, **shape), {}), lenet.make_loss_fn(remat, head, ops),
-                     lenet.make_eval_fn(ops), apply=lenet.apply, tp_rules=lenet.TP_RULES,
-                     logits=lambda params, _, images: lenet.apply(params, images, ops=ops),
-                     with_head=lambda head: lenet.make_loss_fn(remat, head, ops), **shape)
-    if name == "vit":
-        from jaxtrain.models import vit
-        from jaxtrain.pipeline import sequential_loss
-        from jaxtrain.remat import remat as remat_block
 
-        layer = functools.partial(vit.block, kernels=kernels)  # kernels="pallas": its layer norms too
-        block = remat_block(layer, remat)
-        vit.tokens(shape["input_shape"])  # sides not divisible by the patch: an error now
-        return Model(name, lambda rng: (vit.init(rng, **shape), {}),
-                     sequential_loss(vit.embed_fn, block, vit.head_loss(head, kernels)), vit.eval_fn, apply=vit.apply,
-                     pipeline=(vit.embed_fn, layer, vit.head_loss(head, kernels), vit.head_eval_fn),
-                     logits=lambda params, _, images: vit.apply(params, images),
-                     with_head=lambda head: sequential_loss(vit.embed_fn, block, vit.head_loss(head, kernels)),
-                     **shape)
-    from jaxtrain.models import resnet
+def _vit(remat: str, init: str, shape: dict, quantize: str, kernels: str) -> Model:
+    from jaxtrain.models import classify, vit
+    from jaxtrain.models.sequential import sequential_loss
+    from jaxtrain.remat import remat as remat_block
 
-    net = resnet.adapter(shape["input_shape"], shape["num_classes"], weight_init=init, remat=remat, head=head)
-    return Model(name, lambda rng: resnet.init_variables(rng, weight_init=init, **shape), net.loss_fn, net.eval_fn,
-                 tp_rules=resnet.TP_RULES, logits=lambda params, stats, images: net.module(params, stats)(images),
-                 with_head=lambda head: resnet.adapter(weight_init=init, remat=remat, head=head, **shape).loss_fn,
-                 **shape)
+    layer = functools.partial(vit.block, kernels=kernels)  # kernels="pallas": its layer norms too
+    block = remat_block(layer, remat)
+    vit.tokens(shape["input_shape"])  # sides not divisible by the patch: an error now
+    head_loss = lambda head: sequential_loss(vit.embed_fn, block, vit.head_loss(head, kernels))  # noqa: E731
+    return Stacked(name="vit", init=lambda rng: (vit.init(rng, **shape), {}),
+                   loss_fn=head_loss(classify.loss_head(kernels)), eval_fn=vit.eval_fn,
+                   logits=lambda params, _, images: vit.apply(params, images), head_loss=head_loss,
+                   stack=Stack(vit.embed_fn, layer, vit.head_loss(classify.loss_head(kernels), kernels),
+                               vit.head_eval_fn), **shape)
+
+
+def _resnet18(remat: str, init: str, shape: dict, quantize: str, kernels: str) -> Model:
+    from jaxtrain.models import classify, resnet
+
+    net = resnet.adapter(shape["input_shape"], shape["num_classes"], weight_init=init, remat=remat,
+                         head=classify.loss_head(kernels))
+    return Student(name="resnet18", init=lambda rng: resnet.init_variables(rng, weight_init=init, **shape),
+                   loss_fn=net.loss_fn, eval_fn=net.eval_fn,
+                   logits=lambda params, stats, images: net.module(params, stats)(images),
+                   logical_axes=resnet.LOGICAL_AXES,
+                   head_loss=lambda head: resnet.adapter(weight_init=init, remat=remat, head=head, **shape).loss_fn,
+                   **shape)
+
+
+# name -> its builder (remat, init, shape, quantize, kernels) -> Model
+BUILDERS = {"lenet": _lenet, "resnet18": _resnet18, "vit": _vit}
+assert BUILDERS.keys() == MODELS.keys()

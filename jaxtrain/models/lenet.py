@@ -7,9 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from jaxtrain.devices import MODEL_AXIS
 from jaxtrain.models import classify
 from jaxtrain.remat import remat as _remat
 
@@ -27,9 +25,10 @@ def shapes(input_shape=IMAGE_SHAPE, num_classes: int = NUM_CLASSES) -> dict:
             "dense1": ((side(h) * side(w) * 50, 128), (128,)), "dense2": ((128, num_classes), (num_classes,))}
 
 
-# Tensor parallelism over "model" (Megatron's MLP split): dense1 column-parallel (its outputs split), dense2
-# row-parallel (its inputs split); XLA adds the one all-reduce of dense2's partial sums. Convs stay replicated.
-TP_RULES = ((r"dense1/w$", P(None, MODEL_AXIS)), (r"dense1/b$", P(MODEL_AXIS)), (r"dense2/w$", P(MODEL_AXIS, None)))
+# Logical axes (jaxtrain.sharding.LOGICAL_AXES maps them to the mesh): tensor parallelism splits "mlp", the
+# hidden layer (Megatron's MLP split): dense1 column-parallel (its outputs split), dense2 row-parallel (its
+# inputs split); XLA adds the one all-reduce of dense2's partial sums. Convs stay replicated.
+LOGICAL_AXES = ((r"dense1/w$", ("embed", "mlp")), (r"dense1/b$", ("mlp",)), (r"dense2/w$", ("mlp", "classes")))
 
 
 def init_params(rng: jax.Array, scale: float = 0.01, input_shape=IMAGE_SHAPE, num_classes: int = NUM_CLASSES) -> dict:

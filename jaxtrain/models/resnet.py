@@ -21,9 +21,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from jaxtrain.devices import MODEL_AXIS
 from jaxtrain.flax_nnx import from_nnx
 from jaxtrain.models import classify
 from jaxtrain.remat import policy as remat_policy
@@ -31,10 +29,11 @@ from jaxtrain.remat import policy as remat_policy
 NUM_CLASSES = 10
 STAGES = ((64, 1), (128, 2), (256, 2), (512, 2))  # (channels, stride of the first block)
 
-# Tensor parallelism over "model": every conv's output channels (kernel HWIO: O; and its bias), and the
-# classifier's input features; BatchNorm parameters and statistics stay replicated.
-TP_RULES = ((r"(conv\d?|shortcut)/kernel$", P(None, None, None, MODEL_AXIS)),
-            (r"(conv\d?|shortcut)/bias$", P(MODEL_AXIS)), (r"dense/kernel$", P(MODEL_AXIS, None)))
+# Logical axes (jaxtrain.sharding.LOGICAL_AXES maps them to the mesh): tensor parallelism splits every conv's
+# output channels ("conv_out": kernel HWIO's O, and its bias) and so the classifier's input features;
+# BatchNorm parameters and statistics stay replicated.
+LOGICAL_AXES = ((r"(conv\d?|shortcut)/kernel$", (None, None, "conv_in", "conv_out")),
+                (r"(conv\d?|shortcut)/bias$", ("conv_out",)), (r"dense/kernel$", ("conv_out", "classes")))
 
 
 def _kernel_init(init: str):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxtrain.kernels import layer_norm
 from jaxtrain.models import classify
-from jaxtrain.pipeline import sequential_loss
+from jaxtrain.models.sequential import sequential_loss
 
 PATCH, DIM, HEADS, MLP, DEPTH, NUM_CLASSES = 4, 64, 4, 128, 8, 10
 IMAGE_SHAPE = (28, 28, 1)

@@ -1,0 +1,86 @@
+"""Files a run writes, whole or not at all: atomic writes, digests, room on the disk.
+
+The loop, the checkpoints, the export and the run's outputs depend on this
+module; it depends on nothing of jaxtrain but its error type.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxtrain.errors import ConfigError
+
+
+def params_digest(params) -> str:
+    """sha256 of the params' bytes, leaves in tree order (dict keys sorted)."""
+    h = hashlib.sha256()
+    if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params)):
+        from jax.experimental import multihost_utils  # sharded over processes: every process gets the whole
+
+        params = multihost_utils.process_allgather(params, tiled=True)
+    for leaf in jax.tree.leaves(jax.device_get(params)):
+        h.update(np.ascontiguousarray(leaf).tobytes())
+    return h.hexdigest()
+
+
+def ensure_writable(path: Path, what: str, flag: str) -> Path:
+    """Create ``path`` and prove it writable now, not after an hour of training."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{jax.process_index()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write {what} {path} ({e.strerror}); pass {flag} somewhere writable") from None
+    return path
+
+
+def out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` (an OSError, or a library's wrapped error) says the disk is full."""
+    text = str(e)
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+        s in text for s in ("No space left", "ENOSPC", "RESOURCE_EXHAUSTED", "Disk quota exceeded"))
+
+
+def ensure_room(path: Path, needed: int, what: str, flag: str) -> None:
+    """A one-line error now if ``path``'s file system has less than ``needed`` bytes free."""
+    free = shutil.disk_usage(path).free
+    if free < needed:
+        raise ConfigError(f"{path} has {free / 2**20:.1f} MiB free but the run will write about "
+                          f"{needed / 2**20:.1f} MiB of {what} there: make room, or pass {flag} elsewhere")
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write ``path`` whole or not at all: a temp file in the same directory, fsync'd, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def remove_stale_temps(directory: Path) -> None:
+    """Delete ``atomic_write`` temp files whose writer is dead (a SIGKILL mid-write leaves one; nothing can
+    clean up then, so the next run in the directory does)."""
+    for tmp in directory.glob(".*.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        try:
+            os.kill(int(pid), 0)
+        except ValueError:
+            continue  # not ours
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, another user's

@@ -1,0 +1,103 @@
+"""The layers hold (docs/architecture.md): which jaxtrain modules may import which, read from the source.
+
+Every import counts, at the top of a file or inside a function: a deferred
+import is a dependency all the same.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "jaxtrain"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """The jaxtrain modules ``path`` imports (``from jaxtrain.models import lenet``: jaxtrain.models.lenet)."""
+    found, here = set(), module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    known = set(MODULES)
+    return {name for name in found if name in known and name != here}
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
+
+
+def matches(name: str, patterns) -> bool:
+    return any(name == p or (p.endswith(".*") and name.startswith(p[:-1])) for p in patterns)
+
+
+# (who, may never import, why): each a "never" of docs/architecture.md
+NEVERS = [
+    (["jaxtrain.models", "jaxtrain.models.*"],
+     ["jaxtrain.devices", "jaxtrain.parallel", "jaxtrain.pipeline", "jaxtrain.step", "jaxtrain.sharding",
+      "jaxtrain.collectives", "jaxtrain.quantize", "jaxtrain.runner"],
+     "a model never knows the mesh, the strategy or the step"),
+    (["jaxtrain.loop", "jaxtrain.checkpoint"],
+     ["jaxtrain.runner", "jaxtrain.report", "jaxtrain.cli", "jaxtrain.config", "jaxtrain.observe"],
+     "the loop and the checkpoints sit below the run: they never reach up into it"),
+    ([name for name in MODULES if name not in ("jaxtrain.runner", "jaxtrain.cli")],
+     ["jaxtrain.runner", "jaxtrain.cli"],
+     "the library is usable without the run: only the command line drives the runner"),
+    (["jaxtrain.files", "jaxtrain.errors", "jaxtrain.choices", "jaxtrain.state", "jaxtrain.integrity",
+      "jaxtrain.int8", "jaxtrain.timing", "jaxtrain.signals", "jaxtrain.compat"],
+     [name for name in MODULES if name not in ("jaxtrain.errors",)],
+     "the ground floor imports nothing of jaxtrain but its error type"),
+    (["jaxtrain.report", "jaxtrain.export"],
+     ["jaxtrain.step", "jaxtrain.parallel", "jaxtrain.pipeline", "jaxtrain.runner"],
+     "a run's files do not depend on how it was trained"),
+    (["jaxtrain.kernels.*", "jaxtrain.data.*"],
+     ["jaxtrain.models", "jaxtrain.models.*", "jaxtrain.step", "jaxtrain.parallel", "jaxtrain.pipeline"],
+     "kernels and data serve models and steps, never the other way round"),
+]
+
+
+@pytest.mark.parametrize("who, forbidden, why", NEVERS, ids=[n[2].split(":")[0] for n in NEVERS])
+def test_no_module_imports_across_a_never(who, forbidden, why):
+    broken = sorted(f"{name} imports {target}" for name in GRAPH if matches(name, who)
+                    for target in GRAPH[name] if matches(target, forbidden) and target != name)
+    assert not broken, f"{why}: " + "; ".join(broken)
+
+
+def test_the_modules_import_each_other_in_no_circle():
+    """A module's imports form a tree of floors: following them never comes back to where it started."""
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        path.append(name)
+        for target in sorted(GRAPH[name]):
+            if not (name.startswith(target + ".") or target == "jaxtrain"):  # a package's own __init__
+                visit(target)
+        path.pop()
+        done.add(name)
+
+    for name in MODULES:
+        visit(name)
+
+
+def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
+    """The rules read every import: at the top, inside functions, relative ones."""
+    assert "jaxtrain.int8" in GRAPH["jaxtrain.models"]  # imported inside a builder function
+    assert "jaxtrain.models.lenet" in GRAPH["jaxtrain.quantize"]  # idem
+    assert "jaxtrain.files" in GRAPH["jaxtrain.checkpoint"]
+    assert len(MODULES) > 40 and all(GRAPH[m] <= set(MODULES) for m in GRAPH)
