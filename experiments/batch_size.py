@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-@one_line_errors("batch_size")
+@one_line_errors("batch_size", flags={"budget_bytes": "--memory-budget"})
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     import jaxtrain as jt

@@ -102,12 +102,13 @@ def main(argv=None) -> int:
         print("quantize: error: --batch-sizes takes positive integers like 1,256; --repeats and --test-subset >= 1",
               file=sys.stderr)
         return 2
+    from jaxtrain.cli import as_flags
     from jaxtrain.errors import ConfigError
 
     try:
         result = measure(args)
     except ConfigError as e:
-        print(f"quantize: error: {e}", file=sys.stderr)
+        print(f"quantize: error: {as_flags(str(e), {'run_dir': '--run'})}", file=sys.stderr)
         return 2
     print(table(result))
     if args.json:

@@ -114,14 +114,14 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | Path, keep: int = 3, settings: Mapping | None = None,
-                 fixed: tuple[str, ...] = (), flag: str = "--checkpoint-dir"):
+                 fixed: tuple[str, ...] = (), param: str = "checkpoint_dir="):
         import orbax.checkpoint as ocp
 
         if keep < 1:
-            raise ConfigError(f"--keep-checkpoints must be >= 1, got {keep}")
-        self.directory = ensure_writable(Path(directory).absolute(), "checkpoints to", flag)
-        self.flag, self.settings, self.fixed = flag, dict(settings or {}), fixed
-        self._lock = DirLock(self.directory, flag).acquire() if jax.process_index() == 0 else None
+            raise ConfigError(f"keep={keep}: must be >= 1")
+        self.directory = ensure_writable(Path(directory).absolute(), "checkpoints to", param)
+        self.param, self.settings, self.fixed = param, dict(settings or {}), fixed
+        self._lock = DirLock(self.directory, param).acquire() if jax.process_index() == 0 else None
         self._ocp = ocp
         _quiet_orbax_errors()
         self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
@@ -188,7 +188,7 @@ class Checkpointer:
             raise ConfigError(
                 f"none of the checkpoints in {self.directory} could be restored (steps "
                 f"{', '.join(map(str, damaged))} are damaged; moved to {self.directory / UNREADABLE}): this run "
-                f"cannot be resumed; start it anew with another {self.flag} (or remove that directory)")
+                f"cannot be resumed; start it anew with another {self.param} (or remove that directory)")
         return None
 
     def _check_compatible(self, step: int, record: dict, like: TrainState) -> None:
@@ -198,12 +198,12 @@ class Checkpointer:
         if changed:
             raise ConfigError(
                 f"the checkpoint at step {step} in {self.directory} was written with other settings "
-                f"({'; '.join(changed)}): resume with the same flags, or pass a new {self.flag}")
+                f"({'; '.join(changed)}): resume with the same settings, or pass a new {self.param}")
         diffs = integrity.layout_differences(record["layout"], integrity.layout(_saveable(like)))
         if diffs:
             raise ConfigError(
                 f"the checkpoint at step {step} in {self.directory} holds a differently shaped state "
-                f"({'; '.join(diffs)}): was the model changed? Use the model it was written with, or a new {self.flag}")
+                f"({'; '.join(diffs)}): was the model changed? Use the model it was written with, or a new {self.param}")
 
     @staticmethod
     def _verify(record: dict, restored) -> str | None:
@@ -257,4 +257,4 @@ class _SaveErrors:
         cause = "the disk is full" if out_of_space(e) else _first_line(e)
         keep = f"the newest good checkpoint is step {good}" if good is not None else "no checkpoint was completed"
         raise ConfigError(f"saving a checkpoint in {c.directory} failed ({cause}); {keep}: "
-                          "make room (or fix the directory), then run again with --resume") from None
+                          "make room (or fix the directory), then run again with resume=True") from None

@@ -12,6 +12,7 @@ AUGMENTATIONS = ("none", "crop+flip")  # jaxtrain.data.augment
 DATASETS = ("fashion_mnist", "mnist", "cifar10")  # jaxtrain.data.sources.LOCAL; and "tfds:NAME"
 DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 TFDS_PREFIX = "tfds:"
+MESH_AXES = ("data", "model", "stage")  # what a run's mesh may name (jaxtrain.devices, jaxtrain.pipeline)
 
 
 def check_dataset(name: str) -> None:

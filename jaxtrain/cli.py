@@ -4,6 +4,8 @@
 
 Every flag is a RunConfig field (its help and check come from there);
 ``to_argv`` writes a config back as flags (``parse(to_argv(c)) == c``).
+The library's errors name parameters (``workers=0``, ``pass checkpoint_dir=``),
+as a Python user calls them; ``as_flags`` says them as flags here.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 import sys
 from collections.abc import Sequence
 
+from jaxtrain.choices import MESH_AXES
 from jaxtrain.config import RunConfig, flag
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
@@ -37,8 +41,33 @@ def whole_number(minimum: int):
 positive_int = whole_number(1)
 
 
-def one_line_errors(prog: str):
-    """Decorator of a command's ``main(argv)``: a ConfigError becomes ``prog: error: ...`` on stderr, exit 2."""
+# A parameter in a library message: ``name=VALUE`` or ``name=`` (at the start, after a space, "(" or a quote).
+_PARAM = re.compile(r"(?<![^\s(`'\"])([a-z][a-z0-9_]*)=([^\s,;)]*)")
+
+
+def as_flags(message: str, flags: dict[str, str] | None = None) -> str:
+    """``message`` with the RunConfig parameters it names as command-line flags: ``workers=-1`` -> ``--workers
+    -1``, ``pass checkpoint_dir= elsewhere`` -> ``pass --checkpoint-dir elsewhere``, ``resume=True`` ->
+    ``--resume``; ``flags``: more names a command spells its own way (``{"budget_bytes": "--memory-budget"}``)."""
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    flags = {**{name: flag(name) for name in fields}, **(flags or {})}
+
+    def say(m: re.Match) -> str:
+        name, value = m.groups()
+        if name not in flags:
+            return m.group(0)
+        tail = value[-1] if value[-1:] in (":", ".") else ""
+        value = value[:len(value) - len(tail)]
+        if name in fields and fields[name].type == "bool" and value == "True":
+            value = ""
+        return flags[name] + (f" {value}" if value else "") + tail
+
+    return _PARAM.sub(say, message)
+
+
+def one_line_errors(prog: str, flags: dict[str, str] | None = None):
+    """Decorator of a command's ``main(argv)``: a ConfigError becomes ``prog: error: ...`` on stderr (its
+    parameters said as flags: ``as_flags``), exit 2."""
 
     def wrap(main):
         @functools.wraps(main)
@@ -46,7 +75,7 @@ def one_line_errors(prog: str):
             try:
                 return main(argv)
             except ConfigError as e:
-                print(f"{prog}: error: {e}", file=sys.stderr)
+                print(f"{prog}: error: {as_flags(str(e), flags)}", file=sys.stderr)
                 return 2
 
         return run
@@ -61,9 +90,22 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
-def _mesh(text: str) -> dict[str, int]:
-    from jaxtrain.devices import parse_mesh
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,model=2"`` -> ``{"data": 2, "model": 2}`` (``--mesh``); ConfigError if malformed."""
+    axes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name.strip() or not size.strip().isdigit() or name.strip() in axes:
+            raise ConfigError(f"--mesh {text!r}: write axis sizes as name=N separated by commas, e.g. data=2,model=2")
+        axes[name.strip()] = int(size)
+    unknown = [name for name in axes if name not in MESH_AXES]
+    if unknown:
+        raise ConfigError(f"--mesh {text!r}: unknown axis {unknown[0]!r}; the axes a run uses are "
+                          f"{', '.join(MESH_AXES)} (e.g. data=2,model=2 or data=1,stage=4)")
+    return axes
 
+
+def _mesh(text: str) -> dict[str, int]:
     try:
         return parse_mesh(text)
     except ConfigError as e:
@@ -143,7 +185,7 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
 
             run(config, stop)
         except ConfigError as e:
-            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            print(f"{parser.prog}: error: {as_flags(str(e))}", file=sys.stderr)
             return 2
         except Exit as e:
             return e.code

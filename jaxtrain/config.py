@@ -5,7 +5,8 @@ Built from the command line by ``jaxtrain.cli`` or directly in Python::
     jt.run(RunConfig(model="lenet", devices=2, epochs=1))
 
 Each field's metadata holds its flag's help and its check; a bad value is a
-``ConfigError`` naming the flag, whichever way the config was built. JAX is
+``ConfigError`` naming the field (``batch_size=0: ...``; the command line
+says it as its flag, ``--batch-size 0: ...``). JAX is
 not imported here.
 """
 
@@ -141,31 +142,31 @@ class RunConfig:
             if value is None or isinstance(value, bool):
                 continue
             if meta["choices"] and value not in meta["choices"]:
-                raise ConfigError(f"{flag(f.name)}: {value!r} is not one of {', '.join(meta['choices'])}")
+                raise ConfigError(f"{f.name}={value!r}: not one of {', '.join(meta['choices'])}")
             if meta["minimum"] is not None and not value >= meta["minimum"]:
-                raise ConfigError(f"{flag(f.name)}: expected a number >= {meta['minimum']}, got {value}")
+                raise ConfigError(f"{f.name}={value}: expected a number >= {meta['minimum']}")
             if meta["above"] is not None and not value > meta["above"]:
-                raise ConfigError(f"{flag(f.name)}: expected a number > {meta['above']}, got {value}")
+                raise ConfigError(f"{f.name}={value}: expected a number > {meta['above']}")
         if self.profile is not None:
             start, _ = parse_steps(self.profile)
             if self.max_steps is not None and start > self.max_steps:
-                raise ConfigError(f"--profile {self.profile}: starts after --max-steps {self.max_steps}, so nothing "
+                raise ConfigError(f"profile={self.profile}: starts after max_steps={self.max_steps}, so nothing "
                                   "would be traced; profile steps within the run")
         if self.microbatches > 1 and "stage" not in (self.mesh or {}):
-            raise ConfigError(f"--microbatches {self.microbatches}: micro-batches split a pipelined step; give "
-                              "--mesh a 'stage' axis (e.g. --mesh data=1,stage=4), or use --accum-steps to "
+            raise ConfigError(f"microbatches={self.microbatches}: micro-batches split a pipelined step; give "
+                              "mesh= a 'stage' axis (e.g. data=1,stage=4), or use accum_steps= to "
                               "accumulate gradients")
         if self.alpha > 1:
-            raise ConfigError(f"--alpha: expected a weight in [0, 1], got {self.alpha}")
+            raise ConfigError(f"alpha={self.alpha}: expected a weight in [0, 1]")
         if self.checkpoint_dir is not None and self.out is not None:
             _check_apart(Path(self.checkpoint_dir), Path(self.out))
         try:
             check_dataset(self.dataset)
         except ConfigError as e:
-            raise ConfigError(f"--dataset: {e}") from None
+            raise ConfigError(f"dataset=: {e}") from None
         recipe = MODELS[self.model]
         if self.init is not None and self.init not in recipe.inits:
-            raise ConfigError(f"--init: model {self.model} has no init {self.init!r}; choose one of "
+            raise ConfigError(f"init={self.init}: model {self.model} has no such init; choose one of "
                               f"{', '.join(recipe.inits)}")
         for name in ("epochs", "batch_size", "lr", "optimizer", "schedule", "warmup_epochs"):  # recipe fills the rest
             if getattr(self, name) is None:
@@ -178,12 +179,12 @@ class RunConfig:
 
 
 def _check_apart(checkpoints: Path, out: Path) -> None:
-    """--checkpoint-dir and --out must not hold each other's files: the export rewrites OUT/model, and a
-    checkpoint directory holds checkpoints only. A subdirectory of --out other than model/ is fine."""
+    """checkpoint_dir and out must not hold each other's files: the export rewrites OUT/model, and a
+    checkpoint directory holds checkpoints only. A subdirectory of out other than model/ is fine."""
     ck, out = checkpoints.expanduser().resolve(), out.expanduser().resolve()
     if ck == out or ck.is_relative_to(out / "model") or out.is_relative_to(ck):
-        raise ConfigError(f"--checkpoint-dir {checkpoints} and --out {out} overlap (the saved model goes to "
-                          f"{out / 'model'}); use separate directories, e.g. --checkpoint-dir {out / 'checkpoints'}")
+        raise ConfigError(f"checkpoint_dir={checkpoints} and out={out} overlap (the saved model goes to "
+                          f"{out / 'model'}); use separate directories, e.g. checkpoint_dir={out / 'checkpoints'}")
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -191,9 +192,9 @@ def parse_steps(text: str) -> tuple[int, int]:
     try:
         start, stop = (int(x) for x in text.split(":"))
     except ValueError:
-        raise ConfigError(f"--profile {text!r}: expected START:STOP, two step numbers like 10:15") from None
+        raise ConfigError(f"profile={text!r}: expected START:STOP, two step numbers like 10:15") from None
     if not 1 <= start < stop:
-        raise ConfigError(f"--profile {text}: expected 1 <= START < STOP")
+        raise ConfigError(f"profile={text}: expected 1 <= START < STOP")
     return start, stop
 
 

@@ -15,7 +15,6 @@ from jaxtrain.errors import ConfigError
 # The mesh axis names; every module imports them from here.
 DATA_AXIS = "data"  # the batch is sharded over it (and replicated over every other axis)
 MODEL_AXIS = "model"  # tensor parallelism: what the models' TP rules shard over
-CLI_AXES = (DATA_AXIS, MODEL_AXIS, "stage")  # what --mesh may name ("stage": jaxtrain.pipeline.STAGE_AXIS)
 
 # Virtual CPU devices share the cores; past a few per core they only add
 # rendezvous overhead (and XLA:CPU's all-reduce rendezvous can starve).
@@ -49,7 +48,7 @@ def _set_xla_flags() -> None:
 
 def _check_count(n: int | None) -> None:
     if n is not None and (not isinstance(n, int) or n < 1):
-        raise ConfigError(f"--devices must be a positive whole number, got {n!r}")
+        raise ConfigError(f"devices={n!r}: must be a positive whole number")
 
 
 # Set by `python -m jaxtrain.launch` for each process it starts.
@@ -84,7 +83,7 @@ def _start_distributed(coordinator, num_processes, process_id) -> None:
     if single or jax.distributed.is_initialized():
         return  # a single-process run stays exactly as it was
     if num_processes is not None and (coordinator is None or process_id is None):
-        raise ConfigError("a multi-process run needs --coordinator HOST:PORT and --process-id too "
+        raise ConfigError("a multi-process run needs coordinator=HOST:PORT and process_id= too "
                           "(or start it with python -m jaxtrain.launch)")
     _join(coordinator, num_processes, process_id)
 
@@ -152,15 +151,15 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
     if jax.distributed.is_initialized() or devices_per_process is not None:
         devices = jax.devices()
         if n is not None and n != len(devices):
-            raise ConfigError(f"--devices {n} does not match {jax.process_count()} processes x "
-                              f"{jax.local_device_count()} devices per process = {len(devices)}; drop --devices "
+            raise ConfigError(f"devices={n} does not match {jax.process_count()} processes x "
+                              f"{jax.local_device_count()} devices per process = {len(devices)}; drop devices= "
                               "or make them agree")
         return devices
     if not compat.backend_started():
         cpu_n = n if n is not None else int(os.environ.get("JAX_NUM_CPU_DEVICES", "0")) or _cores()
         if cpu_n > max_cpu_devices() and _platform_hint() == "cpu":
             raise ConfigError(
-                f"--devices {cpu_n} is more than this machine can simulate: at most "
+                f"devices={cpu_n} is more than this machine can simulate: at most "
                 f"{max_cpu_devices()} virtual CPU devices on {_cores()} cores; ask for 1..{max_cpu_devices()}"
             )
         jax.config.update("jax_num_cpu_devices", cpu_n)
@@ -175,8 +174,8 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
         )
     if n > len(devices):
         raise ConfigError(
-            f"--devices {n} asked for, but only {len(devices)} {platform.upper()} device(s) exist; "
-            f"use --devices 1..{len(devices)}"
+            f"devices={n} asked for, but only {len(devices)} {platform.upper()} device(s) exist; "
+            f"use devices=1..{len(devices)}"
         )
     return devices[:n]
 
@@ -237,17 +236,3 @@ def _check_axes(axes: dict, num_devices: int) -> None:
         raise ConfigError(f"mesh {shown} has {math.prod(axes.values())} places but there are {num_devices} devices: "
                           "make the product of the axis sizes equal the device count")
 
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"data=2,model=2"`` -> ``{"data": 2, "model": 2}`` (the CLI's --mesh); ConfigError if malformed."""
-    axes = {}
-    for part in text.split(","):
-        name, _, size = part.partition("=")
-        if not name.strip() or not size.strip().isdigit() or name.strip() in axes:
-            raise ConfigError(f"--mesh {text!r}: write axis sizes as name=N separated by commas, e.g. data=2,model=2")
-        axes[name.strip()] = int(size)
-    unknown = [name for name in axes if name not in CLI_AXES]
-    if unknown:
-        raise ConfigError(f"--mesh {text!r}: unknown axis {unknown[0]!r}; the axes a run uses are "
-                          f"{', '.join(CLI_AXES)} (e.g. data=2,model=2 or data=1,stage=4)")
-    return axes

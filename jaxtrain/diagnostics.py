@@ -158,7 +158,7 @@ def warn_host_memory(stats: dict, devices) -> str | None:
         return None
     warning = (f"warning: one step needs ~{per_device * len(local) / 2**30:.1f} GiB more host memory ({len(local)} "
                f"devices x {per_device / 2**30:.2f} GiB) and {available / 2**30:.1f} GiB is available: the run may be "
-               "killed; use a smaller --batch-size (or fewer --devices)")
+               "killed; use a smaller batch_size= (or fewer devices=)")
     print(warning, file=sys.stderr, flush=True)
     return warning
 

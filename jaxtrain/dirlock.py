@@ -20,16 +20,16 @@ from jaxtrain.errors import ConfigError
 
 
 class DirLock:
-    """``with DirLock(path, flag):`` or ``acquire()`` / ``release()``.
+    """``with DirLock(path, param):`` or ``acquire()`` / ``release()``.
 
-    Held by another process: a ConfigError naming ``flag`` (the option that chose the directory); or, given
+    Held by another process: a ConfigError naming ``param`` (the parameter that chose the directory, e.g. "out="); or, given
     ``waiting`` (a message), that message on stderr and a wait for the holder to finish. ``name``: the lock
     file's name in ``directory``.
     """
 
-    def __init__(self, directory: Path, flag: str, *, name: str = ".lock", waiting: str | None = None):
+    def __init__(self, directory: Path, param: str, *, name: str = ".lock", waiting: str | None = None):
         self.path = Path(directory) / name
-        self.flag, self.waiting = flag, waiting
+        self.param, self.waiting = param, waiting
         self._fd: int | None = None
 
     def acquire(self) -> DirLock:
@@ -45,7 +45,7 @@ class DirLock:
             os.close(fd)
             raise ConfigError(
                 f"{self.path.parent} is in use by another run ({owner}); wait for it to finish, "
-                f"or pass another {self.flag}") from None
+                f"or pass another {self.param}") from None
         return self._own(fd)
 
     def _own(self, fd: int) -> DirLock:

@@ -14,5 +14,5 @@ class Diverged(ConfigError):
 
     def __init__(self, what: str, step: int):
         super().__init__(f"{what} at step {step}: training diverged (a learning rate too high for this model? "
-                         "lower --lr; or labels outside the model's classes); stopped, nothing past the previous "
+                         "lower lr=; or labels outside the model's classes); stopped, nothing past the previous "
                          "checkpoint was saved")

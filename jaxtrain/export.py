@@ -55,7 +55,7 @@ def save(out_dir: Path | None, params, model_state, info: dict) -> None:
         for tmp in path.glob(f"{ARRAYS}*tmp*"):
             shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"writing the model to {path / ARRAYS} failed (the disk is full): make room, then run "
-                          "again with --resume (a checkpointed run writes its model then)") from None
+                          "again with resume=True (a checkpointed run writes its model then)") from None
     finally:
         writer.close()
     atomic_write(path / INFO, json.dumps({**info, "params_digest": params_digest(tree["params"])}, indent=1) + "\n")
@@ -66,13 +66,13 @@ def saved(run_dir: str | Path) -> bool:
     return (Path(run_dir) / INFO).is_file() and (Path(run_dir) / ARRAYS).is_dir()
 
 
-def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag: str = "--run") -> dict:
+def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param: str = "run_dir=") -> dict:
     """``model.json`` of a finished run; one-line errors for a missing directory, no saved model, another model."""
     path = Path(run_dir)
     if not path.is_dir():
-        raise ConfigError(f"{flag} {run_dir}: no such directory; pass the --out directory of a finished run")
+        raise ConfigError(f"{param}{run_dir}: no such directory; pass the out= directory of a finished run")
     if not (path / INFO).is_file() or not (path / ARRAYS).is_dir():
-        raise ConfigError(f"{flag} {run_dir}: holds no saved model ({INFO} and {ARRAYS}/ are written when a run "
+        raise ConfigError(f"{param}{run_dir}: holds no saved model ({INFO} and {ARRAYS}/ are written when a run "
                           "finishes); train one first, e.g. python -m experiments.lenet --out DIR")
     try:
         meta = json.loads((path / INFO).read_text())
@@ -81,13 +81,13 @@ def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag:
                 and all(type(d) is int and d > 0 for d in shape) and type(classes) is int and classes >= 2):
             raise TypeError(f"model {meta['model']!r}, input_shape {shape!r}, num_classes {classes!r}")
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{flag} {run_dir}: {INFO} is unreadable ({type(e).__name__}: {e}): the run's files are "
+        raise ConfigError(f"{param}{run_dir}: {INFO} is unreadable ({type(e).__name__}: {e}): the run's files are "
                           "damaged or were edited; train it again") from None
     wanted = (expect,) if isinstance(expect, str) else expect
     if wanted and meta["model"] not in wanted:
-        raise ConfigError(f"{flag} {run_dir}: holds a {meta['model']} model, not {' or '.join(wanted)}")
+        raise ConfigError(f"{param}{run_dir}: holds a {meta['model']} model, not {' or '.join(wanted)}")
     if (meta.get("settings") or {}).get("pipeline_layout"):
-        raise ConfigError(f"{flag} {run_dir}: a pipelined run (its layers are stored per stage); use an "
+        raise ConfigError(f"{param}{run_dir}: a pipelined run (its layers are stored per stage); use an "
                           "unpipelined run")
     return meta
 
@@ -113,11 +113,11 @@ def model_of(meta: dict):
                       num_classes=meta["num_classes"])
 
 
-def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag: str = "--run"):
+def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param: str = "run_dir="):
     """(info, params, model_state) of a finished run, as numpy arrays, checked against ``info``'s digest."""
     import orbax.checkpoint as ocp
 
-    meta = info(run_dir, expect, flag)
+    meta = info(run_dir, expect, param)
     shapes = jax.eval_shape(model_of(meta).init, jax.random.key(0))
     target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), {"params": shapes[0], "model_state": shapes[1]})
     try:
@@ -125,16 +125,16 @@ def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, flag:
             tree = reader.restore(Path(run_dir).absolute() / ARRAYS, target)
     except Exception as e:  # orbax raises many types for damaged files
         _quiet_closed_loop()
-        raise ConfigError(f"{flag} {run_dir}: its saved model cannot be read ({str(e).splitlines()[0][:120] or type(e).__name__})"
+        raise ConfigError(f"{param}{run_dir}: its saved model cannot be read ({str(e).splitlines()[0][:120] or type(e).__name__})"
                           "; train it again") from None
     tree = jax.tree.map(np.asarray, tree)
     differ = [f"{jax.tree_util.keystr(path)} {got.shape} vs {want.shape}" for (path, got), want in
               zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(target)) if got.shape != want.shape]
     if differ:
-        raise ConfigError(f"{flag} {run_dir}: its saved arrays do not have the shapes {INFO} describes ({differ[0]}"
+        raise ConfigError(f"{param}{run_dir}: its saved arrays do not have the shapes {INFO} describes ({differ[0]}"
                           f"{f' and {len(differ) - 1} more' if len(differ) > 1 else ''}): was {INFO} edited? Train "
                           "it again")
     if params_digest(tree["params"]) != meta.get("params_digest"):
-        raise ConfigError(f"{flag} {run_dir}: the saved params do not match the digest in {INFO}: the files are "
+        raise ConfigError(f"{param}{run_dir}: the saved params do not match the digest in {INFO}: the files are "
                           "damaged; train it again")
     return meta, tree["params"], tree["model_state"]

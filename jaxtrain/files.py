@@ -30,7 +30,7 @@ def params_digest(params) -> str:
     return h.hexdigest()
 
 
-def ensure_writable(path: Path, what: str, flag: str) -> Path:
+def ensure_writable(path: Path, what: str, param: str) -> Path:
     """Create ``path`` and prove it writable now, not after an hour of training."""
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -38,7 +38,7 @@ def ensure_writable(path: Path, what: str, flag: str) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"cannot write {what} {path} ({e.strerror}); pass {flag} somewhere writable") from None
+        raise ConfigError(f"cannot write {what} {path} ({e.strerror}); pass {param} somewhere writable") from None
     return path
 
 
@@ -49,12 +49,12 @@ def out_of_space(e: BaseException) -> bool:
         s in text for s in ("No space left", "ENOSPC", "RESOURCE_EXHAUSTED", "Disk quota exceeded"))
 
 
-def ensure_room(path: Path, needed: int, what: str, flag: str) -> None:
+def ensure_room(path: Path, needed: int, what: str, param: str) -> None:
     """A one-line error now if ``path``'s file system has less than ``needed`` bytes free."""
     free = shutil.disk_usage(path).free
     if free < needed:
         raise ConfigError(f"{path} has {free / 2**20:.1f} MiB free but the run will write about "
-                          f"{needed / 2**20:.1f} MiB of {what} there: make room, or pass {flag} elsewhere")
+                          f"{needed / 2**20:.1f} MiB of {what} there: make room, or pass {param} elsewhere")
 
 
 def atomic_write(path: Path, data: str | bytes) -> None:

@@ -24,7 +24,7 @@ def make_out_dir(out: str | None, name: str) -> Path:
             path, k = Path(f"{base}-{k}"), k + 1
     else:
         path = Path(out)
-    return ensure_writable(path, "to output directory", "--out DIR")
+    return ensure_writable(path, "to output directory", "out=")
 
 
 def holds_results(out_dir: Path) -> bool:
@@ -74,7 +74,7 @@ class RunWriter:
         except OSError as e:
             cause = "the disk is full" if out_of_space(e) else e.strerror or str(e)
             raise OutputError(f"cannot write {path} ({cause}); its previous version, if any, is intact: "
-                              "make room (or fix --out), then run again (with --resume if you checkpoint)") from None
+                              "make room (or fix out=), then run again (with resume=True if you checkpoint)") from None
 
     def epoch(self, stats) -> None:
         """metrics.jsonl with this epoch's row, and curves.png redrawn (a long run can be watched)."""
@@ -194,4 +194,4 @@ def not_learning(history, first_loss: float, num_classes: int) -> str:
     chance = 1 / num_classes
     if history[-1].test_acc > chance + 0.02 or not history[-1].train_loss >= 0.95 * first_loss:
         return ""
-    return f"; at chance ({chance:.2f}) and the loss did not fall: not learning (more epochs? another --lr?)"
+    return f"; at chance ({chance:.2f}) and the loss did not fall: not learning (more epochs=? another lr=?)"

@@ -93,7 +93,7 @@ def build_trainer(s: Setup, train=None) -> None:
     s.layout = s.trainer.plan(jax.eval_shape(s.model.init, jax.random.key(c.seed))[0])
     s.call_batch = c.batch_size
     if c.accum == "multisteps" and c.batch_size % c.accum_steps:  # one call per micro-batch
-        raise ConfigError(f"--batch-size {c.batch_size} does not split into --accum-steps {c.accum_steps} "
+        raise ConfigError(f"batch_size={c.batch_size} does not split into accum_steps={c.accum_steps} "
                           f"micro-batches: use a multiple of {c.accum_steps}")
     if c.accum == "multisteps":
         s.call_batch = c.batch_size // c.accum_steps
@@ -104,11 +104,11 @@ def build_pipeline(s: Setup, tx) -> None:
     """A --mesh with a "stage" axis: the model's layers pipelined over it."""
     c = s.config
     if not isinstance(s.model, models.Pipelinable):
-        raise ConfigError(f"--mesh {STAGE_AXIS}=N: model {c.model} has no stack of identical layers to pipeline: "
+        raise ConfigError(f"a mesh with a {STAGE_AXIS!r} axis: model {c.model} has no stack of identical layers to pipeline: "
                           "use experiments.vit, or a mesh without a 'stage' axis")
     if (c.strategy, c.param_sharding, c.accum_steps) != ("jit", "replicated", 1):
-        raise ConfigError("pipelined runs use --strategy jit, --param-sharding replicated and --accum-steps 1 "
-                          "(micro-batches are the pipeline's: --microbatches)")
+        raise ConfigError("pipelined runs use strategy=jit, param_sharding=replicated and accum_steps=1 "
+                          "(micro-batches are the pipeline's: microbatches=)")
     stack = s.model.stack
     s.trainer = jt.make_pipeline_step(stack.embed_fn, stack.stage_fn, stack.head_loss_fn, tx, mesh=s.mesh, microbatches=c.microbatches, schedule=c.pipeline_schedule,
                                       repeats=c.repeats, precision=c.precision, remat=c.remat)
@@ -119,14 +119,14 @@ def open_checkpoints(s: Setup) -> None:
     """Writable and ours (locked) before the data is read; refuses to mix with another run's checkpoints."""
     c = s.config
     if (c.resume or c.checkpoint_every) and not c.checkpoint_dir:
-        raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+        raise ConfigError("resume=True and checkpoint_every= need checkpoint_dir=")
     if not c.checkpoint_dir:
         return
     s.checkpointer = Checkpointer(c.checkpoint_dir, c.keep_checkpoints, fixed=FIXED_SETTINGS)
     if not c.resume and s.checkpointer.latest() is not None:
         raise ConfigError(f"{s.checkpointer.directory} already holds checkpoints (newest: step "
-                          f"{s.checkpointer.latest()}): pass --resume to continue that run, or another "
-                          "--checkpoint-dir to start afresh")
+                          f"{s.checkpointer.latest()}): pass resume=True to continue that run, or another "
+                          "checkpoint_dir= to start afresh")
 
 
 def load_data(s: Setup) -> tuple[dict, dict]:
@@ -178,14 +178,14 @@ def open_outputs(s: Setup, state, position) -> RunWriter | None:
         return None
     out_dir = make_out_dir(c.out, c.model)
     if not c.resume and holds_results(out_dir):
-        raise ConfigError(f"--out {out_dir} holds another run's results: pass a new --out (or continue that run "
-                          "with --resume and its --checkpoint-dir)")
-    s.out_lock = DirLock(out_dir, "--out").acquire()  # two runs never write one directory
-    ensure_room(out_dir, 2**20, "metrics, summary and curves", "--out")
+        raise ConfigError(f"out={out_dir} holds another run's results: pass a new out= (or continue that run "
+                          "with resume=True and its checkpoint_dir=)")
+    s.out_lock = DirLock(out_dir, "out=").acquire()  # two runs never write one directory
+    ensure_room(out_dir, 2**20, "metrics, summary and curves", "out=")
     if s.checkpointer is not None:  # keep + 1 on disk at once (the newest is written before the oldest goes)
         more = max(c.keep_checkpoints + 1 - len(s.checkpointer.manager.all_steps()), 1)
         size = sum(x.nbytes for x in jax.tree.leaves(state)) + 2**16  # + orbax's metadata files
-        ensure_room(s.checkpointer.directory, more * size, f"{more} more checkpoint(s)", "--checkpoint-dir")
+        ensure_room(s.checkpointer.directory, more * size, f"{more} more checkpoint(s)", "checkpoint_dir=")
     return RunWriter(out_dir, position.history if position else ())
 
 

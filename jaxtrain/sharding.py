@@ -62,9 +62,9 @@ def preset(name: str, logical_axes=()) -> object:
     if name in ("replicated", "fsdp"):
         return name
     if name not in PRESETS:
-        raise ConfigError(f"unknown --param-sharding {name!r}: use one of {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown param_sharding={name!r}: use one of {', '.join(PRESETS)}")
     if not logical_axes:
-        raise ConfigError(f"--param-sharding {name}: this model has no tensor-parallel rules; use replicated or fsdp")
+        raise ConfigError(f"param_sharding={name}: this model has no tensor-parallel rules; use replicated or fsdp")
     tp_rules = [(pattern, logical_spec(names)) for pattern, names in logical_axes]
     if name == "tp":
         return tp_rules
@@ -131,7 +131,7 @@ def _checked(name: str, shape: tuple, spec: P, mesh: Mesh) -> tuple:
         for axis in axes:
             if axis not in mesh.shape:
                 raise ConfigError(f"parameter {name}: PartitionSpec {spec} names axis {axis!r} but the mesh has "
-                                  f"only {', '.join(mesh.axis_names)} (add it, e.g. --mesh data=2,{axis}=2)")
+                                  f"only {', '.join(mesh.axis_names)} (give mesh= that axis, e.g. data=2,{axis}=2)")
             if axis in seen:
                 raise ConfigError(f"parameter {name}: PartitionSpec {spec} uses axis {axis!r} twice")
             seen.append(axis)

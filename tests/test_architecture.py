@@ -5,6 +5,7 @@ import is a dependency all the same.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,32 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
     assert "jaxtrain.models.lenet" in GRAPH["jaxtrain.quantize"]  # idem
     assert "jaxtrain.files" in GRAPH["jaxtrain.checkpoint"]
     assert len(MODULES) > 40 and all(GRAPH[m] <= set(MODULES) for m in GRAPH)
+
+
+# Command lines of their own: their messages are about their flags.
+COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch"}
+OTHER_TOOLS = re.compile(r"tfds build \S+ --file_format|--file_format=array_record|python -m experiments\.\w+ --out")
+
+
+def flags_in_errors(path: Path) -> list[str]:
+    """The ``--flag``s written into the messages of the ConfigErrors ``path`` raises."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")).endswith("Error"):
+            text = "".join(part.value for arg in node.args for part in ast.walk(arg)
+                           if isinstance(part, ast.Constant) and isinstance(part.value, str))
+            found += [f"{path.name}:{node.lineno}: {flag}" for flag in re.findall(r"--[a-z][\w-]*", OTHER_TOOLS.sub("", text))]
+    return found
+
+
+def test_library_errors_name_parameters_and_the_command_line_says_them_as_flags():
+    """A Python user reads ``workers=``, not ``--workers`` (16 modules said flags); the CLI translates."""
+    from jaxtrain.cli import as_flags
+
+    leaks = [hit for name, path in MODULES.items() if name not in COMMAND_LINES for hit in flags_in_errors(path)]
+    assert not leaks, leaks
+    assert flags_in_errors(MODULES["jaxtrain.cli"])  # the check sees flags where they are
+    assert as_flags("workers=-1: must be >= 0") == "--workers -1: must be >= 0"
+    assert as_flags("pass checkpoint_dir= elsewhere, or resume=True.") == "pass --checkpoint-dir elsewhere, or --resume."
+    assert as_flags("(e.g. data=2,model=2); budget_bytes=", {"budget_bytes": "--memory-budget"}) == (
+        "(e.g. data=2,model=2); --memory-budget")

@@ -44,7 +44,7 @@ def test_lenet_cli_on_a_2d_mesh_with_fsdp_and_tensor_parallelism(tmp_path):
 
 @pytest.mark.parametrize(("flags", "fragments"), [
     (["--devices", "4", "--mesh", "data=3,model=2"], ["mesh data=3,model=2 has 6 places", "4 devices"]),
-    (["--devices", "2", "--param-sharding", "tp"], ["names axis 'model'", "--mesh data=2,model=2"]),
+    (["--devices", "2", "--param-sharding", "tp"], ["names axis 'model'", "give --mesh that axis, e.g. data=2,model=2"]),
     (["--devices", "2", "--strategy", "pmap", "--param-sharding", "fsdp"], ["'pmap' keeps the whole state"]),
     (["--devices", "4", "--mesh", "data=2,model=2", "--strategy", "ring", "--param-sharding", "fsdp+tp"],
      ["'ring' shards parameters over 'data' only", "strategy='jit'"]),
@@ -217,6 +217,6 @@ def test_a_checkpoint_dir_overlapping_the_out_dir_is_refused(tmp_path):
 
     out = tmp_path / "run"
     for ck in (out, out / "model", out / "model" / "ck", tmp_path):  # the last: --out inside the checkpoint dir
-        with pytest.raises(ConfigError, match=r"--checkpoint-dir .* and --out .* overlap .*use separate"):
+        with pytest.raises(ConfigError, match=r"checkpoint_dir=.* and out=.* overlap .*use separate"):
             RunConfig(model="lenet", out=str(out), checkpoint_dir=str(ck))
     RunConfig(model="lenet", out=str(out), checkpoint_dir=str(out / "checkpoints"))  # beside model/: fine

@@ -119,8 +119,8 @@ def _saved(path, model="lenet", shape=(28, 28, 1)):
     return path
 
 
-@pytest.mark.parametrize("case, says", [("missing", "--teacher .*: no such directory"),
-                                        ("empty", "--teacher .*: holds no saved model"),
+@pytest.mark.parametrize("case, says", [("missing", "teacher=.*: no such directory"),
+                                        ("empty", "teacher=.*: holds no saved model"),
                                         ("shape", r"trained on 32x32x3, 10 classes .* use the teacher's dataset")])
 def test_a_bad_teacher_is_one_line(tmp_path, case, says):
     run = tmp_path / "teacher"
@@ -139,7 +139,7 @@ def test_the_cli_needs_a_teacher_and_a_student(capsys):
     assert distill_cli.run(["--teacher", "/nowhere"]) == 2
     assert "--student NAME is required" in capsys.readouterr().err
     assert distill_cli.run(["--teacher", "/nowhere", "--student", "lenet", "--alpha", "1.5"]) == 2
-    assert "--alpha: expected a weight in [0, 1]" in capsys.readouterr().err
+    assert "--alpha 1.5: expected a weight in [0, 1]" in capsys.readouterr().err
 
 
 @needs_fashion_mnist

@@ -40,13 +40,13 @@ def test_the_models_recipe_fills_what_was_not_given():
 
 
 @pytest.mark.parametrize("changes, says", [
-    ({"batch_size": 0}, "--batch-size: expected a number >= 1, got 0"),
-    ({"lr": -1.0}, "--lr: expected a number > 0"),
-    ({"strategy": "magic"}, "--strategy: 'magic' is not one of jit, shard_map"),
-    ({"init": "he"}, "--init: model lenet has no init 'he'"),
-    ({"model": "vgg"}, "--model: 'vgg' is not one of lenet, resnet18"),
+    ({"batch_size": 0}, "batch_size=0: expected a number >= 1"),
+    ({"lr": -1.0}, "lr=-1.0: expected a number > 0"),
+    ({"strategy": "magic"}, "strategy='magic': not one of jit, shard_map"),
+    ({"init": "he"}, "init=he: model lenet has no such init"),
+    ({"model": "vgg"}, "model='vgg': not one of lenet, resnet18"),
 ])
-def test_a_bad_value_is_a_config_error_naming_the_flag(changes, says):
+def test_a_bad_value_is_a_config_error_naming_the_field(changes, says):
     with pytest.raises(jt.ConfigError, match=says.replace("(", r"\(")):
         RunConfig(**changes)
 
@@ -54,7 +54,7 @@ def test_a_bad_value_is_a_config_error_naming_the_flag(changes, says):
 def test_a_bad_flag_value_is_one_line_on_stderr_with_exit_2(capsys):
     assert cli.main("lenet", ["--batch-size", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["python -m experiments.lenet: error: --batch-size: expected a number >= 1, got 0"]
+    assert err == ["python -m experiments.lenet: error: --batch-size 0: expected a number >= 1"]
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n == "resnet18")) for n in models.names()])

@@ -17,7 +17,7 @@ FILES = {"train": tuple(f"data_batch_{i}.bin" for i in range(1, 6)), "test": ("t
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 RECORD = 1 + 32 * 32 * 3
-HOW_TO_GET = ("pass --data-dir DIR holding CIFAR-10's binary version (data_batch_1.bin ... data_batch_5.bin, "
+HOW_TO_GET = ("pass data_dir= holding CIFAR-10's binary version (data_batch_1.bin ... data_batch_5.bin, "
               "test_batch.bin: the files of cifar-10-binary.tar.gz)")
 
 

@@ -17,7 +17,7 @@ FILES = {
 }
 IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
-HOW_TO_GET = ("get it with `make data` (Debian package dataset-fashion-mnist), or pass --data-dir DIR holding the "
+HOW_TO_GET = ("get it with `make data` (Debian package dataset-fashion-mnist), or pass data_dir= holding the "
               "four IDX files (train-images-idx3-ubyte[.gz], ...), or let TFDS download it (needs internet)")
 
 

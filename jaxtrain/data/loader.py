@@ -53,7 +53,7 @@ class Loader:
             raise ConfigError(f"batch size {batch_size} does not split over {self.process_count} processes: "
                               f"use a multiple of {self.process_count}")
         if workers < 0:
-            raise ConfigError(f"--workers must be >= 0, got {workers}")
+            raise ConfigError(f"workers={workers}: must be >= 0")
         if train and len(split) < batch_size:
             raise ConfigError(f"batch size {batch_size} is larger than the {len(split)} training examples")
         self.split, self.batch_size, self.train, self.seed = split, batch_size, train, seed

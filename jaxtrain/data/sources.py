@@ -113,7 +113,7 @@ def _conversion_dir(fmt: ModuleType, name: str, local: Path, tfds_dir) -> Path:
 
 def _conversion_lock(where: Path, local: Path) -> DirLock:
     """The lock of one conversion (``where``), beside it: runs converting the same files take turns."""
-    return DirLock(where.parent, "--tfds-dir", name=f".{where.name}.lock",
+    return DirLock(where.parent, "tfds_dir=", name=f".{where.name}.lock",
                    waiting=f"waiting for another run converting the files in {local}")
 
 
@@ -183,10 +183,10 @@ def _prepared_tfds(name: str, split: str, tfds_dir):
         builder = tfds.builder(name, data_dir=tfds_dir)
     except Exception as e:  # noqa: BLE001 - any failure here means "not there"
         raise ConfigError(f"tfds:{name}: no such dataset prepared in {where} ({type(e).__name__}): prepare it with "
-                          f"`tfds build {name} --file_format=array_record`, or pass --tfds-dir DIR") from None
+                          f"`tfds build {name} --file_format=array_record`, or pass tfds_dir=") from None
     if not builder.is_prepared():
         raise ConfigError(f"tfds:{name} is not prepared in {where}: prepare it with `tfds build {name} "
-                          "--file_format=array_record`, or pass --tfds-dir DIR")
+                          "--file_format=array_record`, or pass tfds_dir=")
     if split not in builder.info.splits:
         raise ConfigError(f"tfds:{name} has no {split!r} split (it has {', '.join(builder.info.splits)})")
     _keys(builder.info)
@@ -228,7 +228,7 @@ def _local_files(name: str, data_dir) -> Path | None:
     fmt, explicit = LOCAL[name], data_dir is not None
     local = Path(data_dir if explicit else DEFAULT_DATA_DIRS.get(name, "/nonexistent"))
     if explicit and not local.is_dir():
-        raise ConfigError(f"--data-dir {local} is not a directory; {fmt.HOW_TO_GET}")
+        raise ConfigError(f"data_dir={local} is not a directory; {fmt.HOW_TO_GET}")
     return local if explicit or fmt.present(local) else None
 
 

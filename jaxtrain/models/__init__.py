@@ -133,7 +133,7 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
         raise ConfigError(f"model {name} has no init {init!r}: choose one of {', '.join(inits)}")
     shape = dict(input_shape=tuple(input_shape), num_classes=num_classes)
     if quantize != "none" and (quantize, name) != ("int8", "lenet"):
-        raise ConfigError(f"--quantize {quantize}: quantisation-aware training covers int8 for lenet only "
+        raise ConfigError(f"quantize={quantize}: quantisation-aware training covers int8 for lenet only "
                           f"(model {name}: post-training int8 with python -m experiments.quantize)")
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
