@@ -9,6 +9,9 @@ call takes one micro-batch, and the update lands every k-th call.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -17,21 +20,37 @@ from jax import lax
 from jaxtrain.choices import ACCUM_MODES
 from jaxtrain.errors import ConfigError
 
+class Accum(str, enum.Enum):
+    """How k micro-batches make one update: ``SCAN`` inside one call, ``MULTISTEPS`` one call each."""
+
+    SCAN = "scan"
+    MULTISTEPS = "multisteps"
+
+
 MODES = ACCUM_MODES
+assert tuple(m.value for m in Accum) == MODES
 
 
-def check(accum_steps: int, accum: str) -> None:
+def check(accum_steps: int, accum: str | Accum) -> Accum:
+    """``accum`` as an ``Accum``; a ConfigError for a bad count or mode."""
     if not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ConfigError(f"accum_steps must be a whole number >= 1, got {accum_steps!r}")
-    if accum not in MODES:
-        raise ConfigError(f"unknown accum {accum!r}: use one of {', '.join(MODES)}")
+        raise ConfigError(f"accum_steps={accum_steps!r}: must be a whole number >= 1")
+    try:
+        return Accum(accum)
+    except ValueError:
+        raise ConfigError(f"unknown accum={accum!r}: use one of {', '.join(MODES)}") from None
 
 
-def wrap_optimizer(tx: optax.GradientTransformation, accum_steps: int, accum: str):
+def wrap_optimizer(tx: optax.GradientTransformation, accum_steps: int, accum: Accum):
     """The optimizer the step uses: ``tx``, or ``optax.MultiSteps(tx, k)``."""
-    if accum == "multisteps" and accum_steps > 1:
+    if accum == Accum.MULTISTEPS and accum_steps > 1:
         return optax.MultiSteps(tx, every_k_schedule=accum_steps)
     return tx
+
+
+def scan_steps(accum_steps: int, accum: Accum) -> int:
+    """Micro-batches inside one call of the step."""
+    return accum_steps if accum == Accum.SCAN else 1
 
 
 def split_micro_batches(batch, k: int):
@@ -62,26 +81,29 @@ def _platform_scan(step, carry, xs, k: int):
     return lax.platform_dependent(carry, xs, cpu=scan(k), default=scan(1))
 
 
-def scan_gradients(grad_fn, params, model_state, batch, rng, k: int, vary):
-    """Sum ``grad_fn`` over k micro-batches with ``lax.scan``; return the means.
+def microbatched(grads, k: int):
+    """``grads(params, model_state, batch, ctx, scale) -> (grads, loss, model_state, metrics)`` over k
+    micro-batches of ``batch`` under ``lax.scan``: the same signature, the means of the k results (model state
+    threaded through). Micro-batch m gets ``split(ctx.key, k)[m]`` and its examples' rows (``ctx.rows``);
+    ``ctx.vary`` marks the zero carries as differing per shard (``shard_map``), like the gradients."""
 
-    ``grad_fn(params, model_state, micro_batch, rng) -> (grads, loss, model_state, metrics)``.
-    ``vary`` marks the zero carries per-device (shard_map), matching ``params``.
-    """
-    micro = split_micro_batches(batch, k)
-    rngs = jax.random.split(rng, k)
-    first = jax.tree.map(lambda x: x[0], micro)
-    shapes = jax.eval_shape(grad_fn, params, model_state, first, rngs[0])
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (shapes[0], shapes[1], shapes[3]))
-    carry0 = (vary(zeros), model_state)
+    def accumulated(params, model_state, batch, ctx, scale):
+        micro = split_micro_batches((batch, ctx.rows), k)
+        keys = jax.random.split(ctx.key, k)
+        first = jax.tree.map(lambda x: x[0], micro)
+        one = lambda ms, m, key: grads(params, ms, m[0], dataclasses.replace(ctx, key=key, rows=m[1]), scale)  # noqa: E731
+        shapes = jax.eval_shape(one, model_state, first, keys[0])
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (shapes[0], shapes[1], shapes[3]))
 
-    def step(carry, xs):
-        (g_sum, loss_sum, m_sum), ms = carry
-        mb, r = xs
-        g, loss, ms, metrics = grad_fn(params, ms, mb, r)
-        acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), (g_sum, loss_sum, m_sum), (g, loss, metrics))
-        return (acc, ms), None
+        def step(carry, xs):
+            (g_sum, loss_sum, m_sum), ms = carry
+            g, loss, ms, metrics = one(ms, *xs)
+            acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), (g_sum, loss_sum, m_sum), (g, loss, metrics))
+            return (acc, ms), None
 
-    ((g_sum, loss_sum, m_sum), model_state), _ = _platform_scan(step, carry0, (micro, rngs), k)
-    mean = lambda t: jax.tree.map(lambda x: x / k, t)  # noqa: E731
-    return mean(g_sum), mean(loss_sum), model_state, mean(m_sum)
+        ((g_sum, loss_sum, m_sum), model_state), _ = _platform_scan(step, (ctx.vary(zeros), model_state),
+                                                                    (micro, keys), k)
+        mean = lambda t: jax.tree.map(lambda x: x / k, t)  # noqa: E731
+        return mean(g_sum), mean(loss_sum), model_state, mean(m_sum)
+
+    return accumulated

@@ -70,7 +70,7 @@ def find_batch_size(trainer, state, make_batch: Callable[[int], dict], budget_by
         if budget_bytes is None:
             raise ConfigError(f"{jax.local_devices()[0].platform} devices report no memory limit: "
                               "pass budget_bytes=")
-    unit = trainer.shard.num_shards * (trainer.accum_steps if trainer.accum == "scan" else 1)
+    unit = trainer.batches.unit
     measured: dict[int, int] = {}
 
     def need(batch: int) -> int:

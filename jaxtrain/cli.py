@@ -183,7 +183,7 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
             config = RunConfig(**vars(args))
             from jaxtrain.runner import Exit, run
 
-            run(config, stop)
+            run(config, stop, words=as_flags)
         except ConfigError as e:
             print(f"{parser.prog}: error: {as_flags(str(e))}", file=sys.stderr)
             return 2

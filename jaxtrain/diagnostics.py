@@ -11,8 +11,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from jaxtrain import compat
-from jaxtrain import precision as prec
+from jaxtrain import compat, step
 
 
 def _first(analysis):
@@ -30,15 +29,12 @@ def saved_residual_bytes(trainer, state, batch: Mapping) -> int:
     (params and inputs exist anyway). This is what a remat policy controls,
     whatever the backend's scheduler then does with the memory.
     """
-    per_call = trainer.shard.num_shards * (trainer.accum_steps if trainer.accum == "scan" else 1)
+    per_call = trainer.batches.data_shards * trainer.scan_steps  # the rows one micro-batch of one shard sees
     local = {k: jax.ShapeDtypeStruct((v.shape[0] // per_call, *v.shape[1:]), v.dtype) for k, v in batch.items()}
-    policy = trainer.policy
+    cast = step.cast_loss(trainer.loss_fn, trainer.policy)  # what the step differentiates
 
     def loss(params, micro):
-        micro = jax.lax.stop_gradient(prec.cast_floats(micro, policy.compute_dtype))
-        value, _ = trainer.loss_fn(prec.cast_floats(params, policy.compute_dtype), state.model_state, micro,
-                                   jax.random.key(0))
-        return value
+        return cast(params, state.model_state, jax.lax.stop_gradient(micro), jax.random.key(0))[0]
 
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
     total = 0
@@ -143,11 +139,11 @@ def _host_memory() -> tuple[int, int] | None:
         return None
 
 
-def warn_host_memory(stats: dict, devices) -> str | None:
+def host_memory_warning(stats: dict, devices) -> str | None:
     """On CPU every device's buffers live in host RAM, and a step that needs more than is free gets the process
-    killed (exit 137) with no message: a warning on stderr (also returned) before the first step, when one step's
-    temps and outputs on this process's devices exceed 90% of the available memory (the state and the batch are
-    already resident)."""
+    killed (exit 137) with no message: a warning to print before the first step, when one step's temps and
+    outputs on this process's devices exceed 90% of the available memory (the state and the batch are already
+    resident); None when it fits."""
     host = _host_memory()
     if not devices or devices[0].platform != "cpu" or host is None:
         return None
@@ -156,11 +152,9 @@ def warn_host_memory(stats: dict, devices) -> str | None:
     available = host[1] - host[0]
     if per_device * len(local) <= 0.9 * available:
         return None
-    warning = (f"warning: one step needs ~{per_device * len(local) / 2**30:.1f} GiB more host memory ({len(local)} "
+    return (f"warning: one step needs ~{per_device * len(local) / 2**30:.1f} GiB more host memory ({len(local)} "
                f"devices x {per_device / 2**30:.2f} GiB) and {available / 2**30:.1f} GiB is available: the run may be "
                "killed; use a smaller batch_size= (or fewer devices=)")
-    print(warning, file=sys.stderr, flush=True)
-    return warning
 
 
 NOT_REPORTED = "not reported"

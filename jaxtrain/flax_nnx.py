@@ -14,7 +14,7 @@ the step the module is rebuilt with ``nnx.merge(..., copy=True)`` (without
 the copy a BatchNorm forward under ``jax.value_and_grad`` raised
 TraceContextError in flax 0.12.8), its random streams reseeded from the
 step's key (``nnx.Dropout`` draws from it), and every ``nnx.BatchNorm``
-given the axis the step splits the batch over (``jt.batch_axis()``), so
+given the axis the step splits the batch over (``jt.step_context()``), so
 batch statistics are the GLOBAL batch's under every strategy.
 """
 
@@ -27,9 +27,8 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from jaxtrain import rng as random_rule
-from jaxtrain.parallel import batch_axis
 from jaxtrain.sharding import logical_spec
+from jaxtrain.step import dropout, step_context
 
 
 def _called_with_train(model) -> bool:
@@ -67,7 +66,8 @@ class NnxAdapter:
         """The module holding ``params`` and ``model_state`` (its streams reseeded from ``rng`` if given)."""
         model = nnx.merge(self.graphdef, _filled(self._params, params), self._rng_state,
                           _filled(self._model_state, model_state), copy=True)
-        axis = batch_axis()
+        ctx = step_context()  # inside a train step: the axis its batch is split over
+        axis = ctx.batch_axis if ctx else None
         for _, node in nnx.iter_graph(model):
             if isinstance(node, nnx.BatchNorm):
                 node.axis_name = axis
@@ -134,4 +134,4 @@ class Dropout(nnx.Module):
 
     def __call__(self, x, *, deterministic: bool | None = None):
         off = self.deterministic if deterministic is None else deterministic
-        return random_rule.dropout(x, self.rate, deterministic=off)
+        return dropout(x, self.rate, deterministic=off)

@@ -15,12 +15,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jaxtrain.data.prefetch import prefetch_to_device, to_device
-from jaxtrain.devices import DATA_AXIS
 from jaxtrain.errors import Diverged
 from jaxtrain.timing import Chrono, OneStepLate
 
@@ -42,12 +39,12 @@ class EpochStats:
     checkpoint_sec: float = 0.0  # pauses of the epoch to save (not in train_sec)
 
 
-def device_batches(batches: Iterable[dict], mesh, prefetch: int):
-    """Host batches -> sharded device batches: ``prefetch`` ahead in a thread, or (0) in line."""
+def device_batches(batches: Iterable[dict], plan, prefetch: int):
+    """Host batches -> sharded device batches, placed as ``plan`` says (a trainer's or evaluator's
+    ``batches``): ``prefetch`` ahead in a thread, or (0) in line."""
     if prefetch > 0:
-        return prefetch_to_device(batches, mesh, prefetch)
-    sharding = NamedSharding(mesh, P(DATA_AXIS))
-    return (to_device(b, sharding) for b in batches)
+        return prefetch_to_device(batches, plan.batch, prefetch)
+    return (to_device(b, plan.batch) for b in batches)
 
 
 def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> dict:
@@ -68,7 +65,7 @@ def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> di
                 totals[k] = totals.get(k, 0.0) + float(v)
 
     late = OneStepLate()
-    with contextlib.closing(device_batches(batches, evaluator.mesh, prefetch)) as it, jax.transfer_guard("disallow"):
+    with contextlib.closing(device_batches(batches, evaluator.batches, prefetch)) as it, jax.transfer_guard("disallow"):
         for batch in it:
             add(late.push(evaluator.step(state, batch)))
     add(late.flush())
@@ -213,7 +210,7 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
             break
         resuming = epoch == pos.epoch and pos.batch > 0
         loop.start_epoch(epoch, pos.batch if resuming else 0, pos.partial if resuming else None)
-        batches = device_batches(train_loader.epoch(epoch, start=loop.batch), trainer.mesh, prefetch)
+        batches = device_batches(train_loader.epoch(epoch, start=loop.batch), trainer.batches, prefetch)
         with contextlib.closing(loop.bar), contextlib.closing(batches), jax.transfer_guard("disallow"):
             while not loop.last_of_epoch:
                 with loop.chrono.waiting(), jax.profiler.TraceAnnotation("data_wait"):

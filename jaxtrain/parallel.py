@@ -1,17 +1,11 @@
-"""Parallel strategies: one per-shard computation, wrapped four ways; each strategy one small object.
+"""Parallel strategies: the step's per-shard half, wrapped four ways; each strategy one small object.
 
-The step (``step.py``) hands a strategy two functions:
-
-- ``local(params, model_state, loss_scale, batch, rng, vary, step_key, rows) -> (grads, loss, model_state,
-  metrics)``: gradients and means over the examples it is given, NOT reduced
-  across devices (``vary`` marks fresh zeros per-device, for the micro-batch
-  scan; ``step_key`` and ``rows``, the examples' global rows, for jt.dropout);
-- ``update(state, grads, loss, model_state, metrics) -> (state, metrics)``:
-  the optimizer step on global arrays, after the reduction.
-
-A strategy runs ``local`` on each device's share of the batch, reduces what
-it returns across the ``"data"`` axis with its own collectives (``Comm``),
-and places the state with the shardings of ``sharding.py``:
+The step (``step.py``) hands a strategy ``local(params, model_state, loss_scale, batch, ctx) -> (grads,
+loss, model_state, metrics)``: gradients and means over the examples it is given, NOT reduced across
+devices. A strategy runs ``local`` on each shard of the batch with that shard's ``StepContext`` (its key,
+its examples' rows, the axis its batch is split over), reduces what it returns across the ``"data"`` axis
+with its own collectives (``Comm``), and compiles the whole step with the state's shardings
+(``placement.py``):
 
 - ``jit``: ``local`` sees the GLOBAL batch and XLA (GSPMD) inserts every
   collective, for any parameter sharding (FSDP, tensor parallelism). With
@@ -30,76 +24,40 @@ whole gradient under every sharding; element-wise ones stay shard-local.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Callable
 
 import jax
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import rng as random_rule
 from jaxtrain import sharding
 from jaxtrain.choices import STRATEGIES
 from jaxtrain.collectives import Comm, make_comm
 from jaxtrain.devices import DATA_AXIS
 from jaxtrain.errors import ConfigError
 from jaxtrain.state import keep_frozen, map_unfrozen
-
-_BATCH_AXIS = contextvars.ContextVar("jaxtrain_batch_axis", default=None)
-
-
-def batch_axis() -> str | None:
-    """The mesh axis the batch is split over inside the step being traced; None where it sees the global batch.
-
-    Models pass it to their batch statistics (``nn.BatchNorm(axis_name=jt.batch_axis())``)
-    so that BatchNorm averages over the global batch under every strategy,
-    without being told the strategy.
-    """
-    return _BATCH_AXIS.get()
-
-
-@contextlib.contextmanager
-def _split_over(axis: str):
-    token = _BATCH_AXIS.set(axis)
-    try:
-        yield
-    finally:
-        _BATCH_AXIS.reset(token)
+from jaxtrain.step import StepContext, local_rows
 
 
 def check_strategy(strategy: str) -> None:
     if strategy not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+        raise ConfigError(f"unknown strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
 
 
-def _per_device(local: Callable, comm: Comm, state_dims=None) -> Callable:
-    """(params, model_state, loss_scale, batch, base_rng) -> reduced (grads, loss, model_state, metrics), per device.
-    ``state_dims``: per model-state leaf, its FSDP dimension (Frozen parts placed like params) or None."""
+def _per_device(local: Callable, comm: Comm, mesh, state_dims=None) -> Callable:
+    """(params, model_state, loss_scale, batch, step_key) -> reduced (grads, loss, model_state, metrics), per
+    device. ``state_dims``: per model-state leaf, its FSDP dimension (Frozen parts placed like params) or None."""
 
     def run(params, model_state, loss_scale, batch, step_key):
         d = lax.axis_index(DATA_AXIS)
-        rows = random_rule.local_rows(batch, d * jax.tree.leaves(batch)[0].shape[0])  # this shard's global rows
+        ctx = StepContext(key=jax.random.fold_in(step_key, d), step_key=step_key, batch_axis=DATA_AXIS, mesh=mesh,
+                          rows=local_rows(batch, d * jax.tree.leaves(batch)[0].shape[0]), vary=comm.vary)
         whole_state = model_state if state_dims is None else comm.gather_like(model_state, state_dims)
-        with _split_over(DATA_AXIS):
-            grads, loss, new_state, metrics = local(comm.gather(params), whole_state, loss_scale, batch,
-                                                    jax.random.fold_in(step_key, d), comm.vary, step_key, rows)
+        grads, loss, new_state, metrics = local(comm.gather(params), whole_state, loss_scale, batch, ctx)
         loss, metrics = comm.mean((loss, metrics))
         return comm.scatter_mean(grads), loss, map_unfrozen(comm.mean, keep_frozen(new_state, model_state)), metrics
 
     return run
-
-
-def _step_with(update: Callable, reduced: Callable) -> Callable:
-    """state, batch -> update(state, *reduced(...)): the key folds in the step (and, per device, its index:
-    the rule in jaxtrain/rng.py)."""
-
-    def step(state, batch):
-        rng = jax.random.fold_in(state.rng, state.step)
-        return update(state, *reduced(state.params, state.model_state, state.loss_scale, batch, rng))
-
-    return step
 
 
 class Compiled:
@@ -129,32 +87,26 @@ class _Pmapped(Compiled):
 
 
 class Strategy:
-    """Owns one strategy's collectives, wrapping and shardings over ``mesh`` for the parameter specs ``pspecs``."""
+    """One strategy's collectives and wrapping over ``mesh``, for the parameter specs ``pspecs``.
+
+    ``reduced(local, state_specs, per_device)``: ``local`` on every shard, reduced over the shards;
+    ``compile(step, plan)``: the whole step, compiled with the plan's shardings (the state donated);
+    ``evaluate(sums, plan, mspecs)``: an eval step's sums over every device's examples."""
 
     name = ""
 
     def __init__(self, mesh, pspecs):
         self.mesh, self.pspecs = mesh, pspecs
-        self.replicated = NamedSharding(mesh, P())
-        self.batch = NamedSharding(mesh, P(DATA_AXIS))
 
-    def _jit(self, fn, state_specs):
-        """The train step over global arrays, the state donated and kept in its shardings. It traces under its
-        mesh, so code inside can see the mesh (the Pallas kernels split their rows over "data" with it)."""
-        state = sharding.named(self.mesh, state_specs)
-
-        def under_mesh(*args):
-            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-                return fn(*args)
-
-        return Compiled(jax.jit(under_mesh, in_shardings=(state, self.batch), out_shardings=(state, self.replicated),
-                                 donate_argnums=(0,)))
-
-    def train(self, local: Callable, update: Callable, state_specs, per_device: bool) -> Compiled:
-        """The compiled, donated train step."""
+    def reduced(self, local: Callable, state_specs, per_device: bool) -> Callable:
         raise NotImplementedError
 
-    def evaluate(self, local_sums: Callable, mspecs=P()) -> Compiled:
+    def compile(self, step: Callable, plan) -> Compiled:
+        """``step(state, batch)`` over global arrays, the state donated and kept in its shardings."""
+        return Compiled(jax.jit(step, in_shardings=(plan.state, plan.batch), out_shardings=(plan.state, plan.replicated),
+                                donate_argnums=(0,)))
+
+    def evaluate(self, local_sums: Callable, plan, mspecs=P()) -> Compiled:
         """``local_sums(params, model_state, batch) -> sums`` over the examples given, summed over the devices;
         ``mspecs``: how the model state is placed (Frozen parts may be sharded like the params)."""
         raise NotImplementedError
@@ -170,32 +122,32 @@ class Jit(Strategy):
         return jax.shard_map(fn, mesh=self.mesh, in_specs=only_data(in_specs), out_specs=only_data(out_specs),
                              axis_names=manual)
 
-    def train(self, local, update, state_specs, per_device):
+    def reduced(self, local, state_specs, per_device):
         mspecs = state_specs.model_state
         if per_device:  # left to GSPMD, every micro-batch's gradient would be reduced (k times the bytes)
             comm = make_comm(sharding.data_dims(self.pspecs))
-            reduced = self._manual(_per_device(local, comm, sharding.data_dims(mspecs)),
-                                   (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.pspecs, P(), mspecs, P()))
-        else:
-            grad_shardings = sharding.named(self.mesh, self.pspecs)
-            whole = lambda specs: sharding.named(  # noqa: E731
-                self.mesh, jax.tree.map(sharding.without_data, specs, is_leaf=sharding.is_spec))
-            gathered, gathered_state = whole(self.pspecs), whole(mspecs)
+            return self._manual(_per_device(local, comm, self.mesh, sharding.data_dims(mspecs)),
+                                (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.pspecs, P(), mspecs, P()))
+        grad_shardings = sharding.named(self.mesh, self.pspecs)
+        whole = lambda specs: sharding.named(  # noqa: E731
+            self.mesh, jax.tree.map(sharding.without_data, specs, is_leaf=sharding.is_spec))
+        gathered, gathered_state = whole(self.pspecs), whole(mspecs)
 
-            def reduced(params, model_state, loss_scale, batch, rng):
-                params = lax.with_sharding_constraint(params, gathered)
-                model_state = lax.with_sharding_constraint(model_state, gathered_state)  # an FSDP teacher: gathered
-                grads, *rest = local(params, model_state, loss_scale, batch, jax.random.fold_in(rng, 0), lambda t: t,
-                                     rng, random_rule.local_rows(batch))
-                # Gathered params at the loss, grads sharded like their params: without the first constraint GSPMD
-                # gathered activations instead. (XLA:CPU still reduces FSDP grads as all-reduce + slice: README.)
-                return lax.with_sharding_constraint(grads, grad_shardings), *rest
+        def reduced(params, model_state, loss_scale, batch, step_key):
+            params = lax.with_sharding_constraint(params, gathered)
+            model_state = lax.with_sharding_constraint(model_state, gathered_state)  # an FSDP teacher: gathered
+            ctx = StepContext(key=jax.random.fold_in(step_key, 0), step_key=step_key, rows=local_rows(batch),
+                              batch_axis=None, mesh=self.mesh)
+            grads, *rest = local(params, model_state, loss_scale, batch, ctx)
+            # Gathered params at the loss, grads sharded like their params: without the first constraint GSPMD
+            # gathered activations instead. (XLA:CPU still reduces FSDP grads as all-reduce + slice: README.)
+            return lax.with_sharding_constraint(grads, grad_shardings), *rest
 
-        return self._jit(_step_with(update, reduced), state_specs)
+        return reduced
 
-    def evaluate(self, local_sums, mspecs=P()):
+    def evaluate(self, local_sums, plan, mspecs=P()):
         return Compiled(jax.jit(lambda state, batch: local_sums(state.params, state.model_state, batch),
-                                 out_shardings=self.replicated))
+                                out_shardings=plan.replicated))
 
 
 class ShardMap(Strategy):
@@ -206,7 +158,7 @@ class ShardMap(Strategy):
         super().__init__(mesh, pspecs)
         other = sorted(sharding.mesh_axes_used(pspecs) - {DATA_AXIS})
         if other:
-            raise ConfigError(f"strategy {self.name!r} shards parameters over {DATA_AXIS!r} only (fsdp), but the rules "
+            raise ConfigError(f"strategy={self.name!r} shards parameters over {DATA_AXIS!r} only (fsdp), but the rules "
                               f"name {', '.join(map(repr, other))}: use strategy='jit' for tensor parallelism")
 
     def _map(self, fn, in_specs, out_specs):
@@ -214,13 +166,12 @@ class ShardMap(Strategy):
         # same values, so the ring's outputs cannot be checked as P().
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not self.ring)
 
-    def train(self, local, update, state_specs, per_device):
+    def reduced(self, local, state_specs, per_device):
         comm, mspecs = make_comm(sharding.data_dims(self.pspecs), ring=self.ring), state_specs.model_state
-        reduced = self._map(_per_device(local, comm, sharding.data_dims(mspecs)),
-                            (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.pspecs, P(), mspecs, P()))
-        return self._jit(_step_with(update, reduced), state_specs)
+        return self._map(_per_device(local, comm, self.mesh, sharding.data_dims(mspecs)),
+                         (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.pspecs, P(), mspecs, P()))
 
-    def evaluate(self, local_sums, mspecs=P()):
+    def evaluate(self, local_sums, plan, mspecs=P()):
         comm = make_comm(sharding.data_dims(self.pspecs), ring=self.ring)
         state_dims = sharding.data_dims(mspecs)
 
@@ -243,7 +194,7 @@ class Pmap(Strategy):
     def __init__(self, mesh, pspecs):
         super().__init__(mesh, pspecs)
         if sharding.mesh_axes_used(pspecs) or len(mesh.axis_names) > 1:
-            raise ConfigError("strategy 'pmap' keeps the whole state on every device of a 1-D mesh: use strategy='jit' "
+            raise ConfigError("strategy='pmap' keeps the whole state on every device of a 1-D mesh: use strategy='jit' "
                               "(any sharding) or 'shard_map' / 'ring' (fsdp) for sharded state or a 2-D mesh")
         self.devices = list(mesh.devices.flat)
 
@@ -258,11 +209,13 @@ class Pmap(Strategy):
 
         return _Pmapped(pmapped, per_device, donate_argnums)
 
-    def train(self, local, update, state_specs, per_device):
-        reduced = _per_device(local, make_comm(sharding.data_dims(self.pspecs)))
-        return self._pmap(_step_with(update, reduced), donate=True)
+    def reduced(self, local, state_specs, per_device):
+        return _per_device(local, make_comm(sharding.data_dims(self.pspecs)), self.mesh)
 
-    def evaluate(self, local_sums, mspecs=P()):
+    def compile(self, step, plan):
+        return self._pmap(step, donate=True)  # the whole step, the update too, runs inside
+
+    def evaluate(self, local_sums, plan, mspecs=P()):
         psum = lambda t: lax.psum(t, DATA_AXIS)  # noqa: E731
         return self._pmap(lambda state, batch: psum(local_sums(state.params, state.model_state, batch)), donate=False)
 

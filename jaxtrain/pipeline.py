@@ -45,7 +45,7 @@ from jaxtrain.devices import DATA_AXIS, make_mesh
 from jaxtrain.errors import ConfigError
 from jaxtrain.remat import policy
 from jaxtrain.remat import remat as remat_policy
-from jaxtrain.step import Trainer
+from jaxtrain.trainer import Trainer
 
 STAGE_AXIS = "stage"
 
@@ -147,8 +147,7 @@ class PipelineTrainer(Trainer):
         self._forward, self._forward32 = forward(mixed.compute_dtype), forward(jnp.float32)  # train, eval
         super().__init__(self._loss(head_loss_fn), tx, mesh, "jit", dataclasses.replace(
             mixed, compute_dtype=jnp.float32), param_sharding=[(r"^stages/|^stages$", P(None, STAGE_AXIS))],
-            min_size=1)
-        self.shard.divisor = microbatches  # each data shard's examples split into the micro-batches
+            min_size=1, micro_batches=microbatches)  # each data shard's examples split into the micro-batches
 
     @property
     def bubble(self) -> float:
@@ -157,7 +156,7 @@ class PipelineTrainer(Trainer):
         return (s - 1) / (busy + s - 1)
 
     def _mapped(self, fn, out_specs):
-        specs = (P(), P(None, STAGE_AXIS), P(), P(DATA_AXIS))
+        specs = (P(), P(None, STAGE_AXIS), P(), self.batches.batch.spec)
         return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=out_specs)
 
     def _loss(self, head_loss_fn):
@@ -198,9 +197,9 @@ class PipelineTrainer(Trainer):
             return super().init(init_fn=lambda r: (self._pipelined(first(init_fn(r))), {}), rng=rng)
         return super().init(None if params is None else self._pipelined(params), model_state, rng)
 
-    def plan(self, params) -> dict:
-        """As ``Trainer.plan``, for params with ``[L, ...]`` stages leaves (arrays or shapes)."""
-        return super().plan(jax.eval_shape(self._pipelined, params))
+    def layout(self, params) -> dict:
+        """As ``Trainer.layout``, for params with ``[L, ...]`` stages leaves (arrays or shapes)."""
+        return super().layout(jax.eval_shape(self._pipelined, params))
 
     @property
     def pipeline_layout(self) -> dict:

@@ -8,6 +8,8 @@ Only process 0 prints and writes files; every process trains.
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -24,6 +26,7 @@ from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.pipeline import STAGE_AXIS
 from jaxtrain.report import RunWriter, describe, holds_results, make_out_dir, not_learning, run_summary
 from jaxtrain.signals import StopOnSignal, StopVote
+from jaxtrain.trainer import Evaluator, Trainer
 
 # Settings that change what a checkpoint's state means: --resume refuses to mix them.
 FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "schedule",
@@ -47,13 +50,14 @@ class Setup:
     """What the phases build and pass on."""
 
     config: RunConfig
-    devices: list
-    mesh: object
-    say: object  # print on process 0, nothing elsewhere
-    model: models.Model = None
-    trainer: object = None
-    evaluator: object = None
-    layout: dict = None
+    devices: list[jax.Device]
+    mesh: jax.sharding.Mesh
+    say: Callable  # print on process 0 (parameters said as ``words`` says them), nothing elsewhere
+    words: Callable = str  # the CLI's: parameters as flags (cli.as_flags)
+    model: models.Model | None = None
+    trainer: Trainer | None = None  # a PipelineTrainer where the mesh has a "stage" axis
+    evaluator: Evaluator | None = None
+    layout: dict | None = None  # where each parameter lives (trainer.layout)
     call_batch: int = 0
     checkpointer: Checkpointer | None = None
     teacher: tuple | None = None  # --teacher: (model, params, model_state)
@@ -61,12 +65,16 @@ class Setup:
     out_lock: DirLock | None = None  # held on --out while the run writes there
 
 
-def setup_devices(c: RunConfig) -> Setup:
+def setup_devices(c: RunConfig, words: Callable = str) -> Setup:
     devices = jt.setup_devices(c.devices, devices_per_process=c.devices_per_process, coordinator=c.coordinator,
                                num_processes=c.num_processes, process_id=c.process_id)
-    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+
+    def say(*text, **kw):
+        if jax.process_index() == 0:
+            print(*(words(str(t)) for t in text), **kw)
+
     remat.policy(c.remat)  # a bad name fails here, before any data is read
-    return Setup(c, devices, jt.make_mesh(devices, axes=c.mesh), say)
+    return Setup(c, devices, jt.make_mesh(devices, axes=c.mesh), say, words)
 
 
 def build_trainer(s: Setup, train=None) -> None:
@@ -90,14 +98,8 @@ def build_trainer(s: Setup, train=None) -> None:
                                        precision=c.precision, accum_steps=c.accum_steps, accum=c.accum,
                                        param_sharding=sharding.preset(c.param_sharding, s.model.logical_axes))
         s.evaluator = jt.make_eval_step(s.model.eval_fn, mesh=s.mesh, strategy=c.strategy)
-    s.layout = s.trainer.plan(jax.eval_shape(s.model.init, jax.random.key(c.seed))[0])
-    s.call_batch = c.batch_size
-    if c.accum == "multisteps" and c.batch_size % c.accum_steps:  # one call per micro-batch
-        raise ConfigError(f"batch_size={c.batch_size} does not split into accum_steps={c.accum_steps} "
-                          f"micro-batches: use a multiple of {c.accum_steps}")
-    if c.accum == "multisteps":
-        s.call_batch = c.batch_size // c.accum_steps
-    s.trainer.check_batch_size(s.call_batch)
+    s.layout = s.trainer.layout(jax.eval_shape(s.model.init, jax.random.key(c.seed))[0])
+    s.call_batch = s.trainer.batches.call_batch(c.batch_size)  # multisteps: one call per micro-batch
 
 
 def build_pipeline(s: Setup, tx) -> None:
@@ -155,7 +157,7 @@ def initial_state(s: Setup, settings: dict):
     if position.result and (position.epoch > c.epochs or c.max_steps is not None and position.total_steps >= c.max_steps):
         r = position.result
         s.say(f"already finished at step {position.total_steps} (checkpoint in {c.checkpoint_dir}): test acc "
-              f"{r['test_acc']:.3f}, test loss {r['test_loss']:.4f}; nothing to do (raise --epochs or --max-steps "
+              f"{r['test_acc']:.3f}, test loss {r['test_loss']:.4f}; nothing to do (raise epochs= or max_steps= "
               "to train on)")
         s.checkpointer.close()
         raise Finished({"already_finished": True, "steps": position.total_steps, "test_acc": r["test_acc"]},
@@ -202,7 +204,9 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
     if c.memory_report:
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     stats = jt.compiled_stats(s.trainer, state, next(iter(train_data.epoch(0))))
-    diagnostics.warn_host_memory(stats, s.devices)
+    warning = diagnostics.host_memory_warning(stats, s.devices)
+    if warning:
+        print(s.words(warning), file=sys.stderr, flush=True)
 
     def memory_after_first_step(loop):
         if loop.total_steps == 1:
@@ -259,16 +263,16 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
 def stopped(s: Setup, step: int, stop: StopOnSignal):
     """A signal stopped training at ``step``: say what was saved, exit with 128 + the signal."""
     if s.checkpointer is None:
-        s.say(f"stopped by signal at step {step}; nothing saved (no --checkpoint-dir)")
+        s.say(f"stopped by signal at step {step}; nothing saved (no checkpoint_dir=)")
     else:
         with stop.busy():
             s.checkpointer.close()
         if s.checkpointer.committed(step):
             s.say(f"stopped by signal at step {step}; checkpoint saved in {s.checkpointer.directory}: continue with "
-                  "--resume")
+                  "resume=True")
         else:
             s.say(f"stopped by signal at step {step}; the checkpoint of step {step} was NOT written; the newest is "
-                  f"step {s.checkpointer.latest()}: continue from there with --resume")
+                  f"step {s.checkpointer.latest()}: continue from there with resume=True")
     raise Exit(128 + stop.signum) from None
 
 
@@ -294,9 +298,10 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
     return summary
 
 
-def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
-    """Train as ``config`` says; print progress; write the run's files; return the summary."""
-    s, c = setup_devices(config), config  # first: the device count is set before anything starts JAX's backend
+def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = str) -> dict:
+    """Train as ``config`` says; print progress; write the run's files; return the summary. ``words``: how the
+    printed lines say a parameter (the command line: as its flag)."""
+    s, c = setup_devices(config, words), config  # first: the device count is set before anything starts JAX's backend
     stop = stop or StopOnSignal()
     stop.vote = StopVote(s.devices) if jax.process_count() > 1 else None
     stop.reinstall()

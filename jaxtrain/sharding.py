@@ -1,7 +1,8 @@
 """Where the batch and the training state live on the mesh: written once, used by every strategy.
 
 - The batch: sharded over ``"data"`` (its leading axis), replicated over
-  every other mesh axis (``BatchSharder``).
+  every other mesh axis (``placement.Plan``, which holds all of a step's
+  placement).
 - The parameters: ``param_sharding`` = ``"replicated"`` (data parallelism),
   ``"fsdp"`` (ZeRO-3: each parameter sharded over ``"data"`` along its largest
   dimension that divides) or rules: ``[(regex, PartitionSpec | "fsdp" |
@@ -20,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -190,7 +190,7 @@ def data_dims(specs):
     return jax.tree.map(dim, specs, is_leaf=is_spec)
 
 
-def describe(params, specs) -> dict:
+def describe(specs) -> dict:
     """``{"sharded": {name: spec}, "replicated": [names]}``: what the summary records."""
     sharded, replicated = {}, []
     flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
@@ -242,46 +242,3 @@ def place(tree, shardings):
     if isinstance(shardings, NamedSharding):
         return jax.tree.map(lambda x: put(x, shardings), tree)
     return jax.tree.map(put, tree, shardings)
-
-
-class BatchSharder:
-    """Checks a global batch and places it on the mesh: sharded over ``"data"``, replicated over the rest."""
-
-    def __init__(self, mesh: Mesh, divisor: int = 1):
-        self.mesh = mesh
-        self.divisor = divisor  # examples per data shard must divide by this (accumulation)
-        self.replicated = NamedSharding(mesh, P())
-        self.sharding = NamedSharding(mesh, P(DATA_AXIS))
-
-    @property
-    def num_devices(self) -> int:
-        return self.mesh.devices.size
-
-    @property
-    def num_shards(self) -> int:
-        return self.mesh.shape[DATA_AXIS]
-
-    def check_batch_size(self, size: int) -> None:
-        """Raise ConfigError unless ``size`` splits evenly over the data shards."""
-        unit = self.num_shards * self.divisor
-        if size < 1 or size % unit:
-            what = f"{self.num_shards} {'devices' if self.num_shards == self.num_devices else 'data shards'}"
-            what += f" x {self.divisor} micro-batches" if self.divisor > 1 else ""
-            lower, upper = size // unit * unit, (size // unit + 1) * unit
-            example = f"e.g. {lower} or {upper}" if lower else f"e.g. {upper}"
-            raise ConfigError(f"batch size {size} does not split evenly over {what}: use a multiple of {unit} ({example})")
-
-    def __call__(self, batch: Mapping) -> dict:
-        sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch)}
-        if len(sizes) != 1:
-            raise ConfigError(f"every array in the batch needs the same leading (examples) axis, got sizes {sorted(sizes)}")
-        local = sizes.pop()
-        is_global = all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
-        self.check_batch_size(local * (1 if is_global else jax.process_count()))
-        return jax.tree.map(self._put, batch)
-
-    def _put(self, x):
-        if isinstance(x, jax.Array):
-            return x if x.sharding.is_equivalent_to(self.sharding, x.ndim) else jax.device_put(x, self.sharding)
-        # This process's rows of the global batch (all of it in a 1-process run).
-        return jax.make_array_from_process_local_data(self.sharding, np.asarray(x))

@@ -1,24 +1,126 @@
-"""make_train_step / make_eval_step: pure, compiled, data-parallel steps."""
+"""The train step, top to bottom, as one would write it by hand.
+
+    step_key = fold_in(state.rng, state.step)
+    on each shard of the batch (``local``):
+        cast params and batch to the compute dtype
+        loss, grads = value_and_grad(loss_fn)       per micro-batch, summed (``accumulate.microbatched``)
+    reduce grads, loss and metrics over the shards  (the strategy: ``jaxtrain.parallel``)
+    grads /= loss scale; skip the update if any is not finite (fp16)
+    params, opt_state = tx.update(...)              (``update``)
+    metrics: loss, the loss_fn's own, lr, loss scale
+
+The strategies differ only in how they wrap ``local`` and reduce what it
+returns; the update runs on global arrays after the reduction. ``trainer.py``
+compiles this for a mesh and places the state (``placement.py``).
+
+What the loss_fn may ask of the step: ``step_context()`` while it is traced
+(a ``StepContext``): the axis the batch is split over where the loss runs
+(BatchNorm averages over it: ``jaxtrain.flax_nnx``), the mesh (the Pallas
+kernels split their rows over it), the step's key and the examples' rows
+(``dropout``). It is set here and nowhere else.
+
+The keys (``state.rng`` is ``trainer.init``'s ``rng``; ``d`` the shard's
+index along "data"; ``k`` the scan micro-batches)::
+
+    step_key = fold_in(state.rng, state.step)
+    key      = fold_in(step_key, d)     shard_map, ring, pmap; jit with accumulation (d: its shard)
+             = fold_in(step_key, 0)     plain jit: one program sees the whole batch
+    micro-batch m of k (scan): split(key, k)[m]
+
+So the same seed, strategy, device count and accumulation give the same
+draws, bit for bit. Draws made with ``key`` over a shard's rows differ
+between strategies and device counts; ``dropout`` does not: each example's
+mask comes from ``fold_in(step_key, its row in the update's whole batch)``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jaxtrain import accumulate, optim, parallel, sharding
+from jaxtrain import accumulate, optim
 from jaxtrain import precision as prec
-from jaxtrain import rng as random_rule
-from jaxtrain.devices import make_mesh
 from jaxtrain.errors import ConfigError
 from jaxtrain.state import TrainState, keep_frozen
 
-LossFn = Callable  # (params, model_state, batch, rng) -> (loss, (model_state, metrics))
+LossFn = Callable  # (params, model_state, batch, key) -> (loss, (model_state, metrics))
 EvalFn = Callable  # (params, model_state, batch) -> {name: per-example values [B]}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What one shard's loss is computed under: made by the strategy, read through ``step_context()``.
+
+    ``key``: the loss_fn's key; ``step_key`` and ``rows`` (the examples' rows in the update's whole batch):
+    per-example draws (``dropout``); ``batch_axis``: the mesh axis the batch is split over where the loss
+    runs (None: the loss sees the whole batch); ``mesh``: the step's mesh; ``vary``: marks fresh values as
+    differing per shard (zeros that accumulate per-shard gradients under ``shard_map``)."""
+
+    key: jax.Array
+    step_key: jax.Array
+    rows: jax.Array
+    batch_axis: str | None
+    mesh: jax.sharding.Mesh
+    vary: Callable = lambda tree: tree
+
+
+_ACTIVE = contextvars.ContextVar("jaxtrain_step", default=None)  # (StepContext, [draws so far])
+
+
+def step_context() -> StepContext | None:
+    """The context of the train step being traced (None outside one, e.g. in evaluation)."""
+    active = _ACTIVE.get()
+    return active[0] if active else None
+
+
+@contextlib.contextmanager
+def _inside(ctx: StepContext):
+    token = _ACTIVE.set((ctx, [0]))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def local_rows(batch, first: jax.Array | int = 0) -> jax.Array:
+    """Rows ``first .. first + B - 1`` for a batch of B examples (B: its leaves' leading size)."""
+    return first + jnp.arange(jax.tree.leaves(batch)[0].shape[0], dtype=jnp.int32)
+
+
+def example_keys(salt: int | None = None) -> jax.Array:
+    """One key per example of the loss_fn's batch, the same for that example under any strategy or device count.
+
+    Each call draws fresh keys (a per-step call counter is folded in), unless ``salt`` fixes it.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        raise ConfigError("jt.dropout / jt.example_keys work inside a jaxtrain train step's loss_fn only: pass "
+                          "deterministic=True outside one (evaluation)")
+    ctx, calls = active
+    if salt is None:
+        salt, calls[0] = calls[0], calls[0] + 1
+    key = jax.random.fold_in(ctx.step_key, salt)
+    return jax.vmap(jax.random.fold_in, (None, 0))(key, ctx.rows)
+
+
+def dropout(x: jax.Array, rate: float, *, deterministic: bool = False, salt: int | None = None) -> jax.Array:
+    """Inverted dropout of ``x`` [B, ...] (B: the loss_fn's examples), each example's mask from its own key."""
+    if deterministic or rate == 0.0:
+        return x
+    if not 0.0 <= rate < 1.0:
+        raise ConfigError(f"dropout rate must be in [0, 1), got {rate}")
+    keys = example_keys(salt)
+    if keys.shape[0] != x.shape[0]:
+        raise ConfigError(f"jt.dropout: x has {x.shape[0]} rows but the loss_fn's batch has {keys.shape[0]} "
+                          "examples: dropout acts on per-example activations [batch, ...]")
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
 def _checked_loss_output(out):
@@ -37,35 +139,50 @@ def _checked_loss_output(out):
     return out
 
 
-def _train_fns(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, accum_steps: int):
-    """(local, update): the two halves of the step a strategy wraps (see parallel.py)."""
+def cast_loss(loss_fn: LossFn, policy: prec.Precision) -> LossFn:
+    """``loss_fn`` on params and batch cast to the policy's compute dtype, its loss in the output dtype."""
 
-    def grad_fn(params, model_state, batch, rng, scale, step_key, rows):
-        """fp32 grads of the (scaled) loss, computed in the policy's compute dtype."""
+    def loss(params, model_state, batch, key):
+        value, aux = _checked_loss_output(loss_fn(prec.cast_floats(params, policy.compute_dtype), model_state,
+                                                  prec.cast_floats(batch, policy.compute_dtype), key))
+        return value.astype(policy.output_dtype), aux
 
+    return loss
+
+
+def gradients(loss_fn: LossFn, policy: prec.Precision):
+    """``grads(params, model_state, batch, ctx, scale) -> (grads, loss, model_state, metrics)``: fp32 gradients of
+    the (loss-scaled) loss over the examples given, computed in the policy's compute dtype."""
+    cast = cast_loss(loss_fn, policy)
+
+    def grads(params, model_state, batch, ctx: StepContext, scale):
         def scaled_loss(p):
-            with random_rule.examples(step_key, rows):  # for jt.dropout: the step's key, the examples' rows
-                loss, (new_model_state, metrics) = _checked_loss_output(loss_fn(
-                    prec.cast_floats(p, policy.compute_dtype), model_state,
-                    prec.cast_floats(batch, policy.compute_dtype), rng))
-            loss = loss.astype(policy.output_dtype)
+            loss, (new_model_state, metrics) = cast(p, model_state, batch, ctx.key)
             return loss * scale, (loss, new_model_state, metrics)
 
-        (_, (loss, new_model_state, metrics)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
-        return grads, loss, new_model_state, metrics
+        with _inside(ctx):  # the forward and the backward pass (a kernel's custom VJP) are traced under it
+            (_, (loss, new_model_state, metrics)), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        return g, loss, new_model_state, metrics
 
-    def local(params, model_state, loss_scale, batch, rng, vary, step_key, rows):
-        """Gradients and means over the examples given (a device's share, or all under "jit"), not reduced.
+    return grads
 
-        ``rows``: the examples' rows in the update's whole batch (jaxtrain.rng)."""
-        scale = prec.current_scale(loss_scale)
-        if accum_steps > 1:  # the rows split into micro-batches with the examples
-            one = lambda p, ms, b, r: grad_fn(p, ms, b[0], r, scale, step_key, b[1])  # noqa: E731
-            grads, loss, model_state, metrics = accumulate.scan_gradients(one, params, model_state, (batch, rows),
-                                                                         rng, accum_steps, vary)
-        else:
-            grads, loss, model_state, metrics = grad_fn(params, model_state, batch, rng, scale, step_key, rows)
-        return prec.cast_floats(grads, policy.reduce_dtype), loss, model_state, metrics
+
+def make_local(loss_fn: LossFn, policy: prec.Precision, micro_batches: int):
+    """The per-shard half: ``local(params, model_state, loss_scale, batch, ctx) -> (grads, loss, model_state,
+    metrics)``, the means over the examples given (a shard's, or all under "jit"), NOT reduced over shards."""
+    grads = gradients(loss_fn, policy)
+    if micro_batches > 1:
+        grads = accumulate.microbatched(grads, micro_batches)
+
+    def local(params, model_state, loss_scale, batch, ctx: StepContext):
+        g, loss, model_state, metrics = grads(params, model_state, batch, ctx, prec.current_scale(loss_scale))
+        return prec.cast_floats(g, policy.reduce_dtype), loss, model_state, metrics
+
+    return local
+
+
+def make_update(tx: optax.GradientTransformation, policy: prec.Precision):
+    """The half after the reduction: ``update(state, grads, loss, model_state, metrics) -> (state, metrics)``."""
 
     def update(state: TrainState, grads, loss, model_state, metrics):
         scale = prec.current_scale(state.loss_scale)
@@ -88,204 +205,34 @@ def _train_fns(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.P
                                   model_state=keep_frozen(model_state, state.model_state), loss_scale=loss_scale)
         return new_state, metrics
 
-    return local, update
+    return update
 
 
-def _check_not_donated(state) -> None:
-    """A donated state's buffers are gone; reusing it segfaulted jaxlib 0.10.2 on 2+ CPU devices."""
-    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-        raise ConfigError("this TrainState was donated to an earlier step and its buffers are gone: "
-                          "pass the state the previous call returned (state, metrics = trainer(state, batch))")
+def train_step(reduced: Callable, update: Callable) -> Callable:
+    """The whole step on global arrays: ``state, batch -> (state, metrics)``. ``reduced(params, model_state,
+    loss_scale, batch, step_key)``: ``local`` on every shard, reduced over them (the strategy's)."""
+
+    def step(state: TrainState, batch):
+        step_key = jax.random.fold_in(state.rng, state.step)
+        grads, loss, model_state, metrics = reduced(state.params, state.model_state, state.loss_scale, batch,
+                                                    step_key)
+        return update(state, grads, loss, model_state, metrics)
+
+    return step
 
 
-class Trainer:
-    """A compiled train step: ``state, metrics = trainer(state, batch)``; the state placed by ``param_sharding``."""
+def eval_sums(eval_fn: EvalFn):
+    """``sums(params, model_state, batch)``: each per-example metric summed over the unmasked examples, and
+    ``count`` (a batch's ``"mask"``: 1 = real example, 0 = padding)."""
 
-    pipeline_layout: dict | None = None  # how a pipelined trainer stores its layers (checkpoints must match)
-
-    def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, strategy: str,
-                 precision: str | prec.Precision = "fp32", accum_steps: int = 1, accum: str = "scan",
-                 param_sharding="replicated", min_size: int = sharding.MIN_SIZE):
-        parallel.check_strategy(strategy)
-        accumulate.check(accum_steps, accum)
-        sharding.param_specs({}, param_sharding, mesh)  # malformed rules: an error now, not at init
-        self.policy = prec.get_policy(precision)
-        self.loss_fn = loss_fn
-        self.mesh, self.strategy, self.accum_steps, self.accum = mesh, strategy, accum_steps, accum
-        self.param_sharding, self.min_size = param_sharding, min_size
-        self.tx = accumulate.wrap_optimizer(tx, accum_steps, accum)
-        self.scan_steps = accum_steps if accum == "scan" else 1
-        self.shard = sharding.BatchSharder(mesh, divisor=self.scan_steps)
-        self._local, self._update = _train_fns(loss_fn, self.tx, self.policy, self.scan_steps)
-        self._steps = {}  # state tree structure -> compiled step
-
-    @property
-    def num_devices(self) -> int:
-        return self.shard.num_devices
-
-    def check_batch_size(self, size: int) -> None:
-        self.shard.check_batch_size(size)
-
-    def state_specs(self, state) -> TrainState:
-        """A PartitionSpec per leaf of ``state`` (arrays or shapes): parameters, and Frozen model state (a
-        distillation teacher), by ``param_sharding``."""
-        specs = lambda tree: sharding.param_specs(tree, self.param_sharding, self.mesh, self.min_size)  # noqa: E731
-        return sharding.state_specs(state, specs(state.params), self.tx, frozen_specs=specs)
-
-    def plan(self, params) -> dict:
-        """Where each parameter goes (``params``: arrays or shapes): ``{"sharded": {name: spec}, "replicated": [...]}``.
-
-        A ConfigError, before anything compiles, if a rule does not fit these
-        parameters or this strategy cannot run the sharding.
-        """
-        pspecs = sharding.param_specs(params, self.param_sharding, self.mesh, self.min_size)
-        parallel.make_strategy(self.strategy, self.mesh, pspecs)
-        return sharding.describe(params, pspecs)
-
-    def _fresh(self, params, model_state, rng) -> TrainState:
-        params = prec.cast_floats(params, self.policy.param_dtype)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                          model_state={} if model_state is None else model_state, rng=rng,
-                          loss_scale=prec.init_loss_scale(self.policy))
-
-    def init(self, params=None, model_state=None, rng: jax.Array | None = None, *, init_fn=None) -> TrainState:
-        """A TrainState on the mesh (fp32 params, fresh optimizer state), each leaf with its sharding.
-
-        ``init_fn(rng) -> (params, model_state)`` instead of ``params``: run
-        compiled with the state's shardings, so the whole state never exists
-        on one device (``init(init_fn=f, rng=k)`` equals ``init(*jax.jit(f)(k), rng=k)``).
-        """
-        if (params is None) == (init_fn is None):
-            raise ConfigError("trainer.init takes params (and model_state) or init_fn=f with f(rng) -> "
-                              "(params, model_state): one of the two")
-        rng = jax.random.key(0) if rng is None else rng
-        make = (lambda r: self._fresh(*init_fn(r), r)) if init_fn else (lambda r: self._fresh(params, model_state, r))
-        specs = self.state_specs(jax.eval_shape(make, rng))
-        parallel.make_strategy(self.strategy, self.mesh, specs.params)  # a sharding it cannot run: an error now
-        shardings = sharding.named(self.mesh, specs)
-        if init_fn is None:
-            return sharding.place(self._fresh(params, model_state, rng), shardings)
-        return jax.jit(make, out_shardings=shardings)(sharding.place(rng, self.shard.replicated))
-
-    def _compiled(self, state) -> parallel.Compiled:
-        key = jax.tree.structure(state)
-        if key not in self._steps:
-            specs = self.state_specs(state)
-            strategy = parallel.make_strategy(self.strategy, self.mesh, specs.params)
-            self._steps[key] = strategy.train(self._local, self._update, specs, per_device=self.scan_steps > 1)
-        return self._steps[key]
-
-    def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
-        """One step on a global batch (numpy or jax arrays): checked and sharded first."""
-        _check_not_donated(state)
-        return self._compiled(state)(state, self.shard(batch))
-
-    def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
-        """One step on a batch ALREADY on the mesh (what ``prefetch_to_device`` yields).
-
-        No checks, no copies: the hot-loop entry. Under
-        ``jax.transfer_guard("disallow")`` a host array here is an error.
-        """
-        return self._compiled(state)(state, batch)
-
-    def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
-        """The lowered (not yet compiled) step for this state and batch.
-
-        ``platforms``: lower for these instead of the mesh's devices, e.g.
-        ``("cuda",)`` to check on a CPU host what a GPU would compile.
-        """
-        return self._compiled(state).lower(state, self.shard(batch), platforms)
-
-
-def make_train_step(
-    loss_fn: LossFn,
-    tx: optax.GradientTransformation,
-    *,
-    mesh: Mesh | int | None = None,
-    strategy: str = "jit",
-    precision: str | prec.Precision = "fp32",
-    accum_steps: int = 1,
-    accum: str = "scan",
-    param_sharding="replicated",
-    min_size: int = sharding.MIN_SIZE,
-) -> Trainer:
-    """Build a (data-parallel, optionally sharded-state) train step.
-
-    ``loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics))``
-    computes the mean loss over the examples it is given; ``metrics`` are
-    scalar means. The trainer takes the GLOBAL batch (numpy or jax arrays);
-    ``metrics["loss"]`` is the mean over the global batch.
-
-    ``precision``: "fp32" | "bf16" | "fp16" (dynamic loss scale) or a
-    ``jt.Precision``. ``accum_steps=k`` with ``accum="scan"``: each call splits
-    every device's share into k micro-batches, one update per call;
-    ``accum="multisteps"``: ``optax.MultiSteps``, one micro-batch per call and
-    an update every k calls.
-
-    ``param_sharding``: "replicated" (data parallelism), "fsdp" (every
-    parameter of at least ``min_size`` elements, and its optimizer state,
-    sharded over "data" along its largest dimension that divides), or rules
-    ``[(regex, PartitionSpec | "fsdp" | jt.FSDP(spec) | "replicated"), ...]``
-    on the "/"-joined parameter path (first match wins; unmatched =
-    replicated): tensor parallelism and FSDP x TP on a 2-D mesh (``jit``).
-    """
-    return Trainer(loss_fn, tx, make_mesh(mesh), strategy, precision, accum_steps, accum, param_sharding, min_size)
-
-
-def _eval_sums(eval_fn: EvalFn):
-    def local_sums(params, model_state, batch):
+    def sums(params, model_state, batch):
         batch = dict(batch)
         mask = batch.pop("mask", None)
         per_example = eval_fn(params, model_state, batch)
         size = jax.tree.leaves(batch)[0].shape[0]
         mask = jnp.ones((size,), jnp.float32) if mask is None else mask.astype(jnp.float32)
-        sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in per_example.items()}
-        sums["count"] = jnp.sum(mask)
-        return sums
+        out = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in per_example.items()}
+        out["count"] = jnp.sum(mask)
+        return out
 
-    return local_sums
-
-
-def _specs_of(tree):
-    """The PartitionSpec each leaf is placed with (P() for what is not on a named mesh)."""
-    return jax.tree.map(lambda x: x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P(),
-                        tree)
-
-
-class Evaluator:
-    """A compiled eval step: ``sums = evaluator(state, batch)``.
-
-    Returns the SUM of each per-example metric over the unmasked examples and
-    ``count``, the number of them; divide to get means. A batch may carry a
-    ``"mask"`` (1 = real example, 0 = padding) so that every example of a
-    test set counts exactly once. The state may be sharded any way the
-    strategy supports (its placement is read from the state).
-    """
-
-    def __init__(self, eval_fn: EvalFn, mesh: Mesh, strategy: str):
-        parallel.check_strategy(strategy)
-        self.mesh, self.strategy = mesh, strategy
-        self.shard = sharding.BatchSharder(mesh)
-        self._sums = _eval_sums(eval_fn)
-        self._steps = {}  # (tree structure, param specs) -> compiled
-
-    def _compiled(self, state):
-        pspecs, mspecs = _specs_of(state.params), _specs_of(state.model_state)
-        key = (jax.tree.structure(state), tuple(jax.tree.leaves((pspecs, mspecs), is_leaf=sharding.is_spec)))
-        if key not in self._steps:
-            strategy = parallel.make_strategy(self.strategy, self.mesh, pspecs)
-            self._steps[key] = strategy.evaluate(self._sums, mspecs)
-        return self._steps[key]
-
-    def __call__(self, state: TrainState, batch: Mapping) -> dict:
-        _check_not_donated(state)
-        return self._compiled(state)(state, self.shard(batch))
-
-    def step(self, state: TrainState, batch: Mapping) -> dict:
-        """The eval step on a batch already on the mesh (no checks, no copies)."""
-        return self._compiled(state)(state, batch)
-
-
-def make_eval_step(eval_fn: EvalFn, *, mesh: Mesh | int | None = None, strategy: str = "jit") -> Evaluator:
-    """Build an eval step from ``eval_fn(params, model_state, batch) -> {name: [B] values}``."""
-    return Evaluator(eval_fn, make_mesh(mesh), strategy)
+    return sums

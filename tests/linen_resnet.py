@@ -8,7 +8,7 @@ pool, dense 10. Convs have biases, as in d2l; Linear/Conv weights ~ N(0, 0.01^2)
 
 BatchNorm statistics live in the ``batch_stats`` collection (the step's
 ``model_state``). In training they are computed over the GLOBAL (micro-)batch
-under every strategy without the model knowing which: ``jt.batch_axis()``
+under every strategy without the model knowing which: ``jt.step_context().batch_axis``
 names the axis the step splits the batch over while it is traced (None
 under "jit", where the batch axis is global anyway), and BatchNorm averages
 its statistics over it (a synchronised BatchNorm). Evaluation uses the
@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+import jaxtrain as jt
 from jaxtrain.devices import MODEL_AXIS
 from jaxtrain.models import classify
-from jaxtrain.parallel import batch_axis
 from jaxtrain.remat import policy as remat_policy
 
 NUM_CLASSES = 10
@@ -57,7 +57,7 @@ def _batch_norm(train: bool) -> nn.BatchNorm:
     two passes put both at 2e-6. It costs one more pass over each activation.
     """
     return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                        axis_name=batch_axis() if train else None, use_fast_variance=False)
+                        axis_name=jt.step_context().batch_axis if train else None, use_fast_variance=False)
 
 
 class Residual(nn.Module):

@@ -47,8 +47,8 @@ def matches(name: str, patterns) -> bool:
 # (who, may never import, why): each a "never" of docs/architecture.md
 NEVERS = [
     (["jaxtrain.models", "jaxtrain.models.*"],
-     ["jaxtrain.devices", "jaxtrain.parallel", "jaxtrain.pipeline", "jaxtrain.step", "jaxtrain.sharding",
-      "jaxtrain.collectives", "jaxtrain.quantize", "jaxtrain.runner"],
+     ["jaxtrain.devices", "jaxtrain.parallel", "jaxtrain.pipeline", "jaxtrain.step", "jaxtrain.trainer",
+      "jaxtrain.placement", "jaxtrain.sharding", "jaxtrain.collectives", "jaxtrain.quantize", "jaxtrain.runner"],
      "a model never knows the mesh, the strategy or the step"),
     (["jaxtrain.loop", "jaxtrain.checkpoint"],
      ["jaxtrain.runner", "jaxtrain.report", "jaxtrain.cli", "jaxtrain.config", "jaxtrain.observe"],
@@ -61,11 +61,20 @@ NEVERS = [
      [name for name in MODULES if name not in ("jaxtrain.errors",)],
      "the ground floor imports nothing of jaxtrain but its error type"),
     (["jaxtrain.report", "jaxtrain.export"],
-     ["jaxtrain.step", "jaxtrain.parallel", "jaxtrain.pipeline", "jaxtrain.runner"],
+     ["jaxtrain.step", "jaxtrain.trainer", "jaxtrain.placement", "jaxtrain.parallel", "jaxtrain.pipeline",
+      "jaxtrain.runner"],
      "a run's files do not depend on how it was trained"),
-    (["jaxtrain.kernels.*", "jaxtrain.data.*"],
-     ["jaxtrain.models", "jaxtrain.models.*", "jaxtrain.step", "jaxtrain.parallel", "jaxtrain.pipeline"],
-     "kernels and data serve models and steps, never the other way round"),
+    (["jaxtrain.kernels.*"],
+     ["jaxtrain.models", "jaxtrain.models.*", "jaxtrain.trainer", "jaxtrain.placement", "jaxtrain.parallel",
+      "jaxtrain.pipeline"],
+     "kernels serve models and steps, never the other way round (they may read the step's context)"),
+    (["jaxtrain.data.*"],
+     ["jaxtrain.models", "jaxtrain.models.*", "jaxtrain.step", "jaxtrain.trainer", "jaxtrain.placement",
+      "jaxtrain.parallel", "jaxtrain.pipeline"],
+     "data serves steps, never the other way round: it is handed the plan's batch sharding"),
+    (["jaxtrain.step"],
+     ["jaxtrain.parallel", "jaxtrain.placement", "jaxtrain.trainer", "jaxtrain.sharding", "jaxtrain.devices"],
+     "the step is the math of one update: the strategies wrap it, the trainer places it"),
 ]
 
 
@@ -131,3 +140,23 @@ def test_library_errors_name_parameters_and_the_command_line_says_them_as_flags(
     assert as_flags("pass checkpoint_dir= elsewhere, or resume=True.") == "pass --checkpoint-dir elsewhere, or --resume."
     assert as_flags("(e.g. data=2,model=2); budget_bytes=", {"budget_bytes": "--memory-budget"}) == (
         "(e.g. data=2,model=2); --memory-budget")
+
+
+def calls(path: Path, name: str):
+    """The calls in ``path`` of a function or class named ``name`` (``x.name(...)`` or ``name(...)``)."""
+    return [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+            and getattr(node.func, "id", getattr(node.func, "attr", None)) == name]
+
+
+def test_no_context_variable_outside_the_step_and_no_batch_sharding_outside_the_plan():
+    """What a model needs reaches it through one object set in step.py; the batch's placement is the plan's."""
+    contexts = {name for name, path in MODULES.items() if calls(path, "ContextVar")}
+    assert contexts == {"jaxtrain.step"}, contexts
+
+    def batch_sharding(node) -> bool:  # NamedSharding(mesh, P(DATA_AXIS)) or P("data")
+        spec = node.args[1] if len(node.args) > 1 else None
+        first = spec.args[0] if isinstance(spec, ast.Call) and spec.args else None
+        return getattr(first, "id", None) == "DATA_AXIS" or getattr(first, "value", None) == "data"
+
+    placing = {name for name, path in MODULES.items() if any(map(batch_sharding, calls(path, "NamedSharding")))}
+    assert placing == {"jaxtrain.placement"}, placing

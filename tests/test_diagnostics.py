@@ -119,8 +119,8 @@ def test_a_step_larger_than_free_host_memory_is_warned_before_it_runs(monkeypatc
     stats = {"temp_bytes": 3 * 2**30, "output_bytes": 2**30, "alias_bytes": 2**30, "argument_bytes": 2**30}
     devices = jax.devices()[:2]
     monkeypatch.setattr(diagnostics, "_host_memory", lambda: (20 * 2**30, 24 * 2**30))  # 4 GiB free
-    warning = diagnostics.warn_host_memory(stats, devices)
+    warning = diagnostics.host_memory_warning(stats, devices)
     assert warning.startswith("warning: one step needs ~6.0 GiB more host memory (2 devices x 3.00 GiB) and 4.0 GiB")
-    assert "smaller --batch-size" in warning
+    assert "smaller batch_size=" in warning
     monkeypatch.setattr(diagnostics, "_host_memory", lambda: (4 * 2**30, 24 * 2**30))  # 20 GiB free
-    assert diagnostics.warn_host_memory(stats, devices) is None
+    assert diagnostics.host_memory_warning(stats, devices) is None

@@ -59,7 +59,7 @@ def test_device_batches_are_the_same_global_batches_for_any_device_count(n):
     split = numbered_split(512)
     mesh = jt.make_mesh(n)
     host = list(loader.Loader(split, 64, train=True, seed=2).epoch(0))
-    with prefetch_to_device(loader.Loader(split, 64, train=True, seed=2).epoch(0), mesh, size=2) as it:
+    with prefetch_to_device(loader.Loader(split, 64, train=True, seed=2).epoch(0), jt.Plan(mesh).batch, size=2) as it:
         got = list(it)
     assert len(got) == len(host) == 8
     for h, d in zip(host, got):
@@ -73,7 +73,7 @@ def test_loader_exception_surfaces_promptly_and_threads_stop():
         yield {"image": np.zeros((4, 28, 28, 1), np.float32), "label": np.zeros(4, np.int32)}
         raise RuntimeError("disk on fire")
 
-    it = prefetch_to_device(broken(), jt.make_mesh(2), size=2)
+    it = prefetch_to_device(broken(), jt.Plan(jt.make_mesh(2)).batch, size=2)
     start = time.perf_counter()
     next(it)
     with pytest.raises(RuntimeError, match="disk on fire"):
@@ -85,7 +85,7 @@ def test_loader_exception_surfaces_promptly_and_threads_stop():
 def test_early_exit_leaves_no_thread_running():
     split = numbered_split(4096)
     before = {t for t in threading.enumerate() if t.name == "jaxtrain-prefetch"}
-    it = prefetch_to_device(loader.Loader(split, 64, train=True).epoch(0), jt.make_mesh(2), size=2)
+    it = prefetch_to_device(loader.Loader(split, 64, train=True).epoch(0), jt.Plan(jt.make_mesh(2)).batch, size=2)
     for i, _ in enumerate(it):
         if i == 2:
             break
@@ -153,6 +153,6 @@ def test_host_array_inside_the_guarded_loop_raises():
     with jax.transfer_guard("disallow"), pytest.raises(Exception, match="[Dd]isallowed"):
         trainer.step(state, host)
     # ... while device batches from the pipeline pass.
-    batch = next(iter(device_batches([host], trainer.mesh, prefetch=0)))
+    batch = next(iter(device_batches([host], trainer.batches, prefetch=0)))
     with jax.transfer_guard("disallow"):
         trainer.step(state, batch)

@@ -153,7 +153,7 @@ def test_fsdp_state_takes_a_quarter_of_the_memory_on_four_devices(variables):
         state = trainer.init(*variables)
         args[sharding] = jt.compiled_stats(trainer, state, BATCH, residuals=False)["argument_bytes"]
         if sharding == "fsdp":  # every conv kernel and the dense kernel sharded 4 ways
-            assert trainer.plan(state.params)["sharded"]["blocks/7/conv2/kernel"] == str(P(None, None, None, "data"))
+            assert trainer.layout(state.params)["sharded"]["blocks/7/conv2/kernel"] == str(P(None, None, None, "data"))
     assert args["fsdp"] <= 0.27 * args["replicated"], args
 
 

@@ -108,7 +108,7 @@ def test_fsdp_equals_one_device_reference(reference, strategy, n, opt):
     if opt == "adam":
         mu = state.opt_state[0].mu["dense1"]["w"]
         assert mu.sharding.spec == w.sharding.spec and shard_fraction(mu) == 1 / n
-    layout = trainer.plan(state.params)
+    layout = trainer.layout(state.params)
     assert "dense1/w" in layout["sharded"] and "conv1/w" in layout["replicated"]
 
 

@@ -13,10 +13,7 @@ from collections.abc import Iterable, Iterator
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-
-from jaxtrain.devices import DATA_AXIS
+from jax.sharding import NamedSharding
 
 _END = object()
 
@@ -27,7 +24,7 @@ class _Failure:
 
 
 def to_device(batch: dict, sharding: NamedSharding) -> dict:
-    """This process's rows of a global batch -> global arrays sharded ``P("data")``."""
+    """This process's rows of a global batch -> global arrays with ``sharding`` (a plan's ``batch``)."""
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
 
 
@@ -39,11 +36,11 @@ class prefetch_to_device(Iterator):  # noqa: N801 - used like a function
     when the object is garbage collected) stops and joins the thread.
     """
 
-    def __init__(self, iterator: Iterable[dict], mesh: Mesh, size: int = 2):
+    def __init__(self, iterator: Iterable[dict], sharding: NamedSharding, size: int = 2):
         if size < 1:
             raise ValueError(f"prefetch size must be >= 1, got {size}")
         self._source = iter(iterator)
-        self._sharding = NamedSharding(mesh, P(DATA_AXIS))
+        self._sharding = sharding  # where a batch goes: the trainer's plan says (``trainer.batches.batch``)
         self._queue: queue.Queue = queue.Queue(maxsize=size)
         self._stop = threading.Event()
         self._done = False

@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.devices import DATA_AXIS
+from jaxtrain.step import step_context
 
 MAX_ROWS = 16  # rows per program for rows up to 1024 wide
 TILE = 16 * 1024  # elements per program's tile: 128 fp32 registers a thread at 4 warps (8 warps past 1024 wide)
@@ -133,13 +134,19 @@ def run(kernel, inputs, kinds, outputs, rows: int, cols: int):
     ``inputs`` of the given kinds, ``outputs`` as (kind, dtype) pairs. Returns the outputs (BLOCK ones with a
     row per program: per device, stacked, when the rows are split over the devices).
 
-    Traced under a mesh whose ``"data"`` axis is not manual yet (jaxtrain's ``jit`` strategy: the step traces
-    under its mesh), the rows are split over ``"data"`` with ``shard_map``: each device runs the kernel on its
-    own rows. Left to GSPMD, which cannot split a kernel, every device would gather all rows and run all of
-    them."""
-    mesh = jax.sharding.get_abstract_mesh()
-    devices = dict(mesh.shape).get(DATA_AXIS, 1) if mesh.axis_names else 1
-    if devices > 1 and DATA_AXIS not in mesh.manual_axes and rows % devices == 0:
+    Inside a train step whose loss sees the whole batch (jaxtrain's ``jit`` strategy: ``jt.step_context()``
+    has no batch axis), the rows are split over the mesh's ``"data"`` axis with ``shard_map``: each device
+    runs the kernel on its own rows. Left to GSPMD, which cannot split a kernel, every device would gather
+    all rows and run all of them. Outside a jaxtrain step, the mesh your own ``jax.jit`` traces under
+    (``jax.sharding.use_abstract_mesh``) is split the same way where its "data" axis is not manual yet."""
+    ctx = step_context()
+    if ctx is not None:
+        mesh = ctx.mesh if ctx.batch_axis is None else None
+    else:
+        mesh = jax.sharding.get_abstract_mesh()
+        mesh = mesh if mesh.axis_names and DATA_AXIS not in mesh.manual_axes else None
+    devices = dict(mesh.shape).get(DATA_AXIS, 1) if mesh is not None else 1
+    if devices > 1 and rows % devices == 0:
         spec = lambda kind: P() if kind == COLS else P(DATA_AXIS)  # noqa: E731
         local = lambda *a: _here(kernel, a, kinds, outputs, rows // devices, cols)  # noqa: E731
         return jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, kinds)),

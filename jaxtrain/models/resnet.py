@@ -10,7 +10,7 @@ Any input size and channel count (28x28x1 Fashion-MNIST, 32x32x3 CIFAR-10).
 BatchNorm statistics (``nnx.BatchStat``) are the step's ``model_state``. In
 training they are computed over the GLOBAL (micro-)batch under every
 strategy without the model knowing which: ``from_nnx`` sets each
-BatchNorm's ``axis_name`` to ``jt.batch_axis()`` while the step is traced
+BatchNorm's ``axis_name`` to the step's batch axis (``jt.step_context()``) while the step is traced
 (a synchronised BatchNorm). Evaluation uses the running averages.
 """
 

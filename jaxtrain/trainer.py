@@ -1,0 +1,211 @@
+"""make_train_step / make_eval_step: the step of ``step.py``, compiled for a mesh, its state placed by a ``Plan``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain import accumulate, parallel, sharding
+from jaxtrain import precision as prec
+from jaxtrain import step as step_lib
+from jaxtrain.devices import make_mesh
+from jaxtrain.errors import ConfigError
+from jaxtrain.placement import Plan, make_plan
+from jaxtrain.state import TrainState
+from jaxtrain.step import EvalFn, LossFn
+
+
+def _check_not_donated(state) -> None:
+    """A donated state's buffers are gone; reusing it segfaulted jaxlib 0.10.2 on 2+ CPU devices."""
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        raise ConfigError("this TrainState was donated to an earlier step and its buffers are gone: "
+                          "pass the state the previous call returned (state, metrics = trainer(state, batch))")
+
+
+class Trainer:
+    """A compiled train step: ``state, metrics = trainer(state, batch)``; the state placed by ``param_sharding``.
+
+    ``trainer.batches``: the plan's batch half (known now); ``trainer.plan(state)``: the whole plan for a state
+    (arrays or shapes), made once per state structure."""
+
+    pipeline_layout: dict | None = None  # how a pipelined trainer stores its layers (checkpoints must match)
+
+    def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, strategy: str,
+                 precision: str | prec.Precision = "fp32", accum_steps: int = 1, accum: str = "scan",
+                 param_sharding="replicated", min_size: int = sharding.MIN_SIZE, micro_batches: int | None = None):
+        parallel.check_strategy(strategy)
+        self.accum = accumulate.check(accum_steps, accum)
+        sharding.param_specs({}, param_sharding, mesh)  # malformed rules: an error now, not at init
+        self.policy = prec.get_policy(precision)
+        self.loss_fn = loss_fn
+        self.mesh, self.strategy, self.accum_steps = mesh, strategy, accum_steps
+        self.param_sharding, self.min_size = param_sharding, min_size
+        self.tx = accumulate.wrap_optimizer(tx, accum_steps, self.accum)
+        self.scan_steps = accumulate.scan_steps(accum_steps, self.accum)
+        calls = accum_steps // self.scan_steps
+        self.batches = Plan(mesh, micro_batches or self.scan_steps, calls)
+        self._local = step_lib.make_local(loss_fn, self.policy, self.scan_steps)
+        self._update = step_lib.make_update(self.tx, self.policy)
+        self._plans, self._steps = {}, {}  # state tree structure -> Plan, compiled step
+
+    @property
+    def num_devices(self) -> int:
+        return self.batches.num_devices
+
+    def check_batch_size(self, size: int) -> None:
+        self.batches.check_batch_size(size)
+
+    def shard(self, batch: Mapping) -> dict:
+        """A global batch (numpy or jax arrays), checked and placed on the mesh."""
+        return self.batches.shard(batch)
+
+    def plan(self, state) -> Plan:
+        """Where ``state`` (arrays or shapes) lives and the strategy that runs it; a ConfigError, before anything
+        compiles, if a rule does not fit these parameters or the strategy cannot run the sharding."""
+        key = jax.tree.structure(state)
+        if key not in self._plans:
+            self._plans[key] = make_plan(self.mesh, state, strategy=self.strategy, param_sharding=self.param_sharding,
+                                         min_size=self.min_size, tx=self.tx, micro_batches=self.batches.micro_batches,
+                                         calls_per_update=self.batches.calls_per_update)
+        return self._plans[key]
+
+    def layout(self, params) -> dict:
+        """Where each parameter goes (``params``: arrays or shapes): ``{"sharded": {name: spec}, "replicated": [...]}``."""
+        return self.plan(jax.eval_shape(self._fresh, params, None, jax.random.key(0))).describe()
+
+    def _fresh(self, params, model_state, rng) -> TrainState:
+        params = prec.cast_floats(params, self.policy.param_dtype)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                          model_state={} if model_state is None else model_state, rng=rng,
+                          loss_scale=prec.init_loss_scale(self.policy))
+
+    def init(self, params=None, model_state=None, rng: jax.Array | None = None, *, init_fn=None) -> TrainState:
+        """A TrainState on the mesh (fp32 params, fresh optimizer state), each leaf with its sharding.
+
+        ``init_fn(rng) -> (params, model_state)`` instead of ``params``: run
+        compiled with the state's shardings, so the whole state never exists
+        on one device (``init(init_fn=f, rng=k)`` equals ``init(*jax.jit(f)(k), rng=k)``).
+        """
+        if (params is None) == (init_fn is None):
+            raise ConfigError("trainer.init takes params (and model_state) or init_fn=f with f(rng) -> "
+                              "(params, model_state): one of the two")
+        rng = jax.random.key(0) if rng is None else rng
+        make = (lambda r: self._fresh(*init_fn(r), r)) if init_fn else (lambda r: self._fresh(params, model_state, r))
+        plan = self.plan(jax.eval_shape(make, rng))
+        if init_fn is None:
+            return sharding.place(self._fresh(params, model_state, rng), plan.state)
+        return jax.jit(make, out_shardings=plan.state)(sharding.place(rng, plan.replicated))
+
+    def _compiled(self, state) -> parallel.Compiled:
+        key = jax.tree.structure(state)
+        if key not in self._steps:
+            plan = self.plan(state)
+            reduced = plan.strategy.reduced(self._local, plan.specs, per_device=self.scan_steps > 1)
+            self._steps[key] = plan.strategy.compile(step_lib.train_step(reduced, self._update), plan)
+        return self._steps[key]
+
+    def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
+        """One step on a global batch (numpy or jax arrays): checked and sharded first."""
+        _check_not_donated(state)
+        return self._compiled(state)(state, self.shard(batch))
+
+    def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
+        """One step on a batch ALREADY on the mesh (what ``prefetch_to_device`` yields).
+
+        No checks, no copies: the hot-loop entry. Under
+        ``jax.transfer_guard("disallow")`` a host array here is an error.
+        """
+        return self._compiled(state)(state, batch)
+
+    def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
+        """The lowered (not yet compiled) step for this state and batch.
+
+        ``platforms``: lower for these instead of the mesh's devices, e.g.
+        ``("cuda",)`` to check on a CPU host what a GPU would compile.
+        """
+        return self._compiled(state).lower(state, self.shard(batch), platforms)
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    *,
+    mesh: Mesh | int | None = None,
+    strategy: str = "jit",
+    precision: str | prec.Precision = "fp32",
+    accum_steps: int = 1,
+    accum: str | accumulate.Accum = "scan",
+    param_sharding="replicated",
+    min_size: int = sharding.MIN_SIZE,
+) -> Trainer:
+    """Build a (data-parallel, optionally sharded-state) train step.
+
+    ``loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics))``
+    computes the mean loss over the examples it is given; ``metrics`` are
+    scalar means. The trainer takes the GLOBAL batch (numpy or jax arrays);
+    ``metrics["loss"]`` is the mean over the global batch.
+
+    ``precision``: "fp32" | "bf16" | "fp16" (dynamic loss scale) or a
+    ``jt.Precision``. ``accum_steps=k`` with ``accum="scan"``: each call splits
+    every device's share into k micro-batches, one update per call;
+    ``accum="multisteps"``: ``optax.MultiSteps``, one micro-batch per call and
+    an update every k calls.
+
+    ``param_sharding``: "replicated" (data parallelism), "fsdp" (every
+    parameter of at least ``min_size`` elements, and its optimizer state,
+    sharded over "data" along its largest dimension that divides), or rules
+    ``[(regex, PartitionSpec | "fsdp" | jt.FSDP(spec) | "replicated"), ...]``
+    on the "/"-joined parameter path (first match wins; unmatched =
+    replicated): tensor parallelism and FSDP x TP on a 2-D mesh (``jit``).
+    """
+    return Trainer(loss_fn, tx, make_mesh(mesh), strategy, precision, accum_steps, accum, param_sharding, min_size)
+
+
+def _specs_of(tree):
+    """The PartitionSpec each leaf is placed with (P() for what is not on a named mesh)."""
+    return jax.tree.map(lambda x: x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P(),
+                        tree)
+
+
+class Evaluator:
+    """A compiled eval step: ``sums = evaluator(state, batch)``.
+
+    Returns the SUM of each per-example metric over the unmasked examples and
+    ``count``, the number of them; divide to get means. A batch may carry a
+    ``"mask"`` (1 = real example, 0 = padding) so that every example of a
+    test set counts exactly once. The state may be sharded any way the
+    strategy supports (its placement is read from the state).
+    """
+
+    def __init__(self, eval_fn: EvalFn, mesh: Mesh, strategy: str):
+        parallel.check_strategy(strategy)
+        self.mesh, self.strategy = mesh, strategy
+        self.batches = Plan(mesh)
+        self._sums = step_lib.eval_sums(eval_fn)
+        self._steps = {}  # (tree structure, param specs) -> compiled
+
+    def _compiled(self, state):
+        pspecs, mspecs = _specs_of(state.params), _specs_of(state.model_state)
+        key = (jax.tree.structure(state), tuple(jax.tree.leaves((pspecs, mspecs), is_leaf=sharding.is_spec)))
+        if key not in self._steps:
+            strategy = parallel.make_strategy(self.strategy, self.mesh, pspecs)
+            self._steps[key] = strategy.evaluate(self._sums, self.batches, mspecs)
+        return self._steps[key]
+
+    def __call__(self, state: TrainState, batch: Mapping) -> dict:
+        _check_not_donated(state)
+        return self._compiled(state)(state, self.batches.shard(batch))
+
+    def step(self, state: TrainState, batch: Mapping) -> dict:
+        """The eval step on a batch already on the mesh (no checks, no copies)."""
+        return self._compiled(state)(state, batch)
+
+
+def make_eval_step(eval_fn: EvalFn, *, mesh: Mesh | int | None = None, strategy: str = "jit") -> Evaluator:
+    """Build an eval step from ``eval_fn(params, model_state, batch) -> {name: [B] values}``."""
+    return Evaluator(eval_fn, make_mesh(mesh), strategy)
