@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 import time
 from collections.abc import Mapping
 
