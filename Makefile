@@ -7,12 +7,13 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 # Two workers: compiles and subprocess start-ups overlap; --durations names the slowest tests.
 PYTEST_ARGS ?= -n 2 --durations=20
 
-.PHONY: setup data demo test test-latest clean help
+.PHONY: setup data demo test test-latest docs clean help
 
 help:
 	@echo "make demo   set up, then train the d2l LeNet on Fashion-MNIST on 2 devices (10 epochs)"
 	@echo "make test   set up, then run the whole test suite"
 	@echo "make test-latest  the suite again on the newest Python >= 3.12 here with the newest JAX (.venv-latest)"
+	@echo "make docs   set up, then build the documentation site into docs/_build/html (warnings are errors)"
 	@echo "make data   install the Debian package dataset-fashion-mnist if it is missing"
 	@echo "make setup  create/update $(VENV) and install jaxtrain with its test extras"
 
@@ -43,10 +44,22 @@ demo: setup data
 test: setup data
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The newest-JAX leg (README "Tested versions"): LATEST_PYTEST_ARGS picks the tests.
+# The newest-JAX leg (docs/getting-started.md, "Tested versions"): LATEST_PYTEST_ARGS picks the tests.
 LATEST_PYTEST_ARGS ?= -n 2
 test-latest: data
 	bash tools/test-latest $(LATEST_PYTEST_ARGS)
 
+# The documentation site: MyST pages + the API from the docstrings; a warning (a broken reference, a public
+# name missing from docs/api.md) fails the build.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test,docs]'
+	@touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	rm -rf docs/_build
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
 clean:
-	rm -rf $(VENV) .venv-latest runs .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-latest runs .pytest_cache build *.egg-info docs/_build

@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tfds-dir", default=None, help="TFDS data dir for the converted dataset")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also trace 5 steps of the slow variant starved (workers 0, prefetch off) and fed (workers "
-                        "4, prefetch 2) into DIR/starved and DIR/fed (see README, 'Watching a run')")
+                        "4, prefetch 2) into DIR/starved and DIR/fed (docs: Getting started, 'Watching a run')")
     return p
 
 

@@ -1,7 +1,7 @@
 """What differs between the JAX versions jaxtrain supports, in one place.
 
 Tested: jax/jaxlib 0.10.2 (Python 3.11) and 0.12.0.1 (Python 3.12, 3.13);
-README "Tested versions". Every branch below says which version needs it.
+docs/getting-started.md, "Tested versions". Every branch below says which version needs it.
 Nothing here imports jax at module level: ``cpu_xla_flags`` must be answered
 before JAX starts (XLA reads $XLA_FLAGS once, when its first backend starts).
 """

@@ -75,7 +75,7 @@ class RunConfig:
                                         "$TFDS_DATA_DIR or ~/tensorflow_datasets)")
     out: str | None = _field(None, "output directory for metrics.jsonl, summary.json, curves.png and the "
                                    "TensorBoard events (default: a fresh runs/NAME-DATE-TIME)")
-    workers: int = _field(0, "grain worker threads building batches ahead (0: in the prefetch thread; see README)",
+    workers: int = _field(0, "grain worker threads building batches ahead (0: in the prefetch thread; docs: Data)",
                           minimum=0)
     prefetch: int = _field(2, "batches copied to the devices ahead of the step by a background thread (0: off)",
                            minimum=0)
@@ -124,9 +124,9 @@ class RunConfig:
                                  "for the train loss's softmax cross-entropy and the ViT's layer norms (Triton on "
                                  "GPUs; interpret mode on CPUs, slow there; docs/kernels.md)", choices=KERNELS)
     teacher: str | None = _field(None, "distil from this finished run (its --out directory, holding model/ and "
-                                       "model.json): its softened outputs join the loss (README 'Smaller models')")
+                                       "model.json): its softened outputs join the loss (docs: Smaller models)")
     # T 2, alpha 0.5: the defaults train at the student recipe's own pace (T 4, alpha 0.9 left a LeNet student at
-    # chance for 3 epochs: README "Distillation").
+    # chance for 3 epochs: docs/smaller-models.md, "Distillation").
     temperature: float = _field(2.0, "distillation: softmax temperature T of teacher and student", above=0.0)
     alpha: float = _field(0.5, "distillation: weight of the soft (teacher) loss; 1 - alpha goes to the labels' "
                                "cross-entropy", minimum=0.0)
@@ -134,7 +134,7 @@ class RunConfig:
     eval_every_steps: int | None = _field(None, "also evaluate every N train steps (a line, and TensorBoard's "
                                                 "test_step/ scalars)", minimum=1)
     profile: str | None = _field(None, "write a jax.profiler trace of steps START..STOP-1 to OUT/profile (open "
-                                       "it in XProf, TensorBoard or ui.perfetto.dev; see README)", flag_type="steps")
+                                       "it in XProf, TensorBoard or ui.perfetto.dev; docs: Getting started, 'Watching a run')", flag_type="steps")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -140,7 +140,7 @@ class Jit(Strategy):
                               batch_axis=None, mesh=self.mesh)
             grads, *rest = local(params, model_state, loss_scale, batch, ctx)
             # Gathered params at the loss, grads sharded like their params: without the first constraint GSPMD
-            # gathered activations instead. (XLA:CPU still reduces FSDP grads as all-reduce + slice: README.)
+            # gathered activations instead. (XLA:CPU still reduces FSDP grads as all-reduce + slice: docs/sharding.md.)
             return lax.with_sharding_constraint(grads, grad_shardings), *rest
 
         return reduced

@@ -20,13 +20,13 @@ from jaxtrain.errors import ConfigError
 class Precision:
     """A mixed-precision policy.
 
-    compute_dtype: dtype of params and floating inputs inside the loss.
-    param_dtype: dtype of the master params (fp32).
-    output_dtype: dtype of the loss returned to the step (fp32).
-    loss_scale: None, or "dynamic" (fp16): the loss is multiplied by a scale
-      held in TrainState; non-finite gradients skip the update and halve it;
-      ``growth_interval`` finite steps in a row double it.
-    reduce_dtype: dtype of the explicit cross-device gradient reduction
+    - ``compute_dtype``: dtype of params and floating inputs inside the loss.
+    - ``param_dtype``: dtype of the master params (fp32).
+    - ``output_dtype``: dtype of the loss returned to the step (fp32).
+    - ``loss_scale``: None, or "dynamic" (fp16): the loss is multiplied by a
+      scale held in TrainState; non-finite gradients skip the update and
+      halve it; ``growth_interval`` finite steps in a row double it.
+    - ``reduce_dtype``: dtype of the explicit cross-device gradient reduction
       (shard_map / pmap / ring; under "jit" XLA places the reduction itself).
     """
 

@@ -172,7 +172,7 @@ def test_the_default_distillation_trains_as_well_as_the_recipe_alone(tmp_path):
     """(BAD 9) T 4, alpha 0.9 left the student at chance for 3 full epochs. The teacher is the plain recipe's own
     3-epoch run (batch 64, 600 steps: past the d2l init's plateau); the student distilled from it with every
     distillation setting at its default must reach the teacher's accuracy - 0.02. Measured: plain 0.601, distilled
-    0.688; the old defaults reached 0.576 here and fail. The full-data runs are in README "Distillation"."""
+    0.688; the old defaults reached 0.576 here and fail. The full-data runs are in docs/smaller-models.md, "Distillation"."""
     common = ["--devices", "2", "--epochs", "3", "--batch-size", "64", "--train-subset", "12800", "--no-progress"]
     plain = run_cli("-m", "experiments.lenet", *common, "--out", str(tmp_path / "teacher"))
     assert plain.returncode == 0, plain.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Draw jax.profiler traces as a timeline PNG (a picture for the README; open the trace itself in XProf or Perfetto).
+"""Draw jax.profiler traces as a timeline PNG (a picture for the docs; open the trace itself in XProf or Perfetto).
 
     python tools/trace_png.py starved=/tmp/pp/starved fed=/tmp/pp/fed --out docs/trace.png
 

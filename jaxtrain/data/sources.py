@@ -1,6 +1,7 @@
 """Datasets as TFDS data sources: local files (converted once), or datasets TFDS has prepared.
 
 ``fashion_mnist`` / ``mnist`` / ``cifar10``, in this order:
+
   (a) local files: the four IDX files (``jaxtrain.data.idx``; default for
       fashion_mnist: the Debian package's ``/usr/share/datasets/fashion-mnist``)
       or CIFAR-10's binary batches (``jaxtrain.data.cifar``) in ``data_dir``,
@@ -10,6 +11,7 @@
       mistaken for a copy made earlier; they are validated and converted anew;
   (b) TFDS's own prepared (or downloadable) dataset;
   (c) otherwise a ConfigError that lists the ways to get the data.
+
 ``tfds:NAME``: any image-classification dataset TFDS has already prepared
 (array_record) in the TFDS data dir; shape and classes from its metadata.
 No TensorFlow is needed: our images are stored as uint8 tensors, not PNGs.
