@@ -77,44 +77,61 @@ def setup_devices(c: RunConfig, words: Callable = str) -> Setup:
     return Setup(c, devices, jt.make_mesh(devices, axes=c.mesh), say, words)
 
 
-def build_trainer(s: Setup, train=None) -> None:
-    """The model, optimizer and train / eval steps. Built before the data is read (the dataset's usual shape, a
-    constant learning rate: a bad sharding or batch size fails before anything is read), then for the ``train``
-    split: its image shape and classes, the schedule over the run's updates."""
+def _model(s: Setup, shape: dict) -> models.Model:
+    """The registry model for images of ``shape``; a student of the run's teacher with ``--teacher``."""
     c = s.config
-    s.model = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize, kernels=c.kernels,
-                         **sources.shape_of(c.dataset, train))
+    model = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize, kernels=c.kernels, **shape)
     if c.teacher:  # the teacher's params and state (read once) join the model state, Frozen
         s.teacher = s.teacher or distill.teacher_from_run(c.teacher)
-        s.model = distill.distilled(s.model, *s.teacher, c.temperature, c.alpha, c.kernels)
-    updates = c.epochs * (len(train) // c.batch_size) if train else 0
-    tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if train else "constant",
+        model = distill.distilled(model, *s.teacher, c.temperature, c.alpha, c.kernels)
+    return model
+
+
+def _steps(s: Setup, model: models.Model, updates: int) -> tuple[Trainer, Evaluator]:
+    """The train and eval steps (nothing compiles yet); a "stage" axis in the mesh pipelines the model."""
+    c = s.config
+    tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if updates else "constant",
                               total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),
                               weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm)
-    if STAGE_AXIS in s.mesh.axis_names:
-        build_pipeline(s, tx)
-    else:
-        s.trainer = jt.make_train_step(s.model.loss_fn, tx, mesh=s.mesh, strategy=c.strategy,
-                                       precision=c.precision, accum_steps=c.accum_steps, accum=c.accum,
-                                       param_sharding=sharding.preset(c.param_sharding, s.model.logical_axes))
-        s.evaluator = jt.make_eval_step(s.model.eval_fn, mesh=s.mesh, strategy=c.strategy)
-    s.layout = s.trainer.layout(jax.eval_shape(s.model.init, jax.random.key(c.seed))[0])
-    s.call_batch = s.trainer.batches.call_batch(c.batch_size)  # multisteps: one call per micro-batch
-
-
-def build_pipeline(s: Setup, tx) -> None:
-    """A --mesh with a "stage" axis: the model's layers pipelined over it."""
-    c = s.config
-    if not isinstance(s.model, models.Pipelinable):
-        raise ConfigError(f"a mesh with a {STAGE_AXIS!r} axis: model {c.model} has no stack of identical layers to pipeline: "
-                          "use experiments.vit, or a mesh without a 'stage' axis")
+    if STAGE_AXIS not in s.mesh.axis_names:
+        return (jt.make_train_step(model.loss_fn, tx, mesh=s.mesh, strategy=c.strategy, precision=c.precision,
+                                   accum_steps=c.accum_steps, accum=c.accum,
+                                   param_sharding=sharding.preset(c.param_sharding, model.logical_axes)),
+                jt.make_eval_step(model.eval_fn, mesh=s.mesh, strategy=c.strategy))
+    if not isinstance(model, models.Pipelinable):
+        raise ConfigError(f"a mesh with a {STAGE_AXIS!r} axis: model {c.model} has no stack of identical layers to "
+                          "pipeline: use experiments.vit, or a mesh without a 'stage' axis")
     if (c.strategy, c.param_sharding, c.accum_steps) != ("jit", "replicated", 1):
         raise ConfigError("pipelined runs use strategy=jit, param_sharding=replicated and accum_steps=1 "
                           "(micro-batches are the pipeline's: microbatches=)")
-    stack = s.model.stack
-    s.trainer = jt.make_pipeline_step(stack.embed_fn, stack.stage_fn, stack.head_loss_fn, tx, mesh=s.mesh, microbatches=c.microbatches, schedule=c.pipeline_schedule,
-                                      repeats=c.repeats, precision=c.precision, remat=c.remat)
-    s.evaluator = jt.make_eval_step(s.trainer.eval_fn(stack.head_eval_fn), mesh=s.mesh)
+    stack = model.stack
+    trainer = jt.make_pipeline_step(stack.embed_fn, stack.stage_fn, stack.head_loss_fn, tx, mesh=s.mesh,
+                                    microbatches=c.microbatches, schedule=c.pipeline_schedule, repeats=c.repeats,
+                                    precision=c.precision, remat=c.remat)
+    return trainer, jt.make_eval_step(trainer.eval_fn(stack.head_eval_fn), mesh=s.mesh)
+
+
+def _placed(s: Setup, model: models.Model, trainer: Trainer) -> tuple[dict, int]:
+    """(where each parameter goes, a call's global batch): a ConfigError if the sharding or the batch size does
+    not fit."""
+    layout = trainer.layout(jax.eval_shape(model.init, jax.random.key(s.config.seed))[0])
+    return layout, trainer.batches.call_batch(s.config.batch_size)  # multisteps: one call per micro-batch
+
+
+def validate(s: Setup) -> None:
+    """Everything that can fail before the data is read (which may take minutes), checked on the dataset's
+    usual image shape: the model, the teacher, the pipeline's settings, where the state goes, the batch size.
+    Nothing is kept but the teacher: ``build`` makes each part once, for the data."""
+    model = _model(s, sources.shape_of(s.config.dataset))
+    _placed(s, model, _steps(s, model, updates=0)[0])
+
+
+def build(s: Setup, train) -> None:
+    """The model, optimizer and train / eval steps for the ``train`` split: its image shape and classes, the
+    learning-rate schedule over the run's updates."""
+    s.model = _model(s, sources.shape_of(s.config.dataset, train))
+    s.trainer, s.evaluator = _steps(s, s.model, s.config.epochs * (len(train) // s.config.batch_size))
+    s.layout, s.call_batch = _placed(s, s.model, s.trainer)
 
 
 def open_checkpoints(s: Setup) -> None:
@@ -131,16 +148,23 @@ def open_checkpoints(s: Setup) -> None:
                           "checkpoint_dir= to start afresh")
 
 
-def load_data(s: Setup) -> tuple[dict, dict]:
-    """The splits (subsets applied) and the run's settings (what a checkpoint records)."""
+def load_data(s: Setup) -> tuple[dict, str]:
+    """The splits (subsets applied) and the digest of the whole dataset."""
     c = s.config
     data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir) for k in ("train", "test")}
+    digest = sources.split_digest(*data.values())
+    return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, digest
+
+
+def run_settings(s: Setup, data_sha256: str) -> dict:
+    """What a checkpoint records of the run (and ``--resume`` compares)."""
+    c = s.config
     settings = {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS) if hasattr(c, k)},  # mesh: the flag
-                "data_sha256": sources.split_digest(*data.values()), "experiment": c.model, "devices": len(s.devices),
+                "data_sha256": data_sha256, "experiment": c.model, "devices": len(s.devices),
                 "processes": jax.process_count(), "pipeline_layout": s.trainer.pipeline_layout}
     if s.checkpointer is not None:
         s.checkpointer.settings = settings
-    return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, settings
+    return settings
 
 
 def initial_state(s: Setup, settings: dict):
@@ -305,10 +329,11 @@ def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = s
     stop = stop or StopOnSignal()
     stop.vote = StopVote(s.devices) if jax.process_count() > 1 else None
     stop.reinstall()
-    build_trainer(s)
+    validate(s)
     open_checkpoints(s)
-    data, settings = load_data(s)
-    build_trainer(s, data["train"])
+    data, data_sha256 = load_data(s)
+    build(s, data["train"])
+    settings = run_settings(s, data_sha256)
     try:
         state, position = initial_state(s, settings)
     except Finished as f:

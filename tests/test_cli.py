@@ -47,7 +47,7 @@ def test_lenet_cli_on_a_2d_mesh_with_fsdp_and_tensor_parallelism(tmp_path):
     (["--devices", "2", "--param-sharding", "tp"], ["names axis 'model'", "give --mesh that axis, e.g. data=2,model=2"]),
     (["--devices", "2", "--strategy", "pmap", "--param-sharding", "fsdp"], ["'pmap' keeps the whole state"]),
     (["--devices", "4", "--mesh", "data=2,model=2", "--strategy", "ring", "--param-sharding", "fsdp+tp"],
-     ["'ring' shards parameters over 'data' only", "strategy='jit'"]),
+     ["'ring' shards parameters over 'data' only", "use --strategy 'jit' for tensor parallelism"]),
 ])
 def test_bad_sharding_flags_are_one_line_errors(tmp_path, flags, fragments):
     one_line_error(run_cli(*LENET, *flags, "--out", str(tmp_path)), *fragments)
