@@ -47,6 +47,12 @@ def _kernel_init(init: str):
     raise ValueError(f"unknown init {init!r}: use d2l or he")
 
 
+def _batch_axis() -> str | None:
+    """The axis the train step splits the batch over (None outside a step, or where the loss sees it whole)."""
+    ctx = jt.step_context()
+    return ctx.batch_axis if ctx is not None else None
+
+
 def _batch_norm(train: bool) -> nn.BatchNorm:
     """d2l's BatchNorm (momentum 0.9, eps 1e-5), its statistics synchronised over the devices in training.
 
@@ -57,7 +63,7 @@ def _batch_norm(train: bool) -> nn.BatchNorm:
     two passes put both at 2e-6. It costs one more pass over each activation.
     """
     return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                        axis_name=jt.step_context().batch_axis if train else None, use_fast_variance=False)
+                        axis_name=_batch_axis() if train else None, use_fast_variance=False)
 
 
 class Residual(nn.Module):
