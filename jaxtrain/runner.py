@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 
 import jaxtrain as jt
-from jaxtrain import diagnostics, distill, export, models, observe, optim, remat, sharding
+from jaxtrain import assemble, diagnostics, distill, export, models, observe, remat
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import RunConfig
 from jaxtrain.data import loader, sources
@@ -23,7 +23,6 @@ from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.files import ensure_room, params_digest
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
-from jaxtrain.pipeline import STAGE_AXIS
 from jaxtrain.report import RunWriter, describe, holds_results, make_out_dir, not_learning, run_summary
 from jaxtrain.signals import StopOnSignal, StopVote
 from jaxtrain.trainer import Evaluator, Trainer
@@ -77,61 +76,23 @@ def setup_devices(c: RunConfig, words: Callable = str) -> Setup:
     return Setup(c, devices, jt.make_mesh(devices, axes=c.mesh), say, words)
 
 
-def _model(s: Setup, shape: dict) -> models.Model:
-    """The registry model for images of ``shape``; a student of the run's teacher with ``--teacher``."""
-    c = s.config
-    model = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize, kernels=c.kernels, **shape)
-    if c.teacher:  # the teacher's params and state (read once) join the model state, Frozen
-        s.teacher = s.teacher or distill.teacher_from_run(c.teacher)
-        model = distill.distilled(model, *s.teacher, c.temperature, c.alpha, c.kernels)
-    return model
-
-
-def _steps(s: Setup, model: models.Model, updates: int) -> tuple[Trainer, Evaluator]:
-    """The train and eval steps (nothing compiles yet); a "stage" axis in the mesh pipelines the model."""
-    c = s.config
-    tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if updates else "constant",
-                              total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),
-                              weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm)
-    if STAGE_AXIS not in s.mesh.axis_names:
-        return (jt.make_train_step(model.loss_fn, tx, mesh=s.mesh, strategy=c.strategy, precision=c.precision,
-                                   accum_steps=c.accum_steps, accum=c.accum,
-                                   param_sharding=sharding.preset(c.param_sharding, model.logical_axes)),
-                jt.make_eval_step(model.eval_fn, mesh=s.mesh, strategy=c.strategy))
-    if not isinstance(model, models.Pipelinable):
-        raise ConfigError(f"a mesh with a {STAGE_AXIS!r} axis: model {c.model} has no stack of identical layers to "
-                          "pipeline: use experiments.vit, or a mesh without a 'stage' axis")
-    if (c.strategy, c.param_sharding, c.accum_steps) != ("jit", "replicated", 1):
-        raise ConfigError("pipelined runs use strategy=jit, param_sharding=replicated and accum_steps=1 "
-                          "(micro-batches are the pipeline's: microbatches=)")
-    stack = model.stack
-    trainer = jt.make_pipeline_step(stack.embed_fn, stack.stage_fn, stack.head_loss_fn, tx, mesh=s.mesh,
-                                    microbatches=c.microbatches, schedule=c.pipeline_schedule, repeats=c.repeats,
-                                    precision=c.precision, remat=c.remat)
-    return trainer, jt.make_eval_step(trainer.eval_fn(stack.head_eval_fn), mesh=s.mesh)
-
-
-def _placed(s: Setup, model: models.Model, trainer: Trainer) -> tuple[dict, int]:
-    """(where each parameter goes, a call's global batch): a ConfigError if the sharding or the batch size does
-    not fit."""
-    layout = trainer.layout(jax.eval_shape(model.init, jax.random.key(s.config.seed))[0])
-    return layout, trainer.batches.call_batch(s.config.batch_size)  # multisteps: one call per micro-batch
-
-
 def validate(s: Setup) -> None:
     """Everything that can fail before the data is read (which may take minutes), checked on the dataset's
     usual image shape: the model, the teacher, the pipeline's settings, where the state goes, the batch size.
-    Nothing is kept but the teacher: ``build`` makes each part once, for the data."""
-    model = _model(s, sources.shape_of(s.config.dataset))
-    _placed(s, model, _steps(s, model, updates=0)[0])
+    Nothing is kept but the teacher (read once): ``build`` makes each part once, for the data."""
+    c = s.config
+    s.teacher = distill.teacher_from_run(c.teacher) if c.teacher else None
+    model = assemble.model(c, sources.shape_of(c.dataset), s.teacher)
+    assemble.placed(c, model, assemble.steps(c, s.mesh, model, updates=0)[0])
 
 
 def build(s: Setup, train) -> None:
     """The model, optimizer and train / eval steps for the ``train`` split: its image shape and classes, the
     learning-rate schedule over the run's updates."""
-    s.model = _model(s, sources.shape_of(s.config.dataset, train))
-    s.trainer, s.evaluator = _steps(s, s.model, s.config.epochs * (len(train) // s.config.batch_size))
-    s.layout, s.call_batch = _placed(s, s.model, s.trainer)
+    c = s.config
+    s.model = assemble.model(c, sources.shape_of(c.dataset, train), s.teacher)
+    s.trainer, s.evaluator = assemble.steps(c, s.mesh, s.model, c.epochs * (len(train) // c.batch_size))
+    s.layout, s.call_batch = assemble.placed(c, s.model, s.trainer)
 
 
 def open_checkpoints(s: Setup) -> None:
