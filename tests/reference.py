@@ -1,7 +1,7 @@
 """An independent reference train step, for the tests only: no jaxtrain code on its path.
 
 Written from the documented contract (DESIGN.md "Public API contract",
-precision.py's and rng.py's docstrings), not from jaxtrain's code: plain
+precision.py's and step.py's docstrings), not from jaxtrain's code: plain
 ``jax.value_and_grad`` of the model's loss, ``tx.update`` and
 ``optax.apply_updates``, micro-batches in a Python loop, an explicit fp16
 loss scale, and the key rule spelled out. ``tests/test_reference.py`` holds
