@@ -174,14 +174,14 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
     they exit at once, during training they checkpoint and stop. JAX is
     imported after that.
     """
-    from jaxtrain.signals import StopOnSignal
+    from jaxtrain.signals import Exit, StopOnSignal
 
     with StopOnSignal() as stop:
         parser = make_parser(model, description, prog)
         args = parser.parse_args(argv)
         try:
             config = RunConfig(**vars(args))
-            from jaxtrain.runner import Exit, run
+            from jaxtrain.runner import run
 
             run(config, stop, words=as_flags)
         except ConfigError as e:

@@ -21,6 +21,16 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
 
+# Settings that change what a checkpoint's state means: resume refuses to mix them.
+FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "schedule",
+                  "warmup_epochs", "weight_decay", "clip_grad_norm", "augment", "batch_size", "seed", "precision",
+                  "accum_steps", "accum", "pipeline_layout", "quantize", "teacher", "temperature",
+                  "alpha")
+# Settings a resumed run may change (reported when they do).
+FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
+                 "microbatches", "kernels", "test_subset")
+
+
 def _field(default, help: str, *, choices=None, minimum=None, above=None, flag_type=None):
     """A setting: its flag's help, its allowed values (``choices``, ``>= minimum``, ``> above``)."""
     return dataclasses.field(default=default, metadata={

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import jax
 
+from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError
-from jaxtrain.files import atomic_write, ensure_writable, out_of_space, remove_stale_temps
+from jaxtrain.files import atomic_write, ensure_room, ensure_writable, out_of_space, remove_stale_temps
 
 
 def make_out_dir(out: str | None, name: str) -> Path:
@@ -32,6 +33,18 @@ def holds_results(out_dir: Path) -> bool:
     metrics = out_dir / "metrics.jsonl"
     return any((out_dir / name).exists() for name in ("summary.json", "model.json")) or (
         metrics.is_file() and metrics.stat().st_size > 0)
+
+
+def claim_out_dir(out: str | None, name: str, resume: bool) -> tuple[Path, DirLock]:
+    """The run directory (``out``, or a fresh one), this run's alone (locked: two runs never write one) and
+    with room for its files; another run's results there are kept unless the run resumes."""
+    out_dir = make_out_dir(out, name)
+    if not resume and holds_results(out_dir):
+        raise ConfigError(f"out={out_dir} holds another run's results: pass a new out= (or continue that run "
+                          "with resume=True and its checkpoint_dir=)")
+    lock = DirLock(out_dir, "out=").acquire()
+    ensure_room(out_dir, 2**20, "metrics, summary and curves", "out=")
+    return out_dir, lock
 
 
 class OutputError(ConfigError):

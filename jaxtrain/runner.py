@@ -1,6 +1,6 @@
 """``run(config)``: a whole training run in small phases, each readable alone.
 
-    devices, mesh -> trainer -> checkpoints -> data -> state (or resume) -> outputs -> train -> summary
+    devices, mesh -> validate -> checkpoints -> data -> build -> state (or resume) -> outputs -> train -> summary
 
 Only process 0 prints and writes files; every process trains.
 """
@@ -17,31 +17,15 @@ import jax
 import jaxtrain as jt
 from jaxtrain import assemble, diagnostics, distill, export, models, observe, remat
 from jaxtrain.checkpoint import Checkpointer
-from jaxtrain.config import RunConfig
+from jaxtrain.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
 from jaxtrain.data import loader, sources
 from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.files import ensure_room, params_digest
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
-from jaxtrain.report import RunWriter, describe, holds_results, make_out_dir, not_learning, run_summary
-from jaxtrain.signals import StopOnSignal, StopVote
+from jaxtrain.report import RunWriter, claim_out_dir, describe, not_learning, run_summary
+from jaxtrain.signals import Exit, StopOnSignal, StopVote
 from jaxtrain.trainer import Evaluator, Trainer
-
-# Settings that change what a checkpoint's state means: --resume refuses to mix them.
-FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "schedule",
-                  "warmup_epochs", "weight_decay", "clip_grad_norm", "augment", "batch_size", "seed", "precision",
-                  "accum_steps", "accum", "pipeline_layout", "quantize", "teacher", "temperature",
-                  "alpha")
-# Settings a resumed run may change (reported when they do).
-FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
-                 "microbatches", "kernels", "test_subset")
-
-
-class Exit(Exception):
-    """The run ends with this process exit code (a signal stopped it)."""
-
-    def __init__(self, code: int):
-        self.code = code
 
 
 @dataclasses.dataclass
@@ -139,14 +123,12 @@ def initial_state(s: Setup, settings: dict):
         s.say(f"no checkpoint in {c.checkpoint_dir} yet: starting from scratch")
         return state, None
     position = restored.position
-    if position.result and (position.epoch > c.epochs or c.max_steps is not None and position.total_steps >= c.max_steps):
-        r = position.result
-        s.say(f"already finished at step {position.total_steps} (checkpoint in {c.checkpoint_dir}): test acc "
-              f"{r['test_acc']:.3f}, test loss {r['test_loss']:.4f}; nothing to do (raise epochs= or max_steps= "
-              "to train on)")
+    steps, r = position.total_steps, position.result
+    if r and (position.epoch > c.epochs or c.max_steps is not None and steps >= c.max_steps):
+        s.say(f"already finished at step {steps} (checkpoint in {c.checkpoint_dir}): test acc {r['test_acc']:.3f}, "
+              f"test loss {r['test_loss']:.4f}; nothing to do (raise epochs= or max_steps= to train on)")
         s.checkpointer.close()
-        raise Finished({"already_finished": True, "steps": position.total_steps, "test_acc": r["test_acc"]},
-                       restored.state)
+        raise Finished({"already_finished": True, "steps": steps, "test_acc": r["test_acc"]}, restored.state)
     changed = [f"{k} {restored.settings.get(k)!r} -> {settings[k]!r}" for k in FREE_SETTINGS
                if restored.settings.get(k) != settings[k]]
     s.say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})"
@@ -163,12 +145,7 @@ def open_outputs(s: Setup, state, position) -> RunWriter | None:
     c = s.config
     if jax.process_index() != 0:
         return None
-    out_dir = make_out_dir(c.out, c.model)
-    if not c.resume and holds_results(out_dir):
-        raise ConfigError(f"out={out_dir} holds another run's results: pass a new out= (or continue that run "
-                          "with resume=True and its checkpoint_dir=)")
-    s.out_lock = DirLock(out_dir, "out=").acquire()  # two runs never write one directory
-    ensure_room(out_dir, 2**20, "metrics, summary and curves", "out=")
+    out_dir, s.out_lock = claim_out_dir(c.out, c.model, c.resume)
     if s.checkpointer is not None:  # keep + 1 on disk at once (the newest is written before the oldest goes)
         more = max(c.keep_checkpoints + 1 - len(s.checkpointer.manager.all_steps()), 1)
         size = sum(x.nbytes for x in jax.tree.leaves(state)) + 2**16  # + orbax's metadata files

@@ -36,6 +36,13 @@ from collections.abc import Callable
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+class Exit(Exception):
+    """The run ends with this process exit code (a signal stopped it: 128 + the signal)."""
+
+    def __init__(self, code: int):
+        self.code = code
+
+
 def _ignore(*_):
     pass
 
