@@ -63,38 +63,74 @@ def device_budget(fraction: float = 0.9) -> int | None:
 
 
 def find_batch_size(trainer, state, make_batch: Callable[[int], dict], budget_bytes: int | None = None,
-                    max_batch: int = 2**16, progress: Callable[[int, int], None] | None = None) -> BatchSizeResult:
-    """The largest global batch (a multiple of devices x micro-batches) that fits ``budget_bytes`` per device."""
+                    max_batch: int = 2**16, progress: Callable[[int, int], None] | None = None,
+                    start: int | None = None, known: dict[int, int] | None = None,
+                    tolerance: float = 0.0, measure: Callable[[int], int] | None = None) -> BatchSizeResult:
+    """The largest global batch (a multiple of devices x micro-batches) that fits ``budget_bytes`` per device.
+
+    ``start``: a batch to aim from: the line through the smallest batch and ``start`` predicts where the
+    budget runs out, and the search brackets that guess (a few compiles, where doubling from the smallest batch
+    takes ~2 log2(answer)); ``known``: bytes per device already measured, ``{batch: bytes}``; ``tolerance``: stop
+    once the bracket is this fraction of the answer (0: exact; XLA's memory is not monotonic in the batch near
+    a device's limit, where its rematerialisation squeezes, so an exact answer there costs many compiles);
+    ``measure(batch) -> bytes per device``: how a batch is measured (default: ``compiled_stats``)."""
     if budget_bytes is None:
         budget_bytes = device_budget()
         if budget_bytes is None:
             raise ConfigError(f"{jax.local_devices()[0].platform} devices report no memory limit: "
                               "pass budget_bytes=")
     unit = trainer.batches.unit
-    measured: dict[int, int] = {}
+    measured: dict[int, int] = dict(known or {})
 
     def need(batch: int) -> int:
         if batch not in measured:
-            measured[batch] = step_bytes(compiled_stats(trainer, state, make_batch(batch), residuals=False))
+            measured[batch] = (measure(batch) if measure else
+                               step_bytes(compiled_stats(trainer, state, make_batch(batch), residuals=False)))
             if progress is not None:
                 progress(batch, measured[batch])
         return measured[batch]
 
-    model_bytes = device_bytes(state)
-    if budget_bytes < model_bytes or need(unit) > budget_bytes:
-        raise ConfigError(f"a budget of {budget_bytes / 2**20:,.1f} MiB is smaller than the model itself: "
-                          f"state {model_bytes / 2**20:,.1f} MiB per device, the step at the smallest batch ({unit}) needs "
-                          f"{need(unit) / 2**20:,.1f} MiB per device; raise the budget or shrink the model")
-    lo, hi = unit, 2 * unit  # lo fits; once the doubling stops, hi (a multiple of unit) does not
+    def check_smallest() -> None:
+        model_bytes = device_bytes(state)
+        if budget_bytes < model_bytes or need(unit) > budget_bytes:
+            raise ConfigError(f"a budget of {budget_bytes / 2**20:,.1f} MiB is smaller than the model itself: state "
+                              f"{model_bytes / 2**20:,.1f} MiB per device, the step at the smallest batch ({unit}) "
+                              f"needs {need(unit) / 2**20:,.1f} MiB per device; raise the budget or shrink the model")
+
+    lo, hi = unit, 2 * unit  # lo fits; once the search stops growing, hi (a multiple of unit) does not
+    start = None if start is None else min(start // unit * unit, max_batch)
+    if start is None or start <= unit or need(start) > budget_bytes:
+        check_smallest()
+        if start is not None and start > unit:
+            lo, hi = unit, start
+    else:  # a line through start and 16 x start (the bytes of small batches are mostly fixed ones)
+        far = min(16 * start, max_batch)
+        if far > start and need(far) > budget_bytes:
+            lo, hi = start, far
+        else:
+            slope = (need(far) - need(start)) / (far - start) if far > start else 0
+            guess = far + (budget_bytes - need(far)) / slope if slope > 0 else max_batch
+            guess = max(far, min(int(guess) // unit * unit, max_batch))
+            step = max(unit, -(-int(tolerance * guess) // unit) * unit)
+            lo, hi = (guess, guess + step) if need(guess) <= budget_bytes else (far, guess)
     while hi <= max_batch and need(hi) <= budget_bytes:
         lo, hi = hi, 2 * hi
-    while hi - lo > unit:  # binary search on multiples of unit
-        mid = (lo + hi) // 2 // unit * unit
+
+    def between(lo: int, hi: int) -> int:
+        """Where the line through lo and hi meets the budget (kept off both ends), or halfway if hi is unmeasured."""
+        x = (lo + hi) / 2
+        if hi in measured and measured[hi] > measured[lo]:
+            x = lo + (budget_bytes - measured[lo]) * (hi - lo) / (measured[hi] - measured[lo])
+            x = min(max(x, lo + (hi - lo) / 8), hi - (hi - lo) / 8)
+        return max(lo + unit, min(hi - unit, int(x) // unit * unit))
+
+    while hi - lo > max(unit, tolerance * lo):  # a bracket on multiples of unit: lo fits, hi does not
+        mid = between(lo, hi)
         if need(mid) <= budget_bytes:
             lo = mid
         else:
             hi = mid
-    nxt = lo + unit
+    nxt = lo + unit if tolerance == 0 or hi > max_batch else hi
     next_bytes = need(nxt) if nxt <= max_batch else -1
     table = sorted(measured.items())
     a, b, r2 = _fit(table) if len(table) > 1 else (float(table[0][1]), 0.0, 1.0)

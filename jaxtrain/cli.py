@@ -122,15 +122,18 @@ def _flag_type(f: dataclasses.Field):
     return str
 
 
-def make_parser(model: str | None = None, description: str | None = None, prog: str | None = None
-                ) -> argparse.ArgumentParser:
-    """Flags of every RunConfig field; ``model`` fixes the model (its recipe gives the defaults shown)."""
+def make_parser(model: str | None = None, description: str | None = None, prog: str | None = None,
+                fields: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """Flags of every RunConfig field (or of ``fields``); ``model`` fixes the model (its recipe gives the
+    defaults shown)."""
     prog = prog or (f"python -m experiments.{model}" if model else "python -m jaxtrain.cli")
     defaults = RunConfig(model=model or "lenet")
     p = argparse.ArgumentParser(prog=prog, description=description or (MODELS[model].description if model else None),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(RunConfig):
         if model and (f.name == "model" or f.name == "init" and len(MODELS[model].inits) == 1):
+            continue
+        if fields is not None and f.name not in fields:
             continue
         meta, default = f.metadata, getattr(defaults, f.name)
         if f.type == "bool":

@@ -44,7 +44,7 @@ def saved_residual_bytes(trainer, state, batch: Mapping) -> int:
 
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) (" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$", re.M)
+_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) (" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$")
 _ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+)\[([\d,]*)\]")
 
 
@@ -69,6 +69,22 @@ def _group_size(attrs: str) -> int:
     return 1
 
 
+def collective_op(line: str) -> tuple[str, int, bool] | None:
+    """``(kind, bytes, async)`` of one compiled-HLO line that starts a collective, else None (see
+    ``collective_bytes`` for what ``bytes`` counts; ``async``: a ``-start`` op, its ``-done`` comes later)."""
+    m = _OP.match(line)
+    if m is None:
+        return None
+    result, kind, start, attrs = m.groups()
+    sizes = _bytes(result)
+    if start and kind == "collective-permute":
+        return kind, sum(sizes[1:2]), True  # (operand, result, contexts...)
+    if start:  # ((operands...), (results...)): the results, the operands of a reduce-scatter
+        half = len(sizes) // 2
+        return kind, sum(sizes[:half] if kind == "reduce-scatter" else sizes[half:]), True
+    return kind, sum(sizes) * (_group_size(attrs) if kind == "reduce-scatter" else 1), False
+
+
 def collective_bytes(hlo_text: str) -> dict:
     """Per device, per kind: ``{kind: {"ops": count, "bytes": size}}`` of the collectives in compiled HLO text.
 
@@ -79,16 +95,11 @@ def collective_bytes(hlo_text: str) -> dict:
     and reduce-scatter, 2(n-1)/n for all-reduce.
     """
     stats: dict = {}
-    for result, kind, start, attrs in _OP.findall(hlo_text):
-        sizes = _bytes(result)
-        if start and kind == "all-gather":
-            sizes = sizes[-1:]  # (operand, result)
-        elif start and kind == "collective-permute":
-            sizes = sizes[1:2]  # (operand, result, contexts...)
-        size = sum(sizes) * (_group_size(attrs) if kind == "reduce-scatter" else 1)
-        entry = stats.setdefault(kind, {"ops": 0, "bytes": 0})
-        entry["ops"] += 1
-        entry["bytes"] += size
+    for line in hlo_text.splitlines():
+        if op := collective_op(line):
+            entry = stats.setdefault(op[0], {"ops": 0, "bytes": 0})
+            entry["ops"] += 1
+            entry["bytes"] += op[1]
     return stats
 
 

@@ -74,14 +74,14 @@ class Compiled:
 
 
 class _Pmapped(Compiled):
-    """``jax.pmap``'s own ``lower`` takes no platforms: other platforms lower the same pmap under a jit."""
+    """``jax.pmap``'s own ``lower`` takes neither platforms nor shapes: those lower the same pmap under a jit."""
 
     def __init__(self, pmapped, prepare, donate):
         super().__init__(pmapped, prepare)
         self._under_jit = jax.jit(lambda state, batch: pmapped(state, prepare(batch)), donate_argnums=donate)
 
     def lower(self, state, batch, platforms: tuple[str, ...] | None = None):
-        if platforms is None:
+        if platforms is None and not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
             return self._jitted.lower(state, self._prepare(batch))
         return self._under_jit.trace(state, batch).lower(lowering_platforms=platforms)
 

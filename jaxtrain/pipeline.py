@@ -189,13 +189,13 @@ class PipelineTrainer(Trainer):
                               f"{sorted(params) if isinstance(params, dict) else type(params).__name__}")
         return {**params, "stages": _stored(params["stages"], self.num_stages, self.repeats)}
 
-    def init(self, params=None, model_state=None, rng=None, *, init_fn=None):
+    def _maker(self, params, model_state, init_fn):
         """``init(params)`` or ``init(init_fn=f, rng=key)`` with ``f(rng) -> {"embed", "stages", "head"}``
         (or ``(that, {})``; stages leaves ``[L, ...]``); stored as the schedule places them."""
         if init_fn is not None:
             first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
-            return super().init(init_fn=lambda r: (self._pipelined(first(init_fn(r))), {}), rng=rng)
-        return super().init(None if params is None else self._pipelined(params), model_state, rng)
+            return super()._maker(None, None, lambda r: (self._pipelined(first(init_fn(r))), {}))
+        return super()._maker(None if params is None else self._pipelined(params), model_state, None)
 
     def layout(self, params) -> dict:
         """As ``Trainer.layout``, for params with ``[L, ...]`` stages leaves (arrays or shapes)."""

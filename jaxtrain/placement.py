@@ -87,13 +87,18 @@ class Plan:
 
     def shard(self, batch: Mapping) -> dict:
         """A global batch (numpy: this process's rows; or jax arrays), checked, as arrays on the mesh."""
-        sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch)}
-        if len(sizes) != 1:
-            raise ConfigError(f"every array in the batch needs the same leading (examples) axis, got sizes {sorted(sizes)}")
-        local = sizes.pop()
+        local = _examples(batch)
         is_global = all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
         self.check_batch_size(local * (1 if is_global else jax.process_count()))
         return jax.tree.map(self._put, batch)
+
+    def lowered(self, batch: Mapping) -> dict:
+        """What a step lowers for: ``batch`` placed (``shard``), or, given shapes (``jax.ShapeDtypeStruct``:
+        the GLOBAL batch, compile-only devices), the shapes checked and given the batch's sharding."""
+        if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+            return self.shard(batch)
+        self.check_batch_size(_examples(batch))
+        return sharding.abstract(batch, self.batch)
 
     def _put(self, x):
         if isinstance(x, jax.Array):
@@ -104,6 +109,14 @@ class Plan:
     def describe(self) -> dict:
         """``{"sharded": {name: spec}, "replicated": [names]}`` of the parameters."""
         return sharding.describe(self.specs.params)
+
+
+def _examples(batch: Mapping) -> int:
+    """The batch's leading (examples) axis: the same for every array, or a ConfigError."""
+    sizes = {int((x.shape if hasattr(x, "shape") else np.shape(x))[0]) for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1:
+        raise ConfigError(f"every array in the batch needs the same leading (examples) axis, got sizes {sorted(sizes)}")
+    return sizes.pop()
 
 
 def make_plan(mesh: Mesh, state_shapes: TrainState, *, strategy: str, param_sharding, min_size: int, tx,

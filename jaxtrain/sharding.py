@@ -242,3 +242,11 @@ def place(tree, shardings):
     if isinstance(shardings, NamedSharding):
         return jax.tree.map(lambda x: put(x, shardings), tree)
     return jax.tree.map(put, tree, shardings)
+
+
+def abstract(tree, shardings):
+    """Every leaf as a ``jax.ShapeDtypeStruct`` with its sharding (``shardings``: one, or a tree like ``tree``):
+    what a step compiles for without any array existing."""
+    if not isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)

@@ -84,6 +84,15 @@ class Trainer:
                           model_state={} if model_state is None else model_state, rng=rng,
                           loss_scale=prec.init_loss_scale(self.policy))
 
+    def _maker(self, params, model_state, init_fn):
+        """``rng -> TrainState`` for ``init`` / ``abstract_state`` (a pipeline stores its layers its own way)."""
+        if (params is None) == (init_fn is None):
+            raise ConfigError("trainer.init takes params (and model_state) or init_fn=f with f(rng) -> "
+                              "(params, model_state): one of the two")
+        if init_fn is not None:
+            return lambda r: self._fresh(*init_fn(r), r)
+        return lambda r: self._fresh(params, model_state, r)
+
     def init(self, params=None, model_state=None, rng: jax.Array | None = None, *, init_fn=None) -> TrainState:
         """A TrainState on the mesh (fp32 params, fresh optimizer state), each leaf with its sharding.
 
@@ -91,15 +100,21 @@ class Trainer:
         compiled with the state's shardings, so the whole state never exists
         on one device (``init(init_fn=f, rng=k)`` equals ``init(*jax.jit(f)(k), rng=k)``).
         """
-        if (params is None) == (init_fn is None):
-            raise ConfigError("trainer.init takes params (and model_state) or init_fn=f with f(rng) -> "
-                              "(params, model_state): one of the two")
+        make = self._maker(params, model_state, init_fn)
         rng = jax.random.key(0) if rng is None else rng
-        make = (lambda r: self._fresh(*init_fn(r), r)) if init_fn else (lambda r: self._fresh(params, model_state, r))
         plan = self.plan(jax.eval_shape(make, rng))
         if init_fn is None:
-            return sharding.place(self._fresh(params, model_state, rng), plan.state)
+            return sharding.place(make(rng), plan.state)
         return jax.jit(make, out_shardings=plan.state)(sharding.place(rng, plan.replicated))
+
+    def abstract_state(self, params=None, model_state=None, rng: jax.Array | None = None, *,
+                       init_fn=None) -> TrainState:
+        """The TrainState ``init`` would make, as ``jax.ShapeDtypeStruct``s carrying their shardings: nothing is
+        computed or placed (``params`` may be shapes; ``init_fn`` is only traced). ``trainer.lower(state,
+        batch_shapes).compile()`` then compiles for the mesh's devices, e.g. the compile-only GPUs of
+        ``jaxtrain.gpu.mesh_for``."""
+        shapes = jax.eval_shape(self._maker(params, model_state, init_fn), jax.random.key(0) if rng is None else rng)
+        return sharding.abstract(shapes, self.plan(shapes).state)
 
     def _compiled(self, state) -> parallel.Compiled:
         key = jax.tree.structure(state)
@@ -123,12 +138,13 @@ class Trainer:
         return self._compiled(state)(state, batch)
 
     def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
-        """The lowered (not yet compiled) step for this state and batch.
+        """The lowered (not yet compiled) step; ``.compile()`` it.
 
-        ``platforms``: lower for these instead of the mesh's devices, e.g.
-        ``("cuda",)`` to check on a CPU host what a GPU would compile.
+        ``state`` and ``batch``: arrays, or shapes (``abstract_state``; ``jax.ShapeDtypeStruct`` per batch
+        array, the GLOBAL batch): a mesh of compile-only devices needs shapes. ``platforms``: lower for these
+        instead of the mesh's devices, e.g. ``("cuda",)`` to see on a CPU host what a GPU would compile.
         """
-        return self._compiled(state).lower(state, self.shard(batch), platforms)
+        return self._compiled(state).lower(state, self.batches.lowered(batch), platforms)
 
 
 def make_train_step(
@@ -204,6 +220,10 @@ class Evaluator:
     def step(self, state: TrainState, batch: Mapping) -> dict:
         """The eval step on a batch already on the mesh (no checks, no copies)."""
         return self._compiled(state)(state, batch)
+
+    def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
+        """The lowered eval step, as ``Trainer.lower`` (arrays or shapes)."""
+        return self._compiled(state).lower(state, self.batches.lowered(batch), platforms)
 
 
 def make_eval_step(eval_fn: EvalFn, *, mesh: Mesh | int | None = None, strategy: str = "jit") -> Evaluator:

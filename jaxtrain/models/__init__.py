@@ -60,6 +60,14 @@ class Model:
     num_classes: int = 10
     init_name: str = "d2l"  # which of the recipe's inits made ``init``'s weights
 
+    def batch_shapes(self, batch_size: int) -> dict:
+        """The shapes of a batch of ``batch_size`` (``jax.ShapeDtypeStruct``): what a step compiles for."""
+        import jax
+        import numpy as np
+
+        return {"image": jax.ShapeDtypeStruct((batch_size, *self.input_shape), np.float32),
+                "label": jax.ShapeDtypeStruct((batch_size,), np.int32)}
+
     def example_batch(self, batch_size: int, seed: int = 0) -> dict:
         """A random host batch of the model's input (images in [0, 1), labels): benchmarks and tests."""
         import numpy as np

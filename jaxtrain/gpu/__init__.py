@@ -1,0 +1,22 @@
+"""Compile jaxtrain's steps for GPUs on a host without one: targets, meshes of compile-only GPUs, plans.
+
+    pip install -e '.[gpu-compile]'           # JAX's CUDA plugin (Python >= 3.12; no GPU or driver needed)
+    python -m experiments.gpu_plan --model resnet18 --precision bf16 --gpu h100 --gpus 8
+
+In Python, in a fresh process (the plugin registers before JAX's backend starts)::
+
+    import jaxtrain as jt, jaxtrain.gpu as gpu
+    mesh = gpu.mesh_for("h100", gpus=8)                   # compile-only devices
+    trainer = jt.make_train_step(loss_fn, tx, mesh=mesh, precision="bf16")
+    state = trainer.abstract_state(init_fn=init)          # shapes with their shardings
+    compiled = trainer.lower(state, batch_shapes).compile()
+    compiled.memory_analysis(), compiled.as_text()        # what each GPU holds and runs
+
+``gpu.plan(model=..., ...)`` does all of it for a run's settings and reads the result (``GpuPlan``).
+"""
+
+from jaxtrain.gpu.plan import JAX_MEMORY_FRACTION, GpuPlan, plan
+from jaxtrain.gpu.targets import INSTALL, TESTED, Target, check_plugin, mesh_for, target, targets
+
+__all__ = ["GpuPlan", "INSTALL", "JAX_MEMORY_FRACTION", "TESTED", "Target", "check_plugin", "mesh_for", "plan",
+           "target", "targets"]

@@ -1,0 +1,128 @@
+"""What a step compiled for a GPU holds, read from XLA's own artefacts (nothing runs, nothing is autotuned).
+
+- memory: ``memory_analysis()`` of the per-GPU program (arguments, outputs, aliased = donation kept, temps);
+- FLOPs: XLA's cost analysis of the per-GPU module just after SPMD partitioning, before XLA:GPU rewrites
+  convolutions and dots into cuDNN / cuBLAS custom calls (which its cost analysis counts as 0);
+- bytes: XLA's cost analysis of the optimised per-GPU module;
+- collectives and kernels: the scheduled, optimised HLO text.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+import time
+from collections import Counter
+
+from jaxtrain.diagnostics import collective_op
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations)=\{?([^}\s]+(?:, %[^,}\s]+)*)")
+_WHILE = re.compile(r" while\(.*condition=%([^,\s]+), body=%([^,\s]+)")
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+_FUSION = re.compile(r"^\s*(?:ROOT )?%\S+ = .* fusion\(")
+
+
+# With no GPU to time on, XLA's autotuner only picks defaults; switched off, a compile takes half the time and
+# gives the same memory (checked: tests/test_gpu_compile.py), though some fusions' launch configs differ.
+AUTOTUNER_OFF = {"xla_gpu_autotune_level": 0}
+
+
+def _cost(module) -> dict:
+    """XLA's HloCostAnalysis of an HloModule, computed by the CPU client (the GPU one here compiles only)."""
+    import jax
+    from jax._src.lib import _jax  # the module cost analysis has no public API (jax 0.12)
+
+    return _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+
+
+def compile_lowered(lowered) -> tuple:
+    """``(compiled, seconds, per-GPU FLOPs, bytes accessed)``: one compile, whose module after SPMD
+    partitioning XLA dumps to a temporary directory for its FLOPs."""
+    from jaxlib import _hlo  # parses HLO text (jax 0.12: no public API)
+
+    with tempfile.TemporaryDirectory() as dump:
+        start = time.perf_counter()
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump,
+                                                     "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        seconds = time.perf_counter() - start
+        after = sorted(glob.glob(os.path.join(dump, "*after_spmd-partitioning*.txt")))
+        flops = _cost(_hlo.hlo_module_from_text(open(after[-1]).read())).get("flops") if after else None
+    optimised = compiled.runtime_executable().hlo_modules()[0]
+    return compiled, seconds, flops, _cost(optimised).get("bytes accessed")
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """Each computation's instruction lines."""
+    comps, name = {}, None
+    for line in hlo_text.splitlines():
+        if m := _COMPUTATION.match(line):
+            name = m.group(1)
+            comps[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            comps[name].append(line)
+    return comps
+
+
+def _looped(comps: dict[str, list[str]]) -> set[str]:
+    """Computations run inside a while loop: its bodies and conditions, and all they call."""
+    todo = [name for lines in comps.values() for line in lines if (m := _WHILE.search(line)) for name in m.groups()]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            for group in _CALLED.findall(line):
+                todo += [c.strip().lstrip("%") for c in group.split(",")]
+    return seen
+
+
+def collectives(hlo_text: str) -> list[dict]:
+    """One entry per kind and placement: ``{"kind", "count", "bytes", "async", "in_loop"}`` (bytes per GPU,
+    as ``diagnostics.collective_bytes`` counts them)."""
+    comps = _computations(hlo_text)
+    looped, out = _looped(comps), {}
+    for name, lines in comps.items():
+        for line in lines:
+            if op := collective_op(line):
+                kind, size, started = op
+                is_async = started or '"is_sync":false' in line
+                entry = out.setdefault((kind, is_async, name in looped),
+                                       {"kind": kind, "count": 0, "bytes": 0, "async": is_async,
+                                        "in_loop": name in looped})
+                entry["count"] += 1
+                entry["bytes"] += size
+    return sorted(out.values(), key=lambda e: (e["kind"], e["in_loop"], e["async"]))
+
+
+def kernels(hlo_text: str) -> dict:
+    """What the GPU launches: cuDNN calls by kind, cuBLAS gemms, Triton gemm fusions, Pallas (Triton / Mosaic)
+    kernels, other custom calls, and the fusion count."""
+    calls = Counter(_CUSTOM_CALL.findall(hlo_text))
+    pick = lambda test: sum(n for t, n in calls.items() if test(t))  # noqa: E731
+    return {
+        "cudnn": {t.split("$", 1)[1]: n for t, n in sorted(calls.items()) if t.startswith("__cudnn$")},
+        "cublas_gemms": pick(lambda t: t.startswith("__cublas")),
+        "triton_gemm_fusions": len(re.findall(r'"kind":"__triton[a-z_]*gemm[a-z_]*"', hlo_text)),
+        "pallas_kernels": pick(lambda t: t in ("__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2")),
+        "other_custom_calls": {t: n for t, n in sorted(calls.items())
+                               if not t.startswith(("__cudnn$", "__cublas", "__gpu$xla.gpu.triton", "mosaic_gpu"))},
+        "fusions": sum(1 for line in hlo_text.splitlines() if _FUSION.match(line)),
+    }
+
+
+def memory(compiled) -> dict:
+    """Per GPU, bytes: arguments, outputs, aliased (outputs written into donated arguments), temps, and the
+    peak a step needs (arguments + outputs + temps - aliased)."""
+    m = compiled.memory_analysis()
+    out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+           "aliased": m.alias_size_in_bytes, "temps": m.temp_size_in_bytes,
+           "code": m.generated_code_size_in_bytes}
+    out["total"] = out["arguments"] + out["outputs"] + out["temps"] - out["aliased"]
+    return out

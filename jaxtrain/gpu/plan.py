@@ -1,0 +1,144 @@
+"""``plan(...)``: a run's train step compiled for N GPUs on this host, and what the GPUs would hold and execute.
+
+    import jaxtrain.gpu as gpu
+    p = gpu.plan(model="resnet18", precision="bf16", gpu="h100", gpus=8)
+    print(p.format())            # memory and fit, largest batch, FLOPs, collectives, kernels, compile time
+
+The settings are a run's (``RunConfig``: the same checks and one-line errors); the step is the one
+``python -m experiments.<model>`` trains. Nothing is autotuned (no GPU to time on): memory and structure are
+XLA's own, no figure here is a GPU time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+
+from jaxtrain.gpu import analysis
+from jaxtrain.gpu.targets import mesh_for, target
+
+# JAX preallocates this fraction of a GPU's memory and never uses more (XLA_PYTHON_CLIENT_MEM_FRACTION).
+JAX_MEMORY_FRACTION = 0.75
+# The largest batch is searched to within this fraction (XLA's memory is not monotonic near a GPU's limit).
+SEARCH_TOLERANCE = 0.02
+SETTINGS = ("model", "batch_size", "dataset", "precision", "strategy", "param_sharding", "mesh", "accum_steps",
+            "accum", "remat", "microbatches", "pipeline_schedule", "repeats", "kernels", "optimizer", "seed")
+
+
+@dataclasses.dataclass
+class GpuPlan:
+    """One step compiled for ``gpus`` x ``hosts`` GPUs; every byte and FLOP figure is PER GPU."""
+
+    gpu: str
+    gpus: int
+    hosts: int
+    settings: dict  # the run's settings (RunConfig fields), the recipe's defaults filled in
+    call_batch: int  # the global batch of one compiled call (a multisteps update takes accum_steps calls)
+    per_gpu_batch: int  # examples of one call on one GPU (one data shard's, all its micro-batches)
+    memory: dict  # bytes: params, optimizer_state, model_state, batch; arguments, outputs, aliased, temps, total
+    budget_bytes: int
+    memory_fraction: float
+    flops: float | None  # per step, per GPU (XLA's cost analysis after SPMD partitioning, convolutions included)
+    bytes_accessed: float | None  # per step, per GPU (XLA's cost analysis of the optimised program)
+    collectives: list
+    kernels: dict
+    compile_seconds: float
+    max_batch: int = 2**20  # where the search for the largest batch stops
+    largest_batch: int | None = None  # the largest call batch (global) that fits the budget, found by compiling
+    largest_batch_bytes: int | None = None
+    search: list = dataclasses.field(default_factory=list)  # (call batch, bytes per GPU) of every compile
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.budget_bytes
+
+    @property
+    def donation_kept(self) -> bool:
+        """The state's buffers are reused for the new state (aliased bytes cover the whole state)."""
+        state = self.memory["params"] + self.memory["optimizer_state"] + self.memory["model_state"]
+        return self.memory["aliased"] >= state
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "fits": self.fits, "donation_kept": self.donation_kept}
+
+    def format(self) -> str:
+        from jaxtrain.gpu.report import format_plan
+
+        return format_plan(self)
+
+
+def _state_bytes(state, batch) -> dict:
+    from jaxtrain.sharding import device_bytes
+
+    return {"params": device_bytes(state.params), "optimizer_state": device_bytes(state.opt_state),
+            "model_state": device_bytes(state.model_state), "batch": device_bytes(batch),
+            "other": device_bytes((state.step, state.rng, state.loss_scale))}
+
+
+def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: bool = True,
+         memory_fraction: float = JAX_MEMORY_FRACTION, max_batch: int = 2**20,
+         progress: Callable[[str], None] | None = None, **settings) -> GpuPlan:
+    """Compile the step a run with ``settings`` (``RunConfig`` fields: ``model=``, ``batch_size=``,
+    ``precision=``, ``strategy=``, ``param_sharding=``, ``mesh=``, ``accum_steps=``, ``remat=``, pipeline
+    settings...) trains, for ``gpus`` x ``hosts`` GPUs of kind ``gpu``; ``largest_batch``: also search the
+    largest call batch that fits ``memory_fraction`` of a GPU's memory (a few more compiles)."""
+    import jax
+
+    from jaxtrain import assemble
+    from jaxtrain.config import RunConfig
+    from jaxtrain.data import sources
+    from jaxtrain.errors import ConfigError
+
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise ConfigError(f"plan() takes the settings {', '.join(SETTINGS)}; not {', '.join(unknown)}")
+    if not 0 < memory_fraction <= 1:
+        raise ConfigError(f"memory_fraction={memory_fraction}: expected a fraction in (0, 1]")
+    t = target(gpu)
+    c = RunConfig(devices=gpus * hosts, **settings)
+    mesh = mesh_for(t, gpus, hosts, c.mesh)
+    model = assemble.model(c, sources.shape_of(c.dataset))
+    trainer = assemble.steps(c, mesh, model, updates=0)[0]
+    call = trainer.batches.call_batch(c.batch_size)
+    say = progress or (lambda text: None)
+    say(f"compiling the {c.model} step for {gpus * hosts} x {t.name} (call batch {call})")
+    state = trainer.abstract_state(init_fn=model.init, rng=jax.random.key(c.seed))
+    batch = trainer.batches.lowered(model.batch_shapes(call))
+    compiled, seconds, flops, bytes_accessed = analysis.compile_lowered(trainer.lower(state, batch))
+    text = compiled.as_text()
+    budget = int(t.memory_bytes * memory_fraction)
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    result = GpuPlan(
+        gpu=t.key, gpus=gpus, hosts=hosts, settings={k: getattr(c, k) for k in SETTINGS if k in fields},
+        call_batch=call, per_gpu_batch=call // trainer.batches.data_shards,
+        memory={**_state_bytes(state, batch), **analysis.memory(compiled)}, budget_bytes=budget,
+        memory_fraction=memory_fraction, flops=flops, bytes_accessed=bytes_accessed,
+        collectives=analysis.collectives(text), kernels=analysis.kernels(text), compile_seconds=seconds,
+        max_batch=max_batch)
+    if largest_batch:
+        from jaxtrain.batch_size import find_batch_size
+
+        def compiled_one(batch_size, need):
+            say(f"  batch {batch_size:,}: {need / 2**30:,.2f} GiB per GPU "
+                f"({'fits' if need <= budget else 'does not fit'} {budget / 2**30:,.1f} GiB)")
+
+        def measure(batch_size):  # memory only: the autotuner off halves the compile, the same bytes (docs/gpu.md)
+            lowered = trainer.lower(state, model.batch_shapes(batch_size))
+            return analysis.memory(lowered.compile(compiler_options=analysis.AUTOTUNER_OFF))["total"]
+
+        try:
+            found = find_batch_size(trainer, state, model.batch_shapes, budget, max_batch=max_batch,
+                                    progress=compiled_one, start=call, known={call: result.memory["total"]},
+                                    tolerance=SEARCH_TOLERANCE, measure=measure)
+        except ConfigError:  # not even the smallest batch fits: the report says DOES NOT FIT
+            found = None
+        if found is not None:
+            result.largest_batch, result.largest_batch_bytes = found.batch_size, found.predicted_bytes
+            result.search = found.table
+    return result
+
+
+def save(p: GpuPlan, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(p.to_json(), f, indent=1)

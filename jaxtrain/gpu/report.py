@@ -1,0 +1,71 @@
+"""A ``GpuPlan`` as the text ``python -m experiments.gpu_plan`` prints."""
+
+from __future__ import annotations
+
+from jaxtrain.gpu.targets import target
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _flops(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} FLOP"
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:,.1f} us"
+
+
+def format_plan(p) -> str:
+    t, s, m = target(p.gpu), p.settings, p.memory
+    mesh = s.get("mesh") or {"data": p.gpus * p.hosts}
+    head = (f"{s['model']} on {p.hosts} x {p.gpus} {t.name} (mesh {', '.join(f'{k}={v}' for k, v in mesh.items())}): "
+            f"{s['precision']}, strategy {s['strategy']}, params {s['param_sharding']}, accum {s['accum_steps']}"
+            f"{' (' + s['accum'] + ')' if s['accum_steps'] > 1 else ''}, remat {s['remat']}")
+    lines = [head, f"batch: {p.call_batch:,} per call, {p.per_gpu_batch:,} per GPU; compiled in "
+                   f"{p.compile_seconds:.1f} s (nothing autotuned: no figure below is a GPU time)", "",
+             "memory per GPU:",
+             f"  arguments {_size(m['arguments'])}  (params {_size(m['params'])}, optimizer state "
+             f"{_size(m['optimizer_state'])}, model state {_size(m['model_state'])}, batch {_size(m['batch'])})",
+             f"  outputs   {_size(m['outputs'])}, of them aliased to the donated state {_size(m['aliased'])} "
+             f"(donation {'kept' if p.donation_kept else 'NOT kept: the new state needs memory of its own'})",
+             f"  temps     {_size(m['temps'])}",
+             f"  total     {_size(m['total'])} of {_size(p.budget_bytes)} ({p.memory_fraction:.0%} of "
+             f"{t.memory_gb:g} GB, JAX's default share): {'FITS' if p.fits else 'DOES NOT FIT'}"]
+    if p.largest_batch is not None:
+        shards = p.call_batch // p.per_gpu_batch
+        at_least = "at least " if p.largest_batch >= p.max_batch else ""
+        lines.append(f"  largest call batch that fits: {at_least}{p.largest_batch:,} ({p.largest_batch // shards:,} per "
+                     f"GPU, {_size(p.largest_batch_bytes)}; {len(p.search)} compiles"
+                     f"{'; the search stops there' if at_least else ''})")
+    elif p.search == [] and not p.fits:
+        lines.append("  not even the smallest batch fits: shard the state (param_sharding fsdp) or use more GPUs")
+    peak = t.peak_flops(s["precision"])
+    lines += ["", f"compute per GPU: {_flops(p.flops)} per step"
+                  + (f" ({_time(p.flops / peak)} at the {s['precision']} dense peak, {peak / 1e12:,.0f} "
+                     "TFLOP/s: a lower bound, not an estimate)" if p.flops else ""),
+              f"  bytes accessed (XLA's cost analysis): {_size(p.bytes_accessed)}", "", "collectives per GPU:"]
+    if not p.collectives:
+        lines.append("  none")
+    for c in p.collectives:
+        lines.append(f"  {c['kind']:<19} x{c['count']:<4} {_size(c['bytes']):>12}  "
+                     f"{'async' if c['async'] else 'sync'}{', inside a loop' if c['in_loop'] else ''}")
+    k = p.kernels
+    cudnn = ", ".join(f"{name} x{n}" for name, n in k["cudnn"].items()) or "none"
+    lines += ["", "kernels:", f"  cuDNN: {cudnn}",
+              f"  cuBLAS gemms {k['cublas_gemms']}, Triton gemm fusions {k['triton_gemm_fusions']}, "
+              f"Pallas kernels {k['pallas_kernels']}, fusions {k['fusions']}"]
+    if k["other_custom_calls"]:
+        lines.append("  other custom calls: " + ", ".join(f"{n} x{c}" for n, c in k["other_custom_calls"].items()))
+    return "\n".join(lines)
