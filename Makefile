@@ -7,12 +7,13 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 # Two workers: compiles and subprocess start-ups overlap; --durations names the slowest tests.
 PYTEST_ARGS ?= -n 2 --durations=20
 
-.PHONY: setup data demo test test-latest docs clean help
+.PHONY: setup data demo test test-latest test-gpu-compile docs clean help
 
 help:
 	@echo "make demo   set up, then train the d2l LeNet on Fashion-MNIST on 2 devices (10 epochs)"
 	@echo "make test   set up, then run the whole test suite"
 	@echo "make test-latest  the suite again on the newest Python >= 3.12 here with the newest JAX (.venv-latest)"
+	@echo "make test-gpu-compile  the gpu_compile tests: steps compiled for 8 H100s on this host (a cached ~5.6 GB venv)"
 	@echo "make docs   set up, then build the documentation site into docs/_build/html (warnings are errors)"
 	@echo "make data   install the Debian package dataset-fashion-mnist if it is missing"
 	@echo "make setup  create/update $(VENV) and install jaxtrain with its test extras"
@@ -48,6 +49,11 @@ test: setup data
 LATEST_PYTEST_ARGS ?= -n 2
 test-latest: data
 	bash tools/test-latest $(LATEST_PYTEST_ARGS)
+
+# The GPU-compile leg (README "Planning for GPUs"): its venv is cached outside the checkout.
+GPU_PYTEST_ARGS ?= -n 2 --durations=10
+test-gpu-compile:
+	bash tools/test-gpu-compile $(GPU_PYTEST_ARGS)
 
 # The documentation site: MyST pages + the API from the docstrings; a warning (a broken reference, a public
 # name missing from docs/api.md) fails the build.

@@ -111,7 +111,7 @@ def find_batch_size(trainer, state, make_batch: Callable[[int], dict], budget_by
             slope = (need(far) - need(start)) / (far - start) if far > start else 0
             guess = far + (budget_bytes - need(far)) / slope if slope > 0 else max_batch
             guess = max(far, min(int(guess) // unit * unit, max_batch))
-            step = max(unit, -(-int(tolerance * guess) // unit) * unit)
+            step = max(unit, int(tolerance * guess) // unit * unit)
             lo, hi = (guess, guess + step) if need(guess) <= budget_bytes else (far, guess)
     while hi <= max_batch and need(hi) <= budget_bytes:
         lo, hi = hi, 2 * hi

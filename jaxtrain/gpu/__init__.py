@@ -16,7 +16,7 @@ In Python, in a fresh process (the plugin registers before JAX's backend starts)
 """
 
 from jaxtrain.gpu.plan import JAX_MEMORY_FRACTION, GpuPlan, plan
-from jaxtrain.gpu.targets import INSTALL, TESTED, Target, check_plugin, mesh_for, target, targets
+from jaxtrain.gpu.targets import INSTALL, TESTED, Target, check_plugin, mesh_for, names, target
 
-__all__ = ["GpuPlan", "INSTALL", "JAX_MEMORY_FRACTION", "TESTED", "Target", "check_plugin", "mesh_for", "plan",
-           "target", "targets"]
+__all__ = ["GpuPlan", "INSTALL", "JAX_MEMORY_FRACTION", "TESTED", "Target", "check_plugin", "mesh_for", "names",
+           "plan", "target"]

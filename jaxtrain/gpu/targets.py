@@ -86,7 +86,8 @@ def _table() -> dict:
             for key, spec in data.items() if not key.startswith("_")}
 
 
-def targets() -> tuple[str, ...]:
+def names() -> tuple[str, ...]:
+    """The GPU targets there are, by key."""
     return tuple(sorted(_table()))
 
 
@@ -96,7 +97,7 @@ def target(name: str | Target) -> Target:
         return name
     table = _table()
     if str(name).lower() not in table:
-        raise ConfigError(f"unknown GPU {name!r}: choose one of {', '.join(targets())}")
+        raise ConfigError(f"unknown GPU {name!r}: choose one of {', '.join(names())}")
     return table[str(name).lower()]
 
 
