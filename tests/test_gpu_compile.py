@@ -4,7 +4,6 @@ run. Needs the gpu-compile extra (tools/test-gpu-compile makes that venv); skipp
 import re
 from importlib.util import find_spec
 
-import jax
 import optax
 import pytest
 

@@ -42,7 +42,8 @@ def test_shapes_are_checked_like_batches():
     abstract = trainer.abstract_state(LENET.init(jax.random.key(0))[0])  # params given as arrays work too
     with pytest.raises(ConfigError, match="batch size 63 does not split evenly over 2 devices"):
         trainer.lower(abstract, LENET.batch_shapes(63))
-    uneven = {"image": jax.ShapeDtypeStruct((64, 28, 28, 1), jnp.float32), "label": jax.ShapeDtypeStruct((32,), jnp.int32)}
+    uneven = {"image": jax.ShapeDtypeStruct((64, 28, 28, 1), jnp.float32),
+              "label": jax.ShapeDtypeStruct((32,), jnp.int32)}
     with pytest.raises(ConfigError, match="same leading"):
         trainer.lower(abstract, uneven)
 

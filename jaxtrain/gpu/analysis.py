@@ -19,7 +19,8 @@ from collections import Counter
 from jaxtrain.diagnostics import collective_op
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations)=\{?([^}\s]+(?:, %[^,}\s]+)*)")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations)="
+                     r"\{?([^}\s]+(?:, %[^,}\s]+)*)")
 _WHILE = re.compile(r" while\(.*condition=%([^,\s]+), body=%([^,\s]+)")
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION = re.compile(r"^\s*(?:ROOT )?%\S+ = .* fusion\(")

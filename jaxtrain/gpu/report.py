@@ -46,8 +46,9 @@ def format_plan(p) -> str:
     if p.largest_batch is not None:
         shards = p.call_batch // p.per_gpu_batch
         at_least = "at least " if p.largest_batch >= p.max_batch else ""
-        lines.append(f"  largest call batch that fits: {at_least}{p.largest_batch:,} ({p.largest_batch // shards:,} per "
-                     f"GPU, {_size(p.largest_batch_bytes)}; {len(p.search)} compiles"
+        per_gpu = p.largest_batch // shards
+        lines.append(f"  largest call batch that fits: {at_least}{p.largest_batch:,} ({per_gpu:,} per GPU, "
+                     f"{_size(p.largest_batch_bytes)}; {len(p.search)} compiles"
                      f"{'; the search stops there' if at_least else ''})")
     elif p.search == [] and not p.fits:
         lines.append("  not even the smallest batch fits: shard the state (param_sharding fsdp) or use more GPUs")
