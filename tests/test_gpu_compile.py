@@ -89,13 +89,13 @@ def test_bf16_convolutions_go_to_cudnn_in_bf16(gpu):
     assert re.search(r'= \(bf16\[[\d,]+\]\{[\d,]+\}, u8\[\d+\]\{0\}\) custom-call\(.*"__cudnn\$conv', text)
 
 
-@pytest.mark.xfail(strict=True, reason="found here: on XLA:GPU (jax 0.12.0.1) remat full / dots leave the compiled "
-                   "temp memory of LeNet (batch 8192) and ResNet-18 (2048) unchanged or slightly higher, where XLA:CPU "
-                   "cuts it; not yet explained (docs/gpu.md)")
 def test_remat_lowers_the_compiled_temp_memory(gpu):
-    temps = {remat: _compiled(gpu, model="resnet18", remat=remat, batch=512)[2].memory_analysis().temp_size_in_bytes
-             for remat in ("none", "full")}
-    assert temps["full"] < 0.8 * temps["none"], temps
+    """On the ViT's stack of identical blocks (measured: 385.9 MiB none, 180.5 dots, 58.8 full at batch 1024).
+    LeNet and ResNet-18 peak in their first layer's backward, its activation and gradient both live whatever
+    is rematerialised, so there remat leaves XLA:GPU's temps as they are (docs/gpu.md)."""
+    temps = {remat: _compiled(gpu, model="vit", remat=remat, batch=1024)[2].memory_analysis().temp_size_in_bytes
+             for remat in ("none", "dots", "full")}
+    assert temps["full"] < 0.25 * temps["none"] and temps["dots"] < 0.6 * temps["none"], temps
 
 
 @pytest.mark.parametrize(("name", "kernels_per_step"), [("lenet", 2)])

@@ -49,8 +49,10 @@ def compile_lowered(lowered) -> tuple:
         compiled = lowered.compile(compiler_options={"xla_dump_to": dump,
                                                      "xla_dump_hlo_pass_re": "spmd-partitioning"})
         seconds = time.perf_counter() - start
-        after = sorted(glob.glob(os.path.join(dump, "*after_spmd-partitioning*.txt")))
-        flops = _cost(_hlo.hlo_module_from_text(open(after[-1]).read())).get("flops") if after else None
+        # One GPU: no partitioning pass runs, and the module before optimisation is already per GPU.
+        found = (sorted(glob.glob(os.path.join(dump, "*after_spmd-partitioning*.txt"))) or
+                 sorted(glob.glob(os.path.join(dump, "*before_optimizations.txt"))))
+        flops = _cost(_hlo.hlo_module_from_text(open(found[-1]).read())).get("flops") if found else None
     optimised = compiled.runtime_executable().hlo_modules()[0]
     return compiled, seconds, flops, _cost(optimised).get("bytes accessed")
 

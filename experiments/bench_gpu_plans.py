@@ -1,0 +1,67 @@
+"""The README's "Planning for GPUs" table: each model's step planned for 1 and 8 GPUs, compiled on this host.
+
+    python -m experiments.bench_gpu_plans [--gpu h100] [--models lenet,resnet18,vit] [--gpus 1,8] [--precision bf16]
+
+Each row is ``jaxtrain.gpu.plan`` (what ``python -m experiments.gpu_plan`` prints) at the model's recipe batch:
+memory per GPU, the largest batch that fits, FLOPs per GPU per step, the collectives, the compile time.
+Needs the gpu-compile extra (README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from experiments.gpu_plan import GPUS
+from jaxtrain.cli import one_line_errors
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def _collectives(entries: list) -> str:
+    kinds: dict = {}
+    for c in entries:
+        count, size = kinds.get(c["kind"], (0, 0))
+        kinds[c["kind"]] = (count + c["count"], size + c["bytes"])
+    return "; ".join(f"{n} {kind} ({_mib(size)})" for kind, (n, size) in sorted(kinds.items())) or "none"
+
+
+def row(p) -> str:
+    shards = p.call_batch // p.per_gpu_batch
+    largest = "n/a" if p.largest_batch is None else (
+        f"{'>= ' if p.largest_batch >= p.max_batch else ''}{p.largest_batch:,} ({p.largest_batch // shards:,})")
+    return (f"| {p.settings['model']} | {p.gpus * p.hosts} | {p.call_batch:,} | {_mib(p.memory['total'])} | {largest} "
+            f"| {p.flops / 1e9:,.2f} | {_collectives(p.collectives)} | {p.compile_seconds:.1f} s |")
+
+
+@one_line_errors("bench_gpu_plans")
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_gpu_plans", description=__doc__.split("\n")[0])
+    p.add_argument("--gpu", choices=GPUS, default="h100")
+    p.add_argument("--models", default="lenet,resnet18,vit", help="comma-separated models")
+    p.add_argument("--gpus", default="1,8", help="comma-separated GPU counts (one host each)")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--json", metavar="PATH", help="also write every plan as JSON here")
+    args = p.parse_args(argv)
+    from jaxtrain import gpu
+
+    gpu.check_plugin()
+    print(f"| model | {args.gpu.upper()}s | batch | memory per GPU | largest batch (per GPU) | GFLOP per GPU per step "
+          "| collectives per GPU | compile |\n|---|---|---|---|---|---|---|---|", flush=True)
+    plans = []
+    for model in args.models.split(","):
+        for n in (int(g) for g in args.gpus.split(",")):
+            plans.append(gpu.plan(args.gpu, n, model=model, precision=args.precision,
+                                  progress=lambda text: print(text, file=sys.stderr, flush=True)))
+            print(row(plans[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([plan.to_json() for plan in plans], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
