@@ -87,8 +87,8 @@ class Trainer:
     def _maker(self, params, model_state, init_fn):
         """``rng -> TrainState`` for ``init`` / ``abstract_state`` (a pipeline stores its layers its own way)."""
         if (params is None) == (init_fn is None):
-            raise ConfigError("trainer.init takes params (and model_state) or init_fn=f with f(rng) -> "
-                              "(params, model_state): one of the two")
+            raise ConfigError("trainer.init and abstract_state take params (and model_state) or init_fn=f with "
+                              "f(rng) -> (params, model_state): one of the two")
         if init_fn is not None:
             return lambda r: self._fresh(*init_fn(r), r)
         return lambda r: self._fresh(params, model_state, r)
