@@ -13,12 +13,9 @@ import argparse
 import json
 import sys
 
-from experiments.gpu_plan import GPUS
 from jaxtrain.cli import one_line_errors
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+from jaxtrain.gpu.report import size
+from jaxtrain.gpu.targets import names
 
 
 def _collectives(entries: list) -> str:
@@ -26,21 +23,21 @@ def _collectives(entries: list) -> str:
     for c in entries:
         count, size = kinds.get(c["kind"], (0, 0))
         kinds[c["kind"]] = (count + c["count"], size + c["bytes"])
-    return "; ".join(f"{n} {kind} ({_mib(size)})" for kind, (n, size) in sorted(kinds.items())) or "none"
+    return "; ".join(f"{n} {kind} ({size(size)})" for kind, (n, size) in sorted(kinds.items())) or "none"
 
 
 def row(p) -> str:
     shards = p.call_batch // p.per_gpu_batch
     largest = "n/a" if p.largest_batch is None else (
         f"{'>= ' if p.largest_batch >= p.max_batch else ''}{p.largest_batch:,} ({p.largest_batch // shards:,})")
-    return (f"| {p.settings['model']} | {p.gpus * p.hosts} | {p.call_batch:,} | {_mib(p.memory['total'])} | {largest} "
+    return (f"| {p.settings['model']} | {p.gpus * p.hosts} | {p.call_batch:,} | {size(p.memory['total'])} | {largest} "
             f"| {p.flops / 1e9:,.2f} | {_collectives(p.collectives)} | {p.compile_seconds:.1f} s |")
 
 
 @one_line_errors("bench_gpu_plans")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_gpu_plans", description=__doc__.split("\n")[0])
-    p.add_argument("--gpu", choices=GPUS, default="h100")
+    p.add_argument("--gpu", choices=names(), default="h100")
     p.add_argument("--models", default="lenet,resnet18,vit", help="comma-separated models")
     p.add_argument("--gpus", default="1,8", help="comma-separated GPU counts (one host each)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))

@@ -17,15 +17,13 @@ import sys
 
 from jaxtrain.cli import make_parser, one_line_errors, positive_int
 
-GPUS = ("a100", "b200", "h100", "h200")  # jaxtrain/gpu/targets.json (not imported: JAX stays unstarted)
-
-
 def parser() -> argparse.ArgumentParser:
     from jaxtrain.gpu.plan import JAX_MEMORY_FRACTION, SETTINGS
+    from jaxtrain.gpu.targets import names
 
     p = make_parser(prog="python -m experiments.gpu_plan", description=__doc__.split("\n")[0], fields=SETTINGS)
     g = p.add_argument_group("GPU target")
-    g.add_argument("--gpu", choices=GPUS, default="h100", help="GPU model (vendors' published specifications)")
+    g.add_argument("--gpu", choices=names(), default="h100", help="GPU model (vendors' published specifications)")
     g.add_argument("--gpus", type=positive_int, default=8, help="GPUs per host (an HGX/DGX node has 8)")
     g.add_argument("--hosts", type=positive_int, default=1, help="hosts (nodes)")
     g.add_argument("--memory-fraction", type=float, default=JAX_MEMORY_FRACTION,

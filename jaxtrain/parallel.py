@@ -81,7 +81,7 @@ class _Pmapped(Compiled):
         self._under_jit = jax.jit(lambda state, batch: pmapped(state, prepare(batch)), donate_argnums=donate)
 
     def lower(self, state, batch, platforms: tuple[str, ...] | None = None):
-        if platforms is None and not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+        if platforms is None and not sharding.is_abstract(batch):
             return self._jitted.lower(state, self._prepare(batch))
         return self._under_jit.trace(state, batch).lower(lowering_platforms=platforms)
 

@@ -95,7 +95,7 @@ class Plan:
     def lowered(self, batch: Mapping) -> dict:
         """What a step lowers for: ``batch`` placed (``shard``), or, given shapes (``jax.ShapeDtypeStruct``:
         the GLOBAL batch, compile-only devices), the shapes checked and given the batch's sharding."""
-        if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+        if not sharding.is_abstract(batch):
             return self.shard(batch)
         self.check_batch_size(_examples(batch))
         return sharding.abstract(batch, self.batch)

@@ -244,6 +244,11 @@ def place(tree, shardings):
     return jax.tree.map(put, tree, shardings)
 
 
+def is_abstract(tree) -> bool:
+    """Every leaf a ``jax.ShapeDtypeStruct`` (shapes to compile for, no arrays)."""
+    return all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
 def abstract(tree, shardings):
     """Every leaf as a ``jax.ShapeDtypeStruct`` with its sharding (``shardings``: one, or a tree like ``tree``):
     what a step compiles for without any array existing."""

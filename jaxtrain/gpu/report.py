@@ -5,7 +5,7 @@ from __future__ import annotations
 from jaxtrain.gpu.targets import target
 
 
-def _size(n: float | None) -> str:
+def size(n: float | None) -> str:
     if n is None:
         return "n/a"
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -36,19 +36,19 @@ def format_plan(p) -> str:
     lines = [head, f"batch: {p.call_batch:,} per call, {p.per_gpu_batch:,} per GPU; compiled in "
                    f"{p.compile_seconds:.1f} s (nothing autotuned: no figure below is a GPU time)", "",
              "memory per GPU:",
-             f"  arguments {_size(m['arguments'])}  (params {_size(m['params'])}, optimizer state "
-             f"{_size(m['optimizer_state'])}, model state {_size(m['model_state'])}, batch {_size(m['batch'])})",
-             f"  outputs   {_size(m['outputs'])}, of them aliased to the donated state {_size(m['aliased'])} "
+             f"  arguments {size(m['arguments'])}  (params {size(m['params'])}, optimizer state "
+             f"{size(m['optimizer_state'])}, model state {size(m['model_state'])}, batch {size(m['batch'])})",
+             f"  outputs   {size(m['outputs'])}, of them aliased to the donated state {size(m['aliased'])} "
              f"(donation {'kept' if p.donation_kept else 'NOT kept: the new state needs memory of its own'})",
-             f"  temps     {_size(m['temps'])}",
-             f"  total     {_size(m['total'])} of {_size(p.budget_bytes)} ({p.memory_fraction:.0%} of "
+             f"  temps     {size(m['temps'])}",
+             f"  total     {size(m['total'])} of {size(p.budget_bytes)} ({p.memory_fraction:.0%} of "
              f"{t.memory_gb:g} GB, JAX's default share): {'FITS' if p.fits else 'DOES NOT FIT'}"]
     if p.largest_batch is not None:
         shards = p.call_batch // p.per_gpu_batch
         at_least = "at least " if p.largest_batch >= p.max_batch else ""
         per_gpu = p.largest_batch // shards
         lines.append(f"  largest call batch that fits: {at_least}{p.largest_batch:,} ({per_gpu:,} per GPU, "
-                     f"{_size(p.largest_batch_bytes)}; {len(p.search)} compiles"
+                     f"{size(p.largest_batch_bytes)}; {len(p.search)} compiles"
                      f"{'; the search stops there' if at_least else ''})")
     elif p.search == [] and not p.fits:
         lines.append("  not even the smallest batch fits: shard the state (param_sharding fsdp) or use more GPUs")
@@ -56,11 +56,11 @@ def format_plan(p) -> str:
     lines += ["", f"compute per GPU: {_flops(p.flops)} per step"
                   + (f" ({_time(p.flops / peak)} at the {s['precision']} dense peak, {peak / 1e12:,.0f} "
                      "TFLOP/s: a lower bound, not an estimate)" if p.flops else ""),
-              f"  bytes accessed (XLA's cost analysis): {_size(p.bytes_accessed)}", "", "collectives per GPU:"]
+              f"  bytes accessed (XLA's cost analysis): {size(p.bytes_accessed)}", "", "collectives per GPU:"]
     if not p.collectives:
         lines.append("  none")
     for c in p.collectives:
-        lines.append(f"  {c['kind']:<19} x{c['count']:<4} {_size(c['bytes']):>12}  "
+        lines.append(f"  {c['kind']:<19} x{c['count']:<4} {size(c['bytes']):>12}  "
                      f"{'async' if c['async'] else 'sync'}{', inside a loop' if c['in_loop'] else ''}")
     k = p.kernels
     cudnn = ", ".join(f"{name} x{n}" for name, n in k["cudnn"].items()) or "none"
