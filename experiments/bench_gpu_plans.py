@@ -21,9 +21,9 @@ from jaxtrain.gpu.targets import names
 def _collectives(entries: list) -> str:
     kinds: dict = {}
     for c in entries:
-        count, size = kinds.get(c["kind"], (0, 0))
-        kinds[c["kind"]] = (count + c["count"], size + c["bytes"])
-    return "; ".join(f"{n} {kind} ({size(size)})" for kind, (n, size) in sorted(kinds.items())) or "none"
+        count, nbytes = kinds.get(c["kind"], (0, 0))
+        kinds[c["kind"]] = (count + c["count"], nbytes + c["bytes"])
+    return "; ".join(f"{n} {kind} ({size(nbytes)})" for kind, (n, nbytes) in sorted(kinds.items())) or "none"
 
 
 def row(p) -> str:

@@ -143,3 +143,12 @@ def test_the_cli_prints_the_plan_and_writes_json(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "FITS" in r.stdout and "cuDNN: convBackwardFilter x2" in r.stdout
     assert (tmp_path / "plan.json").exists()
+
+
+def test_the_readme_table_command_prints_a_row_per_plan(capsys):
+    from experiments import bench_gpu_plans
+
+    assert bench_gpu_plans.main(["--models", "lenet", "--gpus", "8"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert rows[0].startswith("| model | H100s |") and len(rows) == 3
+    assert rows[2].startswith("| lenet | 8 | 256 |") and "all-reduce (" in rows[2]
