@@ -12,9 +12,29 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_NUM_CPU_DEVICES"] = "4"
 _TFDS_DIR = tempfile.mkdtemp(prefix="jaxtrain-tfds-")
 atexit.register(shutil.rmtree, _TFDS_DIR, ignore_errors=True)  # ~100 MB per test process
+
+
+def _jit_cache_dir() -> str:
+    """The test runs' compilation cache, kept between runs (as CI keeps the GPU leg's venv): one directory per
+    Python, JAX and CPU, since XLA:CPU code is built for this processor's instruction set (AVX-512 or AVX2 only).
+    A warm cache makes a run ~3x faster here; JAX keys each entry on the program, its flags and versions."""
+    import hashlib
+    import platform
+    from importlib import metadata
+
+    cpu = platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu += "".join(next((line for line in lines if line.startswith(k)), "") for k in ("model name", "flags"))
+    key = f"{sys.version}|{metadata.version('jax')}|{metadata.version('jaxlib')}|{cpu}"
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxtrain" / "test-jit"
+    path = cache / hashlib.sha256(key.encode()).hexdigest()[:16]
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
 if "JAXTRAIN_TEST_JIT_CACHE" not in os.environ:  # shared with pytest-xdist workers when they inherit it
-    os.environ["JAXTRAIN_TEST_JIT_CACHE"] = tempfile.mkdtemp(prefix="jaxtrain-jit-cache-")
-    atexit.register(shutil.rmtree, os.environ["JAXTRAIN_TEST_JIT_CACHE"], ignore_errors=True)
+    os.environ["JAXTRAIN_TEST_JIT_CACHE"] = _jit_cache_dir()
 os.environ["TFDS_DATA_DIR"] = _TFDS_DIR  # subprocesses inherit it too
 
 import numpy as np  # noqa: E402
@@ -23,14 +43,17 @@ import pytest  # noqa: E402
 import jaxtrain as jt  # noqa: E402
 
 jt.setup_devices(4)  # as users do: also sets jaxtrain's XLA:CPU flags
-# The test run's compiles are cached on disk and shared by both xdist workers: the same programs recur across tests
-# (one LeNet step built by many tests). Set in-process (jax.config, not the environment), so subprocesses get the cache
-# only where run_cli adds it (never the killed runs of test_faults). A half-written entry read by the other worker is
-# a warning and a recompile (jax_raise_persistent_cache_errors is off).
+# The test run's compiles are cached on disk (_jit_cache_dir), shared by both xdist workers and kept for the next
+# run: the same programs recur across tests (one LeNet step built by many tests). Set in-process (jax.config, not
+# the environment), so subprocesses get the cache only where run_cli adds it (never the killed runs of test_faults).
+# A half-written entry read by the other worker is a warning and a recompile (jax_raise_persistent_cache_errors is off).
 import jax  # noqa: E402
+
+JIT_CACHE_BYTES = 2 << 30
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAXTRAIN_TEST_JIT_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_compilation_cache_max_size", JIT_CACHE_BYTES)  # least recently used entries go first
 
 ROOT = Path(__file__).resolve().parents[1]
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -63,10 +86,10 @@ def random_batch(size: int, seed: int = 0) -> dict:
 
 
 def cached_compiles(env) -> dict:
-    """``env`` plus JAX's persistent compilation cache, shared by the test run's subprocesses (~3 s less per
+    """``env`` plus JAX's persistent compilation cache (_jit_cache_dir), shared with the run's subprocesses (~3 s less per
     LeNet start here). Not for tests of start-up timing or of kills (test_faults.start leaves it out)."""
     return {**env, "JAX_COMPILATION_CACHE_DIR": os.environ["JAXTRAIN_TEST_JIT_CACHE"],
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(JIT_CACHE_BYTES)}
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None):
