@@ -7,7 +7,14 @@ The step is the one ``python -m experiments.<model>`` trains with the same flags
 compile-only GPUs. It prints, per GPU: memory (params, optimizer state, batch, outputs, donation, temps) against
 the GPU's memory, FITS or DOES NOT FIT; the largest batch that fits (found by compiling); FLOPs and bytes per step;
 the collectives (kind, count, bytes, async, inside a loop); the kernels (cuDNN, cuBLAS, Triton, fusions); the
-compile time. Nothing is autotuned and nothing runs: no figure is a GPU time. ``--json`` writes it all.
+compile time; and the step time ESTIMATED from the program (jaxtrain.gpu.estimate). ``--json`` writes it all.
+
+    python -m experiments.gpu_plan --model resnet50 --input-shape 224,224,3 --num-classes 1000 --precision bf16 \
+        --gpu a100 --batch-size 256 --scaling 1,2,4,8,16,32,64 --plot scaling.png
+
+``--scaling`` compiles the step for each GPU count (8 per host beyond 8) and prints the estimated throughput per
+GPU, the scaling efficiency against the first count and the communication share; weak scaling keeps
+``--batch-size`` per GPU, strong scaling keeps it global. Nothing is autotuned and nothing runs on a GPU.
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ import argparse
 import sys
 
 from jaxtrain.cli import make_parser, one_line_errors, positive_int
+from jaxtrain.errors import ConfigError
+
 
 def parser() -> argparse.ArgumentParser:
     from jaxtrain.gpu.plan import JAX_MEMORY_FRACTION, SETTINGS
+    from jaxtrain.gpu.scaling import MODES
     from jaxtrain.gpu.targets import names
 
     p = make_parser(prog="python -m experiments.gpu_plan", description=__doc__.split("\n")[0], fields=SETTINGS)
@@ -31,8 +41,38 @@ def parser() -> argparse.ArgumentParser:
                         "XLA_PYTHON_CLIENT_MEM_FRACTION)")
     g.add_argument("--no-search", action="store_true", help="skip the search for the largest batch (a few compiles)")
     g.add_argument("--max-batch", type=positive_int, default=2**20, help="where the search for the largest batch stops")
-    g.add_argument("--json", metavar="PATH", help="also write the plan as JSON here")
+    g.add_argument("--input-shape", type=_shape, metavar="H,W,C",
+                   help="images of this shape instead of the dataset's (ResNet-50 on ImageNet: 224,224,3)")
+    g.add_argument("--num-classes", type=positive_int, help="classes instead of the dataset's (ImageNet: 1000)")
+    g.add_argument("--json", metavar="PATH", help="also write the plan (or the scaling rows) as JSON here")
+    s = p.add_argument_group("scaling on paper (estimates)")
+    s.add_argument("--scaling", type=_counts, metavar="N,N,...",
+                   help="compile for each GPU count (e.g. 1,2,4,8,16,32,64; 8 per host beyond 8) and print the "
+                        "estimated scaling instead of one plan")
+    s.add_argument("--scaling-mode", choices=MODES, default="weak",
+                   help="weak: --batch-size per GPU; strong: --batch-size global (default: weak)")
+    s.add_argument("--plot", metavar="PATH", help="with --scaling: draw it as a PNG here")
     return p
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected H,W,C (three positive integers, e.g. 224,224,3)")
+    return shape
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected GPU counts like 1,2,4,8,16")
+    return counts
 
 
 @one_line_errors("gpu_plan", flags={"gpus": "--gpus", "hosts": "--hosts", "memory_fraction": "--memory-fraction"})
@@ -43,13 +83,41 @@ def main(argv=None) -> int:
 
     gpu.check_plugin()  # before anything else starts: the plugin's one-line install hint
     settings = {k: v for k, v in args.items() if k in SETTINGS}
+    shape = {"input_shape": args["input_shape"], "num_classes": args["num_classes"]}
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    if args["scaling"]:
+        return _scaling(args, settings, shape, say)
+    if args["plot"]:
+        raise ConfigError("--plot draws a --scaling run: add --scaling 1,2,4,8")
     result = gpu.plan(args["gpu"], args["gpus"], args["hosts"], largest_batch=not args["no_search"],
                       memory_fraction=args["memory_fraction"], max_batch=args["max_batch"],
-                      progress=lambda text: print(text, file=sys.stderr, flush=True), **settings)
+                      progress=say, **shape, **settings)
     print(result.format())
     if args["json"]:
         save(result, args["json"])
         print(f"\nwritten: {args['json']}")
+    return 0
+
+
+def _scaling(args: dict, settings: dict, shape: dict, say) -> int:
+    import json
+
+    from jaxtrain.gpu.scaling import format_scaling, plot, scaling
+    from jaxtrain.models import MODELS
+
+    batch = settings.pop("batch_size") or MODELS[settings.get("model") or "lenet"].batch_size
+    rows = scaling(args["gpu"], args["scaling"], args["scaling_mode"], batch_size=batch, progress=say,
+                   memory_fraction=args["memory_fraction"], **shape, **settings)
+    title = (f"{settings.get('model') or 'lenet'} on {args['gpu']}: {args['scaling_mode']} scaling, batch {batch:,}"
+             f"{' per GPU' if args['scaling_mode'] == 'weak' else ' global'} (ESTIMATES, not measurements)")
+    print(format_scaling(rows, title))
+    if args["plot"]:
+        plot(rows, args["plot"], title)
+        print(f"\nplot: {args['plot']}")
+    if args["json"]:
+        with open(args["json"], "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"written: {args['json']}")
     return 0
 
 

@@ -152,3 +152,108 @@ def test_the_readme_table_command_prints_a_row_per_plan(capsys):
     rows = capsys.readouterr().out.strip().splitlines()
     assert rows[0].startswith("| model | H100s |") and len(rows) == 3
     assert rows[2].startswith("| lenet | 8 | 256 |") and "all-reduce (" in rows[2]
+
+
+# ---------------------------------------------------------------- the step-time estimate (jaxtrain.gpu.estimate)
+
+
+def _program(gpu, fn, *shapes, gpus=1, spec=None):
+    """The compiled HLO text of ``fn`` over ``shapes`` on ``gpus`` H100s (inputs sharded by ``spec``)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = gpu.mesh_for("h100", gpus)
+    sharding = NamedSharding(mesh, spec or PartitionSpec())
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
+    compiled = jax.jit(fn).lower(*args).compile(compiler_options=gpu.analysis.AUTOTUNER_OFF)
+    return compiled.as_text()
+
+
+def test_a_matmul_is_estimated_at_the_dense_peak_of_its_dtype(gpu):
+    import jax.numpy as jnp
+
+    from jaxtrain.gpu.estimate import estimate
+
+    n = 4096
+    e = estimate(_program(gpu, lambda a, b: a @ b, ((n, n), jnp.bfloat16), ((n, n), jnp.bfloat16)), "h100", 1, 1, 1)
+    flops, peak = 2 * n**3, gpu.target("h100").peak_tflops["bf16"] * 1e12
+    assert e.flops == flops and e.peak_flops == peak
+    assert e.lower_bound == pytest.approx(flops / peak, rel=1e-3)  # 139 us: compute-bound (100 MB at 3.35 TB/s: 30 us)
+    costs = gpu.targets.costs()
+    assert e.seconds == pytest.approx(flops / peak / costs.efficiency + costs.launch_us * 1e-6, rel=1e-3)
+    assert e.bottleneck == "compute" and e.costliest(1)[0].kind == "matmul"
+
+
+def test_an_elementwise_op_is_estimated_at_the_memory_bandwidth(gpu):
+    import jax.numpy as jnp
+
+    from jaxtrain.gpu.estimate import estimate
+
+    n = 2**24
+    e = estimate(_program(gpu, lambda x: x * 2 + 1, ((n,), jnp.float32)), "h100", 1, 1, 1)
+    bandwidth = gpu.target("h100").memory_bandwidth_gbps * 1e9
+    assert e.flops == 0 and e.lower_bound == pytest.approx(2 * 4 * n / bandwidth, rel=1e-6)  # read + write
+    assert e.bottleneck == "memory"
+
+
+def test_an_all_reduce_is_estimated_by_nccls_ring_over_nvlink(gpu):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxtrain.gpu.estimate import estimate
+
+    mesh = gpu.mesh_for("h100", 8)
+    psum = jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P())
+    n = 2**22
+    e = estimate(_program(gpu, psum, ((8, n), jnp.float32), gpus=8, spec=P("data")), "h100", 8, 1, 1)
+    costs, link = gpu.targets.costs(), gpu.target("h100").nvlink_gbps / 2 * 1e9
+    size, steps = 4 * n, 2 * 7
+    expected = min((p["base_us"] + steps * p["nvlink_hop_us"]) * 1e-6 + size * steps / 8 / (link * p["bandwidth_share"])
+                   for p in costs.protocols.values())
+    assert e.communication == pytest.approx(expected, rel=1e-6)  # ~118 us: 28 MB over 450 GB/s + 14 hops
+    # Across 2 hosts the ring crosses the network (50 GB/s per GPU): slower.
+    e2 = estimate(_program(gpu, psum, ((8, n), jnp.float32), gpus=8, spec=P("data")), "h100", 4, 2, 1)
+    assert e2.communication > 5 * e.communication
+
+
+def test_more_gpus_never_add_compute_per_gpu_and_a_slower_link_never_speeds_a_step(gpu):
+    import dataclasses
+
+    from jaxtrain.gpu.estimate import estimate
+
+    plans = [gpu.plan("h100", n, largest_batch=False, model="lenet", batch_size=256) for n in (1, 2, 4, 8)]
+    flops = [p.estimate["flops"] for p in plans]
+    assert all(a >= b for a, b in zip(flops, flops[1:])), flops
+    _, _, _, text = _compiled(gpu, model="lenet")
+    t = gpu.target("h100")
+    times = [estimate(text, dataclasses.replace(t, nvlink_gbps=bw), 8, 1, 256).seconds for bw in (900, 90, 9)]
+    assert times[0] <= times[1] <= times[2] and times[0] < times[2], times
+
+
+def test_the_validation_table_has_a_row_per_published_cell_one_fitted():
+    from experiments import gpu_validate as v
+
+    fake = {key: {"examples_per_second": 2.0 * published, "bottleneck": "memory", "exposed": 1.0, "seconds": 10.0}
+            for key, published in v.PUBLISHED.items()}
+    table = v.rows(fake)
+    assert [(r["gpus"], r["precision"]) for r in table] == [(1, "TF32"), (1, "AMP"), (8, "TF32"), (8, "AMP")]
+    assert [r["held_out"] for r in table] == [True, False, True, True] and {r["ratio"] for r in table} == {2.0}
+    text = v.format_rows(table).splitlines()
+    assert len(text) == 5 and "fitted" in text[2] and "10.0% of the step waits" in text[3]
+    # The fit inverts the estimate: a kernel time R at efficiency f plus launches L takes R / f + L.
+    assert v.fit_efficiency(roofline=0.06, launch=0.001, seconds=0.06 / 0.5 + 0.001) == pytest.approx(0.5)
+
+
+def test_gpu_plan_scaling_prints_the_table_and_draws_the_plot(tmp_path):
+    from conftest import run_cli
+
+    r = run_cli("-m", "experiments.gpu_plan", "--model", "lenet", "--gpu", "h100", "--scaling", "1,2,16",
+                "--plot", str(tmp_path / "s.png"), "--json", str(tmp_path / "s.json"))
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip()[:2] in ("1 ", "2 ", "16")]
+    assert [row[:2] for row in rows] == [["1", "1"], ["2", "1"], ["16", "2"]], r.stdout
+    assert "weak scaling" in r.stdout and "ESTIMATES" in r.stdout and rows[0][8] == "100.0%"
+    assert (tmp_path / "s.png").stat().st_size > 10_000 and (tmp_path / "s.json").exists()
+    bad = run_cli("-m", "experiments.gpu_plan", "--scaling", "4,12")
+    assert bad.returncode == 2 and "whole nodes" in bad.stderr and "Traceback" not in bad.stderr

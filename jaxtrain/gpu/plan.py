@@ -48,6 +48,7 @@ class GpuPlan:
     largest_batch: int | None = None  # the largest call batch (global) that fits the budget, found by compiling
     largest_batch_bytes: int | None = None
     search: list = dataclasses.field(default_factory=list)  # (call batch, bytes per GPU) of every compile
+    estimate: dict | None = None  # the step time ESTIMATED from the program (jaxtrain.gpu.estimate: summary())
 
     @property
     def fits(self) -> bool:
@@ -77,12 +78,13 @@ def _state_bytes(state, batch) -> dict:
 
 
 def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: bool = True,
-         memory_fraction: float = JAX_MEMORY_FRACTION, max_batch: int = 2**20,
-         progress: Callable[[str], None] | None = None, **settings) -> GpuPlan:
+         memory_fraction: float = JAX_MEMORY_FRACTION, max_batch: int = 2**20, input_shape: tuple | None = None,
+         num_classes: int | None = None, progress: Callable[[str], None] | None = None, **settings) -> GpuPlan:
     """Compile the step a run with ``settings`` (``RunConfig`` fields: ``model=``, ``batch_size=``,
     ``precision=``, ``strategy=``, ``param_sharding=``, ``mesh=``, ``accum_steps=``, ``remat=``, pipeline
     settings...) trains, for ``gpus`` x ``hosts`` GPUs of kind ``gpu``; ``largest_batch``: also search the
-    largest call batch that fits ``memory_fraction`` of a GPU's memory (a few more compiles)."""
+    largest call batch that fits ``memory_fraction`` of a GPU's memory (a few more compiles); ``input_shape``
+    (H, W, C) and ``num_classes``: images other than the dataset's (ResNet-50 on ImageNet's 224x224x3, 1000)."""
     import jax
 
     from jaxtrain import assemble
@@ -98,7 +100,10 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     t = target(gpu)
     c = RunConfig(devices=gpus * hosts, **settings)
     mesh = mesh_for(t, gpus, hosts, c.mesh)
-    model = assemble.model(c, sources.shape_of(c.dataset))
+    shape = sources.shape_of(c.dataset)
+    shape = {"input_shape": tuple(input_shape or shape["input_shape"]),
+             "num_classes": num_classes or shape["num_classes"]}
+    model = assemble.model(c, shape)
     trainer = assemble.steps(c, mesh, model, updates=0)[0]
     call = trainer.batches.call_batch(c.batch_size)
     say = progress or (lambda text: None)
@@ -107,6 +112,9 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     batch = trainer.batches.lowered(model.batch_shapes(call))
     compiled, seconds, flops, bytes_accessed = analysis.compile_lowered(trainer.lower(state, batch))
     text = compiled.as_text()
+    from jaxtrain.gpu.estimate import estimate
+
+    timing = estimate(text, t, gpus, hosts, call).summary()
     budget = int(t.memory_bytes * memory_fraction)
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     result = GpuPlan(
@@ -115,7 +123,7 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
         memory={**_state_bytes(state, batch), **analysis.memory(compiled)}, budget_bytes=budget,
         memory_fraction=memory_fraction, flops=flops, bytes_accessed=bytes_accessed,
         collectives=analysis.collectives(text), kernels=analysis.kernels(text), compile_seconds=seconds,
-        max_batch=max_batch)
+        max_batch=max_batch, estimate=timing)
     if largest_batch:
         from jaxtrain.batch_size import find_batch_size
 

@@ -27,6 +27,21 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e3:,.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:,.1f} us"
 
 
+def format_estimate(e: dict) -> list[str]:
+    """An estimate's summary (``Estimate.summary()``) as report lines."""
+    lines = [f"step time ESTIMATED from the program (not measured): {_time(e['seconds'])} expected, "
+             f"{_time(e['lower_bound'])} lower bound; {e['examples_per_second']:,.0f} examples/s, "
+             f"MFU {e['mfu']:.0%}; bottleneck: {e['bottleneck']}",
+             f"  kernels bound by compute {_time(e['compute'])}, by memory {_time(e['memory'])}; launches "
+             f"{_time(e['launch'])}; collectives {_time(e['communication'])}, "
+             f"{e['overlapped_share']:.0%} of it assumed hidden behind kernels (exposed {_time(e['exposed'])})",
+             "  costliest ops:"]
+    for o in e["costliest"]:
+        lines.append(f"    {o['name'][:36]:<36} {o['kind']:<14} {o['label'][:24]:<24} {_time(o['seconds']):>10} "
+                     f" {_flops(o['flops']):>13} {size(o['bytes']):>12}  {o['bound']}-bound")
+    return lines
+
+
 def format_plan(p) -> str:
     t, s, m = target(p.gpu), p.settings, p.memory
     mesh = s.get("mesh") or {"data": p.gpus * p.hosts}
@@ -62,6 +77,8 @@ def format_plan(p) -> str:
     for c in p.collectives:
         lines.append(f"  {c['kind']:<19} x{c['count']:<4} {size(c['bytes']):>12}  "
                      f"{'async' if c['async'] else 'sync'}{', inside a loop' if c['in_loop'] else ''}")
+    if p.estimate:
+        lines += [""] + format_estimate(p.estimate)
     k = p.kernels
     cudnn = ", ".join(f"{name} x{n}" for name, n in k["cudnn"].items()) or "none"
     lines += ["", "kernels:", f"  cuDNN: {cudnn}",

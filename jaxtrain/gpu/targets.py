@@ -79,9 +79,32 @@ class Target:
                 f'device_description_str: "{self.device_kind}"\n')
 
 
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """The estimate's constants that are not one GPU's (``targets.json`` "_costs", with their sources): the
+    share of its roofline a kernel reaches (fitted), the launch cost of a kernel, and NCCL's ring latencies per protocol (``{"LL": {"base_us", "nvlink_hop_us",
+    "network_hop_us", "bandwidth_share"}, "Simple": ...}``)."""
+
+    efficiency: float
+    efficiency_source: str
+    launch_us: float
+    launch_source: str
+    protocols: dict
+    protocols_source: str
+
+
+@functools.cache
+def _data() -> dict:
+    return json.loads(resources.files("jaxtrain.gpu").joinpath("targets.json").read_text())
+
+
+def costs() -> Costs:
+    return Costs(**_data()["_costs"])
+
+
 @functools.cache
 def _table() -> dict:
-    data = json.loads(resources.files("jaxtrain.gpu").joinpath("targets.json").read_text())
+    data = _data()
     return {key: Target(key=key, **{**spec, "compute_capability": tuple(spec["compute_capability"])})
             for key, spec in data.items() if not key.startswith("_")}
 

@@ -34,6 +34,10 @@ MODELS = {
     "resnet18": Defaults(10, 256, 0.1, inits=("d2l", "he"),
                          description="d2l's ResNet-18 for 28x28 (3x3 stem, no max-pool), BatchNorm synchronised "
                                      "over the devices"),
+    "resnet50": Defaults(90, 256, 0.256, inits=("he",), optimizer="momentum", schedule="warmup_cosine",
+                         warmup_epochs=2,
+                         description="ResNet-50 v1.5 (NVIDIA DeepLearningExamples' ImageNet network; 224x224x3, 1000 "
+                                     "classes for GPU plans): bottleneck blocks, BatchNorm synchronised"),
     "vit": Defaults(3, 64, 2e-3, inits=("glorot",), optimizer="adam", schedule="warmup_cosine", warmup_epochs=0.5,
                     description="a small Vision Transformer (4x4 patches, 8 pre-norm blocks of width 64): trains "
                                 "unpipelined or pipelined (--mesh stage=N --microbatches M)"),
@@ -194,6 +198,17 @@ def _resnet18(remat: str, init: str, shape: dict, quantize: str, kernels: str) -
                    **shape)
 
 
+def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str) -> Model:
+    from jaxtrain.models import classify, resnet50
+
+    net = resnet50.adapter(shape["input_shape"], shape["num_classes"], remat=remat, head=classify.loss_head(kernels))
+    return Student(name="resnet50", init=lambda rng: resnet50.init_variables(rng, **shape),
+                   loss_fn=net.loss_fn, eval_fn=net.eval_fn,
+                   logits=lambda params, stats, images: net.module(params, stats)(images),
+                   logical_axes=resnet50.LOGICAL_AXES,
+                   head_loss=lambda head: resnet50.adapter(remat=remat, head=head, **shape).loss_fn, **shape)
+
+
 # name -> its builder (remat, init, shape, quantize, kernels) -> Model
-BUILDERS = {"lenet": _lenet, "resnet18": _resnet18, "vit": _vit}
+BUILDERS = {"lenet": _lenet, "resnet18": _resnet18, "resnet50": _resnet50, "vit": _vit}
 assert BUILDERS.keys() == MODELS.keys()

@@ -1,0 +1,256 @@
+"""A step's time on GPUs, estimated from its compiled program: an ESTIMATE, never a measurement.
+
+The scheduled per-GPU program (``compiled.as_text()``) is walked in order on two streams, compute and
+communication, as XLA:GPU runs it:
+
+- each kernel (fusion, cuDNN convolution, cuBLAS / Triton gemm, copy...) takes its roofline time, the larger of
+  FLOPs at the target's dense peak for its operands' dtype (f32 matmuls: TF32) and bytes (operands + result) at
+  the HBM bandwidth; ``expected`` divides it by the share of the rooflines real kernels reach (``efficiency``,
+  the one fitted constant: ``python -m experiments.gpu_validate``) and adds a fixed launch cost; the lower
+  bound has neither;
+- each collective takes an alpha-beta time on the link that carries it (NVLink/NVSwitch within a host, the
+  network where a replica group spans hosts): NCCL's ring latency (base + one hop per ring step) plus the bytes
+  a ring moves per GPU (all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n, permute 1) at the
+  link's bandwidth, for the faster of NCCL's LL and Simple protocols;
+- an async collective (``-start`` ... ``-done``) runs beside the kernels scheduled between its start and its done;
+  a sync one, and a ``-done`` reached before its transfer ends, stall the compute stream;
+- a while loop's body counts its known trip count times.
+
+Every constant is in ``targets.json`` with its source (``targets.costs()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from jaxtrain.gpu import hlo
+from jaxtrain.gpu.targets import Target, costs, target
+
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
+         "opt-barrier", "partition-id", "replica-id", "copy-start", "copy-done", "domain"}
+_RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
+               "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
+               "collective-permute": lambda n: 1, "collective-broadcast": lambda n: n - 1}
+_COLLECTIVE = re.compile(r"^(" + "|".join(_RING_STEPS) + r")(-start|-done)?$")
+_PEAK_KEY = {"f32": "tf32", "bf16": "bf16", "f16": "fp16", "s8": "int8", "u8": "int8", "f64": "fp64"}
+
+
+@dataclasses.dataclass
+class OpTime:
+    """One instruction's share of a step (``count``: executions per step, loops included)."""
+
+    name: str
+    kind: str  # "matmul", "conv", "memory" (a kernel without matmuls) or a collective's kind
+    label: str  # what the program says it computes (its op_name metadata)
+    count: int
+    flops: float
+    bytes: float
+    seconds: float  # all its executions, launch included
+    bound: str  # "compute", "memory", "launch" or "communication"
+
+
+@dataclasses.dataclass
+class Estimate:
+    """Per GPU, one step (one compiled call). Seconds are estimates from the target's published figures."""
+
+    gpu: str
+    gpus: int
+    hosts: int
+    examples: int  # examples of one step (the global call batch)
+    seconds: float  # expected: launch costs, and the communication the schedule cannot hide
+    lower_bound: float  # rooflines only, no launch cost, communication fully hidden
+    roofline: float  # the kernels' rooflines at the peaks (no efficiency, no launch)
+    compute: float  # kernel time bound by FLOPs
+    memory: float  # kernel time bound by bytes
+    launch: float
+    communication: float  # all collectives' time
+    exposed: float  # communication the compute stream waited for
+    flops: float  # matmul + convolution FLOPs (per GPU)
+    peak_flops: float  # the dense peak of the step's main matmul dtype
+    ops: list[OpTime]
+
+    @property
+    def examples_per_second(self) -> float:
+        return self.examples / self.seconds
+
+    @property
+    def mfu(self) -> float:
+        """Matmul and convolution FLOPs per second over the dense peak."""
+        return self.flops / self.seconds / self.peak_flops
+
+    @property
+    def overlapped_share(self) -> float:
+        """The share of the communication assumed hidden behind kernels."""
+        return 1 - self.exposed / self.communication if self.communication else 1.0
+
+    @property
+    def bottleneck(self) -> str:
+        parts = {"compute": self.compute, "memory": self.memory, "launch": self.launch,
+                 "communication": self.exposed}
+        return max(parts, key=parts.get)
+
+    def costliest(self, n: int = 5) -> list[OpTime]:
+        return sorted(self.ops, key=lambda o: -o.seconds)[:n]
+
+    def summary(self, n: int = 5) -> dict:
+        """The figures a report and its JSON show, the ``n`` costliest ops named."""
+        return {"seconds": self.seconds, "lower_bound": self.lower_bound, "roofline": self.roofline,
+                "examples": self.examples, "examples_per_second": self.examples_per_second, "mfu": self.mfu,
+                "bottleneck": self.bottleneck, "compute": self.compute, "memory": self.memory, "launch": self.launch,
+                "communication": self.communication, "exposed": self.exposed,
+                "overlapped_share": self.overlapped_share, "flops": self.flops, "peak_flops": self.peak_flops,
+                "costliest": [dataclasses.asdict(o) for o in self.costliest(n)]}
+
+
+def _peak(t: Target, operand_shape: str, attrs: str) -> float:
+    dtype = hlo.arrays(operand_shape)[0][0]
+    if dtype == "f32" and "operand_precision={highest" in attrs:
+        return t.peak_tflops["fp32"] * 1e12
+    key = "fp8" if dtype.startswith("f8") else _PEAK_KEY.get(dtype, "fp32")
+    return t.peak_tflops.get(key, t.peak_tflops["fp32"]) * 1e12
+
+
+class _Walker:
+    def __init__(self, comps: dict, t: Target, gpus: int, hosts: int, expected: bool):
+        self.comps, self.t, self.gpus, self.hosts = comps, t, gpus, hosts
+        self.c = costs()
+        self.launch = self.c.launch_us * 1e-6 if expected else 0.0
+        self.efficiency = self.c.efficiency if expected else 1.0
+        self.shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}
+        self.ops: dict[str, OpTime] = {}
+        self.main_peak: tuple[float, float] = (0.0, t.peak_flops("fp32"))  # (largest flops, its peak)
+
+    def _record(self, instr, kind, count, flops, nbytes, seconds, bound):
+        label = re.search(r'op_name="([^"]*)"', instr.attrs)
+        label = label.group(1).rstrip(")").rsplit("/", 1)[-1].split(":")[0] if label else instr.opcode
+        op = self.ops.setdefault(instr.name, OpTime(instr.name, kind, label, 0, 0.0, 0.0, 0.0, bound))
+        op.count += count
+        op.flops += flops * count
+        op.bytes += nbytes * count
+        op.seconds += seconds * count
+
+    def _matmuls(self, instr) -> tuple[str, float, float]:
+        """(kind, FLOPs, peak) of a kernel: its dots / convolutions, fused or cuDNN / cuBLAS calls."""
+        target = re.search(r'custom_call_target="([^"]+)"', instr.attrs)
+        if instr.opcode == "custom-call" and target:
+            if target.group(1).startswith("__cudnn$conv"):
+                return "conv", hlo.conv_flops(instr, self.shapes), _peak(self.t, self.shapes[instr.operands[0]],
+                                                                          instr.attrs)
+            if target.group(1).startswith("__cublas"):
+                return "matmul", hlo.gemm_flops(instr, self.shapes), _peak(self.t, self.shapes[instr.operands[0]],
+                                                                            instr.attrs)
+        if instr.opcode in ("dot", "convolution"):
+            inner = [instr]
+        elif instr.opcode == "fusion":
+            inner = [i for name in instr.calls() for i in self.comps.get(name, ())
+                     if i.opcode in ("dot", "convolution")]
+        else:
+            inner = []
+        flops, peak, kind = 0.0, self.t.peak_flops("fp32"), "memory"
+        for i in inner:
+            kind = "matmul" if i.opcode == "dot" else "conv"
+            flops += hlo.dot_flops(i, self.shapes) if i.opcode == "dot" else hlo.conv_flops(i, self.shapes)
+            peak = _peak(self.t, self.shapes[i.operands[0]], i.attrs)
+        return kind, flops, peak
+
+    def _collective_seconds(self, kind: str, instr, started: bool) -> tuple[float, float]:
+        """(seconds, bytes per GPU) of one collective."""
+        from jaxtrain.diagnostics import collective_op
+
+        op = collective_op(instr.line)
+        size = op[1] if op else hlo.nbytes(instr.shape)
+        groups = hlo.replica_groups(instr.attrs, self.gpus * self.hosts)
+        n = max(len(g) for g in groups)
+        if n <= 1:
+            return 0.0, size
+        across = any(len({d // self.gpus for d in g}) > 1 for g in groups)
+        steps = _RING_STEPS[kind](n)
+        link = (self.t.network_gbps_per_gpu if across else self.t.nvlink_gbps / 2) * 1e9
+        moved = size * steps / n if kind != "collective-permute" else size
+        return min((p["base_us"] + steps * p["network_hop_us" if across else "nvlink_hop_us"]) * 1e-6
+                   + moved / (link * p["bandwidth_share"]) for p in self.c.protocols.values()), size
+
+    def walk(self, comp: str, count: int = 1) -> dict:
+        """Simulate one run of ``comp``: the two streams' clocks and the time per class."""
+        clock = comm_free = 0.0
+        pending: dict[str, float] = {}  # async start name -> when its transfer ends
+        totals = {"compute": 0.0, "memory": 0.0, "launch": 0.0, "communication": 0.0, "roofline": 0.0}
+        for instr in self.comps[comp]:
+            op = instr.opcode
+            m = _COLLECTIVE.match(op)
+            wrapped = op == "async-start" and any(
+                _COLLECTIVE.match(i.opcode) for c in instr.calls() for i in self.comps.get(c, ()))
+            if op in _FREE or op.endswith("-done") and not m and op != "async-done":
+                continue
+            if op == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+                n = int(trips.group(1)) if trips else 1
+                body = re.search(r"body=%([^,\s]+)", instr.attrs).group(1)
+                inner = self.walk(body, count * n)
+                clock = max(clock, comm_free) + inner["seconds"] * n
+                for k in totals:
+                    totals[k] += inner[k] * n
+                continue
+            if op in ("call", "conditional"):
+                inner = self.walk(instr.calls()[0], count)
+                clock += inner["seconds"]
+                for k in totals:
+                    totals[k] += inner[k]
+                continue
+            if m or wrapped:
+                if m and m.group(2) == "-done" or op == "async-done":
+                    source = instr.operands[0] if instr.operands else ""
+                    clock = max(clock, pending.pop(source, clock))
+                    continue
+                kind = m.group(1) if m else next(
+                    _COLLECTIVE.match(i.opcode).group(1) for c in instr.calls() for i in self.comps.get(c, ())
+                    if _COLLECTIVE.match(i.opcode))
+                seconds, size = self._collective_seconds(kind, instr, started=True)
+                begin = max(clock, comm_free)
+                comm_free = begin + seconds
+                totals["communication"] += seconds
+                asynchronous = (m and m.group(2) == "-start") or wrapped
+                if asynchronous and '"is_sync":true' not in instr.attrs:
+                    pending[instr.name] = comm_free
+                else:
+                    clock = comm_free
+                self._record(instr, kind, count, 0.0, size, seconds, "communication")
+                continue
+            kind, flops, peak = self._matmuls(instr)
+            nbytes = hlo.nbytes(instr.shape) + sum(hlo.nbytes(self.shapes.get(o, "")) for o in instr.operands)
+            compute = flops / peak
+            memory = nbytes / (self.t.memory_bandwidth_gbps * 1e9)
+            launch = self.launch
+            roofline = max(compute, memory) / self.efficiency
+            clock += roofline + launch
+            bound = "compute" if compute >= memory else "memory"
+            if launch > roofline:
+                bound = "launch"
+            totals[bound if bound != "launch" else ("compute" if compute >= memory else "memory")] += roofline
+            totals["launch"] += launch
+            totals["roofline"] += roofline
+            if flops > self.main_peak[0]:
+                self.main_peak = (flops, peak)
+            self._record(instr, kind, count, flops, nbytes, roofline + launch, bound)
+        clock = max([clock, comm_free, *pending.values()])
+        return {**totals, "seconds": clock}
+
+
+def estimate(compiled_text: str, gpu: str | Target, gpus: int, hosts: int, examples: int) -> Estimate:
+    """The step time of a program compiled for ``gpus`` x ``hosts`` GPUs of kind ``gpu`` (``compiled.as_text()``
+    of a step compiled by ``jaxtrain.gpu``), one call of ``examples`` examples (the global batch)."""
+    t = target(gpu)
+    comps = hlo.computations(compiled_text)
+    entry = hlo.entry_name(compiled_text)
+    low = _Walker(comps, t, gpus, hosts, expected=False).walk(entry)
+    walker = _Walker(comps, t, gpus, hosts, expected=True)
+    run = walker.walk(entry)
+    ops = list(walker.ops.values())
+    flops = sum(o.flops for o in ops if o.kind in ("matmul", "conv"))
+    return Estimate(gpu=t.key, gpus=gpus, hosts=hosts, examples=examples, seconds=run["seconds"],
+                    lower_bound=max(low["roofline"], low["communication"]), roofline=low["roofline"],
+                    compute=run["compute"],
+                    memory=run["memory"], launch=run["launch"], communication=run["communication"],
+                    exposed=max(0.0, run["seconds"] - run["roofline"] - run["launch"]), flops=flops,
+                    peak_flops=walker.main_peak[1], ops=ops)
