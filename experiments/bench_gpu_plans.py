@@ -3,7 +3,8 @@
     python -m experiments.bench_gpu_plans [--gpu h100] [--models lenet,resnet18,vit] [--gpus 1,8] [--precision bf16]
 
 Each row is ``jaxtrain.gpu.plan`` (what ``python -m experiments.gpu_plan`` prints) at the model's recipe batch:
-memory per GPU, the largest batch that fits, FLOPs per GPU per step, the collectives, the compile time.
+memory per GPU, the largest batch that fits, FLOPs per GPU per step, the collectives, the step time ESTIMATED
+from the program (``jaxtrain.gpu.estimate``: not a measurement), the compile time.
 Needs the gpu-compile extra (README).
 """
 
@@ -31,7 +32,8 @@ def row(p) -> str:
     largest = "n/a" if p.largest_batch is None else (
         f"{'>= ' if p.largest_batch >= p.max_batch else ''}{p.largest_batch:,} ({p.largest_batch // shards:,})")
     return (f"| {p.settings['model']} | {p.gpus * p.hosts} | {p.call_batch:,} | {size(p.memory['total'])} | {largest} "
-            f"| {p.flops / 1e9:,.2f} | {_collectives(p.collectives)} | {p.compile_seconds:.1f} s |")
+            f"| {p.flops / 1e9:,.2f} | {_collectives(p.collectives)} | {p.estimate['seconds'] * 1e3:,.2f} ms "
+            f"({p.estimate['examples_per_second']:,.0f}/s) | {p.compile_seconds:.1f} s |")
 
 
 @one_line_errors("bench_gpu_plans")
@@ -47,7 +49,8 @@ def main(argv=None) -> int:
 
     gpu.check_plugin()
     print(f"| model | {args.gpu.upper()}s | batch | memory per GPU | largest batch (per GPU) | GFLOP per GPU per step "
-          "| collectives per GPU | compile |\n|---|---|---|---|---|---|---|---|", flush=True)
+          "| collectives per GPU | step (ESTIMATE: examples/s) | compile |\n|---|---|---|---|---|---|---|---|---|",
+          flush=True)
     plans = []
     for model in args.models.split(","):
         for n in (int(g) for g in args.gpus.split(",")):

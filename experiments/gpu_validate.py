@@ -1,16 +1,19 @@
-"""The step-time estimate held against published measurements: ResNet-50 v1.5 training on A100s.
+"""The step-time estimate held against published measurements: ResNet-50 v1.5 training on A100s and V100s.
 
-    python -m experiments.gpu_validate        # ~4 compiles of ResNet-50 (a few minutes on 2 cores)
+    python -m experiments.gpu_validate              # 8 compiles of ResNet-50 (~5 minutes on 2 cores)
+    python -m experiments.gpu_validate --gpu a100   # the A100 rows only
 
-NVIDIA's DeepLearningExamples (PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training performance:
-NVIDIA DGX A100 (8x A100 80GB)", pytorch-21.03 container) publishes images/s for TF32 and mixed precision (AMP)
-at 256 images per GPU (configs.yml, platform DGXA100). The same network (``jaxtrain.models.resnet50``: 224x224x3,
-1000 classes, SGD with momentum) is compiled here for 1 and 8 A100s in fp32 (XLA: TF32 matmuls and convolutions)
-and bf16 (A100's bf16 and fp16 peaks are equal), and its step time estimated (``jaxtrain.gpu.estimate``).
+NVIDIA's DeepLearningExamples (PyTorch/Classification/ConvNets/resnet50v1.5/README.md, pytorch-21.03 container)
+publishes training images/s on a DGX A100 (8x A100 80GB: TF32 and mixed precision, 256 images per GPU) and a
+DGX-1 (8x V100 16GB: FP32 at 112 images per GPU, mixed precision at 256; configs.yml). The same network
+(``jaxtrain.models.resnet50``: 224x224x3, 1000 classes, SGD with momentum) is compiled here for 1 and 8 GPUs:
+fp32 (on A100, XLA runs f32 convolutions and matmuls as TF32), and for mixed precision bf16 on A100 (its bf16
+and fp16 peaks are equal) and fp16 with loss scaling on V100 (no bf16 there); its step time is estimated
+(``jaxtrain.gpu.estimate``).
 
 The estimate has one fitted constant, the share of their rooflines kernels reach (``targets.json``
-"_costs.efficiency"). It is fitted on ONE row, 1 GPU AMP; the other three cells are held out. This command
-prints the fit it finds and says so if ``targets.json`` holds another value.
+"_costs.efficiency"). It is fitted on ONE row, 1 A100 AMP; every other row is held out. This command prints the
+fit it finds and says so if ``targets.json`` holds another value.
 """
 
 from __future__ import annotations
@@ -20,17 +23,20 @@ import sys
 
 from jaxtrain.cli import one_line_errors
 
-# (GPUs, precision) -> images/s: NVIDIA's published figures (the README named above).
-PUBLISHED = {(1, "fp32"): 938, (1, "bf16"): 2470, (8, "fp32"): 7248, (8, "bf16"): 16621}
-FIT_ON = (1, "bf16")
-PER_GPU_BATCH = 256
+# NVIDIA's published figures (the README named above): (gpu, GPUs, jaxtrain precision, images per GPU, name) -> img/s
+PUBLISHED = {("a100", 1, "fp32", 256, "TF32"): 938, ("a100", 1, "bf16", 256, "AMP"): 2470,
+             ("a100", 8, "fp32", 256, "TF32"): 7248, ("a100", 8, "bf16", 256, "AMP"): 16621,
+             ("v100", 1, "fp32", 112, "FP32"): 367, ("v100", 1, "fp16", 256, "AMP"): 1200,
+             ("v100", 8, "fp32", 112, "FP32"): 2855, ("v100", 8, "fp16", 256, "AMP"): 8322}
+FIT_ON = ("a100", 1, "bf16", 256, "AMP")
 SOURCE = ("NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md: DGX A100 "
-          "(8x A100 80GB), 256 images per GPU")
-NAMES = {"fp32": "TF32", "bf16": "AMP"}
+          "(8x A100 80GB) and DGX-1 (8x V100 16GB)")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.gpu_validate", description=__doc__.split("\n")[0])
+    p.add_argument("--gpu", choices=sorted({k[0] for k in PUBLISHED}), action="append",
+                   help="only these GPUs' rows (repeatable; default: all; the fit needs a100)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     return p
 
@@ -42,24 +48,26 @@ def fit_efficiency(roofline: float, launch: float, seconds: float) -> float:
 
 
 def rows(estimates: dict) -> list[dict]:
-    """The table: one row per (GPUs, precision) with the estimate, the published figure and their ratio;
-    ``estimates``: (GPUs, precision) -> ``Estimate.summary()``."""
+    """The table: one row per published cell with the estimate, the published figure and their ratio;
+    ``estimates``: cell (a ``PUBLISHED`` key) -> ``Estimate.summary()``."""
     out = []
-    for key, published in PUBLISHED.items():
-        e = estimates[key]
-        out.append({"gpus": key[0], "precision": NAMES[key[1]], "estimate": e["examples_per_second"],
-                    "published": published, "ratio": e["examples_per_second"] / published,
-                    "held_out": key != FIT_ON, "bottleneck": e["bottleneck"],
-                    "exposed_share": e["exposed"] / e["seconds"]})
+    for key, e in estimates.items():
+        gpu, gpus, _, batch, name = key
+        out.append({"gpu": gpu, "gpus": gpus, "precision": name, "batch_per_gpu": batch,
+                    "estimate": e["examples_per_second"], "published": PUBLISHED[key],
+                    "ratio": e["examples_per_second"] / PUBLISHED[key], "held_out": key != FIT_ON,
+                    "bottleneck": e["bottleneck"], "exposed_share": e["exposed"] / e["seconds"]})
     return out
 
 
 def format_rows(table: list[dict]) -> str:
-    lines = [f"{'GPUs':>4}  {'precision':<9} {'estimate img/s':>14} {'published':>10} {'ratio':>6}  row"]
+    lines = ["| GPU | GPUs | precision | batch per GPU | estimate img/s | published img/s | ratio | row |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in table:
-        waits = f", {r['exposed_share']:.1%} of the step waits for collectives" if r["gpus"] > 1 else ""
-        lines.append(f"{r['gpus']:>4}  {r['precision']:<9} {r['estimate']:>14,.0f} {r['published']:>10,} "
-                     f"{r['ratio']:>6.2f}  {'held out' if r['held_out'] else 'fitted'}; {r['bottleneck']}-bound{waits}")
+        waits = f"; {r['exposed_share']:.1%} of the step waits for collectives" if r["gpus"] > 1 else ""
+        lines.append(f"| {r['gpu'].upper()} | {r['gpus']} | {r['precision']} | {r['batch_per_gpu']} | "
+                     f"{r['estimate']:,.0f} | {r['published']:,} | {r['ratio']:.2f} | "
+                     f"{'held out' if r['held_out'] else 'fitted'}; {r['bottleneck']}-bound{waits} |")
     return "\n".join(lines)
 
 
@@ -72,25 +80,28 @@ def main(argv=None) -> int:
     from jaxtrain.gpu.targets import costs
 
     gpu.check_plugin()
+    cells = [k for k in PUBLISHED if args.gpu is None or k[0] in args.gpu]
     estimates = {}
-    for gpus, precision in PUBLISHED:
-        print(f"compiling ResNet-50 for {gpus} x A100, {NAMES[precision]}, {PER_GPU_BATCH * gpus} images...",
+    for key in cells:
+        name, gpus, precision, batch, label = key
+        print(f"compiling ResNet-50 for {gpus} x {name.upper()}, {label}, {batch * gpus} images...",
               file=sys.stderr, flush=True)
-        p = gpu.plan("a100", gpus, 1, largest_batch=False, model="resnet50", precision=precision,
-                     batch_size=PER_GPU_BATCH * gpus, input_shape=(224, 224, 3), num_classes=1000)
-        estimates[gpus, precision] = p.estimate
-    e = estimates[FIT_ON]
-    fitted = fit_efficiency(e["roofline"], e["launch"], PER_GPU_BATCH * FIT_ON[0] / PUBLISHED[FIT_ON])
+        p = gpu.plan(name, gpus, 1, largest_batch=False, model="resnet50", precision=precision,
+                     batch_size=batch * gpus, input_shape=(224, 224, 3), num_classes=1000)
+        estimates[key] = p.estimate
     table = rows(estimates)
-    print(f"ResNet-50 v1.5 training on A100 80GB: the ESTIMATE against NVIDIA's measurements ({SOURCE})")
+    print(f"ResNet-50 v1.5 training: the ESTIMATE against NVIDIA's measurements ({SOURCE})\n")
     print(format_rows(table))
     stored = costs().efficiency
-    print(f"\nkernel efficiency (the one fitted constant): targets.json {stored:.3f}; this run's fit on "
-          f"{FIT_ON[0]} GPU {NAMES[FIT_ON[1]]}: {fitted:.3f}"
-          f"{'' if abs(fitted - stored) < 0.005 else ' -- DIFFERENT: put the fit in targets.json'}")
+    fitted = None
+    if FIT_ON in estimates:
+        e = estimates[FIT_ON]
+        fitted = fit_efficiency(e["roofline"], e["launch"], FIT_ON[3] * FIT_ON[1] / PUBLISHED[FIT_ON])
+        print(f"\nkernel efficiency (the one fitted constant): targets.json {stored:.3f}; this run's fit on 1 A100 "
+              f"AMP: {fitted:.3f}{'' if abs(fitted - stored) < 0.005 else ' -- DIFFERENT: put the fit in targets.json'}")
     off = [r for r in table if not 1 / 1.5 <= r["ratio"] <= 1.5]
     print("every ratio within 1.5x" if not off else
-          f"{len(off)} ratio(s) off by more than 1.5x: see docs/gpu.md 'How good is the estimate'")
+          f"{len(off)} ratio(s) off by more than 1.5x: see docs/gpu-estimate.md 'How good is the estimate'")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": table, "fitted_efficiency": fitted, "stored_efficiency": stored}, f, indent=1)

@@ -13,6 +13,11 @@ from jaxtrain.config import RunConfig
 from jaxtrain.data import sources
 from jaxtrain.sharding import device_bytes
 
+if find_spec("jax_cuda12_plugin"):  # compile-only GPU programs cannot be read back from JAX's cache (no GPU client)
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+
 pytestmark = [pytest.mark.gpu_compile,
               pytest.mark.skipif(not find_spec("jax_cuda12_plugin"),
                                  reason="JAX's CUDA plugin is not installed: pip install -e '.[gpu-compile]' "
@@ -91,8 +96,8 @@ def test_bf16_convolutions_go_to_cudnn_in_bf16(gpu):
 
 def test_remat_lowers_the_compiled_temp_memory(gpu):
     """On the ViT's stack of identical blocks (docs/gpu.md: 386.18 MiB none, 180.51 dots, 58.79 full at 1024).
-    LeNet and ResNet-18 peak in their first layer's backward, its activation and gradient both live whatever
-    is rematerialised, so there remat leaves XLA:GPU's temps as they are (docs/gpu.md)."""
+    LeNet peaks in its first layer's backward, its activation and gradient both live whatever is
+    rematerialised, so there remat leaves XLA:GPU's temps as they are (docs/gpu.md)."""
     temps = {remat: _compiled(gpu, model="vit", remat=remat, batch=1024)[2].memory_analysis().temp_size_in_bytes
              for remat in ("none", "dots", "full")}
     assert temps["full"] < 0.25 * temps["none"] and temps["dots"] < 0.6 * temps["none"], temps
@@ -196,6 +201,24 @@ def test_an_elementwise_op_is_estimated_at_the_memory_bandwidth(gpu):
     assert e.bottleneck == "memory"
 
 
+def test_an_in_place_update_counts_only_the_slice_it_writes(gpu):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxtrain.gpu.estimate import estimate
+
+    sharding = NamedSharding(gpu.mesh_for("h100", 1), PartitionSpec())
+    buffer = jax.ShapeDtypeStruct((64, 2**20), jnp.float32, sharding=sharding)  # 256 MiB, donated: updated in place
+    row = jax.ShapeDtypeStruct((1, 2**20), jnp.float32, sharding=sharding)
+    update = jax.jit(lambda b, r, i: jax.lax.dynamic_update_slice(b, r * 2, (i, 0)), donate_argnums=0)
+    text = update.lower(buffer, row, jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)).compile(
+        compiler_options=gpu.analysis.AUTOTUNER_OFF).as_text()
+    e = estimate(text, "h100", 1, 1, 1)
+    moved = sum(o.bytes for o in e.ops)
+    assert 2 * 4 * 2**20 <= moved < 3 * 4 * 2**20, e.ops  # the row read and written, not the 256 MiB buffer
+
+
 def test_an_all_reduce_is_estimated_by_nccls_ring_over_nvlink(gpu):
     import jax
     import jax.numpy as jnp
@@ -210,8 +233,9 @@ def test_an_all_reduce_is_estimated_by_nccls_ring_over_nvlink(gpu):
     costs, link = gpu.targets.costs(), gpu.target("h100").nvlink_gbps / 2 * 1e9
     size, steps = 4 * n, 2 * 7
     expected = min((p["base_us"] + steps * p["nvlink_hop_us"]) * 1e-6 + size * steps / 8 / (link * p["bandwidth_share"])
-                   for p in costs.protocols.values())
-    assert e.communication == pytest.approx(expected, rel=1e-6)  # ~118 us: 28 MB over 450 GB/s + 14 hops
+                   for p in costs.protocols["ring"].values())
+    # ~118 us: 28 MB over 450 GB/s + 14 hops (a tree, capped at 110 GB/s of bus bandwidth, would be slower)
+    assert e.communication == pytest.approx(expected, rel=1e-6)
     # Across 2 hosts the ring crosses the network (50 GB/s per GPU): slower.
     e2 = estimate(_program(gpu, psum, ((8, n), jnp.float32), gpus=8, spec=P("data")), "h100", 4, 2, 1)
     assert e2.communication > 5 * e.communication
@@ -237,10 +261,11 @@ def test_the_validation_table_has_a_row_per_published_cell_one_fitted():
     fake = {key: {"examples_per_second": 2.0 * published, "bottleneck": "memory", "exposed": 1.0, "seconds": 10.0}
             for key, published in v.PUBLISHED.items()}
     table = v.rows(fake)
-    assert [(r["gpus"], r["precision"]) for r in table] == [(1, "TF32"), (1, "AMP"), (8, "TF32"), (8, "AMP")]
-    assert [r["held_out"] for r in table] == [True, False, True, True] and {r["ratio"] for r in table} == {2.0}
+    assert [(r["gpu"], r["gpus"], r["precision"]) for r in table][:4] == [
+        ("a100", 1, "TF32"), ("a100", 1, "AMP"), ("a100", 8, "TF32"), ("a100", 8, "AMP")]
+    assert len(table) == 8 and [r["held_out"] for r in table].count(False) == 1 and {r["ratio"] for r in table} == {2.0}
     text = v.format_rows(table).splitlines()
-    assert len(text) == 5 and "fitted" in text[2] and "10.0% of the step waits" in text[3]
+    assert len(text) == 10 and "| fitted;" in text[3] and "10.0% of the step waits" in text[4]
     # The fit inverts the estimate: a kernel time R at efficiency f plus launches L takes R / f + L.
     assert v.fit_efficiency(roofline=0.06, launch=0.001, seconds=0.06 / 0.5 + 0.001) == pytest.approx(0.5)
 

@@ -119,13 +119,14 @@ def test_collective_bytes_of_async_ops_count_results_once():
 def test_gpu_targets_hold_the_published_figures_and_bad_names_are_one_line():
     from jaxtrain import gpu
 
-    assert gpu.names() == ("a100", "b200", "h100", "h200")
+    assert gpu.names() == ("a100", "b200", "h100", "h200", "v100")
     h100 = gpu.target("H100")
     assert (h100.sms, h100.compute_capability, h100.memory_gb, h100.peak_tflops["bf16"]) == (132, (9, 0), 80, 989.5)
     assert gpu.target("h200").memory_bandwidth_gbps == 4800 and gpu.target("a100").peak_flops("fp32") == 156e12
     assert "core_count: 148" in gpu.target("b200").config_text()
-    with pytest.raises(ConfigError, match="unknown GPU 'v100': choose one of a100, b200, h100, h200"):
-        gpu.target("v100")
+    with pytest.raises(ConfigError, match="unknown GPU 'mi300': choose one of a100, b200, h100, h200, v100"):
+        gpu.target("mi300")
+    assert gpu.target("v100").peak_flops("fp32") == 15.7e12  # no TF32 tensor cores: its fp32 peak
     with pytest.raises(ConfigError, match=r"gpus=16: .* holds at most 8: use hosts= for more \(e.g. gpus=8, hosts=2\)"):
         gpu.mesh_for("h100", gpus=16)
     with pytest.raises(ConfigError, match="product is gpus x hosts = 8"):

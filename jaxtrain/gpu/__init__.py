@@ -12,11 +12,14 @@ In Python, in a fresh process (the plugin registers before JAX's backend starts)
     compiled = trainer.lower(state, batch_shapes).compile()
     compiled.memory_analysis(), compiled.as_text()        # what each GPU holds and runs
 
-``gpu.plan(model=..., ...)`` does all of it for a run's settings and reads the result (``GpuPlan``).
+``gpu.plan(model=..., ...)`` does all of it for a run's settings and reads the result (``GpuPlan``), with the
+step time ESTIMATED from the program (``gpu.estimate``); ``gpu.scaling`` does it for a range of GPU counts.
 """
 
+from jaxtrain.gpu.estimate import Estimate, OpTime, estimate
 from jaxtrain.gpu.plan import JAX_MEMORY_FRACTION, GpuPlan, plan
+from jaxtrain.gpu.scaling import format_scaling, scaling
 from jaxtrain.gpu.targets import INSTALL, TESTED, Target, check_plugin, mesh_for, names, target
 
-__all__ = ["GpuPlan", "INSTALL", "JAX_MEMORY_FRACTION", "TESTED", "Target", "check_plugin", "mesh_for", "names",
+__all__ = ["Estimate", "GpuPlan", "INSTALL", "OpTime", "estimate", "format_scaling", "scaling", "JAX_MEMORY_FRACTION", "TESTED", "Target", "check_plugin", "mesh_for", "names",
            "plan", "target"]

@@ -17,8 +17,8 @@ import time
 from collections import Counter
 
 from jaxtrain.diagnostics import collective_op
+from jaxtrain.gpu import hlo
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations)="
                      r"\{?([^}\s]+(?:, %[^,}\s]+)*)")
 _WHILE = re.compile(r" while\(.*condition=%([^,\s]+), body=%([^,\s]+)")
@@ -60,16 +60,7 @@ def compile_lowered(lowered) -> tuple:
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
     """Each computation's instruction lines."""
-    comps, name = {}, None
-    for line in hlo_text.splitlines():
-        if m := _COMPUTATION.match(line):
-            name = m.group(1)
-            comps[name] = []
-        elif line.startswith("}"):
-            name = None
-        elif name is not None:
-            comps[name].append(line)
-    return comps
+    return {name: [i.line for i in instrs] for name, instrs in hlo.computations(hlo_text).items()}
 
 
 def _looped(comps: dict[str, list[str]]) -> set[str]:

@@ -9,9 +9,10 @@ communication, as XLA:GPU runs it:
   the one fitted constant: ``python -m experiments.gpu_validate``) and adds a fixed launch cost; the lower
   bound has neither;
 - each collective takes an alpha-beta time on the link that carries it (NVLink/NVSwitch within a host, the
-  network where a replica group spans hosts): NCCL's ring latency (base + one hop per ring step) plus the bytes
-  a ring moves per GPU (all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n, permute 1) at the
-  link's bandwidth, for the faster of NCCL's LL and Simple protocols;
+  network where a replica group spans hosts), as NCCL's own cost model gives it: a ring's latency (base + one
+  hop per step, network hops for the steps that cross hosts) plus the bytes it moves per GPU (all-reduce
+  2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n, permute 1) at the link's bandwidth, or for an
+  all-reduce a tree's (log2 of the hosts in network hops), the fastest of its LL and Simple protocols;
 - an async collective (``-start`` ... ``-done``) runs beside the kernels scheduled between its start and its done;
   a sync one, and a ``-done`` reached before its transfer ends, stall the compute stream;
 - a while loop's body counts its known trip count times.
@@ -22,6 +23,7 @@ Every constant is in ``targets.json`` with its source (``targets.costs()``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from jaxtrain.gpu import hlo
@@ -82,7 +84,7 @@ class Estimate:
     @property
     def overlapped_share(self) -> float:
         """The share of the communication assumed hidden behind kernels."""
-        return 1 - self.exposed / self.communication if self.communication else 1.0
+        return min(1.0, max(0.0, 1 - self.exposed / self.communication)) if self.communication else 1.0
 
     @property
     def bottleneck(self) -> str:
@@ -123,7 +125,7 @@ class _Walker:
 
     def _record(self, instr, kind, count, flops, nbytes, seconds, bound):
         label = re.search(r'op_name="([^"]*)"', instr.attrs)
-        label = label.group(1).rstrip(")").rsplit("/", 1)[-1].split(":")[0] if label else instr.opcode
+        label = re.sub(r"[()]", "", label.group(1).rsplit("/", 1)[-1].split(":")[0]) if label else instr.opcode
         op = self.ops.setdefault(instr.name, OpTime(instr.name, kind, label, 0, 0.0, 0.0, 0.0, bound))
         op.count += count
         op.flops += flops * count
@@ -154,8 +156,44 @@ class _Walker:
             peak = _peak(self.t, self.shapes[i.operands[0]], i.attrs)
         return kind, flops, peak
 
-    def _collective_seconds(self, kind: str, instr, started: bool) -> tuple[float, float]:
-        """(seconds, bytes per GPU) of one collective."""
+    def _bytes(self, instr) -> float:
+        """What a kernel reads and writes: its operands and result, except that a fusion updating a buffer in
+        place (a dynamic-update-slice root: a scan's stacked outputs) writes only the update, and an operand
+        it only slices is read only in those slices (bitcasts looked through)."""
+        out = hlo.nbytes(instr.shape)
+        if instr.opcode == "fusion-start":  # ((operands...), result, context): the result
+            arrays = hlo.arrays(instr.shape)[len(instr.operands):len(instr.operands) + 1]
+            out = sum(hlo.nbytes(f"{d}[{','.join(map(str, dims))}]") for d, dims in arrays)
+        reads = [hlo.nbytes(self.shapes.get(o, "")) for o in instr.operands]
+        body = self.comps.get(instr.calls()[0], []) if instr.opcode.startswith("fusion") and instr.calls() else []
+        named = {i.name: i for i in body}
+        params = {i.name: int(re.search(r"parameter\((\d+)\)", i.line).group(1)) for i in body
+                  if i.opcode == "parameter"}
+
+        def source(name: str) -> str:  # through bitcasts
+            while name in named and named[name].opcode == "bitcast":
+                name = named[name].operands[0]
+            return name
+
+        root = next((i for i in body if i.line.lstrip().startswith("ROOT ")), None)
+        if root is not None:
+            for r in [named[o] for o in root.operands if o in named] if root.opcode == "tuple" else [root]:
+                if r.opcode == "dynamic-update-slice" and source(r.operands[0]) in params:
+                    reads[params[source(r.operands[0])]] = 0.0  # updated in place
+                    out -= hlo.nbytes(r.shape) - hlo.nbytes(self.shapes[r.operands[1]])
+            users: dict[str, list] = {}
+            for i in body:
+                if i.opcode != "bitcast":
+                    for o in i.operands:
+                        users.setdefault(source(o), []).append(i)
+            for name, k in params.items():
+                use = users.get(name, [])
+                if use and all(u.opcode in ("dynamic-slice", "slice") and source(u.operands[0]) == name for u in use):
+                    reads[k] = min(reads[k], sum(hlo.nbytes(u.shape) for u in use))
+        return out + sum(reads)
+
+    def _collective_seconds(self, kind: str, instr) -> tuple[float, float]:
+        """(seconds, bytes per GPU) of one collective: NCCL's model, its fastest algorithm and protocol."""
         from jaxtrain.diagnostics import collective_op
 
         op = collective_op(instr.line)
@@ -164,12 +202,20 @@ class _Walker:
         n = max(len(g) for g in groups)
         if n <= 1:
             return 0.0, size
-        across = any(len({d // self.gpus for d in g}) > 1 for g in groups)
+        hosts = max(len({d // self.gpus for d in g}) for g in groups)
+        link = (self.t.network_gbps_per_gpu if hosts > 1 else self.t.nvlink_gbps / 2) * 1e9
         steps = _RING_STEPS[kind](n)
-        link = (self.t.network_gbps_per_gpu if across else self.t.nvlink_gbps / 2) * 1e9
+        across = _RING_STEPS[kind](hosts) if hosts > 1 else 0  # the ring's steps that cross hosts
         moved = size * steps / n if kind != "collective-permute" else size
-        return min((p["base_us"] + steps * p["network_hop_us" if across else "nvlink_hop_us"]) * 1e-6
-                   + moved / (link * p["bandwidth_share"]) for p in self.c.protocols.values()), size
+        model = self.c.protocols
+        times = [(p["base_us"] + (steps - across) * p["nvlink_hop_us"] + across * p["network_hop_us"]) * 1e-6
+                 + moved / (link * p["bandwidth_share"]) for p in model["ring"].values()]
+        if kind == "all-reduce":
+            cap = model["tree_max_bus_gbps" if hosts <= 2 else "tree_max_bus_gbps_beyond_2_hosts"] * 1e9
+            bus = min(link * model["tree_bus_share"], cap)
+            times += [(p["base_us"] + 2 * ((n // hosts - 1) * p["nvlink_hop_us"] + math.log2(hosts) * p["network_hop_us"]))
+                      * 1e-6 + size / (0.5 * bus * p["bandwidth_share"]) for p in model["tree"].values()]
+        return min(times), size
 
     def walk(self, comp: str, count: int = 1) -> dict:
         """Simulate one run of ``comp``: the two streams' clocks and the time per class."""
@@ -206,7 +252,7 @@ class _Walker:
                 kind = m.group(1) if m else next(
                     _COLLECTIVE.match(i.opcode).group(1) for c in instr.calls() for i in self.comps.get(c, ())
                     if _COLLECTIVE.match(i.opcode))
-                seconds, size = self._collective_seconds(kind, instr, started=True)
+                seconds, size = self._collective_seconds(kind, instr)
                 begin = max(clock, comm_free)
                 comm_free = begin + seconds
                 totals["communication"] += seconds
@@ -218,7 +264,7 @@ class _Walker:
                 self._record(instr, kind, count, 0.0, size, seconds, "communication")
                 continue
             kind, flops, peak = self._matmuls(instr)
-            nbytes = hlo.nbytes(instr.shape) + sum(hlo.nbytes(self.shapes.get(o, "")) for o in instr.operands)
+            nbytes = self._bytes(instr)
             compute = flops / peak
             memory = nbytes / (self.t.memory_bandwidth_gbps * 1e9)
             launch = self.launch

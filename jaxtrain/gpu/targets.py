@@ -56,8 +56,9 @@ class Target:
 
     def peak_flops(self, precision: str) -> float:
         """Dense FLOP/s for a run's precision: tensor cores in bf16/fp16, TF32 for fp32 (XLA's default for f32
-        matmuls on these GPUs)."""
-        return self.peak_tflops[{"fp32": "tf32"}.get(precision, precision)] * 1e12
+        matmuls on these GPUs); where the GPU has no such tensor cores, its fp32 peak."""
+        key = {"fp32": "tf32"}.get(precision, precision)
+        return self.peak_tflops.get(key, self.peak_tflops["fp32"]) * 1e12  # V100: no TF32 / bf16 tensor cores
 
     def config_text(self) -> str:
         """The target as XLA's ``GpuTargetConfigProto`` in text form (what the CUDA plugin compiles for)."""
@@ -82,8 +83,9 @@ class Target:
 @dataclasses.dataclass(frozen=True)
 class Costs:
     """The estimate's constants that are not one GPU's (``targets.json`` "_costs", with their sources): the
-    share of its roofline a kernel reaches (fitted), the launch cost of a kernel, and NCCL's ring latencies per protocol (``{"LL": {"base_us", "nvlink_hop_us",
-    "network_hop_us", "bandwidth_share"}, "Simple": ...}``)."""
+    share of its roofline a kernel reaches (fitted), the launch cost of a kernel, and NCCL's cost model
+    (``protocols``: per algorithm, ``"ring"`` and ``"tree"``, and protocol, ``"LL"`` and ``"Simple"``: base
+    latency, latency per NVLink and per network step, bandwidth share; the tree's bus share and caps)."""
 
     efficiency: float
     efficiency_source: str
@@ -115,7 +117,7 @@ def names() -> tuple[str, ...]:
 
 
 def target(name: str | Target) -> Target:
-    """``"h100"``, ``"h200"``, ``"a100"`` or ``"b200"``; ConfigError for another name."""
+    """``"h100"``, ``"h200"``, ``"a100"``, ``"b200"`` or ``"v100"``; ConfigError for another name."""
     if isinstance(name, Target):
         return name
     table = _table()
