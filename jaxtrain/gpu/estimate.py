@@ -156,42 +156,6 @@ class _Walker:
             peak = _peak(self.t, self.shapes[i.operands[0]], i.attrs)
         return kind, flops, peak
 
-    def _bytes(self, instr) -> float:
-        """What a kernel reads and writes: its operands and result, except that a fusion updating a buffer in
-        place (a dynamic-update-slice root: a scan's stacked outputs) writes only the update, and an operand
-        it only slices is read only in those slices (bitcasts looked through)."""
-        out = hlo.nbytes(instr.shape)
-        if instr.opcode == "fusion-start":  # ((operands...), result, context): the result
-            arrays = hlo.arrays(instr.shape)[len(instr.operands):len(instr.operands) + 1]
-            out = sum(hlo.nbytes(f"{d}[{','.join(map(str, dims))}]") for d, dims in arrays)
-        reads = [hlo.nbytes(self.shapes.get(o, "")) for o in instr.operands]
-        body = self.comps.get(instr.calls()[0], []) if instr.opcode.startswith("fusion") and instr.calls() else []
-        named = {i.name: i for i in body}
-        params = {i.name: int(re.search(r"parameter\((\d+)\)", i.line).group(1)) for i in body
-                  if i.opcode == "parameter"}
-
-        def source(name: str) -> str:  # through bitcasts
-            while name in named and named[name].opcode == "bitcast":
-                name = named[name].operands[0]
-            return name
-
-        root = next((i for i in body if i.line.lstrip().startswith("ROOT ")), None)
-        if root is not None:
-            for r in [named[o] for o in root.operands if o in named] if root.opcode == "tuple" else [root]:
-                if r.opcode == "dynamic-update-slice" and source(r.operands[0]) in params:
-                    reads[params[source(r.operands[0])]] = 0.0  # updated in place
-                    out -= hlo.nbytes(r.shape) - hlo.nbytes(self.shapes[r.operands[1]])
-            users: dict[str, list] = {}
-            for i in body:
-                if i.opcode != "bitcast":
-                    for o in i.operands:
-                        users.setdefault(source(o), []).append(i)
-            for name, k in params.items():
-                use = users.get(name, [])
-                if use and all(u.opcode in ("dynamic-slice", "slice") and source(u.operands[0]) == name for u in use):
-                    reads[k] = min(reads[k], sum(hlo.nbytes(u.shape) for u in use))
-        return out + sum(reads)
-
     def _collective_seconds(self, kind: str, instr) -> tuple[float, float]:
         """(seconds, bytes per GPU) of one collective: NCCL's model, its fastest algorithm and protocol."""
         from jaxtrain.diagnostics import collective_op
@@ -264,7 +228,7 @@ class _Walker:
                 self._record(instr, kind, count, 0.0, size, seconds, "communication")
                 continue
             kind, flops, peak = self._matmuls(instr)
-            nbytes = self._bytes(instr)
+            nbytes = hlo.kernel_bytes(instr, self.comps, self.shapes)
             compute = flops / peak
             memory = nbytes / (self.t.memory_bandwidth_gbps * 1e9)
             launch = self.launch

@@ -153,3 +153,40 @@ def replica_groups(attrs: str, devices: int) -> list[list[int]]:
         size = math.prod(n for a, n in axes if a in inside)
         return ids.transpose(order).reshape(-1, size).tolist()
     return [list(range(devices))]
+
+
+def kernel_bytes(instr: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]) -> float:
+    """What a kernel reads and writes: its operands and result, except that a fusion updating a buffer in
+    place (a dynamic-update-slice root: a scan's stacked outputs) writes only the update, and an operand
+    it only slices is read only in those slices (bitcasts looked through)."""
+    out = nbytes(instr.shape)
+    if instr.opcode == "fusion-start":  # ((operands...), result, context): the result
+        result = arrays(instr.shape)[len(instr.operands):len(instr.operands) + 1]
+        out = sum(_DTYPE_BYTES[d] * math.prod(dims) for d, dims in result)
+    reads = [nbytes(shapes.get(o, "")) for o in instr.operands]
+    body = comps.get(instr.calls()[0], []) if instr.opcode.startswith("fusion") and instr.calls() else []
+    named = {i.name: i for i in body}
+    params = {i.name: int(re.search(r"parameter\((\d+)\)", i.line).group(1)) for i in body
+              if i.opcode == "parameter"}
+
+    def source(name: str) -> str:  # through bitcasts
+        while name in named and named[name].opcode == "bitcast":
+            name = named[name].operands[0]
+        return name
+
+    root = next((i for i in body if i.line.lstrip().startswith("ROOT ")), None)
+    if root is not None:
+        for r in [named[o] for o in root.operands if o in named] if root.opcode == "tuple" else [root]:
+            if r.opcode == "dynamic-update-slice" and source(r.operands[0]) in params:
+                reads[params[source(r.operands[0])]] = 0.0  # updated in place
+                out -= nbytes(r.shape) - nbytes(shapes[r.operands[1]])
+        users: dict[str, list] = {}
+        for i in body:
+            if i.opcode != "bitcast":
+                for o in i.operands:
+                    users.setdefault(source(o), []).append(i)
+        for name, k in params.items():
+            use = users.get(name, [])
+            if use and all(u.opcode in ("dynamic-slice", "slice") and source(u.operands[0]) == name for u in use):
+                reads[k] = min(reads[k], sum(nbytes(u.shape) for u in use))
+    return out + sum(reads)
