@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from jaxtrain.choices import MESH_AXES
-from jaxtrain.config import RunConfig, flag
+from jaxtrain.config import RECIPE_FIELDS, RunConfig, flag
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
@@ -136,6 +136,8 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
         if fields is not None and f.name not in fields:
             continue
         meta, default = f.metadata, getattr(defaults, f.name)
+        if model is None and f.name in (*RECIPE_FIELDS, "init"):
+            default = None  # the --model given picks them (its recipe), not lenet's
         if f.type == "bool":
             p.add_argument(flag(f.name), action="store_true", help=meta["help"])
             continue

@@ -20,6 +20,9 @@ from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, DATASETS, DEFAULT_DATA
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
+# Left None, these come from the model's recipe (jaxtrain.models.MODELS).
+RECIPE_FIELDS = ("epochs", "batch_size", "lr", "optimizer", "schedule", "warmup_epochs")
+
 
 # Settings that change what a checkpoint's state means: resume refuses to mix them.
 FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "schedule",
@@ -178,7 +181,7 @@ class RunConfig:
         if self.init is not None and self.init not in recipe.inits:
             raise ConfigError(f"init={self.init}: model {self.model} has no such init; choose one of "
                               f"{', '.join(recipe.inits)}")
-        for name in ("epochs", "batch_size", "lr", "optimizer", "schedule", "warmup_epochs"):  # recipe fills the rest
+        for name in RECIPE_FIELDS:  # the recipe fills the rest
             if getattr(self, name) is None:
                 object.__setattr__(self, name, getattr(recipe, name))
         if self.init is None:
