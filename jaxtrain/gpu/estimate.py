@@ -191,7 +191,10 @@ class _Walker:
             m = _COLLECTIVE.match(op)
             wrapped = op == "async-start" and any(
                 _COLLECTIVE.match(i.opcode) for c in instr.calls() for i in self.comps.get(c, ()))
-            if op in _FREE or op.endswith("-done") and not m and op != "async-done":
+            if op == "async-done":  # an async collective's end (another async op's end is no kernel of its own)
+                clock = max(clock, pending.pop(instr.operands[0] if instr.operands else "", clock))
+                continue
+            if op in _FREE or op.endswith("-done") and not m:
                 continue
             if op == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
@@ -209,7 +212,7 @@ class _Walker:
                     totals[k] += inner[k]
                 continue
             if m or wrapped:
-                if m and m.group(2) == "-done" or op == "async-done":
+                if m and m.group(2) == "-done":
                     source = instr.operands[0] if instr.operands else ""
                     clock = max(clock, pending.pop(source, clock))
                     continue
