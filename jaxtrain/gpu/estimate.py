@@ -35,7 +35,8 @@ _RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 
                "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
                "collective-permute": lambda n: 1, "collective-broadcast": lambda n: n - 1}
 _COLLECTIVE = re.compile(r"^(" + "|".join(_RING_STEPS) + r")(-start|-done)?$")
-_PEAK_KEY = {"f32": "tf32", "bf16": "bf16", "f16": "fp16", "s8": "int8", "u8": "int8", "f64": "fp64"}
+# An HLO dtype -> the precision whose peak it runs at (Target.peak_flops: f32 matmuls at TF32).
+_PRECISION = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "s8": "int8", "u8": "int8", "f64": "fp64"}
 
 
 @dataclasses.dataclass
@@ -109,8 +110,7 @@ def _peak(t: Target, operand_shape: str, attrs: str) -> float:
     dtype = hlo.arrays(operand_shape)[0][0]
     if dtype == "f32" and "operand_precision={highest" in attrs:
         return t.peak_tflops["fp32"] * 1e12
-    key = "fp8" if dtype.startswith("f8") else _PEAK_KEY.get(dtype, "fp32")
-    return t.peak_tflops.get(key, t.peak_tflops["fp32"]) * 1e12
+    return t.peak_flops("fp8" if dtype.startswith("f8") else _PRECISION.get(dtype, "fp32"))
 
 
 class _Walker:
