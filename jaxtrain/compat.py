@@ -71,6 +71,12 @@ TRITON_FALLBACK_WITHOUT_GPU = (0, 10, 2) <= (installed_version("jax") or (0,)) <
 CUDA_TARGET = "NVIDIA H100"  # sm_90, what jax 0.10.2 falls back to
 
 
+# The kernels' Mosaic GPU versions (jaxtrain.kernels.mosaic) use plgpu.kernel, emit_pipeline with a carry and
+# the WGMMA layouts' row reductions as jax 0.12 has them; tested there (lowered and compiled for H100; interpret
+# mode on CPU). Older jax keeps Triton on every GPU.
+MOSAIC_GPU_KERNELS = (installed_version("jax") or (0,)) >= (0, 12, 0)
+
+
 def cuda_kernel_target():
     """A context in which a Pallas Triton kernel (not a CPU-mesh step) lowers for CUDA on a host without a GPU."""
     import contextlib

@@ -106,6 +106,8 @@ def kernels(hlo_text: str) -> dict:
         "cublas_gemms": pick(lambda t: t.startswith("__cublas")),
         "triton_gemm_fusions": len(re.findall(r'"kind":"__triton[a-z_]*gemm[a-z_]*"', hlo_text)),
         "pallas_kernels": pick(lambda t: t in ("__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2")),
+        "pallas_backends": {name: n for name, n in (("mosaic", pick(lambda t: t.startswith("mosaic_gpu"))),
+                                                     ("triton", pick(lambda t: t == "__gpu$xla.gpu.triton"))) if n},
         "other_custom_calls": {t: n for t, n in sorted(calls.items())
                                if not t.startswith(("__cudnn$", "__cublas", "__gpu$xla.gpu.triton", "mosaic_gpu"))},
         "fusions": sum(1 for line in hlo_text.splitlines() if _FUSION.match(line)),

@@ -83,7 +83,8 @@ def format_plan(p) -> str:
     cudnn = ", ".join(f"{name} x{n}" for name, n in k["cudnn"].items()) or "none"
     lines += ["", "kernels:", f"  cuDNN: {cudnn}",
               f"  cuBLAS gemms {k['cublas_gemms']}, Triton gemm fusions {k['triton_gemm_fusions']}, "
-              f"Pallas kernels {k['pallas_kernels']}, fusions {k['fusions']}"]
+              f"Pallas kernels {k['pallas_kernels']}"
+              + "".join(f" ({n} {b})" for b, n in k.get("pallas_backends", {}).items()) + f", fusions {k['fusions']}"]
     if k["other_custom_calls"]:
         lines.append("  other custom calls: " + ", ".join(f"{n} x{c}" for n, c in k["other_custom_calls"].items()))
     return "\n".join(lines)

@@ -5,7 +5,7 @@ x [..., D] is seen as rows [N, D] in row blocks (jaxtrain.kernels.rows). Forward
 statistics in fp32. Backward, with ``xhat = (x - mean) * rstd`` and ``g = dy * scale``:
 ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` per row; ``dscale = sum(dy * xhat)`` and
 ``dbias = sum(dy)`` over the rows, each program writing its block's partial sums (no atomics: the result does
-not depend on the order programs run in), summed in ``jnp`` after. ``reference`` is the ViT's layer norm.
+not depend on the order programs run in), summed in ``jnp`` after (by ``rows.run``, and over the devices here). ``reference`` is the ViT's layer norm.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.kernels import mosaic
 from jaxtrain.kernels import rows as rb
 
 EPS = 1e-6  # the ViT's
@@ -61,7 +62,8 @@ def _forward(x, scale, bias):
     rows2 = x.reshape(-1, x.shape[-1])
     stat = (rb.ROW, jnp.float32)
     y, mean, rstd = rb.run(_forward_kernel, (rows2, scale, bias), (rb.ROWS, rb.COLS, rb.COLS),
-                           [(rb.ROWS, x.dtype), stat, stat], *rows2.shape)
+                           [(rb.ROWS, x.dtype), stat, stat], *rows2.shape,
+                           mosaic=lambda *a, **kw: mosaic.ln_forward(*a, EPS, **kw))
     return y.reshape(x.shape), (mean, rstd)
 
 
@@ -88,7 +90,7 @@ def _layer_norm_bwd(residuals, dy):
     partial = (rb.BLOCK, jnp.float32)
     dx, dscale, dbias = rb.run(_backward_kernel, (rows2, scale, dy2, mean, rstd),
                                (rb.ROWS, rb.COLS, rb.ROWS, rb.ROW, rb.ROW), [(rb.ROWS, x.dtype), partial, partial],
-                               *rows2.shape)
+                               *rows2.shape, mosaic=mosaic.ln_backward)
     return dx.reshape(x.shape), dscale.sum(0).astype(scale.dtype), dbias.sum(0).astype(bias.dtype)
 
 

@@ -7,8 +7,10 @@ program, e.g. a layer norm's scale) and ``BLOCK`` [programs, D] (one row per pro
 sums, reduced outside). Kernels mask by the true N and D (``tile``) and read / write through ``read`` /
 ``write``.
 
-Where the step is lowered for a CPU the kernels run in Pallas interpret mode, for a GPU through Triton:
-``run`` picks at lowering time (``lax.platform_dependent``), so one traced step lowers for either. On GPUs a
+Where the step is lowered for a CPU the kernels run in Pallas interpret mode, for a GPU through Triton or, on
+Hopper and newer GPUs with jax >= 0.12, through Mosaic GPU (``backend``; the kernels' Mosaic GPU versions are in
+``jaxtrain.kernels.mosaic``): ``run`` picks at lowering time (``lax.platform_dependent``), so one traced step
+lowers for either. On GPUs a
 partial last block is a masked load / store. In interpret mode the operands are padded to whole blocks
 first: interpret mode pads partial blocks itself (and every masked load), with a pad value that does not vary
 over the mesh axes, which ``shard_map(check_vma=True)`` refuses; padded here with a varying value, the
@@ -18,6 +20,7 @@ kernels read whole blocks plainly.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain import compat
 from jaxtrain.devices import DATA_AXIS
+from jaxtrain.errors import ConfigError
 from jaxtrain.step import step_context
 
 MAX_ROWS = 16  # rows per program for rows up to 1024 wide
@@ -71,20 +76,28 @@ def write(ref, value, mask, triton: bool):
 
 def _result(shape, dtype, inputs) -> jax.ShapeDtypeStruct:
     """An output's type; inside ``shard_map`` it varies over the mesh axes its inputs vary over (check_vma)."""
-    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in inputs))
+    varying = _varying(inputs)
     if not varying:
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
-def vary_like(arrays, like) -> tuple:
-    """``arrays`` cast to vary over the mesh axes ``like`` varies over (inside ``shard_map``; else as they are)."""
-    axes = jax.typeof(like).manual_axis_type.varying
+def _varying(inputs) -> frozenset:
+    return frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in inputs))
+
+
+def _vary_as(arrays, axes: frozenset) -> tuple:
+    """``arrays`` cast to vary over ``axes`` (inside ``shard_map``): a kernel's results vary as its inputs do."""
     out = []
     for a in arrays:
         missing = tuple(axes - jax.typeof(a).manual_axis_type.varying)
         out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
     return tuple(out)
+
+
+def vary_like(arrays, like) -> tuple:
+    """``arrays`` cast to vary over the mesh axes ``like`` varies over (inside ``shard_map``; else as they are)."""
+    return _vary_as(arrays, jax.typeof(like).manual_axis_type.varying)
 
 
 def _spec(kind: str, cols: int) -> pl.BlockSpec:
@@ -120,19 +133,64 @@ def _interpret(kernel, inputs, kinds, outputs, out_kinds, rows, cols):
     return tuple(o[tuple(slice(0, n) for n in spec.shape)] for o, spec in zip(outs, outputs))
 
 
-def _here(kernel, inputs, kinds, outputs, rows, cols):
+BACKEND_ENV = "JAXTRAIN_PALLAS_GPU"  # auto (default), mosaic or triton
+INTERPRET_ENV = "JAXTRAIN_PALLAS_INTERPRET"  # triton (default) or mosaic: which version runs in interpret mode on CPUs
+MOSAIC_MIN_CAPABILITY = 9.0  # Mosaic GPU: Hopper (sm_90) and newer
+
+
+def backend(mesh=None) -> str:
+    """The GPU backend of the kernels: ``"mosaic"`` (Mosaic GPU) where jax >= 0.12 and the GPU (``mesh``'s
+    devices, else JAX's default devices) is a Hopper or newer, else ``"triton"``. A GPU not known here (an
+    abstract mesh, a CPU host) gets Triton, which lowers for any. ``JAXTRAIN_PALLAS_GPU=mosaic|triton`` overrides."""
+    forced = os.environ.get(BACKEND_ENV, "auto")
+    if forced not in ("auto", "mosaic", "triton"):
+        raise ConfigError(f"{BACKEND_ENV}={forced!r}: use auto, mosaic or triton")
+    if forced == "triton" or not compat.MOSAIC_GPU_KERNELS:
+        return "triton"
+    if forced == "mosaic":
+        return "mosaic"
+    devices = mesh.devices.flat if isinstance(mesh, jax.sharding.Mesh) else jax.devices()
+    capability = getattr(next(iter(devices)), "compute_capability", None)
+    return "mosaic" if capability is not None and float(capability) >= MOSAIC_MIN_CAPABILITY else "triton"
+
+
+def interpreted() -> str:
+    """Which version of the kernels runs on CPUs, in interpret mode: ``"triton"`` (Pallas's generic interpret
+    mode; the default) or ``"mosaic"`` (Mosaic GPU's interpret mode, jax >= 0.12: slower; tests use it to
+    prove the Mosaic GPU kernels equal to their references), by ``JAXTRAIN_PALLAS_INTERPRET``."""
+    chosen = os.environ.get(INTERPRET_ENV, "triton")
+    if chosen not in ("triton", "mosaic"):
+        raise ConfigError(f"{INTERPRET_ENV}={chosen!r}: use triton or mosaic")
+    if chosen == "mosaic" and not compat.MOSAIC_GPU_KERNELS:
+        raise ConfigError(f"{INTERPRET_ENV}=mosaic needs jax >= 0.12 (Mosaic GPU's interpret mode)")
+    return chosen
+
+
+def _here(kernel, inputs, kinds, outputs, rows, cols, mosaic, mesh):
     shapes = {ROWS: (rows, cols), ROW: (rows,), BLOCK: (programs(rows, cols), cols)}
     structs = [_result(shapes[kind], dtype, inputs) for kind, dtype in outputs]
     out_kinds = [kind for kind, _ in outputs]
+    summed = lambda outs: tuple(o.sum(0, keepdims=True) if k == BLOCK else o  # noqa: E731
+                                for o, k in zip(outs, out_kinds))
+    on_mosaic = lambda *a, interpret=False: _vary_as(  # noqa: E731
+        [o.reshape(1, -1) if k == BLOCK else o for o, k in zip(mosaic(*a, interpret=interpret), out_kinds)],
+        _varying(a))
+    gpu = {"cuda": on_mosaic} if mosaic is not None and backend(mesh) == "mosaic" else {}
+    if mosaic is not None and interpreted() == "mosaic":
+        cpu = functools.partial(on_mosaic, interpret=True)
+    else:
+        cpu = lambda *a: summed(_interpret(kernel, a, kinds, structs, out_kinds, rows, cols))  # noqa: E731
     return jax.lax.platform_dependent(
-        *inputs, cpu=lambda *a: _interpret(kernel, a, kinds, structs, out_kinds, rows, cols),
-        default=lambda *a: _call(kernel, a, kinds, structs, out_kinds, rows, cols, interpret=False))
+        *inputs, cpu=cpu, **gpu,
+        default=lambda *a: summed(_call(kernel, a, kinds, structs, out_kinds, rows, cols, interpret=False)))
 
 
-def run(kernel, inputs, kinds, outputs, rows: int, cols: int):
+def run(kernel, inputs, kinds, outputs, rows: int, cols: int, mosaic=None):
     """``kernel(*in_refs, *out_refs, rows=, cols=, triton=)`` over the row blocks of a [rows, cols] problem;
-    ``inputs`` of the given kinds, ``outputs`` as (kind, dtype) pairs. Returns the outputs (BLOCK ones with a
-    row per program: per device, stacked, when the rows are split over the devices).
+    ``inputs`` of the given kinds, ``outputs`` as (kind, dtype) pairs. Returns the outputs; a BLOCK one summed
+    over the blocks, as one row [1, cols] (per device, stacked, when the rows are split over the devices).
+    ``mosaic(*inputs, interpret=)``: the same on Mosaic GPU (BLOCK outputs as their sums [cols]), where
+    ``backend`` says so (and on CPUs where ``interpreted`` does).
 
     Inside a train step whose loss sees the whole batch (jaxtrain's ``jit`` strategy: ``jt.step_context()``
     has no batch axis), the rows are split over the mesh's ``"data"`` axis with ``shard_map``: each device
@@ -141,15 +199,16 @@ def run(kernel, inputs, kinds, outputs, rows: int, cols: int):
     (``jax.sharding.use_abstract_mesh``) is split the same way where its "data" axis is not manual yet."""
     ctx = step_context()
     if ctx is not None:
+        target = ctx.mesh  # whose devices the step runs on (backend)
         mesh = ctx.mesh if ctx.batch_axis is None else None
     else:
-        mesh = jax.sharding.get_abstract_mesh()
+        target = mesh = jax.sharding.get_abstract_mesh()
         mesh = mesh if mesh.axis_names and DATA_AXIS not in mesh.manual_axes else None
     devices = dict(mesh.shape).get(DATA_AXIS, 1) if mesh is not None else 1
     if devices > 1 and rows % devices == 0:
         spec = lambda kind: P() if kind == COLS else P(DATA_AXIS)  # noqa: E731
-        local = lambda *a: _here(kernel, a, kinds, outputs, rows // devices, cols)  # noqa: E731
+        local = lambda *a: _here(kernel, a, kinds, outputs, rows // devices, cols, mosaic, target)  # noqa: E731
         return jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, kinds)),
                              out_specs=tuple(spec(kind) for kind, _ in outputs), axis_names={DATA_AXIS})(*inputs)
-    return _here(kernel, inputs, kinds, outputs, rows, cols)
+    return _here(kernel, inputs, kinds, outputs, rows, cols, mosaic, target)
 

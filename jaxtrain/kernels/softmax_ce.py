@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.kernels import mosaic
 from jaxtrain.kernels import rows as rb
 
 
@@ -49,7 +50,7 @@ def _backward_kernel(logits_ref, labels_ref, lse_ref, g_ref, dlogits_ref, *, row
 def _forward(logits, labels):
     per_row = (rb.ROW, jnp.float32)
     return rb.run(_forward_kernel, (logits, labels.astype(jnp.int32)), (rb.ROWS, rb.ROW), [per_row, per_row],
-                  *logits.shape)
+                  *logits.shape, mosaic=mosaic.ce_forward)
 
 
 @jax.custom_vjp
@@ -66,7 +67,8 @@ def _cross_entropy_fwd(logits, labels):
 def _cross_entropy_bwd(residuals, g):
     logits, labels, lse = residuals
     (dlogits,) = rb.run(_backward_kernel, (logits, labels.astype(jnp.int32), lse, g),
-                        (rb.ROWS, rb.ROW, rb.ROW, rb.ROW), [(rb.ROWS, logits.dtype)], *logits.shape)
+                        (rb.ROWS, rb.ROW, rb.ROW, rb.ROW), [(rb.ROWS, logits.dtype)], *logits.shape,
+                        mosaic=lambda *a, **kw: (mosaic.ce_backward(*a, **kw),))
     return dlogits, None
 
 
