@@ -138,20 +138,29 @@ INTERPRET_ENV = "JAXTRAIN_PALLAS_INTERPRET"  # triton (default) or mosaic: which
 MOSAIC_MIN_CAPABILITY = 9.0  # Mosaic GPU: Hopper (sm_90) and newer
 
 
+HOPPER_OR_NEWER = ("H100", "H200", "H800", "H20", "GH200", "B100", "B200", "B300", "GB200", "GB300")  # device kinds
+
+
+def _hopper_or_newer(mesh) -> bool | None:
+    """Whether ``mesh``'s GPUs (else JAX's default devices) are Hopper or newer; None where that is not known."""
+    if isinstance(mesh, jax.sharding.AbstractMesh) and getattr(mesh, "abstract_device", None) is not None:
+        kind = mesh.abstract_device.device_kind  # a jit traced under a mesh of GPUs, even compile-only ones
+        return any(name in kind.split() for name in HOPPER_OR_NEWER) if mesh.abstract_device.platform == "gpu" else None
+    devices = mesh.devices.flat if isinstance(mesh, jax.sharding.Mesh) else jax.devices()
+    capability = getattr(next(iter(devices)), "compute_capability", None)
+    return None if capability is None else float(capability) >= MOSAIC_MIN_CAPABILITY
+
+
 def backend(mesh=None) -> str:
     """The GPU backend of the kernels: ``"mosaic"`` (Mosaic GPU) where jax >= 0.12 and the GPU (``mesh``'s
-    devices, else JAX's default devices) is a Hopper or newer, else ``"triton"``. A GPU not known here (an
-    abstract mesh, a CPU host) gets Triton, which lowers for any. ``JAXTRAIN_PALLAS_GPU=mosaic|triton`` overrides."""
+    devices, else JAX's default devices) is a Hopper or newer, else ``"triton"``. A GPU not known here (a CPU
+    host, an unnamed kind) gets Triton, which lowers for any. ``JAXTRAIN_PALLAS_GPU=mosaic|triton`` overrides."""
     forced = os.environ.get(BACKEND_ENV, "auto")
     if forced not in ("auto", "mosaic", "triton"):
         raise ConfigError(f"{BACKEND_ENV}={forced!r}: use auto, mosaic or triton")
     if forced == "triton" or not compat.MOSAIC_GPU_KERNELS:
         return "triton"
-    if forced == "mosaic":
-        return "mosaic"
-    devices = mesh.devices.flat if isinstance(mesh, jax.sharding.Mesh) else jax.devices()
-    capability = getattr(next(iter(devices)), "compute_capability", None)
-    return "mosaic" if capability is not None and float(capability) >= MOSAIC_MIN_CAPABILITY else "triton"
+    return "mosaic" if forced == "mosaic" or _hopper_or_newer(mesh) else "triton"
 
 
 def interpreted() -> str:
