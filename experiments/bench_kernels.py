@@ -12,6 +12,12 @@ reduction): what they would move on a GPU. For scale, the whole train step's
 bytes (compiled_stats) of LeNet (batch --batch-size) and of the ViT (batch
 64), jnp vs pallas. Then ms per call here: jnp vs the kernels in interpret
 mode (an emulation on the CPU: it says nothing about GPUs).
+
+    python -m experiments.bench_kernels --gpu h100   # needs the gpu-compile extra (docs/gpu.md)
+
+instead compiles the same problems for one GPU of that kind (no GPU needed) and prints each Pallas kernel's launch:
+grid, threads, shared memory and registers per thread (jaxtrain.gpu.launches), for Mosaic GPU (Hopper and newer,
+jax >= 0.12) and Triton.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=positive_int, default=2, help="devices of the LeNet step (strategy jit)")
     p.add_argument("--repeats", type=positive_int, default=20, help="timed calls (median reported)")
     p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    p.add_argument("--gpu", metavar="NAME", help="print the kernels' per-launch resources compiled for this GPU "
+                                                 "(h100, h200, b200, a100, v100) instead of timing them here")
     return p
 
 
@@ -128,6 +136,57 @@ def step_figures(name: str, batch: int, devices: int, repeats: int) -> dict:
     return out
 
 
+def gpu_launches(gpu_name: str, batch: int, classes: list[int]) -> list[dict]:
+    """Each Pallas kernel's launch (jaxtrain.gpu.launches) for the loss at batch x each class count and the
+    ViT's layer norm, compiled for one ``gpu_name``, with every backend that GPU takes (Mosaic GPU, Triton)."""
+    import os
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxtrain.gpu as gpu
+    from jaxtrain.gpu import analysis, launches
+    from jaxtrain.kernels import layer_norm, rows, softmax_ce
+    from jaxtrain.models import vit
+
+    mesh = gpu.mesh_for(gpu_name, gpus=1)
+    shape = lambda s, dt=jnp.float32: jax.ShapeDtypeStruct(s, dt, sharding=NamedSharding(mesh, P()))  # noqa: E731
+    ce = lambda x, y: jax.value_and_grad(lambda z: softmax_ce.cross_entropy(z, y).mean())(x)  # noqa: E731
+    ln = jax.grad(lambda x, s, b: layer_norm.layer_norm(x, s, b).sum(), argnums=(0, 1, 2))
+    ln_rows = VIT_BATCH * vit.tokens(vit.IMAGE_SHAPE)
+    problems = [(f"cross-entropy {batch} x {c}", ce, (shape((batch, c)), shape((batch,), jnp.int32))) for c in classes]
+    problems.append((f"layer norm {ln_rows} x {vit.DIM}", ln, (shape((ln_rows, vit.DIM)), shape((vit.DIM,)),
+                                                              shape((vit.DIM,)))))
+    with jax.set_mesh(mesh):
+        backends = ["mosaic", "triton"] if rows.backend(jax.sharding.get_abstract_mesh()) == "mosaic" else ["triton"]
+    out, before = [], os.environ.get(rows.BACKEND_ENV)
+    try:
+        for backend in backends:
+            os.environ[rows.BACKEND_ENV] = backend
+            for problem, fn, args in problems:
+                with jax.set_mesh(mesh):
+                    lowered = jax.jit(lambda *a, fn=fn: fn(*a)).lower(*args)
+                _, found = launches.compile_with_launches(lowered, analysis.AUTOTUNER_OFF)
+                out += [{"problem": problem, **vars(k)} for k in found if k.backend in ("mosaic", "triton")]
+    finally:
+        os.environ.pop(rows.BACKEND_ENV) if before is None else os.environ.update({rows.BACKEND_ENV: before})
+    return out
+
+
+def print_gpu_launches(gpu_name: str, found: list[dict]) -> None:
+    print(f"The Pallas kernels compiled for one {gpu_name} (forward + backward; no GPU used):\n")
+    print("| problem | kernel | backend | grid | threads | shared memory | registers per thread |")
+    print("|---|---|---|---|---|---|---|")
+    for k in found:
+        regs = k["registers"] if k["registers"] is not None else "at first run"
+        print(f"| {k['problem']} | {k['name']} | {k['backend']} | {'x'.join(map(str, k['grid']))} | {k['threads']} | "
+              f"{k['shared_bytes']:,} B | {regs} |")
+    print("\nMosaic GPU compiles its kernels to GPU code when they first run, so their registers are known only "
+          "on a GPU; Triton's come from the cubins XLA builds at compile time.")
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -137,6 +196,19 @@ def main(argv=None) -> int:
     except ValueError:
         print("bench_kernels: error: --classes takes class counts >= 2 like 10,1000", file=sys.stderr)
         return 2
+    if args.gpu:
+        from jaxtrain.errors import ConfigError
+
+        try:
+            found = gpu_launches(args.gpu, args.batch_size, classes)
+        except ConfigError as e:
+            print(f"bench_kernels: error: {e}", file=sys.stderr)
+            return 2
+        print_gpu_launches(args.gpu, found)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": args.gpu, "launches": found}, f, indent=1)
+        return 0
     import jaxtrain as jt
 
     jt.setup_devices(args.devices)

@@ -134,10 +134,11 @@ needs_plugin = pytest.mark.skipif(not find_spec("jax_cuda12_plugin"),
                                   reason="JAX's CUDA plugin is not installed: pip install -e '.[gpu-compile]'")
 
 
-def _compiled_kernels(gpu_name: str, n: int, c: int, dtype) -> dict:
-    """The Pallas kernels of both losses' value-and-gradient, compiled for one GPU of ``gpu_name``."""
+def _compiled_kernels(gpu_name: str, n: int, c: int, dtype) -> tuple[dict, list]:
+    """(what the program calls, the Pallas kernels' launches) of both losses' value-and-gradient, compiled for one
+    GPU of ``gpu_name``."""
     import jaxtrain.gpu as gpu
-    from jaxtrain.gpu import analysis
+    from jaxtrain.gpu import analysis, launches
 
     mesh = gpu.mesh_for(gpu_name, gpus=1)
     shape = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=NamedSharding(mesh, P()))  # noqa: E731
@@ -149,19 +150,42 @@ def _compiled_kernels(gpu_name: str, n: int, c: int, dtype) -> dict:
         return ce, ln
 
     with jax.set_mesh(mesh):  # the kernels read the GPU's kind from the mesh the step traces under
-        text = jax.jit(both).lower(shape((n, c), dtype), shape((n,), jnp.int32), shape((n, c), dtype),
-                                   shape((c,), jnp.float32), shape((c,), jnp.float32)).compile().as_text()
-    return analysis.kernels(text)
+        lowered = jax.jit(both).lower(shape((n, c), dtype), shape((n,), jnp.int32), shape((n, c), dtype),
+                                      shape((c,), jnp.float32), shape((c,), jnp.float32))
+    compiled, found = launches.compile_with_launches(lowered)
+    return analysis.kernels(compiled.as_text()), [k for k in found if k.backend != "xla"]
 
 
 @pytest.mark.gpu_compile
 @needs_plugin
 @pytest.mark.parametrize(("n", "c", "dtype"), CE_SHAPES + LN_SHAPES[-2:])
 def test_both_kernels_compile_through_mosaic_gpu_for_an_h100(n, c, dtype):
-    assert _compiled_kernels("h100", n, c, dtype)["pallas_backends"] == {"mosaic": 4}  # 2 forward, 2 backward
+    kernels, found = _compiled_kernels("h100", n, c, dtype)
+    assert kernels["pallas_backends"] == {"mosaic": 4}  # 2 forward, 2 backward
+    assert sorted(k.name for k in found) == ["ce_backward", "ce_forward", "ln_backward", "ln_forward"]
+    blocks = -(-(n + -n % 8) // 64)  # 64-row blocks over the rows padded to TMA's 8
+    # a warpgroup per block; shared memory: a [64, <=128] input tile at least (two once there are 2+ chunks)
+    tile = 64 * min(128, c + -c % (128 // jnp.dtype(dtype).itemsize)) * jnp.dtype(dtype).itemsize
+    assert all(k.grid == (blocks, 1, 1) and k.threads == 128 and tile <= k.shared_bytes <= 227 * 1024
+               and k.registers is None for k in found), found
 
 
 @pytest.mark.gpu_compile
 @needs_plugin
-def test_an_a100_keeps_the_triton_kernels():
-    assert _compiled_kernels("a100", 65, 1000, jnp.bfloat16)["pallas_backends"] == {"triton": 4}  # sm_80: no Mosaic
+def test_an_a100_keeps_the_triton_kernels_whose_registers_the_cubins_give():
+    kernels, found = _compiled_kernels("a100", 65, 1000, jnp.bfloat16)
+    assert kernels["pallas_backends"] == {"triton": 4}  # sm_80: no Mosaic GPU
+    assert len(found) == 4 and all(k.grid == (rows.programs(65, 1000), 1, 1) and 0 < k.registers <= 255
+                                   for k in found), found
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_bench_kernels_prints_each_kernels_launch_for_a_gpu(capsys):
+    from experiments import bench_kernels
+
+    assert bench_kernels.main(["--gpu", "h100", "--classes", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "| cross-entropy 256 x 10 | ce_forward | mosaic | 4x1x1 | 128 |" in out
+    assert "| layer norm 3136 x 64 | layer_norm_backward_kernel | triton | 196x1x1 | 128 |" in out
+    assert bench_kernels.main(["--gpu", "h1000"]) == 2 and "unknown GPU" in capsys.readouterr().err

@@ -42,9 +42,10 @@ def _padded(rows: int, cols: int, dtype) -> tuple[int, int]:
     return rows + -rows % ROW_TILE, cols + -cols % (COL_BYTES // jnp.dtype(dtype).itemsize)
 
 
-def _kernel(body, out_type, rows: int, scratch: dict, interpret: bool):
+def _kernel(name: str, body, out_type, rows: int, scratch: dict, interpret: bool):
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(pl.cdiv(rows, ROWS),),
-                        grid_names=("rows",), interpret=plgpu.InterpretGPUParams() if interpret else None)
+                        grid_names=("rows",), kernel_name=name,
+                        interpret=plgpu.InterpretGPUParams() if interpret else None)
 
 
 def _load_rows(pairs, barriers):
@@ -131,7 +132,7 @@ def ce_forward(logits, labels, interpret: bool = False):
     out = [jax.ShapeDtypeStruct((npad,), jnp.float32)] * 2
     scratch = {**_scratch(label_smem=jnp.int32, loss_smem=jnp.float32, lse_smem=jnp.float32),
                "bars": plgpu.Barrier(num_barriers=1)}
-    loss, lse = _kernel(body, out, npad, scratch, interpret)(
+    loss, lse = _kernel("ce_forward", body, out, npad, scratch, interpret)(
         _pad_to(logits, (npad, cpad)), _pad_to(labels.astype(jnp.int32), (npad,)))
     return loss[:n], lse[:n]
 
@@ -158,7 +159,7 @@ def ce_backward(logits, labels, lse, g, interpret: bool = False):
     scratch = {**_scratch(label_smem=jnp.int32, lse_smem=jnp.float32, g_smem=jnp.float32),
                "dx_smem": plgpu.SMEM((ROWS, width), logits.dtype), "bars": plgpu.Barrier(num_barriers=3)}
     rows = functools.partial(_pad_to, shape=(npad,))
-    (dx,) = _kernel(body, [jax.ShapeDtypeStruct((npad, cpad), logits.dtype)], npad, scratch, interpret)(
+    (dx,) = _kernel("ce_backward", body, [jax.ShapeDtypeStruct((npad, cpad), logits.dtype)], npad, scratch, interpret)(
         _pad_to(logits, (npad, cpad)), rows(labels.astype(jnp.int32)), rows(lse), rows(g.astype(jnp.float32)))
     return dx[:n, :c]
 
@@ -204,7 +205,7 @@ def ln_forward(x, scale, bias, eps: float, interpret: bool = False):
     out = [jax.ShapeDtypeStruct((npad, dpad), x.dtype)] + [jax.ShapeDtypeStruct((npad,), jnp.float32)] * 2
     scratch = {**_scratch(mean_smem=jnp.float32, rstd_smem=jnp.float32), "y_smem": plgpu.SMEM((ROWS, width), x.dtype)}
     vec = functools.partial(_pad_to, shape=(dpad + width,))  # a whole chunk past the end: read, never used
-    y, mean, rstd = _kernel(body, out, npad, scratch, interpret)(
+    y, mean, rstd = _kernel("ln_forward", body, out, npad, scratch, interpret)(
         _pad_to(x, (npad, dpad)), vec(scale.astype(jnp.float32)), vec(bias.astype(jnp.float32)))
     return y[:n, :d], mean[:n], rstd[:n]
 
@@ -251,7 +252,7 @@ def ln_backward(x, scale, dy, mean, rstd, interpret: bool = False):
     scratch = {**_scratch(mean_smem=jnp.float32, rstd_smem=jnp.float32), "dx_smem": plgpu.SMEM((ROWS, width), x.dtype),
                "bars": plgpu.Barrier(num_barriers=2)}
     rows = functools.partial(_pad_to, shape=(npad,))
-    dx, dscale, dbias = _kernel(body, out, npad, scratch, interpret)(
+    dx, dscale, dbias = _kernel("ln_backward", body, out, npad, scratch, interpret)(
         _pad_to(x, (npad, dpad)), _pad_to(scale.astype(jnp.float32), (dpad + width,)), _pad_to(dy, (npad, dpad)),
         rows(mean), rows(rstd))
     return dx[:n, :d], dscale.sum(0)[:d], dbias.sum(0)[:d]

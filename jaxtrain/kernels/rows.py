@@ -111,7 +111,7 @@ def _call(kernel, inputs, kinds, outputs, out_kinds, rows, cols, interpret):
         functools.partial(kernel, rows=rows, cols=cols, triton=not interpret), grid=(programs(rows, cols),),
         in_specs=[_spec(k, cols) for k in kinds], out_specs=[_spec(k, cols) for k in out_kinds], out_shape=outputs,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps(cols), num_stages=1), interpret=interpret,
-        name=kernel.__name__.strip("_"))(*inputs))
+        name=f"{kernel.__module__.rsplit('.', 1)[-1]}{kernel.__name__}")(*inputs))
 
 
 def _padded_shape(kind: str, shape: tuple, rows: int, cols: int) -> tuple:
