@@ -63,6 +63,14 @@ def saved_residuals(fn, *args):
     return listing(fn, *args)
 
 
+def offloadable(src: str, dst: str):
+    """A remat policy's answer "save this value, in ``dst`` memory" (jax.checkpoint_policies' own offload
+    policies return it; it has no public name in jax 0.10.2 ... 0.12.0.1)."""
+    from jax._src.interpreters.partial_eval import Offloadable
+
+    return Offloadable(src=src, dst=dst)
+
+
 # Lowering a Pallas kernel for CUDA on a host without a GPU (tests, docs/kernels.md): the Triton lowering needs
 # the target GPU's compute capability. jax 0.10.2 falls back to sm_90 when it finds no GPU; jax 0.12 asks for
 # an abstract GPU device in the context mesh instead, which cannot hold a step whose mesh is of CPU devices,

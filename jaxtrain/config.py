@@ -66,8 +66,9 @@ class RunConfig:
     accum: str = _field("scan", "scan: one call = one update over k micro-batches (one all-reduce); multisteps: "
                                 "optax.MultiSteps, one call per micro-batch, an update every k calls",
                         choices=ACCUM_MODES)
-    remat: str = _field("none", "remat policy per block: none, full, dots, dots_no_batch, or a "
-                                "jax.checkpoint_policies name")
+    remat: str = _field("none", "remat policy per block: none, full, dots, dots_no_batch; offload_dots, "
+                                "offload_dots_no_batch, offload_names:NAME,... (saved in the host's pinned memory "
+                                "on GPUs; a CPU keeps them in its one memory); or a jax.checkpoint_policies name")
     epochs: int | None = _field(None, "passes over the training set (default: the model's recipe)", minimum=1)
     batch_size: int | None = _field(None, "GLOBAL batch per optimizer update, split evenly over the devices (and "
                                           "micro-batches) (default: the model's recipe)", minimum=1)

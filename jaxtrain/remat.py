@@ -7,8 +7,19 @@ the backward pass; the rest is recomputed there. Names:
 - ``full``: save nothing inside the block (only its inputs), recompute all;
 - ``dots``: save matmul/conv results, recompute the cheap elementwise ops;
 - ``dots_no_batch``: save only matmuls without batch dimensions;
+- ``offload_dots``: matmul/conv results saved as ``dots`` saves them, but in the host's pinned memory
+  (``pinned_host``): the device keeps none of them, the backward pass copies them back. Nothing is recomputed;
+  the cost is the transfers (PCIe or NVLink-C2C), which XLA overlaps with compute where it can;
+- ``offload_dots_no_batch``: the same for matmuls without batch dimensions (JAX's
+  ``offload_dot_with_no_batch_dims``, MaxText's ``*_offloaded`` policies);
+- ``offload_names:NAME,...``: offload the values a model names with ``jax.ad_checkpoint.checkpoint_name``
+  (the ViT's: ``qkv``, ``attention``, ``mlp_hidden``), recompute the rest;
 - any other attribute of ``jax.checkpoint_policies`` that is a policy itself
   (e.g. ``everything_saveable``, ``nothing_saveable``).
+
+Offloading is for GPUs (and TPUs), whose device memory is not the host's. A CPU has one memory: XLA:CPU keeps
+the offloaded values where they are, so there an offload policy computes and holds what its saving twin does
+(``offload_dots`` as ``dots``); ``offloads_to_host`` says which platforms really move them.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ import jax
 
 from jaxtrain.errors import ConfigError
 
+OFFLOAD_NAMES = "offload_names:"
+OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 _ALIASES = {
     "full": "nothing_saveable",
     "dots": "dots_saveable",
@@ -38,17 +51,52 @@ def _is_policy(obj) -> bool:
     return any(p.kind == p.VAR_KEYWORD for p in params)
 
 
+def _offload_dots(prim, *args, **params):
+    """``dots_saveable``'s values (matmuls, convolutions), offloaded to the host instead of kept."""
+    from jaxtrain.compat import offloadable
+
+    if jax.checkpoint_policies.dots_saveable(prim, *args, **params):
+        return offloadable(OFFLOAD_SRC, OFFLOAD_DST)
+    return False
+
+
+_OFFLOADS = {
+    "offload_dots": lambda: _offload_dots,
+    "offload_dots_no_batch": lambda: jax.checkpoint_policies.offload_dot_with_no_batch_dims(OFFLOAD_SRC, OFFLOAD_DST),
+}
+
+
 def names() -> list[str]:
-    """Every name ``policy`` accepts."""
+    """Every name ``policy`` accepts (``offload_names:`` takes the model's value names after it)."""
     own = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")
            and _is_policy(getattr(jax.checkpoint_policies, n))]
-    return ["none", *_ALIASES, *sorted(set(own) - set(_ALIASES.values())), *_ALIASES.values()]
+    return ["none", *_ALIASES, *_OFFLOADS, OFFLOAD_NAMES + "NAME,...",
+            *sorted(set(own) - set(_ALIASES.values())), *_ALIASES.values()]
+
+
+def offloads(name: str) -> bool:
+    """Whether the policy ``name`` offloads residuals to the host."""
+    return name in _OFFLOADS or name.startswith(OFFLOAD_NAMES)
+
+
+def offloads_to_host(platform: str) -> bool:
+    """Whether offloaded residuals really leave device memory on ``platform`` (a CPU has one memory)."""
+    return platform != "cpu"
 
 
 def policy(name: str):
     """The ``jax.checkpoint_policies`` member for ``name`` (None for ``none``)."""
     if name == "none":
         return None
+    if name in _OFFLOADS:
+        return _OFFLOADS[name]()
+    if name.startswith(OFFLOAD_NAMES):
+        values = tuple(v.strip() for v in name[len(OFFLOAD_NAMES):].split(","))
+        if not all(v.isidentifier() for v in values):
+            raise ConfigError(f"remat {name!r}: name the values to offload, e.g. {OFFLOAD_NAMES}mlp_hidden,attention")
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(), names_which_can_be_offloaded=values, offload_src=OFFLOAD_SRC,
+            offload_dst=OFFLOAD_DST)
     attr = _ALIASES.get(name, name)
     obj = getattr(jax.checkpoint_policies, attr, None)
     if obj is None or not _is_policy(obj):

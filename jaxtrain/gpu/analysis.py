@@ -116,10 +116,12 @@ def kernels(hlo_text: str) -> dict:
 
 def memory(compiled) -> dict:
     """Per GPU, bytes: arguments, outputs, aliased (outputs written into donated arguments), temps, and the
-    peak a step needs (arguments + outputs + temps - aliased)."""
+    peak a step needs (arguments + outputs + temps - aliased); ``host``: what the step keeps in the host's
+    pinned memory (remat's offloaded values), not counted in the total."""
     m = compiled.memory_analysis()
+    host = sum(getattr(m, f"host_{k}_size_in_bytes", 0) or 0 for k in ("argument", "output", "temp"))
     out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
            "aliased": m.alias_size_in_bytes, "temps": m.temp_size_in_bytes,
-           "code": m.generated_code_size_in_bytes}
+           "code": m.generated_code_size_in_bytes, "host": host - (getattr(m, "host_alias_size_in_bytes", 0) or 0)}
     out["total"] = out["arguments"] + out["outputs"] + out["temps"] - out["aliased"]
     return out

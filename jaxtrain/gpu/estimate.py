@@ -50,7 +50,7 @@ class OpTime:
     flops: float
     bytes: float
     seconds: float  # all its executions, launch included
-    bound: str  # "compute", "memory", "launch" or "communication"
+    bound: str  # "compute", "memory", "launch", "communication" or "host link"
 
 
 @dataclasses.dataclass
@@ -62,7 +62,7 @@ class Estimate:
     hosts: int
     examples: int  # examples of one step (the global call batch)
     seconds: float  # expected: launch costs, and the communication the schedule cannot hide
-    lower_bound: float  # rooflines only, no launch cost, communication fully hidden
+    lower_bound: float  # rooflines only, no launch cost, communication and host transfers fully hidden
     roofline: float  # the kernels' rooflines at the peaks (no efficiency, no launch)
     compute: float  # kernel time bound by FLOPs
     memory: float  # kernel time bound by bytes
@@ -72,6 +72,10 @@ class Estimate:
     flops: float  # matmul + convolution FLOPs (per GPU)
     peak_flops: float  # the dense peak of the step's main matmul dtype
     ops: list[OpTime]
+    to_host: float = 0.0  # bytes the step writes to the host's memory (remat's offloaded values)
+    from_host: float = 0.0  # bytes it reads back from there
+    host_seconds: float = 0.0  # the transfers' time on the host link (beside the kernels: asynchronous)
+    host_wait: float = 0.0  # of it, what the kernels waited for
 
     @property
     def examples_per_second(self) -> float:
@@ -90,7 +94,7 @@ class Estimate:
     @property
     def bottleneck(self) -> str:
         parts = {"compute": self.compute, "memory": self.memory, "launch": self.launch,
-                 "communication": self.exposed}
+                 "communication": self.exposed, "host link": self.host_wait}
         return max(parts, key=parts.get)
 
     def costliest(self, n: int = 5) -> list[OpTime]:
@@ -103,6 +107,8 @@ class Estimate:
                 "bottleneck": self.bottleneck, "compute": self.compute, "memory": self.memory, "launch": self.launch,
                 "communication": self.communication, "exposed": self.exposed,
                 "overlapped_share": self.overlapped_share, "flops": self.flops, "peak_flops": self.peak_flops,
+                "to_host": self.to_host, "from_host": self.from_host, "host_seconds": self.host_seconds,
+                "host_wait": self.host_wait,
                 "costliest": [dataclasses.asdict(o) for o in self.costliest(n)]}
 
 
@@ -183,9 +189,10 @@ class _Walker:
 
     def walk(self, comp: str, count: int = 1) -> dict:
         """Simulate one run of ``comp``: the two streams' clocks and the time per class."""
-        clock = comm_free = 0.0
+        clock = comm_free = host_free = 0.0
         pending: dict[str, float] = {}  # async start name -> when its transfer ends
-        totals = {"compute": 0.0, "memory": 0.0, "launch": 0.0, "communication": 0.0, "roofline": 0.0}
+        totals = {"compute": 0.0, "memory": 0.0, "launch": 0.0, "communication": 0.0, "roofline": 0.0,
+                  "to_host": 0.0, "from_host": 0.0, "host_seconds": 0.0, "host_wait": 0.0}
         for instr in self.comps[comp]:
             op = instr.opcode
             m = _COLLECTIVE.match(op)
@@ -194,7 +201,12 @@ class _Walker:
             if op == "async-done":  # an async collective's end (another async op's end is no kernel of its own)
                 clock = max(clock, pending.pop(instr.operands[0] if instr.operands else "", clock))
                 continue
-            if op in _FREE or op.endswith("-done") and not m:
+            if op.endswith("-done") and not m:  # an async op's end: a host transfer's (below) is waited for here
+                ends = pending.pop(instr.operands[0] if instr.operands else "", clock)
+                totals["host_wait"] += max(0.0, ends - clock)
+                clock = max(clock, ends)
+                continue
+            if op in _FREE or 'custom_call_target="AllocateBuffer"' in instr.attrs:
                 continue
             if op == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
@@ -232,8 +244,19 @@ class _Walker:
                 continue
             kind, flops, peak = self._matmuls(instr)
             nbytes = hlo.kernel_bytes(instr, self.comps, self.shapes)
+            to_host, from_host = hlo.host_bytes(instr, self.comps, self.shapes)  # over PCIe, not HBM
+            host = (to_host + from_host) / (self.t.host_link_gbps * 1e9)
+            totals["to_host"] += to_host
+            totals["from_host"] += from_host
+            totals["host_seconds"] += host / self.efficiency
+            if host and op == "fusion-start":  # an async transfer: on the host link, beside the kernels
+                host_free = max(clock, host_free) + host / self.efficiency + self.launch
+                pending[instr.name] = host_free
+                self._record(instr, "host transfer", count, 0.0, to_host + from_host, host / self.efficiency,
+                             "host link")
+                continue
             compute = flops / peak
-            memory = nbytes / (self.t.memory_bandwidth_gbps * 1e9)
+            memory = (nbytes - to_host - from_host) / (self.t.memory_bandwidth_gbps * 1e9) + host
             launch = self.launch
             roofline = max(compute, memory) / self.efficiency
             clock += roofline + launch
@@ -246,8 +269,9 @@ class _Walker:
             if flops > self.main_peak[0]:
                 self.main_peak = (flops, peak)
             self._record(instr, kind, count, flops, nbytes, roofline + launch, bound)
-        clock = max([clock, comm_free, *pending.values()])
-        return {**totals, "seconds": clock}
+        end = max([clock, comm_free, host_free, *pending.values()])
+        totals["host_wait"] += max(0.0, host_free - max(clock, comm_free))
+        return {**totals, "seconds": end}
 
 
 def estimate(compiled_text: str, gpu: str | Target, gpus: int, hosts: int, examples: int) -> Estimate:
@@ -262,8 +286,9 @@ def estimate(compiled_text: str, gpu: str | Target, gpus: int, hosts: int, examp
     ops = list(walker.ops.values())
     flops = sum(o.flops for o in ops if o.kind in ("matmul", "conv"))
     return Estimate(gpu=t.key, gpus=gpus, hosts=hosts, examples=examples, seconds=run["seconds"],
-                    lower_bound=max(low["roofline"], low["communication"]), roofline=low["roofline"],
+                    lower_bound=max(low["roofline"], low["communication"], low["host_seconds"]), roofline=low["roofline"],
                     compute=run["compute"],
                     memory=run["memory"], launch=run["launch"], communication=run["communication"],
-                    exposed=max(0.0, run["seconds"] - run["roofline"] - run["launch"]), flops=flops,
-                    peak_flops=walker.main_peak[1], ops=ops)
+                    exposed=max(0.0, run["seconds"] - run["roofline"] - run["launch"] - run["host_wait"]), flops=flops,
+                    peak_flops=walker.main_peak[1], ops=ops, to_host=run["to_host"], from_host=run["from_host"],
+                    host_seconds=run["host_seconds"], host_wait=run["host_wait"])

@@ -14,7 +14,8 @@ import numpy as np
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
                 "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
                 "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16, "token": 0}
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+[a-z]*)?)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+[a-z]*)?)\[([\d,]*)\](\{[^}]*\})?")
+HOST_SPACE = ":S(5)"  # in a layout: the array lives in the host's pinned memory (XLA's memory space 5)
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
 _HEAD = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
 
@@ -35,14 +36,15 @@ class Instr:
         return [n.strip().lstrip("%") for group in names for n in group.split(",")]
 
 
-def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    """The (dtype, dims) of each array in a shape text."""
-    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(shape)
-            if d in _DTYPE_BYTES]
+def arrays(shape: str, host: bool | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """The (dtype, dims) of each array in a shape text; ``host``: only those in host memory (True) or only
+    those in device memory (False)."""
+    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims, layout in _ARRAY.findall(shape)
+            if d in _DTYPE_BYTES and (host is None or (HOST_SPACE in layout) == host)]
 
 
-def nbytes(shape: str) -> float:
-    return sum(_DTYPE_BYTES[d] * math.prod(dims) for d, dims in arrays(shape))
+def nbytes(shape: str, host: bool | None = None) -> float:
+    return sum(_DTYPE_BYTES[d] * math.prod(dims) for d, dims in arrays(shape, host))
 
 
 def _split_top(text: str) -> tuple[str, str]:
@@ -159,11 +161,21 @@ def kernel_bytes(instr: Instr, comps: dict[str, list[Instr]], shapes: dict[str, 
     """What a kernel reads and writes: its operands and result, except that a fusion updating a buffer in
     place (a dynamic-update-slice root: a scan's stacked outputs) writes only the update, and an operand
     it only slices is read only in those slices (bitcasts looked through)."""
-    out = nbytes(instr.shape)
+    return sum(_traffic(instr, comps, shapes, None))
+
+
+def host_bytes(instr: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]) -> tuple[float, float]:
+    """(written to, read from) the host's memory of what ``kernel_bytes`` counts: remat's offloaded values."""
+    return _traffic(instr, comps, shapes, True)
+
+
+def _traffic(instr: Instr, comps, shapes, host: bool | None) -> tuple[float, float]:
+    """(bytes written, bytes read) by a kernel, of arrays in ``host`` memory (``arrays``)."""
+    out = nbytes(instr.shape, host)
     if instr.opcode == "fusion-start":  # ((operands...), result, context): the result
-        result = arrays(instr.shape)[len(instr.operands):len(instr.operands) + 1]
-        out = sum(_DTYPE_BYTES[d] * math.prod(dims) for d, dims in result)
-    reads = [nbytes(shapes.get(o, "")) for o in instr.operands]
+        result = [m.group(0) for m in _ARRAY.finditer(instr.shape)][len(instr.operands):len(instr.operands) + 1]
+        out = sum(nbytes(r, host) for r in result)
+    reads = [nbytes(shapes.get(o, ""), host) for o in instr.operands]
     body = comps.get(instr.calls()[0], []) if instr.opcode.startswith("fusion") and instr.calls() else []
     named = {i.name: i for i in body}
     params = {i.name: int(re.search(r"parameter\((\d+)\)", i.line).group(1)) for i in body
@@ -179,7 +191,8 @@ def kernel_bytes(instr: Instr, comps: dict[str, list[Instr]], shapes: dict[str, 
         for r in [named[o] for o in root.operands if o in named] if root.opcode == "tuple" else [root]:
             if r.opcode == "dynamic-update-slice" and source(r.operands[0]) in params:
                 reads[params[source(r.operands[0])]] = 0.0  # updated in place
-                out -= nbytes(r.shape) - nbytes(shapes[r.operands[1]])
+                whole = nbytes(r.shape, host)  # the buffer, if it lives in the memory counted
+                out -= whole - (nbytes(shapes[r.operands[1]]) if whole else 0.0)  # only the update is written
         users: dict[str, list] = {}
         for i in body:
             if i.opcode != "bitcast":
@@ -189,4 +202,4 @@ def kernel_bytes(instr: Instr, comps: dict[str, list[Instr]], shapes: dict[str, 
             use = users.get(name, [])
             if use and all(u.opcode in ("dynamic-slice", "slice") and source(u.operands[0]) == name for u in use):
                 reads[k] = min(reads[k], sum(nbytes(u.shape) for u in use))
-    return out + sum(reads)
+    return out, sum(reads)

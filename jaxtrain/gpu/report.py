@@ -36,6 +36,10 @@ def format_estimate(e: dict) -> list[str]:
              f"{_time(e['launch'])}; collectives {_time(e['communication'])}, "
              f"{e['overlapped_share']:.0%} of it assumed hidden behind kernels (exposed {_time(e['exposed'])})",
              "  costliest ops:"]
+    if e.get("to_host") or e.get("from_host"):
+        lines.insert(2, f"  host transfers (offloaded remat values): {size(e['to_host'])} to the host, "
+                        f"{size(e['from_host'])} back per step: {_time(e['host_seconds'])} on the host link, beside "
+                        f"the kernels; they waited {_time(e['host_wait'])} for it")
     for o in e["costliest"]:
         lines.append(f"    {o['name'][:36]:<36} {o['kind']:<14} {o['label'][:24]:<24} {_time(o['seconds']):>10} "
                      f" {_flops(o['flops']):>13} {size(o['bytes']):>12}  {o['bound']}-bound")
@@ -56,6 +60,8 @@ def format_plan(p) -> str:
              f"  outputs   {size(m['outputs'])}, of them aliased to the donated state {size(m['aliased'])} "
              f"(donation {'kept' if p.donation_kept else 'NOT kept: the new state needs memory of its own'})",
              f"  temps     {size(m['temps'])}",
+             *([f"  host      {size(m['host'])} in the host's pinned memory (offloaded remat values; "
+                f"not in the total)"] if m.get("host") else []),
              f"  total     {size(m['total'])} of {size(p.budget_bytes)} ({p.memory_fraction:.0%} of "
              f"{t.memory_gb:g} GB, JAX's default share): {'FITS' if p.fits else 'DOES NOT FIT'}"]
     if p.largest_batch is not None:

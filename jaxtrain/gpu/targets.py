@@ -47,6 +47,7 @@ class Target:
     nvlink_gbps: float
     network_gbps_per_gpu: float
     gpus_per_host: int
+    host_link_gbps: float  # to the host's (pinned) memory, per direction: PCIe
     peak_tflops: dict
     source: str
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.kernels import layer_norm
 from jaxtrain.models import classify
@@ -62,14 +63,17 @@ def embed_fn(E, batch):
 
 
 def block(p, x, kernels="jnp"):
-    """One pre-norm transformer block (one layer's params: the "stages" leaves without their leading axis)."""
+    """One pre-norm transformer block (one layer's params: the "stages" leaves without their leading axis). Its
+    values ``qkv``, ``attention`` and ``mlp_hidden`` are named for remat policies (``offload_names:...``)."""
     n, t, d = x.shape
-    q, k, v = jnp.split(_norm(x, p["ln1"], p["ln1_b"], kernels) @ p["qkv"] + p["qkv_b"], 3, axis=-1)
+    qkv = checkpoint_name(_norm(x, p["ln1"], p["ln1_b"], kernels) @ p["qkv"] + p["qkv_b"], "qkv")
+    q, k, v = jnp.split(qkv, 3, axis=-1)
     heads = lambda a: a.reshape(n, t, HEADS, d // HEADS)  # noqa: E731
     scores = jnp.einsum("nqhc,nkhc->nhqk", heads(q), heads(k)).astype(jnp.float32) / (d // HEADS) ** 0.5
     att = jnp.einsum("nhqk,nkhc->nqhc", jax.nn.softmax(scores, axis=-1).astype(x.dtype), heads(v)).reshape(n, t, d)
+    att = checkpoint_name(att, "attention")
     x = x + att @ p["proj"] + p["proj_b"]
-    h = jax.nn.gelu(_norm(x, p["ln2"], p["ln2_b"], kernels) @ p["mlp1"] + p["mlp1_b"])
+    h = checkpoint_name(jax.nn.gelu(_norm(x, p["ln2"], p["ln2_b"], kernels) @ p["mlp1"] + p["mlp1_b"]), "mlp_hidden")
     return x + h @ p["mlp2"] + p["mlp2_b"]
 
 
