@@ -84,6 +84,14 @@ def offloads_to_host(platform: str) -> bool:
     return platform != "cpu"
 
 
+def offload_note(name: str, platform: str) -> str | None:
+    """The line a run prints where its offload policy cannot offload (a CPU), else None."""
+    if not offloads(name) or offloads_to_host(platform):
+        return None
+    return (f"remat {name}: a {platform.upper()} has one memory, so the offloaded values stay where they are: this "
+            f"run computes and holds what the policy's saving twin would (GPUs move them to pinned host memory)")
+
+
 def policy(name: str):
     """The ``jax.checkpoint_policies`` member for ``name`` (None for ``none``)."""
     if name == "none":

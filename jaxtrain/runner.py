@@ -57,6 +57,8 @@ def setup_devices(c: RunConfig, words: Callable = str) -> Setup:
             print(*(words(str(t)) for t in text), **kw)
 
     remat.policy(c.remat)  # a bad name fails here, before any data is read
+    if note := remat.offload_note(c.remat, devices[0].platform):
+        say(note)
     return Setup(c, devices, jt.make_mesh(devices, axes=c.mesh), say, words)
 
 

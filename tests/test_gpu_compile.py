@@ -98,6 +98,20 @@ def test_remat_lowers_the_compiled_temp_memory(gpu):
     assert temps["full"] < 0.25 * temps["none"] and temps["dots"] < 0.6 * temps["none"], temps
 
 
+def test_offloading_moves_the_vits_saved_values_to_pinned_host_memory_and_times_the_transfers(gpu):
+    """The scan over the ViT's layers stacks each layer's offloaded values into host buffers (XLA's memory space 5):
+    device temps fall, host memory holds them, and each crosses the host link once each way per step."""
+    plans = {r: gpu.plan("h100", 8, model="vit", precision="bf16", remat=r, batch_size=2048, largest_batch=False)
+             for r in ("none", "offload_names:mlp_hidden,attention")}
+    none, off = plans["none"], plans["offload_names:mlp_hidden,attention"]
+    stacked = 8 * 256 * 49 * (64 + 128) * 2  # layers x per-GPU batch x tokens x (attention + mlp_hidden) x bf16
+    assert none.memory["host"] == 0 and off.memory["host"] == stacked
+    assert off.memory["temps"] < 0.2 * none.memory["temps"], (off.memory, none.memory)
+    assert off.estimate["to_host"] == off.estimate["from_host"] == stacked and none.estimate["to_host"] == 0
+    pcie = stacked * 2 / (gpu.target("h100").host_link_gbps * 1e9)
+    assert off.estimate["host_seconds"] >= pcie and off.estimate["seconds"] > none.estimate["seconds"]
+
+
 @pytest.mark.parametrize(("name", "kernels_per_step"), [("lenet", 2)])
 def test_the_pallas_kernels_compile_to_gpu_code(gpu, name, kernels_per_step):
     _, _, _, text = _compiled(gpu, model=name, kernels="pallas")

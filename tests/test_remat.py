@@ -17,7 +17,8 @@ def grads(policy):
     return jax.jit(jax.grad(lambda p: loss(p, {}, batch, None)[0]))(lenet.init_params(jax.random.key(0), scale=0.1))
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch", "everything_saveable"])
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch", "everything_saveable", "offload_dots",
+                                    "offload_dots_no_batch"])
 def test_remat_gives_the_same_gradients(policy):
     chex.assert_trees_all_close(grads(policy), grads("none"), rtol=1e-5, atol=1e-7)
 
@@ -40,3 +41,33 @@ def test_unknown_policy_lists_the_names():
     with pytest.raises(jt.ConfigError, match="unknown remat policy 'some'.*full.*dots"):
         remat.policy("some")
     assert {"none", "full", "dots", "dots_no_batch", "nothing_saveable"} <= set(remat.names())
+
+
+def test_offload_policies_offload_what_their_names_say_and_compute_the_same():
+    """On a CPU (one memory) the values stay put; which ones a policy offloads is decided at trace time: checked
+    through the saved residuals (the GPU compile, tests/test_gpu_compile.py, checks where they go)."""
+    from jaxtrain.compat import saved_residuals
+    from jaxtrain.models import vit
+
+    params = vit.init(jax.random.key(0))
+    layer = jax.tree.map(lambda a: a[0], params["stages"])
+    x = jax.random.normal(jax.random.key(1), (2, 49, vit.DIM))
+
+    def offloaded(policy):  # the residuals put into host memory (device_put to pinned_host)
+        fn = remat.remat(lambda p, x: vit.block(p, x).sum(), policy)
+        return sorted(a.shape for a, why in saved_residuals(fn, layer, x) if "device_put" in str(why))
+
+    attention, mlp_hidden, qkv, scores = (2, 49, vit.DIM), (2, 49, vit.MLP), (2, 49, 3 * vit.DIM), (2, vit.HEADS, 49, 49)
+    assert offloaded("offload_names:mlp_hidden,attention") == sorted([attention, mlp_hidden])
+    assert offloaded("offload_dots_no_batch") == sorted([attention, mlp_hidden, qkv])  # projections' outputs
+    assert scores in offloaded("offload_dots")  # the attention's batched einsums too
+    assert offloaded("dots") == []
+    grad = lambda policy: jax.grad(remat.remat(lambda p, x: vit.block(p, x).sum(), policy))(layer, x)  # noqa: E731
+    chex.assert_trees_all_close(grad("offload_names:mlp_hidden,attention"), grad("none"), rtol=1e-5, atol=1e-6)
+
+
+def test_offload_names_needs_names_and_a_cpu_run_says_what_offloading_means_there():
+    with pytest.raises(jt.ConfigError, match="name the values to offload, e.g. offload_names:mlp_hidden,attention"):
+        remat.policy("offload_names:")
+    assert "a CPU has one memory" in remat.offload_note("offload_dots", "cpu")
+    assert remat.offload_note("offload_dots", "gpu") is None and remat.offload_note("dots", "cpu") is None

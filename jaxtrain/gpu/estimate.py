@@ -27,6 +27,7 @@ import math
 import re
 
 from jaxtrain.gpu import hlo
+from jaxtrain.gpu.hlo import HOST_SPACE
 from jaxtrain.gpu.targets import Target, costs, target
 
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
@@ -205,6 +206,16 @@ class _Walker:
                 ends = pending.pop(instr.operands[0] if instr.operands else "", clock)
                 totals["host_wait"] += max(0.0, ends - clock)
                 clock = max(clock, ends)
+                continue
+            if op == "copy-start" and HOST_SPACE in instr.shape:  # (destination, source, context): to or from the host
+                dest = next(hlo.ARRAY.finditer(instr.shape)).group(0)
+                moved = hlo.nbytes(dest)
+                totals["to_host" if HOST_SPACE in dest else "from_host"] += moved
+                seconds = moved / (self.t.host_link_gbps * 1e9) / self.efficiency
+                totals["host_seconds"] += seconds
+                host_free = max(clock, host_free) + seconds
+                pending[instr.name] = host_free
+                self._record(instr, "host transfer", count, 0.0, moved, seconds, "host link")
                 continue
             if op in _FREE or 'custom_call_target="AllocateBuffer"' in instr.attrs:
                 continue

@@ -14,7 +14,7 @@ import numpy as np
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
                 "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
                 "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16, "token": 0}
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+[a-z]*)?)\[([\d,]*)\](\{[^}]*\})?")
+ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+[a-z]*)?)\[([\d,]*)\](\{[^}]*\})?")
 HOST_SPACE = ":S(5)"  # in a layout: the array lives in the host's pinned memory (XLA's memory space 5)
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
 _HEAD = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
@@ -39,7 +39,7 @@ class Instr:
 def arrays(shape: str, host: bool | None = None) -> list[tuple[str, tuple[int, ...]]]:
     """The (dtype, dims) of each array in a shape text; ``host``: only those in host memory (True) or only
     those in device memory (False)."""
-    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims, layout in _ARRAY.findall(shape)
+    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims, layout in ARRAY.findall(shape)
             if d in _DTYPE_BYTES and (host is None or (HOST_SPACE in layout) == host)]
 
 
@@ -173,7 +173,7 @@ def _traffic(instr: Instr, comps, shapes, host: bool | None) -> tuple[float, flo
     """(bytes written, bytes read) by a kernel, of arrays in ``host`` memory (``arrays``)."""
     out = nbytes(instr.shape, host)
     if instr.opcode == "fusion-start":  # ((operands...), result, context): the result
-        result = [m.group(0) for m in _ARRAY.finditer(instr.shape)][len(instr.operands):len(instr.operands) + 1]
+        result = [m.group(0) for m in ARRAY.finditer(instr.shape)][len(instr.operands):len(instr.operands) + 1]
         out = sum(nbytes(r, host) for r in result)
     reads = [nbytes(shapes.get(o, ""), host) for o in instr.operands]
     body = comps.get(instr.calls()[0], []) if instr.opcode.startswith("fusion") and instr.calls() else []
