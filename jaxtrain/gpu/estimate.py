@@ -1,7 +1,7 @@
 """A step's time on GPUs, estimated from its compiled program: an ESTIMATE, never a measurement.
 
-The scheduled per-GPU program (``compiled.as_text()``) is walked in order on two streams, compute and
-communication, as XLA:GPU runs it:
+The scheduled per-GPU program (``compiled.as_text()``) is walked in order on three streams, compute,
+communication and host transfers, as XLA:GPU runs it:
 
 - each kernel (fusion, cuDNN convolution, cuBLAS / Triton gemm, copy...) takes its roofline time, the larger of
   FLOPs at the target's dense peak for its operands' dtype (f32 matmuls: TF32) and bytes (operands + result) at
@@ -15,6 +15,9 @@ communication, as XLA:GPU runs it:
   all-reduce a tree's (log2 of the hosts in network hops), the fastest of its LL and Simple protocols;
 - an async collective (``-start`` ... ``-done``) runs beside the kernels scheduled between its start and its done;
   a sync one, and a ``-done`` reached before its transfer ends, stall the compute stream;
+- a value moved to or from the host's memory (remat's offload: XLA's memory space 5, by an async copy or an
+  async fusion) takes its bytes at the host link's bandwidth (PCIe) on a stream of its own; the kernels wait at
+  its ``-done``; bytes a kernel itself reads or writes there count at that bandwidth too;
 - a while loop's body counts its known trip count times.
 
 Every constant is in ``targets.json`` with its source (``targets.costs()``).
@@ -188,8 +191,21 @@ class _Walker:
                       * 1e-6 + size / (0.5 * bus * p["bandwidth_share"]) for p in model["tree"].values()]
         return min(times), size
 
+    def _host_bytes(self, instr) -> tuple[float, float]:
+        """(bytes to, bytes from) the host's memory an instruction moves: a ``copy-start`` between memory spaces
+        (its shape: destination, source, context), or a kernel's reads and writes there (``hlo.host_bytes``)."""
+        if instr.opcode == "copy-start":
+            if HOST_SPACE not in instr.shape:
+                return 0.0, 0.0
+            dest = next(hlo.ARRAY.finditer(instr.shape)).group(0)
+            return (hlo.nbytes(dest), 0.0) if HOST_SPACE in dest else (0.0, hlo.nbytes(dest))
+        if instr.opcode in (*_FREE, "while", "call", "conditional") or _COLLECTIVE.match(instr.opcode):
+            return 0.0, 0.0
+        return hlo.host_bytes(instr, self.comps, self.shapes)
+
     def walk(self, comp: str, count: int = 1) -> dict:
-        """Simulate one run of ``comp``: the two streams' clocks and the time per class."""
+        """Simulate one run of ``comp``: the clocks of its three streams (kernels, collectives, host transfers)
+        and the time per class."""
         clock = comm_free = host_free = 0.0
         pending: dict[str, float] = {}  # async start name -> when its transfer ends
         totals = {"compute": 0.0, "memory": 0.0, "launch": 0.0, "communication": 0.0, "roofline": 0.0,
@@ -207,15 +223,15 @@ class _Walker:
                 totals["host_wait"] += max(0.0, ends - clock)
                 clock = max(clock, ends)
                 continue
-            if op == "copy-start" and HOST_SPACE in instr.shape:  # (destination, source, context): to or from the host
-                dest = next(hlo.ARRAY.finditer(instr.shape)).group(0)
-                moved = hlo.nbytes(dest)
-                totals["to_host" if HOST_SPACE in dest else "from_host"] += moved
-                seconds = moved / (self.t.host_link_gbps * 1e9) / self.efficiency
-                totals["host_seconds"] += seconds
-                host_free = max(clock, host_free) + seconds
+            to_host, from_host = self._host_bytes(instr)  # over PCIe, not HBM
+            host = (to_host + from_host) / (self.t.host_link_gbps * 1e9) / self.efficiency
+            totals["to_host"] += to_host
+            totals["from_host"] += from_host
+            totals["host_seconds"] += host
+            if host and op in ("copy-start", "fusion-start"):  # an async transfer: on the host link, beside kernels
+                host_free = max(clock, host_free) + host
                 pending[instr.name] = host_free
-                self._record(instr, "host transfer", count, 0.0, moved, seconds, "host link")
+                self._record(instr, "host transfer", count, 0.0, to_host + from_host, host, "host link")
                 continue
             if op in _FREE or 'custom_call_target="AllocateBuffer"' in instr.attrs:
                 continue
@@ -255,19 +271,9 @@ class _Walker:
                 continue
             kind, flops, peak = self._matmuls(instr)
             nbytes = hlo.kernel_bytes(instr, self.comps, self.shapes)
-            to_host, from_host = hlo.host_bytes(instr, self.comps, self.shapes)  # over PCIe, not HBM
-            host = (to_host + from_host) / (self.t.host_link_gbps * 1e9)
-            totals["to_host"] += to_host
-            totals["from_host"] += from_host
-            totals["host_seconds"] += host / self.efficiency
-            if host and op == "fusion-start":  # an async transfer: on the host link, beside the kernels
-                host_free = max(clock, host_free) + host / self.efficiency + self.launch
-                pending[instr.name] = host_free
-                self._record(instr, "host transfer", count, 0.0, to_host + from_host, host / self.efficiency,
-                             "host link")
-                continue
             compute = flops / peak
-            memory = (nbytes - to_host - from_host) / (self.t.memory_bandwidth_gbps * 1e9) + host
+            memory = ((nbytes - to_host - from_host) / (self.t.memory_bandwidth_gbps * 1e9)
+                      + (to_host + from_host) / (self.t.host_link_gbps * 1e9))
             launch = self.launch
             roofline = max(compute, memory) / self.efficiency
             clock += roofline + launch

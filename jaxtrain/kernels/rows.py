@@ -4,7 +4,7 @@ A 1-D grid; program ``i`` owns ``R = block_rows(D)`` rows (16, fewer for rows wi
 columns, held as one [R, next_power_of_2(D)] tile (Triton wants power-of-two shapes). Operands come in four kinds:
 ``ROWS`` [N, D] (a tile per program), ``ROW`` [N] (a value per row), ``COLS`` [D] (the same vector for every
 program, e.g. a layer norm's scale) and ``BLOCK`` [programs, D] (one row per program: per-block partial
-sums, reduced outside). Kernels mask by the true N and D (``tile``) and read / write through ``read`` /
+sums, which ``run`` adds up). Kernels mask by the true N and D (``tile``) and read / write through ``read`` /
 ``write``.
 
 Where the step is lowered for a CPU the kernels run in Pallas interpret mode, for a GPU through Triton or, on
@@ -136,8 +136,6 @@ def _interpret(kernel, inputs, kinds, outputs, out_kinds, rows, cols):
 BACKEND_ENV = "JAXTRAIN_PALLAS_GPU"  # auto (default), mosaic or triton
 INTERPRET_ENV = "JAXTRAIN_PALLAS_INTERPRET"  # triton (default) or mosaic: which version runs in interpret mode on CPUs
 MOSAIC_MIN_CAPABILITY = 9.0  # Mosaic GPU: Hopper (sm_90) and newer
-
-
 HOPPER_OR_NEWER = ("H100", "H200", "H800", "H20", "GH200", "B100", "B200", "B300", "GB200", "GB300")  # device kinds
 
 
