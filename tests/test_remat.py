@@ -49,7 +49,7 @@ def test_offload_policies_offload_what_their_names_say_and_compute_the_same():
     from jaxtrain.compat import saved_residuals
     from jaxtrain.models import vit
 
-    params = vit.init(jax.random.key(0))
+    params = jax.jit(vit.init)(jax.random.key(0))  # jitted: op by op, the ViT's init and grads took minutes
     layer = jax.tree.map(lambda a: a[0], params["stages"])
     x = jax.random.normal(jax.random.key(1), (2, 49, vit.DIM))
 
@@ -62,7 +62,8 @@ def test_offload_policies_offload_what_their_names_say_and_compute_the_same():
     assert offloaded("offload_dots_no_batch") == sorted([attention, mlp_hidden, qkv])  # projections' outputs
     assert scores in offloaded("offload_dots")  # the attention's batched einsums too
     assert offloaded("dots") == []
-    grad = lambda policy: jax.grad(remat.remat(lambda p, x: vit.block(p, x).sum(), policy))(layer, x)  # noqa: E731
+    grad = lambda policy: jax.jit(jax.grad(remat.remat(lambda p, x: vit.block(p, x).sum(), policy)))(  # noqa: E731
+        layer, x)
     chex.assert_trees_all_close(grad("offload_names:mlp_hidden,attention"), grad("none"), rtol=1e-5, atol=1e-6)
 
 

@@ -35,6 +35,7 @@ from jaxtrain.gpu.targets import Target, costs, target
 
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
          "opt-barrier", "partition-id", "replica-id", "copy-start", "copy-done", "domain"}
+_ALLOCATION = 'custom_call_target="AllocateBuffer"'  # a buffer made for a loop's stacked outputs: no kernel
 _RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
                "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
                "collective-permute": lambda n: 1, "collective-broadcast": lambda n: n - 1}
@@ -199,7 +200,8 @@ class _Walker:
                 return 0.0, 0.0
             dest = next(hlo.ARRAY.finditer(instr.shape)).group(0)
             return (hlo.nbytes(dest), 0.0) if HOST_SPACE in dest else (0.0, hlo.nbytes(dest))
-        if instr.opcode in (*_FREE, "while", "call", "conditional") or _COLLECTIVE.match(instr.opcode):
+        if (instr.opcode in (*_FREE, "while", "call", "conditional") or _COLLECTIVE.match(instr.opcode)
+                or _ALLOCATION in instr.attrs):  # a buffer's allocation moves nothing
             return 0.0, 0.0
         return hlo.host_bytes(instr, self.comps, self.shapes)
 
@@ -233,7 +235,7 @@ class _Walker:
                 pending[instr.name] = host_free
                 self._record(instr, "host transfer", count, 0.0, to_host + from_host, host, "host link")
                 continue
-            if op in _FREE or 'custom_call_target="AllocateBuffer"' in instr.attrs:
+            if op in _FREE or _ALLOCATION in instr.attrs:
                 continue
             if op == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
