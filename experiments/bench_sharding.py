@@ -1,4 +1,4 @@
-"""Benchmark sharded state: ResNet-18 (or LeNet) + Adam under replicated / fsdp / tp / fsdp+tp.
+"""Benchmark sharded state: ResNet-18 (or LeNet) + Adam under replicated / fsdp / zero1 / tp / fsdp+tp.
 
     python -m experiments.bench_sharding [--model resnet18] [--devices 4] [--batch-size 64] [--budget 600MiB]
 
@@ -7,8 +7,12 @@ device): compiled argument and temp bytes, the state's own bytes, ms/step
 (median over repeats, the settings interleaved so that machine noise hits
 them alike) and the collective bytes per step by kind, read from the
 compiled HLO. Then the batch-size finder's largest batch within one fixed
-budget, replicated vs fsdp. replicated and fsdp use a 1-D mesh (data=N);
-tp and fsdp+tp a 2-D one (data=N/2, model=2).
+budget, replicated vs fsdp. replicated, fsdp and zero1 use a 1-D mesh
+(data=N); tp and fsdp+tp a 2-D one (data=N/2, model=2). zero1's collective
+bytes are held against theory: each gradient fsdp shards reduce-scattered and
+its new parameter all-gathered, the bytes of one all-reduce of it (XLA:CPU
+under jit writes the reduce-scatter as an all-reduce and a slice:
+``--strategy shard_map`` shows it as such).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import sys
 from jaxtrain.choices import STRATEGIES
 from jaxtrain.cli import one_line_errors, positive_int
 
-SETTINGS = ("replicated", "fsdp", "tp", "fsdp+tp")
+SETTINGS = ("replicated", "fsdp", "zero1", "tp", "fsdp+tp")
+DATA_ONLY = ("replicated", "fsdp", "zero1")  # a 1-D mesh, any strategy
 
 
 def parser() -> argparse.ArgumentParser:
@@ -64,8 +69,8 @@ def main(argv=None) -> int:
         return model.example_batch(size, seed=size)
 
     def trainer_for(setting):
-        axes = {"data": n} if setting in ("replicated", "fsdp") else {"data": n // 2, "model": 2}
-        strategy = args.strategy if setting in ("replicated", "fsdp") else "jit"
+        axes = {"data": n} if setting in DATA_ONLY else {"data": n // 2, "model": 2}
+        strategy = args.strategy if setting in DATA_ONLY else "jit"
         return jt.make_train_step(model.loss_fn, optax.adam(1e-3), mesh=jt.make_mesh(n, axes=axes),
                                   strategy=strategy, param_sharding=sharding.preset(setting, model.logical_axes))
 
@@ -97,6 +102,14 @@ def main(argv=None) -> int:
         print(f"{setting:>10} {row['state_mib']:>9.1f} {row['argument_mib']:>8.1f} {row['temp_mib']:>8.1f} "
               f"{row['ms_per_step']:>8.0f} " + " ".join(cells))
     print(f"fsdp / replicated argument bytes: {rows['fsdp']['argument_mib'] / rows['replicated']['argument_mib']:.3f}")
+    fsdp_state = runs["fsdp"][1]
+    theory = sum(x.nbytes for x in jax.tree.leaves(fsdp_state.params) if not x.sharding.is_fully_replicated) / 2**20
+    z = rows["zero1"]["collectives"]
+    got = {k: z[k]["bytes"] / 2**20 for k in ("reduce-scatter", "all-gather") if k in z}
+    rows["zero1"]["theory_mib"] = theory
+    print(f"zero1: {', '.join(f'{k} {v:.2f} MiB' for k, v in got.items())}; theory: {theory:.2f} MiB each (the "
+          f"parameters fsdp shards), one all-reduce's bytes in all; state {rows['zero1']['state_mib']:.1f} MiB vs "
+          f"replicated {rows['replicated']['state_mib']:.1f} and fsdp {rows['fsdp']['state_mib']:.1f}")
     results = {"settings": rows, "devices": n, "batch_size": args.batch_size}
     if budget:
         from jaxtrain.batch_size import find_batch_size

@@ -3,7 +3,7 @@
 STRATEGIES = ("jit", "shard_map", "pmap", "ring")  # jaxtrain.parallel
 PRECISIONS = ("fp32", "bf16", "fp16")  # jaxtrain.precision.POLICIES
 ACCUM_MODES = ("scan", "multisteps")  # jaxtrain.accumulate
-PARAM_SHARDINGS = ("replicated", "fsdp", "tp", "fsdp+tp")  # jaxtrain.sharding.preset
+PARAM_SHARDINGS = ("replicated", "fsdp", "zero1", "tp", "fsdp+tp")  # jaxtrain.sharding.preset
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")  # jaxtrain.optim
 LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "onecycle")  # jaxtrain.optim.make_schedule
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.pipeline)

@@ -181,8 +181,10 @@ def _by_dim(tree, dims, sharded: Callable, replicated: Callable):
     return jax.tree.unflatten(treedef, out)
 
 
-def make_comm(dims, ring: bool = False) -> Comm:
-    """``lax`` (or ring) collectives over ``"data"``; ``dims``: per parameter, its FSDP dimension or None."""
+def make_comm(dims, ring: bool = False, grad_dims=None) -> Comm:
+    """``lax`` (or ring) collectives over ``"data"``; ``dims``: per parameter, its FSDP dimension or None;
+    ``grad_dims``: the same for the gradients the update gets, where they differ (ZeRO-1: params whole,
+    gradients reduce-scattered)."""
     if ring:
         total = lambda t: ring_allreduce(t, DATA_AXIS)  # noqa: E731
         gather_split = lambda xs, ds: ring_all_gather(xs, DATA_AXIS, ds)  # noqa: E731
@@ -199,7 +201,8 @@ def make_comm(dims, ring: bool = False) -> Comm:
 
     def scatter_mean(grads):
         n = lax.axis_size(DATA_AXIS)
-        return jax.tree.map(lambda g: g / n, _by_dim(grads, dims, scatter_split, total))
+        return jax.tree.map(lambda g: g / n, _by_dim(grads, dims if grad_dims is None else grad_dims, scatter_split,
+                                                     total))
 
     return Comm(mean=mean, sum=total, vary=_pcast, gather=lambda p: _by_dim(p, dims, gather_split, _pcast),
                 gather_like=lambda t, d: _by_dim(t, d, gather_split, lambda xs: xs), scatter_mean=scatter_mean)

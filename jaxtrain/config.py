@@ -55,7 +55,8 @@ class RunConfig:
                                   "all-gather and reduce-scatter under fsdp), pmap (legacy API, replicated only), "
                                   "ring (our ppermute ring)", choices=STRATEGIES)
     param_sharding: str = _field("replicated", "where parameters and optimizer state live: replicated (data "
-                                               "parallelism), fsdp (sharded over the data axis, ZeRO-3), tp (the "
+                                               "parallelism), fsdp (sharded over the data axis, ZeRO-3), zero1 "
+                                               "(optimizer state sharded, parameters replicated), tp (the "
                                                "model's tensor-parallel rules over the 'model' axis; jit only), "
                                                "fsdp+tp (both, on a 2-D --mesh)", choices=PARAM_SHARDINGS)
     mesh: dict | None = _field(None, "named mesh axes, their product = --devices (default: data over every device); "

@@ -44,6 +44,10 @@ def check_strategy(strategy: str) -> None:
         raise ConfigError(f"unknown strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
 
 
+def _comm(strategy, ring: bool = False) -> Comm:
+    return make_comm(sharding.data_dims(strategy.pspecs), ring=ring, grad_dims=sharding.data_dims(strategy.gspecs))
+
+
 def _per_device(local: Callable, comm: Comm, mesh, state_dims=None) -> Callable:
     """(params, model_state, loss_scale, batch, step_key) -> reduced (grads, loss, model_state, metrics), per
     device. ``state_dims``: per model-state leaf, its FSDP dimension (Frozen parts placed like params) or None."""
@@ -87,7 +91,8 @@ class _Pmapped(Compiled):
 
 
 class Strategy:
-    """One strategy's collectives and wrapping over ``mesh``, for the parameter specs ``pspecs``.
+    """One strategy's collectives and wrapping over ``mesh``, for the parameter specs ``pspecs`` and the specs
+    ``gspecs`` of the gradients it hands the update (the optimizer state's: ZeRO-1's differ from ``pspecs``).
 
     ``reduced(local, state_specs, per_device)``: ``local`` on every shard, reduced over the shards;
     ``compile(step, plan)``: the whole step, compiled with the plan's shardings (the state donated);
@@ -95,8 +100,9 @@ class Strategy:
 
     name = ""
 
-    def __init__(self, mesh, pspecs):
+    def __init__(self, mesh, pspecs, gspecs=None):
         self.mesh, self.pspecs = mesh, pspecs
+        self.gspecs = pspecs if gspecs is None else gspecs
 
     def reduced(self, local: Callable, state_specs, per_device: bool) -> Callable:
         raise NotImplementedError
@@ -125,10 +131,9 @@ class Jit(Strategy):
     def reduced(self, local, state_specs, per_device):
         mspecs = state_specs.model_state
         if per_device:  # left to GSPMD, every micro-batch's gradient would be reduced (k times the bytes)
-            comm = make_comm(sharding.data_dims(self.pspecs))
-            return self._manual(_per_device(local, comm, self.mesh, sharding.data_dims(mspecs)),
-                                (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.pspecs, P(), mspecs, P()))
-        grad_shardings = sharding.named(self.mesh, self.pspecs)
+            return self._manual(_per_device(local, _comm(self), self.mesh, sharding.data_dims(mspecs)),
+                                (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.gspecs, P(), mspecs, P()))
+        grad_shardings = sharding.named(self.mesh, self.gspecs)
         whole = lambda specs: sharding.named(  # noqa: E731
             self.mesh, jax.tree.map(sharding.without_data, specs, is_leaf=sharding.is_spec))
         gathered, gathered_state = whole(self.pspecs), whole(mspecs)
@@ -154,9 +159,9 @@ class ShardMap(Strategy):
     name = "shard_map"
     ring = False
 
-    def __init__(self, mesh, pspecs):
-        super().__init__(mesh, pspecs)
-        other = sorted(sharding.mesh_axes_used(pspecs) - {DATA_AXIS})
+    def __init__(self, mesh, pspecs, gspecs=None):
+        super().__init__(mesh, pspecs, gspecs)
+        other = sorted((sharding.mesh_axes_used(pspecs) | sharding.mesh_axes_used(self.gspecs)) - {DATA_AXIS})
         if other:
             raise ConfigError(f"strategy={self.name!r} shards parameters over {DATA_AXIS!r} only (fsdp), but the rules "
                               f"name {', '.join(map(repr, other))}: use strategy='jit' for tensor parallelism")
@@ -167,9 +172,9 @@ class ShardMap(Strategy):
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not self.ring)
 
     def reduced(self, local, state_specs, per_device):
-        comm, mspecs = make_comm(sharding.data_dims(self.pspecs), ring=self.ring), state_specs.model_state
-        return self._map(_per_device(local, comm, self.mesh, sharding.data_dims(mspecs)),
-                         (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.pspecs, P(), mspecs, P()))
+        mspecs = state_specs.model_state
+        return self._map(_per_device(local, _comm(self, self.ring), self.mesh, sharding.data_dims(mspecs)),
+                         (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.gspecs, P(), mspecs, P()))
 
     def evaluate(self, local_sums, plan, mspecs=P()):
         comm = make_comm(sharding.data_dims(self.pspecs), ring=self.ring)
@@ -191,9 +196,9 @@ class Ring(ShardMap):
 class Pmap(Strategy):
     name = "pmap"
 
-    def __init__(self, mesh, pspecs):
-        super().__init__(mesh, pspecs)
-        if sharding.mesh_axes_used(pspecs) or len(mesh.axis_names) > 1:
+    def __init__(self, mesh, pspecs, gspecs=None):
+        super().__init__(mesh, pspecs, gspecs)
+        if sharding.mesh_axes_used(pspecs) or sharding.mesh_axes_used(self.gspecs) or len(mesh.axis_names) > 1:
             raise ConfigError("strategy='pmap' keeps the whole state on every device of a 1-D mesh: use strategy='jit' "
                               "(any sharding) or 'shard_map' / 'ring' (fsdp) for sharded state or a 2-D mesh")
         self.devices = list(mesh.devices.flat)
@@ -223,7 +228,7 @@ class Pmap(Strategy):
 _CLASSES = {cls.name: cls for cls in (Jit, ShardMap, Ring, Pmap)}
 
 
-def make_strategy(name: str, mesh, pspecs) -> Strategy:
+def make_strategy(name: str, mesh, pspecs, gspecs=None) -> Strategy:
     """The strategy object for ``name``; ConfigError for an unknown name or a sharding it cannot run."""
     check_strategy(name)
-    return _CLASSES[name](mesh, pspecs)
+    return _CLASSES[name](mesh, pspecs, gspecs)

@@ -122,9 +122,12 @@ def _examples(batch: Mapping) -> int:
 def make_plan(mesh: Mesh, state_shapes: TrainState, *, strategy: str, param_sharding, min_size: int, tx,
               micro_batches: int = 1, calls_per_update: int = 1) -> Plan:
     """The whole plan for a state of these shapes: parameters (and Frozen model state) by ``param_sharding``,
-    optimizer state after its parameter, the rest replicated; the strategy for those specs. ConfigError, before
+    optimizer state after its parameter (ZeRO-1: sharded as fsdp's, the parameters replicated), the rest
+    replicated; the strategy for those specs. ConfigError, before
     anything compiles, if a rule does not fit or the strategy cannot run the sharding."""
-    specs = lambda tree: sharding.param_specs(tree, param_sharding, mesh, min_size)  # noqa: E731
-    state_specs = sharding.state_specs(state_shapes, specs(state_shapes.params), tx, frozen_specs=specs)
+    placed, updated = sharding.split(param_sharding)  # ZeRO-1: replicated params, fsdp-sharded optimizer state
+    specs = lambda tree, how=placed: sharding.param_specs(tree, how, mesh, min_size)  # noqa: E731
+    pspecs, uspecs = specs(state_shapes.params), specs(state_shapes.params, updated)
+    state_specs = sharding.state_specs(state_shapes, pspecs, tx, frozen_specs=specs, opt_specs=uspecs)
     return Plan(mesh, micro_batches, calls_per_update, state_specs,
-                parallel.make_strategy(strategy, mesh, state_specs.params))
+                parallel.make_strategy(strategy, mesh, pspecs, uspecs))

@@ -52,6 +52,15 @@ LOGICAL_AXES = {"mlp": MODEL_AXIS, "heads": MODEL_AXIS, "conv_out": MODEL_AXIS,
                 "embed": None, "classes": None, "conv_in": None}
 
 
+ZERO1 = "zero1"  # parameters replicated, optimizer state (and the gradients the update sees) sharded like fsdp's
+
+
+def split(param_sharding) -> tuple:
+    """(how the parameters are placed, how their optimizer state and the update's gradients are): the same for
+    every sharding but ZeRO-1, which replicates the parameters and shards the rest as fsdp does."""
+    return ("replicated", "fsdp") if param_sharding == ZERO1 else (param_sharding, param_sharding)
+
+
 def logical_spec(names) -> P:
     """A PartitionSpec for one parameter's logical axis names, e.g. ``("embed", "mlp")`` -> ``P(None, "model")``."""
     return P(*(LOGICAL_AXES.get(n, n) if n is not None else None for n in names))
@@ -59,7 +68,7 @@ def logical_spec(names) -> P:
 
 def preset(name: str, logical_axes=()) -> object:
     """``param_sharding`` for a CLI preset; ``logical_axes``: the model's ((regex, names per dimension), ...)."""
-    if name in ("replicated", "fsdp"):
+    if name in ("replicated", "fsdp", ZERO1):
         return name
     if name not in PRESETS:
         raise ConfigError(f"unknown param_sharding={name!r}: use one of {', '.join(PRESETS)}")
@@ -202,13 +211,15 @@ def describe(specs) -> dict:
     return {"sharded": sharded, "replicated": replicated}
 
 
-def state_specs(state_shapes, pspecs, tx: optax.GradientTransformation, frozen_specs=None):
-    """PartitionSpecs for a whole TrainState: optimizer state follows its parameter; ``Frozen`` model state gets
-    ``frozen_specs(tree)`` (the parameters' rules; default replicated); the rest replicated."""
+def state_specs(state_shapes, pspecs, tx: optax.GradientTransformation, frozen_specs=None, opt_specs=None):
+    """PartitionSpecs for a whole TrainState: optimizer state follows its parameter (or ``opt_specs``, per
+    parameter: ZeRO-1's); ``Frozen`` model state gets ``frozen_specs(tree)`` (the parameters' rules; default
+    replicated); the rest replicated."""
     replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
     frozen_specs = frozen_specs or replicated
     with jax.transfer_guard("allow"):  # tree_map_params runs tx.init eagerly (inject_hyperparams makes arrays)
-        opt = optax.tree_map_params(tx, lambda _, spec: spec, state_shapes.opt_state, pspecs,
+        opt = optax.tree_map_params(tx, lambda _, spec: spec, state_shapes.opt_state,
+                                    pspecs if opt_specs is None else opt_specs,
                                     transform_non_params=lambda _: P(), is_leaf=is_spec)
     model_state = jax.tree.map(lambda x: Frozen(frozen_specs(x.tree)) if is_frozen(x) else P(),
                                state_shapes.model_state, is_leaf=is_frozen)

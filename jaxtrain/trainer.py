@@ -40,7 +40,7 @@ class Trainer:
                  param_sharding="replicated", min_size: int = sharding.MIN_SIZE, micro_batches: int | None = None):
         parallel.check_strategy(strategy)
         self.accum = accumulate.check(accum_steps, accum)
-        sharding.param_specs({}, param_sharding, mesh)  # malformed rules: an error now, not at init
+        sharding.param_specs({}, sharding.split(param_sharding)[0], mesh)  # malformed rules: an error now, not at init
         self.policy = prec.get_policy(precision)
         self.loss_fn = loss_fn
         self.mesh, self.strategy, self.accum_steps = mesh, strategy, accum_steps
@@ -174,7 +174,10 @@ def make_train_step(
 
     ``param_sharding``: "replicated" (data parallelism), "fsdp" (every
     parameter of at least ``min_size`` elements, and its optimizer state,
-    sharded over "data" along its largest dimension that divides), or rules
+    sharded over "data" along its largest dimension that divides: ZeRO-3),
+    "zero1" (parameters replicated, their optimizer state sharded as fsdp's:
+    gradients are reduce-scattered, the update runs on each device's shard and
+    the new parameters are all-gathered: ZeRO-1/2), or rules
     ``[(regex, PartitionSpec | "fsdp" | jt.FSDP(spec) | "replicated"), ...]``
     on the "/"-joined parameter path (first match wins; unmatched =
     replicated): tensor parallelism and FSDP x TP on a 2-D mesh (``jit``).

@@ -71,6 +71,21 @@ def test_fsdp_shards_the_state_eight_ways_with_gathers_and_reduce_scatters(gpu):
     assert {"all-gather", "reduce-scatter"} <= kinds  # XLA:GPU reduce-scatters (XLA:CPU: all-reduce + slice)
 
 
+@pytest.mark.parametrize("strategy", ["jit", "shard_map"])
+def test_zero1_keeps_the_params_whole_and_shards_the_adam_state_eight_ways(gpu, strategy):
+    _, replicated, _, _ = _compiled(gpu, model="resnet18", optimizer="adam", batch=64)
+    _, zero1, _, text = _compiled(gpu, model="resnet18", optimizer="adam", param_sharding="zero1", batch=64,
+                                  strategy=strategy)
+    assert device_bytes(zero1.params) == device_bytes(replicated.params)
+    assert device_bytes(zero1.opt_state) < device_bytes(replicated.opt_state) / 8 * 1.05
+    grads: dict = {}
+    for c in gpu.analysis.collectives(text):
+        if c["kind"] != "all-reduce":  # those: the small replicated leaves, the loss, the metrics
+            grads[c["kind"]] = grads.get(c["kind"], 0) + c["bytes"]
+    # the sharded gradients reduce-scattered, their new parameters all-gathered: the same bytes, ~all of them
+    assert grads.keys() == {"reduce-scatter", "all-gather"} and grads["all-gather"] > 0.95 * device_bytes(zero1.params)
+
+
 def test_tensor_parallelism_all_reduces_over_the_model_axis(gpu):
     _, _, _, text = _compiled(gpu, mesh_axes={"data": 4, "model": 2}, model="lenet", param_sharding="tp", batch=64)
     # groups of the 2 "model" devices: 4 groups of 2 neighbours (the mesh is (data, model)), or the mesh form

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
 from jaxtrain.models import lenet
+from jaxtrain.sharding import device_bytes
 
 BATCHES = [random_batch(64, seed=s) for s in range(3)]
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.2), "adam": lambda: optax.adam(1e-3, eps=1e-6),  # eps: see test_step
@@ -257,6 +258,34 @@ def test_collective_bytes_match_the_theory_for_data_parallel_and_fsdp():
     assert got_fsdp["all-reduce"]["bytes"] == grad_bytes - sharded + scalars
 
 
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("strategy", ["jit", "shard_map", "ring"])
+def test_zero1_shards_only_the_optimizer_state_and_equals_the_reference(reference, strategy, opt):
+    trainer, state, history = train(opt, 4, strategy=strategy, param_sharding="zero1")
+    assert_equal_to(reference[opt], state, history)
+    w = state.params["dense1"]["w"]
+    assert shard_fraction(w) == 1 and all(shard_fraction(p) == 1 for p in jax.tree.leaves(state.params))
+    if opt == "adam":
+        mu, nu = state.opt_state[0].mu["dense1"]["w"], state.opt_state[0].nu["conv2"]["w"]
+        assert mu.sharding.spec == P(jt.DATA_AXIS, None) and shard_fraction(mu) == shard_fraction(nu) == 1 / 4
+    assert trainer.layout(state.params)["sharded"] == {}  # the parameters: all replicated
+
+
+def test_zero1_reduce_scatters_the_gradients_and_all_gathers_the_new_params_one_all_reduce_of_bytes():
+    """ZeRO-1's (and ZeRO-2's) traffic: each sharded gradient reduce-scattered and its new parameter all-gathered,
+    together the bytes of one all-reduce of it; the small replicated leaves all-reduced as before."""
+    params = init_params()
+    grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
+    zero1 = jt.make_train_step(lenet.loss_fn, optax.adam(1e-3), mesh=4, strategy="shard_map", param_sharding="zero1")
+    state = zero1.init(params)
+    got = collectives(zero1, state)
+    sharded = 4 * sum(params[k]["w"].size for k in ("conv2", "dense1", "dense2"))
+    assert got["reduce-scatter"]["bytes"] == got["all-gather"]["bytes"] == sharded
+    assert got["all-reduce"]["bytes"] == grad_bytes - sharded + 4 * 2  # + the loss and the accuracy
+    held = {name: device_bytes(getattr(state, name)) for name in ("params", "opt_state")}
+    assert held["params"] == grad_bytes and held["opt_state"] < 2 * grad_bytes / 4 + 2 * (grad_bytes - sharded)
+
+
 def test_hlo_collective_parser_reads_every_replica_group_format():
     from jaxtrain.diagnostics import collective_bytes
 
@@ -291,6 +320,9 @@ def test_hlo_collective_parser_reads_every_replica_group_format():
      "'shard_map' shards parameters over 'data' only.*use strategy='jit'"),
     (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, param_sharding="zero3"),
      "param_sharding 'zero3'"),
+    (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, strategy="pmap",
+                                param_sharding="zero1").init(PARAMS, rng=KEY),
+     "'pmap' keeps the whole state.*use strategy='jit'"),
     (lambda: jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, param_sharding=[("dense(", "fsdp")]),
      "not a regular expression"),
 ])
