@@ -36,6 +36,21 @@ def row(p) -> str:
             f"({p.estimate['examples_per_second']:,.0f}/s) | {p.compile_seconds:.1f} s |")
 
 
+def print_plans(cells, row, json_path: str | None = None) -> list:
+    """``jaxtrain.gpu.plan(**cell)`` for each cell, its ``row(plan)`` printed as it comes (progress on stderr);
+    every plan as JSON to ``json_path``."""
+    from jaxtrain import gpu
+
+    plans = []
+    for cell in cells:
+        plans.append(gpu.plan(**cell, progress=lambda text: print(text, file=sys.stderr, flush=True)))
+        print(row(plans[-1]), flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump([plan.to_json() for plan in plans], f, indent=1)
+    return plans
+
+
 @one_line_errors("bench_gpu_plans")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_gpu_plans", description=__doc__.split("\n")[0])
@@ -51,15 +66,8 @@ def main(argv=None) -> int:
     print(f"| model | {args.gpu.upper()}s | batch | memory per GPU | largest batch (per GPU) | GFLOP per GPU per step "
           "| collectives per GPU | step (ESTIMATE: examples/s) | compile |\n|---|---|---|---|---|---|---|---|---|",
           flush=True)
-    plans = []
-    for model in args.models.split(","):
-        for n in (int(g) for g in args.gpus.split(",")):
-            plans.append(gpu.plan(args.gpu, n, model=model, precision=args.precision,
-                                  progress=lambda text: print(text, file=sys.stderr, flush=True)))
-            print(row(plans[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([plan.to_json() for plan in plans], f, indent=1)
+    print_plans([{"gpu": args.gpu, "gpus": int(n), "model": model, "precision": args.precision}
+                 for model in args.models.split(",") for n in args.gpus.split(",")], row, args.json)
     return 0
 
 

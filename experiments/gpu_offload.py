@@ -12,9 +12,9 @@ timed at the target's PCIe figure: not a measurement). Needs the gpu-compile ext
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from experiments.bench_gpu_plans import print_plans
 from jaxtrain.cli import one_line_errors
 from jaxtrain.gpu.report import size
 from jaxtrain.gpu.targets import names
@@ -56,16 +56,9 @@ def main(argv=None) -> int:
     print(f"| model | remat | device memory per GPU | host memory per GPU | to host / back per step | largest batch per "
           f"GPU | step on {args.gpus} {args.gpu.upper()} (ESTIMATE) | bottleneck |\n|---|---|---|---|---|---|---|---|",
           flush=True)
-    plans = []
-    for model in models:
-        for remat in POLICIES[model]:
-            plans.append(gpu.plan(args.gpu, args.gpus, model=model, precision=args.precision, remat=remat,
-                                  largest_batch=not args.no_search,
-                                  progress=lambda text: print(text, file=sys.stderr, flush=True)))
-            print(row(plans[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([plan.to_json() for plan in plans], f, indent=1)
+    print_plans([{"gpu": args.gpu, "gpus": args.gpus, "model": model, "precision": args.precision, "remat": remat,
+                  "largest_batch": not args.no_search} for model in models for remat in POLICIES[model]],
+                row, args.json)
     return 0
 
 

@@ -166,6 +166,16 @@ def test_a_plan_reports_memory_flops_collectives_and_the_largest_batch(gpu):
     assert p.to_json()["memory"]["params"] == p.memory["params"]
 
 
+def test_the_offload_table_command_prints_a_row_per_policy(capsys, tmp_path):
+    from experiments import gpu_offload
+
+    assert gpu_offload.main(["--models", "lenet", "--no-search", "--json", str(tmp_path / "t.json")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| lenet |")]
+    assert [r.split(" | ")[1] for r in rows] == list(gpu_offload.POLICIES["lenet"])
+    assert "| 0 | n/a |" in rows[0] and "| 0 | n/a |" not in rows[-1]  # offload_dots moves bytes to the host
+    assert (tmp_path / "t.json").exists()
+
+
 def test_the_cli_prints_the_plan_and_writes_json(tmp_path):
     from conftest import run_cli
 
