@@ -66,7 +66,7 @@ def saved_residuals(fn, *args):
 def offloadable(src: str, dst: str):
     """A remat policy's answer "save this value, in ``dst`` memory" (jax.checkpoint_policies' own offload
     policies return it; it has no public name in jax 0.10.2 ... 0.12.0.1)."""
-    from jax._src.interpreters.partial_eval import Offloadable
+    from jax._src.interpreters.partial_eval import Offloadable  # no public name for it (jax 0.10.2 ... 0.12.0.1)
 
     return Offloadable(src=src, dst=dst)
 

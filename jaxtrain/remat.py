@@ -85,7 +85,9 @@ def offloads_to_host(platform: str) -> bool:
 
 
 def offload_note(name: str, platform: str) -> str | None:
-    """The line a run prints where its offload policy cannot offload (a CPU), else None."""
+    """The line a run prints where its offload policy cannot offload (a CPU), else None; ConfigError for a name
+    ``policy`` does not know."""
+    policy(name)
     if not offloads(name) or offloads_to_host(platform):
         return None
     return (f"remat {name}: a {platform.upper()} has one memory, so the offloaded values stay where they are: this "

@@ -56,8 +56,7 @@ def setup_devices(c: RunConfig, words: Callable = str) -> Setup:
         if jax.process_index() == 0:
             print(*(words(str(t)) for t in text), **kw)
 
-    remat.policy(c.remat)  # a bad name fails here, before any data is read
-    if note := remat.offload_note(c.remat, devices[0].platform):
+    if note := remat.offload_note(c.remat, devices[0].platform):  # a bad name fails here, before the data is read
         say(note)
     return Setup(c, devices, jt.make_mesh(devices, axes=c.mesh), say, words)
 

@@ -30,12 +30,10 @@ import math
 import re
 
 from jaxtrain.gpu import hlo
-from jaxtrain.gpu.hlo import HOST_SPACE
 from jaxtrain.gpu.targets import Target, costs, target
 
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
          "opt-barrier", "partition-id", "replica-id", "copy-start", "copy-done", "domain"}
-_ALLOCATION = 'custom_call_target="AllocateBuffer"'  # a buffer made for a loop's stacked outputs: no kernel
 _RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
                "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
                "collective-permute": lambda n: 1, "collective-broadcast": lambda n: n - 1}
@@ -192,19 +190,6 @@ class _Walker:
                       * 1e-6 + size / (0.5 * bus * p["bandwidth_share"]) for p in model["tree"].values()]
         return min(times), size
 
-    def _host_bytes(self, instr) -> tuple[float, float]:
-        """(bytes to, bytes from) the host's memory an instruction moves: a ``copy-start`` between memory spaces
-        (its shape: destination, source, context), or a kernel's reads and writes there (``hlo.host_bytes``)."""
-        if instr.opcode == "copy-start":
-            if HOST_SPACE not in instr.shape:
-                return 0.0, 0.0
-            dest = next(hlo.ARRAY.finditer(instr.shape)).group(0)
-            return (hlo.nbytes(dest), 0.0) if HOST_SPACE in dest else (0.0, hlo.nbytes(dest))
-        if (instr.opcode in (*_FREE, "while", "call", "conditional") or _COLLECTIVE.match(instr.opcode)
-                or _ALLOCATION in instr.attrs):  # a buffer's allocation moves nothing
-            return 0.0, 0.0
-        return hlo.host_bytes(instr, self.comps, self.shapes)
-
     def walk(self, comp: str, count: int = 1) -> dict:
         """Simulate one run of ``comp``: the clocks of its three streams (kernels, collectives, host transfers)
         and the time per class."""
@@ -225,7 +210,7 @@ class _Walker:
                 totals["host_wait"] += max(0.0, ends - clock)
                 clock = max(clock, ends)
                 continue
-            to_host, from_host = self._host_bytes(instr)  # over PCIe, not HBM
+            to_host, from_host = hlo.host_traffic(instr, self.comps, self.shapes)  # over PCIe, not HBM
             host = (to_host + from_host) / (self.t.host_link_gbps * 1e9) / self.efficiency
             totals["to_host"] += to_host
             totals["from_host"] += from_host
@@ -235,7 +220,7 @@ class _Walker:
                 pending[instr.name] = host_free
                 self._record(instr, "host transfer", count, 0.0, to_host + from_host, host, "host link")
                 continue
-            if op in _FREE or _ALLOCATION in instr.attrs:
+            if op in _FREE or hlo.ALLOCATION in instr.attrs:
                 continue
             if op == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)

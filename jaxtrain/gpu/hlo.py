@@ -169,6 +169,25 @@ def host_bytes(instr: Instr, comps: dict[str, list[Instr]], shapes: dict[str, st
     return _traffic(instr, comps, shapes, True)
 
 
+ALLOCATION = 'custom_call_target="AllocateBuffer"'  # a buffer made (a loop's stacked outputs): it moves nothing
+_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
+               "opt-barrier", "partition-id", "replica-id", "copy-done", "domain", "while", "call", "conditional"}
+
+
+def host_traffic(instr: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]) -> tuple[float, float]:
+    """(bytes to, bytes from) the host's memory an instruction moves: a ``copy-start`` between memory spaces
+    (its shape: destination, source, context), or a kernel's reads and writes there (``host_bytes``)."""
+    if instr.opcode == "copy-start":
+        if HOST_SPACE not in instr.shape:
+            return 0.0, 0.0
+        dest = next(ARRAY.finditer(instr.shape)).group(0)
+        return (nbytes(dest), 0.0) if HOST_SPACE in dest else (0.0, nbytes(dest))
+    if instr.opcode in _NO_TRAFFIC or ALLOCATION in instr.attrs or re.match(
+            r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast)", instr.opcode):
+        return 0.0, 0.0
+    return host_bytes(instr, comps, shapes)
+
+
 def _traffic(instr: Instr, comps, shapes, host: bool | None) -> tuple[float, float]:
     """(bytes written, bytes read) by a kernel, of arrays in ``host`` memory (``arrays``)."""
     out = nbytes(instr.shape, host)
