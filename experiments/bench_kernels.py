@@ -140,6 +140,7 @@ def gpu_launches(gpu_name: str, batch: int, classes: list[int]) -> list[dict]:
     """Each Pallas kernel's launch (jaxtrain.gpu.launches) for the loss at batch x each class count and the
     ViT's layer norm, compiled for one ``gpu_name``, with every backend that GPU takes (Mosaic GPU, Triton)."""
     import os
+    from unittest import mock
 
     import jax
     import jax.numpy as jnp
@@ -161,17 +162,14 @@ def gpu_launches(gpu_name: str, batch: int, classes: list[int]) -> list[dict]:
                                                               shape((vit.DIM,)))))
     with jax.set_mesh(mesh):
         backends = ["mosaic", "triton"] if rows.backend(jax.sharding.get_abstract_mesh()) == "mosaic" else ["triton"]
-    out, before = [], os.environ.get(rows.BACKEND_ENV)
-    try:
-        for backend in backends:
-            os.environ[rows.BACKEND_ENV] = backend
+    out = []
+    for backend in backends:
+        with mock.patch.dict(os.environ, {rows.BACKEND_ENV: backend}):  # rows.backend reads it at trace time
             for problem, fn, args in problems:
                 with jax.set_mesh(mesh):
                     lowered = jax.jit(lambda *a, fn=fn: fn(*a)).lower(*args)
                 _, found = launches.compile_with_launches(lowered, analysis.AUTOTUNER_OFF)
                 out += [{"problem": problem, **vars(k)} for k in found if k.backend in ("mosaic", "triton")]
-    finally:
-        os.environ.pop(rows.BACKEND_ENV) if before is None else os.environ.update({rows.BACKEND_ENV: before})
     return out
 
 

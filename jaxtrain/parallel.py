@@ -215,7 +215,7 @@ class Pmap(Strategy):
         return _Pmapped(pmapped, per_device, donate_argnums)
 
     def reduced(self, local, state_specs, per_device):
-        return _per_device(local, make_comm(sharding.data_dims(self.pspecs)), self.mesh)
+        return _per_device(local, _comm(self), self.mesh)
 
     def compile(self, step, plan):
         return self._pmap(step, donate=True)  # the whole step, the update too, runs inside

@@ -19,7 +19,7 @@ the backward pass; the rest is recomputed there. Names:
 
 Offloading is for GPUs (and TPUs), whose device memory is not the host's. A CPU has one memory: XLA:CPU keeps
 the offloaded values where they are, so there an offload policy computes and holds what its saving twin does
-(``offload_dots`` as ``dots``); ``offloads_to_host`` says which platforms really move them.
+(``offload_dots`` as ``dots``), and ``offload_note`` says so.
 """
 
 from __future__ import annotations
@@ -79,16 +79,11 @@ def offloads(name: str) -> bool:
     return name in _OFFLOADS or name.startswith(OFFLOAD_NAMES)
 
 
-def offloads_to_host(platform: str) -> bool:
-    """Whether offloaded residuals really leave device memory on ``platform`` (a CPU has one memory)."""
-    return platform != "cpu"
-
-
 def offload_note(name: str, platform: str) -> str | None:
     """The line a run prints where its offload policy cannot offload (a CPU), else None; ConfigError for a name
     ``policy`` does not know."""
     policy(name)
-    if not offloads(name) or offloads_to_host(platform):
+    if not offloads(name) or platform != "cpu":  # GPUs and TPUs have memory of their own
         return None
     return (f"remat {name}: a {platform.upper()} has one memory, so the offloaded values stay where they are: this "
             f"run computes and holds what the policy's saving twin would (GPUs move them to pinned host memory)")

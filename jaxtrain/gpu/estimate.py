@@ -32,8 +32,7 @@ import re
 from jaxtrain.gpu import hlo
 from jaxtrain.gpu.targets import Target, costs, target
 
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
-         "opt-barrier", "partition-id", "replica-id", "copy-start", "copy-done", "domain"}
+_FREE = hlo.NOT_KERNELS | {"copy-start"}  # a copy within the device's memory: taken as free
 _RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
                "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
                "collective-permute": lambda n: 1, "collective-broadcast": lambda n: n - 1}
@@ -210,7 +209,7 @@ class _Walker:
                 totals["host_wait"] += max(0.0, ends - clock)
                 clock = max(clock, ends)
                 continue
-            to_host, from_host = hlo.host_traffic(instr, self.comps, self.shapes)  # over PCIe, not HBM
+            to_host, from_host = (0.0, 0.0) if m or wrapped else hlo.host_traffic(instr, self.comps, self.shapes)
             host = (to_host + from_host) / (self.t.host_link_gbps * 1e9) / self.efficiency
             totals["to_host"] += to_host
             totals["from_host"] += from_host

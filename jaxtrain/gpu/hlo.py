@@ -164,28 +164,24 @@ def kernel_bytes(instr: Instr, comps: dict[str, list[Instr]], shapes: dict[str, 
     return sum(_traffic(instr, comps, shapes, None))
 
 
-def host_bytes(instr: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]) -> tuple[float, float]:
-    """(written to, read from) the host's memory of what ``kernel_bytes`` counts: remat's offloaded values."""
-    return _traffic(instr, comps, shapes, True)
-
-
+# No kernel and no bytes moved: bookkeeping, and the ends of async ops (their starts do the work).
+NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
+               "opt-barrier", "partition-id", "replica-id", "copy-done", "domain"}
 ALLOCATION = 'custom_call_target="AllocateBuffer"'  # a buffer made (a loop's stacked outputs): it moves nothing
-_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
-               "opt-barrier", "partition-id", "replica-id", "copy-done", "domain", "while", "call", "conditional"}
 
 
 def host_traffic(instr: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]) -> tuple[float, float]:
-    """(bytes to, bytes from) the host's memory an instruction moves: a ``copy-start`` between memory spaces
-    (its shape: destination, source, context), or a kernel's reads and writes there (``host_bytes``)."""
+    """(bytes to, bytes from) the host's memory (remat's offloaded values) a non-collective instruction moves:
+    a ``copy-start`` between memory spaces (its shape: destination, source, context), or a kernel's reads and
+    writes there, counted as ``kernel_bytes`` counts them. A loop or call moves nothing itself (its body does)."""
     if instr.opcode == "copy-start":
         if HOST_SPACE not in instr.shape:
             return 0.0, 0.0
         dest = next(ARRAY.finditer(instr.shape)).group(0)
         return (nbytes(dest), 0.0) if HOST_SPACE in dest else (0.0, nbytes(dest))
-    if instr.opcode in _NO_TRAFFIC or ALLOCATION in instr.attrs or re.match(
-            r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast)", instr.opcode):
+    if instr.opcode in (*NOT_KERNELS, "while", "call", "conditional") or ALLOCATION in instr.attrs:
         return 0.0, 0.0
-    return host_bytes(instr, comps, shapes)
+    return _traffic(instr, comps, shapes, True)
 
 
 def _traffic(instr: Instr, comps, shapes, host: bool | None) -> tuple[float, float]:

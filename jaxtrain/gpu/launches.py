@@ -73,10 +73,9 @@ def _cubin_kernels(blob: bytes) -> dict:
         elf = blob[start:]
         try:
             sections = _sections(elf)
-            symtab, info = sections[".symtab"], sections.get(".nv.info")
+            symtab, strtab, info = sections[".symtab"], sections[".strtab"], sections.get(".nv.info")
         except (struct.error, ValueError, KeyError):
             continue  # not a whole cubin
-        strtab = next(h for h in sections.values() if h is sections.get(".strtab"))
         symbol = lambda k: elf[strtab[4] + (o := struct.unpack_from("<I", elf, symtab[4] + 24 * k)[0]):  # noqa: E731
                                elf.index(b"\0", strtab[4] + o)].decode()
         off, end = (info[4], info[4] + info[5]) if info else (0, 0)
