@@ -93,7 +93,9 @@ def microbatched(grads, k: int):
         first = jax.tree.map(lambda x: x[0], micro)
         one = lambda ms, m, key: grads(params, ms, m[0], dataclasses.replace(ctx, key=key, rows=m[1]), scale)  # noqa: E731
         shapes = jax.eval_shape(one, model_state, first, keys[0])
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (shapes[0], shapes[1], shapes[3]))
+        # Typed like the results (strategy="explicit": a tensor-parallel gradient's sharding is part of its type).
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32, out_sharding=s.sharding),
+                             (shapes[0], shapes[1], shapes[3]))
 
         def step(carry, xs):
             (g_sum, loss_sum, m_sum), ms = carry

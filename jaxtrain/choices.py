@@ -1,9 +1,10 @@
 """The library's named choices, in one JAX-free place (the command line reads them before JAX is imported)."""
 
-STRATEGIES = ("jit", "shard_map", "pmap", "ring")  # jaxtrain.parallel
+STRATEGIES = ("jit", "explicit", "shard_map", "pmap", "ring")  # jaxtrain.parallel
 PRECISIONS = ("fp32", "bf16", "fp16")  # jaxtrain.precision.POLICIES
 ACCUM_MODES = ("scan", "multisteps")  # jaxtrain.accumulate
-PARAM_SHARDINGS = ("replicated", "fsdp", "zero1", "tp", "fsdp+tp")  # jaxtrain.sharding.preset
+MODEL_AXES = ("auto", "explicit")  # the axis types a model is traced under with strategy="explicit"
+PARAM_SHARDINGS = ("replicated", "fsdp", "zero1", "hsdp", "tp", "fsdp+tp")  # jaxtrain.sharding.preset
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")  # jaxtrain.optim
 LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "onecycle")  # jaxtrain.optim.make_schedule
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.pipeline)
@@ -12,7 +13,7 @@ AUGMENTATIONS = ("none", "crop+flip")  # jaxtrain.data.augment
 DATASETS = ("fashion_mnist", "mnist", "cifar10")  # jaxtrain.data.sources.LOCAL; and "tfds:NAME"
 DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 TFDS_PREFIX = "tfds:"
-MESH_AXES = ("data", "model", "stage")  # what a run's mesh may name (jaxtrain.devices, jaxtrain.pipeline)
+MESH_AXES = ("replica", "data", "model", "stage")  # what a run's mesh may name (jaxtrain.devices, jaxtrain.pipeline)
 
 
 def check_dataset(name: str) -> None:

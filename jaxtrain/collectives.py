@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxtrain.devices import DATA_AXIS
+from jaxtrain.errors import ConfigError
 
 
 def _right(n: int) -> list[tuple[int, int]]:
@@ -151,7 +152,8 @@ def ring_allreduce(tree, axis_name: str = DATA_AXIS):
 
 @dataclasses.dataclass(frozen=True)
 class Comm:
-    """How a per-device function talks to the other devices along ``"data"``."""
+    """How a per-device function talks to the other devices along the batch axes (``"data"``; a hybrid mesh's
+    ``("replica", "data")``)."""
 
     mean: Callable  # pytree -> its mean over devices
     sum: Callable  # pytree -> its sum over devices
@@ -161,8 +163,12 @@ class Comm:
     scatter_mean: Callable  # gradients of whole params -> their mean, FSDP leaves as the local shard
 
 
-def _pcast(tree):
-    return jax.tree.map(lambda x: lax.pcast(x, DATA_AXIS, to="varying"), tree)
+def _pcast(tree, axes=DATA_AXIS):
+    return jax.tree.map(lambda x: lax.pcast(x, axes, to="varying"), tree)
+
+
+def _names(axes) -> tuple:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _by_dim(tree, dims, sharded: Callable, replicated: Callable):
@@ -181,28 +187,40 @@ def _by_dim(tree, dims, sharded: Callable, replicated: Callable):
     return jax.tree.unflatten(treedef, out)
 
 
-def make_comm(dims, ring: bool = False, grad_dims=None) -> Comm:
-    """``lax`` (or ring) collectives over ``"data"``; ``dims``: per parameter, its FSDP dimension or None;
-    ``grad_dims``: the same for the gradients the update gets, where they differ (ZeRO-1: params whole,
-    gradients reduce-scattered)."""
+def make_comm(dims, ring: bool = False, grad_dims=None, batch=DATA_AXIS, shard=DATA_AXIS) -> Comm:
+    """``lax`` (or ring) collectives over the batch axes ``batch``; ``dims``: per parameter, its FSDP dimension
+    or None; ``grad_dims``: the same for the gradients the update gets, where they differ (ZeRO-1: params whole,
+    gradients reduce-scattered); ``shard``: the axes FSDP leaves are split over. HSDP (``shard`` "data" of
+    ``batch`` ("replica", "data")): gradients reduce-scattered within a process, then all-reduced across."""
+    across = tuple(a for a in _names(batch) if a not in _names(shard))
+    if ring and batch != DATA_AXIS:
+        raise ConfigError("the ring runs over one axis: a hybrid mesh ('replica') needs strategy='shard_map', 'jit' "
+                          "or 'explicit'")
     if ring:
         total = lambda t: ring_allreduce(t, DATA_AXIS)  # noqa: E731
         gather_split = lambda xs, ds: ring_all_gather(xs, DATA_AXIS, ds)  # noqa: E731
         scatter_split = lambda xs, ds: ring_reduce_scatter(xs, DATA_AXIS, ds)  # noqa: E731
     else:
-        total = lambda t: lax.psum(t, DATA_AXIS)  # noqa: E731
-        gather_split = lambda xs, ds: [lax.all_gather(x, DATA_AXIS, axis=d, tiled=True) for x, d in zip(xs, ds)]  # noqa: E731
-        scatter_split = lambda xs, ds: [  # noqa: E731
-            lax.psum_scatter(x, DATA_AXIS, scatter_dimension=d, tiled=True) for x, d in zip(xs, ds)]
+        total = lambda t: lax.psum(t, batch)  # noqa: E731
+
+        def gather_split(xs, ds):  # HSDP: marked varying across too, so the gradient is summed across once (below)
+            whole = [lax.all_gather(x, shard, axis=d, tiled=True) for x, d in zip(xs, ds)]
+            return _pcast(whole, across) if across else whole
+
+        def scatter_split(xs, ds):  # within (shard), then across the rest of the batch axes (HSDP) on the shards
+            mine = [lax.psum_scatter(x, shard, scatter_dimension=d, tiled=True) for x, d in zip(xs, ds)]
+            return lax.psum(mine, across) if across else mine
+
+    vary = lambda t: _pcast(t, batch)  # noqa: E731
 
     def mean(tree):
-        n = lax.axis_size(DATA_AXIS)
+        n = lax.axis_size(batch)
         return jax.tree.map(lambda x: x / n, total(tree))
 
     def scatter_mean(grads):
-        n = lax.axis_size(DATA_AXIS)
+        n = lax.axis_size(batch)
         return jax.tree.map(lambda g: g / n, _by_dim(grads, dims if grad_dims is None else grad_dims, scatter_split,
                                                      total))
 
-    return Comm(mean=mean, sum=total, vary=_pcast, gather=lambda p: _by_dim(p, dims, gather_split, _pcast),
+    return Comm(mean=mean, sum=total, vary=vary, gather=lambda p: _by_dim(p, dims, gather_split, vary),
                 gather_like=lambda t, d: _by_dim(t, d, gather_split, lambda xs: xs), scatter_mean=scatter_mean)

@@ -51,13 +51,14 @@ class RunConfig:
                                            "coordinator")
     num_processes: int | None = _field(None, "multi-process runs: process count", minimum=1)
     process_id: int | None = _field(None, "multi-process runs: this process's id (0..N-1)", minimum=0)
-    strategy: str = _field("jit", "parallel strategy: jit (XLA inserts the collectives), shard_map (explicit pmean; "
-                                  "all-gather and reduce-scatter under fsdp), pmap (legacy API, replicated only), "
-                                  "ring (our ppermute ring)", choices=STRATEGIES)
+    strategy: str = _field("jit", "parallel strategy: jit (XLA inserts the collectives), explicit (Explicit mesh "
+                                  "axes, shardings in the types, gathers and reductions as reshards), shard_map "
+                                  "(explicit pmean; all-gather and reduce-scatter under fsdp), pmap (legacy API, "
+                                  "replicated only), ring (our ppermute ring)", choices=STRATEGIES)
     param_sharding: str = _field("replicated", "where parameters and optimizer state live: replicated (data "
                                                "parallelism), fsdp (sharded over the data axis, ZeRO-3), zero1 "
                                                "(optimizer state sharded, parameters replicated), tp (the "
-                                               "model's tensor-parallel rules over the 'model' axis; jit only), "
+                                               "model's tensor-parallel rules over the 'model' axis; jit, explicit), "
                                                "fsdp+tp (both, on a 2-D --mesh)", choices=PARAM_SHARDINGS)
     mesh: dict | None = _field(None, "named mesh axes, their product = --devices (default: data over every device); "
                                      "the batch is split over 'data' and replicated over 'model'", flag_type="mesh")

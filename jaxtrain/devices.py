@@ -15,6 +15,14 @@ from jaxtrain.errors import ConfigError
 # The mesh axis names; every module imports them from here.
 DATA_AXIS = "data"  # the batch is sharded over it (and replicated over every other axis)
 MODEL_AXIS = "model"  # tensor parallelism: what the models' TP rules shard over
+# A hybrid mesh's outer axis: data parallelism across processes (hosts, the slow network); the batch is split
+# over it and "data" (within a process) together, and "hsdp" shards parameters over "data" only.
+REPLICA_AXIS = "replica"
+
+
+def batch_axes(mesh) -> str | tuple[str, ...]:
+    """The mesh axes the batch is split over: ``"data"``, or ``("replica", "data")`` on a hybrid mesh."""
+    return (REPLICA_AXIS, DATA_AXIS) if REPLICA_AXIS in mesh.axis_names else DATA_AXIS
 
 # Virtual CPU devices share the cores; past a few per core they only add
 # rendezvous overhead (and XLA:CPU's all-reduce rendezvous can starve).
@@ -218,11 +226,40 @@ def make_mesh(devices: int | Sequence[jax.Device] | Mesh | None = None, axes: Ma
     rest = math.prod(v for v in axes.values() if isinstance(v, int) and v >= 1)
     if DATA_AXIS not in axes and len(devices) % rest == 0:  # "data" takes the devices the others leave
         axes = {DATA_AXIS: len(devices) // rest, **axes}
+    if REPLICA_AXIS in axes:  # the outer axis: across processes
+        axes = {REPLICA_AXIS: axes.pop(REPLICA_AXIS), **axes}
     _check_axes(axes, len(devices))
     # Auto (GSPMD) axes: users' model code stays sharding-agnostic. With
     # Explicit axes a plain reshape of a batch-sharded array (e.g. a pooling
-    # written as reshape+mean) is a ShardingTypeError unless annotated.
-    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+    # written as reshape+mean) is a ShardingTypeError unless annotated; the
+    # trainer types the mesh for its strategy (``typed``).
+    types = (AxisType.Auto,) * len(axes)
+    if REPLICA_AXIS in axes and len({d.process_index for d in devices}) > 1:
+        return Mesh(_hybrid(axes, devices), tuple(axes), axis_types=types)
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=types, devices=devices)
+
+
+def _hybrid(axes: dict, devices: list):
+    """The devices as a hybrid mesh: "replica" across processes, every other axis within one (JAX's helper puts
+    each process's devices together on the inner axes)."""
+    from jax.experimental import mesh_utils
+
+    processes = len({d.process_index for d in devices})
+    if axes[REPLICA_AXIS] != processes:
+        raise ConfigError(f"mesh {REPLICA_AXIS}={axes[REPLICA_AXIS]}: a hybrid mesh has one replica per process, and "
+                          f"this run has {processes} processes: use {REPLICA_AXIS}={processes}")
+    inner = tuple(1 if k == REPLICA_AXIS else v for k, v in axes.items())
+    outer = tuple(v if k == REPLICA_AXIS else 1 for k, v in axes.items())
+    return mesh_utils.create_hybrid_device_mesh(inner, outer, devices, process_is_granule=True)
+
+
+def typed(mesh: Mesh, explicit: bool) -> Mesh:
+    """``mesh`` with every axis Explicit (``strategy="explicit"``: each array's sharding is part of its type) or
+    Auto (every other strategy: GSPMD propagates shardings); the same devices and names."""
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    if all(t == kind for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(kind,) * len(mesh.axis_names))
 
 
 def _check_axes(axes: dict, num_devices: int) -> None:

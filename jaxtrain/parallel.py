@@ -14,6 +14,13 @@ with its own collectives (``Comm``), and compiles the whole step with the state'
 - ``shard_map``: ``jax.shard_map`` over ``"data"``; explicit ``lax``
   collectives: FSDP parameters are all-gathered before use, their gradients
   reduce-scattered (``psum_scatter``) to the local shard; the rest ``pmean``.
+- ``explicit``: ``jit`` with the shardings in the arrays' types (the mesh's
+  axes Explicit, the step traced under ``jax.set_mesh``): the parameters are
+  resharded to their gathered specs before the loss (FSDP's all-gather), the
+  gradients to the update's specs after it (FSDP, ZeRO-1: each device's
+  shard), with ``jax.sharding.reshard``. A model that knows no mesh runs
+  under ``auto_axes`` (``model_axes="auto"``); ``model_axes="explicit"``
+  hands it the typed arrays (its layers may ``reshard``).
 - ``ring``: as ``shard_map``, with our ring collectives (``collectives.py``).
 - ``pmap``: the legacy API, replicated state only; the update runs inside.
 
@@ -31,30 +38,40 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import sharding
-from jaxtrain.choices import STRATEGIES
+from jaxtrain import step as step_lib
+from jaxtrain.choices import MODEL_AXES, STRATEGIES
 from jaxtrain.collectives import Comm, make_comm
-from jaxtrain.devices import DATA_AXIS
+from jaxtrain.compiled import Compiled, Pmapped, UnderMesh
+from jaxtrain.devices import DATA_AXIS, batch_axes
 from jaxtrain.errors import ConfigError
 from jaxtrain.state import keep_frozen, map_unfrozen
 from jaxtrain.step import StepContext, local_rows
 
 
-def check_strategy(strategy: str) -> None:
+def check_strategy(strategy: str, model_axes: str = "auto") -> None:
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
+    if model_axes not in MODEL_AXES:
+        raise ConfigError(f"unknown model_axes={model_axes!r}: use one of {', '.join(MODEL_AXES)}")
+    if model_axes == "explicit" and strategy != "explicit":
+        raise ConfigError("model_axes='explicit' hands the model typed (Explicit) shardings, which only "
+                          "strategy='explicit' has: use strategy='explicit', or model_axes='auto'")
 
 
 def _comm(strategy, ring: bool = False) -> Comm:
-    return make_comm(sharding.data_dims(strategy.pspecs), ring=ring, grad_dims=sharding.data_dims(strategy.gspecs))
+    return make_comm(sharding.data_dims(strategy.pspecs), ring=ring, grad_dims=sharding.data_dims(strategy.gspecs),
+                     batch=batch_axes(strategy.mesh), shard=sharding.fsdp_axes((strategy.pspecs, strategy.gspecs)))
 
 
 def _per_device(local: Callable, comm: Comm, mesh, state_dims=None) -> Callable:
     """(params, model_state, loss_scale, batch, step_key) -> reduced (grads, loss, model_state, metrics), per
     device. ``state_dims``: per model-state leaf, its FSDP dimension (Frozen parts placed like params) or None."""
 
+    axes = batch_axes(mesh)
+
     def run(params, model_state, loss_scale, batch, step_key):
-        d = lax.axis_index(DATA_AXIS)
-        ctx = StepContext(key=jax.random.fold_in(step_key, d), step_key=step_key, batch_axis=DATA_AXIS, mesh=mesh,
+        d = lax.axis_index(axes)  # on a hybrid mesh: replica-major, as the batch is split
+        ctx = StepContext(key=jax.random.fold_in(step_key, d), step_key=step_key, batch_axis=axes, mesh=mesh,
                           rows=local_rows(batch, d * jax.tree.leaves(batch)[0].shape[0]), vary=comm.vary)
         whole_state = model_state if state_dims is None else comm.gather_like(model_state, state_dims)
         grads, loss, new_state, metrics = local(comm.gather(params), whole_state, loss_scale, batch, ctx)
@@ -62,32 +79,6 @@ def _per_device(local: Callable, comm: Comm, mesh, state_dims=None) -> Callable:
         return comm.scatter_mean(grads), loss, map_unfrozen(comm.mean, keep_frozen(new_state, model_state)), metrics
 
     return run
-
-
-class Compiled:
-    """A wrapped step: call it, or ``lower(state, batch, platforms)`` it (e.g. ``("cuda",)`` on a CPU host)."""
-
-    def __init__(self, jitted, prepare=lambda batch: batch):
-        self._jitted, self._prepare = jitted, prepare
-
-    def __call__(self, state, batch):
-        return self._jitted(state, self._prepare(batch))
-
-    def lower(self, state, batch, platforms: tuple[str, ...] | None = None):
-        return self._jitted.trace(state, self._prepare(batch)).lower(lowering_platforms=platforms)
-
-
-class _Pmapped(Compiled):
-    """``jax.pmap``'s own ``lower`` takes neither platforms nor shapes: those lower the same pmap under a jit."""
-
-    def __init__(self, pmapped, prepare, donate):
-        super().__init__(pmapped, prepare)
-        self._under_jit = jax.jit(lambda state, batch: pmapped(state, prepare(batch)), donate_argnums=donate)
-
-    def lower(self, state, batch, platforms: tuple[str, ...] | None = None):
-        if platforms is None and not sharding.is_abstract(batch):
-            return self._jitted.lower(state, self._prepare(batch))
-        return self._under_jit.trace(state, batch).lower(lowering_platforms=platforms)
 
 
 class Strategy:
@@ -103,6 +94,10 @@ class Strategy:
     def __init__(self, mesh, pspecs, gspecs=None):
         self.mesh, self.pspecs = mesh, pspecs
         self.gspecs = pspecs if gspecs is None else gspecs
+
+    def model(self, fn: Callable) -> Callable:
+        """The loss_fn or eval_fn as this strategy traces it (``explicit``: under ``auto_axes`` where it knows no mesh)."""
+        return fn
 
     def reduced(self, local: Callable, state_specs, per_device: bool) -> Callable:
         raise NotImplementedError
@@ -122,31 +117,40 @@ class Jit(Strategy):
     name = "jit"
 
     def _manual(self, fn, in_specs, out_specs):
-        """``fn`` per device along "data" only; other mesh axes stay with GSPMD (tensor parallelism)."""
+        """``fn`` per device along the batch axes only; other mesh axes stay with GSPMD (tensor parallelism)."""
         only_data = lambda specs: jax.tree.map(sharding.data_only, specs, is_leaf=sharding.is_spec)  # noqa: E731
-        manual = frozenset({DATA_AXIS}) if len(self.mesh.axis_names) > 1 else frozenset()
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=only_data(in_specs), out_specs=only_data(out_specs),
-                             axis_names=manual)
+        batch = set(sharding.axes_of(batch_axes(self.mesh)))
+        manual = frozenset(batch) if set(self.mesh.axis_names) - batch else frozenset()
+
+        def mapped(*args):
+            context = jax.sharding.get_abstract_mesh()  # explicit: the mesh as typed where this is traced
+            return jax.shard_map(fn, mesh=context if context.axis_names else self.mesh, in_specs=only_data(in_specs),
+                                 out_specs=only_data(out_specs), axis_names=manual)(*args)
+
+        return mapped
+
+    def _constrain(self, tree, shardings):
+        return lax.with_sharding_constraint(tree, shardings)
 
     def reduced(self, local, state_specs, per_device):
         mspecs = state_specs.model_state
         if per_device:  # left to GSPMD, every micro-batch's gradient would be reduced (k times the bytes)
             return self._manual(_per_device(local, _comm(self), self.mesh, sharding.data_dims(mspecs)),
-                                (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.gspecs, P(), mspecs, P()))
+                                (self.pspecs, mspecs, P(), P(batch_axes(self.mesh)), P()), (self.gspecs, P(), mspecs, P()))
         grad_shardings = sharding.named(self.mesh, self.gspecs)
         whole = lambda specs: sharding.named(  # noqa: E731
             self.mesh, jax.tree.map(sharding.without_data, specs, is_leaf=sharding.is_spec))
         gathered, gathered_state = whole(self.pspecs), whole(mspecs)
 
         def reduced(params, model_state, loss_scale, batch, step_key):
-            params = lax.with_sharding_constraint(params, gathered)
-            model_state = lax.with_sharding_constraint(model_state, gathered_state)  # an FSDP teacher: gathered
+            params = self._constrain(params, gathered)
+            model_state = self._constrain(model_state, gathered_state)  # an FSDP teacher: gathered
             ctx = StepContext(key=jax.random.fold_in(step_key, 0), step_key=step_key, rows=local_rows(batch),
                               batch_axis=None, mesh=self.mesh)
             grads, *rest = local(params, model_state, loss_scale, batch, ctx)
             # Gathered params at the loss, grads sharded like their params: without the first constraint GSPMD
             # gathered activations instead. (XLA:CPU still reduces FSDP grads as all-reduce + slice: docs/sharding.md.)
-            return lax.with_sharding_constraint(grads, grad_shardings), *rest
+            return self._constrain(grads, grad_shardings), *rest
 
         return reduced
 
@@ -155,13 +159,52 @@ class Jit(Strategy):
                                 out_shardings=plan.replicated))
 
 
+class Explicit(Jit):
+    """``jit`` typed: the step traced and run under ``jax.set_mesh`` on the mesh with Explicit axes, the gathers
+    and the reductions ``jax.sharding.reshard``s of the types (``_constrain``). The model runs under ``auto_axes``
+    unless ``model_axes="explicit"``; accumulation per device as ``jit``'s (``shard_map``: manual mode)."""
+
+    name = "explicit"
+
+    def __init__(self, mesh, pspecs, gspecs=None, model_axes: str = "auto"):
+        super().__init__(mesh, pspecs, gspecs)
+        self.model_axes = model_axes
+
+    def model(self, fn):
+        return step_lib.auto_axes(fn) if self.model_axes == "auto" else fn
+
+    def _constrain(self, tree, shardings):
+        return jax.sharding.reshard(tree, shardings)
+
+    def reduced(self, local, state_specs, per_device):
+        inner = super().reduced(local, state_specs, per_device)
+        others = tuple(a for a in self.mesh.axis_names if a not in sharding.BATCH_AXES)
+        if not (per_device and others):
+            return inner
+        # Accumulation runs per device (shard_map over "data"); jax's psum_scatter cannot type a gradient that is
+        # also Explicit over "model" there, so the other axes turn Auto around it, their placement restored after.
+        out = (self.gspecs, P(), state_specs.model_state, P())
+        return jax.sharding.auto_axes(inner, axes=others, out_sharding=out)
+
+    def compile(self, step, plan):
+        return UnderMesh(super().compile(step, plan), self.mesh, self.model_axes)
+
+    def evaluate(self, local_sums, plan, mspecs=P()):
+        whole = lambda specs: sharding.named(  # noqa: E731
+            self.mesh, jax.tree.map(sharding.without_data, specs, is_leaf=sharding.is_spec))
+        gathered, gathered_state, sums = whole(self.pspecs), whole(mspecs), self.model(local_sums)
+        return UnderMesh(Compiled(jax.jit(lambda state, batch: sums(
+            self._constrain(state.params, gathered), self._constrain(state.model_state, gathered_state), batch),
+            out_shardings=plan.replicated)), self.mesh, self.model_axes)
+
+
 class ShardMap(Strategy):
     name = "shard_map"
     ring = False
 
     def __init__(self, mesh, pspecs, gspecs=None):
         super().__init__(mesh, pspecs, gspecs)
-        other = sorted((sharding.mesh_axes_used(pspecs) | sharding.mesh_axes_used(self.gspecs)) - {DATA_AXIS})
+        other = sorted((sharding.mesh_axes_used(pspecs) | sharding.mesh_axes_used(self.gspecs)) - set(sharding.BATCH_AXES))
         if other:
             raise ConfigError(f"strategy={self.name!r} shards parameters over {DATA_AXIS!r} only (fsdp), but the rules "
                               f"name {', '.join(map(repr, other))}: use strategy='jit' for tensor parallelism")
@@ -174,23 +217,29 @@ class ShardMap(Strategy):
     def reduced(self, local, state_specs, per_device):
         mspecs = state_specs.model_state
         return self._map(_per_device(local, _comm(self, self.ring), self.mesh, sharding.data_dims(mspecs)),
-                         (self.pspecs, mspecs, P(), P(DATA_AXIS), P()), (self.gspecs, P(), mspecs, P()))
+                         (self.pspecs, mspecs, P(), P(batch_axes(self.mesh)), P()), (self.gspecs, P(), mspecs, P()))
 
     def evaluate(self, local_sums, plan, mspecs=P()):
-        comm = make_comm(sharding.data_dims(self.pspecs), ring=self.ring)
+        comm = _comm(self, self.ring)
         state_dims = sharding.data_dims(mspecs)
 
         def run(params, model_state, batch):
             whole_state = model_state if state_dims is None else comm.gather_like(model_state, state_dims)
             return comm.sum(local_sums(comm.gather(params), whole_state, batch))
 
-        mapped = self._map(run, (self.pspecs, mspecs, P(DATA_AXIS)), P())
+        mapped = self._map(run, (self.pspecs, mspecs, P(batch_axes(self.mesh))), P())
         return Compiled(jax.jit(lambda state, batch: mapped(state.params, state.model_state, batch)))
 
 
 class Ring(ShardMap):
     name = "ring"
     ring = True
+
+    def __init__(self, mesh, pspecs, gspecs=None):
+        super().__init__(mesh, pspecs, gspecs)
+        if batch_axes(mesh) != DATA_AXIS:
+            raise ConfigError("the ring runs over one axis: a hybrid mesh ('replica') needs strategy='shard_map', "
+                              "'jit' or 'explicit'")
 
 
 class Pmap(Strategy):
@@ -203,7 +252,7 @@ class Pmap(Strategy):
                               "(any sharding) or 'shard_map' / 'ring' (fsdp) for sharded state or a 2-D mesh")
         self.devices = list(mesh.devices.flat)
 
-    def _pmap(self, fn, donate: bool) -> _Pmapped:
+    def _pmap(self, fn, donate: bool) -> Pmapped:
         n = len(self.devices)
         donate_argnums = (0,) if donate else ()
         pmapped = jax.pmap(fn, axis_name=DATA_AXIS, in_axes=(None, 0), out_axes=None, devices=self.devices,
@@ -212,7 +261,7 @@ class Pmap(Strategy):
         def per_device(batch):  # users never reshape to [devices, per_device, ...]
             return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
-        return _Pmapped(pmapped, per_device, donate_argnums)
+        return Pmapped(pmapped, per_device, donate_argnums)
 
     def reduced(self, local, state_specs, per_device):
         return _per_device(local, _comm(self), self.mesh)
@@ -225,10 +274,12 @@ class Pmap(Strategy):
         return self._pmap(lambda state, batch: psum(local_sums(state.params, state.model_state, batch)), donate=False)
 
 
-_CLASSES = {cls.name: cls for cls in (Jit, ShardMap, Ring, Pmap)}
+_CLASSES = {cls.name: cls for cls in (Jit, Explicit, ShardMap, Ring, Pmap)}
 
 
-def make_strategy(name: str, mesh, pspecs, gspecs=None) -> Strategy:
+def make_strategy(name: str, mesh, pspecs, gspecs=None, model_axes: str = "auto") -> Strategy:
     """The strategy object for ``name``; ConfigError for an unknown name or a sharding it cannot run."""
-    check_strategy(name)
+    check_strategy(name, model_axes)
+    if name == "explicit":
+        return Explicit(mesh, pspecs, gspecs, model_axes)
     return _CLASSES[name](mesh, pspecs, gspecs)

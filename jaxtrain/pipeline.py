@@ -127,6 +127,9 @@ class PipelineTrainer(Trainer):
         if STAGE_AXIS not in mesh.axis_names:
             raise ConfigError(f"pipelining needs a mesh axis {STAGE_AXIS!r}, e.g. jt.make_mesh(devices, "
                               f"axes={{'data': 1, 'stage': 4}}); this mesh has {', '.join(mesh.axis_names)}")
+        if set(mesh.axis_names) - {DATA_AXIS, STAGE_AXIS}:
+            raise ConfigError(f"a pipeline's mesh has the axes {DATA_AXIS!r} and {STAGE_AXIS!r} only; this one has "
+                              f"{', '.join(mesh.axis_names)} (a hybrid mesh's 'replica' axis: use data=N instead)")
         if schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"unknown schedule {schedule!r}: use one of {', '.join(PIPELINE_SCHEDULES)}")
         policy(remat)  # an unknown name: a ConfigError now

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 
 import jax
@@ -20,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import parallel, sharding
-from jaxtrain.devices import DATA_AXIS
+from jaxtrain.devices import batch_axes
 from jaxtrain.errors import ConfigError
 from jaxtrain.state import TrainState
 
@@ -41,8 +42,9 @@ class Plan:
 
     @functools.cached_property
     def batch(self) -> NamedSharding:
-        """Examples split over "data" (their leading axis), replicated over every other mesh axis."""
-        return NamedSharding(self.mesh, P(DATA_AXIS))
+        """Examples split over "data" (their leading axis; on a hybrid mesh over "replica" and "data"), replicated
+        over every other mesh axis."""
+        return NamedSharding(self.mesh, P(batch_axes(self.mesh)))
 
     @functools.cached_property
     def replicated(self) -> NamedSharding:
@@ -59,7 +61,7 @@ class Plan:
 
     @property
     def data_shards(self) -> int:
-        return self.mesh.shape[DATA_AXIS]
+        return math.prod(self.mesh.shape[a] for a in sharding.axes_of(batch_axes(self.mesh)))
 
     @property
     def unit(self) -> int:
@@ -120,7 +122,7 @@ def _examples(batch: Mapping) -> int:
 
 
 def make_plan(mesh: Mesh, state_shapes: TrainState, *, strategy: str, param_sharding, min_size: int, tx,
-              micro_batches: int = 1, calls_per_update: int = 1) -> Plan:
+              micro_batches: int = 1, calls_per_update: int = 1, model_axes: str = "auto") -> Plan:
     """The whole plan for a state of these shapes: parameters (and Frozen model state) by ``param_sharding``,
     optimizer state after its parameter (ZeRO-1: sharded as fsdp's, the parameters replicated), the rest
     replicated; the strategy for those specs. ConfigError, before
@@ -130,4 +132,4 @@ def make_plan(mesh: Mesh, state_shapes: TrainState, *, strategy: str, param_shar
     pspecs, uspecs = specs(state_shapes.params), specs(state_shapes.params, updated)
     state_specs = sharding.state_specs(state_shapes, pspecs, tx, frozen_specs=specs, opt_specs=uspecs)
     return Plan(mesh, micro_batches, calls_per_update, state_specs,
-                parallel.make_strategy(strategy, mesh, pspecs, uspecs))
+                parallel.make_strategy(strategy, mesh, pspecs, uspecs, model_axes))

@@ -29,18 +29,24 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.choices import PARAM_SHARDINGS
-from jaxtrain.devices import DATA_AXIS, MODEL_AXIS
+from jaxtrain.devices import DATA_AXIS, MODEL_AXIS, REPLICA_AXIS
 from jaxtrain.errors import ConfigError
 from jaxtrain.state import Frozen, is_frozen
 
 MIN_SIZE = 1024  # elements: smaller parameters stay replicated under FSDP (all-gathering them costs more than it saves)
 
 
+BATCH_AXES = (REPLICA_AXIS, DATA_AXIS)  # what the batch may be split over (devices.batch_axes): FSDP's axes too
+
+
 @dataclasses.dataclass(frozen=True)
 class FSDP:
-    """A rule's value: ``base`` (e.g. a tensor-parallel spec), plus ``"data"`` on the largest free dimension that divides."""
+    """A rule's value: ``base`` (e.g. a tensor-parallel spec), plus the batch axes on the largest free dimension
+    that divides: ``"data"``, and ``"replica"`` too on a hybrid mesh unless ``within`` (HSDP: sharded within a
+    process, replicated across)."""
 
     base: P = P()
+    within: bool = False
 
 
 PRESETS = PARAM_SHARDINGS  # the CLI's --param-sharding
@@ -53,6 +59,9 @@ LOGICAL_AXES = {"mlp": MODEL_AXIS, "heads": MODEL_AXIS, "conv_out": MODEL_AXIS,
 
 
 ZERO1 = "zero1"  # parameters replicated, optimizer state (and the gradients the update sees) sharded like fsdp's
+
+
+HSDP = "hsdp"  # fsdp over "data" only: sharded within a process, replicated over "replica" (across processes)
 
 
 def split(param_sharding) -> tuple:
@@ -68,7 +77,7 @@ def logical_spec(names) -> P:
 
 def preset(name: str, logical_axes=()) -> object:
     """``param_sharding`` for a CLI preset; ``logical_axes``: the model's ((regex, names per dimension), ...)."""
-    if name in ("replicated", "fsdp", ZERO1):
+    if name in ("replicated", "fsdp", ZERO1, HSDP):
         return name
     if name not in PRESETS:
         raise ConfigError(f"unknown param_sharding={name!r}: use one of {', '.join(PRESETS)}")
@@ -89,15 +98,18 @@ def axes_of(entry) -> tuple:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _entry(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def data_only(spec: P) -> P:
-    """``spec`` with only its "data" entries (what a shard_map manual over "data" alone sees)."""
-    return P(*(DATA_AXIS if DATA_AXIS in axes_of(e) else None for e in spec))
+    """``spec`` with only its batch axes ("data", "replica": what a shard_map manual over them alone sees)."""
+    return P(*(_entry(tuple(a for a in axes_of(e) if a in BATCH_AXES)) for e in spec))
 
 
 def without_data(spec: P) -> P:
-    """``spec`` gathered over "data": its other axes (e.g. "model") kept."""
-    return P(*(tuple(a for a in axes_of(e) if a != DATA_AXIS) or None if isinstance(e, tuple)
-               else None if e == DATA_AXIS else e for e in spec))
+    """``spec`` gathered over the batch axes: its other axes (e.g. "model") kept."""
+    return P(*(_entry(tuple(a for a in axes_of(e) if a not in BATCH_AXES)) for e in spec))
 
 
 def path_name(path) -> str:
@@ -110,6 +122,8 @@ def _rules(param_sharding) -> list[tuple[re.Pattern, object]]:
         return []
     if param_sharding == "fsdp":
         return [(re.compile(".*"), FSDP())]
+    if param_sharding == HSDP:
+        return [(re.compile(".*"), FSDP(within=True))]
     if isinstance(param_sharding, str) or not isinstance(param_sharding, (list, tuple)):
         raise ConfigError(f"param_sharding {param_sharding!r}: use 'replicated', 'fsdp' or a list of "
                           "(regex, PartitionSpec | 'fsdp' | 'replicated') rules")
@@ -151,17 +165,19 @@ def _checked(name: str, shape: tuple, spec: P, mesh: Mesh) -> tuple:
     return entries
 
 
-def _fsdp(entries: tuple, shape: tuple, mesh: Mesh, min_size: int) -> tuple:
-    """``entries`` plus ``"data"`` on the largest free dimension divisible by its size (ties: the last)."""
-    n = mesh.shape[DATA_AXIS]
+def _fsdp(entries: tuple, shape: tuple, mesh: Mesh, min_size: int, within: bool = False) -> tuple:
+    """``entries`` plus the batch axes (``within``: "data" only) on the largest free dimension divisible by
+    their size (ties: the last)."""
+    over = tuple(a for a in BATCH_AXES if a in mesh.shape and not (within and a == REPLICA_AXIS))
+    n = math.prod(mesh.shape[a] for a in over)
     used = {a for e in entries for a in axes_of(e)}
-    if n == 1 or DATA_AXIS in used or math.prod(shape) < min_size:
+    if n == 1 or used & set(over) or math.prod(shape) < min_size:
         return entries
     free = [d for d, e in enumerate(entries) if e is None and shape[d] % n == 0]
     if not free:
         return entries
     best = max(free, key=lambda d: (shape[d], d))
-    return entries[:best] + (DATA_AXIS,) + entries[best + 1:]
+    return entries[:best] + (_entry(over),) + entries[best + 1:]
 
 
 def param_specs(params, param_sharding, mesh: Mesh, min_size: int = MIN_SIZE):
@@ -174,7 +190,7 @@ def param_specs(params, param_sharding, mesh: Mesh, min_size: int = MIN_SIZE):
         if value == "replicated":
             return P()
         if isinstance(value, FSDP):
-            return P(*_fsdp(_checked(name, shape, value.base, mesh), shape, mesh, min_size))
+            return P(*_fsdp(_checked(name, shape, value.base, mesh), shape, mesh, min_size, value.within))
         return P(*_checked(name, shape, value, mesh))
 
     return jax.tree_util.tree_map_with_path(spec, params)
@@ -197,6 +213,18 @@ def data_dims(specs):
         return hits[0] if hits else None
 
     return jax.tree.map(dim, specs, is_leaf=is_spec)
+
+
+def fsdp_axes(specs) -> str | tuple[str, ...]:
+    """The axes the FSDP-sharded leaves of ``specs`` are split over (one entry for all of them): ``"data"``, or
+    ``("replica", "data")`` for fsdp on a hybrid mesh. ConfigError where leaves differ (a per-device strategy
+    collects each set of axes alone: use strategy='jit')."""
+    found = {tuple(a for a in axes_of(e) if a in BATCH_AXES) for spec in jax.tree.leaves(specs, is_leaf=is_spec)
+             for e in spec if DATA_AXIS in axes_of(e)}
+    if len(found) > 1:
+        raise ConfigError(f"parameters sharded over different batch axes ({', '.join(map(str, sorted(found)))}): "
+                          "the per-device strategies take one set; use strategy='jit' or 'explicit'")
+    return _entry(found.pop()) if found else DATA_AXIS
 
 
 def describe(specs) -> dict:

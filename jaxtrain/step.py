@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain import accumulate, optim
 from jaxtrain import precision as prec
@@ -121,6 +122,34 @@ def dropout(x: jax.Array, rate: float, *, deterministic: bool = False, salt: int
                           "examples: dropout acts on per-example activations [batch, ...]")
     keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def auto_axes(fn: Callable) -> Callable:
+    """``fn`` (a loss_fn or eval_fn that knows no mesh) under ``jax.sharding.auto_axes``: inside, the mesh's axes
+    are Auto again, so GSPMD shards the model's insides (a reshape or a pooling of batch-sharded activations needs
+    no annotation); its outputs come back replicated (scalars). The step's context goes in with it: its arrays as
+    arguments (an Explicit-typed value cannot be read inside), its draws counted on."""
+
+    def run(*args):
+        active = _ACTIVE.get()
+        current = jax.sharding.get_abstract_mesh()  # inside shard_map, "data" is Manual: only the rest turn Auto
+        axes = tuple(a for a, t in zip(current.axis_names, current.axis_types) if t == jax.sharding.AxisType.Explicit)
+        if not axes:
+            return fn(*args)
+
+        def inside(args, arrays):
+            if active is None:
+                return fn(*args)
+            token = _ACTIVE.set((dataclasses.replace(active[0], **arrays), active[1]))
+            try:
+                return fn(*args)
+            finally:
+                _ACTIVE.reset(token)
+
+        arrays = {} if active is None else {k: getattr(active[0], k) for k in ("key", "step_key", "rows")}
+        return jax.sharding.auto_axes(inside, axes=axes, out_sharding=P())(args, arrays)
+
+    return run
 
 
 def _checked_loss_output(out):

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import accumulate, parallel, sharding
 from jaxtrain import precision as prec
 from jaxtrain import step as step_lib
-from jaxtrain.devices import make_mesh
+from jaxtrain.devices import make_mesh, typed
 from jaxtrain.errors import ConfigError
 from jaxtrain.placement import Plan, make_plan
 from jaxtrain.state import TrainState
@@ -37,19 +37,20 @@ class Trainer:
 
     def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, strategy: str,
                  precision: str | prec.Precision = "fp32", accum_steps: int = 1, accum: str = "scan",
-                 param_sharding="replicated", min_size: int = sharding.MIN_SIZE, micro_batches: int | None = None):
-        parallel.check_strategy(strategy)
+                 param_sharding="replicated", min_size: int = sharding.MIN_SIZE, micro_batches: int | None = None,
+                 model_axes: str = "auto"):
+        parallel.check_strategy(strategy, model_axes)
+        mesh = typed(mesh, explicit=strategy == "explicit")
         self.accum = accumulate.check(accum_steps, accum)
         sharding.param_specs({}, sharding.split(param_sharding)[0], mesh)  # malformed rules: an error now, not at init
         self.policy = prec.get_policy(precision)
         self.loss_fn = loss_fn
-        self.mesh, self.strategy, self.accum_steps = mesh, strategy, accum_steps
+        self.mesh, self.strategy, self.accum_steps, self.model_axes = mesh, strategy, accum_steps, model_axes
         self.param_sharding, self.min_size = param_sharding, min_size
         self.tx = accumulate.wrap_optimizer(tx, accum_steps, self.accum)
         self.scan_steps = accumulate.scan_steps(accum_steps, self.accum)
         calls = accum_steps // self.scan_steps
         self.batches = Plan(mesh, micro_batches or self.scan_steps, calls)
-        self._local = step_lib.make_local(loss_fn, self.policy, self.scan_steps)
         self._update = step_lib.make_update(self.tx, self.policy)
         self._plans, self._steps = {}, {}  # state tree structure -> Plan, compiled step
 
@@ -71,7 +72,7 @@ class Trainer:
         if key not in self._plans:
             self._plans[key] = make_plan(self.mesh, state, strategy=self.strategy, param_sharding=self.param_sharding,
                                          min_size=self.min_size, tx=self.tx, micro_batches=self.batches.micro_batches,
-                                         calls_per_update=self.batches.calls_per_update)
+                                         calls_per_update=self.batches.calls_per_update, model_axes=self.model_axes)
         return self._plans[key]
 
     def layout(self, params) -> dict:
@@ -120,7 +121,8 @@ class Trainer:
         key = jax.tree.structure(state)
         if key not in self._steps:
             plan = self.plan(state)
-            reduced = plan.strategy.reduced(self._local, plan.specs, per_device=self.scan_steps > 1)
+            local = step_lib.make_local(plan.strategy.model(self.loss_fn), self.policy, self.scan_steps)
+            reduced = plan.strategy.reduced(local, plan.specs, per_device=self.scan_steps > 1)
             self._steps[key] = plan.strategy.compile(step_lib.train_step(reduced, self._update), plan)
         return self._steps[key]
 
@@ -158,6 +160,7 @@ def make_train_step(
     accum: str | accumulate.Accum = "scan",
     param_sharding="replicated",
     min_size: int = sharding.MIN_SIZE,
+    model_axes: str = "auto",
 ) -> Trainer:
     """Build a (data-parallel, optionally sharded-state) train step.
 
@@ -180,9 +183,14 @@ def make_train_step(
     the new parameters are all-gathered: ZeRO-1/2), or rules
     ``[(regex, PartitionSpec | "fsdp" | jt.FSDP(spec) | "replicated"), ...]``
     on the "/"-joined parameter path (first match wins; unmatched =
-    replicated): tensor parallelism and FSDP x TP on a 2-D mesh (``jit``).
+    replicated): tensor parallelism and FSDP x TP on a 2-D mesh (``jit``, ``explicit``).
+
+    ``strategy="explicit"`` types the mesh's axes Explicit and runs the step under ``jax.set_mesh``;
+    ``model_axes``: how the loss_fn is traced there: ``"auto"`` (a model that knows no mesh, under
+    ``jax.sharding.auto_axes``) or ``"explicit"`` (the typed arrays, for a model whose layers ``reshard``).
     """
-    return Trainer(loss_fn, tx, make_mesh(mesh), strategy, precision, accum_steps, accum, param_sharding, min_size)
+    return Trainer(loss_fn, tx, make_mesh(mesh), strategy, precision, accum_steps, accum, param_sharding, min_size,
+                   model_axes=model_axes)
 
 
 def _specs_of(tree):
@@ -201,10 +209,10 @@ class Evaluator:
     strategy supports (its placement is read from the state).
     """
 
-    def __init__(self, eval_fn: EvalFn, mesh: Mesh, strategy: str):
-        parallel.check_strategy(strategy)
-        self.mesh, self.strategy = mesh, strategy
-        self.batches = Plan(mesh)
+    def __init__(self, eval_fn: EvalFn, mesh: Mesh, strategy: str, model_axes: str = "auto"):
+        parallel.check_strategy(strategy, model_axes)
+        self.mesh, self.strategy, self.model_axes = typed(mesh, explicit=strategy == "explicit"), strategy, model_axes
+        self.batches = Plan(self.mesh)
         self._sums = step_lib.eval_sums(eval_fn)
         self._steps = {}  # (tree structure, param specs) -> compiled
 
@@ -212,7 +220,7 @@ class Evaluator:
         pspecs, mspecs = _specs_of(state.params), _specs_of(state.model_state)
         key = (jax.tree.structure(state), tuple(jax.tree.leaves((pspecs, mspecs), is_leaf=sharding.is_spec)))
         if key not in self._steps:
-            strategy = parallel.make_strategy(self.strategy, self.mesh, pspecs)
+            strategy = parallel.make_strategy(self.strategy, self.mesh, pspecs, model_axes=self.model_axes)
             self._steps[key] = strategy.evaluate(self._sums, self.batches, mspecs)
         return self._steps[key]
 
@@ -229,6 +237,8 @@ class Evaluator:
         return self._compiled(state).lower(state, self.batches.lowered(batch), platforms)
 
 
-def make_eval_step(eval_fn: EvalFn, *, mesh: Mesh | int | None = None, strategy: str = "jit") -> Evaluator:
-    """Build an eval step from ``eval_fn(params, model_state, batch) -> {name: [B] values}``."""
-    return Evaluator(eval_fn, make_mesh(mesh), strategy)
+def make_eval_step(eval_fn: EvalFn, *, mesh: Mesh | int | None = None, strategy: str = "jit",
+                   model_axes: str = "auto") -> Evaluator:
+    """Build an eval step from ``eval_fn(params, model_state, batch) -> {name: [B] values}`` (``model_axes``: as
+    ``make_train_step``'s)."""
+    return Evaluator(eval_fn, make_mesh(mesh), strategy, model_axes)

@@ -48,6 +48,42 @@ def test_two_processes_with_two_devices_each_agree(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["devices"] == 4
 
 
+def params_of(out_dir):
+    from jaxtrain import export
+
+    return export.load(out_dir, "lenet")[1]
+
+
+def test_hsdp_and_fsdp_over_two_processes_equal_one_device_and_resume_onto_another_layout(tmp_path):
+    """2 processes x 2 devices on a hybrid mesh (replica=2 across the processes, data=2 within): hsdp (sharded
+    within a process, replicated across) and fsdp (over all 4) equal the 1-device run; the hsdp checkpoint resumes
+    replicated on 2 devices of one process and equals the 1-device run there too."""
+    import chex
+
+    steps = ["--max-steps", "10"]
+    one = run_cli(*LENET, "--devices", "1", *steps, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    for sharding in ("hsdp", "fsdp"):
+        ck = ["--checkpoint-every", "5", "--checkpoint-dir", str(tmp_path / "ck")] if sharding == "hsdp" else []
+        out = launch(2, 2, "--mesh", "replica=2,data=2", "--param-sharding", sharding, *steps, *ck,
+                     "--out", str(tmp_path / sharding))
+        assert out.returncode == 0, out.stdout[-3000:]
+        assert len(reported_digests(out.stdout)) == 1  # both processes hold the same params
+        summary = json.loads((tmp_path / sharding / "summary.json").read_text())
+        assert summary["mesh"] == {"replica": 2, "data": 2} and summary["param_sharding"] == sharding
+        chex.assert_trees_all_close(params_of(tmp_path / sharding), params_of(tmp_path / "one"), rtol=1e-5, atol=1e-6)
+    twenty = ["--max-steps", "20"]
+    resumed = run_cli(*LENET, "--devices", "2", *twenty, "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+                      "--out", str(tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from step 10" in resumed.stdout
+    ref = run_cli(*LENET, "--devices", "1", *twenty, "--out", str(tmp_path / "one20"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    chex.assert_trees_all_close(params_of(tmp_path / "resumed"), params_of(tmp_path / "one20"), rtol=1e-5, atol=1e-6)
+    moved = params_of(tmp_path / "one20")["dense2"]["w"] - params_of(tmp_path / "one")["dense2"]["w"]
+    assert abs(moved).max() > 1e-4  # the 10 steps after the resume moved them 100x the tolerance (d2l: a slow start)
+
+
 def start(*args):
     env = {k: v for k, v in cached_compiles(os.environ).items() if k != "JAX_NUM_CPU_DEVICES"}
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,

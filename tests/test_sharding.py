@@ -95,7 +95,7 @@ def shard_fraction(x) -> float:
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("strategy", ["jit", "shard_map", "ring"])
+@pytest.mark.parametrize("strategy", ["jit", "explicit", "shard_map", "ring"])
 def test_fsdp_equals_one_device_reference(reference, strategy, n, opt):
     trainer, state, history = train(opt, n, strategy=strategy, param_sharding="fsdp")
     assert_equal_to(reference[opt], state, history)
@@ -115,9 +115,10 @@ def test_fsdp_equals_one_device_reference(reference, strategy, n, opt):
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 @pytest.mark.parametrize("rules", ["tp", "fsdp+tp"])
-def test_tensor_parallel_and_2d_fsdp_on_a_2x2_mesh_equal_the_reference(reference, rules, opt):
+@pytest.mark.parametrize("strategy", ["jit", "explicit"])
+def test_tensor_parallel_and_2d_fsdp_on_a_2x2_mesh_equal_the_reference(reference, strategy, rules, opt):
     mesh = jt.make_mesh(4, axes={"data": 2, "model": 2})
-    _, state, history = train(opt, mesh, param_sharding=TP if rules == "tp" else FSDP_TP)
+    _, state, history = train(opt, mesh, strategy=strategy, param_sharding=TP if rules == "tp" else FSDP_TP)
     assert_equal_to(reference[opt], state, history)
     w1, w2 = state.params["dense1"]["w"], state.params["dense2"]["w"]
     if rules == "tp":
@@ -128,7 +129,7 @@ def test_tensor_parallel_and_2d_fsdp_on_a_2x2_mesh_equal_the_reference(reference
     assert shard_fraction(w2) <= 1 / 2
 
 
-@pytest.mark.parametrize("strategy", ["jit", "shard_map", "ring"])
+@pytest.mark.parametrize("strategy", ["jit", "explicit", "shard_map", "ring"])
 @pytest.mark.parametrize("mode", ["bf16", "fp16", "accum4", "remat"])
 def test_fsdp_composes_with_precision_accumulation_and_remat(strategy, mode):
     """SGD + momentum at lr 0.2 for 3 steps: one update moves the parameters by ~1e-2, far above the tolerance,
@@ -138,14 +139,15 @@ def test_fsdp_composes_with_precision_accumulation_and_remat(strategy, mode):
     shard_map and ring (fp32 mean of the per-device gradients) against the
     4-device reference, which they matched bit for bit here; under jit XLA
     chooses where partial sums are rounded, so jit x fsdp is held to jit's
-    own data-parallel run on the same 4 devices (bit-identical here).
+    own data-parallel run on the same 4 devices (bit-identical here; explicit,
+    whose model runs under GSPMD too, likewise).
     """
     kw = {"loss_fn": lenet.make_loss_fn("full")} if mode == "remat" else MODES[mode]
     _, state, history = train("momentum", 4, strategy=strategy, param_sharding="fsdp", **kw)
     if mode in ("accum4", "remat"):
         reference = reference_for("momentum", "fp32" if mode == "remat" else mode)
-    elif strategy == "jit":
-        reference = train("momentum", 4, strategy="jit", **kw)[1:]
+    elif strategy in ("jit", "explicit"):
+        reference = train("momentum", 4, strategy=strategy, **kw)[1:]
     else:
         reference = per_device_reference(mode)
     assert_equal_to(reference, state, history, MOMENTUM_TOL)
@@ -154,9 +156,10 @@ def test_fsdp_composes_with_precision_accumulation_and_remat(strategy, mode):
         assert 1.0 in finite, finite
 
 
-def test_fsdp_tp_composes_with_accumulation():
+@pytest.mark.parametrize("strategy", ["jit", "explicit"])
+def test_fsdp_tp_composes_with_accumulation(strategy):
     mesh = jt.make_mesh(4, axes={"data": 2, "model": 2})
-    _, state, history = train("momentum", mesh, param_sharding=FSDP_TP, accum_steps=4)
+    _, state, history = train("momentum", mesh, strategy=strategy, param_sharding=FSDP_TP, accum_steps=4)
     assert_equal_to(reference_for("momentum", "accum4"), state, history, MOMENTUM_TOL)
 
 
@@ -225,7 +228,7 @@ def collectives(trainer, state, batch=BATCHES[0]):
     return jt.compiled_stats(trainer, state, batch, residuals=False)["collectives"]
 
 
-@pytest.mark.parametrize("strategy", ["jit", "shard_map", "ring"])
+@pytest.mark.parametrize("strategy", ["jit", "explicit", "shard_map", "ring"])
 def test_gradients_reduce_scattered_once_per_update_with_accumulation(strategy):
     """k=4 micro-batches move exactly what k=1 moves (CPU unrolls the scan: a reduction inside it would count 4x)."""
     stats = {}
@@ -259,7 +262,7 @@ def test_collective_bytes_match_the_theory_for_data_parallel_and_fsdp():
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-@pytest.mark.parametrize("strategy", ["jit", "shard_map", "ring"])
+@pytest.mark.parametrize("strategy", ["jit", "explicit", "shard_map", "ring"])
 def test_zero1_shards_only_the_optimizer_state_and_equals_the_reference(reference, strategy, opt):
     trainer, state, history = train(opt, 4, strategy=strategy, param_sharding="zero1")
     assert_equal_to(reference[opt], state, history)

@@ -20,6 +20,7 @@ kernels read whole blocks plainly.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -29,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import compat
-from jaxtrain.devices import DATA_AXIS
+from jaxtrain.devices import DATA_AXIS, batch_axes
 from jaxtrain.errors import ConfigError
 from jaxtrain.step import step_context
 
@@ -207,15 +208,21 @@ def run(kernel, inputs, kinds, outputs, rows: int, cols: int, mosaic=None):
     ctx = step_context()
     if ctx is not None:
         target = ctx.mesh  # whose devices the step runs on (backend)
-        mesh = ctx.mesh if ctx.batch_axis is None else None
+        # strategy="explicit" traces the step under jax.set_mesh, the model's insides with Auto axes: the
+        # shard_map's mesh must be that context mesh (as typed there), not the step's Explicit one.
+        context = jax.sharding.get_abstract_mesh()
+        mesh = (context if context.axis_names else ctx.mesh) if ctx.batch_axis is None else None
     else:
         target = mesh = jax.sharding.get_abstract_mesh()
         mesh = mesh if mesh.axis_names and DATA_AXIS not in mesh.manual_axes else None
-    devices = dict(mesh.shape).get(DATA_AXIS, 1) if mesh is not None else 1
+    axes = batch_axes(mesh) if mesh is not None else DATA_AXIS  # a hybrid mesh: "replica" and "data"
+    names = (axes,) if isinstance(axes, str) else axes
+    devices = math.prod(dict(mesh.shape).get(a, 1) for a in names) if mesh is not None else 1
     if devices > 1 and rows % devices == 0:
-        spec = lambda kind: P() if kind == COLS else P(DATA_AXIS)  # noqa: E731
+        spec = lambda kind: P() if kind == COLS else P(axes)  # noqa: E731
         local = lambda *a: _here(kernel, a, kinds, outputs, rows // devices, cols, mosaic, target)  # noqa: E731
         return jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, kinds)),
-                             out_specs=tuple(spec(kind) for kind, _ in outputs), axis_names={DATA_AXIS})(*inputs)
+                             out_specs=tuple(spec(kind) for kind, _ in outputs),
+                             axis_names=set(names))(*inputs)
     return _here(kernel, inputs, kinds, outputs, rows, cols, mosaic, target)
 
