@@ -25,6 +25,7 @@ _EXPORTS = {
     "ring_reduce_scatter": "jaxtrain.collectives",
     "FSDP": "jaxtrain.sharding",
     "MODEL_AXIS": "jaxtrain.devices",
+    "REPLICA_AXIS": "jaxtrain.devices",
     "step_context": "jaxtrain.step",
     "StepContext": "jaxtrain.step",
     "Plan": "jaxtrain.placement",

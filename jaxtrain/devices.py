@@ -206,7 +206,10 @@ def make_mesh(devices: int | Sequence[jax.Device] | Mesh | None = None, axes: Ma
     order; their product must be the number of devices. Default: one axis
     ``"data"`` over all of them. ``"data"`` is always the batch axis; left
     out, it comes first with the devices the others leave (``{"stage": 4}``
-    on 8 devices is ``{"data": 2, "stage": 4}``).
+    on 8 devices is ``{"data": 2, "stage": 4}``). ``"replica"`` makes a hybrid
+    mesh: always the outer axis, one replica per process where the devices
+    span processes (JAX's ``create_hybrid_device_mesh``), the batch split over
+    it and ``"data"`` together.
     """
     if isinstance(devices, Mesh):
         return devices

@@ -153,10 +153,11 @@ def test_no_context_variable_outside_the_step_and_no_batch_sharding_outside_the_
     contexts = {name for name, path in MODULES.items() if calls(path, "ContextVar")}
     assert contexts == {"jaxtrain.step"}, contexts
 
-    def batch_sharding(node) -> bool:  # NamedSharding(mesh, P(DATA_AXIS)) or P("data")
+    def batch_sharding(node) -> bool:  # NamedSharding(mesh, P(DATA_AXIS)), P("data") or P(batch_axes(mesh))
         spec = node.args[1] if len(node.args) > 1 else None
         first = spec.args[0] if isinstance(spec, ast.Call) and spec.args else None
-        return getattr(first, "id", None) == "DATA_AXIS" or getattr(first, "value", None) == "data"
+        named = isinstance(first, ast.Call) and getattr(first.func, "id", None) == "batch_axes"
+        return named or getattr(first, "id", None) == "DATA_AXIS" or getattr(first, "value", None) == "data"
 
     placing = {name for name, path in MODULES.items() if any(map(batch_sharding, calls(path, "NamedSharding")))}
     assert placing == {"jaxtrain.placement"}, placing

@@ -18,7 +18,7 @@ from importlib.util import find_spec
 import numpy as np
 
 from jaxtrain.choices import MESH_AXES
-from jaxtrain.devices import DATA_AXIS
+from jaxtrain.devices import DATA_AXIS, REPLICA_AXIS
 from jaxtrain.errors import ConfigError
 
 # What the GPU leg was tested with (README "Planning for GPUs"): the topology API is experimental.
@@ -178,6 +178,10 @@ def mesh_for(gpu: str | Target = "h100", gpus: int = 8, hosts: int = 1, axes: di
     if unknown or DATA_AXIS not in axes or int(np.prod(list(axes.values()))) != total:
         raise ConfigError(f"mesh axes {axes}: need a {DATA_AXIS!r} axis, names among {', '.join(MESH_AXES)}, and "
                           f"sizes whose product is gpus x hosts = {total}")
+    if REPLICA_AXIS in axes and axes[REPLICA_AXIS] != hosts:
+        raise ConfigError(f"mesh axes {axes}: {REPLICA_AXIS}= is the axis across hosts: make it hosts={hosts}")
+    if REPLICA_AXIS in axes:  # the outer axis: one replica per host
+        axes = {REPLICA_AXIS: axes.pop(REPLICA_AXIS), **axes}
     check_plugin()
     devices = _topology(t.key, hosts, gpus).devices
     return Mesh(np.asarray(devices).reshape(tuple(axes.values())), tuple(axes))
