@@ -42,7 +42,7 @@ def test_the_models_recipe_fills_what_was_not_given():
 @pytest.mark.parametrize("changes, says", [
     ({"batch_size": 0}, "batch_size=0: expected a number >= 1"),
     ({"lr": -1.0}, "lr=-1.0: expected a number > 0"),
-    ({"strategy": "magic"}, "strategy='magic': not one of jit, shard_map"),
+    ({"strategy": "magic"}, "strategy='magic': not one of jit, explicit, shard_map"),
     ({"init": "he"}, "init=he: model lenet has no such init"),
     ({"model": "vgg"}, "model='vgg': not one of lenet, resnet18"),
 ])
