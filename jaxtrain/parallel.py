@@ -96,7 +96,7 @@ class Strategy:
         self.gspecs = pspecs if gspecs is None else gspecs
 
     def model(self, fn: Callable) -> Callable:
-        """The loss_fn or eval_fn as this strategy traces it (``explicit``: under ``auto_axes`` where it knows no mesh)."""
+        """The loss_fn or eval_fn as this strategy traces it (``explicit``: under ``auto_axes``, knowing no mesh)."""
         return fn
 
     def reduced(self, local: Callable, state_specs, per_device: bool) -> Callable:
@@ -132,15 +132,18 @@ class Jit(Strategy):
     def _constrain(self, tree, shardings):
         return lax.with_sharding_constraint(tree, shardings)
 
+    def _whole(self, specs):
+        """Shardings of ``specs`` gathered over the batch axes (other axes, e.g. "model", kept)."""
+        return sharding.named(self.mesh, jax.tree.map(sharding.without_data, specs, is_leaf=sharding.is_spec))
+
     def reduced(self, local, state_specs, per_device):
         mspecs = state_specs.model_state
         if per_device:  # left to GSPMD, every micro-batch's gradient would be reduced (k times the bytes)
             return self._manual(_per_device(local, _comm(self), self.mesh, sharding.data_dims(mspecs)),
-                                (self.pspecs, mspecs, P(), P(batch_axes(self.mesh)), P()), (self.gspecs, P(), mspecs, P()))
+                                (self.pspecs, mspecs, P(), P(batch_axes(self.mesh)), P()),
+                                (self.gspecs, P(), mspecs, P()))
         grad_shardings = sharding.named(self.mesh, self.gspecs)
-        whole = lambda specs: sharding.named(  # noqa: E731
-            self.mesh, jax.tree.map(sharding.without_data, specs, is_leaf=sharding.is_spec))
-        gathered, gathered_state = whole(self.pspecs), whole(mspecs)
+        gathered, gathered_state = self._whole(self.pspecs), self._whole(mspecs)
 
         def reduced(params, model_state, loss_scale, batch, step_key):
             params = self._constrain(params, gathered)
@@ -190,9 +193,7 @@ class Explicit(Jit):
         return UnderMesh(super().compile(step, plan), self.mesh, self.model_axes)
 
     def evaluate(self, local_sums, plan, mspecs=P()):
-        whole = lambda specs: sharding.named(  # noqa: E731
-            self.mesh, jax.tree.map(sharding.without_data, specs, is_leaf=sharding.is_spec))
-        gathered, gathered_state, sums = whole(self.pspecs), whole(mspecs), self.model(local_sums)
+        gathered, gathered_state, sums = self._whole(self.pspecs), self._whole(mspecs), self.model(local_sums)
         return UnderMesh(Compiled(jax.jit(lambda state, batch: sums(
             self._constrain(state.params, gathered), self._constrain(state.model_state, gathered_state), batch),
             out_shardings=plan.replicated)), self.mesh, self.model_axes)
@@ -204,7 +205,8 @@ class ShardMap(Strategy):
 
     def __init__(self, mesh, pspecs, gspecs=None):
         super().__init__(mesh, pspecs, gspecs)
-        other = sorted((sharding.mesh_axes_used(pspecs) | sharding.mesh_axes_used(self.gspecs)) - set(sharding.BATCH_AXES))
+        used = sharding.mesh_axes_used(pspecs) | sharding.mesh_axes_used(self.gspecs)
+        other = sorted(used - set(sharding.BATCH_AXES))
         if other:
             raise ConfigError(f"strategy={self.name!r} shards parameters over {DATA_AXIS!r} only (fsdp), but the rules "
                               f"name {', '.join(map(repr, other))}: use strategy='jit' for tensor parallelism")
@@ -217,7 +219,8 @@ class ShardMap(Strategy):
     def reduced(self, local, state_specs, per_device):
         mspecs = state_specs.model_state
         return self._map(_per_device(local, _comm(self, self.ring), self.mesh, sharding.data_dims(mspecs)),
-                         (self.pspecs, mspecs, P(), P(batch_axes(self.mesh)), P()), (self.gspecs, P(), mspecs, P()))
+                         (self.pspecs, mspecs, P(), P(batch_axes(self.mesh)), P()),
+                         (self.gspecs, P(), mspecs, P()))
 
     def evaluate(self, local_sums, plan, mspecs=P()):
         comm = _comm(self, self.ring)
@@ -237,9 +240,7 @@ class Ring(ShardMap):
 
     def __init__(self, mesh, pspecs, gspecs=None):
         super().__init__(mesh, pspecs, gspecs)
-        if batch_axes(mesh) != DATA_AXIS:
-            raise ConfigError("the ring runs over one axis: a hybrid mesh ('replica') needs strategy='shard_map', "
-                              "'jit' or 'explicit'")
+        _comm(self, ring=True)  # a hybrid mesh: its one-line error now, not at the first step
 
 
 class Pmap(Strategy):

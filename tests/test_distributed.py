@@ -41,29 +41,23 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path):
     assert summary["processes"] == 2 and summary["devices"] == 2
 
 
-def test_two_processes_with_two_devices_each_agree(tmp_path):
-    out = launch(2, 2, "--max-steps", "10", "--out", str(tmp_path))
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert len(reported_digests(out.stdout)) == 1
-    assert json.loads((tmp_path / "summary.json").read_text())["devices"] == 4
-
-
 def params_of(out_dir):
     from jaxtrain import export
 
     return export.load(out_dir, "lenet")[1]
 
 
-def test_hsdp_and_fsdp_over_two_processes_equal_one_device_and_resume_onto_another_layout(tmp_path):
+def test_hsdp_fsdp_and_replicated_over_two_processes_equal_one_device_and_resume_onto_another_layout(tmp_path):
     """2 processes x 2 devices on a hybrid mesh (replica=2 across the processes, data=2 within): hsdp (sharded
-    within a process, replicated across) and fsdp (over all 4) equal the 1-device run; the hsdp checkpoint resumes
-    replicated on 2 devices of one process and equals the 1-device run there too."""
+    within a process, replicated across), fsdp (over all 4) and replicated equal the 1-device run, both processes
+    holding the same params; the hsdp checkpoint resumes replicated on 2 devices of one process and equals the
+    1-device run there too."""
     import chex
 
     steps = ["--max-steps", "10"]
     one = run_cli(*LENET, "--devices", "1", *steps, "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-3000:]
-    for sharding in ("hsdp", "fsdp"):
+    for sharding in ("hsdp", "fsdp", "replicated"):
         ck = ["--checkpoint-every", "5", "--checkpoint-dir", str(tmp_path / "ck")] if sharding == "hsdp" else []
         out = launch(2, 2, "--mesh", "replica=2,data=2", "--param-sharding", sharding, *steps, *ck,
                      "--out", str(tmp_path / sharding))
@@ -71,6 +65,7 @@ def test_hsdp_and_fsdp_over_two_processes_equal_one_device_and_resume_onto_anoth
         assert len(reported_digests(out.stdout)) == 1  # both processes hold the same params
         summary = json.loads((tmp_path / sharding / "summary.json").read_text())
         assert summary["mesh"] == {"replica": 2, "data": 2} and summary["param_sharding"] == sharding
+        assert summary["devices"] == 4 and summary["processes"] == 2
         chex.assert_trees_all_close(params_of(tmp_path / sharding), params_of(tmp_path / "one"), rtol=1e-5, atol=1e-6)
     twenty = ["--max-steps", "20"]
     resumed = run_cli(*LENET, "--devices", "2", *twenty, "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
