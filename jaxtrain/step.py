@@ -23,8 +23,8 @@ The keys (``state.rng`` is ``trainer.init``'s ``rng``; ``d`` the shard's
 index along "data"; ``k`` the scan micro-batches)::
 
     step_key = fold_in(state.rng, state.step)
-    key      = fold_in(step_key, d)     shard_map, ring, pmap; jit with accumulation (d: its shard)
-             = fold_in(step_key, 0)     plain jit: one program sees the whole batch
+    key      = fold_in(step_key, d)     shard_map, ring, pmap; jit, explicit with accumulation (d: its shard)
+             = fold_in(step_key, 0)     plain jit, explicit: one program sees the whole batch
     micro-batch m of k (scan): split(key, k)[m]
 
 So the same seed, strategy, device count and accumulation give the same
