@@ -1,11 +1,14 @@
 """Where the batch and the training state live on the mesh: written once, used by every strategy.
 
-- The batch: sharded over ``"data"`` (its leading axis), replicated over
-  every other mesh axis (``placement.Plan``, which holds all of a step's
-  placement).
+- The batch: sharded over ``"data"`` (its leading axis; a hybrid mesh: over
+  ``("replica", "data")``), replicated over every other mesh axis
+  (``placement.Plan``, which holds all of a step's placement).
 - The parameters: ``param_sharding`` = ``"replicated"`` (data parallelism),
   ``"fsdp"`` (ZeRO-3: each parameter sharded over ``"data"`` along its largest
-  dimension that divides) or rules: ``[(regex, PartitionSpec | "fsdp" |
+  dimension that divides; on a hybrid mesh over "replica" and "data"),
+  ``"hsdp"`` (fsdp over "data" only: replicated across processes),
+  ``"zero1"`` (the optimizer state as fsdp's, the parameters replicated) or
+  rules: ``[(regex, PartitionSpec | "fsdp" |
   FSDP(base) | "replicated"), ...]`` matched against the "/"-joined parameter
   path, first match wins, unmatched = replicated (``param_specs``).
 - The optimizer state follows its parameter (``optax.tree_map_params`` over
@@ -125,7 +128,7 @@ def _rules(param_sharding) -> list[tuple[re.Pattern, object]]:
     if param_sharding == HSDP:
         return [(re.compile(".*"), FSDP(within=True))]
     if isinstance(param_sharding, str) or not isinstance(param_sharding, (list, tuple)):
-        raise ConfigError(f"param_sharding {param_sharding!r}: use 'replicated', 'fsdp' or a list of "
+        raise ConfigError(f"param_sharding {param_sharding!r}: use 'replicated', 'fsdp', 'zero1', 'hsdp' or a list of "
                           "(regex, PartitionSpec | 'fsdp' | 'replicated') rules")
     rules = []
     for rule in param_sharding:
@@ -218,12 +221,12 @@ def data_dims(specs):
 def fsdp_axes(specs) -> str | tuple[str, ...]:
     """The axes the FSDP-sharded leaves of ``specs`` are split over (one entry for all of them): ``"data"``, or
     ``("replica", "data")`` for fsdp on a hybrid mesh. ConfigError where leaves differ (a per-device strategy
-    collects each set of axes alone: use strategy='jit')."""
+    reduces over one set)."""
     found = {tuple(a for a in axes_of(e) if a in BATCH_AXES) for spec in jax.tree.leaves(specs, is_leaf=is_spec)
              for e in spec if DATA_AXIS in axes_of(e)}
     if len(found) > 1:
         raise ConfigError(f"parameters sharded over different batch axes ({', '.join(map(str, sorted(found)))}): "
-                          "the per-device strategies take one set; use strategy='jit' or 'explicit'")
+                          "shard_map, ring and accumulation reduce over one set; use one kind of FSDP rule")
     return _entry(found.pop()) if found else DATA_AXIS
 
 
