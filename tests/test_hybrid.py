@@ -92,3 +92,17 @@ def test_hybrid_mesh_order_and_the_strategies_that_refuse_it():
     with pytest.raises(jt.ConfigError, match="'data' and 'stage' only"):
         jt.make_pipeline_step(lambda p, x: x, lambda p, x: x, lambda p, x, b: (0.0, {}), optax.sgd(0.1),
                               mesh=jt.make_mesh(4, {"replica": 2, "stage": 2, "data": 1}), microbatches=2)
+
+
+def test_the_bench_hybrid_command_prints_the_table_and_writes_json(capsys, tmp_path):
+    import json
+
+    from experiments import bench_hybrid
+
+    assert bench_hybrid.main(["--json", str(tmp_path / "h.json")]) == 0
+    out = capsys.readouterr().out
+    assert "hsdp / replicated bytes across processes: 0.502 measured, 0.502 in theory" in out
+    rows = json.loads((tmp_path / "h.json").read_text())["rows"]
+    assert set(rows) == {"replicated", "fsdp", "zero1", "hsdp"}
+    for row in rows.values():  # the compiled program's bytes across, kind by kind, are the theory's
+        assert {k: v["bytes"] for k, v in row["across"].items()} == row["theory"]
