@@ -38,6 +38,7 @@ from jax import lax
 
 from jaxtrain.devices import DATA_AXIS
 from jaxtrain.errors import ConfigError
+from jaxtrain.sharding import axes_of
 
 
 def _right(n: int) -> list[tuple[int, int]]:
@@ -167,10 +168,6 @@ def _pcast(tree, axes=DATA_AXIS):
     return jax.tree.map(lambda x: lax.pcast(x, axes, to="varying"), tree)
 
 
-def _names(axes) -> tuple:
-    return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
 def _by_dim(tree, dims, sharded: Callable, replicated: Callable):
     """Apply ``sharded(leaves, dims)`` to the leaves with a data dimension, ``replicated(leaves)`` to the rest."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -192,7 +189,7 @@ def make_comm(dims, ring: bool = False, grad_dims=None, batch=DATA_AXIS, shard=D
     or None; ``grad_dims``: the same for the gradients the update gets, where they differ (ZeRO-1: params whole,
     gradients reduce-scattered); ``shard``: the axes FSDP leaves are split over. HSDP (``shard`` "data" of
     ``batch`` ("replica", "data")): gradients reduce-scattered within a process, then all-reduced across."""
-    across = tuple(a for a in _names(batch) if a not in _names(shard))
+    across = tuple(a for a in axes_of(batch) if a not in axes_of(shard))
     if ring and batch != DATA_AXIS:
         raise ConfigError("the ring runs over one axis: a hybrid mesh ('replica') needs strategy='shard_map', 'jit' "
                           "or 'explicit'")

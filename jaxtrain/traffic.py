@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import re
 
+from jaxtrain.devices import REPLICA_AXIS
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) (" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$")
 _ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+)\[([\d,]*)\]")
@@ -85,6 +87,6 @@ def crossing_bytes(hlo_text: str, hosts) -> dict:
 def replica_hosts(mesh) -> list[int]:
     """Per device of ``mesh`` (flat order), the process it stands for: its "replica" index (a hybrid mesh);
     the real process index where the mesh spans processes."""
-    if len({d.process_index for d in mesh.devices.flat}) > 1 or "replica" not in mesh.axis_names:
+    if len({d.process_index for d in mesh.devices.flat}) > 1 or REPLICA_AXIS not in mesh.axis_names:
         return [d.process_index for d in mesh.devices.flat]
-    return [i // (mesh.devices.size // mesh.shape["replica"]) for i in range(mesh.devices.size)]
+    return [i // (mesh.devices.size // mesh.shape[REPLICA_AXIS]) for i in range(mesh.devices.size)]

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import compat
 from jaxtrain.devices import DATA_AXIS, batch_axes
 from jaxtrain.errors import ConfigError
+from jaxtrain.sharding import axes_of
 from jaxtrain.step import step_context
 
 MAX_ROWS = 16  # rows per program for rows up to 1024 wide
@@ -216,7 +217,7 @@ def run(kernel, inputs, kinds, outputs, rows: int, cols: int, mosaic=None):
         target = mesh = jax.sharding.get_abstract_mesh()
         mesh = mesh if mesh.axis_names and DATA_AXIS not in mesh.manual_axes else None
     axes = batch_axes(mesh) if mesh is not None else DATA_AXIS  # a hybrid mesh: "replica" and "data"
-    names = (axes,) if isinstance(axes, str) else axes
+    names = axes_of(axes)
     devices = math.prod(dict(mesh.shape).get(a, 1) for a in names) if mesh is not None else 1
     if devices > 1 and rows % devices == 0:
         spec = lambda kind: P() if kind == COLS else P(axes)  # noqa: E731
