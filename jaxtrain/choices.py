@@ -11,6 +11,7 @@ PIPELINE_SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.pipel
 KERNELS = ("jnp", "pallas")  # the train loss's cross-entropy: optax's, or jaxtrain.kernels.softmax_ce
 AUGMENTATIONS = ("none", "crop+flip")  # jaxtrain.data.augment
 DATASETS = ("fashion_mnist", "mnist", "cifar10")  # jaxtrain.data.sources.LOCAL; and "tfds:NAME"
+TRACKERS = ("none", "wandb", "mlflow")  # --track: jaxtrain.track
 DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 TFDS_PREFIX = "tfds:"
 MESH_AXES = ("replica", "data", "model", "stage")  # what a run's mesh may name (jaxtrain.devices, jaxtrain.pipeline)

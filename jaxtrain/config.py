@@ -16,7 +16,8 @@ import dataclasses
 from pathlib import Path
 
 from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, DATASETS, DEFAULT_DATA_DIRS, KERNELS, LR_SCHEDULES,
-                              OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES, check_dataset)
+                              OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES, TRACKERS,
+                              check_dataset)
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
@@ -151,6 +152,13 @@ class RunConfig:
                                                 "test_step/ scalars)", minimum=1)
     profile: str | None = _field(None, "write a jax.profiler trace of steps START..STOP-1 to OUT/profile (open "
                                        "it in XProf, TensorBoard or ui.perfetto.dev; docs: Getting started, 'Watching a run')", flag_type="steps")
+    track: str = _field("none", "also log the run to an experiment tracker (pip install 'jaxtrain[wandb]' or "
+                                "'jaxtrain[mlflow]'): wandb runs OFFLINE under OUT/wandb unless you logged in "
+                                "(wandb login / WANDB_API_KEY; upload later with wandb sync); mlflow logs to "
+                                "sqlite:///OUT/mlflow.db unless MLFLOW_TRACKING_URI is set",
+                        choices=TRACKERS)
+    track_group: str | None = _field(None, "the tracker's group of this run (W&B group, MLflow experiment; a sweep "
+                                           "gives its study's name)")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

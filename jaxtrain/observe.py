@@ -72,7 +72,19 @@ class Events:
         self._guard(lambda: self.writer.close())
 
 
-def step_log(every: int, say, events: Events | None) -> Hook:
+class Views(list):
+    """The scalars' views (TensorBoard's Events, a --track tracker): each gets every value."""
+
+    def scalars(self, step: int, values: dict, prefix: str) -> None:
+        for view in self:
+            view.scalars(step, values, prefix)
+
+    def flush(self) -> None:
+        for view in self:
+            view.flush()
+
+
+def step_log(every: int, say, events: Views | None) -> Hook:
     """Every ``every`` steps: one line (loss, examples/s, data wait since the last line) and step scalars."""
     last = {"sec": None, "examples": 0, "wait": 0.0}
 
@@ -97,7 +109,7 @@ def step_log(every: int, say, events: Events | None) -> Hook:
     return Hook(log, every)
 
 
-def eval_line(say, events: Events | None):
+def eval_line(say, events: Views | None):
     """``on_result`` of a step-period ``evaluation``: one line and ``test_step/`` scalars."""
     def show(loop: Loop, result: dict) -> None:
         say(f"step {result['step']}: test loss {result['loss']:.4f}, test acc {result['accuracy']:.3f} "
@@ -108,7 +120,7 @@ def eval_line(say, events: Events | None):
     return show
 
 
-def epoch_events(events: Events) -> Hook:
+def epoch_events(events: Views) -> Hook:
     def write(loop: Loop) -> None:
         s = loop.stats
         tested = {"test_loss": s.test_loss, "test_acc": s.test_acc} if s.test_examples else {}
@@ -148,17 +160,18 @@ class Profile:
             self.active = False
 
 
-def watchers(config: RunConfig, out_dir: Path | None, say, evaluator=None, test_loader=None
+def watchers(config: RunConfig, out_dir: Path | None, say, evaluator=None, test_loader=None, tracker=None
              ) -> tuple[list[Hook], Profile | None, Events | None]:
-    """The hooks that --log-every, --eval-every-steps, --profile and the TensorBoard events ask for (files on
-    process 0 only)."""
+    """The hooks that --log-every, --eval-every-steps, --profile, the TensorBoard events and ``tracker``
+    (--track: jaxtrain.track) ask for (files on process 0 only). The caller closes the events and the tracker."""
     events = Events(out_dir, dataclasses.asdict(config)) if out_dir is not None else None
-    hooks = [epoch_events(events)] if events else []
+    views = Views(v for v in (events, tracker) if v is not None) or None
+    hooks = [epoch_events(views)] if views else []
     if config.log_every:
-        hooks.append(step_log(config.log_every, say, events))
+        hooks.append(step_log(config.log_every, say, views))
     if config.eval_every_steps:
         hooks.append(evaluation(evaluator, test_loader, config.eval_every_steps, "step", config.prefetch,
-                                eval_line(say, events)))
+                                eval_line(say, views)))
     profile = None
     if config.profile:
         profile = Profile((out_dir or Path("profile")) / "profile", *parse_steps(config.profile))

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 
 import jaxtrain as jt
-from jaxtrain import assemble, diagnostics, distill, export, models, observe, remat
+from jaxtrain import assemble, diagnostics, distill, export, models, observe, remat, track
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
 from jaxtrain.data import loader, sources
@@ -154,8 +154,9 @@ def open_outputs(s: Setup, state, position) -> RunWriter | None:
     return RunWriter(out_dir, position.history if position else ())
 
 
-def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
-    """fit with the run's outputs, checkpoints and signal handling; (state, history, first_loss, stats)."""
+def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tracker=None):
+    """fit with the run's outputs (``tracker``: --track's view), checkpoints and signal handling; (state,
+    history, first_loss, stats)."""
     c, say = s.config, s.say
     train_data = loader.Loader(data["train"], s.call_batch, train=True, seed=c.seed, workers=c.workers,
                                augment=c.augment)
@@ -187,7 +188,8 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal):
         with stop.busy():
             s.checkpointer.save(state, position)
 
-    watching, profile, events = observe.watchers(c, writer.out_dir if writer else None, say, s.evaluator, test_data)
+    watching, profile, events = observe.watchers(c, writer.out_dir if writer else None, say, s.evaluator, test_data,
+                                                tracker)
     hooks = [*watching, *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
              Hook(lambda loop: s.last.update(loop.recent), unit="epoch")]  # the last step's metrics
     if c.memory_report:
@@ -281,12 +283,21 @@ def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = s
             s.say(f"its model was never written to {c.out}: writing it now")
             save_model(s, Path(c.out), state, summary, settings)
         return summary
+    tracker = None
     try:
         writer = open_outputs(s, state, position)
+        if writer is not None:
+            tracker = track.start(c.track, writer.out_dir, {**dataclasses.asdict(c), **settings}, c.track_group)
         s.say(describe(s, data, writer), flush=True)
-        state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop)
+        state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop, tracker)
         summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
+        if tracker is not None:
+            tracker.finish(summary, [writer.out_dir / "curves.png"])
         save_model(s, writer and writer.out_dir, state, summary, settings)
+    except BaseException as e:
+        if tracker is not None:  # a run that did not finish: the tracker says how it ended
+            tracker.close("killed" if isinstance(e, (Exit, KeyboardInterrupt)) else "failed")
+        raise
     finally:
         if s.out_lock is not None:
             s.out_lock.release()

@@ -96,11 +96,13 @@ def cached_compiles(env) -> dict:
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None):
-    """Run ``python ARGS`` from the repo root like a user would; return the CompletedProcess."""
+    """Run ``python ARGS`` from the repo root like a user would (``env``: more variables; None unsets one); return
+    the CompletedProcess."""
     import subprocess
 
     full_env = {**cached_compiles(os.environ), **(env or {})}
     full_env.pop("JAX_NUM_CPU_DEVICES", None)  # the CLI sets up its own devices
+    full_env = {k: v for k, v in full_env.items() if v is not None}  # env={NAME: None}: NAME unset
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
 

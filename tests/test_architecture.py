@@ -37,6 +37,8 @@ def imports_of(path: Path) -> set[str]:
 
 
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+# Command lines of their own: their messages are about their flags (the sweep's trials are runs' command lines).
+COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch", "jaxtrain.sweep", "jaxtrain.trials"}
 GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
 
 
@@ -53,9 +55,9 @@ NEVERS = [
     (["jaxtrain.loop", "jaxtrain.checkpoint"],
      ["jaxtrain.runner", "jaxtrain.report", "jaxtrain.cli", "jaxtrain.config", "jaxtrain.observe"],
      "the loop and the checkpoints sit below the run: they never reach up into it"),
-    ([name for name in MODULES if name not in ("jaxtrain.runner", "jaxtrain.cli")],
+    ([name for name in MODULES if name not in ("jaxtrain.runner", *COMMAND_LINES)],
      ["jaxtrain.runner", "jaxtrain.cli"],
-     "the library is usable without the run: only the command line drives the runner"),
+     "the library is usable without the run: only the command lines drive the runner"),
     (["jaxtrain.files", "jaxtrain.errors", "jaxtrain.choices", "jaxtrain.state", "jaxtrain.integrity",
       "jaxtrain.int8", "jaxtrain.timing", "jaxtrain.signals", "jaxtrain.compat"],
      [name for name in MODULES if name not in ("jaxtrain.errors",)],
@@ -113,8 +115,6 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
     assert len(MODULES) > 40 and all(GRAPH[m] <= set(MODULES) for m in GRAPH)
 
 
-# Command lines of their own: their messages are about their flags.
-COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch"}
 OTHER_TOOLS = re.compile(r"tfds build \S+ --file_format|--file_format=array_record|python -m experiments\.\w+ --out")
 
 

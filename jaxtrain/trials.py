@@ -1,0 +1,265 @@
+"""A sweep's pieces: the ``--param`` specs, the trial's command, and running one trial as a normal run.
+
+A trial is a subprocess: the sweep's command with the sampled flags and its
+own ``--out``. Each trial is a process of its own (its own device count and
+memory; a crash ends the trial, not the sweep); it dies with the sweep
+(Linux: ``PR_SET_PDEATHSIG``), and its per-epoch rows in ``metrics.jsonl``
+are read as it runs: Optuna's intermediate values, so a pruner can stop it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import difflib
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from jaxtrain import cli
+from jaxtrain.config import RunConfig, flag
+from jaxtrain.errors import ConfigError
+from jaxtrain.models import MODELS
+
+KINDS = {"log": "log-uniform float LO:HI", "float": "uniform float LO:HI", "int": "whole number LO:HI",
+         "choice": "one of A,B,C"}
+FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One swept setting: ``name=log:1e-4:1``, ``name=float:0:0.5``, ``name=int:1:8``, ``name=choice:a,b,c``."""
+
+    name: str  # a RunConfig field
+    kind: str
+    values: tuple  # (lo, hi) or the choices
+
+    def suggest(self, trial):
+        if self.kind == "choice":
+            return trial.suggest_categorical(self.name, list(self.values))
+        if self.kind == "int":
+            return trial.suggest_int(self.name, *self.values)
+        return trial.suggest_float(self.name, *self.values, log=self.kind == "log")
+
+    def spec(self) -> str:
+        return f"{self.name}={self.kind}:" + (",".join(map(str, self.values)) if self.kind == "choice"
+                                                else ":".join(map(str, self.values)))
+
+
+def parse_param(text: str, model: str = "lenet") -> Param:
+    """``--param`` text -> Param, each value checked as RunConfig checks it (ConfigError: one line)."""
+    name, eq, rest = text.partition("=")
+    kind, _, args = rest.partition(":")
+    name = name.strip().lstrip("-").replace("-", "_")
+    if not eq or kind not in KINDS or not args:
+        raise ConfigError(f"--param {text!r}: write NAME=KIND:VALUES with KIND one of "
+                          + "; ".join(f"{k} ({v})" for k, v in KINDS.items()) + ", e.g. lr=log:1e-4:1")
+    if name not in FIELDS or name in ("model", "out"):
+        near = difflib.get_close_matches(name, [n for n in FIELDS if n not in ("model", "out")], n=1)
+        raise ConfigError(f"--param {text!r}: {name!r} is not a setting of a run"
+                          + (f" (did you mean {near[0]}?)" if near else "") + "; see the command's --help")
+    ftype = FIELDS[name].type
+    if kind == "choice":
+        values = tuple(_value(name, v.strip(), ftype, text) for v in args.split(","))
+    else:
+        parts = args.split(":")
+        if len(parts) != 2:
+            raise ConfigError(f"--param {text!r}: {kind} takes LO:HI, e.g. {name}={kind}:1:8")
+        if not ftype.startswith(("int", "float")):
+            raise ConfigError(f"--param {text!r}: {name} is not a number; use choice:A,B")
+        if ftype.startswith("int") != (kind == "int"):
+            raise ConfigError(f"--param {text!r}: " + (f"{name} is a whole number; use int:LO:HI" if kind != "int"
+                              else f"{name} is a real number; use log:LO:HI or float:LO:HI"))
+        values = tuple(_value(name, p.strip(), ftype, text) for p in parts)
+        if not values[0] < values[1] or kind == "log" and values[0] <= 0:
+            raise ConfigError(f"--param {text!r}: expected LO < HI" + (" and LO > 0 (log scale)" if kind == "log" else ""))
+    for v in values:  # RunConfig's own checks (choices, minimum) on each value
+        try:
+            RunConfig(model=model, **{name: v})
+        except ConfigError as e:
+            raise ConfigError(f"--param {text!r}: {e}") from None
+    return Param(name, kind, values)
+
+
+def _value(name: str, text: str, ftype: str, spec: str):
+    try:
+        if ftype == "bool":
+            return {"true": True, "false": False}[text.lower()]
+        if ftype.startswith("int"):
+            return int(text)
+        return float(text) if ftype.startswith("float") else text
+    except (KeyError, ValueError):
+        want = {"bool": "true or false", "int": "a whole number", "float": "a number"}[ftype.split()[0]]
+        raise ConfigError(f"--param {spec!r}: {name} takes {want}, got {text!r}") from None
+
+
+@dataclasses.dataclass
+class Command:
+    """The sweep's command (everything after ``--``). ``model``: the jaxtrain model it trains, when it is a
+    jaxtrain run (``python -m experiments.MODEL`` or ``python -m jaxtrain.cli --model MODEL``); its flags are
+    then checked, and tracking and the best command line are spelled by jaxtrain's CLI."""
+
+    argv: tuple[str, ...]
+    model: str | None = None
+    module: str | None = None
+
+    @classmethod
+    def parse(cls, argv, swept=()) -> Command:
+        if not argv:
+            raise ConfigError("no command to sweep: end the sweep's flags with -- and the run, e.g. -- python -m "
+                              "experiments.lenet --epochs 3")
+        argv = tuple(argv)
+        if argv[0] in ("python", "python3"):  # the sweep's own interpreter (its venv), as the user meant
+            argv = (sys.executable, *argv[1:])
+        module = argv[2] if len(argv) > 2 and argv[1] == "-m" else None
+        model = (module.removeprefix("experiments.") if module and module.removeprefix("experiments.") in MODELS
+                 else "jaxtrain.cli" if module == "jaxtrain.cli" else None)
+        command = cls(argv, model, module)
+        if model is not None:
+            config = command.config({})
+            command.model = config.model
+            for name in swept:
+                if flag(name) in argv:
+                    raise ConfigError(f"the command sets {flag(name)}, which --param sweeps: leave it out of the command")
+            if config.out is not None:
+                raise ConfigError("the command sets --out: leave it out; each trial gets its own under the study's "
+                                  "folder (--dir)")
+        return command
+
+    def config(self, values: dict) -> RunConfig:
+        """The RunConfig of a trial's flags (jaxtrain runs only); ConfigError on an unknown or bad flag."""
+        model = None if self.module == "jaxtrain.cli" else self.model
+        parser = cli.make_parser(model)
+        where = " ".join(self.argv[:3])
+
+        def error(message):
+            raise ConfigError(f"the command {where}: {message} (see {where} --help)")
+
+        parser.error = error
+        return RunConfig(**vars(parser.parse_args([*self.argv[3:], *flags(values)])))
+
+    def trial_argv(self, values: dict, out_dir: Path, group: str) -> list[str]:
+        argv = [*self.argv, *flags(values), "--out", str(out_dir)]
+        if self.model is not None:
+            config = self.config(values)
+            if config.track != "none" and config.track_group is None:
+                argv += ["--track-group", group]  # the tracker groups a study's trials
+        return argv
+
+    def trial_env(self, folder: Path) -> dict:
+        """A tracked study's trials log to one MLflow store, the study's (unless MLFLOW_TRACKING_URI is set)."""
+        if self.model is None or self.config({}).track != "mlflow" or os.environ.get("MLFLOW_TRACKING_URI"):
+            return {}
+        return {"MLFLOW_TRACKING_URI": f"sqlite:///{(folder / 'mlflow.db').resolve()}"}
+
+    def best_line(self, values: dict) -> str:
+        """The command line of a trial's settings (jaxtrain runs: ``cli.to_argv``, defaults left out)."""
+        if self.model is None:
+            return shlex.join([*self.argv, *flags(values)])
+        config = self.config(values)
+        return shlex.join(["python", "-m", self.module, *cli.to_argv(config, model_fixed=self.module != "jaxtrain.cli")])
+
+
+def flags(values: dict) -> list[str]:
+    argv = []
+    for name, v in values.items():
+        if isinstance(v, bool):
+            argv += [flag(name)] if v else []  # a false switch: left out (the default)
+        else:
+            argv += [flag(name), str(v)]
+    return argv
+
+
+# ---------------------------------------------------------------- running one trial
+
+
+class TrialFailed(Exception):
+    """A trial's run ended without its summary (its log says why); the sweep goes on."""
+
+
+def _die_with_parent(cores):
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+    def setup():  # in the child, before exec: only system calls
+        if libc is not None:
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the sweep killed -> SIGTERM (the run stops cleanly)
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    return setup
+
+
+def run(trial, argv: list[str], out_dir: Path, objective: str, slot: dict, prune: bool, env: dict | None = None,
+        poll: float = 1.0) -> float:
+    """Run one trial to its summary's ``objective``; per-epoch values reported to Optuna (pruned: SIGTERM the
+    run, raise TrialPruned)."""
+    import optuna
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **(env or {}), **slot.get("env", {})}
+    with open(out_dir / "trial.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                preexec_fn=_die_with_parent(slot.get("cores")))  # noqa: PLW1509 - syscalls only
+    trial.set_user_attr("out", str(out_dir))
+    reported = set()
+    try:
+        while True:
+            try:
+                proc.wait(timeout=poll)
+                done = True
+            except subprocess.TimeoutExpired:
+                done = False
+            for row in epoch_rows(out_dir / "metrics.jsonl"):
+                value = row.get(objective)
+                if row["epoch"] in reported or value is None or not math.isfinite(value):
+                    continue
+                reported.add(row["epoch"])
+                trial.report(float(value), row["epoch"])
+                if prune and not done and trial.should_prune():
+                    proc.terminate()
+                    proc.wait()
+                    raise optuna.TrialPruned(f"epoch {row['epoch']}: {objective} {value:.4g}")
+            if done:
+                break
+    finally:
+        if proc.poll() is None:  # the sweep stops (Ctrl-C, an error): the run stops with it
+            proc.terminate()
+            proc.wait()
+    return result(out_dir, objective, proc.returncode, argv)
+
+
+def epoch_rows(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    return [json.loads(line) for line in lines if line.strip()]  # written whole (atomic), so never half a line
+
+
+def result(out_dir: Path, objective: str, returncode: int, argv: list[str]) -> float:
+    summary_path = out_dir / "summary.json"
+    if returncode != 0 or not summary_path.is_file():
+        tail = _last_line(out_dir / "trial.log")
+        if returncode == 2:  # a usage error: every trial would fail the same way
+            raise ConfigError(f"the trial's command failed with a usage error: {tail} (command: {shlex.join(argv)})")
+        raise TrialFailed(f"exit code {returncode}: {tail} (log: {out_dir / 'trial.log'})")
+    summary = json.loads(summary_path.read_text())
+    value = summary.get(objective)
+    if not isinstance(value, (int, float)):
+        numbers = sorted(k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+        raise ConfigError(f"--objective {objective}: not a number in the run's summary.json; choose one of "
+                          f"{', '.join(numbers)}")
+    return float(value)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1][:300] if lines else "(empty log)"
