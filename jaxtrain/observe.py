@@ -84,7 +84,7 @@ class Views(list):
             view.flush()
 
 
-def step_log(every: int, say, events: Views | None) -> Hook:
+def step_log(every: int, say, views: Views | None) -> Hook:
     """Every ``every`` steps: one line (loss, examples/s, data wait since the last line) and step scalars."""
     last = {"sec": None, "examples": 0, "wait": 0.0}
 
@@ -103,30 +103,30 @@ def step_log(every: int, say, events: Views | None) -> Hook:
         lr = f", lr {values['lr']:.4g}" if "lr" in values else ""
         say(f"step {step}: loss {values['loss']:.4f}{lr}, {values['examples_per_sec']:,.0f} examples/s, data wait "
             f"{100 * values['data_wait_fraction']:.0f}%", flush=True)
-        if events is not None:
-            events.scalars(step, values, "train_step")
+        if views is not None:
+            views.scalars(step, values, "train_step")
 
     return Hook(log, every)
 
 
-def eval_line(say, events: Views | None):
+def eval_line(say, views: Views | None):
     """``on_result`` of a step-period ``evaluation``: one line and ``test_step/`` scalars."""
     def show(loop: Loop, result: dict) -> None:
         say(f"step {result['step']}: test loss {result['loss']:.4f}, test acc {result['accuracy']:.3f} "
             f"({result['count']} examples, {result['sec']:.1f} s)", flush=True)
-        if events is not None:
-            events.scalars(result["step"], {"loss": result["loss"], "accuracy": result["accuracy"]}, "test_step")
+        if views is not None:
+            views.scalars(result["step"], {"loss": result["loss"], "accuracy": result["accuracy"]}, "test_step")
 
     return show
 
 
-def epoch_events(events: Views) -> Hook:
+def epoch_scalars(views: Views) -> Hook:
     def write(loop: Loop) -> None:
         s = loop.stats
         tested = {"test_loss": s.test_loss, "test_acc": s.test_acc} if s.test_examples else {}
-        events.scalars(s.epoch, {"train_loss": s.train_loss, "train_acc": s.train_acc, **tested,
+        views.scalars(s.epoch, {"train_loss": s.train_loss, "train_acc": s.train_acc, **tested,
                                  "train_sec": s.train_sec, "data_wait_fraction": s.data_wait_fraction}, "epoch")
-        events.flush()
+        views.flush()
 
     return Hook(write, unit="epoch")
 
@@ -166,7 +166,7 @@ def watchers(config: RunConfig, out_dir: Path | None, say, evaluator=None, test_
     (--track: jaxtrain.track) ask for (files on process 0 only). The caller closes the events and the tracker."""
     events = Events(out_dir, dataclasses.asdict(config)) if out_dir is not None else None
     views = Views(v for v in (events, tracker) if v is not None) or None
-    hooks = [epoch_events(views)] if views else []
+    hooks = [epoch_scalars(views)] if views else []
     if config.log_every:
         hooks.append(step_log(config.log_every, say, views))
     if config.eval_every_steps:

@@ -1,5 +1,6 @@
 """jaxtrain.sweep: --param specs, the trial's command, pruning a running trial, and a study that survives a kill."""
 
+import json
 import os
 import re
 import signal
@@ -192,3 +193,40 @@ def _cmdline(pid: str) -> str:
         return open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
     except OSError:
         return ""
+
+
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_a_sweep_from_python_over_a_run_config(tmp_path, monkeypatch):
+    from jaxtrain import RunConfig
+    from jaxtrain.sweep import sweep
+
+    for name, value in cached_compiles({}).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
+    said = []
+    base = RunConfig(model="lenet", devices=1, epochs=1, train_subset=512, test_subset=256, optimizer="adam")
+    study = sweep("py", f"sqlite:///{tmp_path}/s.db", ["lr=log:1e-3:1e-2"], trials=2, base=base,
+                  say=lambda *a, **k: said.append(" ".join(map(str, a))))
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"], "\n".join(said)
+    summary = json.loads((tmp_path / "py" / "trial-0000" / "summary.json").read_text())
+    assert summary["train_examples"] == 512 and summary["lr"] in [t.params["lr"] for t in study.trials]
+    best = [ln for text in said for ln in text.splitlines() if ln.startswith("  python -m jaxtrain.cli")]
+    assert best == [f"  python -m jaxtrain.cli --model lenet --devices 1 --epochs 1 --lr {study.best_params['lr']} "
+                    "--optimizer adam --train-subset 512 --test-subset 256"], said
+
+
+def test_parallel_trials_share_the_cores_between_them():
+    import shutil
+
+    from jaxtrain.sweep import slots
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU machine: trials share its GPUs")
+    cores = sorted(os.sched_getaffinity(0))
+    assert slots(1) == [{}]  # one trial at a time: the whole machine
+    if len(cores) >= 2:
+        shares = [s["cores"] for s in slots(2)]
+        assert sorted(c for s in shares for c in s) == cores and all(shares)
+    with pytest.raises(ConfigError, match=f"--parallel {len(cores) + 1}: only {len(cores)} CPU cores to share"):
+        slots(len(cores) + 1)
