@@ -57,13 +57,11 @@ def plots(study, folder: Path) -> dict[str, str]:
     for name, draw in (("history", ov.plot_optimization_history), ("importances", ov.plot_param_importances),
                        ("slice", ov.plot_slice)):
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings():  # Optuna's ExperimentalWarning
                 warnings.simplefilter("ignore")
                 drawn = draw(study)
             figure = (drawn.flat[0] if hasattr(drawn, "flat") else drawn).figure
-            figure.set_size_inches(max(figure.get_size_inches()[0], 7), max(figure.get_size_inches()[1], 4))
-            figure.tight_layout()
-            figure.savefig(folder / f"{name}.png", dpi=90)
+            figure.savefig(folder / f"{name}.png", dpi=90, bbox_inches="tight")
             plt.close(figure)
         except (ValueError, RuntimeError, ZeroDivisionError) as e:
             skipped[name] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
