@@ -212,8 +212,9 @@ def test_a_sweep_from_python_over_a_run_config(tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "py" / "trial-0000" / "summary.json").read_text())
     assert summary["train_examples"] == 512 and summary["lr"] in [t.params["lr"] for t in study.trials]
     best = [ln for text in said for ln in text.splitlines() if ln.startswith("  python -m jaxtrain.cli")]
-    assert best == [f"  python -m jaxtrain.cli --model lenet --devices 1 --epochs 1 --lr {study.best_params['lr']} "
-                    "--train-subset 512 --test-subset 256 --optimizer adam"], said  # RunConfig's field order
+    line = (f"  python -m jaxtrain.cli --model lenet --devices 1 --epochs 1 --lr {study.best_params['lr']} "
+            "--train-subset 512 --test-subset 256 --optimizer adam")  # RunConfig's field order
+    assert best == [line], said
 
 
 def test_parallel_trials_share_the_cores_between_them():
