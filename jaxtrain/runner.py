@@ -155,8 +155,7 @@ def open_outputs(s: Setup, state, position) -> RunWriter | None:
 
 
 def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tracker=None):
-    """fit with the run's outputs (``tracker``: --track's view), checkpoints and signal handling; (state,
-    history, first_loss, stats)."""
+    """fit with the run's outputs, tracker, checkpoints and signal handling; (state, history, first_loss, stats)."""
     c, say = s.config, s.say
     train_data = loader.Loader(data["train"], s.call_batch, train=True, seed=c.seed, workers=c.workers,
                                augment=c.augment)
@@ -188,8 +187,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
         with stop.busy():
             s.checkpointer.save(state, position)
 
-    watching, profile, events = observe.watchers(c, writer.out_dir if writer else None, say, s.evaluator, test_data,
-                                                tracker)
+    watching, profile, events = observe.watchers(c, writer and writer.out_dir, say, s.evaluator, test_data, tracker)
     hooks = [*watching, *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
              Hook(lambda loop: s.last.update(loop.recent), unit="epoch")]  # the last step's metrics
     if c.memory_report:
@@ -283,21 +281,16 @@ def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = s
             s.say(f"its model was never written to {c.out}: writing it now")
             save_model(s, Path(c.out), state, summary, settings)
         return summary
-    tracker = None
     try:
         writer = open_outputs(s, state, position)
-        if writer is not None:
-            tracker = track.start(c.track, writer.out_dir, {**dataclasses.asdict(c), **settings}, c.track_group)
-        s.say(describe(s, data, writer), flush=True)
-        state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop, tracker)
-        summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
-        if tracker is not None:
-            tracker.finish(summary, [writer.out_dir / "curves.png"])
-        save_model(s, writer and writer.out_dir, state, summary, settings)
-    except BaseException as e:
-        if tracker is not None:  # a run that did not finish: the tracker says how it ended
-            tracker.close("killed" if isinstance(e, (Exit, KeyboardInterrupt)) else "failed")
-        raise
+        out_dir = writer and writer.out_dir
+        with track.view(c.track, out_dir, {**dataclasses.asdict(c), **settings}, c.track_group) as tracker:
+            s.say(describe(s, data, writer), flush=True)
+            state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop, tracker)
+            summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
+            if tracker is not None:
+                tracker.finish(summary, [out_dir / "curves.png"])
+        save_model(s, out_dir, state, summary, settings)
     finally:
         if s.out_lock is not None:
             s.out_lock.release()

@@ -19,6 +19,7 @@ continues the same tracked run: its id is kept in ``OUT/track.json``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import netrc
 import os
@@ -27,6 +28,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from jaxtrain.files import atomic_write
+from jaxtrain.signals import Exit
 
 
 class Tracker:
@@ -199,3 +201,16 @@ TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
 def start(kind: str, out_dir: Path, config: dict, group: str | None = None) -> Tracker | None:
     """The tracker ``--track`` names (``none``: None)."""
     return None if kind == "none" else TRACKERS[kind](kind, out_dir, config, group)
+
+
+@contextlib.contextmanager
+def view(kind: str, out_dir: Path | None, config: dict, group: str | None = None):
+    """``start``'s tracker for the run's block (None without ``--track`` or an ``out_dir``); a block that ends in
+    an exception closes it as killed (a signal) or failed."""
+    tracker = start(kind, out_dir, config, group) if out_dir is not None else None
+    try:
+        yield tracker
+    except BaseException as e:
+        if tracker is not None:
+            tracker.close("killed" if isinstance(e, (Exit, KeyboardInterrupt)) else "failed")
+        raise
