@@ -181,31 +181,6 @@ def format_summary(summary: dict) -> str:
 
 # ------------------------------------------------------------ throughput and MFU
 
-# Dense peaks from vendor datasheets (TFLOP/s, no sparsity): bf16 tensor-core and plain fp32.
-GPU_PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp32": 67.0},
-    "H100 SXM": {"bf16": 989.0, "fp32": 67.0},
-    "H100 PCIe": {"bf16": 756.0, "fp32": 51.0},
-    "A100": {"bf16": 312.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.0, "fp32": 91.6},
-    "L4": {"bf16": 121.0, "fp32": 30.3},
-    "A10": {"bf16": 125.0, "fp32": 31.2},
-    "V100": {"bf16": None, "fp32": 15.7},
-    "T4": {"bf16": None, "fp32": 8.1},
-}
-
-
-def gpu_peak_flops(device_kind: str, dtype: str) -> float | None:
-    """The datasheet peak (FLOP/s) of a GPU named like ``device_kind``, or None."""
-    kind = device_kind.upper().replace("NVIDIA", "").strip()
-    for name in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
-        words = name.upper().split()
-        if all(w in kind for w in words) or (words[0] in kind and name == "H100 SXM" and "PCIE" not in kind):
-            peak = GPU_PEAK_TFLOPS[name]["bf16" if dtype in ("bf16", "fp16") else "fp32"]
-            return None if peak is None else peak * 1e12
-    return None
-
-
 def measure_matmul_peak(n: int = 2048, repeats: int = 5, device=None) -> float:
     """FLOP/s of an n x n fp32 matmul on one device (best of ``repeats``): a measured peak."""
     device = device or jax.local_devices()[0]

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 
 import jaxtrain as jt
-from jaxtrain import assemble, diagnostics, distill, export, models, observe, remat, track
+from jaxtrain import assemble, diagnostics, distill, export, gpu, models, observe, remat, track
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
 from jaxtrain.data import loader, sources
@@ -243,7 +243,7 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
     """summary.json: the result first on stdout (if the files fail, the user still has it), then the files."""
     c, platform = s.config, s.devices[0].platform
     peak = (diagnostics.measure_matmul_peak() if c.measure_peak
-            else diagnostics.gpu_peak_flops(s.devices[0].device_kind, c.precision) if platform == "gpu" else None)
+            else gpu.peak_flops(s.devices[0].device_kind, c.precision) if platform == "gpu" else None)
     summary = run_summary(c, c.model, history, first_loss, stats, peak, s.devices, s.call_batch, steps_per_epoch,
                           {k: len(v) for k, v in data.items()}, settings["data_sha256"])
     summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,

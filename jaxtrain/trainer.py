@@ -114,7 +114,8 @@ class Trainer:
         computed or placed (``params`` may be shapes; ``init_fn`` is only traced). ``trainer.lower(state,
         batch_shapes).compile()`` then compiles for the mesh's devices, e.g. the compile-only GPUs of
         ``jaxtrain.gpu.mesh_for``."""
-        shapes = jax.eval_shape(self._maker(params, model_state, init_fn), jax.random.key(0) if rng is None else rng)
+        make = lambda p, m, r: self._maker(p, m, init_fn)(r)  # noqa: E731 (shapes are arguments: never closed over)
+        shapes = jax.eval_shape(make, params, model_state, jax.random.key(0) if rng is None else rng)
         return sharding.abstract(shapes, self.plan(shapes).state)
 
     def _compiled(self, state) -> parallel.Compiled:

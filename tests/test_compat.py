@@ -43,8 +43,12 @@ def _trainer(strategy, precision="fp32", accum_steps=1):
 @pytest.mark.parametrize("strategy", jt.STRATEGIES)
 @pytest.mark.parametrize(("precision", "accum_steps"), [("fp32", 1), ("bf16", 1), ("fp32", 4)])
 def test_train_step_lowers_for_cuda_on_a_cpu_host(strategy, precision, accum_steps):
-    trainer, state = _trainer(strategy, precision, accum_steps)
-    batch = random_batch(64)
+    """From shapes alone (the public shape-only API: nothing computed or placed), as from a GPU plan."""
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=2, strategy=strategy, precision=precision,
+                                 accum_steps=accum_steps)
+    state = trainer.abstract_state(jax.eval_shape(lenet.init_params, jax.random.key(0)))
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(state))
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), random_batch(64))
     cuda = trainer.lower(state, batch, platforms=("cuda",)).as_text()
     cpu = trainer.lower(state, batch).as_text()
     assert "stablehlo.convolution" in cuda

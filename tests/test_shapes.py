@@ -40,6 +40,8 @@ def test_a_step_compiles_from_shapes_alone_as_from_arrays(strategy, param_shardi
 def test_shapes_are_checked_like_batches():
     trainer = _trainer()
     abstract = trainer.abstract_state(LENET.init(jax.random.key(0))[0])  # params given as arrays work too
+    from_param_shapes = trainer.abstract_state(jax.eval_shape(lambda r: LENET.init(r)[0], jax.random.key(0)))
+    assert from_param_shapes == abstract  # and as shapes (they were closed over as constants, and failed)
     with pytest.raises(ConfigError, match="batch size 63 does not split evenly over 2 devices"):
         trainer.lower(abstract, LENET.batch_shapes(63))
     uneven = {"image": jax.ShapeDtypeStruct((64, 28, 28, 1), jnp.float32),
@@ -56,6 +58,8 @@ def test_a_pipeline_and_its_eval_step_compile_from_shapes():
                                     microbatches=2)
     abstract = trainer.abstract_state(init_fn=vit.init)
     assert abstract.params["stages"]  # stored as the schedule places them: [repeats, stages, K, ...]
+    param_shapes = jax.eval_shape(lambda r: vit.init(r)[0], jax.random.key(0))
+    assert trainer.abstract_state(param_shapes).params == abstract.params  # params as shapes, pipelined alike
     compiled = trainer.lower(abstract, vit.batch_shapes(16)).compile()
     assert "collective-permute" in compiled.as_text()
     evaluator = jt.make_eval_step(trainer.eval_fn(stack.head_eval_fn), mesh=mesh)

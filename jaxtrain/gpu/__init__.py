@@ -19,7 +19,7 @@ step time ESTIMATED from the program (``gpu.estimate``); ``gpu.scaling`` does it
 from jaxtrain.gpu.estimate import Estimate, OpTime, estimate
 from jaxtrain.gpu.plan import JAX_MEMORY_FRACTION, GpuPlan, plan
 from jaxtrain.gpu.scaling import format_scaling, scaling
-from jaxtrain.gpu.targets import INSTALL, TESTED, Target, check_plugin, mesh_for, names, target
+from jaxtrain.gpu.targets import INSTALL, TESTED, Target, check_plugin, mesh_for, names, peak_flops, target
 
 __all__ = ["Estimate", "GpuPlan", "INSTALL", "OpTime", "estimate", "format_scaling", "scaling", "JAX_MEMORY_FRACTION", "TESTED", "Target", "check_plugin", "mesh_for", "names",
-           "plan", "target"]
+           "peak_flops", "plan", "target"]

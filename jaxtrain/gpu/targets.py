@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from importlib import resources
 from importlib.util import find_spec
 
@@ -56,10 +57,7 @@ class Target:
         return int(self.memory_gb * 1e9)
 
     def peak_flops(self, precision: str) -> float:
-        """Dense FLOP/s for a run's precision: tensor cores in bf16/fp16, TF32 for fp32 (XLA's default for f32
-        matmuls on these GPUs); where the GPU has no such tensor cores, its fp32 peak."""
-        key = {"fp32": "tf32"}.get(precision, precision)
-        return self.peak_tflops.get(key, self.peak_tflops["fp32"]) * 1e12  # V100: no TF32 / bf16 tensor cores
+        return _dense_peak(self.peak_tflops, precision)
 
     def config_text(self) -> str:
         """The target as XLA's ``GpuTargetConfigProto`` in text form (what the CUDA plugin compiles for)."""
@@ -110,6 +108,26 @@ def _table() -> dict:
     data = _data()
     return {key: Target(key=key, **{**spec, "compute_capability": tuple(spec["compute_capability"])})
             for key, spec in data.items() if not key.startswith("_")}
+
+
+def _dense_peak(peak_tflops: dict, precision: str) -> float:
+    """Dense FLOP/s for a run's precision: tensor cores in bf16/fp16, TF32 for fp32 (XLA's default for f32
+    matmuls on these GPUs); where the GPU has no such tensor cores, its fp32 peak (V100, T4: no TF32 or bf16)."""
+    key = {"fp32": "tf32"}.get(precision, precision)
+    return peak_tflops.get(key, peak_tflops["fp32"]) * 1e12
+
+
+def peak_flops(device_kind: str, precision: str) -> float | None:
+    """The dense peak FLOP/s, for a run's precision, of the real GPU JAX names ``device_kind`` (e.g. "NVIDIA H100
+    PCIe"): a target's, or one of the boards ``targets.json`` knows only by their peaks ("_boards"); None for
+    another device. The most specific name wins: "h100 pcie" before "h100"."""
+    words = set(re.split(r"[^A-Z0-9]+", device_kind.upper()))
+    peaks = {key: t.peak_tflops for key, t in _table().items()}
+    peaks.update({key: spec["peak_tflops"] for key, spec in _data()["_boards"].items() if not key.startswith("_")})
+    for key in sorted(peaks, key=lambda k: -len(k.split())):
+        if set(key.upper().split()) <= words:
+            return _dense_peak(peaks[key], precision)
+    return None
 
 
 def names() -> tuple[str, ...]:
