@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from experiments.bench_torch import TorchWorker
-    from jaxtrain import diagnostics, models
+    from jaxtrain import compat, diagnostics, models
     from jaxtrain.sharding import place
     from jaxtrain.timing import time_steps
 
@@ -157,9 +157,9 @@ def main(argv=None) -> int:
         """Median over the repeats of a/b within each repeat (both ran within seconds of each other)."""
         return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
-    print(f"\n{'LeNet' if lenet_model else 'ResNet-18'} train step, batch {args.batch_size}, {len(devices)} {devices[0].platform} devices, "
-          f"jax {jax.__version__}; median (min-max) of {args.repeats} x {args.steps} steps; "
-          f"measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
+    print(f"\n{'LeNet' if lenet_model else 'ResNet-18'} train step, batch {args.batch_size}, {len(devices)} "
+          f"{devices[0].platform} devices ({compat.cpu_isa() or 'ISA unknown'}), jax {jax.__version__}; "
+          f"median (min-max) of {args.repeats} x {args.steps} steps; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
     print("| variant | ms/step | examples/s | GFLOP/s | % of peak |\n|---|---|---|---|---|")
     for name, v in times.items():
         ms = med[name]
@@ -183,6 +183,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "batch_size": args.batch_size, "devices": len(devices),
+                       "cpu_isa": compat.cpu_isa(), "jax": jax.__version__,
+                       "xla_flags": os.environ.get("XLA_FLAGS", ""),
                        "jaxtrain_ms": med["jaxtrain"], "handwritten_ms": med["handwritten"],
                        "torch_ms": med.get("torch"), "peak_gflops": peak / 1e9, "flops_per_step": flops,
                        "bytes_per_step": bytes_accessed,

@@ -6,7 +6,9 @@ RUN_DIR is a finished run's --out directory (it holds model/ and model.json).
 Weights int8 with a scale per output channel, activations int8 with a scale
 per example (dynamic), int8 x int8 -> int32 convolutions and dots (counted in
 the compiled program) via qwix. Prints fp32 vs int8 test accuracy, argmax
-agreement, parameter bytes and inference ms per batch on one device.
+agreement, parameter bytes and inference ms per batch on one device: each
+program as fast as jaxtrain compiles it on this CPU (fp32 under jaxtrain's
+CPU flags, like training; int8 with ``compat.int8_compiler_options``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ def _run_data_dir(run: str) -> str | None:
 
 
 def measure(args) -> dict:
+    import jaxtrain as jt
+    from jaxtrain import compat
+
+    if not compat.backend_started():  # from the command line: jaxtrain's CPU flags, as a run (fp32 at its fastest)
+        jt.setup_devices(1)  # the int8 program sets its own options
     import jax
     import numpy as np
 
@@ -70,7 +77,8 @@ def measure(args) -> dict:
            "argmax_agreement": float((fp32 == int8).mean()), "fp32_param_bytes": q.fp32_param_bytes,
            "int8_param_bytes": q.int8_param_bytes, "int8_convolutions": ops["convolution"], "int8_dots": ops["dot"],
            "int8_operands": ops["s8"],
-           "ms_per_batch": {}, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+           "ms_per_batch": {}, "device": jax.devices()[0].device_kind, "cpu_isa": compat.cpu_isa(),
+           "jax": jax.__version__}
     for b in args.batch_sizes:
         x = jax.device_put(np.resize(images, (b, *images.shape[1:])))
         out["ms_per_batch"][b] = {k: 1e3 * median_seconds(lambda f=f: f(x).block_until_ready(), args.repeats)
@@ -79,7 +87,8 @@ def measure(args) -> dict:
 
 
 def table(r: dict) -> str:
-    lines = [f"{r['model']} ({r['run']}), {r['test_examples']} test examples of {r['dataset']}; {r['device']}, "
+    lines = [f"{r['model']} ({r['run']}), {r['test_examples']} test examples of {r['dataset']}; {r['device']} "
+             f"({r['cpu_isa'] or 'ISA unknown'}), "
              f"jax {r['jax']}; int8 program: {r['int8_convolutions']} integer convolutions, {r['int8_dots']} integer dots "
              f"({r['int8_operands']} of them on int8 operands)",
              "", "| | fp32 | int8 | int8 / fp32 |", "|---|---|---|---|",

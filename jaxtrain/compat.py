@@ -12,18 +12,30 @@ import re
 from importlib import metadata
 
 # XLA:CPU flags jaxtrain sets (devices.setup_devices), each with the jaxlib
-# versions it is known to exist in: [first, last] tested. An UNKNOWN flag in
-# $XLA_FLAGS aborts the process at start-up, so a flag is never set for a
-# jaxlib outside its tested range (that jaxlib then runs with XLA's defaults).
+# versions it is known to exist in ([first, last] tested) and the CPUs (vector
+# ISA, ``cpu_isa``) where it measured a win. An UNKNOWN flag in $XLA_FLAGS
+# aborts the process at start-up, so a flag is never set for a jaxlib outside
+# its tested range; a CPU it was not measured on keeps XLA's defaults.
 #
 # --xla_cpu_experimental_ynn_fusion_type=reduce: jaxlib 0.10.2, 0.11.2 and
 # 0.12.0.1 all hand convolutions and dots to YNNPACK fusions by default,
-# which ran LeNet's step slower than XLA's own Eigen kernels on this
-# project's CPUs (docs/performance.md, measured per version). Reductions
-# stay with YNNPACK (XLA's own lost accuracy in BatchNorm statistics).
+# which ran LeNet's step slower than XLA's own Eigen kernels
+# (docs/performance.md, "Per CPU": experiments.bench with and without
+# --xla-defaults, torch/jaxtrain paired): AVX-512 1.04 vs 0.93 (0.10.2) and
+# 1.01 vs 0.93 (0.12); AVX2 1.01 vs 0.89 (0.12), and within the noise on 0.10.2
+# (1.07 and 1.01 vs 1.02), kept there for one behaviour per CPU kind.
+# Reductions stay with YNNPACK (XLA's own lost accuracy in BatchNorm statistics).
 CPU_XLA_FLAGS = (
-    ("--xla_cpu_experimental_ynn_fusion_type=reduce", (0, 10, 2), (0, 12, 0)),
+    ("--xla_cpu_experimental_ynn_fusion_type=reduce", (0, 10, 2), (0, 12, 0), ("AVX-512", "AVX2")),
 )
+
+
+# The int8 inference programs (jaxtrain.quantize) are compiled with their own options, per jit: convolutions
+# and dots to YNNPACK, which has int8 kernels. Under the training flag above they go to Eigen, which has none:
+# XLA widens int8 operands to int32 there, and LeNet's int8 conv2 ran ~9x slower than in fp32
+# (experiments.bench_int8). The list form of the option is parsed by jaxlib 0.10.2 and 0.12.0.1 alike.
+INT8_CPU_OPTIONS = (({"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
+                     "LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION,LIBRARY_FUSION_TYPE_REDUCE"}, (0, 10, 2), (0, 12, 0)),)
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -39,12 +51,52 @@ def installed_version(dist: str) -> tuple[int, ...] | None:
         return None
 
 
-def cpu_xla_flags(jaxlib: tuple[int, ...] | None = None) -> tuple[str, ...]:
-    """The CPU flags jaxtrain sets for ``jaxlib`` (default: the installed one)."""
+def cpu_xla_flags(jaxlib: tuple[int, ...] | None = None, isa: str | None = None) -> tuple[str, ...]:
+    """The CPU flags jaxtrain sets for ``jaxlib`` on a CPU of vector ISA ``isa`` (defaults: the installed jaxlib,
+    this CPU's ``cpu_isa()``)."""
     jaxlib = installed_version("jaxlib") if jaxlib is None else jaxlib
+    isa = cpu_isa() if isa is None else isa
     if jaxlib is None:
         return ()
-    return tuple(flag for flag, first, last in CPU_XLA_FLAGS if first <= jaxlib[:3] <= last)
+    return tuple(flag for flag, first, last, isas in CPU_XLA_FLAGS if first <= jaxlib[:3] <= last and isa in isas)
+
+
+# XLA's --xla_cpu_max_isa values, from the oldest vector ISA up (an x86 host's code is built for the lower of
+# its own ISA and this cap).
+_X86_ISAS = ("SSE4_2", "AVX", "AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX")
+
+
+def cpu_isa(cpuinfo: str | None = None, xla_flags: str | None = None) -> str:
+    """The vector ISA XLA:CPU builds code for here: "AVX-512", "AVX2", "older than AVX2" (x86; read from
+    /proc/cpuinfo's flags, capped by ``--xla_cpu_max_isa`` in $XLA_FLAGS), or "" where that cannot be read (not
+    Linux on x86). CPUs differ between machines: results and benchmarks name it, and CPU flags follow it."""
+    import os
+
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return ""
+    line = next((x for x in cpuinfo.splitlines() if x.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    if not flags & {"sse4_2", "avx", "avx2", "avx512f"}:
+        return ""
+    level = 3 if "avx512f" in flags else 2 if "avx2" in flags else 1
+    cap = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
+    if cap and cap.group(1).upper() in _X86_ISAS:
+        level = min(level, 3 if cap.group(1).upper().startswith(("AVX512", "AMX")) else
+                    2 if cap.group(1).upper() == "AVX2" else 1)
+    return {3: "AVX-512", 2: "AVX2", 1: "older than AVX2"}[level]
+
+
+def int8_compiler_options(jaxlib: tuple[int, ...] | None = None) -> dict:
+    """``jax.jit(..., compiler_options=)`` for int8 inference programs on ``jaxlib`` (default: the installed
+    one): {} outside the tested range (XLA's defaults then, which also send int8 to YNNPACK)."""
+    jaxlib = installed_version("jaxlib") if jaxlib is None else jaxlib
+    if jaxlib is None:
+        return {}
+    return next((dict(options) for options, first, last in INT8_CPU_OPTIONS if first <= jaxlib[:3] <= last), {})
 
 
 def backend_started() -> bool:

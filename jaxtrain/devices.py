@@ -28,8 +28,8 @@ def batch_axes(mesh) -> str | tuple[str, ...]:
 # rendezvous overhead (and XLA:CPU's all-reduce rendezvous can starve).
 CPU_DEVICES_PER_CORE = 4
 
-# XLA:CPU flags (compat.CPU_XLA_FLAGS, chosen per jaxlib version: why, and
-# the measurements, are there) are added to $XLA_FLAGS before JAX starts,
+# XLA:CPU flags (compat.CPU_XLA_FLAGS, chosen per jaxlib version and CPU
+# vector ISA: why, and the measurements, are there) are added to $XLA_FLAGS before JAX starts,
 # unless $XLA_FLAGS already names them. They are CPU-only: the CPU compiler
 # reads them, so a step compiled for a GPU never sees them.
 # JAXTRAIN_XLA_DEFAULTS=1 keeps XLA's defaults (to compare with a new jaxlib).

@@ -20,16 +20,17 @@ def int8_weight(w: jax.Array) -> qwix.QArray:
     return qwix.quantize(w, jnp.int8, channelwise_axes=(w.ndim - 1,))
 
 
-def _int8_act(x: jax.Array) -> qwix.QArray:
+def int8_act(x: jax.Array) -> qwix.QArray:
+    """int8 values, a float scale per example (the first axis), computed from ``x`` itself (dynamic)."""
     return qwix.quantize(x, jnp.int8, channelwise_axes=(0,))  # a scale per example, from this batch
 
 
 def conv(x, w, *args, **kwargs):
-    return qwix.conv_general_dilated(_int8_act(x), w, *args, **kwargs)
+    return qwix.conv_general_dilated(int8_act(x), w, *args, **kwargs)
 
 
 def matmul(x, w):
-    return qwix.dot_general(_int8_act(x), w, (((x.ndim - 1,), (0,)), ((), ())))
+    return qwix.dot_general(int8_act(x), w, (((x.ndim - 1,), (0,)), ((), ())))
 
 
 INT8_OPS = (conv, matmul)  # lenet.apply(..., ops=INT8_OPS)

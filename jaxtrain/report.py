@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 
+from jaxtrain.compat import cpu_isa
 from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError
 from jaxtrain.files import atomic_write, ensure_room, ensure_writable, out_of_space, remove_stale_temps
@@ -156,6 +157,7 @@ def run_summary(args, name: str, history, first_loss, stats, peak, devices, call
         "devices": len(devices),
         "processes": jax.process_count(),
         "platform": devices[0].platform,
+        "cpu_isa": cpu_isa() if devices[0].platform == "cpu" else None,  # CPU results depend on it
         "strategy": args.strategy,
         "precision": args.precision,
         "accum_steps": args.accum_steps,

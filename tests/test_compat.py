@@ -20,13 +20,15 @@ def test_version_tuple(text, parsed):
     assert compat.version_tuple(text) == parsed
 
 
-@pytest.mark.parametrize(("jaxlib", "flags"), [
-    ((0, 10, 2), (YNN_FLAG,)), ((0, 11, 2), (YNN_FLAG,)), ((0, 12, 0), (YNN_FLAG,)),
-    ((0, 10, 1), ()),  # older than tested: XLA's defaults, never a flag that might not exist
-    ((0, 13, 0), ()),  # newer than tested: the same
+@pytest.mark.parametrize(("jaxlib", "isa", "flags"), [
+    ((0, 10, 2), "AVX-512", (YNN_FLAG,)), ((0, 11, 2), "AVX2", (YNN_FLAG,)), ((0, 12, 0), "AVX-512", (YNN_FLAG,)),
+    ((0, 10, 1), "AVX-512", ()),  # older than tested: XLA's defaults, never a flag that might not exist
+    ((0, 13, 0), "AVX2", ()),  # newer than tested: the same
+    ((0, 12, 0), "older than AVX2", ()),  # a CPU kind the flag was never measured on: XLA's defaults
+    ((0, 10, 2), "", ()),  # not x86 (e.g. ARM): the same
 ])
-def test_cpu_xla_flags_only_for_jaxlibs_known_to_have_them(jaxlib, flags):
-    assert compat.cpu_xla_flags(jaxlib) == flags
+def test_cpu_xla_flags_only_for_jaxlibs_known_to_have_them_on_cpus_measured(jaxlib, isa, flags):
+    assert compat.cpu_xla_flags(jaxlib, isa) == flags
 
 
 def test_the_installed_jaxlib_is_in_the_tested_range_and_gets_the_flag():
@@ -68,3 +70,23 @@ def test_pmap_strategy_runs_without_warnings():
         trainer, state = _trainer("pmap", accum_steps=2)
         state, metrics = trainer(state, random_batch(64))
         assert float(metrics["loss"]) > 0
+
+
+@pytest.mark.parametrize(("flags", "xla_flags", "isa"), [
+    ("fpu sse4_2 avx avx2 fma avx512f avx512bw avx512_vnni", "", "AVX-512"),
+    ("fpu sse4_2 avx avx2 fma avx512f", "--xla_cpu_max_isa=AVX2", "AVX2"),  # XLA's cap: the code built here
+    ("fpu sse4_2 avx avx2 fma avx512f", "--xla_cpu_max_isa=avx512_vnni", "AVX-512"),
+    ("fpu sse4_2 avx avx2 fma", "", "AVX2"),  # an AVX2-only EPYC: no avx512f
+    ("fpu sse4_2 avx avx2 fma", "--xla_cpu_max_isa=AVX512", "AVX2"),  # a cap never raises it
+    ("fpu sse4_2 avx", "", "older than AVX2"),
+    ("fp asimd evtstrm", "", ""),  # not x86 (an ARM /proc/cpuinfo has "Features", no x86 flags)
+])
+def test_the_cpu_isa_is_read_from_the_flags_and_capped_by_xla(flags, xla_flags, isa):
+    assert compat.cpu_isa(f"processor\t: 0\nflags\t\t: {flags}\n", xla_flags) == isa
+
+
+@pytest.mark.parametrize(("jaxlib", "ynn"), [((0, 10, 2), True), ((0, 12, 0), True), ((0, 10, 1), False),
+                                             ((0, 13, 0), False)])
+def test_int8_programs_get_their_own_options_only_for_tested_jaxlibs(jaxlib, ynn):
+    options = compat.int8_compiler_options(jaxlib)
+    assert ("INDIVIDUAL_CONVOLUTION" in options.get("xla_cpu_experimental_ynn_fusion_type", "")) == ynn

@@ -9,7 +9,7 @@ import pytest
 from conftest import needs_fashion_mnist, run_cli
 
 import jaxtrain as jt
-from jaxtrain import diagnostics
+from jaxtrain import compat, diagnostics
 from jaxtrain.batch_size import find_batch_size, parse_bytes
 from jaxtrain.models import lenet
 
@@ -116,6 +116,7 @@ def test_experiment_records_throughput(tmp_path):
     assert "129,068" in out.stdout and "memory after the first step" in out.stdout
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["ms_per_step"] > 0 and s["achieved_flops_per_sec"] > 0 and 0 < s["mfu"] < 1
+    assert s["platform"] == "cpu" and s["cpu_isa"] == compat.cpu_isa()  # CPU results name their vector ISA
 
 
 def test_a_step_larger_than_free_host_memory_is_warned_before_it_runs(monkeypatch):

@@ -14,7 +14,7 @@ import qwix
 import jaxtrain as jt
 from conftest import needs_fashion_mnist, run_cli
 from experiments import quantize as quantize_cli
-from jaxtrain import export, int8, models, quantize
+from jaxtrain import compat, export, int8, models, quantize
 from jaxtrain.data import loader, sources
 from jaxtrain.errors import ConfigError
 from jaxtrain.files import params_digest
@@ -93,8 +93,8 @@ def test_int8_lenet_agrees_with_fp32_and_runs_integer_ops(trained_lenet):
     fp32, int8 = np.asarray(q.fp32(images)).argmax(-1), np.asarray(q.int8(images)).argmax(-1)
     assert (fp32 == labels).mean() > 0.7  # trained
     assert (fp32 == int8).mean() >= 0.99
-    ops = quantize.integer_ops(q.compiled_text(images))  # int8 widened to int32 under jaxtrain's CPU flag
-    assert (ops["convolution"], ops["dot"]) == (2, 2)
+    ops = quantize.integer_ops(q.compiled_text(images))
+    assert ops == {"convolution": 2, "dot": 2, "s8": 4}  # on int8 operands: the int8 program's own CPU options
     assert quantize.integer_ops(q.compiled_text(images, "fp32")) == {"convolution": 0, "dot": 0, "s8": 0}
     for name, layer in q.int8_params.items():
         w = layer["w"]
@@ -142,7 +142,7 @@ def test_a_finished_lenet_run_is_quantised_from_its_directory(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "model.json").read_text())["model"] == "lenet"
     r = run_cli("-m", "experiments.quantize", "--run", str(out), "--repeats", "2", "--json", str(tmp_path / "q.json"),
-                env={"XLA_FLAGS": ""})  # as users run it: XLA's defaults (not the test process's training flag)
+                env={"XLA_FLAGS": ""})  # as users run it: only the flags jaxtrain sets itself
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "q.json").read_text())
     assert result["test_examples"] == 10000 and result["fp32_acc"] > 0.7
@@ -243,3 +243,15 @@ def test_quantize_reads_the_runs_own_data_and_never_downloads(tmp_path, capsys):
     (run / "summary.json").write_text(json.dumps({"data_source": str(tmp_path / "cifar")}))  # as the run wrote it
     assert quantize_cli.main([*args, "--json", str(tmp_path / "q.json")]) == 0
     assert json.loads((tmp_path / "q.json").read_text())["test_examples"] == 6
+
+
+def test_bench_int8_times_each_layer_in_fp32_and_both_int8_paths(tmp_path):
+    out = run_cli("-m", "experiments.bench_int8", "--batch-size", "2", "--resnet-batch", "1", "--repeats", "1",
+                  "--json", str(tmp_path / "b.json"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["cpu_isa"] == compat.cpu_isa() and "INDIVIDUAL_CONVOLUTION" in str(result["options"])
+    assert set(result["ms"]) >= {"LeNet conv2", "LeNet conv2 as one GEMM (im2col)", "ResNet-18 stage 4 conv"}
+    assert all(set(row) == {"fp32", "int8, training flags", "int8, YNNPACK", "quantise only"} and min(row.values()) > 0
+               for row in result["ms"].values())
+    assert "| LeNet conv2 |" in out.stdout and "best int8 / fp32" in out.stdout
