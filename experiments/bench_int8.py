@@ -21,9 +21,9 @@ Prints a markdown table (ms, median of the repeats; the CPU's vector ISA in the 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from experiments import print_and_save
 from jaxtrain.cli import positive_int
 from jaxtrain.timing import median_seconds
 
@@ -98,12 +98,7 @@ def table(r: dict) -> str:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     result = measure(args)
-    print(table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
-    return 0
+    return print_and_save(table(result), result, args.json)
 
 
 if __name__ == "__main__":

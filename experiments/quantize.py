@@ -14,8 +14,9 @@ CPU flags, like training; int8 with ``compat.int8_compiler_options``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from experiments import print_and_save
 
 
 def parser() -> argparse.ArgumentParser:
@@ -119,12 +120,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"quantize: error: {as_flags(str(e), {'run_dir': '--run'})}", file=sys.stderr)
         return 2
-    print(table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
-    return 0
+    return print_and_save(table(result), result, args.json)
 
 
 if __name__ == "__main__":
