@@ -8,8 +8,8 @@ For each layer shape (LeNet's two convolutions and two dense layers at the batch
 - ``fp32``: the float layer under jaxtrain's CPU flags (convolutions and dots to XLA's Eigen kernels);
 - ``int8, training flags``: int8 x int8 -> int32 (qwix, an activation scale per example) compiled like the
   training step. Eigen has no int8 kernels: XLA widens the operands to int32 first;
-- ``int8, YNNPACK``: the same program compiled with the per-jit options ``jaxtrain.quantize`` uses for its
-  int8 programs (``compat.int8_compiler_options``): convolutions and dots to YNNPACK's int8 kernels;
+- ``int8, YNNPACK``: the same program jitted as ``jaxtrain.quantize`` jits its int8 programs (``int8_jit``:
+  the per-jit options ``compat.int8_compiler_options``): convolutions and dots to YNNPACK's int8 kernels;
 - ``quantise only``: the activation's rounding to int8 alone (its share of the int8 layer).
 
 "LeNet conv2 as one GEMM" is conv2's im2col product (patches [B x 81, 500] by [500, 50]) without the patches'
@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=256, help="LeNet's batch")
     p.add_argument("--resnet-batch", type=positive_int, default=64, help="ResNet-18's batch")
     p.add_argument("--repeats", type=positive_int, default=30, help="timed calls per variant (median reported)")
-    p.add_argument("--json", help="also write the table here")
+    p.add_argument("--json", help="also write the figures to this JSON file")
     return p
 
 
@@ -62,6 +62,7 @@ def measure(args) -> dict:
     import jaxtrain as jt
     from jaxtrain import compat
     from jaxtrain.int8 import int8_act, int8_weight
+    from jaxtrain.quantize import int8_jit
 
     jt.setup_devices(1)
     rng = np.random.default_rng(0)
@@ -69,7 +70,6 @@ def measure(args) -> dict:
                 "dot": lambda x, w: x @ w}
     int8_op = {"conv": lambda x, w: qwix.conv_general_dilated(int8_act(x), w, (1, 1), "VALID", dimension_numbers=DN),
                "dot": lambda x, w: qwix.dot_general(int8_act(x), w, (((1,), (0,)), ((), ())))}
-    options = compat.int8_compiler_options()
     rows = {}
     for name, (kind, xs, ws) in layers(args.batch_size, args.resnet_batch).items():
         x = jax.device_put(rng.random(xs, np.float32))
@@ -77,12 +77,12 @@ def measure(args) -> dict:
         qw = int8_weight(w)
         variants = {"fp32": (jax.jit(float_op[kind]), (x, w)),
                     "int8, training flags": (jax.jit(int8_op[kind]), (x, qw)),
-                    "int8, YNNPACK": (jax.jit(int8_op[kind], compiler_options=options), (x, qw)),
-                    "quantise only": (jax.jit(lambda a: int8_act(a).qvalue, compiler_options=options), (x,))}
+                    "int8, YNNPACK": (int8_jit(int8_op[kind]), (x, qw)),
+                    "quantise only": (int8_jit(lambda a: int8_act(a).qvalue), (x,))}
         rows[name] = {k: 1e3 * median_seconds(lambda f=f, a=a: f(*a).block_until_ready(), args.repeats)
                       for k, (f, a) in variants.items()}
     return {"cpu_isa": compat.cpu_isa(), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-            "options": options, "ms": rows}
+            "options": compat.int8_compiler_options(), "ms": rows}
 
 
 def table(r: dict) -> str:

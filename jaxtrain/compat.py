@@ -8,6 +8,7 @@ before JAX starts (XLA reads $XLA_FLAGS once, when its first backend starts).
 
 from __future__ import annotations
 
+import os
 import re
 from importlib import metadata
 
@@ -70,8 +71,6 @@ def cpu_isa(cpuinfo: str | None = None, xla_flags: str | None = None) -> str:
     """The vector ISA XLA:CPU builds code for here: "AVX-512", "AVX2", "older than AVX2" (x86; read from
     /proc/cpuinfo's flags, capped by ``--xla_cpu_max_isa`` in $XLA_FLAGS), or "" where that cannot be read (not
     Linux on x86). CPUs differ between machines: results and benchmarks name it, and CPU flags follow it."""
-    import os
-
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:

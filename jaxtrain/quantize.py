@@ -82,9 +82,9 @@ def quantize(meta: dict, params, model_state) -> Quantized:
     raise ConfigError(f"int8 quantisation covers {', '.join(MODELS)}; this run trained {meta['model']}")
 
 
-def _int8_jit(fn):
+def int8_jit(fn):
     """``fn`` jitted as an int8 program: on CPU with ``compat.int8_compiler_options`` (YNNPACK's int8 kernels, not
-    the training flag's Eigen, which has none)."""
+    the training flag's Eigen, which has none; experiments.bench_int8 times both)."""
     return jax.jit(fn, compiler_options=compat.int8_compiler_options() if jax.default_backend() == "cpu" else None)
 
 
@@ -93,7 +93,7 @@ def _lenet(params) -> Quantized:
 
     params = jax.tree.map(jnp.asarray, params)
     qparams = {name: {"w": int8_weight(p["w"]), "b": p["b"]} for name, p in params.items()}
-    return Quantized(jax.jit(lenet.apply), _int8_jit(lambda p, x: lenet.apply(p, x, ops=INT8_OPS)), params, qparams,
+    return Quantized(jax.jit(lenet.apply), int8_jit(lambda p, x: lenet.apply(p, x, ops=INT8_OPS)), params, qparams,
                      params, qparams)
 
 
@@ -113,7 +113,7 @@ def _nnx_resnet(meta, params, model_state) -> Quantized:
         return nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[1])
 
     return Quantized(jax.jit(lambda st, x: nnx.merge(graphdef, st)(x)),
-                     _int8_jit(lambda st, x: nnx.merge(qgraphdef, st)(x)), state, qstate,
+                     int8_jit(lambda st, x: nnx.merge(qgraphdef, st)(x)), state, qstate,
                      pure_params(model), pure_params(qmodel))
 
 
