@@ -62,9 +62,9 @@ def cpu_xla_flags(jaxlib: tuple[int, ...] | None = None, isa: str | None = None)
     return tuple(flag for flag, first, last, isas in CPU_XLA_FLAGS if first <= jaxlib[:3] <= last and isa in isas)
 
 
-# XLA's --xla_cpu_max_isa values, from the oldest vector ISA up (an x86 host's code is built for the lower of
-# its own ISA and this cap).
-_X86_ISAS = ("SSE4_2", "AVX", "AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX")
+# XLA's --xla_cpu_max_isa values on x86, by the level cpu_isa names (an x86 host's code is built for the lower
+# of its own ISA and this cap).
+_ISA_LEVELS = {"SSE4_2": 1, "AVX": 1, "AVX2": 2, "AVX512": 3, "AVX512_VNNI": 3, "AVX512_BF16": 3, "AMX": 3}
 
 
 def cpu_isa(cpuinfo: str | None = None, xla_flags: str | None = None) -> str:
@@ -83,9 +83,8 @@ def cpu_isa(cpuinfo: str | None = None, xla_flags: str | None = None) -> str:
         return ""
     level = 3 if "avx512f" in flags else 2 if "avx2" in flags else 1
     cap = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
-    if cap and cap.group(1).upper() in _X86_ISAS:
-        level = min(level, 3 if cap.group(1).upper().startswith(("AVX512", "AMX")) else
-                    2 if cap.group(1).upper() == "AVX2" else 1)
+    if cap:
+        level = min(level, _ISA_LEVELS.get(cap.group(1).upper(), level))
     return {3: "AVX-512", 2: "AVX2", 1: "older than AVX2"}[level]
 
 

@@ -72,8 +72,7 @@ def validate(s: Setup) -> None:
 
 
 def build(s: Setup, train) -> None:
-    """The model, optimizer and train / eval steps for the ``train`` split: its image shape and classes, the
-    learning-rate schedule over the run's updates."""
+    """The model, optimizer and train / eval steps, sized by the ``train`` split (image shape, classes, updates)."""
     c = s.config
     s.model = assemble.model(c, sources.shape_of(c.dataset, train), s.teacher)
     s.trainer, s.evaluator = assemble.steps(c, s.mesh, s.model, c.epochs * (len(train) // c.batch_size))
@@ -88,10 +87,9 @@ def open_checkpoints(s: Setup) -> None:
     if not c.checkpoint_dir:
         return
     s.checkpointer = Checkpointer(c.checkpoint_dir, c.keep_checkpoints, fixed=FIXED_SETTINGS)
-    if not c.resume and s.checkpointer.latest() is not None:
-        raise ConfigError(f"{s.checkpointer.directory} already holds checkpoints (newest: step "
-                          f"{s.checkpointer.latest()}): pass resume=True to continue that run, or another "
-                          "checkpoint_dir= to start afresh")
+    if not c.resume and (newest := s.checkpointer.latest()) is not None:
+        raise ConfigError(f"{s.checkpointer.directory} already holds checkpoints (newest: step {newest}): pass "
+                          "resume=True to continue that run, or another checkpoint_dir= to start afresh")
 
 
 def load_data(s: Setup) -> tuple[dict, str]:
@@ -167,8 +165,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
     if c.memory_report:
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     stats = jt.compiled_stats(s.trainer, state, next(iter(train_data.epoch(0))))
-    warning = diagnostics.host_memory_warning(stats, s.devices)
-    if warning:
+    if warning := diagnostics.host_memory_warning(stats, s.devices):
         print(s.words(warning), file=sys.stderr, flush=True)
 
     def memory_after_first_step(loop):
@@ -189,9 +186,8 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
 
     watching, profile, events = observe.watchers(c, writer and writer.out_dir, say, s.evaluator, test_data, tracker)
     hooks = [*watching, *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
-             Hook(lambda loop: s.last.update(loop.recent), unit="epoch")]  # the last step's metrics
-    if c.memory_report:
-        hooks.append(Hook(memory_after_first_step))
+             Hook(lambda loop: s.last.update(loop.recent), unit="epoch"),  # the last step's metrics
+             *([Hook(memory_after_first_step)] if c.memory_report else [])]
     try:
         stop.training()
         if profile and profile.start == 1:
