@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.add_argument("--xla-defaults", action="store_true",
                    help="compile with XLA's default CPU flags instead of jaxtrain's (sets JAXTRAIN_XLA_DEFAULTS=1)")
+    p.add_argument("--no-materialize", action="store_true",
+                   help="let XLA:CPU recompute the models' stored activations (jaxtrain.remat.materialize off; "
+                        "sets JAXTRAIN_NO_MATERIALIZE=1)")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if it is installed")
     p.add_argument("--torch-python", default=None, metavar="PYTHON",
                    help="run the PyTorch side with this interpreter (e.g. a Python 3.11 venv with torch==2.13.0 "
@@ -71,6 +74,8 @@ def main(argv=None) -> int:
         return 2
     if args.xla_defaults:
         os.environ["JAXTRAIN_XLA_DEFAULTS"] = "1"
+    if args.no_materialize:
+        os.environ["JAXTRAIN_NO_MATERIALIZE"] = "1"
     import jaxtrain as jt
 
     devices = jt.setup_devices()
@@ -158,7 +163,8 @@ def main(argv=None) -> int:
         return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
     print(f"\n{'LeNet' if lenet_model else 'ResNet-18'} train step, batch {args.batch_size}, {len(devices)} "
-          f"{devices[0].platform} devices ({compat.cpu_isa() or 'ISA unknown'}), jax {jax.__version__}; "
+          f"{devices[0].platform} devices ({compat.cpu_isa() or 'ISA unknown'}), jax {jax.__version__}"
+          f"{', materialize off' if args.no_materialize else ''}; "
           f"median (min-max) of {args.repeats} x {args.steps} steps; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
     print("| variant | ms/step | examples/s | GFLOP/s | % of peak |\n|---|---|---|---|---|")
     for name, v in times.items():
@@ -184,7 +190,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "batch_size": args.batch_size, "devices": len(devices),
                        "cpu_isa": compat.cpu_isa(), "jax": jax.__version__,
-                       "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                       "xla_flags": os.environ.get("XLA_FLAGS", ""), "materialize": not args.no_materialize,
                        "jaxtrain_ms": med["jaxtrain"], "handwritten_ms": med["handwritten"],
                        "torch_ms": med.get("torch"), "peak_gflops": peak / 1e9, "flops_per_step": flops,
                        "bytes_per_step": bytes_accessed,

@@ -20,11 +20,15 @@ the backward pass; the rest is recomputed there. Names:
 Offloading is for GPUs (and TPUs), whose device memory is not the host's. A CPU has one memory: XLA:CPU keeps
 the offloaded values where they are, so there an offload policy computes and holds what its saving twin does
 (``offload_dots`` as ``dots``), and ``offload_note`` says so.
+
+``materialize(x)`` is the other way round, inside one compiled program: a value XLA:CPU would recompute in
+each of its readers is stored once (ResNet-18's conv inputs).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 
 import jax
@@ -32,6 +36,7 @@ import jax
 from jaxtrain.errors import ConfigError
 
 OFFLOAD_NAMES = "offload_names:"
+ENV_NO_MATERIALIZE = "JAXTRAIN_NO_MATERIALIZE"  # materialize() off: to measure it
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 _ALIASES = {
     "full": "nothing_saveable",
@@ -113,3 +118,30 @@ def remat(fn: Callable, name: str) -> Callable:
     """``fn`` wrapped in ``jax.checkpoint`` with the named policy (``fn`` for ``none``)."""
     pol = policy(name)
     return fn if pol is None else jax.checkpoint(fn, policy=pol)
+
+
+def materialize(x):
+    """``x`` (an array or a pytree), kept in memory on XLA:CPU; unchanged on other platforms.
+
+    XLA:CPU copies a chain of elementwise ops (BatchNorm,
+    ReLU, residual adds) into EACH fusion that reads its result, so the chain is recomputed there. Where that
+    reader is the relayout feeding a convolution's weight gradient ([B, H, W, C] -> [C, H, W, B]), the fused
+    relayout reads several activations in transposed order: ResNet-18's largest took 118 ms instead of ~10
+    (a relayout of one stored array) (docs/performance.md, "ResNet-18 on this CPU"). Passing ``x`` through a conditional, which XLA cannot
+    fuse into or fold away, makes it stored once and read by every consumer. Both branches return ``x``, so
+    the value is exact; the predicate is a bit from ``rng_bit_generator`` (a replicated value that needs no
+    collective under any sharding, and no constant XLA could fold). GPUs and TPUs get ``x`` as it is
+    (``platform_dependent``): their convolutions take any layout, and a conditional would cost a host sync.
+    ``JAXTRAIN_NO_MATERIALIZE=1`` (read when the step is traced) turns it off, to measure what it buys
+    (``python -m experiments.bench --model resnet18 --no-materialize``).
+    """
+    if os.environ.get(ENV_NO_MATERIALIZE, "") not in ("", "0"):
+        return x
+
+    def kept(t):
+        _, bits = jax.lax.rng_bit_generator(jax.numpy.zeros((4,), "uint32"), (1,), "uint32")
+        # Two branches that XLA cannot tell apart would be merged and the conditional removed; ``u * 1`` is
+        # ``u``, bit for bit (NaNs and infinities included).
+        return jax.lax.cond(bits[0] % 2 == 0, lambda u: u, lambda u: jax.tree.map(lambda a: a * 1, u), t)
+
+    return jax.lax.platform_dependent(x, cpu=kept, default=lambda t: t)

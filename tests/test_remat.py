@@ -72,3 +72,35 @@ def test_offload_names_needs_names_and_a_cpu_run_says_what_offloading_means_ther
         remat.policy("offload_names:")
     assert "a CPU has one memory" in remat.offload_note("offload_dots", "cpu")
     assert remat.offload_note("offload_dots", "gpu") is None and remat.offload_note("dots", "cpu") is None
+
+
+def _relayout_of_a_chain(x, scale, keep: bool):
+    """BatchNorm-like chain of two activations, then the [B,H,W,C] -> [C,H,W,B] relayout a weight gradient reads."""
+    y = jax.numpy.maximum(x * scale + 1, 0) + jax.numpy.maximum(x * scale - 1, 0)
+    y = remat.materialize(y) if keep else y
+    return jax.numpy.transpose(y, (3, 1, 2, 0)), (y * y).sum()
+
+
+def test_materialize_is_exact_and_stores_the_value_on_a_cpu_only():
+    x, scale = jax.random.normal(jax.random.key(0), (8, 6, 6, 16)), jax.numpy.linspace(0.5, 2, 16)
+    kept, plain = (jax.jit(lambda x, s, k=k: _relayout_of_a_chain(x, s, k)) for k in (True, False))
+    chex.assert_trees_all_equal(kept(x, scale), plain(x, scale))  # bit for bit, not close
+    grad = {k: jax.jit(jax.grad(lambda x, s, k=k: _relayout_of_a_chain(x, s, k)[1], argnums=(0, 1)))
+            for k in (True, False)}
+    chex.assert_trees_all_equal(grad[True](x, scale), grad[False](x, scale))
+    assert "conditional(" in kept.lower(x, scale).compile().as_text()  # what XLA cannot fuse into
+    assert "conditional(" not in plain.lower(x, scale).compile().as_text()
+    cuda = kept.trace(x, scale).lower(lowering_platforms=("cuda",)).as_text()
+    assert "rng_bit_generator" not in cuda  # the GPU program has no CPU branch (only JAX's platform index switch)
+    assert "rng_bit_generator" in kept.trace(x, scale).lower().as_text()
+
+
+def test_materialize_adds_no_collective_under_a_sharded_jit():
+    mesh = jt.make_mesh(2)
+    batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(jt.DATA_AXIS))
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 6, 6, 16)), batch)
+    hlo = {k: jax.jit(lambda x, k=k: _relayout_of_a_chain(x, 2.0, k)[0]).lower(x).compile().as_text()
+           for k in (True, False)}
+    assert "conditional(" in hlo[True]
+    for op in ("all-reduce(", "all-gather(", "collective-permute(", "all-to-all("):
+        assert hlo[True].count(op) == hlo[False].count(op), op

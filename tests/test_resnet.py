@@ -1,6 +1,8 @@
 """d2l's ResNet-18 (NNX): the linen model's numbers, size, synchronised BatchNorm under every strategy, eval mode,
 remat, bf16; a linen module still trains through the plain loss_fn contract."""
 
+import re
+
 import chex
 import jax
 import numpy as np
@@ -186,3 +188,31 @@ def test_remat_same_gradients_and_fewer_saved_residuals(variables, reference):
 def test_bf16_first_step_loss_within_2_percent(variables, reference):
     _, metrics = one_step(variables, precision="bf16")
     assert abs(metrics["loss"] / reference[1]["loss"] - 1) < 0.02
+
+
+def _relayout_reads(hlo: str, batch_size: int) -> dict[str, int]:
+    """For each fusion of the compiled program's entry that relays out [B, H, W, C] -> [C, H, W, B] (the weight
+    gradient's operand, batch innermost): how many [B, H, W, C] arrays it reads. (The output gradients' relayouts,
+    [B, H, W, C] -> [H, W, B, C], copy whole channel rows and are not counted.)"""
+    bodies = dict(re.findall(r"^(%[\w.\-]+) \(.*?\{\n(.*?)\n\}", hlo, re.M | re.S))
+    entry = re.search(r"^ENTRY .*?\{\n(.*?)\n\}", hlo, re.M | re.S).group(1)
+    shapes = {name: tuple(int(d) for d in dims.split(",") if d)
+              for name, dims in re.findall(r"^\s*(%[\w.\-]+) = \w+\[([\d,]*)\]", entry, re.M)}
+    reads = {}
+    for name, operands, body in re.findall(r"^\s*(%[\w.\-]+) = \S+ fusion\((.*?)\), kind=\w+, calls=(%[\w.\-]+)",
+                                           entry, re.M):
+        if re.search(r" transpose\(.*dimensions=\{3,1,2,0\}", bodies.get(body, "")):
+            reads[name] = sum(len(s) == 4 and s[0] == batch_size
+                              for s in map(shapes.get, re.findall(r"%[\w.\-]+", operands)) if s)
+    return reads
+
+
+def test_weight_gradient_relayouts_read_one_stored_activation(variables):
+    """On a CPU, the [B,H,W,C] -> [C,H,W,B] relayout before each weight-gradient conv reads ONE stored activation
+    (``remat.materialize``), not the conv outputs and BatchNorm chain behind it: fused, those relayouts took a
+    quarter of the step (docs/performance.md, "ResNet-18 on this CPU")."""
+    loss = resnet.adapter().loss_fn
+    step = jax.jit(jax.grad(lambda p, s, b: loss(p, s, b, None)[0]))
+    reads = _relayout_reads(step.lower(*variables, BATCH).compile().as_text(), len(BATCH["image"]))
+    assert sum(n > 0 for n in reads.values()) >= 10, reads  # the parser sees the activations' relayouts
+    assert max(reads.values()) == 1, {k: n for k, n in reads.items() if n > 1}
