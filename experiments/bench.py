@@ -39,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", choices=model_names(), default="lenet")
+    p.add_argument("--devices", type=positive_int, default=None,
+                   help="virtual CPU devices for jaxtrain and the hand-written step (default: one per core; "
+                        "PyTorch always gets every core as threads)")
     p.add_argument("--batch-size", type=positive_int, default=None, help="global batch (default: 256 LeNet, 64 ResNet-18)")
     p.add_argument("--steps", type=positive_int, default=None, help="steps per timed block (default: 10 LeNet, 3 ResNet-18)")
     p.add_argument("--repeats", type=positive_int, default=None,
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
         os.environ["JAXTRAIN_NO_MATERIALIZE"] = "1"
     import jaxtrain as jt
 
-    devices = jt.setup_devices()
+    devices = jt.setup_devices(args.devices)
     import jax
     import optax
     from jax.sharding import NamedSharding

@@ -146,11 +146,12 @@ def test_resnet18_cli_trains(tmp_path):
 def test_bench_smoke(tmp_path, model):          # is test_runner's registry smoke and test_resnet18_cli_trains
     size = [] if model == "lenet" else ["--batch-size", "8", "--no-torch"]
     out = run_cli("-m", "experiments.bench", "--model", model, "--repeats", "2", "--steps", "2", "--epoch-steps", "2",
-                  *size, "--json", str(tmp_path / "b.json"))
+                  "--devices", "1", *size, "--json", str(tmp_path / "b.json"))
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "b.json").read_text())
     assert {"jaxtrain_ms", "handwritten_ms", "torch_ms", "peak_gflops"} <= result.keys()
     assert result["model"] == model and result["batch_size"] == (256 if model == "lenet" else 8)
+    assert result["devices"] == 1 and result["materialize"] is True and " 1 cpu devices " in out.stdout
     assert result["flops_per_step"] > 0 and result["bytes_per_step"] > 0 and "H100" in out.stdout
     assert result["jaxtrain_ms"] > 0 and result["handwritten_ms"] > 0 and result["peak_gflops"] > 0
     assert "| jaxtrain |" in out.stdout and "jaxtrain/handwritten" in out.stdout
