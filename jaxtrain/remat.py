@@ -123,15 +123,15 @@ def remat(fn: Callable, name: str) -> Callable:
 def materialize(x):
     """``x`` (an array or a pytree), kept in memory on XLA:CPU; unchanged on other platforms.
 
-    XLA:CPU copies a chain of elementwise ops (BatchNorm,
-    ReLU, residual adds) into EACH fusion that reads its result, so the chain is recomputed there. Where that
-    reader is the relayout feeding a convolution's weight gradient ([B, H, W, C] -> [C, H, W, B]), the fused
-    relayout reads several activations in transposed order: ResNet-18's largest took 118 ms instead of ~10
-    (a relayout of one stored array) (docs/performance.md, "ResNet-18 on this CPU"). Passing ``x`` through a conditional, which XLA cannot
-    fuse into or fold away, makes it stored once and read by every consumer. Both branches return ``x``, so
-    the value is exact; the predicate is a bit from ``rng_bit_generator`` (a replicated value that needs no
-    collective under any sharding, and no constant XLA could fold). GPUs and TPUs get ``x`` as it is
-    (``platform_dependent``): their convolutions take any layout, and a conditional would cost a host sync.
+    XLA:CPU copies a chain of elementwise ops (BatchNorm, ReLU, residual adds) into EACH fusion that reads its
+    result, so the chain is recomputed there. Where that reader is the relayout feeding a convolution's weight
+    gradient ([B, H, W, C] -> [C, H, W, B]), the fused relayout reads several activations in transposed order:
+    ResNet-18's largest took 118 ms instead of ~10 for a relayout of one stored array (docs/performance.md,
+    "ResNet-18 on this CPU"). Passing ``x`` through a conditional, which XLA cannot fuse into or fold away, makes
+    it stored once and read by every consumer. Both branches return ``x``, so the value is exact; the predicate
+    is a bit from ``rng_bit_generator`` (a replicated value that needs no collective under any sharding, and no
+    constant XLA could fold). GPUs and TPUs get ``x`` as it is (``platform_dependent``): their convolutions take
+    any layout, and a conditional may cost a host sync there.
     ``JAXTRAIN_NO_MATERIALIZE=1`` (read when the step is traced) turns it off, to measure what it buys
     (``python -m experiments.bench --model resnet18 --no-materialize``).
     """
