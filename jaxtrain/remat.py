@@ -126,7 +126,7 @@ def materialize(x):
     XLA:CPU copies a chain of elementwise ops (BatchNorm, ReLU, residual adds) into EACH fusion that reads its
     result, so the chain is recomputed there. Where that reader is the relayout feeding a convolution's weight
     gradient ([B, H, W, C] -> [C, H, W, B]), the fused relayout reads several activations in transposed order:
-    ResNet-18's largest took 118 ms instead of ~10 for a relayout of one stored array (docs/performance.md,
+    ResNet-18's largest ran about ten times slower than a relayout of one stored array (docs/performance.md,
     "ResNet-18 on this CPU"). Passing ``x`` through a conditional, which XLA cannot fuse into or fold away, makes
     it stored once and read by every consumer. Both branches return ``x``, so the value is exact; the predicate
     is a bit from ``rng_bit_generator`` (a replicated value that needs no collective under any sharding, and no
