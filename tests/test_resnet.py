@@ -15,6 +15,7 @@ from reference import assert_matches
 
 import jaxtrain as jt
 from jaxtrain import models
+from jaxtrain.gpu import hlo
 from jaxtrain.models import resnet
 
 BATCH = random_batch(8, seed=11)
@@ -190,21 +191,17 @@ def test_bf16_first_step_loss_within_2_percent(variables, reference):
     assert abs(metrics["loss"] / reference[1]["loss"] - 1) < 0.02
 
 
-def _relayout_reads(hlo: str, batch_size: int) -> dict[str, int]:
+def _relayout_reads(hlo_text: str, batch_size: int) -> dict[str, int]:
     """For each fusion of the compiled program's entry that relays out [B, H, W, C] -> [C, H, W, B] (the weight
     gradient's operand, batch innermost): how many [B, H, W, C] arrays it reads. (The output gradients' relayouts,
     [B, H, W, C] -> [H, W, B, C], copy whole channel rows and are not counted.)"""
-    bodies = dict(re.findall(r"^(%[\w.\-]+) \(.*?\{\n(.*?)\n\}", hlo, re.M | re.S))
-    entry = re.search(r"^ENTRY .*?\{\n(.*?)\n\}", hlo, re.M | re.S).group(1)
-    shapes = {name: tuple(int(d) for d in dims.split(",") if d)
-              for name, dims in re.findall(r"^\s*(%[\w.\-]+) = \w+\[([\d,]*)\]", entry, re.M)}
-    reads = {}
-    for name, operands, body in re.findall(r"^\s*(%[\w.\-]+) = \S+ fusion\((.*?)\), kind=\w+, calls=(%[\w.\-]+)",
-                                           entry, re.M):
-        if re.search(r" transpose\(.*dimensions=\{3,1,2,0\}", bodies.get(body, "")):
-            reads[name] = sum(len(s) == 4 and s[0] == batch_size
-                              for s in map(shapes.get, re.findall(r"%[\w.\-]+", operands)) if s)
-    return reads
+    comps = hlo.computations(hlo_text)
+    entry = comps[hlo.entry_name(hlo_text)]
+    dims = {i.name: [d for _, d in hlo.arrays(i.shape)] for i in entry}
+    relayout = re.compile(r" transpose\(.*dimensions=\{3,1,2,0\}")
+    return {i.name: sum(len(d) == 4 and d[0] == batch_size for op in i.operands for d in dims.get(op, []))
+            for i in entry if i.opcode == "fusion"
+            and any(relayout.search(j.line) for c in i.calls() for j in comps.get(c, []))}
 
 
 def test_weight_gradient_relayouts_read_one_stored_activation(variables):
