@@ -1,6 +1,6 @@
 """jaxtrain's train step vs a hand-written jax.jit step vs PyTorch, interleaved in one run.
 
-    python -m experiments.bench [--model lenet|resnet18] [--json F]
+    python -m experiments.bench [--model lenet|resnet18] [--precision fp32|bf16|int8] [--json F]
 
 (a) jaxtrain's step with the defaults a user gets (make_train_step, default
 strategy and devices); (b) a minimal hand-written ``jax.jit`` SGD step of the
@@ -9,6 +9,15 @@ CPU with ``torch.set_num_threads(cores)``, in its own process, when torch is
 importable (``pip install torch==2.13.0``); (d) an epoch through the real input
 pipeline: wall time vs steps x step time. A B C, B C A, C A B ... (rotated), warm-up excluded,
 median and spread of the repeats. Batch 256 for LeNet, 64 for ResNet-18.
+
+``--precision bf16`` trains in mixed precision: jaxtrain's ``precision="bf16"``,
+the hand-written step casting params and images to bf16 inside its loss,
+PyTorch under ``torch.autocast("cpu", torch.bfloat16)``. ``--precision int8``
+times INFERENCE on one device instead (no step builder is involved, so no
+hand-written variant): jaxtrain's int8 program (``jaxtrain.quantize``, qwix)
+and its fp32 one, against PyTorch's ``quantize_dynamic`` (its ``nn.Linear``
+layers only) and PyTorch's fp32 forward; the weights are the initial ones
+(speed does not depend on them).
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", choices=model_names(), default="lenet")
+    p.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32",
+                   help="fp32 or bf16 (mixed precision) train steps, or int8 inference (one device)")
     p.add_argument("--devices", type=positive_int, default=None,
                    help="virtual CPU devices for jaxtrain and the hand-written step (default: one per core; "
                         "PyTorch always gets every core as threads)")
@@ -61,10 +72,68 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _train_timers(args, jt, mesh, model, loss_fn):
+    """(a) and (b): ``{name: [step, state]}`` of jaxtrain's step and the hand-written one, and the compile-time
+    cost of jaxtrain's step (FLOPs, bytes, over all devices)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxtrain.precision import cast_floats
+    from jaxtrain.sharding import place
+
+    params0, model_state0 = jax.jit(model.init)(jax.random.key(0))
+    host = model.example_batch(args.batch_size)
+    trainer = jt.make_train_step(loss_fn, optax.sgd(0.2), mesh=mesh, precision=args.precision)  # (a) the defaults
+    trainer.check_batch_size(args.batch_size)
+    cost = jt.compiled_stats(trainer, trainer.init(params0, model_state0), host, residuals=False)  # per device
+    compute = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
+
+    # (b) hand-written: the step anyone would write, same shardings, donation and precision.
+    def sgd_step(carry, b):
+        params, model_state = carry
+
+        def loss(p):
+            value, aux = loss_fn(cast_floats(p, compute), model_state, cast_floats(b, compute), None)
+            return value.astype(jnp.float32), aux
+
+        (value, (model_state, _)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return (jax.tree.map(lambda p, g: p - 0.2 * g, params, grads), model_state), {"loss": value}
+
+    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(jt.DATA_AXIS))
+    hand = jax.jit(sgd_step, in_shardings=(replicated, sharded), out_shardings=replicated, donate_argnums=0)
+    # fresh buffers for each: the steps donate them
+    runs = {"jaxtrain": [trainer, trainer.init(params0, model_state0)],
+            "handwritten": [hand, place((params0, model_state0), replicated)]}
+    n = len(mesh.devices.flat)
+    return runs, trainer.shard(host), cost["flops"] * n, cost["bytes_accessed"] * n
+
+
+def _int8_timers(args, model):
+    """``{name: fn}`` of jaxtrain's int8 and fp32 inference (``jaxtrain.quantize``) on one batch, and the fp32
+    forward's FLOPs."""
+    import jax
+
+    from jaxtrain import quantize
+
+    params0, model_state0 = jax.jit(model.init)(jax.random.key(0))
+    meta = {"model": args.model, "input_shape": list(model.input_shape), "num_classes": model.num_classes}
+    q = quantize.quantize(meta, params0, model_state0)
+    x = jax.device_put(model.example_batch(args.batch_size)["image"])
+    cost = q.apply_fp32.lower(q.fp32_variables, x).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"jaxtrain": lambda: q.int8(x), "jaxtrain_fp32": lambda: q.fp32(x)}, cost.get("flops", 0.0)
+
+
 @one_line_errors("bench")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    lenet_model = args.model == "lenet"
+    lenet_model, infer = args.model == "lenet", args.precision == "int8"
+    if infer and args.devices not in (None, 1):
+        print("bench: error: --precision int8 times inference on one device: drop --devices", file=sys.stderr)
+        return 2
     args.batch_size = args.batch_size or (256 if lenet_model else 64)
     args.steps = args.steps or (10 if lenet_model else 3)
     args.repeats = args.repeats or (40 if lenet_model else 10)
@@ -81,55 +150,45 @@ def main(argv=None) -> int:
         os.environ["JAXTRAIN_NO_MATERIALIZE"] = "1"
     import jaxtrain as jt
 
-    devices = jt.setup_devices(args.devices)
+    devices = jt.setup_devices(1 if infer else args.devices)
     import jax
-    import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
     from tqdm import tqdm
 
     from experiments.bench_torch import TorchWorker
     from jaxtrain import compat, diagnostics, models
-    from jaxtrain.sharding import place
     from jaxtrain.timing import time_steps
 
     mesh = jt.make_mesh(devices)
     model = models.get(args.model)
     loss_fn, eval_fn = model.loss_fn, model.eval_fn
-    params0, model_state0 = jax.jit(model.init)(jax.random.key(0))
-    host = model.example_batch(args.batch_size)
-    trainer = jt.make_train_step(loss_fn, optax.sgd(0.2), mesh=mesh)  # (a) the defaults
-    trainer.check_batch_size(args.batch_size)
-    state = trainer.init(params0, model_state0)
-    batch = trainer.shard(host)
-    cost = jt.compiled_stats(trainer, state, host, residuals=False)  # per device
-    flops, bytes_accessed = cost["flops"] * len(devices), cost["bytes_accessed"] * len(devices)
-
-    # (b) hand-written: the step anyone would write, same shardings and donation.
-    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(jt.DATA_AXIS))
-
-    def sgd_step(carry, b):
-        params, model_state = carry
-        (loss, (model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, b, None)
-        return (jax.tree.map(lambda p, g: p - 0.2 * g, params, grads), model_state), {"loss": loss}
-
-    hand = jax.jit(sgd_step, in_shardings=(replicated, sharded), out_shardings=replicated, donate_argnums=0)
-
-    hand_carry = place((params0, model_state0), replicated)  # fresh buffers: the step donates them
-    runs = {"jaxtrain": [trainer, state], "handwritten": [hand, hand_carry]}
-    for run in runs.values():
-        run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up
-    torch = TorchWorker(args.model, args.batch_size, python=args.torch_python) if use_torch else None
-    times: dict[str, list[float]] = {k: [] for k in [*runs, *(["torch"] if torch else [])]}
-    if torch:
-        torch.time(3)  # warm-up
+    if infer:
+        calls, flops = _int8_timers(args, model)
+        runs, batch, bytes_accessed = {}, None, None
+    else:
+        runs, batch, flops, bytes_accessed = _train_timers(args, jt, mesh, model, loss_fn)
+        calls = {}
+        for run in runs.values():
+            run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up
+    for fn in calls.values():
+        jax.block_until_ready(fn())  # compile + warm up
+    modes = {"torch": "int8" if infer else args.precision, **({"torch_fp32": "fp32-infer"} if infer else {})}
+    workers = {name: TorchWorker(args.model, args.batch_size, python=args.torch_python, mode=mode)
+               for name, mode in modes.items()} if use_torch else {}
+    times: dict[str, list[float]] = {k: [] for k in [*runs, *calls, *workers]}
+    for worker in workers.values():
+        worker.time(3)  # warm-up
 
     def block(name: str) -> float:
         """ms/step of one timed block of ``name``, after a pause and its settle steps."""
         time.sleep(COOL_DOWN_SEC)
-        if name == "torch":
-            torch.time(SETTLE_STEPS)
-            return 1000 * torch.time(args.steps)
+        if name in workers:
+            workers[name].time(SETTLE_STEPS)
+            return 1000 * workers[name].time(args.steps)
+        if name in calls:
+            jax.block_until_ready([calls[name]() for _ in range(SETTLE_STEPS)])  # all of them done before the clock
+            start = time.perf_counter()
+            jax.block_until_ready([calls[name]() for _ in range(args.steps)])
+            return 1000 * (time.perf_counter() - start) / args.steps
         run = runs[name]
         run[1], _ = time_steps(run[0], run[1], batch, SETTLE_STEPS)
         run[1], sec = time_steps(run[0], run[1], batch, args.steps)
@@ -142,10 +201,62 @@ def main(argv=None) -> int:
     for r in tqdm(range(args.repeats), desc="timed rounds", unit="round", disable=None, leave=False):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(block(name))
-    if torch:
-        torch.close()
+    for worker in workers.values():
+        worker.close()
+    epoch = None if infer else _epoch(args, jt, mesh, runs, eval_fn, block)
+    peak = diagnostics.measure_matmul_peak()
+    med = {k: statistics.median(v) for k, v in times.items()}
 
-    # (d) one epoch through the real pipeline: wall time vs steps x step time.
+    def paired(a: str, b: str) -> float | None:
+        """Median over the repeats of a/b within each repeat (both ran within seconds of each other)."""
+        return statistics.median(x / y for x, y in zip(times[a], times[b])) if a in times and b in times else None
+
+    what = "int8 inference" if infer else f"{args.precision} train step"
+    print(f"\n{'LeNet' if lenet_model else 'ResNet-18'} {what}, batch {args.batch_size}, {len(devices)} "
+          f"{devices[0].platform} devices ({compat.cpu_isa() or 'ISA unknown'}), jax {jax.__version__}"
+          f"{', materialize off' if args.no_materialize else ''}; median (min-max) of {args.repeats} x {args.steps} "
+          f"{'calls' if infer else 'steps'}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
+    print("| variant | ms/step | examples/s | GFLOP/s | % of peak |\n|---|---|---|---|---|")
+    for name, v in times.items():
+        ms = med[name]
+        print(f"| {name} | {ms:.1f} ({min(v):.1f}-{max(v):.1f}) | {args.batch_size / ms * 1000:,.0f} | "
+              f"{flops / ms / 1e6:.0f} | {100 * flops / ms / 1e6 / (peak / 1e9):.0f}% |")
+    ratios = {"torch/jaxtrain": paired("torch", "jaxtrain"), "jaxtrain/handwritten": paired("jaxtrain", "handwritten"),
+              "jaxtrain int8/fp32": paired("jaxtrain", "jaxtrain_fp32"), "torch int8/fp32": paired("torch", "torch_fp32"),
+              "fp32 torch/jaxtrain": paired("torch_fp32", "jaxtrain_fp32")}
+    print("\npaired ratios (median of per-repeat ratios): " +
+          ", ".join(f"{k} {'n/a' if v is None else f'{v:.3f}'}" for k, v in ratios.items() if k in RATIOS[infer]))
+    if epoch:
+        print(epoch["line"])
+    print(f"compile-time cost per {'call' if infer else 'step'}: {flops / 1e9:.2f} GFLOP "
+          f"({flops / args.batch_size / 1e6:.1f} MFLOP/example)"
+          + ("" if infer else f", {bytes_accessed / 1e6:.0f} MB accessed") + f" -> floor here {1000 * flops / peak:.1f} ms "
+          f"(matmul peak); one H100: {1e6 * flops / H100_BF16_FLOPS:.1f} us compute (bf16 790 TFLOP/s)"
+          + ("" if infer else f", {1e6 * bytes_accessed / H100_BYTES_PER_S:.1f} us memory (3.0 TB/s)"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "precision": args.precision, "batch_size": args.batch_size,
+                       "devices": len(devices), "cpu_isa": compat.cpu_isa(), "jax": jax.__version__,
+                       "xla_flags": os.environ.get("XLA_FLAGS", ""), "materialize": not args.no_materialize,
+                       **{f"{k}_ms": med.get(k) for k in ("jaxtrain", "handwritten", "torch", "jaxtrain_fp32",
+                                                          "torch_fp32")},
+                       "peak_gflops": peak / 1e9, "flops_per_step": flops, "bytes_per_step": bytes_accessed,
+                       **({k: v for k, v in epoch.items() if k != "line"} if epoch else {}),
+                       "paired_torch_over_jaxtrain": ratios["torch/jaxtrain"],
+                       "paired_jaxtrain_over_handwritten": ratios["jaxtrain/handwritten"],
+                       "paired_int8_over_fp32": ratios["jaxtrain int8/fp32"],
+                       "paired_torch_int8_over_fp32": ratios["torch int8/fp32"],
+                       "paired_fp32_torch_over_jaxtrain": ratios["fp32 torch/jaxtrain"], "times_ms": times}, f, indent=2)
+    return 0
+
+
+# the ratios printed for training (False) and for int8 inference (True)
+RATIOS = {False: ("torch/jaxtrain", "jaxtrain/handwritten"),
+          True: ("torch/jaxtrain", "jaxtrain int8/fp32", "torch int8/fp32", "fp32 torch/jaxtrain")}
+
+
+def _epoch(args, jt, mesh, runs, eval_fn, block) -> dict:
+    """(d) one epoch of jaxtrain's step through the real pipeline: wall time vs steps x step time."""
     from jaxtrain.data import loader, sources
     from jaxtrain.loop import fit
 
@@ -154,54 +265,16 @@ def main(argv=None) -> int:
     evaluator = jt.make_eval_step(eval_fn, mesh=mesh)
     # The step time it is compared with is measured right around it: the machine's speed drifts.
     reference = [block("jaxtrain") for _ in range(3)]
-    runs["jaxtrain"][1], history, _ = fit(trainer, runs["jaxtrain"][1], train, evaluator, test, epochs=1,
+    runs["jaxtrain"][1], history, _ = fit(runs["jaxtrain"][0], runs["jaxtrain"][1], train, evaluator, test, epochs=1,
                                           max_steps=args.epoch_steps, progress=False)
     reference += [block("jaxtrain") for _ in range(3)]
-    epoch = history[0]
-    peak = diagnostics.measure_matmul_peak()
-    med = {k: statistics.median(v) for k, v in times.items()}
-
-    def paired(a: str, b: str) -> float:
-        """Median over the repeats of a/b within each repeat (both ran within seconds of each other)."""
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
-    print(f"\n{'LeNet' if lenet_model else 'ResNet-18'} train step, batch {args.batch_size}, {len(devices)} "
-          f"{devices[0].platform} devices ({compat.cpu_isa() or 'ISA unknown'}), jax {jax.__version__}"
-          f"{', materialize off' if args.no_materialize else ''}; "
-          f"median (min-max) of {args.repeats} x {args.steps} steps; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
-    print("| variant | ms/step | examples/s | GFLOP/s | % of peak |\n|---|---|---|---|---|")
-    for name, v in times.items():
-        ms = med[name]
-        print(f"| {name} | {ms:.1f} ({min(v):.1f}-{max(v):.1f}) | {args.batch_size / ms * 1000:,.0f} | "
-              f"{flops / ms / 1e6:.0f} | {100 * flops / ms / 1e6 / (peak / 1e9):.0f}% |")
-    torch_ratio = f"{med['torch'] / med['jaxtrain']:.2f}" if "torch" in med else "n/a"
-    print(f"\nratios of the medians: torch/jaxtrain {torch_ratio}, "
-          f"jaxtrain/handwritten {med['jaxtrain'] / med['handwritten']:.3f}")
-    paired_torch = f"{paired('torch', 'jaxtrain'):.2f}" if "torch" in med else "n/a"
-    print(f"paired ratios (median of per-repeat ratios): torch/jaxtrain {paired_torch}, "
-          f"jaxtrain/handwritten {paired('jaxtrain', 'handwritten'):.3f}")
-    step_ms = statistics.median(reference)
+    epoch, step_ms = history[0], statistics.median(reference)
     predicted = epoch.steps * step_ms / 1000
-    print(f"epoch through the pipeline: {epoch.steps} steps in {epoch.train_sec:.2f} s wall vs "
-          f"{predicted:.2f} s = steps x {step_ms:.1f} ms (the step timed just before and after) "
-          f"({100 * (epoch.train_sec / predicted - 1):+.1f}%), data wait {100 * epoch.data_wait_fraction:.1f}%")
-    print(f"compile-time cost per step: {flops / 1e9:.2f} GFLOP ({flops / args.batch_size / 1e6:.1f} MFLOP/example), "
-          f"{bytes_accessed / 1e6:.0f} MB accessed -> floor here {1000 * flops / peak:.1f} ms (matmul peak); "
-          f"one H100: {1e6 * flops / H100_BF16_FLOPS:.1f} us compute (bf16 790 TFLOP/s), "
-          f"{1e6 * bytes_accessed / H100_BYTES_PER_S:.1f} us memory (3.0 TB/s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "batch_size": args.batch_size, "devices": len(devices),
-                       "cpu_isa": compat.cpu_isa(), "jax": jax.__version__,
-                       "xla_flags": os.environ.get("XLA_FLAGS", ""), "materialize": not args.no_materialize,
-                       "jaxtrain_ms": med["jaxtrain"], "handwritten_ms": med["handwritten"],
-                       "torch_ms": med.get("torch"), "peak_gflops": peak / 1e9, "flops_per_step": flops,
-                       "bytes_per_step": bytes_accessed,
-                       "epoch_wall_sec": epoch.train_sec, "epoch_predicted_sec": predicted, "epoch_reference_ms": reference,
-                       "paired_torch_over_jaxtrain": paired("torch", "jaxtrain") if "torch" in med else None,
-                       "paired_jaxtrain_over_handwritten": paired("jaxtrain", "handwritten"), "times_ms": times}, f,
-                      indent=2)
-    return 0
+    line = (f"epoch through the pipeline: {epoch.steps} steps in {epoch.train_sec:.2f} s wall vs "
+            f"{predicted:.2f} s = steps x {step_ms:.1f} ms (the step timed just before and after) "
+            f"({100 * (epoch.train_sec / predicted - 1):+.1f}%), data wait {100 * epoch.data_wait_fraction:.1f}%")
+    return {"line": line, "epoch_wall_sec": epoch.train_sec, "epoch_predicted_sec": predicted,
+            "epoch_reference_ms": reference}
 
 
 if __name__ == "__main__":

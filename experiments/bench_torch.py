@@ -7,7 +7,13 @@ stdin and reads back seconds per step, so the blocks still interleave. The
 child may be another Python (``python``): PyTorch's CPU build exists for fewer
 Python versions than JAX supports, and its speed does not depend on which.
 
-    python -m experiments.bench_torch MODEL BATCH_SIZE LR    (driven by TorchWorker)
+    python -m experiments.bench_torch MODEL BATCH_SIZE LR [MODE]    (driven by TorchWorker)
+
+MODE: ``fp32`` or ``bf16`` train steps (bf16: ``torch.autocast`` around the
+forward and loss, PyTorch's mixed precision on CPU), or ``int8`` / ``fp32-infer``
+inference of the model in eval mode (int8: ``quantize_dynamic``, PyTorch's
+dynamic quantisation, which covers its ``nn.Linear`` layers only: the
+convolutions stay fp32).
 """
 
 from __future__ import annotations
@@ -64,27 +70,46 @@ def _resnet18():
 MODELS = {"lenet": _lenet, "resnet18": _resnet18}
 
 
-def _make_step(model: str, batch_size: int, lr: float):
+MODES = ("fp32", "bf16", "int8", "fp32-infer")
+
+
+def _make_step(model: str, batch_size: int, lr: float, mode: str = "fp32"):
     import torch
     from torch import nn
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     torch.manual_seed(0)
     net = MODELS[model]()
-    opt = torch.optim.SGD(net.parameters(), lr=lr)
     x, y = torch.rand(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
+    if mode in ("int8", "fp32-infer"):
+        net.eval()
+        if mode == "int8":
+            import warnings
+
+            with warnings.catch_warnings():  # torch.ao.quantization is deprecated (still there in 2.13)
+                warnings.simplefilter("ignore")
+                net = torch.ao.quantization.quantize_dynamic(net, {nn.Linear}, dtype=torch.qint8)
+
+        def infer():
+            with torch.no_grad():
+                net(x)
+
+        return infer
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
     loss_fn = nn.CrossEntropyLoss()
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss_fn(net(x), y).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16"):
+            loss = loss_fn(net(x), y)
+        loss.backward()
         opt.step()
 
     return step
 
 
-def _serve(model: str, batch_size: int, lr: float) -> None:
-    step = _make_step(model, batch_size, lr)
+def _serve(model: str, batch_size: int, lr: float, mode: str = "fp32") -> None:
+    step = _make_step(model, batch_size, lr, mode)
     print("ready", flush=True)
     for line in sys.stdin:  # one block per line; EOF ends
         steps = int(line)
@@ -95,11 +120,12 @@ def _serve(model: str, batch_size: int, lr: float) -> None:
 
 
 class TorchWorker:
-    """A PyTorch train step (``model``: lenet | resnet18) in a child process: ``worker.time(steps)`` -> s/step."""
+    """A PyTorch train step or inference (``model``: lenet | resnet18; ``mode``: one of ``MODES``) in a child
+    process: ``worker.time(steps)`` -> s/step."""
 
-    def __init__(self, model: str, batch_size: int, lr: float = 0.2, python: str | None = None):
+    def __init__(self, model: str, batch_size: int, lr: float = 0.2, python: str | None = None, mode: str = "fp32"):
         self._proc = subprocess.Popen([python or sys.executable, "-m", "experiments.bench_torch", model,
-                                       str(batch_size), str(lr)], cwd=ROOT, stdin=subprocess.PIPE,
+                                       str(batch_size), str(lr), mode], cwd=ROOT, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True)
         if self._proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the PyTorch worker did not start")
@@ -115,4 +141,4 @@ class TorchWorker:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))
+    _serve(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:5])

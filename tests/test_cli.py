@@ -157,6 +157,47 @@ def test_bench_smoke(tmp_path, model):          # is test_runner's registry smok
     assert "| jaxtrain |" in out.stdout and "jaxtrain/handwritten" in out.stdout
 
 
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_bench_bf16_smoke(tmp_path):
+    out = run_cli("-m", "experiments.bench", "--precision", "bf16", "--repeats", "2", "--steps", "2", "--epoch-steps",
+                  "2", "--devices", "2", "--no-torch", "--json", str(tmp_path / "b.json"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["precision"] == "bf16" and result["devices"] == 2 and "LeNet bf16 train step" in out.stdout
+    assert result["jaxtrain_ms"] > 0 and result["handwritten_ms"] > 0 and result["paired_jaxtrain_over_handwritten"] > 0
+
+
+@pytest.mark.slow
+def test_bench_int8_times_inference_on_one_device(tmp_path):
+    out = run_cli("-m", "experiments.bench", "--precision", "int8", "--repeats", "2", "--steps", "2", "--no-torch",
+                  "--json", str(tmp_path / "b.json"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["precision"] == "int8" and result["devices"] == 1 and "LeNet int8 inference" in out.stdout
+    assert result["jaxtrain_ms"] > 0 and result["jaxtrain_fp32_ms"] > 0 and result["handwritten_ms"] is None
+    assert result["paired_int8_over_fp32"] > 0 and "epoch_wall_sec" not in result
+    assert "| jaxtrain_fp32 |" in out.stdout and "jaxtrain int8/fp32" in out.stdout
+
+
+def test_bench_int8_on_several_devices_is_a_one_line_error():
+    out = run_cli("-m", "experiments.bench", "--precision", "int8", "--devices", "2")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == "bench: error: --precision int8 times inference on one device: drop --devices"
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "int8", "fp32-infer"])
+def test_torch_worker_modes(mode):
+    pytest.importorskip("torch")
+    from experiments.bench_torch import TorchWorker
+
+    worker = TorchWorker("lenet", 8, mode=mode)
+    try:
+        assert worker.time(2) > 0
+    finally:
+        worker.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("torch", ["--no-torch", None])
 def test_bench_ops_smoke(torch):
