@@ -140,7 +140,15 @@ def main(argv=None) -> int:
     args.epoch_steps = args.epoch_steps or (None if lenet_model else 30)
     from experiments import bench_torch
 
+    if infer and args.model not in INT8_MODELS:
+        print(f"bench: error: --precision int8 covers {', '.join(INT8_MODELS)} (jaxtrain.quantize), not {args.model}",
+              file=sys.stderr)
+        return 2
     use_torch = not args.no_torch and bench_torch.available(args.torch_python)
+    if use_torch and args.model not in bench_torch.MODELS:
+        print(f"bench: error: the PyTorch side exists for {', '.join(bench_torch.MODELS)}: pass --no-torch for "
+              f"{args.model}", file=sys.stderr)
+        return 2
     if args.torch_python and not args.no_torch and not use_torch:
         print(f"bench: error: --torch-python {args.torch_python} cannot import torch", file=sys.stderr)
         return 2
@@ -249,6 +257,8 @@ def main(argv=None) -> int:
                        "paired_fp32_torch_over_jaxtrain": ratios["fp32 torch/jaxtrain"], "times_ms": times}, f, indent=2)
     return 0
 
+
+INT8_MODELS = ("lenet", "resnet18")  # jaxtrain.quantize.MODELS, without importing JAX before the flags are set
 
 # the ratios printed for training (False) and for int8 inference (True)
 RATIOS = {False: ("torch/jaxtrain", "jaxtrain/handwritten"),

@@ -180,6 +180,23 @@ def test_bench_int8_times_inference_on_one_device(tmp_path):
     assert "| jaxtrain_fp32 |" in out.stdout and "jaxtrain int8/fp32" in out.stdout
 
 
+def test_bench_int8_of_a_model_quantize_does_not_cover_is_a_one_line_error():
+    from experiments.bench import INT8_MODELS
+    from jaxtrain.quantize import MODELS
+
+    assert INT8_MODELS == MODELS
+    out = run_cli("-m", "experiments.bench", "--model", "vit", "--precision", "int8", "--no-torch")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == "bench: error: --precision int8 covers lenet, resnet18 (jaxtrain.quantize), not vit"
+
+
+def test_bench_of_a_model_pytorch_lacks_is_a_one_line_error():
+    pytest.importorskip("torch")
+    out = run_cli("-m", "experiments.bench", "--model", "vit")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == "bench: error: the PyTorch side exists for lenet, resnet18: pass --no-torch for vit"
+
+
 def test_bench_int8_on_several_devices_is_a_one_line_error():
     out = run_cli("-m", "experiments.bench", "--precision", "int8", "--devices", "2")
     assert out.returncode == 2 and "Traceback" not in out.stderr
