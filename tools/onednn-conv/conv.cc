@@ -70,65 +70,14 @@ static void back(stream& st, memory m, memory user) {
   if (m.get_data_handle() != user.get_data_handle()) reorder(m, user).execute(st, m, user);
 }
 
-static ffi::Error Fwd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int64_t sh,
-                      int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
-  Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr);
-  auto& e = cached(g.key("f"), [&] {
+// The backward-weights primitive's layout of the input, its size in floats (the forward's residual).
+static Entry& fentry(const Geo& g) {
+  return cached(g.key("f"), [&] {
     auto pd = fwd_pd(g);
     return Entry{convolution_forward(pd), pd.src_desc(), pd.weights_desc(), pd.dst_desc()};
   });
-  stream st(eng());
-  memory ms({g.src, dt::f32, tag::nhwc}, eng(), x.typed_data()), mw({g.wei, dt::f32, tag::hwio}, eng(), w.typed_data()),
-      md({g.dst, dt::f32, tag::nhwc}, eng(), y->typed_data());
-  auto s1 = in(st, e.a, ms), w1 = in(st, e.b, mw), d1 = out(e.c, md);
-  e.p.execute(st, {{DNNL_ARG_SRC, s1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DST, d1}});
-  back(st, d1, md);
-  st.wait();
-  return ffi::Error::Success();
 }
 
-static ffi::Error BwdData(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> dx, int64_t sh,
-                          int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
-  Geo g = geo(dx->dimensions(), w.dimensions(), dy.dimensions(), sh, sw, pt, pb, pl, pr);
-  auto& e = cached(g.key("d"), [&] {
-    auto s = memory::desc(g.src, dt::f32, T(tag::nhwc)), wd = memory::desc(g.wei, dt::f32, T(tag::hwio)),
-         d = memory::desc(g.dst, dt::f32, T(tag::nhwc));
-    auto desc = convolution_backward_data::desc(algorithm::convolution_direct, s, wd, d, g.strides, g.pl, g.pr);
-    auto pd = convolution_backward_data::primitive_desc(desc, eng(), fwd_pd(g));
-    return Entry{convolution_backward_data(pd), pd.diff_src_desc(), pd.weights_desc(), pd.diff_dst_desc()};
-  });
-  stream st(eng());
-  memory ms({g.src, dt::f32, tag::nhwc}, eng(), dx->typed_data()), mw({g.wei, dt::f32, tag::hwio}, eng(), w.typed_data()),
-      md({g.dst, dt::f32, tag::nhwc}, eng(), dy.typed_data());
-  auto s1 = out(e.a, ms), w1 = in(st, e.b, mw), d1 = in(st, e.c, md);
-  e.p.execute(st, {{DNNL_ARG_DIFF_SRC, s1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DIFF_DST, d1}});
-  back(st, s1, ms);
-  st.wait();
-  return ffi::Error::Success();
-}
-
-static ffi::Error BwdWeights(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dy, ffi::ResultBuffer<ffi::F32> dw,
-                             int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
-  Geo g = geo(x.dimensions(), dw->dimensions(), dy.dimensions(), sh, sw, pt, pb, pl, pr);
-  auto& e = cached(g.key("w"), [&] {
-    auto s = memory::desc(g.src, dt::f32, T(tag::nhwc)), wd = memory::desc(g.wei, dt::f32, T(tag::hwio)),
-         d = memory::desc(g.dst, dt::f32, T(tag::nhwc));
-    auto desc = convolution_backward_weights::desc(algorithm::convolution_direct, s, wd, d, g.strides, g.pl, g.pr);
-    auto pd = convolution_backward_weights::primitive_desc(desc, eng(), fwd_pd(g));
-    return Entry{convolution_backward_weights(pd), pd.src_desc(), pd.diff_weights_desc(), pd.diff_dst_desc()};
-  });
-  stream st(eng());
-  memory ms({g.src, dt::f32, tag::nhwc}, eng(), x.typed_data()), mw({g.wei, dt::f32, tag::hwio}, eng(), dw->typed_data()),
-      md({g.dst, dt::f32, tag::nhwc}, eng(), dy.typed_data());
-  auto s1 = in(st, e.a, ms), w1 = out(e.b, mw), d1 = in(st, e.c, md);
-  e.p.execute(st, {{DNNL_ARG_SRC, s1}, {DNNL_ARG_DIFF_WEIGHTS, w1}, {DNNL_ARG_DIFF_DST, d1}});
-  back(st, w1, mw);
-  st.wait();
-  return ffi::Error::Success();
-}
-
-
-// The backward-weights primitive's layout of the input, its size in floats (the forward's residual).
 static Entry& wentry(const Geo& g) {
   return cached(g.key("w"), [&] {
     auto s = memory::desc(g.src, dt::f32, T(tag::nhwc)), wd = memory::desc(g.wei, dt::f32, T(tag::hwio)),
@@ -149,15 +98,55 @@ static Entry& dentry(const Geo& g) {
   });
 }
 
+static ffi::Error Fwd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int64_t sh,
+                      int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+  Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr);
+  auto& e = fentry(g);
+  stream st(eng());
+  memory ms({g.src, dt::f32, tag::nhwc}, eng(), x.typed_data()), mw({g.wei, dt::f32, tag::hwio}, eng(), w.typed_data()),
+      md({g.dst, dt::f32, tag::nhwc}, eng(), y->typed_data());
+  auto s1 = in(st, e.a, ms), w1 = in(st, e.b, mw), d1 = out(e.c, md);
+  e.p.execute(st, {{DNNL_ARG_SRC, s1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DST, d1}});
+  back(st, d1, md);
+  st.wait();
+  return ffi::Error::Success();
+}
+
+static ffi::Error BwdData(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> dx, int64_t sh,
+                          int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+  Geo g = geo(dx->dimensions(), w.dimensions(), dy.dimensions(), sh, sw, pt, pb, pl, pr);
+  auto& e = dentry(g);
+  stream st(eng());
+  memory ms({g.src, dt::f32, tag::nhwc}, eng(), dx->typed_data()), mw({g.wei, dt::f32, tag::hwio}, eng(), w.typed_data()),
+      md({g.dst, dt::f32, tag::nhwc}, eng(), dy.typed_data());
+  auto s1 = out(e.a, ms), w1 = in(st, e.b, mw), d1 = in(st, e.c, md);
+  e.p.execute(st, {{DNNL_ARG_DIFF_SRC, s1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DIFF_DST, d1}});
+  back(st, s1, ms);
+  st.wait();
+  return ffi::Error::Success();
+}
+
+static ffi::Error BwdWeights(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dy, ffi::ResultBuffer<ffi::F32> dw,
+                             int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+  Geo g = geo(x.dimensions(), dw->dimensions(), dy.dimensions(), sh, sw, pt, pb, pl, pr);
+  auto& e = wentry(g);
+  stream st(eng());
+  memory ms({g.src, dt::f32, tag::nhwc}, eng(), x.typed_data()), mw({g.wei, dt::f32, tag::hwio}, eng(), dw->typed_data()),
+      md({g.dst, dt::f32, tag::nhwc}, eng(), dy.typed_data());
+  auto s1 = in(st, e.a, ms), w1 = out(e.b, mw), d1 = in(st, e.c, md);
+  e.p.execute(st, {{DNNL_ARG_SRC, s1}, {DNNL_ARG_DIFF_WEIGHTS, w1}, {DNNL_ARG_DIFF_DST, d1}});
+  back(st, w1, mw);
+  st.wait();
+  return ffi::Error::Success();
+}
+
+
 // y = conv(x, w), and x in the backward-weights layout (res: at least that many floats).
 static ffi::Error FwdSave(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
                           ffi::ResultBuffer<ffi::F32> res, int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl,
                           int64_t pr) {
   Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr);
-  auto& e = cached(g.key("f"), [&] {
-    auto pd = fwd_pd(g);
-    return Entry{convolution_forward(pd), pd.src_desc(), pd.weights_desc(), pd.dst_desc()};
-  });
+  auto& e = fentry(g);
   auto& ew = wentry(g);
   stream st(eng());
   memory ms({g.src, dt::f32, tag::nhwc}, eng(), x.typed_data()), mw({g.wei, dt::f32, tag::hwio}, eng(), w.typed_data()),
