@@ -1,15 +1,29 @@
 """LeNet conv2's input gradient (20 -> 50 channels, 5x5) as XLA computes it vs with its 20 output channels padded
 to 24/32/48 (kernel zero-padded, result sliced).   python tools/cpu-probes/conv2_channel_padding.py BATCH
 """
-import os, sys, time
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS","") + " --xla_cpu_experimental_ynn_fusion_type=reduce"
-import jax, jax.numpy as jnp, numpy as np
+
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type=reduce"
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+
 def timeit(f, *a, n=40):
-    jax.block_until_ready(f(*a)); jax.block_until_ready(f(*a)); ts = []
+    jax.block_until_ready(f(*a))
+    jax.block_until_ready(f(*a))
+    ts = []
     for _ in range(n):
-        t = time.perf_counter(); jax.block_until_ready(f(*a)); ts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        ts.append(time.perf_counter() - t)
     return 1000 * float(np.median(ts))
+
+
 B = int(sys.argv[1])
 dy = jax.random.normal(jax.random.key(0), (B, 9, 9, 50))
 x = jax.random.normal(jax.random.key(2), (B, 13, 13, 20))
@@ -19,11 +33,13 @@ ref = jax.jit(lambda x, w, dy: jax.vjp(lambda x: conv(x, w), x)[1](dy)[0])
 r = ref(x, w, dy)
 res = {"xla vjp dx": timeit(ref, x, w, dy)}
 for ci in (20, 24, 32, 48):
+
     def dx(w, dy, ci=ci):
         wt = jnp.transpose(w[::-1, ::-1], (0, 1, 3, 2))  # [5,5,50,20]
         wt = jnp.pad(wt, ((0, 0), (0, 0), (0, 0), (0, ci - 20)))
         out = lax.conv_general_dilated(dy, wt, (1, 1), ((4, 4), (4, 4)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return out[..., :20]
+
     f = jax.jit(dx)
     assert float(jnp.max(jnp.abs(f(w, dy) - r))) < 1e-3
     res[f"padded {ci}"] = timeit(f, w, dy)

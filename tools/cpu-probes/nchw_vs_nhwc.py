@@ -1,25 +1,41 @@
 """Two stacked 3x3 convolutions with a ReLU, forward and both gradients, per ResNet-18 stage (batch 64): NHWC vs
 NCHW dimension numbers; ms and the transposes in the compiled program.   python tools/cpu-probes/nchw_vs_nhwc.py
 """
-import os, sys, time
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS","") + " --xla_cpu_experimental_ynn_fusion_type=reduce"
-import jax, jax.numpy as jnp, numpy as np
+
+import os
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type=reduce"
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+
 def timeit(f, *a, n=20):
-    jax.block_until_ready(f(*a)); jax.block_until_ready(f(*a)); ts = []
+    jax.block_until_ready(f(*a))
+    jax.block_until_ready(f(*a))
+    ts = []
     for _ in range(n):
-        t = time.perf_counter(); jax.block_until_ready(f(*a)); ts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        ts.append(time.perf_counter() - t)
     return 1000 * float(np.median(ts))
+
+
 B = 64
 for H, C in ((28, 64), (14, 128), (7, 256), (4, 512)):
     r = {}
     for dn in ("NHWC", "NCHW"):
         xs = (B, H, H, C) if dn == "NHWC" else (B, C, H, H)
-        x = jax.random.normal(jax.random.key(0), xs); w = jax.random.normal(jax.random.key(1), (3, 3, C, C)) * 0.05
+        x = jax.random.normal(jax.random.key(0), xs)
+        w = jax.random.normal(jax.random.key(1), (3, 3, C, C)) * 0.05
+
         # two convs in a row with a relu, fwd + grad wrt x and w: the middle activation stays in the model's layout
         def f(x, w):
             c = lambda a: lax.conv_general_dilated(a, w, (1, 1), "SAME", dimension_numbers=(dn, "HWIO", dn))
             return jnp.sum(c(jax.nn.relu(c(x))) ** 2)
+
         g = jax.jit(jax.grad(f, argnums=(0, 1)))
         hlo = g.lower(x, w).compile().as_text()
         r[dn] = (timeit(g, x, w), hlo.count(" transpose(") + hlo.count("transpose_copy"))

@@ -2,38 +2,58 @@
 per kind of op (relayouts are transpose_copy_fusion; convolutions are mostly not named in the trace).
     python tools/cpu-probes/profile_resnet18.py [DEVICES]
 """
-import os, sys, glob, gzip, json, collections
+
+import collections
+import glob
+import gzip
+import json
+import sys
+
 import jaxtrain as jt
+
 devices = jt.setup_devices(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-import jax, optax
+import jax
+import optax
+
 from jaxtrain import models
 from jaxtrain.timing import time_steps
+
 mesh = jt.make_mesh(devices)
 model = models.get("resnet18")
 params0, ms0 = jax.jit(model.init)(jax.random.key(0))
 host = model.example_batch(64)
 tr = jt.make_train_step(model.loss_fn, optax.sgd(0.2), mesh=mesh)
-state = tr.init(params0, ms0); batch = tr.shard(host)
+state = tr.init(params0, ms0)
+batch = tr.shard(host)
 state, _ = time_steps(tr, state, batch, 3)
 import time
-t = time.perf_counter(); state, _ = time_steps(tr, state, batch, 3); print("ms/step", (time.perf_counter() - t) / 3 * 1000)
+
+t = time.perf_counter()
+state, _ = time_steps(tr, state, batch, 3)
+print("ms/step", (time.perf_counter() - t) / 3 * 1000)
 import tempfile
+
 d = tempfile.mkdtemp(prefix="jaxtrain-trace-")
 with jax.profiler.trace(d):
     state, _ = time_steps(tr, state, batch, 3)
 f = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]
 ev = json.load(gzip.open(f))["traceEvents"]
-tot = collections.Counter(); cnt = collections.Counter()
+tot = collections.Counter()
+cnt = collections.Counter()
 for e in ev:
     if e.get("ph") == "X" and "dur" in e:
-        tot[e["name"]] += e["dur"]; cnt[e["name"]] += 1
+        tot[e["name"]] += e["dur"]
+        cnt[e["name"]] += 1
 for n, v in tot.most_common(60):
-    print(f"{v/3000:9.2f} ms  x{cnt[n]//3:3d}  {n[:100]}")
+    print(f"{v / 3000:9.2f} ms  x{cnt[n] // 3:3d}  {n[:100]}")
 import re
+
 cat = collections.Counter()
 for n, v in tot.items():
-    if n.startswith("$") or "ThunkExecutor" in n or "Pjit" in n or "np.asarray" in n: continue
+    if n.startswith("$") or "ThunkExecutor" in n or "Pjit" in n or "np.asarray" in n:
+        continue
     cat[re.sub(r"\.\d+$", "", n)] += v
 print("---- by kind")
-for n, v in cat.most_common(40): print(f"{v/3000:9.2f} ms {n}")
-print("sum", sum(cat.values())/3000)
+for n, v in cat.most_common(40):
+    print(f"{v / 3000:9.2f} ms {n}")
+print("sum", sum(cat.values()) / 3000)

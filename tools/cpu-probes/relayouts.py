@@ -2,29 +2,52 @@
 a row permutation vs two passes of 16x16 tiles kept apart by jaxtrain.remat.materialize (all checked equal).
     python tools/cpu-probes/relayouts.py 64,28,28,64
 """
-import os, sys, time
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS","") + " --xla_cpu_experimental_ynn_fusion_type=reduce"
-import jax, jax.numpy as jnp, numpy as np
+
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type=reduce"
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
 from jaxtrain.remat import materialize
+
+
 def timeit(f, *a, n=30):
-    jax.block_until_ready(f(*a)); ts = []
+    jax.block_until_ready(f(*a))
+    ts = []
     for _ in range(n):
-        t = time.perf_counter(); jax.block_until_ready(f(*a)); ts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        ts.append(time.perf_counter() - t)
     return 1000 * float(np.median(ts))
+
+
 shape = tuple(int(v) for v in sys.argv[1].split(","))
 B, H, W, C = shape
 xs = [jax.random.normal(jax.random.key(i), shape) for i in range(8)]
-def direct(x): return jnp.transpose(x, (3, 1, 2, 0))
+
+
+def direct(x):
+    return jnp.transpose(x, (3, 1, 2, 0))
+
+
 def batched(x):  # [HW, C, B] via batched identity matmul, then [C, HW, B]
     xr = x.reshape(B, H * W, C)
     y = lax.dot_general(xr, jnp.eye(B, dtype=x.dtype), (((0,), (0,)), ((), ())))  # [HW, C, B]
     return jnp.transpose(materialize(y), (1, 0, 2)).reshape(C, H, W, B)
+
+
 def blocked(x):  # two passes, 16x16 tiles
     b2 = c2 = 16
     t = x.reshape(B // b2, b2, H, W, C // c2, c2).transpose(0, 2, 3, 4, 1, 5)  # [B1,H,W,C1,b2,c2]
     t = materialize(t)
     return t.transpose(3, 5, 1, 2, 0, 4).reshape(C, H, W, B)
+
+
 ref = direct(xs[0])
 for f in (direct, batched, blocked):
     g = jax.jit(lambda xs, f=f: [f(x) for x in xs])

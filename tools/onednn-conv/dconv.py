@@ -14,19 +14,33 @@ _lib = ctypes.cdll.LoadLibrary(str(Path(__file__).with_name("libconv.so")))
 for name in ("DnnlConvFwd", "DnnlConvBwdData", "DnnlConvBwdWeights", "DnnlConvFwdSave", "DnnlConvBwd"):
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(_lib, name)), platform="cpu")
 
+
 def _attrs(strides, pads):
     (pt, pb), (pl, pr) = pads
-    return dict(sh=np.int64(strides[0]), sw=np.int64(strides[1]), pt=np.int64(pt), pb=np.int64(pb), pl=np.int64(pl), pr=np.int64(pr))
+    return dict(
+        sh=np.int64(strides[0]),
+        sw=np.int64(strides[1]),
+        pt=np.int64(pt),
+        pb=np.int64(pb),
+        pl=np.int64(pl),
+        pr=np.int64(pr),
+    )
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def dconv(x, w, strides, pads):
     return _fwd(x, w, strides, pads)
 
+
 def _fwd(x, w, strides, pads):
-    B, H, W, C = x.shape; kh, kw, ci, co = w.shape
+    B, H, W, C = x.shape
+    kh, kw, ci, co = w.shape
     Ho = (H + pads[0][0] + pads[0][1] - kh) // strides[0] + 1
     Wo = (W + pads[1][0] + pads[1][1] - kw) // strides[1] + 1
-    return jax.ffi.ffi_call("DnnlConvFwd", jax.ShapeDtypeStruct((B, Ho, Wo, co), x.dtype))(x, w, **_attrs(strides, pads))
+    return jax.ffi.ffi_call("DnnlConvFwd", jax.ShapeDtypeStruct((B, Ho, Wo, co), x.dtype))(
+        x, w, **_attrs(strides, pads)
+    )
+
 
 _lib.dnnl_residual_floats.restype = ctypes.c_int64
 _lib.dnnl_residual_floats.argtypes = [ctypes.c_int64] * 15
@@ -42,10 +56,12 @@ def _vjp_fwd(x, w, strides, pads):
     if SEPARATE:
         return _fwd(x, w, strides, pads), (x, w)
     y = _out_shape(x, w, strides, pads)
-    n = _lib.dnnl_residual_floats(*x.shape, w.shape[0], w.shape[1], w.shape[3], y[1], y[2], *strides, *pads[0],
-                                  *pads[1])
-    y, saved = jax.ffi.ffi_call("DnnlConvFwdSave", (jax.ShapeDtypeStruct(y, x.dtype), jax.ShapeDtypeStruct((n,), x.dtype)))(
-        x, w, **_attrs(strides, pads))
+    n = _lib.dnnl_residual_floats(
+        *x.shape, w.shape[0], w.shape[1], w.shape[3], y[1], y[2], *strides, *pads[0], *pads[1]
+    )
+    y, saved = jax.ffi.ffi_call(
+        "DnnlConvFwdSave", (jax.ShapeDtypeStruct(y, x.dtype), jax.ShapeDtypeStruct((n,), x.dtype))
+    )(x, w, **_attrs(strides, pads))
     return y, (x.shape, w, saved)
 
 
@@ -57,14 +73,31 @@ def _vjp_bwd(strides, pads, res, dy):
         dw = jax.ffi.ffi_call("DnnlConvBwdWeights", jax.ShapeDtypeStruct(w.shape, w.dtype))(x, dy, **a)
         return dx, dw
     x_shape, w, saved = res
-    return jax.ffi.ffi_call("DnnlConvBwd", (jax.ShapeDtypeStruct(x_shape, dy.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype)))(
-        dy, w, saved, **a)
+    return jax.ffi.ffi_call(
+        "DnnlConvBwd", (jax.ShapeDtypeStruct(x_shape, dy.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype))
+    )(dy, w, saved, **a)
+
 
 dconv.defvjp(_vjp_fwd, _vjp_bwd)
 
-def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
-                         dimension_numbers=None, feature_group_count=1, precision=None, **kw):
-    assert feature_group_count == 1 and (lhs_dilation is None or set(lhs_dilation) == {1}) and (rhs_dilation is None or set(rhs_dilation) == {1})
+
+def conv_general_dilated(
+    lhs,
+    rhs,
+    window_strides,
+    padding,
+    lhs_dilation=None,
+    rhs_dilation=None,
+    dimension_numbers=None,
+    feature_group_count=1,
+    precision=None,
+    **kw,
+):
+    assert (
+        feature_group_count == 1
+        and (lhs_dilation is None or set(lhs_dilation) == {1})
+        and (rhs_dilation is None or set(rhs_dilation) == {1})
+    )
     if isinstance(padding, str):
         padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
     return dconv(lhs, rhs, tuple(window_strides), tuple(tuple(p) for p in padding))

@@ -1,28 +1,50 @@
 """Each of ResNet-18's convolution shapes alone (batch 64, one device): forward and forward+backward ms, XLA vs
 oneDNN (dconv), and the relative differences of y, dx, dw.   python tools/onednn-conv/per_conv.py"""
 
-import os, sys, time
+import os
+import sys
+import time
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS","") + " --xla_cpu_experimental_ynn_fusion_type=reduce"
-import jax, jax.numpy as jnp, numpy as np
-from jax import lax
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type=reduce"
+import jax
+import jax.numpy as jnp
+import numpy as np
 from dconv import conv_general_dilated as dcg
+from jax import lax
+
+
 def timeit(f, *a, n=20):
-    jax.block_until_ready(f(*a)); jax.block_until_ready(f(*a)); ts = []
+    jax.block_until_ready(f(*a))
+    jax.block_until_ready(f(*a))
+    ts = []
     for _ in range(n):
-        t = time.perf_counter(); jax.block_until_ready(f(*a)); ts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        ts.append(time.perf_counter() - t)
     return 1000 * float(np.median(ts))
+
+
 B = 64
-shapes = [(28, 64, 64, 3, 1), (28, 64, 128, 3, 2), (28, 64, 128, 1, 2), (14, 128, 128, 3, 1), (7, 256, 256, 3, 1), (4, 512, 512, 3, 1)]
+shapes = [
+    (28, 64, 64, 3, 1),
+    (28, 64, 128, 3, 2),
+    (28, 64, 128, 1, 2),
+    (14, 128, 128, 3, 1),
+    (7, 256, 256, 3, 1),
+    (4, 512, 512, 3, 1),
+]
 for H, ci, co, k, s in shapes:
-    x = jax.random.normal(jax.random.key(0), (B, H, H, ci)); w = jax.random.normal(jax.random.key(1), (k, k, ci, co)) * 0.05
+    x = jax.random.normal(jax.random.key(0), (B, H, H, ci))
+    w = jax.random.normal(jax.random.key(1), (k, k, ci, co)) * 0.05
     pad = "SAME" if k > 1 else "VALID"
     res = {}
     outs = {}
     for name, cg in (("xla", lax.conv_general_dilated), ("dnnl", dcg)):
         f = lambda x, w, cg=cg: cg(x, w, (s, s), pad, dimension_numbers=("NHWC", "HWIO", "NHWC"))
         fwd = jax.jit(f)
-        y = fwd(x, w); dy = jnp.cos(y)
+        y = fwd(x, w)
+        dy = jnp.cos(y)
         bwd = jax.jit(lambda x, w, dy, f=f: jax.vjp(f, x, w)[1](dy))
         outs[name] = (y, *bwd(x, w, dy))
         res[name] = (round(timeit(fwd, x, w), 2), round(timeit(bwd, x, w, dy), 2))

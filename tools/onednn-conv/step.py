@@ -62,5 +62,10 @@ for _ in range(args.repeats):
         carry, loss = f(carry, batch)
     loss.block_until_ready()
     times.append((time.perf_counter() - start) / 3 * 1000)
-print("oneDNN" if args.dnnl else "XLA", "losses", [f"{x:.6f}" for x in losses],
-      f"ms/step median {statistics.median(times):.1f}", [round(t) for t in times])
+print(
+    "oneDNN" if args.dnnl else "XLA",
+    "losses",
+    [f"{x:.6f}" for x in losses],
+    f"ms/step median {statistics.median(times):.1f}",
+    [round(t) for t in times],
+)
