@@ -36,15 +36,23 @@ static Geo geo(ffi::Span<const int64_t> x, ffi::Span<const int64_t> w, ffi::Span
 }
 
 static tag T(tag t) { return getenv("DNNL_NHWC") ? t : tag::any; }
+static primitive_attr attr() {
+  primitive_attr a;
+  a.set_scratchpad_mode(scratchpad_mode::user);
+  return a;
+}
+
 static convolution_forward::primitive_desc fwd_pd(const Geo& g) {
   auto s = memory::desc(g.src, dt::f32, T(tag::nhwc)), w = memory::desc(g.wei, dt::f32, T(tag::hwio)),
        d = memory::desc(g.dst, dt::f32, T(tag::nhwc));
   auto desc = convolution_forward::desc(prop_kind::forward_training, algorithm::convolution_direct, s, w, d, g.strides,
                                         g.pl, g.pr);
-  return convolution_forward::primitive_desc(desc, eng());
+  return convolution_forward::primitive_desc(desc, attr(), eng());
 }
 
-struct Entry { primitive p; memory::desc a, b, c; };  // descs of the args in call order
+// Each call brings its own scratchpad: XLA runs independent custom calls (and each virtual device's) at the same
+// time, and the library-managed scratchpad is shared between concurrent executions (wrong results seen).
+struct Entry { primitive p; memory::desc a, b, c, scratch; };  // descs of the args in call order
 static std::mutex mu;
 static std::unordered_map<std::string, Entry> cache;
 
@@ -74,7 +82,7 @@ static void back(stream& st, memory m, memory user) {
 static Entry& fentry(const Geo& g) {
   return cached(g.key("f"), [&] {
     auto pd = fwd_pd(g);
-    return Entry{convolution_forward(pd), pd.src_desc(), pd.weights_desc(), pd.dst_desc()};
+    return Entry{convolution_forward(pd), pd.src_desc(), pd.weights_desc(), pd.dst_desc(), pd.scratchpad_desc()};
   });
 }
 
@@ -83,8 +91,9 @@ static Entry& wentry(const Geo& g) {
     auto s = memory::desc(g.src, dt::f32, T(tag::nhwc)), wd = memory::desc(g.wei, dt::f32, T(tag::hwio)),
          d = memory::desc(g.dst, dt::f32, T(tag::nhwc));
     auto desc = convolution_backward_weights::desc(algorithm::convolution_direct, s, wd, d, g.strides, g.pl, g.pr);
-    auto pd = convolution_backward_weights::primitive_desc(desc, eng(), fwd_pd(g));
-    return Entry{convolution_backward_weights(pd), pd.src_desc(), pd.diff_weights_desc(), pd.diff_dst_desc()};
+    auto pd = convolution_backward_weights::primitive_desc(desc, attr(), eng(), fwd_pd(g));
+    return Entry{convolution_backward_weights(pd), pd.src_desc(), pd.diff_weights_desc(), pd.diff_dst_desc(),
+                 pd.scratchpad_desc()};
   });
 }
 
@@ -93,8 +102,9 @@ static Entry& dentry(const Geo& g) {
     auto s = memory::desc(g.src, dt::f32, T(tag::nhwc)), wd = memory::desc(g.wei, dt::f32, T(tag::hwio)),
          d = memory::desc(g.dst, dt::f32, T(tag::nhwc));
     auto desc = convolution_backward_data::desc(algorithm::convolution_direct, s, wd, d, g.strides, g.pl, g.pr);
-    auto pd = convolution_backward_data::primitive_desc(desc, eng(), fwd_pd(g));
-    return Entry{convolution_backward_data(pd), pd.diff_src_desc(), pd.weights_desc(), pd.diff_dst_desc()};
+    auto pd = convolution_backward_data::primitive_desc(desc, attr(), eng(), fwd_pd(g));
+    return Entry{convolution_backward_data(pd), pd.diff_src_desc(), pd.weights_desc(), pd.diff_dst_desc(),
+                 pd.scratchpad_desc()};
   });
 }
 
@@ -106,7 +116,7 @@ static ffi::Error Fwd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
   memory ms({g.src, dt::f32, tag::nhwc}, eng(), x.typed_data()), mw({g.wei, dt::f32, tag::hwio}, eng(), w.typed_data()),
       md({g.dst, dt::f32, tag::nhwc}, eng(), y->typed_data());
   auto s1 = in(st, e.a, ms), w1 = in(st, e.b, mw), d1 = out(e.c, md);
-  e.p.execute(st, {{DNNL_ARG_SRC, s1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DST, d1}});
+  e.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(e.scratch, eng())}, {DNNL_ARG_SRC, s1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DST, d1}});
   back(st, d1, md);
   st.wait();
   return ffi::Error::Success();
@@ -120,7 +130,7 @@ static ffi::Error BwdData(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi
   memory ms({g.src, dt::f32, tag::nhwc}, eng(), dx->typed_data()), mw({g.wei, dt::f32, tag::hwio}, eng(), w.typed_data()),
       md({g.dst, dt::f32, tag::nhwc}, eng(), dy.typed_data());
   auto s1 = out(e.a, ms), w1 = in(st, e.b, mw), d1 = in(st, e.c, md);
-  e.p.execute(st, {{DNNL_ARG_DIFF_SRC, s1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DIFF_DST, d1}});
+  e.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(e.scratch, eng())}, {DNNL_ARG_DIFF_SRC, s1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DIFF_DST, d1}});
   back(st, s1, ms);
   st.wait();
   return ffi::Error::Success();
@@ -134,7 +144,7 @@ static ffi::Error BwdWeights(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dy, 
   memory ms({g.src, dt::f32, tag::nhwc}, eng(), x.typed_data()), mw({g.wei, dt::f32, tag::hwio}, eng(), dw->typed_data()),
       md({g.dst, dt::f32, tag::nhwc}, eng(), dy.typed_data());
   auto s1 = in(st, e.a, ms), w1 = out(e.b, mw), d1 = in(st, e.c, md);
-  e.p.execute(st, {{DNNL_ARG_SRC, s1}, {DNNL_ARG_DIFF_WEIGHTS, w1}, {DNNL_ARG_DIFF_DST, d1}});
+  e.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(e.scratch, eng())}, {DNNL_ARG_SRC, s1}, {DNNL_ARG_DIFF_WEIGHTS, w1}, {DNNL_ARG_DIFF_DST, d1}});
   back(st, w1, mw);
   st.wait();
   return ffi::Error::Success();
@@ -156,7 +166,7 @@ static ffi::Error FwdSave(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
   if (s1.get_data_handle() != ms.get_data_handle()) reorder(ms, s1).execute(st, ms, s1);
   if (saved.get_data_handle() != s1.get_data_handle()) reorder(ms, saved).execute(st, ms, saved);
   auto w1 = in(st, e.b, mw), d1 = out(e.c, md);
-  e.p.execute(st, {{DNNL_ARG_SRC, s1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DST, d1}});
+  e.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(e.scratch, eng())}, {DNNL_ARG_SRC, s1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DST, d1}});
   back(st, d1, md);
   st.wait();
   return ffi::Error::Success();
@@ -176,10 +186,10 @@ static ffi::Error Bwd(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::Bu
   auto dy_d = in(st, ed.c, mdy);
   auto dy_w = ew.c == ed.c ? dy_d : in(st, ew.c, mdy);
   auto x1 = out(ed.a, mx), w1 = in(st, ed.b, mw);
-  ed.p.execute(st, {{DNNL_ARG_DIFF_SRC, x1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DIFF_DST, dy_d}});
+  ed.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(ed.scratch, eng())}, {DNNL_ARG_DIFF_SRC, x1}, {DNNL_ARG_WEIGHTS, w1}, {DNNL_ARG_DIFF_DST, dy_d}});
   back(st, x1, mx);
   auto dw1 = out(ew.b, mdw);
-  ew.p.execute(st, {{DNNL_ARG_SRC, saved}, {DNNL_ARG_DIFF_WEIGHTS, dw1}, {DNNL_ARG_DIFF_DST, dy_w}});
+  ew.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(ew.scratch, eng())}, {DNNL_ARG_SRC, saved}, {DNNL_ARG_DIFF_WEIGHTS, dw1}, {DNNL_ARG_DIFF_DST, dy_w}});
   back(st, dw1, mdw);
   st.wait();
   return ffi::Error::Success();

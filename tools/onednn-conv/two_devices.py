@@ -1,0 +1,36 @@
+"""One convolution's gradient with the batch split over 2 virtual CPU devices, XLA's vs oneDNN's (dconv): does the
+compiled program gather the batch, how many all-reduces, the gradient's sharding and the sum of dw (equal when
+right).   python tools/onednn-conv/two_devices.py"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jaxtrain as jt
+
+devices = jt.setup_devices(2)
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dconv import conv_general_dilated
+
+mesh = jt.make_mesh(devices)
+x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 14, 14, 16)), NamedSharding(mesh, P("data")))
+w = jax.device_put(jax.random.normal(jax.random.key(1), (3, 3, 16, 32)) * 0.1, NamedSharding(mesh, P()))
+
+
+def loss(x, w, conv):
+    return jnp.sum(jnp.cos(conv(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))))
+
+
+for name, conv in (("XLA", lax.conv_general_dilated), ("oneDNN", conv_general_dilated)):
+    grad = jax.jit(jax.grad(lambda x, w, conv=conv: loss(x, w, conv), argnums=(0, 1)))
+    text = grad.lower(x, w).compile().as_text()
+    gx, gw = grad(x, w)
+    print(
+        f"{name}: all-gather {'all-gather' in text}, all-reduces {text.count('all-reduce(')}, "
+        f"dx sharding {gx.sharding.spec}, sum(dw) {float(jnp.sum(gw)):.4f}"
+    )
