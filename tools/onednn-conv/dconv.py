@@ -27,6 +27,24 @@ def _attrs(strides, pads):
     )
 
 
+def _varying(x) -> frozenset:
+    """The manual (shard_map) axes ``x`` varies over: empty outside shard_map."""
+    t = jax.typeof(x)
+    return frozenset(getattr(t, "vma", None) or getattr(getattr(t, "manual_axis_type", None), "varying", ()))
+
+
+def _as_varying(y, axes):
+    """A custom call's result typed as varying over ``axes`` (each device computed its own share)."""
+    return lax.pcast(y, tuple(sorted(axes)), to="varying") if axes else y
+
+
+def _weight_grad(dw, dy, w):
+    """Each device's dw is its share's: summed over the axes the batch varies over and the weight does not."""
+    dw = _as_varying(dw, _varying(dy))
+    extra = _varying(dy) - _varying(w)
+    return lax.psum(dw, tuple(sorted(extra))) if extra else dw
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def dconv(x, w, strides, pads):
     return _fwd(x, w, strides, pads)
@@ -37,9 +55,8 @@ def _fwd(x, w, strides, pads):
     kh, kw, ci, co = w.shape
     Ho = (H + pads[0][0] + pads[0][1] - kh) // strides[0] + 1
     Wo = (W + pads[1][0] + pads[1][1] - kw) // strides[1] + 1
-    return jax.ffi.ffi_call("DnnlConvFwd", jax.ShapeDtypeStruct((B, Ho, Wo, co), x.dtype))(
-        x, w, **_attrs(strides, pads)
-    )
+    y = jax.ffi.ffi_call("DnnlConvFwd", jax.ShapeDtypeStruct((B, Ho, Wo, co), x.dtype))(x, w, **_attrs(strides, pads))
+    return _as_varying(y, _varying(x) | _varying(w))
 
 
 _lib.dnnl_residual_floats.restype = ctypes.c_int64
@@ -62,7 +79,7 @@ def _vjp_fwd(x, w, strides, pads):
     y, saved = jax.ffi.ffi_call(
         "DnnlConvFwdSave", (jax.ShapeDtypeStruct(y, x.dtype), jax.ShapeDtypeStruct((n,), x.dtype))
     )(x, w, **_attrs(strides, pads))
-    return y, (x.shape, w, saved)
+    return _as_varying(y, _varying(x) | _varying(w)), (x.shape, w, saved)
 
 
 def _vjp_bwd(strides, pads, res, dy):
@@ -71,11 +88,12 @@ def _vjp_bwd(strides, pads, res, dy):
         x, w = res
         dx = jax.ffi.ffi_call("DnnlConvBwdData", jax.ShapeDtypeStruct(x.shape, x.dtype))(dy, w, **a)
         dw = jax.ffi.ffi_call("DnnlConvBwdWeights", jax.ShapeDtypeStruct(w.shape, w.dtype))(x, dy, **a)
-        return dx, dw
+        return _as_varying(dx, _varying(x)), _weight_grad(dw, dy, w)
     x_shape, w, saved = res
-    return jax.ffi.ffi_call(
+    dx, dw = jax.ffi.ffi_call(
         "DnnlConvBwd", (jax.ShapeDtypeStruct(x_shape, dy.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype))
     )(dy, w, saved, **a)
+    return _as_varying(dx, _varying(dy)), _weight_grad(dw, dy, w)  # x varies as dy does (w over no more axes)
 
 
 dconv.defvjp(_vjp_fwd, _vjp_bwd)

@@ -1,10 +1,12 @@
 """ResNet-18's train step (batch 64, plain SGD, hand-written jit) with XLA's convolutions or oneDNN's (dconv).
 
-    python tools/onednn-conv/step.py [--dnnl] [--devices 1] [--repeats 6]
+    python tools/onednn-conv/step.py [--dnnl] [--repeats 6] [--devices N --strategy shard_map]
 
 Prints the first 3 losses and the median ms/step of REPEATS blocks of 3 steps. Run it once per mode, in separate
-processes, alternating (the VM is noisy). One device only (a sharded jit would need a partitioning rule for the
-custom calls). A prototype for issue 36, not part of jaxtrain.
+processes, alternating (the VM is noisy). Without --devices: a hand-written jit step on one device. With it:
+jaxtrain's own step (make_train_step) on N devices; use --strategy shard_map there, where each device calls the
+custom calls on its own share (under jit, XLA's partitioner would gather the batch for them). A prototype for
+issue 36, not part of jaxtrain.
 """
 
 import argparse
@@ -17,11 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 p = argparse.ArgumentParser()
 p.add_argument("--dnnl", action="store_true")
 p.add_argument("--repeats", type=int, default=6)
+p.add_argument("--devices", type=int, default=None)
+p.add_argument("--strategy", default="shard_map")
 args = p.parse_args()
 
 import jaxtrain as jt  # noqa: E402
 
-devices = jt.setup_devices(1)
+devices = jt.setup_devices(args.devices or 1)
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -49,8 +53,21 @@ def step(carry, b):
     return (jax.tree.map(lambda p, g: p - 0.2 * g, params, grads), model_state), loss
 
 
-f = jax.jit(step, donate_argnums=0)
-carry, losses = (params, model_state), []
+if args.devices:  # jaxtrain's step
+    import optax
+
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.2), mesh=jt.make_mesh(devices), strategy=args.strategy)
+    batch = trainer.shard(model.example_batch(64))
+
+    def f(state, b):
+        state, metrics = trainer(state, b)
+        return state, metrics["loss"]
+
+    carry = trainer.init(params, model_state)
+else:
+    f = jax.jit(step, donate_argnums=0)
+    carry = (params, model_state)
+losses = []
 for _ in range(3):
     carry, loss = f(carry, batch)
     losses.append(float(loss))

@@ -34,3 +34,13 @@ for name, conv in (("XLA", lax.conv_general_dilated), ("oneDNN", conv_general_di
         f"{name}: all-gather {'all-gather' in text}, all-reduces {text.count('all-reduce(')}, "
         f"dx sharding {gx.sharding.spec}, sum(dw) {float(jnp.sum(gw)):.4f}"
     )
+
+# The same gradient inside shard_map (each device convolves its own share; dw summed over "data" by the VJP),
+# as jaxtrain's shard_map strategy runs a model.
+for name, conv in (("XLA", lax.conv_general_dilated), ("oneDNN", conv_general_dilated)):
+
+    def per_device(x, w, conv=conv):
+        return jax.grad(lambda x, w: loss(x, w, conv), argnums=(0, 1))(x, w)
+
+    gx, gw = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"), P())))(x, w)
+    print(f"{name} under shard_map: sum(dx) {float(jnp.sum(gx)):.4f}, sum(dw) {float(jnp.sum(gw)):.4f}")
