@@ -3,15 +3,16 @@ forward and forward+backward ms.   python tools/cpu-probes/im2col_vs_conv.py [BA
 (The stride-2 rows' im2col pads symmetrically, unlike SAME: their err column is not 0; timing only.)
 """
 
-import os
 import sys
-import time
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type=reduce"
+import jaxtrain as jt
+
+jt.setup_devices(1)  # jaxtrain's CPU flags (as training gets them), one device with every core
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
+
+from jaxtrain.timing import median_seconds
 
 
 def conv_xla(x, w, s):
@@ -39,14 +40,8 @@ def conv_im2col(x, w, s):
 
 
 def timeit(f, *a, n=20):
-    jax.block_until_ready(f(*a))
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t)
-    return 1000 * float(np.median(ts))
+    """Median ms of ``f(*a)`` (jaxtrain.timing, after a warm-up)."""
+    return 1000 * median_seconds(lambda: jax.block_until_ready(f(*a)), n)
 
 
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 64

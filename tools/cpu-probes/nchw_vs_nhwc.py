@@ -2,25 +2,19 @@
 NCHW dimension numbers; ms and the transposes in the compiled program.   python tools/cpu-probes/nchw_vs_nhwc.py
 """
 
-import os
-import time
+import jaxtrain as jt
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type=reduce"
+jt.setup_devices(1)  # jaxtrain's CPU flags (as training gets them), one device with every core
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
+
+from jaxtrain.timing import median_seconds
 
 
 def timeit(f, *a, n=20):
-    jax.block_until_ready(f(*a))
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t)
-    return 1000 * float(np.median(ts))
+    """Median ms of ``f(*a)`` (jaxtrain.timing, after a warm-up)."""
+    return 1000 * median_seconds(lambda: jax.block_until_ready(f(*a)), n)
 
 
 B = 64

@@ -3,27 +3,23 @@ a row permutation vs two passes of 16x16 tiles kept apart by jaxtrain.remat.mate
     python tools/cpu-probes/relayouts.py 64,28,28,64
 """
 
-import os
 import sys
-import time
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type=reduce"
+import jaxtrain as jt
+
+jt.setup_devices(1)  # jaxtrain's CPU flags (as training gets them), one device with every core
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jaxtrain.remat import materialize
+from jaxtrain.timing import median_seconds
 
 
 def timeit(f, *a, n=30):
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t)
-    return 1000 * float(np.median(ts))
+    """Median ms of ``f(*a)`` (jaxtrain.timing, after a warm-up)."""
+    return 1000 * median_seconds(lambda: jax.block_until_ready(f(*a)), n)
 
 
 shape = tuple(int(v) for v in sys.argv[1].split(","))

@@ -11,11 +11,10 @@ import jaxtrain as jt
 devices = jt.setup_devices(2)
 import jax
 import jax.numpy as jnp
+from dconv import conv_general_dilated
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from dconv import conv_general_dilated
 
 mesh = jt.make_mesh(devices)
 x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 14, 14, 16)), NamedSharding(mesh, P("data")))
