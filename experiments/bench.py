@@ -72,9 +72,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train_timers(args, jt, mesh, model, loss_fn):
+def _train_timers(args, jt, mesh, model):
     """(a) and (b): ``{name: [step, state]}`` of jaxtrain's step and the hand-written one, and the compile-time
     cost of jaxtrain's step (FLOPs, bytes, over all devices)."""
+    loss_fn = model.loss_fn
     import jax
     import jax.numpy as jnp
     import optax
@@ -168,12 +169,11 @@ def main(argv=None) -> int:
 
     mesh = jt.make_mesh(devices)
     model = models.get(args.model)
-    loss_fn, eval_fn = model.loss_fn, model.eval_fn
     if infer:
         calls, flops = _int8_timers(args, model)
         runs, batch, bytes_accessed = {}, None, None
     else:
-        runs, batch, flops, bytes_accessed = _train_timers(args, jt, mesh, model, loss_fn)
+        runs, batch, flops, bytes_accessed = _train_timers(args, jt, mesh, model)
         calls = {}
         for run in runs.values():
             run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
             times[name].append(block(name))
     for worker in workers.values():
         worker.close()
-    epoch = None if infer else _epoch(args, jt, mesh, runs, eval_fn, block)
+    epoch = None if infer else _epoch(args, jt, mesh, runs, model.eval_fn, block)
     peak = diagnostics.measure_matmul_peak()
     med = {k: statistics.median(v) for k, v in times.items()}
 
@@ -230,7 +230,8 @@ def main(argv=None) -> int:
         print(f"| {name} | {ms:.1f} ({min(v):.1f}-{max(v):.1f}) | {args.batch_size / ms * 1000:,.0f} | "
               f"{flops / ms / 1e6:.0f} | {100 * flops / ms / 1e6 / (peak / 1e9):.0f}% |")
     ratios = {"torch/jaxtrain": paired("torch", "jaxtrain"), "jaxtrain/handwritten": paired("jaxtrain", "handwritten"),
-              "jaxtrain int8/fp32": paired("jaxtrain", "jaxtrain_fp32"), "torch int8/fp32": paired("torch", "torch_fp32"),
+              "jaxtrain int8/fp32": paired("jaxtrain", "jaxtrain_fp32"),
+              "torch int8/fp32": paired("torch", "torch_fp32"),
               "fp32 torch/jaxtrain": paired("torch_fp32", "jaxtrain_fp32")}
     print("\npaired ratios (median of per-repeat ratios): " +
           ", ".join(f"{k} {'n/a' if v is None else f'{v:.3f}'}" for k, v in ratios.items() if k in RATIOS[infer]))
@@ -238,8 +239,9 @@ def main(argv=None) -> int:
         print(epoch["line"])
     print(f"compile-time cost per {'call' if infer else 'step'}: {flops / 1e9:.2f} GFLOP "
           f"({flops / args.batch_size / 1e6:.1f} MFLOP/example)"
-          + ("" if infer else f", {bytes_accessed / 1e6:.0f} MB accessed") + f" -> floor here {1000 * flops / peak:.1f} ms "
-          f"(matmul peak); one H100: {1e6 * flops / H100_BF16_FLOPS:.1f} us compute (bf16 790 TFLOP/s)"
+          + ("" if infer else f", {bytes_accessed / 1e6:.0f} MB accessed")
+          + f" -> floor here {1000 * flops / peak:.1f} ms (matmul peak); "
+          f"one H100: {1e6 * flops / H100_BF16_FLOPS:.1f} us compute (bf16 790 TFLOP/s)"
           + ("" if infer else f", {1e6 * bytes_accessed / H100_BYTES_PER_S:.1f} us memory (3.0 TB/s)"))
     if args.json:
         with open(args.json, "w") as f:
@@ -254,7 +256,8 @@ def main(argv=None) -> int:
                        "paired_jaxtrain_over_handwritten": ratios["jaxtrain/handwritten"],
                        "paired_int8_over_fp32": ratios["jaxtrain int8/fp32"],
                        "paired_torch_int8_over_fp32": ratios["torch int8/fp32"],
-                       "paired_fp32_torch_over_jaxtrain": ratios["fp32 torch/jaxtrain"], "times_ms": times}, f, indent=2)
+                       "paired_fp32_torch_over_jaxtrain": ratios["fp32 torch/jaxtrain"], "times_ms": times},
+                      f, indent=2)
     return 0
 
 

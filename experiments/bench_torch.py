@@ -124,6 +124,9 @@ class TorchWorker:
     process: ``worker.time(steps)`` -> s/step."""
 
     def __init__(self, model: str, batch_size: int, lr: float = 0.2, python: str | None = None, mode: str = "fp32"):
+        if model not in MODELS or mode not in MODES:  # said here, not as a child that never says "ready"
+            raise ValueError(f"TorchWorker({model!r}, mode={mode!r}): models {', '.join(MODELS)}; "
+                             f"modes {', '.join(MODES)}")
         self._proc = subprocess.Popen([python or sys.executable, "-m", "experiments.bench_torch", model,
                                        str(batch_size), str(lr), mode], cwd=ROOT, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True)
