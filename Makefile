@@ -8,7 +8,7 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 # (17:37 against 20:17 with the default scheduling, one run each here); --durations names the slowest tests.
 PYTEST_ARGS ?= -n 2 --dist worksteal --durations=20
 
-.PHONY: setup data demo test test-latest test-gpu-compile docs clean help
+.PHONY: setup data onednn demo test test-latest test-gpu-compile docs clean help
 
 help:
 	@echo "make demo   set up, then train the d2l LeNet on Fashion-MNIST on 2 devices (10 epochs)"
@@ -17,6 +17,7 @@ help:
 	@echo "make test-gpu-compile  the gpu_compile tests: steps compiled for 8 H100s on this host (a cached ~5.6 GB venv)"
 	@echo "make docs   set up, then build the documentation site into docs/_build/html (warnings are errors)"
 	@echo "make data   install the Debian package dataset-fashion-mnist if it is missing"
+	@echo "make onednn install g++ and libdnnl-dev (oneDNN's convolutions for CPUs) if they are missing"
 	@echo "make setup  create/update $(VENV) and install jaxtrain with its test extras"
 
 $(STAMP): pyproject.toml
@@ -25,6 +26,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
+	@$(PY) -m jaxtrain.kernels.onednn  # builds oneDNN's convolutions (CPU) where g++ and libdnnl-dev are here
 
 setup: $(STAMP)
 
@@ -40,10 +42,25 @@ data:
 		echo "  TFDS will download it on first use (needs internet), or pass --data-dir DIR with the IDX files."; \
 	fi
 
-demo: setup data
+# oneDNN's convolutions for CPUs (jaxtrain.kernels.onednn; conv="auto" uses them where they build): g++ and
+# Debian's libdnnl-dev. Without them jaxtrain keeps XLA's convolutions.
+ONEDNN_HEADER := /usr/include/oneapi/dnnl/dnnl.hpp
+onednn:
+	@if [ -f $(ONEDNN_HEADER) ] && command -v g++ >/dev/null; then \
+		echo "oneDNN: $(ONEDNN_HEADER)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian packages g++ libdnnl-dev (oneDNN's convolutions for CPUs)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ libdnnl-dev >/dev/null; \
+	else \
+		echo "oneDNN's headers or g++ missing and apt-get is not usable as root: jaxtrain keeps XLA's"; \
+		echo "  convolutions on CPUs (slower for ResNet-18); apt-get install g++ libdnnl-dev to use oneDNN's."; \
+	fi
+
+demo: onednn setup data
 	$(PY) -m experiments.lenet --devices 2
 
-test: setup data
+test: onednn setup data
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The newest-JAX leg (docs/getting-started.md, "Tested versions"): LATEST_PYTEST_ARGS picks the tests.

@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 
+from jaxtrain.choices import CONVS
 from jaxtrain.cli import one_line_errors, positive_int
 from jaxtrain.models import names as model_names
 
@@ -65,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-materialize", action="store_true",
                    help="let XLA:CPU recompute the models' stored activations (jaxtrain.remat.materialize off; "
                         "sets JAXTRAIN_NO_MATERIALIZE=1)")
+    p.add_argument("--conv", choices=CONVS, default="auto",
+                   help="jaxtrain's and the hand-written step's convolutions: auto (oneDNN's where they build), "
+                        "xla, or onednn (jaxtrain.kernels.onednn)")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if it is installed")
     p.add_argument("--torch-python", default=None, metavar="PYTHON",
                    help="run the PyTorch side with this interpreter (e.g. a Python 3.11 venv with torch==2.13.0 "
@@ -72,9 +76,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train_timers(args, jt, mesh, model):
+def _train_timers(args, jt, mesh, model, counted):
     """(a) and (b): ``{name: [step, state]}`` of jaxtrain's step and the hand-written one, and the compile-time
-    cost of jaxtrain's step (FLOPs, bytes, over all devices)."""
+    cost of jaxtrain's step (FLOPs, bytes, over all devices) with ``counted``'s convolutions (XLA's: XLA's cost
+    analysis counts no FLOPs in a custom call such as oneDNN's)."""
     loss_fn = model.loss_fn
     import jax
     import jax.numpy as jnp
@@ -89,7 +94,9 @@ def _train_timers(args, jt, mesh, model):
     host = model.example_batch(args.batch_size)
     trainer = jt.make_train_step(loss_fn, optax.sgd(0.2), mesh=mesh, precision=args.precision)  # (a) the defaults
     trainer.check_batch_size(args.batch_size)
-    cost = jt.compiled_stats(trainer, trainer.init(params0, model_state0), host, residuals=False)  # per device
+    counter = trainer if counted is model else jt.make_train_step(counted.loss_fn, optax.sgd(0.2), mesh=mesh,
+                                                                   precision=args.precision)
+    cost = jt.compiled_stats(counter, counter.init(params0, model_state0), host, residuals=False)  # per device
     compute = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
 
     # (b) hand-written: the step anyone would write, same shardings, donation and precision.
@@ -168,12 +175,13 @@ def main(argv=None) -> int:
     from jaxtrain.timing import time_steps
 
     mesh = jt.make_mesh(devices)
-    model = models.get(args.model)
+    model = models.get(args.model, conv="xla" if infer else args.conv)  # int8: jaxtrain.quantize's programs
     if infer:
         calls, flops = _int8_timers(args, model)
         runs, batch, bytes_accessed = {}, None, None
     else:
-        runs, batch, flops, bytes_accessed = _train_timers(args, jt, mesh, model)
+        counted = model if model.conv == "xla" else models.get(args.model, conv="xla")
+        runs, batch, flops, bytes_accessed = _train_timers(args, jt, mesh, model, counted)
         calls = {}
         for run in runs.values():
             run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up
@@ -221,7 +229,8 @@ def main(argv=None) -> int:
 
     what = "int8 inference" if infer else f"{args.precision} train step"
     print(f"\n{'LeNet' if lenet_model else 'ResNet-18'} {what}, batch {args.batch_size}, {len(devices)} "
-          f"{devices[0].platform} devices ({compat.cpu_isa() or 'ISA unknown'}), jax {jax.__version__}"
+          f"{devices[0].platform} devices ({compat.cpu_isa() or 'ISA unknown'}), jax {jax.__version__}, "
+          f"{model.conv} convolutions"
           f"{', materialize off' if args.no_materialize else ''}; median (min-max) of {args.repeats} x {args.steps} "
           f"{'calls' if infer else 'steps'}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
     print("| variant | ms/step | examples/s | GFLOP/s | % of peak |\n|---|---|---|---|---|")
@@ -247,6 +256,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "precision": args.precision, "batch_size": args.batch_size,
                        "devices": len(devices), "cpu_isa": compat.cpu_isa(), "jax": jax.__version__,
+                       "conv": model.conv,
                        "xla_flags": os.environ.get("XLA_FLAGS", ""), "materialize": not args.no_materialize,
                        **{f"{k}_ms": med.get(k) for k in ("jaxtrain", "handwritten", "torch", "jaxtrain_fp32",
                                                           "torch_fp32")},

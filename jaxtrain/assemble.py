@@ -19,7 +19,8 @@ from jaxtrain.trainer import Evaluator, Trainer
 def model(c: RunConfig, shape: dict, teacher: tuple | None = None) -> models.Model:
     """The registry model for images of ``shape``; with ``teacher`` ((model, params, model_state) of a
     finished run) a student that distils from it."""
-    m = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize, kernels=c.kernels, **shape)
+    m = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize, kernels=c.kernels, conv=c.conv,
+                   **shape)
     if teacher is not None:  # the teacher's params and state join the model state, Frozen
         m = distill.distilled(m, *teacher, c.temperature, c.alpha, c.kernels)
     return m

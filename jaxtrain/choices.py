@@ -9,6 +9,7 @@ OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")  # jaxtrain.optim
 LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "onecycle")  # jaxtrain.optim.make_schedule
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.pipeline)
 KERNELS = ("jnp", "pallas")  # the train loss's cross-entropy: optax's, or jaxtrain.kernels.softmax_ce
+CONVS = ("auto", "xla", "onednn")  # the models' convolutions: jaxtrain.kernels.onednn.choose
 AUGMENTATIONS = ("none", "crop+flip")  # jaxtrain.data.augment
 DATASETS = ("fashion_mnist", "mnist", "cifar10")  # jaxtrain.data.sources.LOCAL; and "tfds:NAME"
 TRACKERS = ("none", "wandb", "mlflow")  # --track: jaxtrain.track

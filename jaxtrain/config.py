@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, DATASETS, DEFAULT_DATA_DIRS, KERNELS, LR_SCHEDULES,
+from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, CONVS, DATASETS, DEFAULT_DATA_DIRS, KERNELS, LR_SCHEDULES,
                               OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES, TRACKERS,
                               check_dataset)
 from jaxtrain.errors import ConfigError
@@ -32,7 +32,7 @@ FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optim
                   "alpha")
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
-                 "microbatches", "kernels", "test_subset")
+                 "microbatches", "kernels", "conv", "test_subset")
 
 
 def _field(default, help: str, *, choices=None, minimum=None, above=None, flag_type=None):
@@ -140,6 +140,9 @@ class RunConfig:
     kernels: str = _field("jnp", "jnp (XLA fuses the ops), or pallas: the fused Pallas kernels of jaxtrain.kernels "
                                  "for the train loss's softmax cross-entropy and the ViT's layer norms (Triton on "
                                  "GPUs; interpret mode on CPUs, slow there; docs/kernels.md)", choices=KERNELS)
+    conv: str = _field("auto", "the models' convolutions: auto (oneDNN's on a CPU where they build, else XLA's), "
+                               "xla, or onednn (f32 NHWC convs on CPUs; docs/performance.md, \"oneDNN "
+                               "convolutions\")", choices=CONVS)
     teacher: str | None = _field(None, "distil from this finished run (its --out directory, holding model/ and "
                                        "model.json): its softened outputs join the loss (docs: Smaller models)")
     # T 2, alpha 0.5: the defaults train at the student recipe's own pace (T 4, alpha 0.9 left a LeNet student at

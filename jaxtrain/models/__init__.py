@@ -63,6 +63,7 @@ class Model:
     input_shape: tuple = IMAGE_SHAPE  # (H, W, C) of the images it was built for
     num_classes: int = 10
     init_name: str = "d2l"  # which of the recipe's inits made ``init``'s weights
+    conv: str = "xla"  # whose convolutions its layers run: "xla", or "onednn" (jaxtrain.kernels.onednn, CPUs)
 
     def batch_shapes(self, batch_size: int) -> dict:
         """The shapes of a batch of ``batch_size`` (``jax.ShapeDtypeStruct``): what a step compiles for."""
@@ -128,12 +129,13 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str, *, remat: str = "none", init: str | None = None, input_shape: tuple = IMAGE_SHAPE,
-        num_classes: int = 10, quantize: str = "none", kernels: str = "jnp") -> Model:
+        num_classes: int = 10, quantize: str = "none", kernels: str = "jnp", conv: str = "auto") -> Model:
     """The named model for images of ``input_shape`` (H, W, C) and ``num_classes`` classes (the dataset's), its
     train-mode loss remat'ed per block by the ``remat`` policy; ``quantize="int8"``: quantisation-aware (its
     convs and dense layers see int8-rounded weights and activations, gradients straight through);
     ``kernels="pallas"``: its train loss's cross-entropy (and the ViT's layer norms) are the fused Pallas kernels
-    of jaxtrain.kernels (evaluation stays jnp)."""
+    of jaxtrain.kernels (evaluation stays jnp); ``conv``: whose convolutions (``jaxtrain.kernels.onednn.choose``:
+    "auto" is oneDNN's on a CPU where it is usable, else XLA's)."""
     from jaxtrain.choices import KERNELS
     from jaxtrain.errors import ConfigError
 
@@ -150,16 +152,26 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
     try:
-        return dataclasses.replace(BUILDERS[name](remat, init, shape, quantize, kernels), init_name=init)
+        conv_name, conv_fn = _conv(conv, quantize)
+        return dataclasses.replace(BUILDERS[name](remat, init, shape, quantize, kernels, conv_fn), init_name=init,
+                                   conv=conv_name if name != "vit" else "xla")
     except ValueError as e:  # e.g. images too small for the model
         raise ConfigError(f"model {name}: {e}") from None
 
 
-def _lenet(remat: str, init: str, shape: dict, quantize: str, kernels: str) -> Model:
+def _conv(conv: str, quantize: str) -> tuple[str, Callable]:
+    from jaxtrain.kernels import onednn
+
+    if quantize != "none":  # quantisation-aware layers bring their own (int8-rounding) convolutions
+        return onednn.choose("xla")
+    return onednn.choose(conv)
+
+
+def _lenet(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable) -> Model:
     from jaxtrain.models import classify, lenet
 
     lenet.shapes(**shape)  # images too small: an error now
-    ops = lenet.FLOAT_OPS
+    ops = (conv, lenet.FLOAT_OPS[1])
     if quantize == "int8":
         from jaxtrain.int8 import QAT_OPS as ops
     return Student(name="lenet", init=lambda rng: (lenet.init_params(rng, **shape), {}),
@@ -169,7 +181,7 @@ def _lenet(remat: str, init: str, shape: dict, quantize: str, kernels: str) -> M
                    **shape)
 
 
-def _vit(remat: str, init: str, shape: dict, quantize: str, kernels: str) -> Model:
+def _vit(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable) -> Model:
     from jaxtrain.models import classify, vit
     from jaxtrain.models.sequential import sequential_loss
     from jaxtrain.remat import remat as remat_block
@@ -185,30 +197,33 @@ def _vit(remat: str, init: str, shape: dict, quantize: str, kernels: str) -> Mod
                                vit.head_eval_fn), **shape)
 
 
-def _resnet18(remat: str, init: str, shape: dict, quantize: str, kernels: str) -> Model:
+def _resnet18(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable) -> Model:
     from jaxtrain.models import classify, resnet
 
     net = resnet.adapter(shape["input_shape"], shape["num_classes"], weight_init=init, remat=remat,
-                         head=classify.loss_head(kernels))
+                         head=classify.loss_head(kernels), conv=conv)
     return Student(name="resnet18", init=lambda rng: resnet.init_variables(rng, weight_init=init, **shape),
                    loss_fn=net.loss_fn, eval_fn=net.eval_fn,
                    logits=lambda params, stats, images: net.module(params, stats)(images),
                    logical_axes=resnet.LOGICAL_AXES,
-                   head_loss=lambda head: resnet.adapter(weight_init=init, remat=remat, head=head, **shape).loss_fn,
+                   head_loss=lambda head: resnet.adapter(weight_init=init, remat=remat, head=head, conv=conv,
+                                                         **shape).loss_fn,
                    **shape)
 
 
-def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str) -> Model:
+def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable) -> Model:
     from jaxtrain.models import classify, resnet50
 
-    net = resnet50.adapter(shape["input_shape"], shape["num_classes"], remat=remat, head=classify.loss_head(kernels))
+    net = resnet50.adapter(shape["input_shape"], shape["num_classes"], remat=remat, head=classify.loss_head(kernels),
+                           conv=conv)
     return Student(name="resnet50", init=lambda rng: resnet50.init_variables(rng, **shape),
                    loss_fn=net.loss_fn, eval_fn=net.eval_fn,
                    logits=lambda params, stats, images: net.module(params, stats)(images),
                    logical_axes=resnet50.LOGICAL_AXES,
-                   head_loss=lambda head: resnet50.adapter(remat=remat, head=head, **shape).loss_fn, **shape)
+                   head_loss=lambda head: resnet50.adapter(remat=remat, head=head, conv=conv, **shape).loss_fn,
+                   **shape)
 
 
-# name -> its builder (remat, init, shape, quantize, kernels) -> Model
+# name -> its builder (remat, init, shape, quantize, kernels, conv) -> Model
 BUILDERS = {"lenet": _lenet, "resnet18": _resnet18, "resnet50": _resnet50, "vit": _vit}
 assert BUILDERS.keys() == MODELS.keys()

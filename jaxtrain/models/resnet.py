@@ -21,6 +21,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from jaxtrain.flax_nnx import from_nnx
 from jaxtrain.models import classify
@@ -70,8 +71,9 @@ def _batch_norm(channels: int, rngs: nnx.Rngs) -> nnx.BatchNorm:
 class Residual(nnx.Module):
     """d2l's Residual: conv-BN-ReLU-conv-BN, plus a (1x1 conv) shortcut, then ReLU."""
 
-    def __init__(self, cin: int, channels: int, strides: int, projection: bool, init: str, rngs: nnx.Rngs):
-        conv = partial(nnx.Conv, kernel_init=_kernel_init(init), rngs=rngs)
+    def __init__(self, cin: int, channels: int, strides: int, projection: bool, init: str, rngs: nnx.Rngs,
+                 conv_op=lax.conv_general_dilated):
+        conv = partial(nnx.Conv, kernel_init=_kernel_init(init), conv_general_dilated=conv_op, rngs=rngs)
         self.conv1 = conv(cin, channels, (3, 3), strides=strides, padding=1)
         self.bn1 = _batch_norm(channels, rngs)
         self.conv2 = conv(channels, channels, (3, 3), padding=1)
@@ -89,14 +91,17 @@ class Residual(nnx.Module):
 
 class ResNet18(nnx.Module):
     def __init__(self, in_channels: int = 1, num_classes: int = NUM_CLASSES, *, weight_init: str = "d2l",
-                 remat: str = "none", rngs: nnx.Rngs):
-        self.conv = nnx.Conv(in_channels, 64, (3, 3), padding=1, kernel_init=_kernel_init(weight_init), rngs=rngs)
+                 remat: str = "none", conv=lax.conv_general_dilated, rngs: nnx.Rngs):
+        """``conv``: the convolution every layer runs (``lax.conv_general_dilated``'s signature; e.g.
+        ``jaxtrain.kernels.onednn.conv_general_dilated``)."""
+        self.conv = nnx.Conv(in_channels, 64, (3, 3), padding=1, kernel_init=_kernel_init(weight_init),
+                             conv_general_dilated=conv, rngs=rngs)
         self.bn = _batch_norm(64, rngs)
         blocks, cin = [], 64
         for stage, (channels, strides) in enumerate(STAGES):
             for i in range(2):
                 first = i == 0 and stage > 0
-                blocks.append(Residual(cin, channels, strides if first else 1, first, weight_init, rngs))
+                blocks.append(Residual(cin, channels, strides if first else 1, first, weight_init, rngs, conv))
                 cin = channels
         self.blocks = nnx.List(blocks)
         self.dense = nnx.Linear(512, num_classes, kernel_init=_kernel_init(weight_init), rngs=rngs)
@@ -112,11 +117,11 @@ class ResNet18(nnx.Module):
 
 
 def adapter(input_shape=(28, 28, 1), num_classes: int = NUM_CLASSES, weight_init: str = "d2l",
-            remat: str = "none", head=classify.label_loss):
+            remat: str = "none", head=classify.label_loss, conv=lax.conv_general_dilated):
     """``jt.from_nnx`` of an abstract ResNet-18 (no weights made): the loss / eval fns and the state's layout;
-    ``head(logits, batch) -> (loss, metrics)``."""
+    ``head(logits, batch) -> (loss, metrics)``; ``conv``: its layers' convolution."""
     model = nnx.eval_shape(lambda: ResNet18(input_shape[-1], num_classes, weight_init=weight_init, remat=remat,
-                                            rngs=nnx.Rngs(0)))
+                                            conv=conv, rngs=nnx.Rngs(0)))
     return from_nnx(model, loss=head,
                     per_example=lambda logits, batch: classify.per_example(logits, batch["label"]))
 

@@ -15,6 +15,7 @@ from functools import partial
 
 import jax
 from flax import nnx
+from jax import lax
 
 from jaxtrain.flax_nnx import from_nnx
 from jaxtrain.models import classify
@@ -32,8 +33,9 @@ LOGICAL_AXES = ((r"(conv\d|shortcut|stem)/kernel$", (None, None, "conv_in", "con
 
 
 class Bottleneck(nnx.Module):
-    def __init__(self, cin: int, width: int, strides: int, rngs: nnx.Rngs):
-        conv = partial(nnx.Conv, use_bias=False, kernel_init=nnx.initializers.he_normal(), rngs=rngs)
+    def __init__(self, cin: int, width: int, strides: int, rngs: nnx.Rngs, conv_op=lax.conv_general_dilated):
+        conv = partial(nnx.Conv, use_bias=False, kernel_init=nnx.initializers.he_normal(),
+                       conv_general_dilated=conv_op, rngs=rngs)
         out = width * EXPANSION
         self.conv1, self.bn1 = conv(cin, width, (1, 1)), _batch_norm(width, rngs)
         self.conv2 = conv(width, width, (3, 3), strides=strides, padding=1)
@@ -55,14 +57,15 @@ class Bottleneck(nnx.Module):
 
 class ResNet50(nnx.Module):
     def __init__(self, in_channels: int = 3, num_classes: int = NUM_CLASSES, *, remat: str = "none",
-                 rngs: nnx.Rngs):
+                 conv=lax.conv_general_dilated, rngs: nnx.Rngs):
+        """``conv``: the convolution every layer runs (as ResNet-18's)."""
         self.stem = nnx.Conv(in_channels, 64, (7, 7), strides=2, padding=3, use_bias=False,
-                             kernel_init=nnx.initializers.he_normal(), rngs=rngs)
+                             kernel_init=nnx.initializers.he_normal(), conv_general_dilated=conv, rngs=rngs)
         self.bn = _batch_norm(64, rngs)
         blocks, cin = [], 64
         for width, count, strides in STAGES:
             for i in range(count):
-                blocks.append(Bottleneck(cin, width, strides if i == 0 else 1, rngs))
+                blocks.append(Bottleneck(cin, width, strides if i == 0 else 1, rngs, conv))
                 cin = width * EXPANSION
         self.blocks = nnx.List(blocks)
         self.dense = nnx.Linear(cin, num_classes, kernel_init=nnx.initializers.he_normal(), rngs=rngs)
@@ -79,9 +82,10 @@ class ResNet50(nnx.Module):
 
 
 def adapter(input_shape=INPUT_SHAPE, num_classes: int = NUM_CLASSES, remat: str = "none",
-            head=classify.label_loss):
-    """``jt.from_nnx`` of an abstract ResNet-50 (no weights made)."""
-    model = nnx.eval_shape(lambda: ResNet50(input_shape[-1], num_classes, remat=remat, rngs=nnx.Rngs(0)))
+            head=classify.label_loss, conv=lax.conv_general_dilated):
+    """``jt.from_nnx`` of an abstract ResNet-50 (no weights made); ``conv``: its layers' convolution."""
+    model = nnx.eval_shape(lambda: ResNet50(input_shape[-1], num_classes, remat=remat, conv=conv,
+                                            rngs=nnx.Rngs(0)))
     return from_nnx(model, loss=head,
                     per_example=lambda logits, batch: classify.per_example(logits, batch["label"]))
 

@@ -1,0 +1,186 @@
+// oneDNN's 2-D convolutions (forward; backward-data and backward-weights in one call) as XLA FFI handlers on
+// CPU, for NHWC activations and HWIO kernels in f32. Built and loaded by jaxtrain/kernels/onednn.py.
+//
+// The primitives take oneDNN's own blocked layouts (format_tag::any: its jit:avx512_core / avx2 kernels; the
+// plain NHWC layouts make oneDNN 2.6 pick slower gemm kernels), reached by reorders from and to XLA's buffers.
+// Each call brings its own scratchpad: XLA runs independent custom calls (and each virtual device's) at the same
+// time, and a library-managed scratchpad is shared between concurrent executions (a wrong dw was seen).
+#include <exception>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using namespace dnnl;
+using tag = memory::format_tag;
+using dt = memory::data_type;
+
+static engine& eng() {
+  static engine e(engine::kind::cpu, 0);
+  return e;
+}
+
+// A convolution's shapes in oneDNN's dims order: src {N,C,H,W}, weights {O,I,KH,KW}, dst {N,O,Ho,Wo}.
+struct Geo {
+  memory::dims src, wei, dst, strides, pl, pr;
+  std::string key(char kind) const {
+    std::string s(1, kind);
+    for (auto* v : {&src, &wei, &dst, &strides, &pl, &pr}) {
+      for (auto d : *v) s += "," + std::to_string(d);
+      s += ";";
+    }
+    return s;
+  }
+  memory::desc s(tag t) const { return {src, dt::f32, t}; }
+  memory::desc w(tag t) const { return {wei, dt::f32, t}; }
+  memory::desc d(tag t) const { return {dst, dt::f32, t}; }
+};
+
+// x: [N,H,W,C], w: [KH,KW,I,O], y: [N,Ho,Wo,O] (XLA's dimensions).
+static Geo geo(ffi::Span<const int64_t> x, ffi::Span<const int64_t> w, ffi::Span<const int64_t> y, int64_t sh,
+               int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+  return Geo{{x[0], x[3], x[1], x[2]}, {w[3], w[2], w[0], w[1]}, {y[0], y[3], y[1], y[2]}, {sh, sw}, {pt, pl},
+             {pb, pr}};
+}
+
+static primitive_attr attr() {
+  primitive_attr a;
+  a.set_scratchpad_mode(scratchpad_mode::user);
+  return a;
+}
+
+static convolution_forward::primitive_desc fwd_pd(const Geo& g) {
+  auto desc = convolution_forward::desc(prop_kind::forward_training, algorithm::convolution_direct, g.s(tag::any),
+                                        g.w(tag::any), g.d(tag::any), g.strides, g.pl, g.pr);
+  return convolution_forward::primitive_desc(desc, attr(), eng());
+}
+
+// A primitive and the layouts it wants for its three tensors (in the handler's argument order).
+struct Entry {
+  primitive p;
+  memory::desc a, b, c, scratch;
+};
+static std::mutex mu;
+static std::unordered_map<std::string, Entry> cache;
+
+template <class F>
+static Entry& cached(const std::string& k, F make) {
+  std::lock_guard<std::mutex> l(mu);
+  auto it = cache.find(k);
+  if (it == cache.end()) it = cache.emplace(k, make()).first;
+  return it->second;
+}
+
+static Entry& fwd_entry(const Geo& g) {
+  return cached(g.key('f'), [&] {
+    auto pd = fwd_pd(g);
+    return Entry{convolution_forward(pd), pd.src_desc(), pd.weights_desc(), pd.dst_desc(), pd.scratchpad_desc()};
+  });
+}
+
+static Entry& data_entry(const Geo& g) {
+  return cached(g.key('d'), [&] {
+    auto desc = convolution_backward_data::desc(algorithm::convolution_direct, g.s(tag::any), g.w(tag::any),
+                                                g.d(tag::any), g.strides, g.pl, g.pr);
+    auto pd = convolution_backward_data::primitive_desc(desc, attr(), eng(), fwd_pd(g));
+    return Entry{convolution_backward_data(pd), pd.diff_src_desc(), pd.weights_desc(), pd.diff_dst_desc(),
+                 pd.scratchpad_desc()};
+  });
+}
+
+static Entry& weights_entry(const Geo& g) {
+  return cached(g.key('w'), [&] {
+    auto desc = convolution_backward_weights::desc(algorithm::convolution_direct, g.s(tag::any), g.w(tag::any),
+                                                   g.d(tag::any), g.strides, g.pl, g.pr);
+    auto pd = convolution_backward_weights::primitive_desc(desc, attr(), eng(), fwd_pd(g));
+    return Entry{convolution_backward_weights(pd), pd.src_desc(), pd.diff_weights_desc(), pd.diff_dst_desc(),
+                 pd.scratchpad_desc()};
+  });
+}
+
+// An input in the primitive's layout (a reorder when it differs); an output's buffer in it; the way back.
+static memory in(stream& st, const memory::desc& want, memory user) {
+  if (want == user.get_desc()) return user;
+  memory m(want, eng());
+  reorder(user, m).execute(st, user, m);
+  return m;
+}
+static memory out(const memory::desc& want, const memory& user) {
+  return want == user.get_desc() ? user : memory(want, eng());
+}
+static void back(stream& st, memory m, memory user) {
+  if (m.get_data_handle() != user.get_data_handle()) reorder(m, user).execute(st, m, user);
+}
+
+// oneDNN reports failures by exceptions: an FFI error instead (a Python exception, not an abort).
+template <class F>
+static ffi::Error guarded(F body) {
+  try {
+    body();
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("oneDNN convolution: ") + e.what());
+  }
+}
+
+// y = conv(x, w)
+static ffi::Error Fwd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int64_t sh,
+                      int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+  return guarded([&] {
+    Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr);
+    auto& e = fwd_entry(g);
+    stream st(eng());
+    memory mx(g.s(tag::nhwc), eng(), x.typed_data()), mw(g.w(tag::hwio), eng(), w.typed_data()),
+        my(g.d(tag::nhwc), eng(), y->typed_data());
+    auto x1 = in(st, e.a, mx), w1 = in(st, e.b, mw), y1 = out(e.c, my);
+    e.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(e.scratch, eng())},
+                     {DNNL_ARG_SRC, x1},
+                     {DNNL_ARG_WEIGHTS, w1},
+                     {DNNL_ARG_DST, y1}});
+    back(st, y1, my);
+    st.wait();
+  });
+}
+
+// dx, dw from dy, w and x; dy reordered once when both primitives want one layout.
+static ffi::Error Bwd(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
+                      ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw, int64_t sh, int64_t sw,
+                      int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+  return guarded([&] {
+    Geo g = geo(x.dimensions(), w.dimensions(), dy.dimensions(), sh, sw, pt, pb, pl, pr);
+    auto& ed = data_entry(g);
+    auto& ew = weights_entry(g);
+    stream st(eng());
+    memory mdy(g.d(tag::nhwc), eng(), dy.typed_data()), mw(g.w(tag::hwio), eng(), w.typed_data()),
+        mx(g.s(tag::nhwc), eng(), x.typed_data()), mdx(g.s(tag::nhwc), eng(), dx->typed_data()),
+        mdw(g.w(tag::hwio), eng(), dw->typed_data());
+    auto dy_d = in(st, ed.c, mdy);
+    auto dy_w = ew.c == ed.c ? dy_d : in(st, ew.c, mdy);
+    auto dx1 = out(ed.a, mdx), w1 = in(st, ed.b, mw);
+    ed.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(ed.scratch, eng())},
+                      {DNNL_ARG_DIFF_SRC, dx1},
+                      {DNNL_ARG_WEIGHTS, w1},
+                      {DNNL_ARG_DIFF_DST, dy_d}});
+    back(st, dx1, mdx);
+    auto x1 = in(st, ew.a, mx), dw1 = out(ew.b, mdw);
+    ew.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(ew.scratch, eng())},
+                      {DNNL_ARG_SRC, x1},
+                      {DNNL_ARG_DIFF_WEIGHTS, dw1},
+                      {DNNL_ARG_DIFF_DST, dy_w}});
+    back(st, dw1, mdw);
+    st.wait();
+  });
+}
+
+#define F32 ffi::Buffer<ffi::F32>
+#define GEOMETRY                                                                                                \
+  Attr<int64_t>("sh").Attr<int64_t>("sw").Attr<int64_t>("pt").Attr<int64_t>("pb").Attr<int64_t>("pl").Attr< \
+      int64_t>("pr")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlConvFwd, Fwd,
+                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Ret<F32>().GEOMETRY);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlConvBwd, Bwd,
+                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>().Ret<F32>().Ret<F32>().GEOMETRY);
