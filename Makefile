@@ -17,7 +17,7 @@ help:
 	@echo "make test-gpu-compile  the gpu_compile tests: steps compiled for 8 H100s on this host (a cached ~5.6 GB venv)"
 	@echo "make docs   set up, then build the documentation site into docs/_build/html (warnings are errors)"
 	@echo "make data   install the Debian package dataset-fashion-mnist if it is missing"
-	@echo "make onednn install g++ and libdnnl-dev (oneDNN's convolutions for CPUs) if they are missing"
+	@echo "make onednn install g++ (it compiles oneDNN's convolutions for CPUs) if it is missing"
 	@echo "make setup  create/update $(VENV) and install jaxtrain with its test extras"
 
 $(STAMP): pyproject.toml
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
-	@$(PY) -m jaxtrain.kernels.onednn  # builds oneDNN's convolutions (CPU) where g++ and libdnnl-dev are here
+	@$(PY) -m jaxtrain.kernels.onednn  # compiles oneDNN's convolutions for CPUs where g++ is here
 
 setup: $(STAMP)
 
@@ -42,19 +42,19 @@ data:
 		echo "  TFDS will download it on first use (needs internet), or pass --data-dir DIR with the IDX files."; \
 	fi
 
-# oneDNN's convolutions for CPUs (jaxtrain.kernels.onednn; conv="auto" uses them where they build): g++ and
-# Debian's libdnnl-dev. Without them jaxtrain keeps XLA's convolutions.
-ONEDNN_HEADER := /usr/include/oneapi/dnnl/dnnl.hpp
+# oneDNN's convolutions for CPUs (jaxtrain.kernels.onednn; conv="auto" uses them where they build): oneDNN comes
+# with jaxtrain (pip: onednn-cpu-gomp); they are compiled on first use with g++. Without g++ the models keep
+# XLA's convolutions.
 onednn:
-	@if [ -f $(ONEDNN_HEADER) ] && command -v g++ >/dev/null; then \
-		echo "oneDNN: $(ONEDNN_HEADER)"; \
+	@if command -v g++ >/dev/null; then \
+		echo "g++: $$(command -v g++)"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing Debian packages g++ libdnnl-dev (oneDNN's convolutions for CPUs)"; \
+		echo "installing Debian package g++ (to compile oneDNN's convolutions for CPUs)"; \
 		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ libdnnl-dev >/dev/null; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; \
 	else \
-		echo "oneDNN's headers or g++ missing and apt-get is not usable as root: jaxtrain keeps XLA's"; \
-		echo "  convolutions on CPUs (slower for ResNet-18); apt-get install g++ libdnnl-dev to use oneDNN's."; \
+		echo "g++ missing and apt-get is not usable as root: jaxtrain keeps XLA's convolutions on CPUs"; \
+		echo "  (slower for ResNet-18 and LeNet); install g++ to use oneDNN's."; \
 	fi
 
 demo: onednn setup data

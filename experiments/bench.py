@@ -76,10 +76,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train_timers(args, jt, mesh, model, counted):
+def _train_timers(args, jt, mesh, model):
     """(a) and (b): ``{name: [step, state]}`` of jaxtrain's step and the hand-written one, and the compile-time
-    cost of jaxtrain's step (FLOPs, bytes, over all devices) with ``counted``'s convolutions (XLA's: XLA's cost
-    analysis counts no FLOPs in a custom call such as oneDNN's)."""
+    cost of jaxtrain's step (FLOPs, bytes, over all devices)."""
     loss_fn = model.loss_fn
     import jax
     import jax.numpy as jnp
@@ -94,9 +93,7 @@ def _train_timers(args, jt, mesh, model, counted):
     host = model.example_batch(args.batch_size)
     trainer = jt.make_train_step(loss_fn, optax.sgd(0.2), mesh=mesh, precision=args.precision)  # (a) the defaults
     trainer.check_batch_size(args.batch_size)
-    counter = trainer if counted is model else jt.make_train_step(counted.loss_fn, optax.sgd(0.2), mesh=mesh,
-                                                                   precision=args.precision)
-    cost = jt.compiled_stats(counter, counter.init(params0, model_state0), host, residuals=False)  # per device
+    cost = jt.compiled_stats(trainer, trainer.init(params0, model_state0), host, residuals=False)  # per device
     compute = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
 
     # (b) hand-written: the step anyone would write, same shardings, donation and precision.
@@ -180,8 +177,7 @@ def main(argv=None) -> int:
         calls, flops = _int8_timers(args, model)
         runs, batch, bytes_accessed = {}, None, None
     else:
-        counted = model if model.conv == "xla" else models.get(args.model, conv="xla")
-        runs, batch, flops, bytes_accessed = _train_timers(args, jt, mesh, model, counted)
+        runs, batch, flops, bytes_accessed = _train_timers(args, jt, mesh, model)
         calls = {}
         for run in runs.values():
             run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up

@@ -18,7 +18,7 @@ from reference import assert_matches
 from test_resnet import to_nnx
 
 import jaxtrain as jt
-from jaxtrain import models
+from jaxtrain import diagnostics, models
 from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import onednn
 from jaxtrain.models import resnet
@@ -185,9 +185,19 @@ def test_choose_names_the_convolution_and_refuses_what_is_unusable(monkeypatch):
 def test_a_machine_without_a_compiler_is_told_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXTRAIN_ONEDNN_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
-    with pytest.raises(OSError, match="no C\\+\\+ compiler found.*apt-get install g\\+\\+ libdnnl-dev"):
+    with pytest.raises(OSError, match="no C\\+\\+ compiler found.*apt-get install g\\+\\+.*onednn-cpu-gomp"):
         onednn.build()
     monkeypatch.setenv("CXX", "false")  # a compiler that fails: no library left behind
     with pytest.raises(OSError, match="building the oneDNN convolutions failed"):
         onednn.build()
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".build")] == []
+
+
+@usable
+@pytest.mark.parametrize("case", ["3x3-stride2", "odd-same", "lenet-conv2"])
+def test_flops_are_counted_as_xla_counts_its_convolutions(case):
+    """XLA's cost analysis sees nothing in a custom call: ``hlo_flops`` adds oneDNN's, as XLA counts its own."""
+    xs, ws, strides, padding = CASES[case]
+    x, w = jnp.ones(xs), jnp.ones(ws)
+    count = lambda conv: diagnostics.program_flops(_loss(conv, strides, padding).lower(x, w).compile())  # noqa: E731
+    assert count(onednn.conv_general_dilated) == pytest.approx(count(lax.conv_general_dilated), rel=1e-3)

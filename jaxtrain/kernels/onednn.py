@@ -5,15 +5,12 @@ transposed kernel for an input gradient: ResNet-18's step spent ~127 ms of ~1,26
 (docs/performance.md, "ResNet-18 on this CPU"). oneDNN (PyTorch's CPU backend) has native backward kernels.
 ``conv_general_dilated`` sends f32 2-D NHWC / HWIO convolutions on CPU to ``onednn_conv.cc`` (forward; input
 and weight gradients in one backward call) and everything else to XLA's own, so a model that takes it runs
-unchanged on a GPU (``lax.platform_dependent``: GPU lowering never sees the CPU call) and under every strategy:
+unchanged on a GPU (``lax.platform_dependent``: GPU lowering never sees the CPU call) and under every strategy
+(``onednn_calls``: partitioned along the batch under jit, per device inside shard_map).
 
-- under ``jit`` (GSPMD / Shardy): ``custom_partitioning`` keeps the batch split and replicates the rest, each
-  device convolving its share; the weight gradient is summed over the batch's mesh axes;
-- inside ``shard_map`` (and ``pmap``): each device's call is its own, typed varying as ``lax``'s conv would be,
-  the weight gradient summed over the axes the batch varies over and the weights do not (as JAX's autodiff does).
-
-The library is compiled on first use (g++ with oneDNN's headers: Debian's ``libdnnl-dev``; ~5 s) into
-``$JAXTRAIN_ONEDNN_CACHE`` (default ``~/.cache/jaxtrain/onednn``), one file per source and jaxlib;
+The library is compiled on first use (g++, ~5 s) against the pip-installed oneDNN 3.2 (``onednn-cpu-gomp``, a
+requirement on x86-64 Linux) or else the system's (Debian's ``libdnnl-dev``, 2.6) into
+``$JAXTRAIN_ONEDNN_CACHE`` (default ``~/.cache/jaxtrain/onednn``), one file per source, jaxlib and oneDNN;
 ``python -m jaxtrain.kernels.onednn`` builds it and says whether it is usable. Without a compiler or oneDNN,
 ``available()`` is False and ``reason()`` says why: ``conv="auto"`` then keeps XLA's convolutions.
 """
@@ -24,33 +21,42 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+
+from jaxtrain.kernels import onednn_calls as calls
 
 SOURCE = Path(__file__).with_name("onednn_conv.cc")
-_TARGETS = ("JaxtrainDnnlConvFwd", "JaxtrainDnnlConvBwd")
+_TARGETS = ("JaxtrainDnnlConvFwd", "JaxtrainDnnlConvFwdSave", "JaxtrainDnnlConvBwd")
 _NHWC = lax.ConvDimensionNumbers(lhs_spec=(0, 3, 1, 2), rhs_spec=(3, 2, 0, 1), out_spec=(0, 3, 1, 2))
-INSTALL = "install a C++ compiler and oneDNN's headers (Debian: apt-get install g++ libdnnl-dev)"
+INSTALL = ("install a C++ compiler (Debian: apt-get install g++) and oneDNN (pip install onednn-cpu-gomp "
+           "onednn-devel-cpu-gomp, as jaxtrain's requirements do on x86-64 Linux; or apt-get install libdnnl-dev)")
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("JAXTRAIN_ONEDNN_CACHE") or Path.home() / ".cache" / "jaxtrain" / "onednn")
 
 
+def _wheel_onednn() -> str | None:
+    """The prefix of the pip-installed oneDNN (``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``: oneDNN 3.2,
+    headers in PREFIX/include, libdnnl in PREFIX/lib), or None: the system's (Debian's libdnnl-dev, 2.6)."""
+    return sys.prefix if (Path(sys.prefix) / "include" / "oneapi" / "dnnl" / "dnnl.hpp").exists() else None
+
+
 def build() -> Path:
     """The compiled library (built now if this source and jaxlib have none yet); OSError: why it cannot be."""
     from jaxtrain.dirlock import DirLock
 
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256(SOURCE.read_bytes() + f"{jax.__version__} {include}".encode()).hexdigest()[:16]
+    include, dnnl = jax.ffi.include_dir(), _wheel_onednn()
+    flags = [f"-I{dnnl}/include", f"-L{dnnl}/lib", f"-Wl,-rpath,{dnnl}/lib"] if dnnl else []
+    key = hashlib.sha256(SOURCE.read_bytes() + f"{jax.__version__} {include} {flags}".encode()).hexdigest()[:16]
     lib = cache_dir() / f"conv-{key}.so"
     if lib.exists():
         return lib
@@ -62,7 +68,7 @@ def build() -> Path:
         if lib.exists():
             return lib
         tmp = lib.with_name(f".{lib.name}.{os.getpid()}")
-        cmd = [compiler, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-I{include}", str(SOURCE), "-ldnnl",
+        cmd = [compiler, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-I{include}", *flags, str(SOURCE), "-ldnnl",
                "-o", str(tmp)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode:
@@ -74,15 +80,23 @@ def build() -> Path:
 
 
 @functools.cache
-def reason() -> str | None:
-    """None when the oneDNN convolutions are usable here; else why not (one line)."""
+def _library() -> ctypes.CDLL | str:
+    """The loaded library, its FFI targets registered; or why it cannot be (one line)."""
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, subprocess.SubprocessError) as e:
         return str(e)
     for name in _TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
-    return None
+    lib.JaxtrainDnnlSavedFloats.restype = ctypes.c_int64
+    lib.JaxtrainDnnlSavedFloats.argtypes = [ctypes.c_int64] * 15
+    return lib
+
+
+def reason() -> str | None:
+    """None when the oneDNN convolutions are usable here; else why not (one line)."""
+    lib = _library()
+    return lib if isinstance(lib, str) else None
 
 
 def available() -> bool:
@@ -130,148 +144,52 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
         return xla(lhs, rhs)
     if isinstance(padding, str):
         padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
-    strides, pads = tuple(int(s) for s in window_strides), tuple(tuple(int(p) for p in pair) for pair in padding)
-    return lax.platform_dependent(lhs, rhs, cpu=lambda x, w: _conv(x, w, strides, pads), default=xla)
+    geometry = (tuple(int(s) for s in window_strides), tuple(tuple(int(p) for p in pair) for pair in padding))
+    floats = _saved_floats(lhs.shape, rhs.shape, geometry)
+    fast = lambda x, w: calls.conv(x, w, geometry, tuple(lhs.shape[1:]), floats)  # noqa: E731
+    return lax.platform_dependent(lhs, rhs, cpu=fast, default=xla)
 
 
-# --- the FFI calls, on whatever shapes they are given (a device's share under a partitioner) ---
-
-def _geometry(strides, pads):
-    (pt, pb), (pl, pr) = pads
-    return dict(sh=strides[0], sw=strides[1], pt=pt, pb=pb, pl=pl, pr=pr)
-
-
-def _out_shape(x_shape, w_shape, strides, pads):
-    (b, h, w, _), (kh, kw, _, co) = x_shape, w_shape
-    return b, (h + sum(pads[0]) - kh) // strides[0] + 1, (w + sum(pads[1]) - kw) // strides[1] + 1, co
-
-
-def _ffi_forward(x, w, strides, pads):
-    y = jax.ShapeDtypeStruct(_out_shape(x.shape, w.shape, strides, pads), x.dtype)
-    return jax.ffi.ffi_call("JaxtrainDnnlConvFwd", y)(x, w, **_geometry(strides, pads))
+def _saved_floats(x_shape, w_shape, geometry) -> int:
+    """Per example, the size of x in the layout oneDNN's backward-weights kernel reads, where the forward can
+    save it there: that layout keeps each example contiguous, at one size for every share of the batch a device
+    may hold (the batch over any divisor of the device count); else 0 (the backward reorders x itself)."""
+    (b, h, w, c), (kh, kw, _, o) = x_shape, w_shape
+    (sh, sw), ((pt, pb), (pl, pr)) = geometry
+    _, ho, wo, _ = calls.out_shape(x_shape, w_shape, geometry)
+    n = jax.device_count()
+    shares = {b // d for d in range(1, n + 1) if n % d == 0 and b % d == 0}
+    sizes = {_library().JaxtrainDnnlSavedFloats(s, h, w, c, kh, kw, o, ho, wo, sh, sw, pt, pb, pl, pr)
+             for s in shares}
+    return sizes.pop() if len(sizes) == 1 and min(sizes) > 0 else 0
 
 
-def _ffi_backward(dy, w, x, strides, pads):
-    shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype))
-    return jax.ffi.ffi_call("JaxtrainDnnlConvBwd", shapes)(dy, w, x, **_geometry(strides, pads))
+_SHAPE = re.compile(r"f32\[([\d,]*)\]")
+_ATTR = re.compile(r"\b(sh|sw|pt|pb|pl|pr) = (\d+)")
 
 
-# --- under jit: partitioned along the batch ---
-
-def _batch_split(mesh, sharding, rank=4):
-    """``sharding``'s split of dim 0, every other dim whole."""
-    spec = getattr(sharding, "spec", P())
-    return NamedSharding(mesh, P(spec[0] if len(spec) else None, *(None,) * (rank - 1)))
+def _taps(size: int, kernel: int, stride: int, pad: int, out: int) -> int:
+    """Kernel taps that land inside the input, summed over the output positions along one dimension."""
+    return sum(sum(0 <= o * stride - pad + k < size for k in range(kernel)) for o in range(out))
 
 
-def _fwd_partition(strides, pads, mesh, arg_shapes, result_shape):
-    split = _batch_split(mesh, arg_shapes[0].sharding)
-    lower = functools.partial(_ffi_forward, strides=strides, pads=pads)
-    return mesh, lower, split, (split, NamedSharding(mesh, P()))
-
-
-def _bwd_partition(strides, pads, mesh, arg_shapes, result_shape):
-    split = _batch_split(mesh, arg_shapes[2].sharding)  # x's split; dy (same batch) is made to follow it
-    axes = split.spec[0]
-
-    def lower(dy, w, x):
-        dx, dw = _ffi_backward(dy, w, x, strides, pads)
-        return dx, (lax.psum(dw, axes) if axes else dw)  # each device's dw is its share's
-
-    return mesh, lower, (split, NamedSharding(mesh, P())), (split, NamedSharding(mesh, P()), split)
-
-
-# Every factor but the batch stays whole on each device (listed in the order of first use: Shardy wants it).
-_FWD_RULE, _FWD_WHOLE = "b h w c, i j c o -> b p q o", ("h", "w", "c", "i", "j", "o", "p", "q")
-_BWD_RULE, _BWD_WHOLE = "b p q o, i j c o, b h w c -> b h w c, i j c o", ("p", "q", "o", "i", "j", "c", "h", "w")
-
-
-@functools.partial(custom_partitioning, static_argnums=(2, 3))
-def _forward_split(x, w, strides, pads):
-    return _ffi_forward(x, w, strides, pads)
-
-
-_forward_split.def_partition(
-    partition=_fwd_partition,
-    infer_sharding_from_operands=lambda strides, pads, mesh, args, result: _batch_split(mesh, args[0].sharding),
-    sharding_rule=_FWD_RULE, need_replication_factors=_FWD_WHOLE)
-
-
-@functools.partial(custom_partitioning, static_argnums=(3, 4))
-def _backward_split(dy, w, x, strides, pads):
-    return _ffi_backward(dy, w, x, strides, pads)
-
-
-_backward_split.def_partition(
-    partition=_bwd_partition,
-    infer_sharding_from_operands=lambda strides, pads, mesh, args, result: (
-        _batch_split(mesh, args[2].sharding), NamedSharding(mesh, P())),
-    sharding_rule=_BWD_RULE, need_replication_factors=_BWD_WHOLE)
-
-
-# --- inside shard_map / pmap: each device's own call ---
-
-def _varying(x) -> frozenset:
-    """The manual axes ``x`` varies over (jax 0.10: ``.manual_axis_type.varying``; later: ``.vma``)."""
-    t = jax.typeof(x)
-    return frozenset(getattr(t, "vma", None) or getattr(getattr(t, "manual_axis_type", None), "varying", ()))
-
-
-def _as_varying(y, axes):
-    return lax.pcast(y, tuple(sorted(axes)), to="varying") if axes else y
-
-
-def _manual() -> bool:
-    return bool(jax.sharding.get_abstract_mesh().manual_axes)
-
-
-def _forward(x, w, strides, pads):
-    if _manual():
-        return _as_varying(_ffi_forward(x, w, strides, pads), _varying(x) | _varying(w))
-    return _forward_split(x, w, strides, pads)
-
-
-def _cotangent(g, primal, source):
-    """A device's ``g`` typed as computed from ``source``, summed over the axes ``source`` varies over and
-    ``primal`` does not (it was broadcast to the devices), as JAX's autodiff of ``lax``'s conv does."""
-    g, summed = _as_varying(g, _varying(source)), _varying(source) - _varying(primal)
-    return lax.psum(g, tuple(sorted(summed))) if summed else g
-
-
-def _backward(dy, w, x, strides, pads):
-    if _manual():
-        dx, dw = _ffi_backward(dy, w, x, strides, pads)
-        return _cotangent(dx, x, dy), _cotangent(dw, w, dy)
-    axes = _explicit_batch_axes()
-    if axes:  # the explicit strategy: its batch axes in a shard_map of this call (see _explicit_batch_axes)
-        split = P(axes)
-        return jax.shard_map(functools.partial(_backward, strides=strides, pads=pads),
-                             mesh=jax.sharding.get_abstract_mesh(), in_specs=(split, P(), split),
-                             out_specs=(split, P()), axis_names=frozenset(axes))(dy, w, x)
-    return _backward_split(dy, w, x, strides, pads)
-
-
-def _explicit_batch_axes() -> tuple[str, ...]:
-    """The batch's mesh axes where a train step is traced under a mesh context (the explicit strategy's
-    ``auto_axes``); else (). There, on jax 0.12, the psum in ``_backward_split``'s per-device program keeps a
-    Shardy annotation XLA:CPU cannot run ("Unsupported reduction computation"): a shard_map instead."""
-    from jaxtrain.devices import batch_axes
-    from jaxtrain.step import step_context
-
-    ctx = step_context()
-    if ctx is None or not jax.sharding.get_abstract_mesh().axis_names:
-        return ()
-    axes = batch_axes(ctx.mesh)
-    return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _conv(x, w, strides, pads):
-    return _forward(x, w, strides, pads)
-
-
-_conv.defvjp(lambda x, w, strides, pads: (_forward(x, w, strides, pads), (x, w)),
-             lambda strides, pads, res, dy: _backward(dy, res[1], res[0], strides, pads))
+def hlo_flops(hlo_text: str) -> float:
+    """FLOPs of the oneDNN convolutions in a compiled program's HLO text, counted from their shapes as XLA
+    counts its own (2 per multiply-add, taps in the padding left out): XLA's cost analysis counts nothing in a
+    custom call (and may then report a negative total)."""
+    total = 0.0
+    for line in hlo_text.splitlines():
+        if 'custom_call_target="JaxtrainDnnlConv' not in line:
+            continue
+        dims = [[int(d) for d in s.split(",")] for s in _SHAPE.findall(line.split("operand_layout_constraints=")[1])]
+        a = {k: int(v) for k, v in _ATTR.findall(line.split("backend_config=")[1])}
+        first = [int(d) for d in _SHAPE.search(line.split("= ", 1)[1]).group(1).split(",")]  # y, or dx
+        fwd = "JaxtrainDnnlConvFwd" in line  # operands x, w (-> y); else dy, w, saved (-> dx, dw)
+        (b, h, w, c), (kh, kw, _, o) = dims[0] if fwd else first, dims[1]
+        y = first if fwd else dims[0]
+        taps = _taps(h, kh, a["sh"], a["pt"], y[1]) * _taps(w, kw, a["sw"], a["pl"], y[2])
+        total += (1 if fwd else 2) * 2 * b * o * c * taps  # backward: the input and the weight gradients
+    return total
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 // Each call brings its own scratchpad: XLA runs independent custom calls (and each virtual device's) at the same
 // time, and a library-managed scratchpad is shared between concurrent executions (a wrong dw was seen).
 #include <exception>
+#include <stdexcept>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -53,10 +54,55 @@ static primitive_attr attr() {
   return a;
 }
 
-static convolution_forward::primitive_desc fwd_pd(const Geo& g) {
-  auto desc = convolution_forward::desc(prop_kind::forward_training, algorithm::convolution_direct, g.s(tag::any),
-                                        g.w(tag::any), g.d(tag::any), g.strides, g.pl, g.pr);
+// The three primitive descriptors, in oneDNN 3's API (the pip wheel's) or 2's (Debian 12's libdnnl-dev), for the
+// activations' layout `t`: XLA's NHWC (no reorders), or `any` (oneDNN's blocked layouts, reached by reorders).
+#if DNNL_VERSION_MAJOR >= 3
+static convolution_forward::primitive_desc fwd_pd(const Geo& g, tag t) {
+  return {eng(), prop_kind::forward_training, algorithm::convolution_direct, g.s(t), g.w(tag::any), g.d(t),
+          g.strides, g.pl, g.pr, attr()};
+}
+static convolution_backward_data::primitive_desc data_pd(const Geo& g, tag t) {
+  return {eng(), algorithm::convolution_direct, g.s(t), g.w(tag::any), g.d(t), g.strides, g.pl, g.pr,
+          fwd_pd(g, t), attr()};
+}
+static convolution_backward_weights::primitive_desc weights_pd(const Geo& g, tag t) {
+  return {eng(), algorithm::convolution_direct, g.s(t), g.w(tag::any), g.d(t), g.strides, g.pl, g.pr,
+          fwd_pd(g, t), attr()};
+}
+#else
+static convolution_forward::primitive_desc fwd_pd(const Geo& g, tag t) {
+  auto desc = convolution_forward::desc(prop_kind::forward_training, algorithm::convolution_direct, g.s(t),
+                                        g.w(tag::any), g.d(t), g.strides, g.pl, g.pr);
   return convolution_forward::primitive_desc(desc, attr(), eng());
+}
+static convolution_backward_data::primitive_desc data_pd(const Geo& g, tag t) {
+  auto desc = convolution_backward_data::desc(algorithm::convolution_direct, g.s(t), g.w(tag::any), g.d(t),
+                                              g.strides, g.pl, g.pr);
+  return convolution_backward_data::primitive_desc(desc, attr(), eng(), fwd_pd(g, t));
+}
+static convolution_backward_weights::primitive_desc weights_pd(const Geo& g, tag t) {
+  auto desc = convolution_backward_weights::desc(algorithm::convolution_direct, g.s(t), g.w(tag::any), g.d(t),
+                                                 g.strides, g.pl, g.pr);
+  return convolution_backward_weights::primitive_desc(desc, attr(), eng(), fwd_pd(g, t));
+}
+#endif
+
+// The backward primitives take NHWC where oneDNN has a direct kernel for it (oneDNN 3's brgconv / jit on
+// AVX-512): no reorders of dy, dx or x, at the blocked kernels' speed. The forward keeps the blocked layouts:
+// oneDNN 3.2's NHWC forwards ran ~45 ms per ResNet-18 step slower than its blocked ones, more than the
+// reorders of x and y cost (docs/performance.md, "oneDNN convolutions"). Blocked, too, where NHWC would get a
+// gemm or reference kernel (oneDNN 2.6). JAXTRAIN_ONEDNN_BLOCKED=1: the blocked layouts always (to measure).
+template <class PD>
+static PD pick(PD (*make)(const Geo&, tag), const Geo& g) {
+  if (!getenv("JAXTRAIN_ONEDNN_BLOCKED")) {
+    try {
+      PD pd = make(g, tag::nhwc);
+      std::string impl = pd.impl_info_str();
+      if (impl.find("gemm") == std::string::npos && impl.find("ref") == std::string::npos) return pd;
+    } catch (const error&) {
+    }
+  }
+  return make(g, tag::any);
 }
 
 // A primitive and the layouts it wants for its three tensors (in the handler's argument order).
@@ -77,16 +123,14 @@ static Entry& cached(const std::string& k, F make) {
 
 static Entry& fwd_entry(const Geo& g) {
   return cached(g.key('f'), [&] {
-    auto pd = fwd_pd(g);
+    auto pd = fwd_pd(g, tag::any);
     return Entry{convolution_forward(pd), pd.src_desc(), pd.weights_desc(), pd.dst_desc(), pd.scratchpad_desc()};
   });
 }
 
 static Entry& data_entry(const Geo& g) {
   return cached(g.key('d'), [&] {
-    auto desc = convolution_backward_data::desc(algorithm::convolution_direct, g.s(tag::any), g.w(tag::any),
-                                                g.d(tag::any), g.strides, g.pl, g.pr);
-    auto pd = convolution_backward_data::primitive_desc(desc, attr(), eng(), fwd_pd(g));
+    auto pd = pick(data_pd, g);
     return Entry{convolution_backward_data(pd), pd.diff_src_desc(), pd.weights_desc(), pd.diff_dst_desc(),
                  pd.scratchpad_desc()};
   });
@@ -94,9 +138,7 @@ static Entry& data_entry(const Geo& g) {
 
 static Entry& weights_entry(const Geo& g) {
   return cached(g.key('w'), [&] {
-    auto desc = convolution_backward_weights::desc(algorithm::convolution_direct, g.s(tag::any), g.w(tag::any),
-                                                   g.d(tag::any), g.strides, g.pl, g.pr);
-    auto pd = convolution_backward_weights::primitive_desc(desc, attr(), eng(), fwd_pd(g));
+    auto pd = pick(weights_pd, g);
     return Entry{convolution_backward_weights(pd), pd.src_desc(), pd.diff_weights_desc(), pd.diff_dst_desc(),
                  pd.scratchpad_desc()};
   });
@@ -146,18 +188,78 @@ static ffi::Error Fwd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
   });
 }
 
-// dx, dw from dy, w and x; dy reordered once when both primitives want one layout.
-static ffi::Error Bwd(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
-                      ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw, int64_t sh, int64_t sw,
-                      int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+// Floats per example of the backward-weights primitive's input layout, where that layout keeps each example
+// contiguous (the batch outermost, not blocked); else -1. The forward can then save its input in that layout
+// (a [N, floats] residual that splits along the batch like the activations), sparing the backward a reorder.
+static int64_t saved_per_example(const memory::desc& md, int64_t n) {
+#if DNNL_VERSION_MAJOR >= 3
+  if (md.get_format_kind() != memory::format_kind::blocked || n <= 0) return -1;
+  for (auto i : md.get_inner_idxs())
+    if (i == 0) return -1;
+  int64_t stride0 = md.get_strides()[0];
+#else
+  const auto& d = md.data;
+  if (d.format_kind != dnnl_blocked || n <= 0) return -1;
+  for (int i = 0; i < d.format_desc.blocking.inner_nblks; ++i)
+    if (d.format_desc.blocking.inner_idxs[i] == 0) return -1;
+  int64_t stride0 = d.format_desc.blocking.strides[0];
+#endif
+  int64_t per = (int64_t)(md.get_size() / sizeof(float)) / n;
+  return stride0 == per && per * n * (int64_t)sizeof(float) == (int64_t)md.get_size() ? per : -1;
+}
+
+extern "C" int64_t JaxtrainDnnlSavedFloats(int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
+                                           int64_t o, int64_t ho, int64_t wo, int64_t sh, int64_t sw, int64_t pt,
+                                           int64_t pb, int64_t pl, int64_t pr) {
+  try {
+    Geo g{{n, c, h, w}, {o, c, kh, kw}, {n, o, ho, wo}, {sh, sw}, {pt, pl}, {pb, pr}};
+    auto& e = weights_entry(g);
+    return e.a == g.s(tag::nhwc) ? -1 : saved_per_example(e.a, n);  // NHWC: x itself serves, uncopied
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+// y = conv(x, w), and x in the backward-weights layout (saved: [N, JaxtrainDnnlSavedFloats]).
+static ffi::Error FwdSave(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
+                          ffi::ResultBuffer<ffi::F32> saved, int64_t sh, int64_t sw, int64_t pt, int64_t pb,
+                          int64_t pl, int64_t pr) {
   return guarded([&] {
-    Geo g = geo(x.dimensions(), w.dimensions(), dy.dimensions(), sh, sw, pt, pb, pl, pr);
+    Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr);
+    auto& e = fwd_entry(g);
+    auto& ew = weights_entry(g);
+    auto dims = saved->dimensions();
+    if (dims.size() != 2 || dims[0] != g.src[0] || saved_per_example(ew.a, g.src[0]) != dims[1])
+      throw std::runtime_error("the saved input's shape does not match the backward-weights layout here");
+    stream st(eng());
+    memory mx(g.s(tag::nhwc), eng(), x.typed_data()), mw(g.w(tag::hwio), eng(), w.typed_data()),
+        my(g.d(tag::nhwc), eng(), y->typed_data()), ms(ew.a, eng(), saved->typed_data());
+    reorder(mx, ms).execute(st, mx, ms);
+    auto x1 = e.a == ew.a ? ms : in(st, e.a, mx);  // one reorder of x serves both when the layouts agree
+    auto w1 = in(st, e.b, mw), y1 = out(e.c, my);
+    e.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(e.scratch, eng())},
+                     {DNNL_ARG_SRC, x1},
+                     {DNNL_ARG_WEIGHTS, w1},
+                     {DNNL_ARG_DST, y1}});
+    back(st, y1, my);
+    st.wait();
+  });
+}
+
+// dx, dw from dy, w and the forward's residual: x in the backward-weights layout (blocked=1, FwdSave's), or x
+// itself (blocked=0, NHWC); dy reordered once when both primitives want one layout.
+static ffi::Error Bwd(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> saved,
+                      ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw, int64_t sh, int64_t sw,
+                      int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t blocked) {
+  return guarded([&] {
+    Geo g = geo(dx->dimensions(), w.dimensions(), dy.dimensions(), sh, sw, pt, pb, pl, pr);
     auto& ed = data_entry(g);
     auto& ew = weights_entry(g);
+    if (blocked && saved_per_example(ew.a, g.src[0]) != saved.dimensions().back())
+      throw std::runtime_error("the saved input's shape does not match the backward-weights layout here");
     stream st(eng());
     memory mdy(g.d(tag::nhwc), eng(), dy.typed_data()), mw(g.w(tag::hwio), eng(), w.typed_data()),
-        mx(g.s(tag::nhwc), eng(), x.typed_data()), mdx(g.s(tag::nhwc), eng(), dx->typed_data()),
-        mdw(g.w(tag::hwio), eng(), dw->typed_data());
+        mdx(g.s(tag::nhwc), eng(), dx->typed_data()), mdw(g.w(tag::hwio), eng(), dw->typed_data());
     auto dy_d = in(st, ed.c, mdy);
     auto dy_w = ew.c == ed.c ? dy_d : in(st, ew.c, mdy);
     auto dx1 = out(ed.a, mdx), w1 = in(st, ed.b, mw);
@@ -166,7 +268,9 @@ static ffi::Error Bwd(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::Bu
                       {DNNL_ARG_WEIGHTS, w1},
                       {DNNL_ARG_DIFF_DST, dy_d}});
     back(st, dx1, mdx);
-    auto x1 = in(st, ew.a, mx), dw1 = out(ew.b, mdw);
+    auto x1 = blocked ? memory(ew.a, eng(), saved.typed_data())
+                      : in(st, ew.a, memory(g.s(tag::nhwc), eng(), saved.typed_data()));
+    auto dw1 = out(ew.b, mdw);
     ew.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(ew.scratch, eng())},
                       {DNNL_ARG_SRC, x1},
                       {DNNL_ARG_DIFF_WEIGHTS, dw1},
@@ -182,5 +286,8 @@ static ffi::Error Bwd(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::Bu
       int64_t>("pr")
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlConvFwd, Fwd,
                               ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Ret<F32>().GEOMETRY);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlConvFwdSave, FwdSave,
+                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Ret<F32>().Ret<F32>().GEOMETRY);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlConvBwd, Bwd,
-                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>().Ret<F32>().Ret<F32>().GEOMETRY);
+                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>().Ret<F32>().Ret<F32>().GEOMETRY
+                                  .Attr<int64_t>("blocked"));
