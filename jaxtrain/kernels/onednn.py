@@ -68,8 +68,8 @@ def build() -> Path:
         if lib.exists():
             return lib
         tmp = lib.with_name(f".{lib.name}.{os.getpid()}")
-        cmd = [compiler, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-I{include}", *flags, str(SOURCE), "-ldnnl",
-               "-o", str(tmp)]
+        cmd = [compiler, "-O2", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-w", f"-I{include}", *flags, str(SOURCE),
+               "-ldnnl", "-o", str(tmp)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode:
             tmp.unlink(missing_ok=True)
@@ -89,7 +89,7 @@ def _library() -> ctypes.CDLL | str:
     for name in _TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     lib.JaxtrainDnnlSavedFloats.restype = ctypes.c_int64
-    lib.JaxtrainDnnlSavedFloats.argtypes = [ctypes.c_int64] * 15
+    lib.JaxtrainDnnlSavedFloats.argtypes = [ctypes.c_int64] * 16
     return lib
 
 
@@ -159,8 +159,8 @@ def _saved_floats(x_shape, w_shape, geometry) -> int:
     _, ho, wo, _ = calls.out_shape(x_shape, w_shape, geometry)
     n = jax.device_count()
     shares = {b // d for d in range(1, n + 1) if n % d == 0 and b % d == 0}
-    sizes = {_library().JaxtrainDnnlSavedFloats(s, h, w, c, kh, kw, o, ho, wo, sh, sw, pt, pb, pl, pr)
-             for s in shares}
+    sizes = {_library().JaxtrainDnnlSavedFloats(s, h, w, c, kh, kw, o, ho, wo, sh, sw, pt, pb, pl, pr,
+                                                calls.threads()) for s in shares}
     return sizes.pop() if len(sizes) == 1 and min(sizes) > 0 else 0
 
 

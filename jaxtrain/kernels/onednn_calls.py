@@ -17,6 +17,7 @@ step's batch axes (``_explicit_batch_axes``).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 from jax import lax
@@ -30,9 +31,17 @@ def out_shape(x_shape, w_shape, geometry):
     return b, (h + sum(pads[0]) - kh) // strides[0] + 1, (w + sum(pads[1]) - kw) // strides[1] + 1, co
 
 
+def threads() -> int:
+    """OpenMP threads per call: the cores over the devices that run at once (virtual CPU devices share them);
+    ``$JAXTRAIN_ONEDNN_THREADS`` when set."""
+    from jaxtrain.devices import _cores
+
+    return int(os.environ.get("JAXTRAIN_ONEDNN_THREADS") or max(1, _cores() // max(1, jax.local_device_count())))
+
+
 def _attrs(geometry, **more):
     strides, ((pt, pb), (pl, pr)) = geometry
-    return dict(sh=strides[0], sw=strides[1], pt=pt, pb=pb, pl=pl, pr=pr, **more)
+    return dict(sh=strides[0], sw=strides[1], pt=pt, pb=pb, pl=pl, pr=pr, threads=threads(), **more)
 
 
 def _ffi_forward(x, w, geometry):

@@ -11,6 +11,7 @@
 #include <string>
 #include <unordered_map>
 
+#include <omp.h>
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "xla/ffi/api/ffi.h"
@@ -116,8 +117,9 @@ static std::unordered_map<std::string, Entry> cache;
 template <class F>
 static Entry& cached(const std::string& k, F make) {
   std::lock_guard<std::mutex> l(mu);
-  auto it = cache.find(k);
-  if (it == cache.end()) it = cache.emplace(k, make()).first;
+  auto key = k + "@" + std::to_string(omp_get_max_threads());  // made for the threads it runs with
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, make()).first;
   return it->second;
 }
 
@@ -158,10 +160,13 @@ static void back(stream& st, memory m, memory user) {
   if (m.get_data_handle() != user.get_data_handle()) reorder(m, user).execute(st, m, user);
 }
 
-// oneDNN reports failures by exceptions: an FFI error instead (a Python exception, not an abort).
+// oneDNN reports failures by exceptions: an FFI error instead (a Python exception, not an abort). `threads`:
+// the OpenMP threads of this call (the cores over the virtual devices that run at once: 2 devices on 2 cores ran
+// 4 threads on 2 cores otherwise), set on the calling thread, XLA's, before its primitives are made and run.
 template <class F>
-static ffi::Error guarded(F body) {
+static ffi::Error guarded(int64_t threads, F body) {
   try {
+    omp_set_num_threads((int)threads);
     body();
     return ffi::Error::Success();
   } catch (const std::exception& e) {
@@ -171,8 +176,8 @@ static ffi::Error guarded(F body) {
 
 // y = conv(x, w)
 static ffi::Error Fwd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int64_t sh,
-                      int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
-  return guarded([&] {
+                      int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t threads) {
+  return guarded(threads, [&] {
     Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr);
     auto& e = fwd_entry(g);
     stream st(eng());
@@ -210,8 +215,9 @@ static int64_t saved_per_example(const memory::desc& md, int64_t n) {
 
 extern "C" int64_t JaxtrainDnnlSavedFloats(int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
                                            int64_t o, int64_t ho, int64_t wo, int64_t sh, int64_t sw, int64_t pt,
-                                           int64_t pb, int64_t pl, int64_t pr) {
+                                           int64_t pb, int64_t pl, int64_t pr, int64_t threads) {
   try {
+    omp_set_num_threads((int)threads);
     Geo g{{n, c, h, w}, {o, c, kh, kw}, {n, o, ho, wo}, {sh, sw}, {pt, pl}, {pb, pr}};
     auto& e = weights_entry(g);
     return e.a == g.s(tag::nhwc) ? -1 : saved_per_example(e.a, n);  // NHWC: x itself serves, uncopied
@@ -223,8 +229,8 @@ extern "C" int64_t JaxtrainDnnlSavedFloats(int64_t n, int64_t h, int64_t w, int6
 // y = conv(x, w), and x in the backward-weights layout (saved: [N, JaxtrainDnnlSavedFloats]).
 static ffi::Error FwdSave(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
                           ffi::ResultBuffer<ffi::F32> saved, int64_t sh, int64_t sw, int64_t pt, int64_t pb,
-                          int64_t pl, int64_t pr) {
-  return guarded([&] {
+                          int64_t pl, int64_t pr, int64_t threads) {
+  return guarded(threads, [&] {
     Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr);
     auto& e = fwd_entry(g);
     auto& ew = weights_entry(g);
@@ -250,8 +256,8 @@ static ffi::Error FwdSave(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
 // itself (blocked=0, NHWC); dy reordered once when both primitives want one layout.
 static ffi::Error Bwd(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> saved,
                       ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw, int64_t sh, int64_t sw,
-                      int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t blocked) {
-  return guarded([&] {
+                      int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t threads, int64_t blocked) {
+  return guarded(threads, [&] {
     Geo g = geo(dx->dimensions(), w.dimensions(), dy.dimensions(), sh, sw, pt, pb, pl, pr);
     auto& ed = data_entry(g);
     auto& ew = weights_entry(g);
@@ -281,9 +287,10 @@ static ffi::Error Bwd(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::Bu
 }
 
 #define F32 ffi::Buffer<ffi::F32>
+// The attributes bind in this order, the handlers' parameters too (XLA decodes them by position).
 #define GEOMETRY                                                                                                \
   Attr<int64_t>("sh").Attr<int64_t>("sw").Attr<int64_t>("pt").Attr<int64_t>("pb").Attr<int64_t>("pl").Attr< \
-      int64_t>("pr")
+      int64_t>("pr").Attr<int64_t>("threads")
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlConvFwd, Fwd,
                               ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Ret<F32>().GEOMETRY);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlConvFwdSave, FwdSave,
