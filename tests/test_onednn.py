@@ -201,3 +201,17 @@ def test_flops_are_counted_as_xla_counts_its_convolutions(case):
     x, w = jnp.ones(xs), jnp.ones(ws)
     count = lambda conv: diagnostics.program_flops(_loss(conv, strides, padding).lower(x, w).compile())  # noqa: E731
     assert count(onednn.conv_general_dilated) == pytest.approx(count(lax.conv_general_dilated), rel=1e-3)
+
+
+@usable
+def test_the_blocked_layouts_and_the_saved_input_equal_xla_too(monkeypatch):
+    """``JAXTRAIN_ONEDNN_BLOCKED=1`` (read as primitives are made: a shape no other test uses) takes oneDNN's
+    blocked layouts, where the forward saves x in the backward-weights layout: that path equals XLA's too."""
+    monkeypatch.setenv("JAXTRAIN_ONEDNN_BLOCKED", "1")
+    xs, ws, strides, padding = (5, 10, 10, 32), (3, 3, 32, 48), (1, 1), ((1, 1), (1, 1))
+    assert onednn._saved_floats(xs, ws, (strides, padding)) > 0  # the saved path is taken
+    x = jax.random.normal(jax.random.key(0), xs)
+    w = 0.1 * jax.random.normal(jax.random.key(1), ws)
+    fast = _loss(onednn.conv_general_dilated, strides, padding)
+    assert "JaxtrainDnnlConvFwdSave" in fast.lower(x, w).as_text()
+    _close(fast(x, w), _loss(lax.conv_general_dilated, strides, padding)(x, w))
