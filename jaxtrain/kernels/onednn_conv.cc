@@ -174,6 +174,18 @@ static ffi::Error guarded(int64_t threads, F body) {
   }
 }
 
+// The forward primitive on x1 (in its layout already): y (NHWC) = conv(x1, w (HWIO)).
+static void forward(Entry& e, stream& st, const Geo& g, const memory& x1, float* w, float* y) {
+  memory mw(g.w(tag::hwio), eng(), w), my(g.d(tag::nhwc), eng(), y);
+  auto w1 = in(st, e.b, mw), y1 = out(e.c, my);
+  e.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(e.scratch, eng())},
+                   {DNNL_ARG_SRC, x1},
+                   {DNNL_ARG_WEIGHTS, w1},
+                   {DNNL_ARG_DST, y1}});
+  back(st, y1, my);
+  st.wait();
+}
+
 // y = conv(x, w)
 static ffi::Error Fwd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int64_t sh,
                       int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t threads) {
@@ -181,15 +193,7 @@ static ffi::Error Fwd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
     Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr);
     auto& e = fwd_entry(g);
     stream st(eng());
-    memory mx(g.s(tag::nhwc), eng(), x.typed_data()), mw(g.w(tag::hwio), eng(), w.typed_data()),
-        my(g.d(tag::nhwc), eng(), y->typed_data());
-    auto x1 = in(st, e.a, mx), w1 = in(st, e.b, mw), y1 = out(e.c, my);
-    e.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(e.scratch, eng())},
-                     {DNNL_ARG_SRC, x1},
-                     {DNNL_ARG_WEIGHTS, w1},
-                     {DNNL_ARG_DST, y1}});
-    back(st, y1, my);
-    st.wait();
+    forward(e, st, g, in(st, e.a, memory(g.s(tag::nhwc), eng(), x.typed_data())), w.typed_data(), y->typed_data());
   });
 }
 
@@ -238,17 +242,10 @@ static ffi::Error FwdSave(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
     if (dims.size() != 2 || dims[0] != g.src[0] || saved_per_example(ew.a, g.src[0]) != dims[1])
       throw std::runtime_error("the saved input's shape does not match the backward-weights layout here");
     stream st(eng());
-    memory mx(g.s(tag::nhwc), eng(), x.typed_data()), mw(g.w(tag::hwio), eng(), w.typed_data()),
-        my(g.d(tag::nhwc), eng(), y->typed_data()), ms(ew.a, eng(), saved->typed_data());
+    memory mx(g.s(tag::nhwc), eng(), x.typed_data()), ms(ew.a, eng(), saved->typed_data());
     reorder(mx, ms).execute(st, mx, ms);
-    auto x1 = e.a == ew.a ? ms : in(st, e.a, mx);  // one reorder of x serves both when the layouts agree
-    auto w1 = in(st, e.b, mw), y1 = out(e.c, my);
-    e.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(e.scratch, eng())},
-                     {DNNL_ARG_SRC, x1},
-                     {DNNL_ARG_WEIGHTS, w1},
-                     {DNNL_ARG_DST, y1}});
-    back(st, y1, my);
-    st.wait();
+    // one reorder of x serves both when the layouts agree
+    forward(e, st, g, e.a == ew.a ? ms : in(st, e.a, mx), w.typed_data(), y->typed_data());
   });
 }
 
