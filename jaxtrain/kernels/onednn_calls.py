@@ -32,11 +32,18 @@ def out_shape(x_shape, w_shape, geometry):
 
 
 def threads() -> int:
-    """OpenMP threads per call: the cores over the devices that run at once (virtual CPU devices share them);
-    ``$JAXTRAIN_ONEDNN_THREADS`` when set."""
-    from jaxtrain.devices import _cores
+    """OpenMP threads per call: the cores over the devices that run at once on this machine (virtual CPU devices
+    share them; so do the processes ``jaxtrain.launch`` starts on localhost). Numbers depend on it (oneDNN splits
+    its reductions over its threads): 2 processes x 1 device and 1 process x 2 devices get the same count, and
+    the same parameters bit for bit. ``$JAXTRAIN_ONEDNN_THREADS`` when set."""
+    from jaxtrain.devices import ENV_COORDINATOR, _cores
 
-    return int(os.environ.get("JAXTRAIN_ONEDNN_THREADS") or max(1, _cores() // max(1, jax.local_device_count())))
+    if os.environ.get("JAXTRAIN_ONEDNN_THREADS"):
+        return int(os.environ["JAXTRAIN_ONEDNN_THREADS"])
+    devices = jax.local_device_count()
+    if os.environ.get(ENV_COORDINATOR, "").startswith(("127.0.0.1:", "localhost:")):
+        devices *= jax.process_count()
+    return max(1, _cores() // devices)
 
 
 def _attrs(geometry, **more):
