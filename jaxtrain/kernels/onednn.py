@@ -193,8 +193,6 @@ def hlo_flops(hlo_text: str) -> float:
 
 
 if __name__ == "__main__":
-    import sys
-
     why = reason()
     print(f"oneDNN convolutions: {'not usable: ' + why if why else 'usable (' + str(build()) + ')'}")
     sys.exit(0)

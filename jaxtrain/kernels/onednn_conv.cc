@@ -220,14 +220,17 @@ static int64_t saved_per_example(const memory::desc& md, int64_t n) {
 extern "C" int64_t JaxtrainDnnlSavedFloats(int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
                                            int64_t o, int64_t ho, int64_t wo, int64_t sh, int64_t sw, int64_t pt,
                                            int64_t pb, int64_t pl, int64_t pr, int64_t threads) {
+  int before = omp_get_max_threads();  // the caller's (Python's) thread keeps its own setting
+  int64_t floats = -1;
   try {
     omp_set_num_threads((int)threads);
     Geo g{{n, c, h, w}, {o, c, kh, kw}, {n, o, ho, wo}, {sh, sw}, {pt, pl}, {pb, pr}};
     auto& e = weights_entry(g);
-    return e.a == g.s(tag::nhwc) ? -1 : saved_per_example(e.a, n);  // NHWC: x itself serves, uncopied
+    floats = e.a == g.s(tag::nhwc) ? -1 : saved_per_example(e.a, n);  // NHWC: x itself serves, uncopied
   } catch (const std::exception&) {
-    return -1;
   }
+  omp_set_num_threads(before);
+  return floats;
 }
 
 // y = conv(x, w), and x in the backward-weights layout (saved: [N, JaxtrainDnnlSavedFloats]).
