@@ -215,3 +215,16 @@ def test_the_blocked_layouts_and_the_saved_input_equal_xla_too(monkeypatch):
     fast = _loss(onednn.conv_general_dilated, strides, padding)
     assert "JaxtrainDnnlConvFwdSave" in fast.lower(x, w).as_text()
     _close(fast(x, w), _loss(lax.conv_general_dilated, strides, padding)(x, w))
+
+
+def test_threads_are_the_cores_over_the_devices_or_what_the_environment_says(monkeypatch):
+    from jaxtrain.devices import _cores
+    from jaxtrain.kernels import onednn_calls
+
+    monkeypatch.delenv("JAXTRAIN_ONEDNN_THREADS", raising=False)
+    assert onednn_calls.threads() == max(1, _cores() // jax.local_device_count())
+    monkeypatch.setenv("JAXTRAIN_ONEDNN_THREADS", "3")
+    assert onednn_calls.threads() == 3
+    monkeypatch.setenv("JAXTRAIN_ONEDNN_THREADS", "two")
+    with pytest.raises(ConfigError, match="JAXTRAIN_ONEDNN_THREADS=two: must be a whole number >= 1"):
+        onednn_calls.threads()

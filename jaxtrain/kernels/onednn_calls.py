@@ -37,9 +37,13 @@ def threads() -> int:
     its reductions over its threads): 2 processes x 1 device and 1 process x 2 devices get the same count, and
     the same parameters bit for bit. ``$JAXTRAIN_ONEDNN_THREADS`` when set."""
     from jaxtrain.devices import ENV_COORDINATOR, _cores
+    from jaxtrain.errors import ConfigError
 
-    if os.environ.get("JAXTRAIN_ONEDNN_THREADS"):
-        return int(os.environ["JAXTRAIN_ONEDNN_THREADS"])
+    if wanted := os.environ.get("JAXTRAIN_ONEDNN_THREADS"):
+        if not wanted.isdigit() or int(wanted) < 1:
+            raise ConfigError(f"JAXTRAIN_ONEDNN_THREADS={wanted}: must be a whole number >= 1 (or unset: the cores "
+                              "over the devices)")
+        return int(wanted)
     devices = jax.local_device_count()
     if os.environ.get(ENV_COORDINATOR, "").startswith(("127.0.0.1:", "localhost:")):
         devices *= jax.process_count()
