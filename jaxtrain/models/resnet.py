@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxtrain.batch_stats import moments, split
 from jaxtrain.flax_nnx import from_nnx
 from jaxtrain.models import classify
 from jaxtrain.remat import materialize
@@ -47,37 +48,60 @@ def _kernel_init(init: str):
 
 
 class BatchNorm(nnx.BatchNorm):
-    """``nnx.BatchNorm`` whose output keeps its input's dtype: statistics and normalisation in f32, but under a
-    bf16 / fp16 policy the next conv gets a bf16 / fp16 input. (flax's own returns f32 there, the f32 batch
-    statistics promoting it, so every later conv ran in f32: the estimate of the compiled A100 program found
-    156 of ResNet-50's 158 cuDNN convolutions in f32.)"""
+    """``nnx.BatchNorm`` (features last) whose batch statistics, where a train step splits the batch over
+    devices, are ``jaxtrain.batch_stats.moments``' (one collective each way, two-pass; flax's synchronised
+    statistics take two each way; elsewhere flax's, the same two passes), and whose output keeps its input's
+    dtype: statistics and normalisation in f32, but under a bf16 / fp16
+    policy the next conv gets a bf16 / fp16 input. (flax's own returns f32 there, the f32 batch statistics
+    promoting it, so every later conv ran in f32: the estimate of the compiled A100 program found 156 of
+    ResNet-50's 158 cuDNN convolutions in f32.) Evaluation (running averages) is flax's; ``stats="flax"``:
+    flax's synchronised statistics in training too (what tests calibrated on their rounding compare)."""
 
-    def __call__(self, x, *args, **kwargs):
-        return super().__call__(x, *args, **kwargs).astype(x.dtype)
+    def __init__(self, *args, stats: str = "jaxtrain", **kwargs):
+        super().__init__(*args, **kwargs)
+        if stats not in ("jaxtrain", "flax"):
+            raise ValueError(f"unknown batch statistics {stats!r}: use jaxtrain or flax")
+        self.stats = stats
+
+    def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
+        running = self.use_running_average if use_running_average is None else use_running_average
+        axes = tuple(range(x.ndim - 1))
+        if (running or mask is not None or self.axis_index_groups is not None or self.stats == "flax"
+                or not split(x, axes, self.axis_name)):
+            return super().__call__(x, use_running_average, mask=mask).astype(x.dtype)
+        h = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        mean, var = moments(h, axes, self.axis_name)
+        self.mean[...] = lax.stop_gradient(self.momentum * self.mean[...] + (1 - self.momentum) * mean)
+        self.var[...] = lax.stop_gradient(self.momentum * self.var[...] + (1 - self.momentum) * var)
+        mul = lax.rsqrt(var + self.epsilon)  # flax's _normalize, in its order
+        mul = mul if self.scale is None else mul * self.scale[...]
+        y = (h - mean) * mul
+        return (y if self.bias is None else y + self.bias[...]).astype(x.dtype)
 
 
-def _batch_norm(channels: int, rngs: nnx.Rngs) -> nnx.BatchNorm:
+def _batch_norm(channels: int, rngs: nnx.Rngs, stats: str = "jaxtrain") -> nnx.BatchNorm:
     """d2l's BatchNorm (momentum 0.9, eps 1e-5), its output in its input's dtype (``BatchNorm``).
 
-    Two-pass variance (mean first, then the mean squared deviation), not
+    Two-pass variance (mean first, then the mean squared deviation; ``BatchNorm``'s training statistics
+    are, and ``use_fast_variance=False`` says so to flax's evaluation path), not
     flax's fast E[x^2] - E[x]^2: on a CPU without AVX-512 (jax 0.10.2) the
     fast form's cancellation made the 2-device step's stem-conv gradient off
     by 1e-3 (relative, vs a float64 reference) while 1 device was at 2e-6;
     two passes put both at 2e-6.
     """
-    return BatchNorm(channels, momentum=0.9, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
+    return BatchNorm(channels, momentum=0.9, epsilon=1e-5, use_fast_variance=False, stats=stats, rngs=rngs)
 
 
 class Residual(nnx.Module):
     """d2l's Residual: conv-BN-ReLU-conv-BN, plus a (1x1 conv) shortcut, then ReLU."""
 
     def __init__(self, cin: int, channels: int, strides: int, projection: bool, init: str, rngs: nnx.Rngs,
-                 conv_op=lax.conv_general_dilated):
+                 conv_op=lax.conv_general_dilated, stats: str = "jaxtrain"):
         conv = partial(nnx.Conv, kernel_init=_kernel_init(init), conv_general_dilated=conv_op, rngs=rngs)
         self.conv1 = conv(cin, channels, (3, 3), strides=strides, padding=1)
-        self.bn1 = _batch_norm(channels, rngs)
+        self.bn1 = _batch_norm(channels, rngs, stats)
         self.conv2 = conv(channels, channels, (3, 3), padding=1)
-        self.bn2 = _batch_norm(channels, rngs)
+        self.bn2 = _batch_norm(channels, rngs, stats)
         self.shortcut = conv(cin, channels, (1, 1), strides=strides) if projection else None
 
     def __call__(self, x, train: bool):
@@ -91,17 +115,18 @@ class Residual(nnx.Module):
 
 class ResNet18(nnx.Module):
     def __init__(self, in_channels: int = 1, num_classes: int = NUM_CLASSES, *, weight_init: str = "d2l",
-                 remat: str = "none", conv=lax.conv_general_dilated, rngs: nnx.Rngs):
+                 remat: str = "none", conv=lax.conv_general_dilated, batch_stats: str = "jaxtrain", rngs: nnx.Rngs):
         """``conv``: the convolution every layer runs (``lax.conv_general_dilated``'s signature; e.g.
-        ``jaxtrain.kernels.onednn.conv_general_dilated``)."""
+        ``jaxtrain.kernels.onednn.conv_general_dilated``); ``batch_stats``: its BatchNorms' (``BatchNorm``)."""
         self.conv = nnx.Conv(in_channels, 64, (3, 3), padding=1, kernel_init=_kernel_init(weight_init),
                              conv_general_dilated=conv, rngs=rngs)
-        self.bn = _batch_norm(64, rngs)
+        self.bn = _batch_norm(64, rngs, batch_stats)
         blocks, cin = [], 64
         for stage, (channels, strides) in enumerate(STAGES):
             for i in range(2):
                 first = i == 0 and stage > 0
-                blocks.append(Residual(cin, channels, strides if first else 1, first, weight_init, rngs, conv))
+                blocks.append(Residual(cin, channels, strides if first else 1, first, weight_init, rngs, conv,
+                                       batch_stats))
                 cin = channels
         self.blocks = nnx.List(blocks)
         self.dense = nnx.Linear(512, num_classes, kernel_init=_kernel_init(weight_init), rngs=rngs)
@@ -116,12 +141,12 @@ class ResNet18(nnx.Module):
         return self.dense(x.mean(axis=(1, 2)))  # global average pool
 
 
-def adapter(input_shape=(28, 28, 1), num_classes: int = NUM_CLASSES, weight_init: str = "d2l",
-            remat: str = "none", head=classify.label_loss, conv=lax.conv_general_dilated):
+def adapter(input_shape=(28, 28, 1), num_classes: int = NUM_CLASSES, weight_init: str = "d2l", remat: str = "none",
+            head=classify.label_loss, conv=lax.conv_general_dilated, batch_stats: str = "jaxtrain"):
     """``jt.from_nnx`` of an abstract ResNet-18 (no weights made): the loss / eval fns and the state's layout;
-    ``head(logits, batch) -> (loss, metrics)``; ``conv``: its layers' convolution."""
+    ``head(logits, batch) -> (loss, metrics)``; ``conv``: its layers' convolution; ``batch_stats``: ``BatchNorm``'s."""
     model = nnx.eval_shape(lambda: ResNet18(input_shape[-1], num_classes, weight_init=weight_init, remat=remat,
-                                            conv=conv, rngs=nnx.Rngs(0)))
+                                            conv=conv, batch_stats=batch_stats, rngs=nnx.Rngs(0)))
     return from_nnx(model, loss=head,
                     per_example=lambda logits, batch: classify.per_example(logits, batch["label"]))
 
