@@ -73,6 +73,11 @@ def test_sharded_state_equals_the_reference(strategy, sharding):
     _matches(net, state, history)
 
 
+def test_a_model_traced_with_explicit_axes_equals_the_reference():
+    net, _, state, history = train(2, strategy="explicit", model_axes="explicit")
+    _matches(net, state, history)
+
+
 @pytest.mark.parametrize("strategy", ["jit", "shard_map"])
 def test_accumulated_micro_batches_equal_the_reference(strategy):
     net, _, state, history = train(2, strategy=strategy, accum_steps=2)
