@@ -90,6 +90,17 @@ def test_tensor_parallel_and_hybrid_meshes_equal_the_reference(axes):
     _matches(net, state, history)
 
 
+@pytest.mark.parametrize("strategy", ["jit", "shard_map"])
+def test_beyond_max_devices_the_statistics_are_flaxs(monkeypatch, strategy):
+    """Past ``MAX_DEVICES`` (the gathered rows grow with the devices) BatchNorm keeps flax's statistics:
+    the step then equals the same network with flax's, bit for bit."""
+    monkeypatch.setattr(batch_stats, "MAX_DEVICES", 1)
+    _, _, state, history = train(2, strategy=strategy)
+    _, _, want, want_history = train(2, "flax", strategy=strategy)
+    chex.assert_trees_all_equal(jax.device_get(state.params), jax.device_get(want.params))
+    chex.assert_trees_all_equal(jax.device_get(history), jax.device_get(want_history))
+
+
 def test_one_all_reduce_each_way_where_flax_takes_two():
     """The compiled 2-device step: flax's statistics take 2 all-reduces per BatchNorm forward and 2 backward;
     jaxtrain's 1 and 1 (the gradients' own reduction is one more in both)."""
