@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.compat import varying_axes
+
 
 def _two_pass(x, axes):
     mean = x.mean(axes)
@@ -45,12 +47,6 @@ def _over(axis, x, axes):
     means, variances = jnp.moveaxis(lax.psum(rows.at[lax.axis_index(axis)].set(local), axis), 1, 0)
     mean = means.mean(0)
     return mean, variances.mean(0) + jnp.square(means - mean).mean(0)
-
-
-def _varying(x) -> bool:
-    """Typed as varying over manual axes (jax 0.10: ``.manual_axis_type.varying``; later: ``.vma``)."""
-    t = jax.typeof(x)
-    return bool(getattr(t, "vma", None) or getattr(getattr(t, "manual_axis_type", None), "varying", ()))
 
 
 def _split(x, axes) -> tuple[str, ...]:
@@ -113,7 +109,7 @@ def _backward(axes, axis, res, cotangents):
     count = lax.psum(1, axis) if axis is not None else 1  # the examples over every device
     for a in axes:
         count *= x.shape[a]
-    if axis is not None and not _varying(x):  # shard_map unchecked (ring): each device's share of the cotangents
+    if axis is not None and not varying_axes(x):  # shard_map unchecked (ring): each device's share of the cotangents
         dmean, dvar = lax.psum(jnp.stack((dmean, dvar)), axis)
     expand = functools.partial(jnp.expand_dims, axis=axes)
     return ((expand(dmean) + 2 * expand(dvar) * (x - expand(mean))) / count,)

@@ -145,3 +145,12 @@ def cuda_kernel_target():
         return contextlib.nullcontext()
     device = jax.sharding.AbstractDevice(device_kind=CUDA_TARGET, num_cores=None, platform="gpu")
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device))
+
+
+def varying_axes(x) -> frozenset:
+    """The manual (``shard_map``) axes ``x`` is typed as varying over (jax 0.10: ``.manual_axis_type.varying``;
+    later: ``.vma``); empty outside ``shard_map`` and where it runs unchecked."""
+    import jax
+
+    t = jax.typeof(x)
+    return frozenset(getattr(t, "vma", None) or getattr(getattr(t, "manual_axis_type", None), "varying", ()))

@@ -25,6 +25,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.compat import varying_axes
+
 
 def out_shape(x_shape, w_shape, geometry):
     (b, h, w, _), (kh, kw, _, co), (strides, pads) = x_shape, w_shape, geometry
@@ -125,10 +127,7 @@ _backward_split = _partitioned(_ffi_backward, 3, "b p q o, i j c o, b k -> b h w
 
 # --- inside shard_map / pmap: each device's own call ---
 
-def _varying(x) -> frozenset:
-    """The manual axes ``x`` varies over (jax 0.10: ``.manual_axis_type.varying``; later: ``.vma``)."""
-    t = jax.typeof(x)
-    return frozenset(getattr(t, "vma", None) or getattr(getattr(t, "manual_axis_type", None), "varying", ()))
+_varying = varying_axes
 
 
 def _as_varying(y, axes):
