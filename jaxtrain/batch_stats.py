@@ -106,9 +106,7 @@ def _forward(x, axes, axis):
 def _backward(axes, axis, res, cotangents):
     x, mean = res
     dmean, dvar = cotangents
-    count = lax.psum(1, axis) if axis is not None else 1  # the examples over every device
-    for a in axes:
-        count *= x.shape[a]
+    count = (lax.psum(1, axis) if axis is not None else 1) * math.prod(x.shape[a] for a in axes)  # every device's
     if axis is not None and not varying_axes(x):  # shard_map unchecked (ring): each device's share of the cotangents
         dmean, dvar = lax.psum(jnp.stack((dmean, dvar)), axis)
     expand = functools.partial(jnp.expand_dims, axis=axes)
