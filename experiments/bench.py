@@ -6,7 +6,8 @@
 strategy and devices); (b) a minimal hand-written ``jax.jit`` SGD step of the
 same model on the same devices (the overhead reference); (c) PyTorch on the
 CPU with ``torch.set_num_threads(cores)``, in its own process, when torch is
-importable (``pip install torch==2.13.0``); (d) an epoch through the real input
+importable (``pip install torch==2.13.0``), and again with the malloc settings
+jaxtrain's CPU runs use (``torch_same_malloc``; ``jaxtrain.host_memory``); (d) an epoch through the real input
 pipeline: wall time vs steps x step time. A B C, B C A, C A B ... (rotated), warm-up excluded,
 median and spread of the repeats. Batch 256 for LeNet, 64 for ResNet-18.
 
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from experiments.bench_torch import TorchWorker
-    from jaxtrain import compat, diagnostics, models
+    from jaxtrain import compat, diagnostics, host_memory, models
     from jaxtrain.timing import time_steps
 
     mesh = jt.make_mesh(devices)
@@ -183,8 +184,11 @@ def main(argv=None) -> int:
             run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up
     for fn in calls.values():
         jax.block_until_ready(fn())  # compile + warm up
-    modes = {"torch": "int8" if infer else args.precision, **({"torch_fp32": "fp32-infer"} if infer else {})}
-    workers = {name: TorchWorker(args.model, args.batch_size, python=args.torch_python, mode=mode)
+    same_malloc = not infer and host_memory.applied()  # PyTorch again, with jaxtrain's malloc settings
+    modes = {"torch": "int8" if infer else args.precision, **({"torch_fp32": "fp32-infer"} if infer else {}),
+             **({"torch_same_malloc": args.precision} if same_malloc else {})}
+    workers = {name: TorchWorker(args.model, args.batch_size, python=args.torch_python, mode=mode,
+                                 env=host_memory.ENV_SETTINGS if name == "torch_same_malloc" else None)
                for name, mode in modes.items()} if use_torch else {}
     times: dict[str, list[float]] = {k: [] for k in [*runs, *calls, *workers]}
     for worker in workers.values():
@@ -226,7 +230,7 @@ def main(argv=None) -> int:
     what = "int8 inference" if infer else f"{args.precision} train step"
     print(f"\n{'LeNet' if lenet_model else 'ResNet-18'} {what}, batch {args.batch_size}, {len(devices)} "
           f"{devices[0].platform} devices ({compat.cpu_isa() or 'ISA unknown'}), jax {jax.__version__}, "
-          f"{model.conv} convolutions"
+          f"{model.conv} convolutions, {'freed memory kept' if host_memory.applied() else 'default'} malloc"
           f"{', materialize off' if args.no_materialize else ''}; median (min-max) of {args.repeats} x {args.steps} "
           f"{'calls' if infer else 'steps'}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
     print("| variant | ms/step | examples/s | GFLOP/s | % of peak |\n|---|---|---|---|---|")
@@ -235,6 +239,7 @@ def main(argv=None) -> int:
         print(f"| {name} | {ms:.1f} ({min(v):.1f}-{max(v):.1f}) | {args.batch_size / ms * 1000:,.0f} | "
               f"{flops / ms / 1e6:.0f} | {100 * flops / ms / 1e6 / (peak / 1e9):.0f}% |")
     ratios = {"torch/jaxtrain": paired("torch", "jaxtrain"), "jaxtrain/handwritten": paired("jaxtrain", "handwritten"),
+              "torch_same_malloc/jaxtrain": paired("torch_same_malloc", "jaxtrain"),
               "jaxtrain int8/fp32": paired("jaxtrain", "jaxtrain_fp32"),
               "torch int8/fp32": paired("torch", "torch_fp32"),
               "fp32 torch/jaxtrain": paired("torch_fp32", "jaxtrain_fp32")}
@@ -252,14 +257,15 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "precision": args.precision, "batch_size": args.batch_size,
                        "devices": len(devices), "cpu_isa": compat.cpu_isa(), "jax": jax.__version__,
-                       "conv": model.conv,
+                       "conv": model.conv, "malloc_kept": host_memory.applied(),
                        "xla_flags": os.environ.get("XLA_FLAGS", ""), "materialize": not args.no_materialize,
                        **{f"{k}_ms": med.get(k) for k in ("jaxtrain", "handwritten", "torch", "jaxtrain_fp32",
-                                                          "torch_fp32")},
+                                                          "torch_fp32", "torch_same_malloc")},
                        "peak_gflops": peak / 1e9, "flops_per_step": flops, "bytes_per_step": bytes_accessed,
                        **({k: v for k, v in epoch.items() if k != "line"} if epoch else {}),
                        "paired_torch_over_jaxtrain": ratios["torch/jaxtrain"],
                        "paired_jaxtrain_over_handwritten": ratios["jaxtrain/handwritten"],
+                       "paired_torch_same_malloc_over_jaxtrain": ratios["torch_same_malloc/jaxtrain"],
                        "paired_int8_over_fp32": ratios["jaxtrain int8/fp32"],
                        "paired_torch_int8_over_fp32": ratios["torch int8/fp32"],
                        "paired_fp32_torch_over_jaxtrain": ratios["fp32 torch/jaxtrain"], "times_ms": times},
@@ -270,7 +276,7 @@ def main(argv=None) -> int:
 INT8_MODELS = ("lenet", "resnet18")  # jaxtrain.quantize.MODELS, without importing JAX before the flags are set
 
 # the ratios printed for training (False) and for int8 inference (True)
-RATIOS = {False: ("torch/jaxtrain", "jaxtrain/handwritten"),
+RATIOS = {False: ("torch/jaxtrain", "torch_same_malloc/jaxtrain", "jaxtrain/handwritten"),
           True: ("torch/jaxtrain", "jaxtrain int8/fp32", "torch int8/fp32", "fp32 torch/jaxtrain")}
 
 

@@ -123,13 +123,14 @@ class TorchWorker:
     """A PyTorch train step or inference (``model``: lenet | resnet18; ``mode``: one of ``MODES``) in a child
     process: ``worker.time(steps)`` -> s/step."""
 
-    def __init__(self, model: str, batch_size: int, lr: float = 0.2, python: str | None = None, mode: str = "fp32"):
+    def __init__(self, model: str, batch_size: int, lr: float = 0.2, python: str | None = None, mode: str = "fp32",
+                 env: dict[str, str] | None = None):
         if model not in MODELS or mode not in MODES:  # said here, not as a child that never says "ready"
             raise ValueError(f"TorchWorker({model!r}, mode={mode!r}): models {', '.join(MODELS)}; "
                              f"modes {', '.join(MODES)}")
         self._proc = subprocess.Popen([python or sys.executable, "-m", "experiments.bench_torch", model,
                                        str(batch_size), str(lr), mode], cwd=ROOT, stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True)
+                                      stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         if self._proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the PyTorch worker did not start")
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from jaxtrain import compat
+from jaxtrain import compat, host_memory
 from jaxtrain.errors import ConfigError
 
 # The mesh axis names; every module imports them from here.
@@ -137,7 +137,8 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
     """Return the ``n`` devices of this run; call before any other JAX call.
 
     CPU: ``n`` virtual devices (default: one per core, or $JAX_NUM_CPU_DEVICES),
-    compiled with ``compat.cpu_xla_flags()`` added to $XLA_FLAGS (yours take precedence).
+    compiled with ``compat.cpu_xla_flags()`` added to $XLA_FLAGS (yours take precedence), with glibc's malloc
+    set to keep freed memory (``host_memory``; $JAXTRAIN_MALLOC=default keeps glibc's defaults).
     GPU: the first ``n`` GPUs (default: all). Asking for more devices than
     exist, or calling after JAX started with a different count, raises a
     ``ConfigError`` that says what to do.
@@ -153,6 +154,8 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
         devices_per_process = int(os.environ[ENV_DEVICES_PER_PROCESS])
     if not compat.backend_started():
         _set_xla_flags()
+        if _platform_hint() == "cpu":
+            host_memory.keep_freed_memory()  # before JAX's threads start (why: jaxtrain.host_memory)
         if devices_per_process is not None:
             jax.config.update("jax_num_cpu_devices", devices_per_process)
         _start_distributed(coordinator, num_processes, process_id)

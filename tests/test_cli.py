@@ -155,6 +155,10 @@ def test_bench_smoke(tmp_path, model):          # is test_runner's registry smok
     assert result["flops_per_step"] > 0 and result["bytes_per_step"] > 0 and "H100" in out.stdout
     assert result["jaxtrain_ms"] > 0 and result["handwritten_ms"] > 0 and result["peak_gflops"] > 0
     assert "| jaxtrain |" in out.stdout and "jaxtrain/handwritten" in out.stdout
+    from jaxtrain import host_memory
+
+    assert result["malloc_kept"] is host_memory.glibc()  # and PyTorch is timed both with its malloc and with ours
+    assert (result["torch_same_malloc_ms"] is not None) is (result["torch_ms"] is not None and host_memory.glibc())
 
 
 @needs_fashion_mnist

@@ -5,6 +5,7 @@ import pytest
 from conftest import run_cli
 
 import jaxtrain as jt
+from jaxtrain import host_memory
 from jaxtrain.devices import max_cpu_devices
 
 
@@ -83,3 +84,31 @@ def test_cpu_xla_flags_are_set_before_jax_starts_unless_the_user_chose(env, flag
     assert out.returncode == 0, out.stderr
     got_flags, got_ynn = out.stdout.rsplit("|", 1)
     assert got_flags.strip() == flags and got_ynn.strip() == str(ynn)
+
+
+MALLOC_SNIPPET = """
+import ctypes, resource, jaxtrain as jt
+from jaxtrain import host_memory
+jt.setup_devices(1)
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+def touch():  # 64 MiB malloc'ed, written, freed (as XLA:CPU does a step's temporaries; numpy would ask for huge pages)
+    block = libc.malloc(64 * 2**20)
+    ctypes.memset(block, 1, 64 * 2**20)
+    libc.free(block)
+touch()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+touch()
+print(host_memory.applied(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not host_memory.glibc(), reason="the settings are glibc's malloc's")
+@pytest.mark.parametrize(("env", "kept"), [({}, True), ({"JAXTRAIN_MALLOC": "default"}, False)])
+def test_cpu_runs_keep_freed_host_memory_unless_told_not_to(env, kept):
+    """A block freed and allocated again is not page-faulted in again (16,384 4-KiB pages with glibc's defaults)."""
+    out = run_cli("-c", MALLOC_SNIPPET, env={"JAXTRAIN_MALLOC": None, **env})
+    assert out.returncode == 0, out.stderr
+    applied, faults = out.stdout.split()
+    assert applied == str(kept)
+    assert int(faults) < 1000 if kept else int(faults) > 8000, faults

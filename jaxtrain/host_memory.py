@@ -1,0 +1,56 @@
+"""Keep freed host memory in the process on CPU runs, so a step does not page-fault its buffers in again each time.
+
+XLA:CPU allocates each step's temporaries (hundreds of MB for ResNet-18) with malloc and frees them at the end of
+the step. glibc serves blocks that large with a fresh mmap and unmaps them on free, so every step takes page
+faults on all of it, and the kernel zeroes every page: 107,000 minor faults and ~0.19 s of system time per
+ResNet-18 step on 2 virtual devices (docs/performance.md, "Host memory"). Keeping freed blocks in one heap, as a
+caching allocator does, takes that to 0.
+
+``keep_freed_memory()`` sets glibc's malloc so (``mallopt``): one arena for every thread (``M_ARENA_MAX``; a
+thread's own arena would hand large blocks back to the system), no mmap'd blocks (``M_MMAP_MAX``; glibc still
+maps when the heap cannot grow), and no trimming of the heap's free top below 2 GiB (``M_TRIM_THRESHOLD``). The
+cost: memory freed stays in the process (RSS stays near its peak) for the process to use again.
+``setup_devices`` calls it before JAX starts, on CPU only; $JAXTRAIN_MALLOC=default keeps glibc's defaults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+
+ENV = "JAXTRAIN_MALLOC"  # "default": leave glibc's malloc as it is
+
+# glibc's <malloc.h> parameters, and what jaxtrain sets them to.
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+SETTINGS = {M_ARENA_MAX: 1, M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 2**31 - 1}  # mallopt takes a C int
+# The same as environment variables, for a process started from outside (the PyTorch worker of experiments.bench).
+ENV_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+
+_applied = False
+
+
+def glibc() -> bool:
+    """True where this process runs on glibc (Linux, not musl), the malloc these settings are for."""
+    return sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+
+
+def keep_freed_memory() -> bool:
+    """Apply ``SETTINGS`` with glibc's ``mallopt``; True if they are in force (now or already), False where they
+    do not apply (not glibc, or $JAXTRAIN_MALLOC=default). Call before threads start: a thread that already has
+    an arena of its own keeps it."""
+    global _applied
+    if _applied:
+        return True
+    if os.environ.get(ENV, "").lower() == "default" or not glibc():
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _applied = all(mallopt(param, value) == 1 for param, value in SETTINGS.items())
+    return _applied
+
+
+def applied() -> bool:
+    """Whether ``keep_freed_memory`` set glibc's malloc in this process."""
+    return _applied
