@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     what = "int8 inference" if infer else f"{args.precision} train step"
     print(f"\n{'LeNet' if lenet_model else 'ResNet-18'} {what}, batch {args.batch_size}, {len(devices)} "
           f"{devices[0].platform} devices ({compat.cpu_isa() or 'ISA unknown'}), jax {jax.__version__}, "
-          f"{model.conv} convolutions, {'freed memory kept' if host_memory.applied() else 'default'} malloc"
+          f"{model.conv} convolutions, malloc {'keeping freed memory' if host_memory.applied() else 'as is'}"
           f"{', materialize off' if args.no_materialize else ''}; median (min-max) of {args.repeats} x {args.steps} "
           f"{'calls' if infer else 'steps'}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
     print("| variant | ms/step | examples/s | GFLOP/s | % of peak |\n|---|---|---|---|---|")

@@ -9,7 +9,9 @@ caching allocator does, takes that to 0.
 ``keep_freed_memory()`` sets glibc's malloc so (``mallopt``): one arena for every thread (``M_ARENA_MAX``; a
 thread's own arena would hand large blocks back to the system), no mmap'd blocks (``M_MMAP_MAX``; glibc still
 maps when the heap cannot grow), and no trimming of the heap's free top below 2 GiB (``M_TRIM_THRESHOLD``). The
-cost: memory freed stays in the process (RSS stays near its peak) for the process to use again.
+cost: memory freed stays in the process for it to use again, and one heap fragments: ResNet-18 (batch 64, 2
+devices) holds 1.6 GiB against a 1.05 GiB peak with glibc's defaults, steady from the fifth step on; LeNet's run
+peaks lower (632 vs 687 MB).
 ``setup_devices`` calls it before JAX starts, on CPU only; $JAXTRAIN_MALLOC=default keeps glibc's defaults.
 """
 
