@@ -38,6 +38,11 @@ def glibc() -> bool:
     return sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 
 
+def wanted() -> bool:
+    """Whether ``keep_freed_memory`` sets anything here: glibc, and $JAXTRAIN_MALLOC is not "default"."""
+    return glibc() and os.environ.get(ENV, "").lower() != "default"
+
+
 def keep_freed_memory() -> bool:
     """Apply ``SETTINGS`` with glibc's ``mallopt``; True if they are in force (now or already), False where they
     do not apply (not glibc, or $JAXTRAIN_MALLOC=default). Call before threads start: a thread that already has
@@ -45,7 +50,7 @@ def keep_freed_memory() -> bool:
     global _applied
     if _applied:
         return True
-    if os.environ.get(ENV, "").lower() == "default" or not glibc():
+    if not wanted():
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
