@@ -1,6 +1,7 @@
 """Benchmark sharded state: ResNet-18 (or LeNet) + Adam under replicated / fsdp / zero1 / tp / fsdp+tp.
 
     python -m experiments.bench_sharding [--model resnet18] [--devices 4] [--batch-size 64] [--budget 600MiB]
+        [--conv auto|onednn|xla]
 
 Per setting, on one device of the mesh (XLA compiles one program per
 device): compiled argument and temp bytes, the state's own bytes, ms/step
@@ -22,7 +23,7 @@ import json
 import statistics
 import sys
 
-from jaxtrain.choices import STRATEGIES
+from jaxtrain.choices import CONVS, STRATEGIES
 from jaxtrain.cli import one_line_errors, positive_int
 
 SETTINGS = ("replicated", "fsdp", "zero1", "tp", "fsdp+tp")
@@ -38,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", choices=STRATEGIES, default="jit", help="strategy for replicated and fsdp (tp needs jit)")
     p.add_argument("--steps", type=positive_int, default=3, help="steps timed per repeat")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per setting (median reported)")
+    p.add_argument("--conv", choices=CONVS, default="auto",
+                   help="convolutions: auto (oneDNN's where they build), onednn or xla (tp: oneDNN's calls take "
+                        "whole weights, so GSPMD all-gathers them)")
     p.add_argument("--budget", default="600MiB", help="per-device budget for the batch-size finder (0: skip it)")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     return p
@@ -62,7 +66,7 @@ def main(argv=None) -> int:
     from jaxtrain.timing import time_steps
 
     n = len(devices)
-    model = models.get(args.model)
+    model = models.get(args.model, conv=args.conv)
     variables = jax.jit(model.init)(jax.random.key(0))
 
     def batch_of(size):
@@ -90,7 +94,8 @@ def main(argv=None) -> int:
         for setting, run in runs.items():
             run[1], sec = time_steps(run[0], run[1], batch, args.steps)
             run[2].append(1000 * sec)
-    print(f"{args.model} + Adam, batch {args.batch_size}, {n} {devices[0].platform} devices, per device:")
+    print(f"{args.model} + Adam, batch {args.batch_size}, {n} {devices[0].platform} devices, {model.conv} "
+          "convolutions, per device:")
     kinds = [k for k in COLLECTIVES if any(k in r["collectives"] for r in rows.values())]
     print(f"{'setting':>10} {'state MiB':>9} {'args MiB':>8} {'temp MiB':>8} {'ms/step':>8} "
           + " ".join(f"{k + ' MiB':>20}" for k in kinds))
@@ -110,7 +115,7 @@ def main(argv=None) -> int:
     print(f"zero1: {', '.join(f'{k} {v:.2f} MiB' for k, v in got.items())}; theory: {theory:.2f} MiB each (the "
           f"parameters fsdp shards), one all-reduce's bytes in all; state {rows['zero1']['state_mib']:.1f} MiB vs "
           f"replicated {rows['replicated']['state_mib']:.1f} and fsdp {rows['fsdp']['state_mib']:.1f}")
-    results = {"settings": rows, "devices": n, "batch_size": args.batch_size}
+    results = {"settings": rows, "devices": n, "batch_size": args.batch_size, "conv": model.conv}
     if budget:
         from jaxtrain.batch_size import find_batch_size
 

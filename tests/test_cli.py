@@ -60,8 +60,10 @@ def test_sharding_benchmark_smoke(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     for setting in ("replicated", "fsdp", "tp", "fsdp+tp"):
         assert re.search(rf"^ *{re.escape(setting)} +[\d.]+ ", out.stdout, re.M), out.stdout
-    rows = json.loads((tmp_path / "s.json").read_text())["settings"]
+    result = json.loads((tmp_path / "s.json").read_text())
+    rows = result["settings"]
     assert rows["fsdp"]["argument_mib"] < 0.3 * rows["replicated"]["argument_mib"]
+    assert result["conv"] in ("onednn", "xla")
 
 
 def one_line_error(out, *fragments):
