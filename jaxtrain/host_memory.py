@@ -24,11 +24,13 @@ import sys
 
 ENV = "JAXTRAIN_MALLOC"  # "default": leave glibc's malloc as it is
 
-# glibc's <malloc.h> parameters, and what jaxtrain sets them to.
+# glibc's <malloc.h> parameter, its environment variable, and what jaxtrain sets it to (mallopt takes a C int).
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
-SETTINGS = {M_ARENA_MAX: 1, M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 2**31 - 1}  # mallopt takes a C int
+_TABLE = ((M_ARENA_MAX, "MALLOC_ARENA_MAX", 1), (M_MMAP_MAX, "MALLOC_MMAP_MAX_", 0),
+          (M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", 2**31 - 1))
+SETTINGS = {param: value for param, _, value in _TABLE}
 # The same as environment variables, for a process started from outside (the PyTorch worker of experiments.bench).
-ENV_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+ENV_SETTINGS = {name: str(value) for _, name, value in _TABLE}
 
 _applied = False
 

@@ -127,9 +127,6 @@ _backward_split = _partitioned(_ffi_backward, 3, "b p q o, i j c o, b k -> b h w
 
 # --- inside shard_map / pmap: each device's own call ---
 
-_varying = varying_axes
-
-
 def _as_varying(y, axes):
     return lax.pcast(y, tuple(sorted(axes)), to="varying") if axes else y
 
@@ -137,7 +134,7 @@ def _as_varying(y, axes):
 def _cotangent(g, primal, source):
     """A device's ``g`` typed as computed from ``source``, summed over the axes ``source`` varies over and
     ``primal`` does not (it was broadcast to the devices), as JAX's autodiff of ``lax``'s conv does."""
-    g, summed = _as_varying(g, _varying(source)), _varying(source) - _varying(primal)
+    g, summed = _as_varying(g, varying_axes(source)), varying_axes(source) - varying_axes(primal)
     return lax.psum(g, tuple(sorted(summed))) if summed else g
 
 
@@ -162,7 +159,7 @@ def _explicit_batch_axes() -> tuple[str, ...]:
 def _forward(x, w, geometry, floats):
     """(y, the residual for the backward): x saved in oneDNN's layout where ``floats``, else x itself."""
     if _manual():
-        vary = _varying(x) | _varying(w)
+        vary = varying_axes(x) | varying_axes(w)
         if floats:
             y, saved = _ffi_forward_save(x, w, geometry, floats)
             return _as_varying(y, vary), _as_varying(saved, vary)
@@ -189,7 +186,7 @@ def conv(x, w, geometry, x_hwc, floats):
     """y = x (*) w for ``geometry`` ((strides), (pads)), NHWC / HWIO f32 (``x_hwc``: x's H, W, C); ``floats``: per
     example, the backward-weights layout's size where the forward can save x in it (0: the backward reads x)."""
     if _manual():
-        return _as_varying(_ffi_forward(x, w, geometry), _varying(x) | _varying(w))
+        return _as_varying(_ffi_forward(x, w, geometry), varying_axes(x) | varying_axes(w))
     return _forward_split(x, w, geometry)
 
 
