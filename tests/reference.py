@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16,
+          "fp64": jnp.float64}  # fp64: the exact values of tests/tolerance.py (under jax.enable_x64)
 
 
 @dataclasses.dataclass
@@ -38,15 +40,17 @@ def _to_compute(tree, dtype):
 
 @functools.partial(jax.jit, static_argnums=(0, 5))  # compiled, as the step is: the same fusions' rounding
 def _grads(loss_fn, params, model_state, batch, rng, dtype, scale):
-    """fp32 gradients of ``scale`` x the loss computed in ``dtype``; the loss, new model state and metrics."""
+    """fp32 (fp64 in fp64) gradients of ``scale`` x the loss computed in ``dtype``; the loss, new model state and
+    metrics."""
+    wide = jnp.promote_types(dtype, jnp.float32)
 
     def scaled(p):
         loss, (new_state, metrics) = loss_fn(_to_compute(p, dtype), model_state, _to_compute(batch, dtype), rng)
-        loss = loss.astype(jnp.float32)
+        loss = loss.astype(wide)
         return loss * scale, (loss, new_state, metrics)
 
     (_, aux), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-    return jax.tree.map(lambda g: g.astype(jnp.float32), grads), *aux
+    return jax.tree.map(lambda g: g.astype(wide), grads), *aux
 
 
 def _micro_batches(batch, k):
@@ -55,7 +59,8 @@ def _micro_batches(batch, k):
 
 
 def _mean(trees):
-    return jax.tree.map(lambda *xs: sum(x.astype(jnp.float32) for x in xs) / len(xs), *trees)
+    wide = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))  # noqa: E731  (fp64 stays fp64)
+    return jax.tree.map(lambda *xs: sum(wide(x) for x in xs) / len(xs), *trees)
 
 
 def _all_finite(tree) -> bool:
@@ -135,6 +140,36 @@ def _update(tx, grads, opt_state, params):
     return optax.apply_updates(params, updates), opt_state
 
 
+def _to64(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float64) if np.issubdtype(np.asarray(x).dtype, np.floating)
+                        else x, tree)
+
+
+def float64_steps(loss_fn, tx, params, batches, model_state=None, rng=None, **kw):
+    """The reference's steps in float64: (params, opt_state, model_state, history) as numpy float64, the exact
+    values of the tolerance policy (tests/tolerance.py).
+
+    ``kw``: accum_steps, accum, devices (fp32 runs only: a low precision is
+    compared with its own-precision reference instead). A model that draws
+    random numbers draws other ones in float64: not for dropout.
+    """
+    with jax.enable_x64(True):
+        ref = Reference(loss_fn, tx, _to64(params), _to64(model_state), rng=rng, precision="fp64", **kw)
+        history = [ref.step(_to64(batch)) for batch in batches]
+        return jax.device_get((ref.params, ref.opt_state, ref.model_state, history))
+
+
+def reference_runs(loss_fn, make_tx, params, batches, model_state=None, **kw):
+    """(final state, metrics history, float64 run) of this reference on ``batches``: what an N-device run is held
+    to by the tolerance policy (tests/tolerance.py). ``make_tx()`` makes a fresh optimizer; ``kw``: fp32 ones."""
+    ref = Reference(loss_fn, make_tx(), params, model_state, **kw)
+    history = [ref.step(batch) for batch in batches]
+    state = types.SimpleNamespace(step=ref.step_count, params=ref.params, opt_state=ref.opt_state,
+                                  model_state=ref.model_state)
+    exact = float64_steps(loss_fn, make_tx(), params, batches, model_state, **kw)
+    return jax.device_get(state), history, exact
+
+
 def assert_matches(state, history, loss_fn, tx, params, batches, model_state=None, rng=None, tol=None, **kw):
     """jaxtrain's 1-device ``state`` and metrics ``history`` after ``batches`` equal this reference's.
 
@@ -142,18 +177,31 @@ def assert_matches(state, history, loss_fn, tx, params, batches, model_state=Non
     key (default: its default, key 0); ``kw``: precision, accum_steps, accum,
     loss_scale. What the equivalence tests' 1-device runs call once per
     configuration, so their N-device comparisons rest on independent code.
+    fp32: by the tolerance policy (tests/tolerance.py), returning the float64
+    run the N-device runs are then held to; a low precision: within ``tol``
+    of the same-precision reference, returning None.
     """
     import chex
+    from tolerance import assert_state_reassociated
 
-    tol = tol or {"rtol": 1e-5, "atol": 1e-5}  # see test_reference.TOL
     ref = Reference(loss_fn, tx, params, model_state, rng=rng, **kw)
     want = [ref.step(batch) for batch in batches]
     host = jax.device_get(state)
     assert int(host.step) == ref.step_count
-    chex.assert_trees_all_close(host.params, jax.device_get(ref.params), **tol)
     opt_state = host.opt_state.inner_opt_state if ref.accum == "multisteps" and ref.k > 1 else host.opt_state
+    got = [{k: m[k] for k in w} for m, w in zip(jax.device_get(history), want)]
+    if kw.get("precision", "fp32") == "fp32" and tol is None:
+        fp64 = {k: kw[k] for k in ("accum_steps", "accum") if k in kw}
+        exact = float64_steps(loss_fn, tx, params, batches, model_state, rng=rng, **fp64)
+        mine = host.replace(opt_state=opt_state)
+        theirs = host.replace(params=ref.params, opt_state=ref.opt_state, model_state=ref.model_state)
+        assert_state_reassociated(mine, got, jax.device_get(theirs), want, exact)
+        return exact
+    tol = tol or {"rtol": 1e-5, "atol": 1e-5}  # see test_reference.TOL
+    chex.assert_trees_all_close(host.params, jax.device_get(ref.params), **tol)
     chex.assert_trees_all_close(opt_state, jax.device_get(ref.opt_state), **tol)
     chex.assert_trees_all_close(host.model_state, jax.device_get(ref.model_state), **tol)
-    chex.assert_trees_all_close([{k: m[k] for k in w} for m, w in zip(jax.device_get(history), want)], want, **tol)
+    chex.assert_trees_all_close(got, want, **tol)
     if ref.loss_scale is not None:
         assert float(host.loss_scale["scale"]) == ref.loss_scale.scale
+    return None

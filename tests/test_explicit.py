@@ -1,14 +1,14 @@
 """strategy="explicit": the shardings in the arrays' types. A model that types its own layers trains unchanged;
 a model that knows no mesh runs under auto_axes; both equal the independent 1-device reference."""
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from conftest import random_batch
-from reference import Reference
+from reference import reference_runs
+from tolerance import assert_state_reassociated
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -54,16 +54,16 @@ def test_a_users_explicit_sharding_model_trains_unchanged_and_equals_the_referen
     mesh = jt.make_mesh(4, mesh if isinstance(mesh, dict) else None)
     trainer = jt.make_train_step(explicit_mlp_loss, optax.adam(1e-3, eps=1e-6), mesh=mesh, strategy="explicit",
                                  model_axes="explicit", **kw)
-    ref = Reference(explicit_mlp_loss, optax.adam(1e-3, eps=1e-6), mlp_params(), accum_steps=kw.get("accum_steps", 1))
     SEEN.clear()
     state, history = trainer.init(mlp_params()), []
     for b in BATCHES:
         state, metrics = trainer(state, b)
         history.append(jax.device_get(metrics))
     seen = list(SEEN)
-    want = [ref.step(b) for b in BATCHES]
-    chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref.params), rtol=1e-5, atol=1e-6)
-    chex.assert_trees_all_close([{k: m[k] for k in w} for m, w in zip(history, want)], want, rtol=1e-5, atol=1e-6)
+    SEEN.clear()
+    reference = reference_runs(explicit_mlp_loss, lambda: optax.adam(1e-3, eps=1e-6), mlp_params(), BATCHES,
+                               accum_steps=kw.get("accum_steps", 1))
+    assert_state_reassociated(jax.device_get(state), history, *reference)
     # The model saw typed arrays: its batch split over "data" (per device under accumulation: shard_map).
     assert seen and all(s[0] == (None if "accum" in case else jt.DATA_AXIS) for s in seen), seen
     w1 = state.params["w1"]

@@ -3,12 +3,12 @@
 two here (the replica index is the process: diagnostics.replica_hosts); tests/test_distributed.py runs it on two.
 """
 
-import chex
 import jax
 import optax
 import pytest
 from conftest import random_batch
-from reference import Reference
+from reference import reference_runs
+from tolerance import assert_state_reassociated
 from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
@@ -41,12 +41,9 @@ CASES = [(s, p, 1) for s in ("jit", "explicit", "shard_map") for p in ("replicat
 @pytest.mark.parametrize(("strategy", "param_sharding", "accum_steps"), CASES)
 def test_every_layout_on_a_hybrid_mesh_equals_the_reference(strategy, param_sharding, accum_steps):
     trainer, state, history = train(strategy, param_sharding, accum_steps)
-    ref = Reference(lenet.loss_fn, optax.adam(1e-3, eps=1e-6), init_params(), accum_steps=accum_steps)
-    want = [ref.step(b) for b in BATCHES]
-    tol = {"rtol": 1e-5, "atol": 1e-6}
-    chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref.params), **tol)
-    chex.assert_trees_all_close(jax.device_get(state.opt_state), jax.device_get(ref.opt_state), **tol)
-    chex.assert_trees_all_close([{k: m[k] for k in w} for m, w in zip(history, want)], want, **tol)
+    reference = reference_runs(lenet.loss_fn, lambda: optax.adam(1e-3, eps=1e-6), init_params(), BATCHES,
+                               accum_steps=accum_steps)
+    assert_state_reassociated(jax.device_get(state), history, *reference)
     assert trainer.batches.batch.spec == P(("replica", "data")) and trainer.batches.data_shards == 4
     w, mu = state.params["dense1"]["w"], state.opt_state[0].mu["dense1"]["w"]
     held = {"replicated": (1, 1), "zero1": (1, 1 / 4), "fsdp": (1 / 4, 1 / 4), "hsdp": (1 / 2, 1 / 2)}

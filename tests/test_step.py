@@ -7,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 from conftest import random_batch
-from reference import Reference
+from reference import reference_runs
+from tolerance import assert_state_reassociated
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -40,15 +41,10 @@ def train(strategy, n, opt):
 
 @pytest.fixture(scope="module")
 def reference():
-    """The independent reference step (tests/reference.py) on the same batches: every strategy and device
-    count, 1 device included, is compared with code that shares nothing with jaxtrain's step."""
-    runs = {}
-    for opt in OPTIMIZERS:
-        ref = Reference(lenet.loss_fn, OPTIMIZERS[opt](), init_params())
-        history = [ref.step(batch) for batch in BATCHES]
-        runs[opt] = (jt.TrainState(step=ref.step_count, params=ref.params, opt_state=ref.opt_state, model_state={},
-                                   rng=None), history)
-    return jax.device_get(runs)
+    """The independent reference step (tests/reference.py) on the same batches, in fp32 and in float64: every
+    strategy and device count, 1 device included, is compared with code that shares nothing with jaxtrain's
+    step, by the tolerance policy (tests/tolerance.py)."""
+    return {opt: reference_runs(lenet.loss_fn, OPTIMIZERS[opt], init_params(), BATCHES) for opt in OPTIMIZERS}
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS)
@@ -56,10 +52,7 @@ def reference():
 @pytest.mark.parametrize("strategy", jt.STRATEGIES)
 def test_strategy_equals_one_device_reference(reference, strategy, n, opt):
     state, history = train(strategy, n, opt)
-    ref_state, ref_history = reference[opt]
-    chex.assert_trees_all_close(state.params, ref_state.params, rtol=1e-5, atol=1e-6)
-    chex.assert_trees_all_close(state.opt_state, ref_state.opt_state, rtol=1e-5, atol=1e-6)
-    chex.assert_trees_all_close(history, ref_history, rtol=1e-5, atol=1e-6)
+    assert_state_reassociated(state, history, *reference[opt])
     assert int(state.step) == len(BATCHES)
     # The steps did change the params (a reference that never moved would prove nothing).
     assert not np.allclose(state.params["conv1"]["w"], jax.device_get(init_params())["conv1"]["w"])

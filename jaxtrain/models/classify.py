@@ -13,14 +13,16 @@ from jaxtrain.choices import KERNELS
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, kernels: str = "jnp") -> jax.Array:
-    """Per-example softmax cross-entropy (fp32) with integer labels: optax's (``"jnp"``) or the Pallas kernel."""
+    """Per-example softmax cross-entropy (at least fp32: float64 stays float64) with integer labels: optax's
+    (``"jnp"``) or the Pallas kernel."""
     if kernels == "pallas":
         from jaxtrain.kernels import softmax_ce
 
         return softmax_ce.cross_entropy(logits, labels)
     if kernels != "jnp":
         raise ValueError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    wide = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    return optax.softmax_cross_entropy_with_integer_labels(wide, labels)
 
 
 def per_example(logits: jax.Array, labels: jax.Array, kernels: str = "jnp") -> dict:
