@@ -1,0 +1,253 @@
+"""The docs against the code behind their figures and commands, so that the pages cannot drift from them.
+
+- A table that quotes a benchmark's figures carries ``<!-- checked: experiments.NAME -->`` on the line before it.
+  Each such table is regenerated here by that benchmark's own code where its figures are deterministic (no
+  clock, no CPU in them), and every copy of it, on any page, must be the same table. A marker naming a command
+  with no checker below fails: a marker is a promise that the table is checked.
+- Every ``--flag`` of an ``experiments.NAME`` (or ``jaxtrain.sweep`` / ``jaxtrain.launch``) command quoted in
+  README.md and docs/*.md is a flag that command's ``--help`` lists.
+- No test counts or test-suite durations in the docs: they go stale with every test added (the CI log has them).
+
+Measured timings cannot be compared with a page (they depend on the machine); those tables name their command
+beside them (the docs' standard), which a reader re-runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARKER = re.compile(r"^<!-- checked: (?P<command>[^>]*?) -->$")
+
+
+@dataclasses.dataclass
+class Table:
+    """A markdown table under a ``checked`` marker: its lines and, per row, its cells."""
+
+    page: Path
+    command: str
+    line: int  # 1-based, the marker's
+    lines: list[str]  # header, separator, rows
+
+    @property
+    def rows(self) -> list[list[str]]:
+        return [[c.strip() for c in line.strip().strip("|").split("|")] for line in self.lines[2:]]
+
+    def where(self) -> str:
+        return f"{_name(self.page)}:{self.line}"
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else str(page)
+
+
+def _text(page: Path) -> str:
+    return page.read_text(encoding="utf-8")
+
+
+def checked_tables(pages=PAGES) -> list[Table]:
+    """Every table under a ``<!-- checked: COMMAND -->`` marker (the table starts on the next line)."""
+    tables = []
+    for page in pages:
+        lines = _text(page).splitlines()
+        for i, line in enumerate(lines):
+            m = MARKER.match(line.strip())
+            if not m:
+                continue
+            body = []
+            for row in lines[i + 1:]:
+                if not row.startswith("|"):
+                    break
+                body.append(row)
+            assert len(body) >= 3, f"{_name(page)}:{i + 1}: a checked marker must stand right above a table"
+            tables.append(Table(page, m["command"], i + 1, body))
+    return tables
+
+
+# ------------------------------------------------------------------------------ experiments.gpu_validate
+
+
+def _validation_rows(table: Table) -> list[dict]:
+    """The rows as ``gpu_validate.rows`` returns them, from the page's estimates and labels; the published figures,
+    the ratios and which row is fitted come from the benchmark itself."""
+    from experiments import gpu_validate as v
+
+    out = []
+    for cells in table.rows:
+        assert len(cells) == 8, f"{table.where()}: {cells}"
+        gpu, gpus, precision, batch, estimate, _published, _ratio, label = cells
+        key = next((k for k in v.PUBLISHED if (k[0], str(k[1]), k[4], str(k[3])) == (gpu.lower(), gpus, precision, batch)),
+                   None)
+        assert key is not None, f"{table.where()}: no published cell {cells[:4]} in experiments.gpu_validate"
+        m = re.fullmatch(r"(?:held out|fitted); (\w+)-bound(?:; ([\d.]+)% of the step waits for collectives)?", label)
+        assert m, f"{table.where()}: the row label {label!r} is not gpu_validate's"
+        figure = float(estimate.replace(",", ""))
+        out.append({"gpu": key[0], "gpus": key[1], "precision": key[4], "batch_per_gpu": key[3], "estimate": figure,
+                    "published": v.PUBLISHED[key], "ratio": figure / v.PUBLISHED[key], "held_out": key != v.FIT_ON,
+                    "bottleneck": m[1], "exposed_share": float(m[2] or 0) / 100})
+    keys = sorted((r["gpu"], r["gpus"], r["precision"]) for r in out)
+    assert keys == sorted((k[0], k[1], k[4]) for k in v.PUBLISHED), f"{table.where()}: not one row per published cell"
+    return out
+
+
+def _bold_bullets_after(table: Table) -> list[str]:
+    """The bold openings of the bullets between the table and the next heading (the page's account of its rows)."""
+    lines = _text(table.page).splitlines()[table.line + len(table.lines):]
+    section = "\n".join(lines[:next((i for i, line in enumerate(lines) if line.startswith("#")), len(lines))])
+    return re.findall(r"^- \*\*(.+?)\*\*", section, re.M | re.S)
+
+
+def check_gpu_validate(table: Table):
+    """The table is what ``gpu_validate.format_rows`` prints for its estimates; the ratios its prose quotes are
+    the table's; its claim "within 1.5x" holds."""
+    from experiments import gpu_validate as v
+
+    rows = _validation_rows(table)
+    assert v.format_rows(rows).splitlines() == table.lines, (
+        f"{table.where()}: the table differs from what experiments.gpu_validate prints for these estimates:\n"
+        + v.format_rows(rows))
+    for bullet in _bold_bullets_after(table):
+        gpus = {r["gpu"] for r in rows if r["gpu"].upper() in bullet}
+        named = {r["precision"] for r in rows if re.search(rf"\b{r['precision']}\b", bullet)}
+        mine = [r for r in rows if r["gpu"] in gpus and (not named or r["precision"] in named)]
+        rows_named = ", ".join(f"{r['gpu']} x{r['gpus']} {r['precision']}" for r in mine)
+        for quoted in re.findall(r"\b\d+\.\d\d\b", bullet):
+            assert quoted in {f"{r['ratio']:.2f}" for r in mine}, (
+                f"{table.where()}: the bullet **{bullet}** quotes {quoted}, a ratio none of its rows "
+                f"({rows_named}) has")
+    if "within 1.5x" in _text(table.page):
+        assert all(1 / 1.5 <= r["ratio"] <= 1.5 for r in rows), f"{table.where()}: a ratio beyond the 1.5x it claims"
+
+
+CHECKERS = {"experiments.gpu_validate": check_gpu_validate}
+
+
+def test_every_checked_table_has_a_checker_and_each_command_one_table():
+    tables = checked_tables()
+    assert tables, "no <!-- checked: ... --> table found: the docs check checks nothing"
+    for t in tables:
+        assert t.command in CHECKERS, f"{t.where()}: no checker for {t.command!r} in tests/test_docs.py"
+    for command in {t.command for t in tables}:
+        copies = [t for t in tables if t.command == command]
+        assert all(t.lines == copies[0].lines for t in copies), (
+            f"the tables of {command} differ: {', '.join(t.where() for t in copies)}")
+
+
+@pytest.mark.parametrize("table", checked_tables(), ids=lambda t: t.where())
+def test_a_checked_table_is_what_its_benchmark_gives(table):
+    CHECKERS[table.command](table)
+
+
+def test_a_misquoted_ratio_or_a_wrong_row_fails_the_check(tmp_path):
+    """The checker is not vacuous: a ratio that is not the table's, in the prose or in a row, is caught."""
+    explained = [t for t in checked_tables() if t.command == "experiments.gpu_validate" and _bold_bullets_after(t)]
+    assert explained, "no page explains the validation table's rows in bold bullets any more"
+    text = _text(explained[0].page)
+    check_gpu_validate(explained[0])  # as it stands, it passes
+    quoted = re.search(r"^- \*\*\w+ \w+[^*]*?(\d\.\d\d)", text, re.M)
+    for broken in (text[:quoted.start(1)] + "0.01" + text[quoted.end(1):],
+                   re.sub(r"\| (\d\.\d\d) \| held out", "| 9.99 | held out", text, count=1)):
+        (tmp_path / "p.md").write_text(broken)
+        (table,) = [t for t in checked_tables([tmp_path / "p.md"]) if t.command == "experiments.gpu_validate"]
+        with pytest.raises(AssertionError):
+            check_gpu_validate(table)
+
+
+# ------------------------------------------------------------------------------ the commands the pages quote
+
+COMMAND = re.compile(r"(?:python -m )?\b((?:experiments\.[a-z_0-9]+)|jaxtrain\.sweep|jaxtrain\.launch)\b")
+
+
+def _help(module: str) -> str:
+    """What ``python -m MODULE --help`` prints, in-process."""
+    from jaxtrain import cli
+
+    mod = importlib.import_module(module)
+    entry = getattr(mod, "run", None) or mod.main  # experiments.distill: run() maps --student first
+    if entry is cli.main:  # experiments.lenet, resnet18, vit: RunConfig's flags
+        return cli.make_parser(module.split(".")[-1]).format_help()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        entry(["--help"])
+    return out.getvalue()
+
+
+def _code(page: Path) -> list[str]:
+    """The page's code: each command line of its code blocks (continuations joined) and each inline code span."""
+    fragments, prose, block = [], [], None
+    for line in _text(page).splitlines():
+        if line.lstrip().startswith("```"):  # a fence opens or closes a block
+            if block is not None:
+                fragments += block
+            block = [] if block is None else None
+            continue
+        if block is None and not line.startswith("    "):
+            prose.append(line)
+            continue
+        command = line.split(" #")[0].rstrip()
+        target = block if block is not None else fragments
+        if target and target[-1].endswith("\\"):
+            target[-1] = target[-1][:-1] + " " + command.strip()
+        elif target and command.lstrip().startswith(("[", "--")) and line.startswith("     "):  # an indented tail
+            target[-1] += " " + command.strip()
+        else:
+            target.append(command)
+    fragments += re.findall(r"`([^`]+)`", "\n".join(prose).replace("``", ""))
+    return fragments
+
+
+def quoted_flags(page: Path) -> list[tuple[str, str]]:
+    """(module, --flag) for every flag the page gives a command it quotes."""
+    found = []
+    for fragment in _code(page):
+        fragment = fragment.replace("\n", " ")
+        starts = list(COMMAND.finditer(fragment))
+        for i, m in enumerate(starts):
+            end = starts[i + 1].start() if i + 1 < len(starts) else len(fragment)
+            args = re.split(r" -- | && |; ", fragment[m.end():end])[0]
+            found += [(m[1], f) for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", args)]
+    return found
+
+
+# Flags a command takes that its --help does not list: experiments.distill's run() renames --student to --model.
+UNLISTED = {"experiments.distill": {"--student"}}
+
+
+def test_every_quoted_flag_is_one_its_command_has():
+    helps, wrong = {}, []
+    for page in PAGES:
+        for module, flag in quoted_flags(page):
+            if module not in helps:
+                helps[module] = set(re.findall(r"--[a-z][a-z0-9-]*", _help(module))) | UNLISTED.get(module, set())
+            if flag not in helps[module]:
+                wrong.append(f"{page.relative_to(ROOT)}: {module} {flag}")
+    assert not wrong, "flags the commands do not have (see each one's --help):\n" + "\n".join(wrong)
+
+
+def test_the_flag_check_reads_code_blocks_and_spans(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("Run `python -m experiments.bench --model lenet\n--no-such-flag`.\n\n```sh\n"
+                    "python -m jaxtrain.sweep --trials 2 \\\n    --nope 1 -- python -m experiments.lenet --devices 2\n```\n")
+    assert sorted(quoted_flags(page)) == [("experiments.bench", "--model"), ("experiments.bench", "--no-such-flag"),
+                                          ("experiments.lenet", "--devices"), ("jaxtrain.sweep", "--nope"),
+                                          ("jaxtrain.sweep", "--trials")]
+
+
+# ------------------------------------------------------------------------------ what does not belong in docs
+
+COUNTS = re.compile(r"\b\d[\d,]* (?:passed|failed|skipped|deselected|xfailed|xpassed|errors?)\b|\b\d[\d,]* tests (?:collected|ran|run)\b")
+
+
+def test_no_test_counts_or_suite_durations_in_the_docs():
+    found = [f"{page.relative_to(ROOT)}:{i}: {line.strip()[:100]}" for page in PAGES
+             for i, line in enumerate(_text(page).splitlines(), 1) if COUNTS.search(line)]
+    assert not found, "test counts (and the suite's durations beside them) go stale; the CI log has them:\n" + (
+        "\n".join(found))
