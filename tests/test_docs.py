@@ -119,7 +119,7 @@ def check_gpu_validate(table: Table):
         named = {r["precision"] for r in rows if re.search(rf"\b{r['precision']}\b", bullet)}
         mine = [r for r in rows if r["gpu"] in gpus and (not named or r["precision"] in named)]
         rows_named = ", ".join(f"{r['gpu']} x{r['gpus']} {r['precision']}" for r in mine)
-        for quoted in re.findall(r"\b\d+\.\d\d\b", bullet):
+        for quoted in re.findall(r"(?<![\d.])\d+\.\d\d(?![\d.])", bullet):  # 1.35, 1.35x, 1.20-1.46
             assert quoted in {f"{r['ratio']:.2f}" for r in mine}, (
                 f"{table.where()}: the bullet **{bullet}** quotes {quoted}, a ratio none of its rows "
                 f"({rows_named}) has")
