@@ -251,3 +251,35 @@ def test_no_test_counts_or_suite_durations_in_the_docs():
              for i, line in enumerate(_text(page).splitlines(), 1) if COUNTS.search(line)]
     assert not found, "test counts (and the suite's durations beside them) go stale; the CI log has them:\n" + (
         "\n".join(found))
+
+
+# ------------------------------------------------------------------------------ what the code and the pages cite
+
+CITED = re.compile(r"(?<![\w/.-])((?:docs/)?[\w-]+\.md)\b|\b([A-Z][A-Z_]+)(?:\.md)? ?§")
+
+
+def cited_documents(text: str) -> set[str]:
+    """The repository's documents a text cites: ``docs/X.md``, ``X.md`` (a page beside it or at the root), and
+    ``NAME §N`` / ``NAME.md §N``. A path under another folder (NVIDIA's ``.../resnet50v1.5/README.md``) is not
+    ours; neither is a file a command writes."""
+    found = set()
+    for page, section in CITED.findall(text):
+        found.add(page or f"{section}.md")
+    return found
+
+
+def test_every_document_the_code_and_pages_cite_is_in_the_repository():
+    sources = [*PAGES, *sorted(ROOT.glob("jaxtrain/**/*.py")), *sorted(ROOT.glob("experiments/*.py")),
+               *sorted(ROOT.glob("tests/*.py")), *sorted(ROOT.glob("tools/**/*.py")), ROOT / "Makefile"]
+    written = {"sweep.md"}  # what jaxtrain.sweep_report writes into a study's folder
+    missing = [f"{_name(src)}: {doc}" for src in sources if src != Path(__file__)
+               for doc in sorted(cited_documents(_text(src)) - written)
+               if not any((ROOT / where / doc).exists() for where in ("", "docs"))]
+    assert not missing, "cited, but not in the repository (cite a page that is, or state the fact):\n" + (
+        "\n".join(missing))
+
+
+def test_a_design_document_outside_the_repository_is_caught():
+    assert cited_documents('From the contract (DESIGN.md "API"), REFERENCE §5, docs/gpu.md and api.md.') == {
+        "DESIGN.md", "REFERENCE.md", "docs/gpu.md", "api.md"}
+    assert cited_documents("ConvNets/resnet50v1.5/README.md") == set()
