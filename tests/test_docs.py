@@ -84,8 +84,8 @@ def _validation_rows(table: Table) -> list[dict]:
     for cells in table.rows:
         assert len(cells) == 8, f"{table.where()}: {cells}"
         gpu, gpus, precision, batch, estimate, _published, _ratio, label = cells
-        key = next((k for k in v.PUBLISHED if (k[0], str(k[1]), k[4], str(k[3])) == (gpu.lower(), gpus, precision, batch)),
-                   None)
+        cell = (gpu.lower(), gpus, precision, batch)
+        key = next((k for k in v.PUBLISHED if (k[0], str(k[1]), k[4], str(k[3])) == cell), None)
         assert key is not None, f"{table.where()}: no published cell {cells[:4]} in experiments.gpu_validate"
         m = re.fullmatch(r"(?:held out|fitted); (\w+)-bound(?:; ([\d.]+)% of the step waits for collectives)?", label)
         assert m, f"{table.where()}: the row label {label!r} is not gpu_validate's"
@@ -102,7 +102,7 @@ def _bold_bullets_after(table: Table) -> list[str]:
     """The bold openings of the bullets between the table and the next heading (the page's account of its rows)."""
     lines = _text(table.page).splitlines()[table.line + len(table.lines):]
     section = "\n".join(lines[:next((i for i, line in enumerate(lines) if line.startswith("#")), len(lines))])
-    return re.findall(r"^- \*\*(.+?)\*\*", section, re.M | re.S)
+    return re.findall(r"^- \*\*(.+?)\*\*", section, re.MULTILINE | re.DOTALL)
 
 
 def check_gpu_validate(table: Table):
@@ -152,7 +152,7 @@ def test_a_misquoted_ratio_or_a_wrong_row_fails_the_check(tmp_path):
     assert explained, "no page explains the validation table's rows in bold bullets any more"
     text = _text(explained[0].page)
     check_gpu_validate(explained[0])  # as it stands, it passes
-    quoted = re.search(r"^- \*\*\w+ \w+[^*]*?(\d\.\d\d)", text, re.M)
+    quoted = re.search(r"^- \*\*\w+ \w+[^*]*?(\d\.\d\d)", text, re.MULTILINE)
     for broken in (text[:quoted.start(1)] + "0.01" + text[quoted.end(1):],
                    re.sub(r"\| (\d\.\d\d) \| held out", "| 9.99 | held out", text, count=1)):
         (tmp_path / "p.md").write_text(broken)
@@ -235,15 +235,35 @@ def test_every_quoted_flag_is_one_its_command_has():
 def test_the_flag_check_reads_code_blocks_and_spans(tmp_path):
     page = tmp_path / "p.md"
     page.write_text("Run `python -m experiments.bench --model lenet\n--no-such-flag`.\n\n```sh\n"
-                    "python -m jaxtrain.sweep --trials 2 \\\n    --nope 1 -- python -m experiments.lenet --devices 2\n```\n")
+                    "python -m jaxtrain.sweep --trials 2 \\\n"
+                    "    --nope 1 -- python -m experiments.lenet --devices 2\n```\n")
     assert sorted(quoted_flags(page)) == [("experiments.bench", "--model"), ("experiments.bench", "--no-such-flag"),
                                           ("experiments.lenet", "--devices"), ("jaxtrain.sweep", "--nope"),
                                           ("jaxtrain.sweep", "--trials")]
 
 
+# ------------------------------------------------------------------------------ the run's result line
+
+RESULT_LINE = re.compile(r"test acc \d\.\d\d, \d+\.\d sec/epoch on \d+ devices? \((?:cpu|gpu)\)")  # jaxtrain.runner
+
+
+def test_the_example_result_lines_are_the_same_and_the_results_pages():
+    """``make demo``'s result line, wherever a page shows it: as the run prints it (``jaxtrain/runner.py``), and the
+    2-device row of docs/results.md."""
+    shown = {(_name(page), line) for page in PAGES
+             for line in re.findall(r"`(test acc [^`]*sec/epoch[^`]*)`", _text(page))}
+    assert len(shown) >= 2, shown
+    assert all(RESULT_LINE.fullmatch(line) for _, line in shown), shown
+    ((acc, sec),) = re.findall(r"^\| jaxtrain, 2 CPU devices \| ([\d.]+) \| ([\d.]+) \|$",
+                               _text(ROOT / "docs/results.md"), re.MULTILINE)
+    result = f"test acc {float(acc):.2f}, {float(sec):.1f} sec/epoch on 2 devices (cpu)"
+    assert {line for _, line in shown} == {result}, shown
+
+
 # ------------------------------------------------------------------------------ what does not belong in docs
 
-COUNTS = re.compile(r"\b\d[\d,]* (?:passed|failed|skipped|deselected|xfailed|xpassed|errors?)\b|\b\d[\d,]* tests (?:collected|ran|run)\b")
+COUNTS = re.compile(r"\b\d[\d,]* (?:passed|failed|skipped|deselected|xfailed|xpassed|errors?)\b"
+                    r"|\b\d[\d,]* tests (?:collected|ran|run)\b")
 
 
 def test_no_test_counts_or_suite_durations_in_the_docs():
