@@ -127,7 +127,63 @@ def check_gpu_validate(table: Table):
         assert all(1 / 1.5 <= r["ratio"] <= 1.5 for r in rows), f"{table.where()}: a ratio beyond the 1.5x it claims"
 
 
-CHECKERS = {"experiments.gpu_validate": check_gpu_validate}
+# ------------------------------------------------------------------------------ experiments.bench_gpu_plans
+
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def _bytes(text: str) -> float:
+    number, unit = text.split()
+    return float(number.replace(",", "")) * UNITS[unit]
+
+
+def _plan_of(cells: list[str]):
+    """A stand-in for the ``jaxtrain.gpu.plan`` a row of bench_gpu_plans came from, rebuilt from the row: the
+    benchmark's ``row()`` must print the row back."""
+    from types import SimpleNamespace
+
+    model, gpus, batch, memory, largest, gflop, collectives, step, compiled = cells
+    gpus, batch = int(gpus), int(batch.replace(",", ""))
+    m = re.fullmatch(r"(>= )?([\d,]+) \(([\d,]+)\)", largest)
+    assert m, largest
+    total = int(m[2].replace(",", ""))
+    kinds = [] if collectives == "none" else [
+        {"kind": k, "count": int(n), "bytes": _bytes(b)}
+        for n, k, b in re.findall(r"(\d+) ([\w-]+) \(([^)]+)\)", collectives)]
+    rate = float(re.fullmatch(r"[\d.,]+ ms \(([\d,]+)/s\)", step)[1].replace(",", ""))
+    return SimpleNamespace(settings={"model": model}, gpus=gpus, hosts=1, call_batch=batch,
+                           per_gpu_batch=batch // gpus, memory={"total": _bytes(memory)}, largest_batch=total,
+                           max_batch=total if m[1] else total + 1, flops=float(gflop) * 1e9, collectives=kinds,
+                           estimate={"seconds": batch / rate, "examples_per_second": rate},
+                           compile_seconds=float(compiled.removesuffix(" s")))
+
+
+def check_bench_gpu_plans(table: Table):
+    """Each row is what ``bench_gpu_plans.row`` prints for its figures: the step time agrees with the examples/s,
+    the largest batch per GPU with the largest batch."""
+    from experiments import bench_gpu_plans
+
+    for cells, line in zip(table.rows, table.lines[2:], strict=True):
+        assert bench_gpu_plans.row(_plan_of(cells)) == line, (
+            f"{table.where()}: {line}\n  bench_gpu_plans.row() gives for its figures:\n"
+            f"{bench_gpu_plans.row(_plan_of(cells))}")
+
+
+def check_gpu_offload(table: Table):
+    """Its rows without remat are the same plans as bench_gpu_plans' 1-GPU rows: the same figures."""
+    plans = {row[0]: row for t in checked_tables() if t.command == "experiments.bench_gpu_plans" for row in t.rows
+             if row[1] == "1"}
+    none = [row for row in table.rows if row[1] == "none"]
+    assert none, f"{table.where()}: no row without remat"
+    for model, _, memory, _, _, largest, step in none:
+        plan = plans.get(model)
+        assert plan, f"{table.where()}: {model} has no 1-GPU row in bench_gpu_plans' table"
+        assert (memory, largest, step) == (plan[3], re.search(r"\(([\d,]+)\)", plan[4])[1], plan[7].split(" (")[0]), (
+            f"{table.where()}: {model} without remat differs from bench_gpu_plans' 1-GPU row {plan}")
+
+
+CHECKERS = {"experiments.gpu_validate": check_gpu_validate, "experiments.bench_gpu_plans": check_bench_gpu_plans,
+            "experiments.gpu_offload": check_gpu_offload}
 
 
 def test_every_checked_table_has_a_checker_and_each_command_one_table():
@@ -159,6 +215,21 @@ def test_a_misquoted_ratio_or_a_wrong_row_fails_the_check(tmp_path):
         (table,) = [t for t in checked_tables([tmp_path / "p.md"]) if t.command == "experiments.gpu_validate"]
         with pytest.raises(AssertionError):
             check_gpu_validate(table)
+
+
+@pytest.mark.parametrize("command, cell, wrong", [("experiments.bench_gpu_plans", 7, "9.99 ms (2,930,343/s)"),
+                                                   ("experiments.bench_gpu_plans", 4, "933,544 (1,000)"),
+                                                   ("experiments.gpu_offload", 2, "1.00 MiB")])
+def test_a_plan_figure_changed_in_one_place_fails_the_check(command, cell, wrong):
+    table = next(t for t in checked_tables() if t.command == command)
+    CHECKERS[command](table)  # as it stands, it passes
+    i, row = next((i, r) for i, r in enumerate(table.rows) if r[1] in ("1", "none"))  # a 1-GPU row, no remat
+    row[cell] = wrong
+    lines = list(table.lines)
+    lines[2 + i] = "| " + " | ".join(row) + " |"
+    broken = dataclasses.replace(table, lines=lines)
+    with pytest.raises(AssertionError):
+        CHECKERS[command](broken)
 
 
 # ------------------------------------------------------------------------------ the commands the pages quote
