@@ -1,6 +1,7 @@
 """An independent reference train step, for the tests only: no jaxtrain code on its path.
 
-Written from the documented contract (DESIGN.md "Public API contract",
+Written from the documented contract (README.md "In Python", docs/train-step.md
+"Using the library" and "Randomness: the key a loss_fn receives",
 precision.py's and step.py's docstrings), not from jaxtrain's code: plain
 ``jax.value_and_grad`` of the model's loss, ``tx.update`` and
 ``optax.apply_updates``, micro-batches in a Python loop, an explicit fp16
