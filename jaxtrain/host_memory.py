@@ -12,7 +12,8 @@ maps when the heap cannot grow), and no trimming of the heap's free top below 2 
 cost: memory freed stays in the process for it to use again, and one heap fragments: ResNet-18 (batch 64, 2
 devices) holds 1.6 GiB against a 1.05 GiB peak with glibc's defaults, steady from the fifth step on; LeNet's run
 peaks lower (632 vs 687 MB).
-``setup_devices`` calls it before JAX starts, on CPU only; $JAXTRAIN_MALLOC=default keeps glibc's defaults.
+``setup_devices`` calls it before JAX starts, on CPU only; $JAXTRAIN_MALLOC=default keeps glibc's defaults (any
+other value but empty is a ConfigError: a misspelt opt-out must not keep the settings silently).
 """
 
 from __future__ import annotations
@@ -41,8 +42,15 @@ def glibc() -> bool:
 
 
 def wanted() -> bool:
-    """Whether ``keep_freed_memory`` sets anything here: glibc, and $JAXTRAIN_MALLOC is not "default"."""
-    return glibc() and os.environ.get(ENV, "").lower() != "default"
+    """Whether ``keep_freed_memory`` sets anything here: glibc, and $JAXTRAIN_MALLOC unset (or empty), not
+    "default"; any other value is a ConfigError."""
+    from jaxtrain.errors import ConfigError
+
+    value = os.environ.get(ENV, "")
+    if value.lower() not in ("", "default"):
+        raise ConfigError(f"{ENV}={value}: unknown value: set {ENV}=default to keep glibc's malloc settings, or "
+                          "unset it to keep freed memory in the process (docs/performance.md, \"Host memory\")")
+    return glibc() and value.lower() != "default"
 
 
 def keep_freed_memory() -> bool:

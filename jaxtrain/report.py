@@ -197,10 +197,24 @@ def describe(s, data: dict, writer) -> str:
             + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
             + (", quantisation-aware int8" if c.quantize == "int8" else "")
             + (", Pallas cross-entropy kernel" if c.kernels == "pallas" else "")
+            + f", conv: {conv_path(c, s.model, s.devices[0].platform)}"
             + (f", distilled from {c.teacher} (T {c.temperature:g}, alpha {c.alpha:g})" if c.teacher else "")
             + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
                "{bubble:.0%})".format(**s.trainer.describe()) if s.trainer.pipeline_layout else "")
             + f"; out: {writer.out_dir if writer else None}")
+
+
+def conv_path(c, model, platform: str) -> str:
+    """Which convolutions the run's model takes, and why (``jaxtrain.kernels.onednn.path``): its first line and
+    summary.json say it. ``c``: the RunConfig."""
+    from jaxtrain.kernels import onednn
+
+    if model.conv == "xla" and c.conv != "xla" and platform == "cpu":
+        if c.quantize != "none":
+            return f"xla (quantize={c.quantize}: its layers' own convolutions)"
+        if model.name == "vit":
+            return "none (vit has no convolutions)"
+    return onednn.path(c.conv, model.conv, platform)
 
 
 def not_learning(history, first_loss: float, num_classes: int) -> str:

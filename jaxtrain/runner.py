@@ -23,7 +23,7 @@ from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.files import ensure_room, params_digest
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
-from jaxtrain.report import RunWriter, claim_out_dir, describe, not_learning, run_summary
+from jaxtrain.report import RunWriter, claim_out_dir, conv_path, describe, not_learning, run_summary
 from jaxtrain.signals import Exit, StopOnSignal, StopVote
 from jaxtrain.trainer import Evaluator, Trainer
 
@@ -244,6 +244,7 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
                           {k: len(v) for k, v in data.items()}, settings["data_sha256"])
     summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
                    sharded_params=s.layout["sharded"], collectives=stats["collectives"],
+                   conv=conv_path(c, s.model, platform),
                    pipeline={**s.trainer.describe(), "counted_bubble": float(s.last["pipeline_bubble"])}
                    if s.trainer.pipeline_layout else None)
     plural = "s" * (len(s.devices) != 1)

@@ -74,6 +74,42 @@ def one_line_error(out, *fragments):
         assert fragment in lines[0], lines[0]
 
 
+@pytest.mark.slow  # a subprocess end to end (~20 s): make test runs it, CI's newest-JAX leg does not
+def test_a_run_names_its_convolutions_and_says_why_oneDNN_fell_back(tmp_path):
+    """No compiler, a fresh oneDNN cache: one warning line (on x86-64 Linux), and the run's first line and
+    summary.json say XLA's convolutions ran, and why."""
+    from test_data import make_idx_dir
+
+    from jaxtrain.kernels import onednn
+
+    make_idx_dir(tmp_path / "idx")
+    out = run_cli(*LENET, "--devices", "2", "--data-dir", str(tmp_path / "idx"), "--batch-size", "8", "--epochs",
+                  "1", "--max-steps", "2", "--out", str(tmp_path / "run"), "--no-progress",
+                  env={"CXX": "/nonexistent", "JAXTRAIN_ONEDNN_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    why = "no C++ compiler found (/nonexistent)" + ("" if onednn.expected() else "; not x86-64 Linux")
+    first = next(line for line in out.stdout.splitlines() if line.startswith("lenet: "))  # after TFDS's lines
+    assert f", conv: xla ({why}); out: " in first, out.stdout
+    warnings = [line for line in out.stderr.splitlines() if "oneDNN" in line]
+    assert len(warnings) == onednn.expected() and all("install g++ (make onednn" in w for w in warnings), out.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["conv"] == f"xla ({why})"
+
+
+@pytest.mark.parametrize("env, fragment", [
+    ({"JAXTRAIN_MALLOC": "off"}, "JAXTRAIN_MALLOC=off: unknown value: set JAXTRAIN_MALLOC=default"),
+    ({"JAXTRAIN_ONEDNN_THREADS": "99999999999", "JAXTRAIN_MALLOC": None},
+     "JAXTRAIN_ONEDNN_THREADS=99999999999: must be a whole number from 1 to"),
+])
+def test_a_bad_jaxtrain_variable_is_a_one_line_error(tmp_path, env, fragment):
+    """Before the data is read: the model is made (and oneDNN's thread count checked) first."""
+    from jaxtrain.kernels import onednn
+
+    if "JAXTRAIN_ONEDNN_THREADS" in env and not onednn.available():
+        pytest.skip(f"the thread count is read where oneDNN's convolutions run: {onednn.reason()}")
+    out = run_cli(*LENET, "--devices", "1", "--data-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path), env=env)
+    one_line_error(out, fragment)
+
+
 def test_indivisible_batch_is_a_one_line_error(tmp_path):
     out = run_cli(*LENET, "--devices", "2", "--batch-size", "255", "--out", str(tmp_path))
     one_line_error(out, "batch size 255", "multiple of 2")

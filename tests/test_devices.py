@@ -122,3 +122,15 @@ def test_cpu_runs_keep_freed_host_memory_unless_told_not_to(env, kept):
     applied, faults = out.stdout.split()
     assert applied == str(kept)
     assert int(faults) < 1000 if kept else int(faults) > 8000, faults
+
+
+@pytest.mark.parametrize("value", ["off", "0", "none", "defaults", "glibc"])
+def test_an_unknown_malloc_setting_is_refused(monkeypatch, value):
+    """Only "default" opts out: a misspelt opt-out must not keep jaxtrain's malloc settings silently."""
+    monkeypatch.setenv("JAXTRAIN_MALLOC", value)
+    with pytest.raises(jt.ConfigError, match=f"^JAXTRAIN_MALLOC={value}: unknown value: set JAXTRAIN_MALLOC=default to "
+                                          "keep glibc's malloc settings, or unset it"):
+        host_memory.wanted()
+    for fine, kept in (("default", False), ("DEFAULT", False), ("", host_memory.glibc())):
+        monkeypatch.setenv("JAXTRAIN_MALLOC", fine)
+        assert host_memory.wanted() is kept

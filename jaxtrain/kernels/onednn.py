@@ -8,84 +8,39 @@ and weight gradients in one backward call) and everything else to XLA's own, so 
 unchanged on a GPU (``lax.platform_dependent``: GPU lowering never sees the CPU call) and under every strategy
 (``onednn_calls``: partitioned along the batch under jit, per device inside shard_map).
 
-The library is compiled on first use (g++, ~5 s) against the pip-installed oneDNN 3.2 (``onednn-cpu-gomp``, a
-requirement on x86-64 Linux) or else the system's (Debian's ``libdnnl-dev``, 2.6) into
-``$JAXTRAIN_ONEDNN_CACHE`` (default ``~/.cache/jaxtrain/onednn``), one file per source, jaxlib and oneDNN;
-``python -m jaxtrain.kernels.onednn`` builds it and says whether it is usable. Without a compiler or oneDNN,
-``available()`` is False and ``reason()`` says why: ``conv="auto"`` then keeps XLA's convolutions.
+The library is compiled on first use (g++, ~5 s; ``onednn_build``: the cache, its digests, what goes wrong);
+``python -m jaxtrain.kernels.onednn`` builds it and says whether it is usable (exit 1 and why where it is not).
+Without a compiler or oneDNN, ``available()`` is False and ``reason()`` says why: ``conv="auto"`` then keeps XLA's
+convolutions, with one warning line on x86-64 Linux (where jaxtrain's requirements bring oneDNN); ``path`` says
+which convolutions a run takes, and why, for its first line and summary.json.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
 import re
-import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxtrain.kernels import onednn_build
 from jaxtrain.kernels import onednn_calls as calls
+from jaxtrain.kernels.onednn_build import build, expected  # noqa: F401  (the public names they were)
 
-SOURCE = Path(__file__).with_name("onednn_conv.cc")
 _TARGETS = ("JaxtrainDnnlConvFwd", "JaxtrainDnnlConvFwdSave", "JaxtrainDnnlConvBwd")
 _NHWC = lax.ConvDimensionNumbers(lhs_spec=(0, 3, 1, 2), rhs_spec=(3, 2, 0, 1), out_spec=(0, 3, 1, 2))
-INSTALL = ("install a C++ compiler (Debian: apt-get install g++) and oneDNN (pip install onednn-cpu-gomp "
-           "onednn-devel-cpu-gomp, as jaxtrain's requirements do on x86-64 Linux; or apt-get install libdnnl-dev)")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("JAXTRAIN_ONEDNN_CACHE") or Path.home() / ".cache" / "jaxtrain" / "onednn")
-
-
-def _wheel_onednn() -> str | None:
-    """The prefix of the pip-installed oneDNN (``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``: oneDNN 3.2,
-    headers in PREFIX/include, libdnnl in PREFIX/lib), or None: the system's (Debian's libdnnl-dev, 2.6)."""
-    return sys.prefix if (Path(sys.prefix) / "include" / "oneapi" / "dnnl" / "dnnl.hpp").exists() else None
-
-
-def build() -> Path:
-    """The compiled library (built now if this source and jaxlib have none yet); OSError: why it cannot be."""
-    from jaxtrain.dirlock import DirLock
-
-    include, dnnl = jax.ffi.include_dir(), _wheel_onednn()
-    flags = [f"-I{dnnl}/include", f"-L{dnnl}/lib", f"-Wl,-rpath,{dnnl}/lib"] if dnnl else []
-    key = hashlib.sha256(SOURCE.read_bytes() + f"{jax.__version__} {include} {flags}".encode()).hexdigest()[:16]
-    lib = cache_dir() / f"conv-{key}.so"
-    if lib.exists():
-        return lib
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        raise OSError(f"no C++ compiler found: {INSTALL}")
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with DirLock(lib.parent, "JAXTRAIN_ONEDNN_CACHE", name=".build.lock", waiting="waiting for another build"):
-        if lib.exists():
-            return lib
-        tmp = lib.with_name(f".{lib.name}.{os.getpid()}")
-        cmd = [compiler, "-O2", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-w", f"-I{include}", *flags, str(SOURCE),
-               "-ldnnl", "-o", str(tmp)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if done.returncode:
-            tmp.unlink(missing_ok=True)
-            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
-            raise OSError(f"building the oneDNN convolutions failed ({(errors or ['?'])[0].strip()}): {INSTALL}")
-        os.replace(tmp, lib)  # whole or absent: a build cut short leaves no half-written library
-    return lib
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | str:
-    """The loaded library, its FFI targets registered; or why it cannot be (one line)."""
+def _library() -> ctypes.CDLL | onednn_build.Unusable:
+    """The loaded library, its FFI targets registered; or why it cannot be."""
     try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, subprocess.SubprocessError) as e:
-        return str(e)
+        lib = onednn_build.load()
+    except onednn_build.Unusable as e:
+        return e
     for name in _TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     lib.JaxtrainDnnlSavedFloats.restype = ctypes.c_int64
@@ -93,14 +48,20 @@ def _library() -> ctypes.CDLL | str:
     return lib
 
 
-def reason() -> str | None:
-    """None when the oneDNN convolutions are usable here; else why not (one line)."""
+def unusable() -> onednn_build.Unusable | None:
+    """None when the oneDNN convolutions are usable here; else why not (``.cause``, ``.fix``)."""
     lib = _library()
-    return lib if isinstance(lib, str) else None
+    return lib if isinstance(lib, onednn_build.Unusable) else None
+
+
+def reason() -> str | None:
+    """None when the oneDNN convolutions are usable here; else why not and what to do (one line)."""
+    why = unusable()
+    return None if why is None else str(why)
 
 
 def available() -> bool:
-    return reason() is None
+    return unusable() is None
 
 
 def supported(lhs, rhs, dimension_numbers=None, lhs_dilation=None, rhs_dilation=None, feature_group_count=1,
@@ -117,7 +78,9 @@ def supported(lhs, rhs, dimension_numbers=None, lhs_dilation=None, rhs_dilation=
 
 def choose(conv: str):
     """(name, fn) of the convolution ``conv`` names: "xla" (``lax``'s), "onednn" (a ConfigError where it is not
-    usable), or "auto": oneDNN's on a CPU backend where it is usable, else XLA's."""
+    usable), or "auto": oneDNN's on a CPU backend where it is usable, else XLA's (on x86-64 Linux, where oneDNN
+    was expected, with one warning line: why, and the fix). oneDNN's: its thread count checked now
+    (``onednn_calls.threads``)."""
     from jaxtrain.choices import CONVS
     from jaxtrain.errors import ConfigError
 
@@ -125,9 +88,41 @@ def choose(conv: str):
         raise ConfigError(f"unknown conv {conv!r}: choose one of {', '.join(CONVS)}")
     if conv == "onednn" and not available():
         raise ConfigError(f"conv=onednn: {reason()}; or use conv=xla")
-    if conv == "onednn" or (conv == "auto" and jax.default_backend() == "cpu" and available()):
+    if conv == "onednn" or (conv == "auto" and jax.default_backend() == "cpu" and _usable_or_say()):
+        calls.threads()  # a bad $JAXTRAIN_ONEDNN_THREADS fails here, not when the step is traced
         return "onednn", conv_general_dilated
     return "xla", lax.conv_general_dilated
+
+
+def _usable_or_say() -> bool:
+    """``available()``; where not, on a CPU backend on x86-64 Linux (where oneDNN was expected), one warning
+    line (once): why, the fix, and that XLA's convolutions run instead."""
+    if available():
+        return True
+    if expected() and jax.default_backend() == "cpu":
+        _say_fallback(str(unusable()))
+    return False
+
+
+@functools.cache
+def _say_fallback(why: str) -> None:
+    onednn_build.note(f"oneDNN's convolutions are not usable ({why}); XLA's run instead (slower for ResNet-18 and "
+                      "LeNet on CPUs)")
+
+
+def path(conv: str, chosen: str, platform: str) -> str:
+    """Which convolutions a run takes, for its first line and summary.json: "onednn (N threads)", or "xla (why)".
+    ``conv``: the setting; ``chosen``: what ``choose`` gave (a model's ``conv``); ``platform``: its devices'."""
+    if platform != "cpu":
+        return f"xla ({platform.upper()})"
+    if chosen == "onednn":
+        n = calls.threads()
+        return f"onednn ({n} thread{'s' * (n != 1)})"
+    if conv == "xla":
+        return "xla (conv=xla)"
+    if (why := unusable()) is None:
+        return "xla (the model's own)"
+    return f"xla ({why.cause}{'' if expected() else '; not x86-64 Linux'})"
 
 
 def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
@@ -140,7 +135,7 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
                    preferred_element_type=preferred_element_type)
     xla = lambda x, w: lax.conv_general_dilated(x, w, window_strides, padding, precision=precision,  # noqa: E731
                                                 out_sharding=out_sharding, **options)
-    if out_sharding is not None or not supported(lhs, rhs, **options) or not available():
+    if out_sharding is not None or not supported(lhs, rhs, **options) or not _usable_or_say():
         return xla(lhs, rhs)
     if isinstance(padding, str):
         padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
@@ -192,7 +187,13 @@ def hlo_flops(hlo_text: str) -> float:
     return total
 
 
-if __name__ == "__main__":
+def main() -> int:
+    """``python -m jaxtrain.kernels.onednn``: build the library; exit 0 if usable, else 1 with why (one line)."""
     why = reason()
-    print(f"oneDNN convolutions: {'not usable: ' + why if why else 'usable (' + str(build()) + ')'}")
-    sys.exit(0)
+    print(f"oneDNN convolutions: {'not usable: ' + why if why else 'usable (' + _library()._name + ')'}",
+          file=sys.stderr if why else sys.stdout)
+    return 1 if why else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

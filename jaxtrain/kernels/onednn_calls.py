@@ -33,23 +33,50 @@ def out_shape(x_shape, w_shape, geometry):
     return b, (h + sum(pads[0]) - kh) // strides[0] + 1, (w + sum(pads[1]) - kw) // strides[1] + 1, co
 
 
+ENV_THREADS = "JAXTRAIN_ONEDNN_THREADS"
+
+
 def threads() -> int:
     """OpenMP threads per call: the cores over the devices that run at once on this machine (virtual CPU devices
     share them; so do the processes ``jaxtrain.launch`` starts on localhost). Numbers depend on it (oneDNN splits
     its reductions over its threads): 2 processes x 1 device and 1 process x 2 devices get the same count, and
-    the same parameters bit for bit. ``$JAXTRAIN_ONEDNN_THREADS`` when set."""
-    from jaxtrain.devices import ENV_COORDINATOR, _cores
+    the same parameters bit for bit. ``$JAXTRAIN_ONEDNN_THREADS`` when set: 1 to the cores this process may run
+    on (``os.sched_getaffinity``), else a ConfigError; more than the cores over the devices at once is taken,
+    with one warning line (the calls then oversubscribe the cores)."""
+    from jaxtrain.devices import _cores
     from jaxtrain.errors import ConfigError
 
-    if wanted := os.environ.get("JAXTRAIN_ONEDNN_THREADS"):
-        if not wanted.isdigit() or int(wanted) < 1:
-            raise ConfigError(f"JAXTRAIN_ONEDNN_THREADS={wanted}: must be a whole number >= 1 (or unset: the cores "
-                              "over the devices)")
-        return int(wanted)
+    cores, devices = _cores(), _devices_at_once()
+    fair = max(1, cores // devices)
+    if not (wanted := os.environ.get(ENV_THREADS)):
+        return fair
+    if not wanted.isdigit() or not 1 <= int(wanted) <= cores:
+        raise ConfigError(f"{ENV_THREADS}={wanted}: must be a whole number from 1 to {cores} (the cores this "
+                          f"process may run on), or unset: the cores over the devices, here {fair}")
+    if int(wanted) > fair:
+        _warn_oversubscribed(int(wanted), devices, cores)
+    return int(wanted)
+
+
+def _devices_at_once() -> int:
+    """The devices that run calls at once on this machine: this process's, times the processes where
+    ``jaxtrain.launch`` started them on localhost."""
+    from jaxtrain.devices import ENV_COORDINATOR
+
     devices = jax.local_device_count()
     if os.environ.get(ENV_COORDINATOR, "").startswith(("127.0.0.1:", "localhost:")):
         devices *= jax.process_count()
-    return max(1, _cores() // devices)
+    return devices
+
+
+@functools.cache
+def _warn_oversubscribed(n: int, devices: int, cores: int) -> None:
+    import sys
+
+    if jax.process_index() == 0:
+        print(f"warning: {ENV_THREADS}={n} x {devices} device(s) at once = {n * devices} threads on {cores} cores: "
+              f"the calls oversubscribe the cores (slower); unset it for {max(1, cores // devices)} per call",
+              file=sys.stderr, flush=True)
 
 
 def _attrs(geometry, **more):
