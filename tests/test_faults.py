@@ -140,7 +140,7 @@ def test_a_signal_during_start_up_exits_cleanly(tmp_path, sig, moment):
             if line.startswith("import time:") and line.rsplit("|", 1)[-1].strip().split(".")[0] == "jax":
                 break
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=HANG_SECONDS)
+    _, err = proc.communicate(timeout=HANG_SECONDS)
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "interrupted during start-up" in err and "Traceback" not in err
 
