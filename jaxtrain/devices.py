@@ -119,17 +119,22 @@ def _join(coordinator, num_processes, process_id) -> None:
               flush=True)
         os._exit(2)
 
-    timers = [threading.Timer(min(10.0, timeout / 2), waiting), threading.Timer(timeout, give_up)]
-    for t in timers:
-        t.daemon = True
-        t.start()
+    joined = threading.Event()
+
+    def watch():  # one thread, so the waiting line always comes before the give-up, however late it runs
+        first = min(10.0, timeout / 2)
+        if not joined.wait(first):
+            waiting()
+            if not joined.wait(timeout - first):
+                give_up()
+
+    threading.Thread(target=watch, daemon=True, name="jaxtrain-join").start()
     try:  # CPU runs use the gloo collectives (JAX's default for CPU); GPUs use NCCL.
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id, initialization_timeout=int(timeout) + 60,
                                    heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
     finally:
-        for t in timers:
-            t.cancel()
+        joined.set()
 
 
 def setup_devices(n: int | None = None, *, devices_per_process: int | None = None, coordinator: str | None = None,

@@ -64,6 +64,11 @@ def _mean(trees):
     return jax.tree.map(lambda *xs: sum(wide(x) for x in xs) / len(xs), *trees)
 
 
+def _mean_in(trees, dtype):
+    """The mean of fp32 trees summed in ``dtype`` (each term scaled first: exact for a power-of-two count)."""
+    return jax.tree.map(lambda *xs: sum(x.astype(dtype) / len(xs) for x in xs).astype(jnp.float32), *trees)
+
+
 def _all_finite(tree) -> bool:
     return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
 
@@ -75,11 +80,13 @@ class Reference:
     ``accum_steps`` k with ``accum="scan"``: one step averages k micro-batch
     gradients; ``"multisteps"``: one step is one micro-batch, the optimizer
     applies the mean of k of them every k-th step.
+    ``devices`` d: the batch split into d blocks, one gradient each, their
+    mean summed in ``reduce_dtype`` (a ``jt.Precision``'s reduce_dtype).
     """
 
     def __init__(self, loss_fn, tx, params, model_state=None, rng=None, precision="fp32", accum_steps=1,
-                 accum="scan", loss_scale: LossScale | None = None, devices: int = 1):
-        self.loss_fn, self.tx, self.dtype = loss_fn, tx, DTYPES[precision]
+                 accum="scan", loss_scale: LossScale | None = None, devices: int = 1, reduce_dtype=jnp.float32):
+        self.loss_fn, self.tx, self.dtype, self.reduce_dtype = loss_fn, tx, DTYPES[precision], reduce_dtype
         self.k, self.accum, self.devices = accum_steps, accum, devices
         self.params = jax.tree.map(jnp.asarray, params)
         self.opt_state = tx.init(self.params)
@@ -108,6 +115,8 @@ class Reference:
             shares.append(_mean(parts) if scan > 1 else parts[0])
             states.append(model_state)
         grads, loss, metrics = _mean(shares) if self.devices > 1 else shares[0]
+        if self.devices > 1 and self.reduce_dtype != jnp.float32:
+            grads = _mean_in([share[0] for share in shares], self.reduce_dtype)
         self.model_state = _mean(states) if self.devices > 1 else states[0]
         grads = jax.tree.map(lambda g: g / scale, grads)
         out = {"loss": loss, **metrics}

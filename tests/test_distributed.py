@@ -13,6 +13,10 @@ from conftest import ROOT, cached_compiles, needs_fashion_mnist, run_cli
 pytestmark = [needs_fashion_mnist, pytest.mark.slow]
 
 LENET = ["-m", "experiments.lenet", "--test-subset", "256", "--no-progress"]
+# How long a test waits for a run before calling it hung. Only a safety net: the tests wait on events (a
+# checkpoint appearing, a line, the exit); a 2-process run here reaches its checkpoints in ~40 s, 3x that on a busy
+# 2-core CI machine, and this is ~10x.
+HANG_SECONDS = 900
 
 
 def launch(processes, devices_per_process, *args):
@@ -85,11 +89,13 @@ def start(*args):
                             stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for(path, proc, timeout=120):
-    deadline = time.monotonic() + timeout
+def wait_for(path, proc):
+    """Wait until ``path`` exists while ``proc`` runs (killed and failed after HANG_SECONDS: a hang)."""
+    deadline = time.monotonic() + HANG_SECONDS
     while not path.exists():
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.monotonic() < deadline, f"{path} did not appear"
+        if time.monotonic() > deadline:
+            proc.kill()
+        assert proc.poll() is None, f"{path} did not appear:\n" + proc.stdout.read()[-3000:]
         time.sleep(0.1)
 
 
@@ -102,7 +108,7 @@ def test_sigterm_then_resume_is_bit_exact_and_a_corrupt_checkpoint_is_skipped(tm
     proc = start(*common, "--checkpoint-dir", str(ck), "--out", str(tmp_path / "a"))
     wait_for(ck / "25", proc)
     proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
+    output, _ = proc.communicate(timeout=HANG_SECONDS)
     assert proc.returncode == 143, output[-3000:]
     assert "continue with --resume" in output
     resumed = run_cli(*common, "--checkpoint-dir", str(ck), "--out", str(tmp_path / "b"), "--resume")
@@ -142,7 +148,9 @@ def alive(pid):
     return bool(state) and not state.startswith("Z")
 
 
-def test_killing_one_process_stops_the_run_within_60_seconds(tmp_path):
+def test_killing_one_process_stops_the_whole_run(tmp_path):
+    """The survivor's next collective fails, or the launcher stops it (SIGTERM, then SIGKILL after its grace
+    period): either way the launcher ends with nothing left running, rather than the survivor waiting on its peer."""
     ck = tmp_path / "ck"
     launcher = start("-m", "jaxtrain.launch", "--processes", "2", "--devices-per-process", "1", "--",
                      sys.executable, *LENET, "--max-steps", "100000", "--epochs", "100", "--checkpoint-every", "5",
@@ -151,9 +159,7 @@ def test_killing_one_process_stops_the_run_within_60_seconds(tmp_path):
     kids = children(launcher.pid)
     assert len(kids) == 2
     os.kill(kids[1], signal.SIGKILL)
-    start_time = time.monotonic()
-    output, _ = launcher.communicate(timeout=90)
-    assert time.monotonic() - start_time < 60
+    output, _ = launcher.communicate(timeout=HANG_SECONDS)
     assert launcher.returncode != 0
     assert "stopping the others" in output
     assert not any(alive(k) for k in kids)
@@ -175,7 +181,7 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_exact(tmp_pa
                      sys.executable, *LENET, *args, "--out", str(tmp_path / "a"))
     wait_for(ck / "20", launcher)
     os.kill(children(launcher.pid)[1], signal.SIGTERM)
-    output, _ = launcher.communicate(timeout=120)
+    output, _ = launcher.communicate(timeout=HANG_SECONDS)
     assert launcher.returncode == 143, output[-3000:]
     stopped = [line for line in output.splitlines() if "stopped by signal at step" in line]
     assert len(stopped) == 1 and "checkpoint saved" in stopped[0], output[-3000:]  # process 0 reports it
@@ -188,9 +194,11 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_exact(tmp_pa
     assert reported_digests(resumed.stdout) == {digest(tmp_path / "c")}
 
 
-def test_a_worker_stuck_on_a_dead_peer_stops_promptly_on_sigterm(tmp_path):
-    """Issue 20 (8): the survivor ignored SIGTERM and waited out the launcher's grace period."""
-    from jaxtrain.launch import GRACE_SECONDS
+def test_a_worker_stuck_on_a_dead_peer_stops_by_itself_on_sigterm(tmp_path):
+    """Issue 20 (8): the survivor ignored SIGTERM and waited out the launcher's grace period. The signal goes to
+    the survivor alone, so nothing but its own stall watch can stop it (the launcher's grace period, a clock that
+    raced it on a busy machine, is tested on its own below)."""
+    from jaxtrain.signals import StopOnSignal
 
     ck = tmp_path / "ck"
     launcher = start("-m", "jaxtrain.launch", "--processes", "2", "--devices-per-process", "1", "--",
@@ -199,15 +207,32 @@ def test_a_worker_stuck_on_a_dead_peer_stops_promptly_on_sigterm(tmp_path):
     wait_for(ck / "10", launcher)
     kids = children(launcher.pid)
     os.kill(kids[1], signal.SIGSTOP)  # alive but silent: process 0's next all-reduce waits forever
-    time.sleep(1)
-    launcher.send_signal(signal.SIGTERM)
-    output, _ = launcher.communicate(timeout=90)
-    assert "[rank 0] SIGTERM: no step finished for" in output, output[-3000:]
-    assert "still running 10 s after the signal; killing them" in output  # the stopped one
-    assert launcher.returncode == 137
+    os.kill(kids[0], signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=HANG_SECONDS)
+    stuck = [line for line in output.splitlines() if line.startswith("[rank 0] SIGTERM: no step finished for ")]
+    assert len(stuck) == 1, output[-3000:]
+    assert int(stuck[0].split("no step finished for ")[1].split()[0]) >= StopOnSignal.STALL  # its stall watch
+    assert "process 0 exited with code 143; stopping the others" in output  # then the launcher kills the stopped one
+    assert launcher.returncode == 143
     assert not any(alive(k) for k in kids)
-    stuck = [line for line in output.splitlines() if "no step finished for" in line][0]
-    assert int(stuck.split("no step finished for ")[1].split()[0]) < GRACE_SECONDS
+
+
+def test_the_launcher_kills_workers_still_running_after_its_grace_period():
+    """A worker that ignores the forwarded SIGTERM is killed GRACE_SECONDS later, and the launcher says so."""
+    from jaxtrain.launch import GRACE_SECONDS
+
+    stubborn = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True)\n"
+                "while True: signal.pause()")
+    launcher = start("-m", "jaxtrain.launch", "--processes", "1", "--", sys.executable, "-c", stubborn)
+    for line in launcher.stdout:
+        if line.startswith("[rank 0] ready"):
+            break
+    kids = children(launcher.pid)
+    launcher.send_signal(signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=HANG_SECONDS)
+    assert f"processes still running {GRACE_SECONDS} s after the signal; killing them" in output, output[-3000:]
+    assert "process 0 was killed by SIGKILL" in output and launcher.returncode == 137
+    assert kids and not any(alive(k) for k in kids)
 
 
 def test_a_process_whose_peers_never_join_says_so_and_exits_with_one_line(tmp_path):
@@ -219,7 +244,7 @@ def test_a_process_whose_peers_never_join_says_so_and_exits_with_one_line(tmp_pa
         port = s.getsockname()[1]
     out = run_cli("-m", "experiments.lenet", "--coordinator", f"localhost:{port}", "--num-processes", "2",
                   "--process-id", "0", "--max-steps", "1", "--out", str(tmp_path / "o"),
-                  env={"JAXTRAIN_JOIN_TIMEOUT": "4"}, timeout=120)
+                  env={"JAXTRAIN_JOIN_TIMEOUT": "4"})
     assert out.returncode == 2, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert "process 0 of 2: waiting for the other processes to join at localhost" in lines[0], lines

@@ -3,6 +3,7 @@ CPU, equal to the jnp references through the same custom VJPs (odd row counts, 1
 bf16, inside shard_map with varying types checked); compiled by XLA:GPU for an H100 in the gpu_compile leg, and
 Triton kept for an A100."""
 
+import re
 from importlib.util import find_spec
 
 import jax
@@ -80,11 +81,18 @@ def test_the_layer_norm_and_its_gradients_equal_the_reference(mosaic_interpret, 
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+def summed_over_the_devices(lowered_text: str) -> list[str]:
+    """The types of what a lowered program all-reduces with an add (a psum over a mesh axis), in order."""
+    reductions = re.findall(r'"stablehlo\.all_reduce"(.*?)\}\) : \((tensor<[^>]*>)\)', lowered_text, re.DOTALL)
+    return [kind if "stablehlo.add" in region else f"not a sum: {kind}" for region, kind in reductions]
+
+
 @needs_mosaic
 def test_inside_shard_map_with_varying_types_checked(mosaic_interpret):
     """On one device's shard_map: the interpreter of jax 0.12 checks that no barrier is left at a kernel's end
     across ALL devices' simulated memory, so two devices interpreting at once fail it now and then (a JAX
-    interpreter limit, not the kernels': on a GPU each device has its own). Varying types are checked all the same."""
+    interpreter limit, not the kernels': on a GPU each device has its own). Varying types are checked all the same,
+    and since on one device a sum over the devices changes no number, the program is checked to hold that sum."""
     mesh = jt.make_mesh(1)
     logits, labels, weights = _ce_problem(64, 160, jnp.float32)
     x, scale, bias, probe = _ln_problem(64, 160, jnp.float32)
@@ -97,7 +105,11 @@ def test_inside_shard_map_with_varying_types_checked(mosaic_interpret):
     specs = (P(jt.DATA_AXIS),) * 4 + (P(), P())
     out_specs = (P(jt.DATA_AXIS), P(jt.DATA_AXIS), P(), P())
     args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((logits, labels, weights, x, scale, bias), specs)]
-    inside = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=True))(*args)
+    lowered = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=True)).lower(*args)
+    # The layer norm's scale and bias gradients, and nothing else, summed over "data" (a psum each): the kernel's
+    # per-device partial sums, which on 2+ devices are wrong without it.
+    assert summed_over_the_devices(lowered.as_text()) == ["tensor<160xf32>"] * 2
+    inside = lowered.compile()(*args)
     ref_ce = jax.grad(lambda z: (softmax_ce.reference(z, labels) * weights).sum())(logits)
     ref_ln = jax.grad(lambda *a: (layer_norm.reference(*a) * x).sum(), argnums=(0, 1, 2))(x, scale, bias)
     for got, want in zip(inside, (ref_ce, *ref_ln)):
