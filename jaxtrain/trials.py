@@ -76,6 +76,8 @@ def parse_param(text: str, model: str = "lenet") -> Param:
             raise ConfigError(f"--param {text!r}: " + (f"{name} is a whole number; use int:LO:HI" if kind != "int"
                               else f"{name} is a real number; use log:LO:HI or float:LO:HI"))
         values = tuple(_value(name, p.strip(), ftype, text) for p in parts)
+        if not all(math.isfinite(v) for v in values):
+            raise ConfigError(f"--param {text!r}: give finite bounds, e.g. {name}={kind}:1e-4:1")
         if not values[0] < values[1] or kind == "log" and values[0] <= 0:
             raise ConfigError(f"--param {text!r}: expected LO < HI" + (" and LO > 0 (log scale)" if kind == "log" else ""))
     for v in values:  # RunConfig's own checks (choices, minimum) on each value
