@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,6 +119,9 @@ class Command:
         argv = tuple(argv)
         if argv[0] in ("python", "python3"):  # the sweep's own interpreter (its venv), as the user meant
             argv = (sys.executable, *argv[1:])
+        if shutil.which(argv[0]) is None:  # before any trial is made
+            raise ConfigError(f"command not found: {argv[0]} (give a program on PATH or a path to an executable "
+                              "file after --)")
         module = argv[2] if len(argv) > 2 and argv[1] == "-m" else None
         model = (module.removeprefix("experiments.") if module and module.removeprefix("experiments.") in MODELS
                  else "jaxtrain.cli" if module == "jaxtrain.cli" else None)
@@ -131,6 +135,9 @@ class Command:
             if config.out is not None:
                 raise ConfigError("the command sets --out: leave it out; each trial gets its own under the study's "
                                   "folder (--dir)")
+            if config.checkpoint_dir is not None:
+                raise ConfigError("the command sets --checkpoint-dir, which every trial would share: leave it out "
+                                  "(a trial whose sweep stops is run again from its start)")
         return command
 
     def config(self, values: dict) -> RunConfig:

@@ -58,6 +58,9 @@ def test_a_bad_param_spec_is_one_line_saying_what_to_write(spec, says):
     (["python", "-m", "experiments.lenet", "--epohcs", "3"], "unrecognized arguments: --epohcs 3"),
     (["python", "-m", "experiments.lenet", "--lr", "0.1"], "the command sets --lr, which --param sweeps"),
     (["python", "-m", "experiments.lenet", "--out", "x"], "the command sets --out"),
+    (["python", "-m", "experiments.lenet", "--checkpoint-dir", "ck"], "the command sets --checkpoint-dir"),
+    (["/nonexistent/cmd", "--epochs", "3"], "command not found: /nonexistent/cmd"),
+    (["no-such-program-here"], "command not found: no-such-program-here"),
 ])
 def test_a_bad_command_is_one_line(argv, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
