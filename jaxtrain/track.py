@@ -54,6 +54,8 @@ class Tracker:
         self.broken = True
         print(f"warning: --track {self.kind}: not logging from here on ({why}); the run goes on "
               "(metrics.jsonl and summary.json are its record)", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):  # for a sweep to report (it reads OUT/track.json)
+            self._keep("failed", f"--track {self.kind}: {why}")
 
     # ------------------------------------------------------------------ the hook's interface
 
@@ -86,12 +88,15 @@ class Tracker:
             return None
 
     def _keep_id(self, run_id: str) -> None:
+        self._keep(self.kind, run_id)
+
+    def _keep(self, key: str, value: str) -> None:
         path = self.out_dir / "track.json"
         try:
             kept = json.loads(path.read_text())
         except (OSError, ValueError):
             kept = {}
-        atomic_write(path, json.dumps({**kept, self.kind: run_id}, indent=2) + "\n")
+        atomic_write(path, json.dumps({**kept, key: value}, indent=2) + "\n")
 
 
 class WandbTracker(Tracker):
@@ -132,12 +137,8 @@ class MlflowTracker(Tracker):
 
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(self.out_dir / 'mlflow.db').resolve()}"
         self.client = MlflowClient(uri)
-        name = group or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "jaxtrain"
-        found = self.client.get_experiment_by_name(name)
-        # a SQLite store keeps its artifacts beside it (MLflow's default is ./mlruns, wherever the run started)
-        beside = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri() \
-            if uri.startswith("sqlite:///") else None
-        experiment = found.experiment_id if found else self.client.create_experiment(name, artifact_location=beside)
+        experiment = mlflow_experiment(uri, group or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "jaxtrain",
+                                       self.client)
         run_id = self._kept_id()
         if run_id is None:
             run_id = self.client.create_run(experiment, run_name=self.out_dir.name,
@@ -173,6 +174,48 @@ class MlflowTracker(Tracker):
 
     def _close(self, status):
         self.client.set_terminated(self.run_id, "KILLED" if status == "killed" else "FAILED")
+
+
+def mlflow_experiment(uri: str, name: str, client=None) -> str:
+    """The id of MLflow experiment ``name`` in the store at ``uri``, both made if need be (a sweep makes them
+    once before its trials start; a trial that loses a race to make the experiment takes the winner's).
+
+    A SQLite store keeps its artifacts beside it (MLflow's default is ./mlruns, wherever the run started). An
+    HTTP server gets a bounded wait: ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` 2 and ``MLFLOW_HTTP_REQUEST_TIMEOUT``
+    10 s unless set (MLflow's own defaults wait about 4 minutes for a server that is not there), and a line
+    says what it waits for."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    if uri.startswith(("http://", "https://")):
+        for var, value in HTTP_WAIT.items():
+            os.environ.setdefault(var, value)
+        print(f"--track mlflow: connecting to {uri} (up to {_http_wait_sec()} s if it does not answer)",
+              file=sys.stderr, flush=True)
+    client = client or MlflowClient(uri)
+    found = client.get_experiment_by_name(name)
+    if found:
+        return found.experiment_id
+    beside = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri() \
+        if uri.startswith("sqlite:///") else None
+    try:
+        return client.create_experiment(name, artifact_location=beside)
+    except MlflowException:
+        found = client.get_experiment_by_name(name)  # made meanwhile by another process
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+HTTP_WAIT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+def _http_wait_sec() -> int:
+    """About how long MLflow waits for a server that does not answer (its retries back off by a factor)."""
+    retries = int(os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"])
+    timeout = int(os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"])
+    backoff = int(os.environ.get("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "2"))
+    return (retries + 1) * timeout + sum(backoff * 2**i for i in range(retries))
 
 
 def _param(key, value):

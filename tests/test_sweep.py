@@ -12,6 +12,7 @@ import time
 import pytest
 from conftest import ROOT, cached_compiles, needs_fashion_mnist, run_cli
 
+from jaxtrain import trial_run as R
 from jaxtrain import trials as T
 from jaxtrain.errors import ConfigError
 
@@ -100,7 +101,7 @@ def test_a_trial_reports_each_epoch_and_a_hopeless_one_is_stopped(tmp_path):
         t = study.ask()
         out = tmp_path / f"trial-{t.number}"
         try:
-            value = T.run(t, [sys.executable, str(script), accs, str(linger), "--out", str(out)], out, "test_acc", {},
+            value = R.run(t, [sys.executable, str(script), accs, str(linger), "--out", str(out)], out, "test_acc", {},
                           prune, poll=0.1)
         except optuna.TrialPruned:
             study.tell(t, state=optuna.trial.TrialState.PRUNED)
@@ -117,8 +118,8 @@ def test_a_trial_reports_each_epoch_and_a_hopeless_one_is_stopped(tmp_path):
     assert study.trials[0].intermediate_values == {1: 0.5, 2: 0.7, 3: 0.8}
     (tmp_path / "crash.py").write_text("raise SystemExit('out of memory')")
     t = study.ask()
-    with pytest.raises(T.TrialFailed, match="exit code 1: out of memory"):
-        T.run(t, [sys.executable, str(tmp_path / "crash.py")], tmp_path / "c", "test_acc", {}, True, poll=0.1)
+    with pytest.raises(R.TrialFailed, match="exit code 1: out of memory"):
+        R.run(t, [sys.executable, str(tmp_path / "crash.py")], tmp_path / "c", "test_acc", {}, True, poll=0.1)
 
 
 def test_a_storage_that_is_not_writable_is_one_line(tmp_path):
