@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sqlite3
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import optuna
 
+from jaxtrain.dirlock import taking_turns
 from jaxtrain.errors import ConfigError
 
 TAKEN = ("COMPLETE", "PRUNED", "RUNNING")  # the states that count against --trials
@@ -44,16 +46,14 @@ def storage_of(url: str):
     elif "://" not in url:
         raise ConfigError(f"--storage {url!r}: give a database URL, e.g. sqlite:///runs/sweeps.db")
     retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1)
-    for attempt in range(3):  # sweeps started at once on a new database race to make its tables: the loser retries
-        try:  # heartbeats: a trial whose sweep died on another host is failed after the grace period
+    sqlite = Path(url.removeprefix("sqlite:///")).expanduser() if url.startswith("sqlite:///") else None
+    try:  # sweeps started at once on a new database take turns to make its tables
+        with taking_turns(sqlite) if sqlite else contextlib.nullcontext():
+            # heartbeats: a trial whose sweep died on another host is failed after the grace period
             return optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=120,
                                               heartbeat_stale_trial_callback=retry)
-        except sqlalchemy.exc.OperationalError as e:
-            if "already exists" not in str(e) or attempt == 2:
-                raise ConfigError(f"--storage {url}: {str(e).splitlines()[0][:200]}") from None
-        except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError) as e:
-            raise ConfigError(f"--storage {url}: {str(e).splitlines()[0][:200]}") from None
-    raise AssertionError("unreachable")
+    except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError) as e:
+        raise ConfigError(f"--storage {url}: {str(e).splitlines()[0][:200]}") from None
 
 
 def check_sqlite(url: str, path: Path) -> None:

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+from jaxtrain.dirlock import taking_turns
 from jaxtrain.files import atomic_write
 from jaxtrain.signals import Exit
 
@@ -129,16 +130,9 @@ class WandbTracker(Tracker):
 
 class MlflowTracker(Tracker):
     def _open(self, config, group):
-        import logging
-
-        from mlflow.tracking import MlflowClient
-
-        logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its INFO lines about making tables
-
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(self.out_dir / 'mlflow.db').resolve()}"
-        self.client = MlflowClient(uri)
-        experiment = mlflow_experiment(uri, group or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "jaxtrain",
-                                       self.client)
+        self.client, experiment = mlflow_experiment(uri, group or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+                                                    or "jaxtrain")
         run_id = self._kept_id()
         if run_id is None:
             run_id = self.client.create_run(experiment, run_name=self.out_dir.name,
@@ -176,35 +170,41 @@ class MlflowTracker(Tracker):
         self.client.set_terminated(self.run_id, "KILLED" if status == "killed" else "FAILED")
 
 
-def mlflow_experiment(uri: str, name: str, client=None) -> str:
-    """The id of MLflow experiment ``name`` in the store at ``uri``, both made if need be (a sweep makes them
-    once before its trials start; a trial that loses a race to make the experiment takes the winner's).
+def mlflow_experiment(uri: str, name: str):
+    """A client of MLflow's store at ``uri`` and the id of its experiment ``name``, both made if need be: one
+    process at a time for a SQLite store (a sweep makes them before its trials start; runs started at once take
+    turns); a server's experiment made meanwhile by another process is taken.
 
     A SQLite store keeps its artifacts beside it (MLflow's default is ./mlruns, wherever the run started). An
     HTTP server gets a bounded wait: ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` 2 and ``MLFLOW_HTTP_REQUEST_TIMEOUT``
     10 s unless set (MLflow's own defaults wait about 4 minutes for a server that is not there), and a line
     says what it waits for."""
+    import logging
+
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its INFO lines about making tables (after its import)
 
     if uri.startswith(("http://", "https://")):
         for var, value in HTTP_WAIT.items():
             os.environ.setdefault(var, value)
         print(f"--track mlflow: connecting to {uri} (up to {_http_wait_sec()} s if it does not answer)",
               file=sys.stderr, flush=True)
-    client = client or MlflowClient(uri)
-    found = client.get_experiment_by_name(name)
-    if found:
-        return found.experiment_id
-    beside = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri() \
-        if uri.startswith("sqlite:///") else None
-    try:
-        return client.create_experiment(name, artifact_location=beside)
-    except MlflowException:
-        found = client.get_experiment_by_name(name)  # made meanwhile by another process
-        if found is None:
-            raise
-        return found.experiment_id
+    sqlite = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    with taking_turns(sqlite) if sqlite else contextlib.nullcontext():  # the client's first use makes its tables
+        client = MlflowClient(uri)
+        found = client.get_experiment_by_name(name)
+        if found:
+            return client, found.experiment_id
+        beside = (sqlite.parent / "mlartifacts").resolve().as_uri() if sqlite else None
+        try:
+            return client, client.create_experiment(name, artifact_location=beside)
+        except MlflowException:
+            found = client.get_experiment_by_name(name)  # made meanwhile by another process (a server's store)
+            if found is None:
+                raise
+            return client, found.experiment_id
 
 
 HTTP_WAIT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}

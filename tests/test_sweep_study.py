@@ -286,3 +286,31 @@ def test_a_trial_whose_tracker_failed_is_said_in_the_sweeps_lines_and_report(tmp
     assert text.count("warning: its tracker stopped logging (--track mlflow: OperationalError: disk I/O error)") == 2
     assert "warning: the tracker stopped logging in trial(s) 0, 1" in text, text
     assert "tracker stopped logging in trial(s) 0, 1" in (tmp_path / "s" / "sweep.md").read_text()
+
+
+def test_two_sweeps_started_at_once_on_a_new_database_both_run(tmp_path, fake):
+    """(MINOR) The second failed with "table studies already exists" (or a UNIQUE constraint on alembic_version):
+    both made the database's tables. Now they take turns (dirlock.taking_turns)."""
+    argv = [sys.executable, "-m", "jaxtrain.sweep", "--study", "s", "--storage", f"sqlite:///{tmp_path}/new.db",
+            "--trials", "2", "--param", "lr=log:1e-3:1", "--", *fake]
+    sweeps = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    outs = [s.communicate(timeout=600)[0] for s in sweeps]  # a safety net: each ends in seconds
+    assert [s.returncode for s in sweeps] == [0, 0], outs
+    assert _states(tmp_path / "new.db") == ["COMPLETE", "COMPLETE"]
+
+
+def test_a_tracked_sweep_makes_its_mlflow_store_before_its_trials(tmp_path, monkeypatch):
+    """(BAD 11) Parallel trials raced to make the study's mlflow.db; the sweep now makes it, and the experiment its
+    trials log to, before any trial starts."""
+    from mlflow.tracking import MlflowClient
+
+    from jaxtrain import trials as T
+    from jaxtrain.sweep import _prepare_tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cmd = T.Command.parse(["python", "-m", "experiments.lenet", "--track", "mlflow"], ["lr"])
+    env = cmd.trial_env(tmp_path)
+    _prepare_tracking(cmd, env, "study", quiet)
+    experiment = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("study")
+    assert experiment is not None and experiment.artifact_location == (tmp_path / "mlartifacts").as_uri()
