@@ -17,7 +17,8 @@ def rows(study) -> list[dict]:
         value = t.value if t.value is not None else _last(t)
         return order[t.state.name], sign * value if value is not None else 0.0, t.number
 
-    return [{"trial": t.number, "state": t.state.name.lower(), "value": t.value, "last_reported": _last(t),
+    return [{"trial": t.number, "state": t.state.name.lower() + (" (diverged)" if "diverged" in t.user_attrs else ""),
+             "value": t.value, "last_reported": _last(t),
              "epochs": len(t.intermediate_values), "sec": t.user_attrs.get("sec"), "params": t.params,
              "out": t.user_attrs.get("out")} for t in sorted(study.get_trials(deepcopy=False), key=key)]
 

@@ -135,7 +135,7 @@ def result(out_dir: Path, objective: str, returncode: int, argv: list[str]) -> f
     if returncode != 0 or not summary_path.is_file():
         tail = _last_line(out_dir / "trial.log")
         if returncode == Diverged.EXIT_CODE:
-            raise TrialDiverged(tail)
+            raise TrialDiverged(tail.split(": error: ", 1)[-1])  # the run's one line, less its program's name
         if returncode == 2:  # a usage error: every trial would fail the same way
             raise ConfigError(f"the trial's command failed with a usage error: {tail} (command: {shlex.join(argv)})")
         raise TrialFailed(f"exit code {returncode}: {tail} (log: {out_dir / 'trial.log'})")

@@ -132,6 +132,7 @@ def test_a_diverged_trial_is_pruned_and_the_sweep_goes_on(tmp_path, fake, monkey
     assert len(states) == 6 and "FAIL" not in states and diverged, states
     assert all(t.state.name == "PRUNED" and t.params["lr"] > 0.1 for t in diverged)
     assert any("diverged, pruned: the loss became nan at step 3: training diverged" in line for line in said), said
+    assert any("| pruned (diverged) |" in line for text in said for line in text.splitlines()), said
 
 
 def test_a_usage_error_of_a_trial_stops_the_sweep(tmp_path):
