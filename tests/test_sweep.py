@@ -8,6 +8,7 @@ import sqlite3
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, cached_compiles, needs_fashion_mnist, run_cli
@@ -213,7 +214,7 @@ def _wait_gone(pid: str) -> None:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:
-            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
                 return
         except OSError:
             return
