@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from jaxtrain.choices import MESH_AXES
 from jaxtrain.config import RECIPE_FIELDS, RunConfig, flag
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.models import MODELS
 
 
@@ -173,7 +173,7 @@ def to_argv(config: RunConfig, model_fixed: bool = True) -> list[str]:
 
 def main(model: str | None = None, argv: Sequence[str] | None = None, description: str | None = None,
          prog: str | None = None) -> int:
-    """Parse, run, and turn user errors into one line on stderr with exit code 2.
+    """Parse, run, and turn user errors into one line on stderr with exit code 2 (3: training diverged).
 
     SIGTERM / SIGINT are handled from here on (jaxtrain.signals): at start-up
     they exit at once, during training they checkpoint and stop. JAX is
@@ -191,7 +191,7 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
             run(config, stop, words=as_flags)
         except ConfigError as e:
             print(f"{parser.prog}: error: {as_flags(str(e))}", file=sys.stderr)
-            return 2
+            return Diverged.EXIT_CODE if isinstance(e, Diverged) else 2
         except Exit as e:
             return e.code
         except Exception as e:

@@ -8,6 +8,7 @@ time only to say who holds it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -73,3 +74,18 @@ def _read_owner(fd: int) -> str:
         return f"pid {owner['pid']} on {owner['host']} since {owner['since']}"
     except (OSError, ValueError, KeyError):
         return "owner unknown"
+
+
+@contextlib.contextmanager
+def taking_turns(path: Path):
+    """Processes that run the block on one file at once take turns: an exclusive ``flock`` on ``path`` itself (made
+    empty if missing, its contents untouched). On a SQLite file it never meets SQLite's own locks (POSIX record
+    locks): two processes making one database's tables at once (Optuna's, MLflow's) failed with "table ... already
+    exists"."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as f:  # an empty file is an empty database to SQLite
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -10,9 +10,16 @@ class ConfigError(ValueError):
 
 
 class Diverged(ConfigError):
-    """The loss (outside fp16's skipped steps) or the parameters became NaN or infinite: training stopped."""
+    """The loss (outside fp16's skipped steps) or the parameters became NaN or infinite: training stopped.
 
-    def __init__(self, what: str, step: int):
+    Experiments print it as one line and exit with ``EXIT_CODE`` (3), not 2: a sweep tells a diverged trial (a
+    normal outcome of its settings) from a usage error (every trial would fail alike) by it.
+    """
+
+    EXIT_CODE = 3
+
+    def __init__(self, what: str, step: int, note: str = ""):
+        self.what, self.step = what, step
         super().__init__(f"{what} at step {step}: training diverged (a learning rate too high for this model? "
                          "lower lr=; or labels outside the model's classes); stopped, nothing past the previous "
-                         "checkpoint was saved")
+                         "checkpoint was saved" + (f"; {note}" if note else ""))

@@ -205,8 +205,8 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
             raise
         with stop.busy():
             s.checkpointer.close()  # the saves in flight, all of finite states, land
-        raise ConfigError(f"{e}; the newest checkpoint is step {s.checkpointer.latest()} in "
-                          f"{s.checkpointer.directory}") from None
+        raise Diverged(e.what, e.step, f"the newest checkpoint is step {s.checkpointer.latest()} in "
+                       f"{s.checkpointer.directory}") from None
     finally:
         if profile:
             profile.end()

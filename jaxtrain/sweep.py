@@ -21,85 +21,17 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
+import tempfile
 import warnings
 from pathlib import Path
 
+from jaxtrain import sweep_study as S
+from jaxtrain import trial_run as R
 from jaxtrain import trials as T
 from jaxtrain.errors import ConfigError
-
-
-def storage_of(url: str):
-    """Optuna's RDB storage for ``url``; a SQLite file's folder is made, and checked writable (one-line errors)."""
-    import optuna
-    import sqlalchemy.exc
-
-    if url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///")).expanduser()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"--storage {url}: cannot make {path.parent} ({e.strerror})") from None
-        if not os.access(path.parent, os.W_OK) or path.exists() and not os.access(path, os.W_OK):
-            raise ConfigError(f"--storage {url}: {path if path.exists() else path.parent} is not writable; "
-                              "choose another file, e.g. sqlite:///runs/sweeps.db")
-    elif "://" not in url:
-        raise ConfigError(f"--storage {url!r}: give a database URL, e.g. sqlite:///runs/sweeps.db")
-    try:  # heartbeats: a trial whose sweep died on another host is failed after the grace period
-        return optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=120,
-                                          heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
-    except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError) as e:
-        raise ConfigError(f"--storage {url}: {str(e).splitlines()[0][:200]}") from None
-
-
-def open_study(name: str, storage, direction: str, prune: bool, command: T.Command, params: list[T.Param], seed):
-    """The study, made or loaded; a study started with another command, params or direction is refused."""
-    import optuna
-
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=2) if prune else optuna.pruners.NopPruner()
-    study = optuna.create_study(study_name=name, storage=storage, direction=direction, load_if_exists=True,
-                                pruner=pruner, sampler=optuna.samplers.TPESampler(seed=seed))
-    what = {"command": list(command.argv), "params": [p.spec() for p in params], "direction": direction}
-    kept = {k: study.user_attrs.get(k) for k in what}
-    if all(v is None for v in kept.values()):
-        for k, v in what.items():
-            study.set_user_attr(k, v)
-    elif kept != what:
-        differ = next(k for k in what if kept[k] != what[k])
-        raise ConfigError(f"study {name!r} was started with another {differ} ({kept[differ]}, now {what[differ]}): "
-                          "run it as it was started, or name a new --study")
-    return study
-
-
-def fail_orphans(study, storage) -> list[int]:
-    """RUNNING trials of a dead sweep on this host (killed: they never ended) -> failed, their settings queued
-    once more. Trials of live sweeps (``--parallel``, another terminal) are left alone."""
-    import optuna
-
-    host, orphans = socket.gethostname(), []
-    study_id = storage.get_study_id_from_name(study.study_name)
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        pid = t.user_attrs.get("pid")
-        if t.user_attrs.get("host") != host or pid is None or _alive(pid):
-            continue
-        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
-        if storage.set_trial_state_values(trial_id, optuna.trial.TrialState.FAIL):  # its settings, queued again:
-            storage.get_heartbeat_stale_trial_callback()(study, storage.get_trial(trial_id))
-            orphans.append(t.number)
-    return orphans
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from jaxtrain.sweep_workers import Signals, Workers
 
 
 def slots(parallel: int) -> list[dict]:
@@ -125,10 +57,13 @@ def _gpu_count() -> int:
 
 def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, base=None, objective: str = "test_acc",
           direction: str = "maximize", prune: bool = False, parallel: int = 1, out_dir: str | None = None,
-          seed: int | None = 0, say=print):
+          seed: int | None = None, say=print):
     """Run ``study`` on to ``trials`` finished trials; the Optuna study. ``params``: ``--param`` specs (or
-    trials.Param); the runs: ``command`` (argv) or ``base`` (a RunConfig, run as ``python -m jaxtrain.cli``)."""
+    trials.Param); the runs: ``command`` (argv) or ``base`` (a RunConfig, run as ``python -m jaxtrain.cli``);
+    ``seed``: the sampler's (None: the study's own; a new study's is 0). A signal (SIGINT, SIGTERM) stops the
+    running trials and raises ``trial_run.Interrupted``."""
     import optuna
+    import sqlalchemy.exc
 
     from jaxtrain import cli, sweep_report
 
@@ -141,65 +76,66 @@ def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, b
     if len({p.name for p in params}) != len(params) or not params:
         raise ConfigError("--param: give each swept setting once (at least one)")
     cmd = T.Command.parse(command, [p.name for p in params])
+    cmd.check_objective(objective)
     folder = Path(out_dir) if out_dir else _default_dir(storage, study)
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own line per trial says what Optuna would
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    rdb = storage_of(storage)
-    s = open_study(study, rdb, direction, prune, cmd, params, seed)
-    if orphans := fail_orphans(s, rdb):
-        say(f"trial(s) {', '.join(map(str, orphans))}: their sweep was killed; marked failed, settings queued again")
-    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-    done = len(s.get_trials(deepcopy=False, states=finished))
-    say(f"study {study!r} in {storage}: {done} of {trials} trials finished; runs in {folder}")
-    free, env = _slot_queue(slots(parallel)), cmd.trial_env(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-
-    def objective_fn(trial):
-        values = {p.name: p.suggest(trial) for p in params}
-        trial.set_user_attr("host", socket.gethostname())
-        trial.set_user_attr("pid", os.getpid())
-        slot, start = free.get(), time.time()
-        try:
-            out = folder / f"trial-{trial.number:04d}"
-            return T.run(trial, cmd.trial_argv(values, out, study), out, objective, slot, prune, env)
-        except T.TrialFailed as e:
-            trial.set_user_attr("failed", str(e))
-            raise
-        finally:
-            free.put(slot)
-            trial.set_user_attr("sec", round(time.time() - start, 1))
-
-    def progress(st, t):
-        n = len(st.get_trials(deepcopy=False, states=finished))
-        if t.state.name == "FAIL":
-            result = "failed" + (f": {t.user_attrs['failed']}" if "failed" in t.user_attrs else "")
-        elif t.state.name == "PRUNED":
-            result = f"pruned at epoch {max(t.intermediate_values, default=0)}"
-        else:
-            result = f"{objective} {t.value:.4g}"
-        try:
-            best = f"; best: trial {st.best_trial.number} ({st.best_value:.4g})"
-        except ValueError:
-            best = ""
-        settings = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in t.params.items())
-        say(f"[{n}/{trials}] trial {t.number} ({settings}): {result} in {t.user_attrs.get('sec', 0):.0f} s{best}",
-            flush=True)
-
-    remaining = trials - done
-    if remaining > 0:
-        s.optimize(objective_fn, n_trials=remaining, n_jobs=parallel, catch=(T.TrialFailed,),
-                   callbacks=[optuna.study.MaxTrialsCallback(trials, states=finished), progress])
-    sweep_report.report(s, cmd, objective, folder, say)
+    # ask/tell with a heartbeat: Optuna warns; the workers record the heartbeat themselves (sweep_workers)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+    rdb = S.storage_of(storage)
+    writable(folder, "--dir" if out_dir else f"the study's folder {folder} (--dir)")
+    workers = None
+    try:
+        with Signals() as stop:
+            s = S.open_study(study, rdb, direction, prune, {"command": list(cmd.argv),
+                                                             "params": [p.spec() for p in params]}, seed)
+            if orphans := S.fail_orphans(s, rdb):
+                say(f"trial(s) {', '.join(map(str, orphans))}: their sweep was killed; marked failed, settings "
+                    "queued again")
+            done = S.counts(s, ("COMPLETE", "PRUNED"))
+            say(f"study {study!r} in {storage}: {done} of {trials} trials finished; runs in {folder}")
+            env = cmd.trial_env(folder)
+            _prepare_tracking(cmd, env, study, say)
+            workers = Workers(s, rdb, cmd, params, folder, objective, prune, env, trials, stop, say)
+            workers.run(slots(parallel))
+        if stop.signum:
+            raise Interrupted(stop.signum, workers.stopped)
+        sweep_report.report(s, cmd, objective, folder, say)
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
+        raise S.storage_error(storage, e, sorted(workers.running) if workers else []) from None
     return s
 
 
-def _slot_queue(items):
-    import queue
+class Interrupted(R.Interrupted):
+    """A signal stopped the sweep; ``stopped``: the trials it stopped (failed, their settings queued again)."""
 
-    q = queue.Queue()
-    for item in items:
-        q.put(item)
-    return q
+    def __init__(self, signum: int, stopped: list[int]):
+        super().__init__(signum)
+        self.stopped = stopped
+
+
+def writable(folder: Path, what: str) -> None:
+    """``folder`` made if need be, and a file written in it, before any trial (ConfigError: one line)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot write in {folder} ({e.strerror}); choose another --dir") from None
+
+
+def _prepare_tracking(cmd, env: dict, study: str, say) -> None:
+    """A tracked study's MLflow store and experiment, made once before the trials (parallel trials raced)."""
+    if cmd.model is None or cmd.config({}).track != "mlflow":
+        return
+    from jaxtrain import track
+
+    uri = env.get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        track.mlflow_experiment(uri, cmd.config({}).track_group or study)
+    except Exception as e:  # noqa: BLE001 - a view: the trials go on, each saying so in its log
+        say(f"warning: --track mlflow: cannot prepare {uri} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            "each trial will try on its own")
 
 
 def _model_of(command) -> str:
@@ -235,7 +171,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=1, help="trials at once, each on its share of the GPUs (or CPU "
                    "cores); on a CPU-only box 1 is right: one run already uses every core (default 1)")
     p.add_argument("--dir", help="the study's folder of trial runs (default: next to a SQLite storage: DIR/STUDY)")
-    p.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
+    p.add_argument("--seed", type=int, help="the sampler's seed: trial N's settings are drawn from (seed, N), so a "
+                   "sweep continued in chunks or by several workers draws as one sweep would (default: the study's "
+                   "own; a new study's is 0)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the run's command")
     return p
 
@@ -253,7 +191,12 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except Interrupted as e:
+        stopped = (f"; trial(s) {', '.join(map(str, e.stopped))} stopped, marked failed, their settings queued "
+                   "again" if e.stopped else "")
+        print(f"{parser.prog}: {e} received: stopped{stopped}; run the same command to go on", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:  # before the sweep's own handling began
         print(f"{parser.prog}: interrupted; run the same command to go on", file=sys.stderr)
         return 130
     import optuna

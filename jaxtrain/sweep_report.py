@@ -17,7 +17,8 @@ def rows(study) -> list[dict]:
         value = t.value if t.value is not None else _last(t)
         return order[t.state.name], sign * value if value is not None else 0.0, t.number
 
-    return [{"trial": t.number, "state": t.state.name.lower(), "value": t.value, "last_reported": _last(t),
+    return [{"trial": t.number, "state": t.state.name.lower() + (" (diverged)" if "diverged" in t.user_attrs else ""),
+             "value": t.value, "last_reported": _last(t),
              "epochs": len(t.intermediate_values), "sec": t.user_attrs.get("sec"), "params": t.params,
              "out": t.user_attrs.get("out")} for t in sorted(study.get_trials(deepcopy=False), key=key)]
 
@@ -73,11 +74,16 @@ def report(study, command, objective: str, folder: Path, say) -> None:
     """Print the table and the best command line; write sweep.md and the plots into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     text = table(study, objective)
+    untracked = [t.number for t in study.get_trials(deepcopy=False) if "track_failed" in t.user_attrs]
+    if untracked:  # a view, not the record: said, not fatal
+        text += (f"\n\nwarning: the tracker stopped logging in trial(s) {', '.join(map(str, untracked))} (each "
+                 "one's trial.log says why); their metrics.jsonl and summary.json hold the record")
     say(text)
     try:
         best = study.best_trial
     except ValueError:
-        say("no finished trial yet")
+        say("no complete trial yet")
+        (folder / "sweep.md").write_text(f"# Study {study.study_name}\n\n{text}\n")
         return
     line = command.best_line(best.params)
     say(f"best: trial {best.number}, {objective} {best.value:.4f}\n  {line}")

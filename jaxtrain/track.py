@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+from jaxtrain.dirlock import taking_turns
 from jaxtrain.files import atomic_write
 from jaxtrain.signals import Exit
 
@@ -54,6 +55,8 @@ class Tracker:
         self.broken = True
         print(f"warning: --track {self.kind}: not logging from here on ({why}); the run goes on "
               "(metrics.jsonl and summary.json are its record)", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):  # for a sweep to report (it reads OUT/track.json)
+            self._keep("failed", f"--track {self.kind}: {why}")
 
     # ------------------------------------------------------------------ the hook's interface
 
@@ -86,12 +89,15 @@ class Tracker:
             return None
 
     def _keep_id(self, run_id: str) -> None:
+        self._keep(self.kind, run_id)
+
+    def _keep(self, key: str, value: str) -> None:
         path = self.out_dir / "track.json"
         try:
             kept = json.loads(path.read_text())
         except (OSError, ValueError):
             kept = {}
-        atomic_write(path, json.dumps({**kept, self.kind: run_id}, indent=2) + "\n")
+        atomic_write(path, json.dumps({**kept, key: value}, indent=2) + "\n")
 
 
 class WandbTracker(Tracker):
@@ -124,20 +130,9 @@ class WandbTracker(Tracker):
 
 class MlflowTracker(Tracker):
     def _open(self, config, group):
-        import logging
-
-        from mlflow.tracking import MlflowClient
-
-        logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its INFO lines about making tables
-
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(self.out_dir / 'mlflow.db').resolve()}"
-        self.client = MlflowClient(uri)
-        name = group or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "jaxtrain"
-        found = self.client.get_experiment_by_name(name)
-        # a SQLite store keeps its artifacts beside it (MLflow's default is ./mlruns, wherever the run started)
-        beside = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri() \
-            if uri.startswith("sqlite:///") else None
-        experiment = found.experiment_id if found else self.client.create_experiment(name, artifact_location=beside)
+        self.client, experiment = mlflow_experiment(uri, group or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+                                                    or "jaxtrain")
         run_id = self._kept_id()
         if run_id is None:
             run_id = self.client.create_run(experiment, run_name=self.out_dir.name,
@@ -173,6 +168,54 @@ class MlflowTracker(Tracker):
 
     def _close(self, status):
         self.client.set_terminated(self.run_id, "KILLED" if status == "killed" else "FAILED")
+
+
+def mlflow_experiment(uri: str, name: str):
+    """A client of MLflow's store at ``uri`` and the id of its experiment ``name``, both made if need be: one
+    process at a time for a SQLite store (a sweep makes them before its trials start; runs started at once take
+    turns); a server's experiment made meanwhile by another process is taken.
+
+    A SQLite store keeps its artifacts beside it (MLflow's default is ./mlruns, wherever the run started). An
+    HTTP server gets a bounded wait: ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` 2 and ``MLFLOW_HTTP_REQUEST_TIMEOUT``
+    10 s unless set (MLflow's own defaults wait about 4 minutes for a server that is not there), and a line
+    says what it waits for."""
+    import logging
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its INFO lines about making tables (after its import)
+
+    if uri.startswith(("http://", "https://")):
+        for var, value in HTTP_WAIT.items():
+            os.environ.setdefault(var, value)
+        print(f"--track mlflow: connecting to {uri} (up to {_http_wait_sec()} s if it does not answer)",
+              file=sys.stderr, flush=True)
+    sqlite = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    with taking_turns(sqlite) if sqlite else contextlib.nullcontext():  # the client's first use makes its tables
+        client = MlflowClient(uri)
+        found = client.get_experiment_by_name(name)
+        if found:
+            return client, found.experiment_id
+        beside = (sqlite.parent / "mlartifacts").resolve().as_uri() if sqlite else None
+        try:
+            return client, client.create_experiment(name, artifact_location=beside)
+        except MlflowException:
+            found = client.get_experiment_by_name(name)  # made meanwhile by another process (a server's store)
+            if found is None:
+                raise
+            return client, found.experiment_id
+
+
+HTTP_WAIT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+def _http_wait_sec() -> int:
+    """About how long MLflow waits for a server that does not answer (its retries back off by a factor)."""
+    retries = int(os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"])
+    timeout = int(os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"])
+    backoff = int(os.environ.get("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "2"))
+    return (retries + 1) * timeout + sum(backoff * 2**i for i in range(retries))
 
 
 def _param(key, value):

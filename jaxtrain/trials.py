@@ -1,23 +1,18 @@
-"""A sweep's pieces: the ``--param`` specs, the trial's command, and running one trial as a normal run.
+"""A sweep's pieces: the ``--param`` specs and the trials' command (run by ``jaxtrain.trial_run``).
 
-A trial is a subprocess: the sweep's command with the sampled flags and its
-own ``--out``. Each trial is a process of its own (its own device count and
-memory; a crash ends the trial, not the sweep); it dies with the sweep
-(Linux: ``PR_SET_PDEATHSIG``), and its per-epoch rows in ``metrics.jsonl``
-are read as it runs: Optuna's intermediate values, so a pruner can stop it.
+A trial is the sweep's command with the sampled flags and its own ``--out``.
+When the command is a jaxtrain run, its flags are checked before any trial
+starts, and so is ``--objective``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import difflib
-import json
 import math
 import os
 import shlex
-import signal
-import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,6 +21,13 @@ from jaxtrain.config import RunConfig, flag
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
+# The numbers in a jaxtrain run's summary.json (report.run_summary; tests/test_sweep.py keeps the two alike)
+SUMMARY_NUMBERS = ("test_acc", "test_loss", "train_loss", "train_acc", "initial_loss", "sec_per_epoch",
+                   "ms_per_update", "first_epoch_sec", "median_epoch_sec", "examples_per_sec", "data_wait_fraction",
+                   "workers", "prefetch", "devices", "processes", "accum_steps", "compiled_flops", "ms_per_step",
+                   "achieved_flops_per_sec", "peak_flops_per_sec", "mfu", "compiled_temp_bytes",
+                   "saved_residual_bytes", "steps", "epochs", "batch_size", "lr", "seed", "train_examples",
+                   "test_examples")
 KINDS = {"log": "log-uniform float LO:HI", "float": "uniform float LO:HI", "int": "whole number LO:HI",
          "choice": "one of A,B,C"}
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
@@ -76,6 +78,8 @@ def parse_param(text: str, model: str = "lenet") -> Param:
             raise ConfigError(f"--param {text!r}: " + (f"{name} is a whole number; use int:LO:HI" if kind != "int"
                               else f"{name} is a real number; use log:LO:HI or float:LO:HI"))
         values = tuple(_value(name, p.strip(), ftype, text) for p in parts)
+        if not all(math.isfinite(v) for v in values):
+            raise ConfigError(f"--param {text!r}: give finite bounds, e.g. {name}={kind}:1e-4:1")
         if not values[0] < values[1] or kind == "log" and values[0] <= 0:
             raise ConfigError(f"--param {text!r}: expected LO < HI" + (" and LO > 0 (log scale)" if kind == "log" else ""))
     for v in values:  # RunConfig's own checks (choices, minimum) on each value
@@ -116,6 +120,9 @@ class Command:
         argv = tuple(argv)
         if argv[0] in ("python", "python3"):  # the sweep's own interpreter (its venv), as the user meant
             argv = (sys.executable, *argv[1:])
+        if shutil.which(argv[0]) is None:  # before any trial is made
+            raise ConfigError(f"command not found: {argv[0]} (give a program on PATH or a path to an executable "
+                              "file after --)")
         module = argv[2] if len(argv) > 2 and argv[1] == "-m" else None
         model = (module.removeprefix("experiments.") if module and module.removeprefix("experiments.") in MODELS
                  else "jaxtrain.cli" if module == "jaxtrain.cli" else None)
@@ -129,7 +136,18 @@ class Command:
             if config.out is not None:
                 raise ConfigError("the command sets --out: leave it out; each trial gets its own under the study's "
                                   "folder (--dir)")
+            if config.checkpoint_dir is not None:
+                raise ConfigError("the command sets --checkpoint-dir, which every trial would share: leave it out "
+                                  "(a trial whose sweep stops is run again from its start)")
         return command
+
+    def check_objective(self, objective: str) -> None:
+        """A jaxtrain run's ``objective`` must be a number of its summary.json (ConfigError: one line)."""
+        if self.model is not None and objective not in SUMMARY_NUMBERS:
+            near = difflib.get_close_matches(objective, SUMMARY_NUMBERS, n=1)
+            raise ConfigError(f"--objective {objective}: not a number in the run's summary.json"
+                              + (f" (did you mean {near[0]}?)" if near else "")
+                              + "; e.g. test_acc (maximize) or test_loss (--direction minimize)")
 
     def config(self, values: dict) -> RunConfig:
         """The RunConfig of a trial's flags (jaxtrain runs only); ConfigError on an unknown or bad flag."""
@@ -173,93 +191,3 @@ def flags(values: dict) -> list[str]:
         else:
             argv += [flag(name), str(v)]
     return argv
-
-
-# ---------------------------------------------------------------- running one trial
-
-
-class TrialFailed(Exception):
-    """A trial's run ended without its summary (its log says why); the sweep goes on."""
-
-
-def _die_with_parent(cores):
-    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-    def setup():  # in the child, before exec: only system calls
-        if libc is not None:
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the sweep killed -> SIGTERM (the run stops cleanly)
-        if cores:
-            os.sched_setaffinity(0, cores)
-
-    return setup
-
-
-def run(trial, argv: list[str], out_dir: Path, objective: str, slot: dict, prune: bool, env: dict | None = None,
-        poll: float = 1.0) -> float:
-    """Run one trial to its summary's ``objective``; per-epoch values reported to Optuna (pruned: SIGTERM the
-    run, raise TrialPruned)."""
-    import optuna
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **(env or {}), **slot.get("env", {})}
-    with open(out_dir / "trial.log", "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                preexec_fn=_die_with_parent(slot.get("cores")))  # noqa: PLW1509 - syscalls only
-    trial.set_user_attr("out", str(out_dir))
-    reported = set()
-    try:
-        while True:
-            try:
-                proc.wait(timeout=poll)
-                done = True
-            except subprocess.TimeoutExpired:
-                done = False
-            for row in epoch_rows(out_dir / "metrics.jsonl"):
-                value = row.get(objective)
-                if row["epoch"] in reported or value is None or not math.isfinite(value):
-                    continue
-                reported.add(row["epoch"])
-                trial.report(float(value), row["epoch"])
-                if prune and not done and trial.should_prune():
-                    proc.terminate()
-                    proc.wait()
-                    raise optuna.TrialPruned(f"epoch {row['epoch']}: {objective} {value:.4g}")
-            if done:
-                break
-    finally:
-        if proc.poll() is None:  # the sweep stops (Ctrl-C, an error): the run stops with it
-            proc.terminate()
-            proc.wait()
-    return result(out_dir, objective, proc.returncode, argv)
-
-
-def epoch_rows(path: Path) -> list[dict]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    return [json.loads(line) for line in lines if line.strip()]  # written whole (atomic), so never half a line
-
-
-def result(out_dir: Path, objective: str, returncode: int, argv: list[str]) -> float:
-    summary_path = out_dir / "summary.json"
-    if returncode != 0 or not summary_path.is_file():
-        tail = _last_line(out_dir / "trial.log")
-        if returncode == 2:  # a usage error: every trial would fail the same way
-            raise ConfigError(f"the trial's command failed with a usage error: {tail} (command: {shlex.join(argv)})")
-        raise TrialFailed(f"exit code {returncode}: {tail} (log: {out_dir / 'trial.log'})")
-    summary = json.loads(summary_path.read_text())
-    value = summary.get(objective)
-    if not isinstance(value, (int, float)):
-        numbers = sorted(k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-        raise ConfigError(f"--objective {objective}: not a number in the run's summary.json; choose one of "
-                          f"{', '.join(numbers)}")
-    return float(value)
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return "(no log)"
-    return lines[-1][:300] if lines else "(empty log)"

@@ -38,7 +38,8 @@ def imports_of(path: Path) -> set[str]:
 
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 # Command lines of their own: their messages are about their flags (the sweep's trials are runs' command lines).
-COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch", "jaxtrain.sweep", "jaxtrain.trials"}
+COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch", "jaxtrain.sweep", "jaxtrain.sweep_study", "jaxtrain.sweep_workers",
+                 "jaxtrain.trials", "jaxtrain.trial_run"}
 GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
 
 

@@ -39,8 +39,8 @@ def snapshot(directory):
             for p in directory.rglob("*") if p.is_file()}
 
 
-def one_line_error(proc, *fragments):
-    assert proc.returncode == 2, proc.stderr[-3000:]
+def one_line_error(proc, *fragments, code=2):
+    assert proc.returncode == code, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     for fragment in fragments:
@@ -349,7 +349,7 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_its_last_good_checkpoint(
     ck, out = tmp_path / "ck", tmp_path / "o"
     r = run_cli(*LENET, "--lr", "1e6", "--epochs", "2", "--train-subset", "2560", "--checkpoint-every", "1",
                 "--checkpoint-dir", str(ck), "--out", str(out))
-    last = one_line_error(r, "training diverged", "lower --lr", "the newest checkpoint is step")
+    last = one_line_error(r, "training diverged", "lower --lr", "the newest checkpoint is step", code=3)
     assert not (out / "summary.json").exists() and not (out / "model").exists()  # nothing claims a result
     for line in (out / "metrics.jsonl").read_text().splitlines():  # strict JSON, if any epoch finished
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))

@@ -1,6 +1,7 @@
 """--track wandb / mlflow: what a run logs, read back with each library's own reader (no mocks)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -114,6 +115,49 @@ def test_a_failing_tracker_warns_once_and_the_run_goes_on(tmp_path, monkeypatch,
     broken.close("failed")
     err = capsys.readouterr().err
     assert broken.broken and err.count("warning: --track mlflow") == 1, err
+    kept = json.loads((tmp_path / "track.json").read_text())  # for a sweep to say (it read only the exit code)
+    assert kept["failed"].startswith("--track mlflow: FileExistsError"), kept
+
+
+OPEN_ONE_STORE = """
+import os, sys
+from pathlib import Path
+from jaxtrain import track
+tracker = track.start("mlflow", Path(sys.argv[1]), {"lr": 0.1}, "shared")
+tracker.scalars(1, {"test_acc": 0.5}, "epoch")
+tracker.finish({"test_acc": 0.5}, [])
+"""
+
+
+def test_runs_opening_one_new_mlflow_store_at_once_both_log(tmp_path):
+    """(BAD 11) Two trials of a --parallel 2 sweep made the shared mlflow.db at once: one failed ("table ... already
+    exists", "duplicate column name") and was never logged. Now they take turns (dirlock.taking_turns)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    for i in range(2):
+        (tmp_path / f"run{i}").mkdir()
+    runs = [subprocess.Popen([sys.executable, "-c", OPEN_ONE_STORE, str(tmp_path / f"run{i}")], cwd=ROOT, env=env,
+                             stderr=subprocess.PIPE, text=True) for i in range(2)]
+    errs = [r.communicate(timeout=600)[1] for r in runs]  # a safety net: each takes seconds
+    assert not any("warning" in e for e in errs), errs
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("shared").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]
+
+
+def test_an_mlflow_server_that_does_not_answer_is_waited_for_boundedly_and_said(tmp_path, monkeypatch, capsys):
+    """(MINOR) MLFLOW_TRACKING_URI=http://127.0.0.1:9 (nothing listens): the run stalled silently about 4 minutes
+    (MLflow's 7 retries, backing off) before its one warning."""
+    for name in track.HTTP_WAIT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    tracker = track.start("mlflow", tmp_path, {}, None)
+    err = capsys.readouterr().err
+    assert tracker.broken and err.startswith("--track mlflow: connecting to http://127.0.0.1:9 (up to 36 s if it "
+                                             "does not answer)\nwarning: --track mlflow: not logging"), err
+    assert {k: os.environ[k] for k in track.HTTP_WAIT} == track.HTTP_WAIT
 
 
 @pytest.mark.parametrize("env, mode", [({}, "offline"), ({"WANDB_API_KEY": "x" * 40}, "online"),
