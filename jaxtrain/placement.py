@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import parallel, sharding
+from jaxtrain import call_checks, parallel, sharding
 from jaxtrain.devices import batch_axes
 from jaxtrain.errors import ConfigError
 from jaxtrain.state import TrainState
@@ -54,6 +54,15 @@ class Plan:
     def state(self):
         """A NamedSharding per state leaf."""
         return sharding.named(self.mesh, self.specs)
+
+    @functools.cached_property
+    def _state_leaves(self) -> list:
+        return jax.tree.leaves(self.state)
+
+    def check_placed(self, state) -> None:
+        """A ConfigError naming the first array of ``state`` not placed as this plan says (a state another
+        trainer made): host-side, a comparison per leaf."""
+        call_checks.placement(state, self._state_leaves)
 
     @property
     def num_devices(self) -> int:

@@ -10,7 +10,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import accumulate, parallel, sharding
+from jaxtrain import accumulate, call_checks, parallel, sharding
 from jaxtrain import precision as prec
 from jaxtrain import step as step_lib
 from jaxtrain.devices import make_mesh, typed
@@ -53,6 +53,8 @@ class Trainer:
         self.batches = Plan(mesh, micro_batches or self.scan_steps, calls)
         self._update = step_lib.make_update(self.tx, self.policy)
         self._plans, self._steps = {}, {}  # state tree structure -> Plan, compiled step
+        self._last_batch = None  # the signature of the last batch a checked call ran (call_checks.untraceable)
+        self._labels_checked = False  # read after the first step (call_checks.labels)
 
     @property
     def num_devices(self) -> int:
@@ -121,6 +123,8 @@ class Trainer:
     def _compiled(self, state) -> parallel.Compiled:
         key = jax.tree.structure(state)
         if key not in self._steps:
+            call_checks.structure(state, lambda: jax.eval_shape(self._fresh, state.params, state.model_state,
+                                                                state.rng))
             plan = self.plan(state)
             local = step_lib.make_local(plan.strategy.model(self.loss_fn), self.policy, self.scan_steps)
             reduced = plan.strategy.reduced(local, plan.specs, per_device=self.scan_steps > 1)
@@ -128,17 +132,36 @@ class Trainer:
         return self._steps[key]
 
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
-        """One step on a global batch (numpy or jax arrays): checked and sharded first."""
+        """One step on a global batch (numpy or jax arrays): the state (its tree, its placement) and the batch
+        checked and the batch sharded first; a step that cannot be traced for the batch is one line naming its
+        arrays (``jaxtrain.call_checks``)."""
         _check_not_donated(state)
-        return self._compiled(state)(state, self.shard(batch))
+        compiled = self._compiled(state)
+        self.plan(state).check_placed(state)
+        batch = self.shard(batch)
+        try:
+            out = compiled(state, batch)
+        except call_checks.TRACE_ERRORS as e:
+            if isinstance(e, (ConfigError, jax.errors.JAXTypeError)):  # already said, or about the code
+                raise
+            raise call_checks.untraceable(e, batch, self._last_batch) from e
+        self._last_batch = call_checks.signature(batch)
+        return self._first_labels(out, batch)
 
     def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a batch ALREADY on the mesh (what ``prefetch_to_device`` yields).
 
-        No checks, no copies: the hot-loop entry. Under
+        No checks, no copies (but the first step's labels): the hot-loop entry. Under
         ``jax.transfer_guard("disallow")`` a host array here is an error.
         """
-        return self._compiled(state)(state, batch)
+        return self._first_labels(self._compiled(state)(state, batch), batch)
+
+    def _first_labels(self, out: tuple, batch) -> tuple[TrainState, dict]:
+        """``out``, after the first step's labels were found in range (one wait for that step, once)."""
+        if not self._labels_checked:
+            call_checks.labels(out[1], batch)
+            self._labels_checked = True
+        return out
 
     def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
         """The lowered (not yet compiled) step; ``.compile()`` it.
