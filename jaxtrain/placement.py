@@ -59,6 +59,12 @@ class Plan:
     def _state_leaves(self) -> list:
         return jax.tree.leaves(self.state)
 
+    def idle_axes(self) -> list[str]:
+        """The mesh axes of 2+ devices that split neither the batch nor any state array: their devices compute the
+        same thing (e.g. a "model" axis when no rule shards over it)."""
+        used = set(sharding.axes_of(batch_axes(self.mesh))) | sharding.mesh_axes_used(self.specs)
+        return [a for a in self.mesh.axis_names if self.mesh.shape[a] > 1 and a not in used]
+
     def check_placed(self, state) -> None:
         """A ConfigError naming the first array of ``state`` not placed as this plan says (a state another
         trainer made): host-side, a comparison per leaf."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 import jax
@@ -55,6 +56,7 @@ class Trainer:
         self._plans, self._steps = {}, {}  # state tree structure -> Plan, compiled step
         self._last_batch = None  # the signature of the last batch a checked call ran (call_checks.untraceable)
         self._labels_checked = False  # read after the first step (call_checks.labels)
+        self._axes_said = False  # the warning about mesh axes nothing uses: once
 
     @property
     def num_devices(self) -> int:
@@ -75,7 +77,20 @@ class Trainer:
             self._plans[key] = make_plan(self.mesh, state, strategy=self.strategy, param_sharding=self.param_sharding,
                                          min_size=self.min_size, tx=self.tx, micro_batches=self.batches.micro_batches,
                                          calls_per_update=self.batches.calls_per_update, model_axes=self.model_axes)
+            self._say_idle_axes(self._plans[key])
         return self._plans[key]
+
+    def _say_idle_axes(self, plan: Plan) -> None:
+        """One warning line, once, for a mesh axis of 2+ devices that splits neither the batch nor any state
+        array: its devices compute the same thing (a model traced with ``model_axes="explicit"`` may shard over
+        it itself: no warning then)."""
+        idle = plan.idle_axes()
+        if idle and not self._axes_said and self.model_axes != "explicit" and jax.process_index() == 0:
+            self._axes_said = True
+            axis, size = idle[0], self.mesh.shape[idle[0]]
+            print(f"warning: mesh axis {axis!r} ({size} devices) is used by no parameter rule: those devices "
+                  f"compute the same thing; give them to 'data' (mesh data=N) or use a param_sharding that "
+                  f"splits over {axis!r}", file=sys.stderr, flush=True)
 
     def layout(self, params) -> dict:
         """Where each parameter goes (``params``: arrays or shapes): ``{"sharded": {name: spec}, "replicated": [...]}``."""

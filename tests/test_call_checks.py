@@ -103,6 +103,21 @@ def test_a_state_from_another_trainer_is_one_line_naming_what_differs(other, say
         trainer(state, random_batch(8))
 
 
+def test_a_mesh_axis_no_rule_uses_is_named_once_in_one_warning_line(capsys):
+    """--mesh model=2 with replicated parameters ran 3.6x slower than data=2 and said nothing."""
+    mesh = jt.make_mesh(2, axes={"model": 2})
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=mesh)
+    lenet_state(trainer)
+    trainer.layout(lenet.init_params(jax.random.key(0)))
+    err = capsys.readouterr().err
+    assert err.count("warning: mesh axis 'model' (2 devices) is used by no parameter rule: those devices compute "
+                     "the same thing; give them to 'data' (mesh data=N)") == 1, err
+    for axes, rules in (({"data": 2}, "replicated"), ({"model": 2}, [(r"dense1/w$", jax.P(None, "model"))])):
+        lenet_state(jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(2, axes=axes),
+                                       param_sharding=rules))
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_a_padding_row_never_counts_in_evaluation_even_with_a_label_outside_the_classes():
     """Out-of-range labels have a NaN loss now; a masked row (padding, often labelled -1) must still add nothing."""
     evaluator = jt.make_eval_step(lenet.eval_fn, mesh=2)
