@@ -20,7 +20,9 @@ GPU, the scaling efficiency against the first count and the communication share;
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from jaxtrain.cli import make_parser, one_line_errors, positive_int
 from jaxtrain.errors import ConfigError
@@ -36,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu", choices=names(), default="h100", help="GPU model (vendors' published specifications)")
     g.add_argument("--gpus", type=positive_int, default=8, help="GPUs per host (an HGX/DGX node has 8)")
     g.add_argument("--hosts", type=positive_int, default=1, help="hosts (nodes)")
-    g.add_argument("--memory-fraction", type=float, default=JAX_MEMORY_FRACTION,
+    g.add_argument("--memory-fraction", type=_fraction, default=JAX_MEMORY_FRACTION,
                    help="share of a GPU's memory the run may use (JAX preallocates 75%% by default: "
                         "XLA_PYTHON_CLIENT_MEM_FRACTION)")
     g.add_argument("--no-search", action="store_true", help="skip the search for the largest batch (a few compiles)")
@@ -50,9 +52,19 @@ def parser() -> argparse.ArgumentParser:
                    help="compile for each GPU count (e.g. 1,2,4,8,16,32,64; 8 per host beyond 8) and print the "
                         "estimated scaling instead of one plan")
     s.add_argument("--scaling-mode", choices=MODES, default="weak",
-                   help="weak: --batch-size per GPU; strong: --batch-size global (default: weak)")
+                   help="weak: --batch-size per GPU; strong: --batch-size global")
     s.add_argument("--plot", metavar="PATH", help="with --scaling: draw it as a PNG here")
     return p
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], e.g. 0.75, got {text}")
+    return value
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -75,20 +87,37 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
+def _check(args: dict, settings: dict) -> None:
+    """Every argument, before the plugin check: without the plugin a mistake is still said as itself."""
+    from jaxtrain.config import RunConfig
+
+    RunConfig(devices=args["gpus"] * args["hosts"], **settings)  # each setting's own check (--batch-size 0, ...)
+    if args["plot"] and not args["scaling"]:
+        raise ConfigError("--plot draws a --scaling run: add --scaling 1,2,4,8")
+    if args["json"]:
+        path = Path(args["json"])
+        folder = path.absolute().parent
+        if path.is_dir():
+            raise ConfigError(f"--json {path} is a directory: give the path of a file to write")
+        why = "no such directory" if not folder.is_dir() else None if os.access(folder, os.W_OK) else "not writable"
+        if why:
+            raise ConfigError(f"--json {path}: cannot write in {folder} ({why}); give a path in a writable directory")
+
+
 @one_line_errors("gpu_plan", flags={"gpus": "--gpus", "hosts": "--hosts", "memory_fraction": "--memory-fraction"})
 def main(argv=None) -> int:
     args = vars(parser().parse_args(argv))
-    from jaxtrain import gpu
     from jaxtrain.gpu.plan import SETTINGS, save
 
-    gpu.check_plugin()  # before anything else starts: the plugin's one-line install hint
     settings = {k: v for k, v in args.items() if k in SETTINGS}
+    _check(args, settings)
+    from jaxtrain import gpu
+
+    gpu.check_plugin()  # before anything starts compiling: the plugin's one-line install hint
     shape = {"input_shape": args["input_shape"], "num_classes": args["num_classes"]}
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     if args["scaling"]:
         return _scaling(args, settings, shape, say)
-    if args["plot"]:
-        raise ConfigError("--plot draws a --scaling run: add --scaling 1,2,4,8")
     result = gpu.plan(args["gpu"], args["gpus"], args["hosts"], largest_batch=not args["no_search"],
                       memory_fraction=args["memory_fraction"], max_batch=args["max_batch"],
                       progress=say, **shape, **settings)

@@ -25,3 +25,6 @@ def check_dataset(name: str) -> None:
     if name not in DATASETS and not (name.startswith(TFDS_PREFIX) and len(name) > len(TFDS_PREFIX)):
         raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}, or tfds:NAME for a dataset "
                           "TFDS has prepared")
+# A loss_fn's metric: the share of its batch's labels outside the classes (jaxtrain.models.classify reports it;
+# the trainer reads it after its first step: jaxtrain.call_checks).
+LABELS_OUT_OF_RANGE = "labels_out_of_range"

@@ -62,9 +62,23 @@ def _stored(stages, num_stages: int, repeats: int):
         raise ConfigError(f"every leaf of params['stages'] needs the same leading axis of L layers, got {counts}")
     n = counts.pop()
     if n % (num_stages * repeats):
-        raise ConfigError(f"{n} layers do not split into {num_stages} stages x {repeats} repeats: use a layer "
-                          f"count that is a multiple of {num_stages * repeats}")
+        raise ConfigError(f"{n} layers do not split into {num_stages} stages x {repeats} repeats: "
+                          f"{_splits(n, num_stages, repeats)}")
     return jax.tree.map(lambda w: w.reshape(repeats, num_stages, n // (num_stages * repeats), *w.shape[1:]), stages)
+
+
+def _splits(layers: int, stages: int, repeats: int) -> str:
+    """What splits ``layers`` instead: other stage counts, other repeats, or another layer count."""
+    either = lambda xs: ", ".join(map(str, xs[:-1])) + (" or " if len(xs) > 1 else "") + str(xs[-1])  # noqa: E731
+    ways = []
+    stage_counts = [s for s in range(2, layers + 1) if layers % (s * repeats) == 0]
+    if stage_counts:
+        ways.append(f"a 'stage' axis of {either(stage_counts)} (mesh=) with repeats={repeats}")
+    repeat_counts = [r for r in range(1, layers + 1) if layers % (stages * r) == 0]
+    if repeat_counts:
+        ways.append(f"repeats={either(repeat_counts)} with {stages} stages")
+    ways.append(f"a model whose layer count is a multiple of {stages * repeats}")
+    return "stages x repeats must divide the layer count: use " + "; or ".join(ways)
 
 
 def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: int, remat: str, dtype):

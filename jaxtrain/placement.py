@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import parallel, sharding
+from jaxtrain import call_checks, parallel, sharding
 from jaxtrain.devices import batch_axes
 from jaxtrain.errors import ConfigError
 from jaxtrain.state import TrainState
@@ -54,6 +54,21 @@ class Plan:
     def state(self):
         """A NamedSharding per state leaf."""
         return sharding.named(self.mesh, self.specs)
+
+    @functools.cached_property
+    def _state_leaves(self) -> list:
+        return jax.tree.leaves(self.state)
+
+    def idle_axes(self) -> list[str]:
+        """The mesh axes of 2+ devices that split neither the batch nor any state array: their devices compute the
+        same thing (e.g. a "model" axis when no rule shards over it)."""
+        used = set(sharding.axes_of(batch_axes(self.mesh))) | sharding.mesh_axes_used(self.specs)
+        return [a for a in self.mesh.axis_names if self.mesh.shape[a] > 1 and a not in used]
+
+    def check_placed(self, state) -> None:
+        """A ConfigError naming the first array of ``state`` not placed as this plan says (a state another
+        trainer made): host-side, a comparison per leaf."""
+        call_checks.placement(state, self._state_leaves)
 
     @property
     def num_devices(self) -> int:

@@ -95,7 +95,8 @@ def open_checkpoints(s: Setup) -> None:
 def load_data(s: Setup) -> tuple[dict, str]:
     """The splits (subsets applied) and the digest of the whole dataset."""
     c = s.config
-    data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir) for k in ("train", "test")}
+    data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir,
+                                  progress=False if c.no_progress else None) for k in ("train", "test")}
     digest = sources.split_digest(*data.values())
     return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, digest
 

@@ -260,7 +260,8 @@ def eval_sums(eval_fn: EvalFn):
         per_example = eval_fn(params, model_state, batch)
         size = jax.tree.leaves(batch)[0].shape[0]
         mask = jnp.ones((size,), jnp.float32) if mask is None else mask.astype(jnp.float32)
-        out = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in per_example.items()}
+        # where, not a product: a padding row's value never counts, even a NaN (e.g. its label -1)
+        out = {k: jnp.sum(jnp.where(mask > 0, v.astype(jnp.float32) * mask, 0.0)) for k, v in per_example.items()}
         out["count"] = jnp.sum(mask)
         return out
 

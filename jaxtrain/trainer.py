@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 import jax
@@ -10,7 +11,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import accumulate, parallel, sharding
+from jaxtrain import accumulate, call_checks, parallel, sharding
 from jaxtrain import precision as prec
 from jaxtrain import step as step_lib
 from jaxtrain.devices import make_mesh, typed
@@ -53,6 +54,9 @@ class Trainer:
         self.batches = Plan(mesh, micro_batches or self.scan_steps, calls)
         self._update = step_lib.make_update(self.tx, self.policy)
         self._plans, self._steps = {}, {}  # state tree structure -> Plan, compiled step
+        self._last_batch = None  # the signature of the last batch a checked call ran (call_checks.untraceable)
+        self._labels_checked = False  # read after the first step (call_checks.labels)
+        self._axes_said = False  # the warning about mesh axes nothing uses: once
 
     @property
     def num_devices(self) -> int:
@@ -73,7 +77,20 @@ class Trainer:
             self._plans[key] = make_plan(self.mesh, state, strategy=self.strategy, param_sharding=self.param_sharding,
                                          min_size=self.min_size, tx=self.tx, micro_batches=self.batches.micro_batches,
                                          calls_per_update=self.batches.calls_per_update, model_axes=self.model_axes)
+            self._say_idle_axes(self._plans[key])
         return self._plans[key]
+
+    def _say_idle_axes(self, plan: Plan) -> None:
+        """One warning line, once, for a mesh axis of 2+ devices that splits neither the batch nor any state
+        array: its devices compute the same thing (a model traced with ``model_axes="explicit"`` may shard over
+        it itself: no warning then)."""
+        idle = plan.idle_axes()
+        if idle and not self._axes_said and self.model_axes != "explicit" and jax.process_index() == 0:
+            self._axes_said = True
+            axis, size = idle[0], self.mesh.shape[idle[0]]
+            print(f"warning: mesh axis {axis!r} ({size} devices) is used by no parameter rule: those devices "
+                  f"compute the same thing; give them to 'data' (mesh data=N) or use a param_sharding that "
+                  f"splits over {axis!r}", file=sys.stderr, flush=True)
 
     def layout(self, params) -> dict:
         """Where each parameter goes (``params``: arrays or shapes): ``{"sharded": {name: spec}, "replicated": [...]}``."""
@@ -121,6 +138,8 @@ class Trainer:
     def _compiled(self, state) -> parallel.Compiled:
         key = jax.tree.structure(state)
         if key not in self._steps:
+            call_checks.structure(state, lambda: jax.eval_shape(self._fresh, state.params, state.model_state,
+                                                                state.rng))
             plan = self.plan(state)
             local = step_lib.make_local(plan.strategy.model(self.loss_fn), self.policy, self.scan_steps)
             reduced = plan.strategy.reduced(local, plan.specs, per_device=self.scan_steps > 1)
@@ -128,17 +147,36 @@ class Trainer:
         return self._steps[key]
 
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
-        """One step on a global batch (numpy or jax arrays): checked and sharded first."""
+        """One step on a global batch (numpy or jax arrays): the state (its tree, its placement) and the batch
+        checked and the batch sharded first; a step that cannot be traced for the batch is one line naming its
+        arrays (``jaxtrain.call_checks``)."""
         _check_not_donated(state)
-        return self._compiled(state)(state, self.shard(batch))
+        compiled = self._compiled(state)
+        self.plan(state).check_placed(state)
+        batch = self.shard(batch)
+        try:
+            out = compiled(state, batch)
+        except call_checks.TRACE_ERRORS as e:
+            if isinstance(e, (ConfigError, jax.errors.JAXTypeError)):  # already said, or about the code
+                raise
+            raise call_checks.untraceable(e, batch, self._last_batch) from e
+        self._last_batch = call_checks.signature(batch)
+        return self._first_labels(out, batch)
 
     def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a batch ALREADY on the mesh (what ``prefetch_to_device`` yields).
 
-        No checks, no copies: the hot-loop entry. Under
+        No checks, no copies (but the first step's labels): the hot-loop entry. Under
         ``jax.transfer_guard("disallow")`` a host array here is an error.
         """
-        return self._compiled(state)(state, batch)
+        return self._first_labels(self._compiled(state)(state, batch), batch)
+
+    def _first_labels(self, out: tuple, batch) -> tuple[TrainState, dict]:
+        """``out``, after the first step's labels were found in range (one wait for that step, once)."""
+        if not self._labels_checked:
+            call_checks.labels(out[1], batch)
+            self._labels_checked = True
+        return out
 
     def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
         """The lowered (not yet compiled) step; ``.compile()`` it.

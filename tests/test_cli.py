@@ -110,6 +110,14 @@ def test_a_bad_jaxtrain_variable_is_a_one_line_error(tmp_path, env, fragment):
     one_line_error(out, fragment)
 
 
+def test_vit_layers_that_do_not_split_into_the_stages_say_which_flags_would(tmp_path):
+    """It asked for "a layer count that is a multiple of 3", which no flag sets."""
+    out = run_cli("-m", "experiments.vit", "--devices", "3", "--mesh", "stage=3", "--microbatches", "3",
+                  "--out", str(tmp_path))
+    one_line_error(out, "8 layers do not split into 3 stages x 1 repeats",
+                   "use a 'stage' axis of 2, 4 or 8 (--mesh) with --repeats 1")
+
+
 def test_indivisible_batch_is_a_one_line_error(tmp_path):
     out = run_cli(*LENET, "--devices", "2", "--batch-size", "255", "--out", str(tmp_path))
     one_line_error(out, "batch size 255", "multiple of 2")

@@ -1,5 +1,7 @@
 """CIFAR-10's binary files and datasets TFDS has prepared (tfds:NAME): read, validated, converted once."""
 
+import sys
+
 import numpy as np
 import pytest
 from test_data import as_sorted_pairs
@@ -197,3 +199,19 @@ def test_runs_converting_the_same_files_at_once_take_turns(tmp_path):
     results = [out.strip().splitlines()[-1] for out, _ in outs]  # TFDS prints its progress on stdout
     assert results[0] == results[1] and results[0].startswith("64 "), results
     assert sum("to array_record (once)" in err for _, err in outs) == 1, [err[-2000:] for _, err in outs]
+
+
+@pytest.mark.parametrize("terminal, progress", [(False, None), (True, False)])
+def test_tfds_progress_bars_show_only_where_the_runs_would(tmp_path, capsys, monkeypatch, terminal, progress):
+    """--no-progress with output to a file still got TFDS's progress lines, with escape codes, while converting."""
+    import tensorflow_datasets as tfds
+    from test_data import make_idx_dir
+
+    tfds.enable_progress_bar()  # TFDS's default: its switch is process-wide
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    make_idx_dir(tmp_path / "d", n_train=64, n_test=16)
+    sources.load_split("fashion_mnist", "train", data_dir=tmp_path / "d", tfds_dir=tmp_path / "tfds",
+                       progress=progress)
+    err = capsys.readouterr().err
+    assert "converting the files" in err  # it did convert here
+    assert "\r" not in err and "\x1b[" not in err and "examples/s" not in err, err

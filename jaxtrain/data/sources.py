@@ -241,7 +241,18 @@ def _damaged(e: Exception) -> bool:
         marker in text for marker in ("Riegeli", "ArrayRecord", "array_record", "ParseError", "DecodeError"))
 
 
-def load_split(name: str, split: str, *, data_dir=None, tfds_dir=None, **kwargs) -> Split:
+def _tfds_progress(progress: bool | None) -> None:
+    """TFDS's own progress bars (while it prepares a dataset) only where a run shows its bars: ``progress``
+    None: only on a terminal (stderr), as the loop's. TFDS's switch is process-wide and has no getter: once off,
+    it stays off."""
+    if progress is False or (progress is None and not sys.stderr.isatty()):
+        import tensorflow_datasets as tfds
+
+        tfds.disable_progress_bar()
+
+
+def load_split(name: str, split: str, *, data_dir=None, tfds_dir=None, progress: bool | None = None,
+               **kwargs) -> Split:
     """The whole split in memory (47 MB for Fashion-MNIST train: cheap to keep).
 
     Decoding 60,000 TFDS records one by one takes seconds, so the arrays are
@@ -249,8 +260,10 @@ def load_split(name: str, split: str, *, data_dir=None, tfds_dir=None, **kwargs)
     sha256, checked on every read); a missing, damaged or unwritable copy
     just means reading the records again. A damaged conversion of local files
     is converted again (the files are the data); a damaged dataset TFDS
-    prepared is a one-line error naming its directory.
+    prepared is a one-line error naming its directory. ``progress``: TFDS's progress bars while it prepares
+    (None: only on a terminal).
     """
+    _tfds_progress(progress)
     try:
         return _load_split(name, split, data_dir=data_dir, tfds_dir=tfds_dir, **kwargs)
     except Exception as e:

@@ -1,5 +1,12 @@
 """Softmax classification metrics shared by the models (logits taken in fp32); ``kernels="pallas"``: the
-cross-entropy of the train loss is the fused Pallas kernel (jaxtrain.kernels.softmax_ce)."""
+cross-entropy of the train loss is the fused Pallas kernel (jaxtrain.kernels.softmax_ce).
+
+Labels are checked twice, both for free: their dtype and shape while the step is traced (static), and
+their values inside the step: a label outside ``0 .. classes - 1`` gets a NaN loss (never another class's
+loss: a ``-1`` would otherwise wrap to the last class and look plausible), and ``mean_loss`` reports the
+fraction of such labels as the metric ``LABELS_OUT_OF_RANGE``, which the trainer reads on its first step
+(``jaxtrain.call_checks``).
+"""
 
 from __future__ import annotations
 
@@ -9,20 +16,42 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxtrain.choices import KERNELS
+from jaxtrain.choices import KERNELS, LABELS_OUT_OF_RANGE
+from jaxtrain.errors import ConfigError
+
+
+def checked_labels(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """``labels`` if they are integer class indices, one per row of ``logits``; else a ConfigError (at trace
+    time: shapes and dtypes are static)."""
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ConfigError(f"batch['label'] is {labels.dtype}: labels are integer class indices "
+                          f"0..{logits.shape[-1] - 1} (convert them, e.g. labels.astype(np.int32))")
+    if labels.shape != logits.shape[:1]:
+        raise ConfigError(f"batch['label'] has examples of shape {labels.shape[1:]}: give one integer class index "
+                          "per example, a [batch] array (not one-hot, not [batch, 1])")
+    return labels
+
+
+def outside(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per example: whether its label is not one of the ``logits``' classes (``0 .. C - 1``)."""
+    return (labels < 0) | (labels >= logits.shape[-1])
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, kernels: str = "jnp") -> jax.Array:
     """Per-example softmax cross-entropy (at least fp32: float64 stays float64) with integer labels: optax's
-    (``"jnp"``) or the Pallas kernel."""
+    (``"jnp"``) or the Pallas kernel; NaN for a label outside the classes."""
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
+    bad = outside(logits, checked_labels(logits, labels))
+    safe = jnp.where(bad, 0, labels)  # a real class for the gather: its gradient is masked out below
     if kernels == "pallas":
         from jaxtrain.kernels import softmax_ce
 
-        return softmax_ce.cross_entropy(logits, labels)
-    if kernels != "jnp":
-        raise ValueError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
-    wide = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    return optax.softmax_cross_entropy_with_integer_labels(wide, labels)
+        loss = softmax_ce.cross_entropy(logits, safe)
+    else:
+        wide = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+        loss = optax.softmax_cross_entropy_with_integer_labels(wide, safe)
+    return jnp.where(bad, jnp.nan, loss)
 
 
 def per_example(logits: jax.Array, labels: jax.Array, kernels: str = "jnp") -> dict:
@@ -34,9 +63,11 @@ def per_example(logits: jax.Array, labels: jax.Array, kernels: str = "jnp") -> d
 
 
 def mean_loss(logits: jax.Array, labels: jax.Array, kernels: str = "jnp") -> tuple[jax.Array, dict]:
-    """(mean cross-entropy, {"accuracy": mean}): what a train-step loss_fn returns."""
+    """(mean cross-entropy, {"accuracy": mean, LABELS_OUT_OF_RANGE: fraction}): what a train-step loss_fn
+    returns."""
     metrics = per_example(logits, labels, kernels)
-    return metrics["loss"].mean(), {"accuracy": metrics["accuracy"].mean()}
+    return metrics["loss"].mean(), {"accuracy": metrics["accuracy"].mean(),
+                                    LABELS_OUT_OF_RANGE: outside(logits, labels).mean(dtype=jnp.float32)}
 
 
 def label_loss(logits: jax.Array, batch: dict, kernels: str = "jnp") -> tuple[jax.Array, dict]:

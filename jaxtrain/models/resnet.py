@@ -26,6 +26,7 @@ from jax import lax
 from jaxtrain.batch_stats import moments, split
 from jaxtrain.flax_nnx import from_nnx
 from jaxtrain.models import classify
+from jaxtrain.models.inputs import checked_images
 from jaxtrain.remat import materialize
 from jaxtrain.remat import policy as remat_policy
 
@@ -133,6 +134,7 @@ class ResNet18(nnx.Module):
         self.remat = remat  # a jaxtrain.remat policy name, applied per residual block
 
     def __call__(self, x, train: bool = False):
+        x = checked_images(x, self.conv.in_features, "ResNet-18")
         x = nnx.relu(self.bn(self.conv(x), use_running_average=not train))
         pol = remat_policy(self.remat)
         for block in self.blocks:

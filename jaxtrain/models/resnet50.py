@@ -19,6 +19,7 @@ from jax import lax
 
 from jaxtrain.flax_nnx import from_nnx
 from jaxtrain.models import classify
+from jaxtrain.models.inputs import checked_images
 from jaxtrain.models.resnet import _batch_norm
 from jaxtrain.remat import policy as remat_policy
 
@@ -72,6 +73,7 @@ class ResNet50(nnx.Module):
         self.remat = remat  # a jaxtrain.remat policy name, applied per bottleneck block
 
     def __call__(self, x, train: bool = False):
+        x = checked_images(x, self.stem.in_features, "ResNet-50")
         x = nnx.relu(self.bn(self.stem(x), use_running_average=not train))
         x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         pol = remat_policy(self.remat)

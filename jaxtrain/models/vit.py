@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.kernels import layer_norm
 from jaxtrain.models import classify
+from jaxtrain.models.inputs import checked_images
 from jaxtrain.models.sequential import sequential_loss
 
 PATCH, DIM, HEADS, MLP, DEPTH, NUM_CLASSES = 4, 64, 4, 128, 8, 10
@@ -55,7 +56,7 @@ def _norm(x, scale, bias, kernels="jnp"):
 
 def embed_fn(E, batch):
     """Images [B, H, W, C] -> tokens [B, H/4 * W/4, DIM] (28x28x1: 49 tokens)."""
-    x = batch["image"]
+    x = checked_images(batch["image"], E["patch"].shape[0] // PATCH**2, "the ViT")
     n, h, w, c = x.shape
     patches = x.reshape(n, h // PATCH, PATCH, w // PATCH, PATCH, c).transpose(0, 1, 3, 2, 4, 5)
     patches = patches.reshape(n, (h // PATCH) * (w // PATCH), PATCH * PATCH * c)

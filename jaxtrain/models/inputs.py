@@ -1,0 +1,22 @@
+"""What the models' image input must look like, checked while the step is traced (shapes and dtypes are static:
+the check costs nothing per step). Labels are checked where the loss takes them (``classify``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.errors import ConfigError
+
+
+def checked_images(images: jax.Array, channels: int, model: str) -> jax.Array:
+    """``images`` if they are float ``[batch, height, width, channels]``; else a ConfigError saying what ``model``
+    takes (``channels``: its first layer's)."""
+    if jnp.ndim(images) != 4 or images.shape[-1] != channels:
+        raise ConfigError(f"batch['image'] has examples of shape {tuple(images.shape[1:])}: {model} takes images "
+                          f"[batch, height, width, channels] with {channels} channel(s), as its first layer's "
+                          f"weights (e.g. add the channel axis: images[..., None])")
+    if not jnp.issubdtype(images.dtype, jnp.floating):
+        raise ConfigError(f"batch['image'] is {images.dtype}: {model} takes float images (e.g. images / 255.0, as "
+                          "jaxtrain's loaders give them)")
+    return images
