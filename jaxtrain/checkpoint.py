@@ -36,7 +36,7 @@ from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.loop import Position
 from jaxtrain.precision import all_finite
-from jaxtrain.files import ensure_writable, out_of_space
+from jaxtrain.files import ensure_room, ensure_writable, out_of_space
 from jaxtrain.state import TrainState
 
 UNREADABLE = "unreadable"
@@ -120,7 +120,7 @@ class Checkpointer:
         if keep < 1:
             raise ConfigError(f"keep={keep}: must be >= 1")
         self.directory = ensure_writable(Path(directory).absolute(), "checkpoints to", param)
-        self.param, self.settings, self.fixed = param, dict(settings or {}), fixed
+        self.param, self.settings, self.fixed, self.keep = param, dict(settings or {}), fixed, keep
         self._lock = DirLock(self.directory, param).acquire() if jax.process_index() == 0 else None
         self._ocp = ocp
         _quiet_orbax_errors()
@@ -146,6 +146,13 @@ class Checkpointer:
                 self._saving = step
             if wait:
                 self.manager.wait_until_finished()
+
+    def ensure_room(self, state: TrainState) -> None:
+        """Room on disk for the checkpoints to come: ``keep`` + 1 at once (the newest is written before the
+        oldest goes), each the state's bytes and orbax's metadata files; a one-line error if there is none."""
+        more = max(self.keep + 1 - len(self.manager.all_steps()), 1)
+        size = sum(x.nbytes for x in jax.tree.leaves(state)) + 2**16
+        ensure_room(self.directory, more * size, f"{more} more checkpoint(s)", self.param)
 
     def committed(self, step: int) -> bool:
         """Whether a finished checkpoint of ``step`` is on disk."""

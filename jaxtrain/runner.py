@@ -21,7 +21,7 @@ from jaxtrain.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
 from jaxtrain.data import loader, sources
 from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError, Diverged
-from jaxtrain.files import ensure_room, params_digest
+from jaxtrain.files import params_digest
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.report import RunWriter, claim_out_dir, conv_path, describe, not_learning, run_summary
 from jaxtrain.signals import Exit, StopOnSignal, StopVote
@@ -146,10 +146,8 @@ def open_outputs(s: Setup, state, position) -> RunWriter | None:
     if jax.process_index() != 0:
         return None
     out_dir, s.out_lock = claim_out_dir(c.out, c.model, c.resume)
-    if s.checkpointer is not None:  # keep + 1 on disk at once (the newest is written before the oldest goes)
-        more = max(c.keep_checkpoints + 1 - len(s.checkpointer.manager.all_steps()), 1)
-        size = sum(x.nbytes for x in jax.tree.leaves(state)) + 2**16  # + orbax's metadata files
-        ensure_room(s.checkpointer.directory, more * size, f"{more} more checkpoint(s)", "checkpoint_dir=")
+    if s.checkpointer is not None:
+        s.checkpointer.ensure_room(state)
     return RunWriter(out_dir, position.history if position else ())
 
 
