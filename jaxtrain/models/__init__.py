@@ -152,19 +152,21 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
     try:
-        conv_name, conv_fn = _conv(conv, quantize)
+        conv_name, conv_fn = _conv(name, conv, quantize)
         return dataclasses.replace(BUILDERS[name](remat, init, shape, quantize, kernels, conv_fn), init_name=init,
-                                   conv=conv_name if name != "vit" else "xla")
+                                   conv=conv_name)
     except ValueError as e:  # e.g. images too small for the model
         raise ConfigError(f"model {name}: {e}") from None
 
 
-def _conv(conv: str, quantize: str) -> tuple[str, Callable]:
+def _conv(name: str, conv: str, quantize: str) -> tuple[str, Callable]:
+    """(name, fn) of the convolutions the model's layers run (``onednn.choose``). The ViT has none, and
+    quantisation-aware layers bring their own (int8-rounding) ones: XLA's, never a oneDNN build or its warning."""
+    from jaxtrain.choices import CONVS
     from jaxtrain.kernels import onednn
 
-    if quantize != "none":  # quantisation-aware layers bring their own (int8-rounding) convolutions
-        return onednn.choose("xla")
-    return onednn.choose(conv)
+    own = name == "vit" or quantize != "none"
+    return onednn.choose("xla" if own and conv in CONVS else conv)  # an unknown conv: choose's one-line error
 
 
 def _lenet(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable) -> Model:
