@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from jaxtrain.choices import MESH_AXES
 from jaxtrain.config import RECIPE_FIELDS, RunConfig, flag
-from jaxtrain.errors import ConfigError, Diverged
+from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
 
@@ -67,7 +67,7 @@ def as_flags(message: str, flags: dict[str, str] | None = None) -> str:
 
 def one_line_errors(prog: str, flags: dict[str, str] | None = None):
     """Decorator of a command's ``main(argv)``: a ConfigError becomes ``prog: error: ...`` on stderr (its
-    parameters said as flags: ``as_flags``), exit 2."""
+    parameters said as flags: ``as_flags``), exit with its ``EXIT_CODE`` (2; a Diverged run: 3)."""
 
     def wrap(main):
         @functools.wraps(main)
@@ -76,7 +76,7 @@ def one_line_errors(prog: str, flags: dict[str, str] | None = None):
                 return main(argv)
             except ConfigError as e:
                 print(f"{prog}: error: {as_flags(str(e), flags)}", file=sys.stderr)
-                return 2
+                return e.EXIT_CODE
 
         return run
 
@@ -191,7 +191,7 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
             run(config, stop, words=as_flags)
         except ConfigError as e:
             print(f"{parser.prog}: error: {as_flags(str(e))}", file=sys.stderr)
-            return Diverged.EXIT_CODE if isinstance(e, Diverged) else 2
+            return e.EXIT_CODE
         except Exit as e:
             return e.code
         except Exception as e:

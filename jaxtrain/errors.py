@@ -4,9 +4,11 @@
 class ConfigError(ValueError):
     """A setting the user can fix (device count, batch size, flag, missing data).
 
-    The message says what to do. Experiments print it as one line and exit 2
-    instead of showing a traceback.
+    The message says what to do. Experiments print it as one line and exit
+    with ``EXIT_CODE`` (2) instead of showing a traceback.
     """
+
+    EXIT_CODE = 2
 
 
 class Diverged(ConfigError):

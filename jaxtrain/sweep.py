@@ -190,7 +190,7 @@ def main(argv=None) -> int:
                       seed=args.seed)
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 2
+        return e.EXIT_CODE
     except Interrupted as e:
         stopped = (f"; trial(s) {', '.join(map(str, e.stopped))} stopped, marked failed, their settings queued "
                    "again" if e.stopped else "")

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import jax
 
+from jaxtrain.files import atomic_write
+
 SOURCE = Path(__file__).with_name("onednn_conv.cc")
 ENV_CACHE = "JAXTRAIN_ONEDNN_CACHE"
 BUILD_TIMEOUT_S = 600  # g++ takes ~5 s here; a machine 100x busier still finishes
@@ -153,10 +155,9 @@ def _compile(compiler: str, lib: Path) -> None:
         errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
         first = (errors or [f"{compiler} exited {done.returncode}"])[0].strip()
         raise Unusable(f"build failed: {first}", INSTALL_DNNL if "dnnl" in first else f"{INSTALL_CXX}; {INSTALL_DNNL}")
-    digest = _digest_file(lib).with_name(f".{_digest_file(lib).name}.{os.getpid()}")
-    digest.write_text(_sha256(tmp) + "\n")
+    digest = _sha256(tmp)
     os.replace(tmp, lib)
-    os.replace(digest, _digest_file(lib))
+    atomic_write(_digest_file(lib), digest + "\n")  # a library without its digest is rebuilt, never trusted
 
 
 def load() -> ctypes.CDLL:

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.compat import varying_axes
+from jaxtrain.kernels.onednn_build import note
 
 
 def out_shape(x_shape, w_shape, geometry):
@@ -71,12 +72,8 @@ def _devices_at_once() -> int:
 
 @functools.cache
 def _warn_oversubscribed(n: int, devices: int, cores: int) -> None:
-    import sys
-
-    if jax.process_index() == 0:
-        print(f"warning: {ENV_THREADS}={n} x {devices} device(s) at once = {n * devices} threads on {cores} cores: "
-              f"the calls oversubscribe the cores (slower); unset it for {max(1, cores // devices)} per call",
-              file=sys.stderr, flush=True)
+    note(f"{ENV_THREADS}={n} x {devices} device(s) at once = {n * devices} threads on {cores} cores: the calls "
+         f"oversubscribe the cores (slower); unset it for {max(1, cores // devices)} per call")
 
 
 def _attrs(geometry, **more):
