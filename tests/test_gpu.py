@@ -37,35 +37,41 @@ def run_gpu(code: str, *args: str):
     return out.stdout
 
 
-# fp32 dots and convs on GPUs default to TF32; the equivalence check wants fp32.
+# fp32 dots and convs on GPUs default to TF32; the equivalence check wants fp32. The step on all GPUs is held to
+# the independent reference (tests/reference.py) run on the same GPUs: with one GPU it is still a real check.
 EQUIVALENCE = """
 import sys, jax, numpy as np, optax, chex
+sys.path.insert(0, "tests")
 import jaxtrain as jt
 from jaxtrain.models import lenet
+from reference import Reference
 strategy, precision = sys.argv[1:3]
 devices = jt.setup_devices()
 jax.config.update("jax_default_matmul_precision", "highest")
 rng = np.random.default_rng(0)
 batches = [{"image": rng.random((64 * len(devices), 28, 28, 1), dtype=np.float32),
             "label": rng.integers(0, 10, 64 * len(devices)).astype(np.int32)} for _ in range(3)]
-def train(mesh, strategy):
-    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=mesh, strategy=strategy, precision=precision)
-    state = trainer.init(lenet.init_params(jax.random.key(0), scale=0.1))
-    for b in batches:
-        state, metrics = trainer(state, b)
-    return jax.device_get((state.params, metrics))
-got, ref = train(jt.make_mesh(devices), strategy), train(1, "jit")
+params = lenet.init_params(jax.random.key(0), scale=0.1)
+trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=jt.make_mesh(devices), strategy=strategy,
+                             precision=precision)
+state = trainer.init(params)
+ref = Reference(lenet.loss_fn, optax.sgd(0.2), params, precision=precision, devices=len(devices))
+for b in batches:
+    state, metrics = trainer(state, b)
+    want = ref.step(b)
 tol = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=2e-2, atol=2e-3)
-chex.assert_trees_all_close(got, ref, **tol)
-print(len(devices), devices[0].platform, float(got[1]["loss"]))
+chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref.params), **tol)
+np.testing.assert_allclose(float(metrics["loss"]), float(want["loss"]), **tol)
+moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(jax.device_get(state.params)),
+                                                         jax.tree.leaves(jax.device_get(params))))
+assert moved > 10 * tol["atol"], moved  # the steps moved the weights: the comparison is not of two idle runs
+print(len(devices), devices[0].platform, float(metrics["loss"]))
 """
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("strategy", ["jit", "shard_map", "pmap", "ring"])
-def test_lenet_step_on_all_gpus_equals_one_gpu(strategy, precision):
-    if gpu_count() < 2:
-        pytest.skip("one GPU: all GPUs vs one GPU would compare the step with itself")
+def test_lenet_step_on_all_gpus_equals_the_reference(strategy, precision):
     n, platform, loss = run_gpu(EQUIVALENCE, strategy, precision).split()
     assert int(n) == gpu_count() and platform == "gpu" and float(loss) > 0
 
@@ -105,15 +111,19 @@ def test_bench_runs_on_gpus(tmp_path):
                   "--json", str(tmp_path / "bench.json"), env=GPU_ENV)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert result["devices"] == gpu_count() and 0 < result["jaxtrain_ms"] < 1000, result
+    assert result["devices"] == gpu_count(), result
+    # jaxtrain's step against the hand-written jax.jit step of the same model, timed side by side: a slowdown of
+    # jaxtrain's own (a lost donation, a copy per step, a host sync) shows here; a uniformly slow GPU does not.
+    assert result["paired_jaxtrain_over_handwritten"] < 1.5, result
 
 
 KERNEL = """
 import jax, jax.numpy as jnp, numpy as np, optax
 import jaxtrain as jt
 from jaxtrain import models
-from jaxtrain.kernels import softmax_ce
+from jaxtrain.kernels import rows, softmax_ce
 jt.setup_devices()
+MARKS = {"triton": "triton", "mosaic": "mosaic_gpu"}  # the custom call each Pallas GPU backend lowers to
 jax.config.update("jax_default_matmul_precision", "highest")
 for batch, classes in [(100, 10), (37, 1000), (4096, 1000)]:
     x = 4 * jax.random.normal(jax.random.key(0), (batch, classes))
@@ -121,7 +131,8 @@ for batch, classes in [(100, 10), (37, 1000), (4096, 1000)]:
     f = lambda ce: jax.jit(jax.value_and_grad(lambda x: ce(x, y).mean()))(x)
     (v, g), (rv, rg) = f(softmax_ce.cross_entropy), f(softmax_ce.reference)
     np.testing.assert_allclose(v, rv, rtol=1e-5); np.testing.assert_allclose(g, rg, rtol=1e-5, atol=1e-6)
-    assert "triton" in jax.jit(softmax_ce.cross_entropy).lower(x, y).as_text()
+    text = jax.jit(softmax_ce.cross_entropy).lower(x, y).as_text()
+    assert MARKS[rows.backend()] in text, (rows.backend(), [m for m in MARKS.values() if m in text])
 def steps(kernels):
     model = models.get("lenet", kernels=kernels)
     trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.5), mesh=jt.make_mesh(jax.devices()))
@@ -131,9 +142,10 @@ def steps(kernels):
     return jax.device_get(state.params)
 for a, b in zip(jax.tree.leaves(steps("pallas")), jax.tree.leaves(steps("jnp"))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-print("ok", jax.devices()[0].platform)
+print("ok", jax.devices()[0].platform, rows.backend())
 """
 
 
-def test_the_pallas_kernel_runs_through_triton_on_gpus():
-    assert run_gpu(KERNEL).split()[-2:] == ["ok", "gpu"]
+def test_the_pallas_kernel_runs_through_the_backend_rows_picks_on_gpus():
+    """Triton, or Mosaic GPU on a Hopper or newer with jax >= 0.12 (``kernels.rows.backend``)."""
+    assert run_gpu(KERNEL).split()[-3:-1] == ["ok", "gpu"]

@@ -294,7 +294,7 @@ def test_bench_kernels_prints_the_bytes_table(tmp_path):
     assert "| cross-entropy | 32 x 10 |" in r.stdout and "| layer norm | 3136 x 64 |" in r.stdout
     figures = json.loads((tmp_path / "k.json").read_text())
     for row in figures["kernels"]:
-        assert 0 < row["kernel_bytes"] < row["xla_bytes"] and row["interpret_ms"] > 0, row
+        assert 0 < row["kernel_bytes"] < row["xla_bytes"] and row["kernel_ms"] > 0 and row["kernel_runs_as"] == "interpret", row
     assert set(figures["steps"]) == {"lenet", "vit"} and set(figures["steps"]["vit"]) == {"jnp", "pallas"}
     r = run_cli("-m", "experiments.bench_kernels", "--classes", "ten")
     assert r.returncode == 2 and "--classes takes class counts" in r.stderr and "Traceback" not in r.stderr

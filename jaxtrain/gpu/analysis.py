@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -40,12 +42,16 @@ def _cost(module) -> dict:
     return _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
 
 
-def compile_lowered(lowered) -> tuple:
+def compile_lowered(lowered, dump_dir: str | None = None) -> tuple:
     """``(compiled, seconds, per-GPU FLOPs, bytes accessed)``: one compile, whose module after SPMD
-    partitioning XLA dumps to a temporary directory for its FLOPs."""
+    partitioning XLA dumps to a temporary directory for its FLOPs (``dump_dir``: to this one, emptied first: the
+    same options every time, so that JAX's persistent compilation cache can serve the next process; FLOPs are
+    None where it did, since nothing compiled)."""
     from jaxlib import _hlo  # parses HLO text (jax 0.12: no public API)
 
-    with tempfile.TemporaryDirectory() as dump:
+    if dump_dir:
+        shutil.rmtree(dump_dir, ignore_errors=True)
+    with (contextlib.nullcontext(dump_dir) if dump_dir else tempfile.TemporaryDirectory()) as dump:
         start = time.perf_counter()
         compiled = lowered.compile(compiler_options={"xla_dump_to": dump,
                                                      "xla_dump_hlo_pass_re": "spmd-partitioning"})

@@ -1,0 +1,200 @@
+"""The day a GPU is available: every GPU number jaxtrain claims, measured, beside what it estimated.
+
+    make gpu-bundle                              # here, on the CPU host: the wheels the GPU machine lacks
+    python -m experiments.gpu_check              # there: every part, in commands of at most 10 minutes
+    python -m experiments.gpu_check --dry-run    # here: every part on the CPU backend with tiny shapes
+
+Parts (``--part NAME``, repeatable; default: all), each cached in ``OUT/parts/NAME.json`` so that the next call
+goes on where the last one stopped (``--again`` measures them anew):
+
+- ``env``: the machine, driver, jax and the packages;
+- ``tests``: ``pytest -m gpu`` (tests/test_gpu.py);
+- ``steps``: LeNet, ResNet-18, ResNet-50 (224x224, 256 per GPU) and the ViT, fp32 and bf16: step time,
+  examples/s, peak device memory, beside ``jaxtrain.gpu``'s estimate and ``memory_analysis`` for the same kind;
+- ``remat``: the remat policies with host offload (``experiments.gpu_offload``'s table), measured;
+- ``kernels``: the Pallas kernels against XLA's jnp versions (``experiments.bench_kernels``).
+
+Writes ``OUT/report.json`` and ``OUT/report.md`` (default OUT: ``gpu-check/``) and prints where. On a machine
+without a GPU it says so in one line and exits 2, unless ``--dry-run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from experiments import gpu_check_report as report
+from jaxtrain.cli import one_line_errors, positive_int
+from jaxtrain.errors import ConfigError
+from jaxtrain.files import atomic_write
+
+PARTS = ("env", "tests", "steps", "remat", "kernels")
+RESNET50 = {"input_shape": (224, 224, 3), "num_classes": 1000}  # ImageNet's images, gpu_validate's network
+STEPS = [  # (settings, per-GPU batch or None for the recipe's)
+    ({"model": "lenet", "precision": "fp32"}, None), ({"model": "lenet", "precision": "bf16"}, None),
+    ({"model": "resnet18", "precision": "fp32"}, None), ({"model": "resnet18", "precision": "bf16"}, None),
+    ({"model": "resnet50", "precision": "bf16", **RESNET50}, 256), ({"model": "vit", "precision": "bf16"}, None),
+    ({"model": "resnet50", "precision": "bf16", **RESNET50}, 400),  # MLPerf Training's 400 per GPU (v3.0, v4.0)
+]
+DRY = {"input_shape": (32, 32, 3), "num_classes": 10}  # ResNet-50 on the CPU: tiny images
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("--part", action="append", choices=PARTS, help="only these parts (repeatable; default: all)")
+    p.add_argument("--out", default="gpu-check", help="the report's folder (parts are cached in OUT/parts)")
+    p.add_argument("--again", action="store_true", help="measure the parts asked for anew, cached or not")
+    p.add_argument("--dry-run", action="store_true",
+                   help="rehearse every part on the CPU backend with tiny shapes (estimates as for an H100)")
+    p.add_argument("--budget", type=positive_int, default=480,
+                   help="seconds after which no new part starts (commands there stop at 10 minutes)")
+    p.add_argument("--steps", type=positive_int, default=20, help="steps per timed block")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed blocks per step (median reported)")
+    return p
+
+
+def gpus() -> list:
+    import jax
+
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def part_env(args) -> dict:
+    import platform
+    from importlib import metadata
+
+    import jax
+
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                          "--format=csv,noheader"], capture_output=True, text=True) if not args.dry_run else None
+    names = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "flax", "optax", "chex", "orbax-checkpoint",
+             "numpy", "grain", "tensorflow-datasets", "qwix", "optuna", "torch")
+    return {"python": platform.python_version(), "cores": os.cpu_count(), "backend": jax.default_backend(),
+            "devices": [d.device_kind for d in jax.devices()], "packages": {n: version(n) for n in names},
+            "nvidia_smi": (smi.stdout.strip() if smi and smi.returncode == 0 else None)}
+
+
+def part_tests(args) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # the suite pins itself to CPUs (conftest);
+    junit = Path(args.out) / "tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-q", "-p", "no:cacheprovider",
+           f"--junitxml={junit}", "-o", "addopts=-ra --strict-markers"]
+    start = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    return {"returncode": out.returncode, "seconds": time.perf_counter() - start, "command": " ".join(cmd[1:]),
+            **report.junit_counts(junit), "tail": out.stdout[-3000:] + out.stderr[-1000:]}
+
+
+ROW = "import json, sys; from jaxtrain.gpu import measure; print(json.dumps(measure.step(**json.loads(sys.argv[1]))))"
+
+
+def _step_rows(args, settings_list, say) -> list[dict]:
+    """One process per row: its peak device memory is its own (JAX keeps one peak per process), and a row that
+    runs out of memory or crashes is a finding in the report, not the end of the check."""
+    rows = []
+    for settings, per_gpu in settings_list:
+        settings = dict(settings)
+        if args.dry_run:
+            settings.update(batch_size=8, **({**DRY} if settings["model"] == "resnet50" else {}))
+        elif per_gpu:
+            settings["batch_size"] = per_gpu * len(gpus())
+        say(f"  {settings['model']} {settings['precision']} remat {settings.get('remat', 'none')}")
+        kw = {**settings, "steps": 2 if args.dry_run else args.steps, "repeats": 1 if args.dry_run else args.repeats,
+              "estimate_as": "h100" if args.dry_run else None,
+              "dump_dir": str(Path(args.out, "dumps", "-".join(str(v) for v in settings.values()).replace("/", "_")))}
+        cache = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(Path(args.out) / "jit-cache"),
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+        first = subprocess.run([sys.executable, "-c", ROW, json.dumps(kw)], capture_output=True, text=True, env=cache)
+        # Again, from the cache: the peak memory of a process that runs the step and never compiled it (a compile's
+        # autotuning takes device memory of its own); the times of the two agree or the report shows both.
+        out = first if first.returncode else subprocess.run([sys.executable, "-c", ROW, json.dumps(kw)],
+                                                             capture_output=True, text=True, env=cache)
+        if out.returncode == 0:
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            before = json.loads(first.stdout.strip().splitlines()[-1])
+            rows.append({**row, "compile_s": before["compile_s"], "cached_compile_s": row["compile_s"],
+                         "flops": before["flops"], "hfu": before.get("hfu"),
+                         "first_process": {k: before[k] for k in ("ms", "peak_bytes")}})
+        else:
+            last = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+            rows.append({**{k: v for k, v in settings.items() if k in ("model", "precision", "remat")},
+                         "error": last[:500], "stderr_tail": out.stderr[-2000:]})
+    return rows
+
+
+def part_steps(args, say) -> dict:
+    return {"rows": _step_rows(args, STEPS, say)}
+
+
+def part_remat(args, say) -> dict:
+    from experiments.gpu_offload import POLICIES
+
+    settings = [({"model": m, "precision": "bf16", "remat": r}, None) for m in ("resnet18", "vit") for r in POLICIES[m]]
+    settings += [({"model": "resnet50", "precision": "bf16", "remat": r, **RESNET50}, 256) for r in ("none", "full")]
+    return {"rows": _step_rows(args, settings, say)}
+
+
+def part_kernels(args) -> dict:
+    json_path = Path(args.out) / "kernels.json"
+    cmd = [sys.executable, "-m", "experiments.bench_kernels", "--devices", "1", "--json", str(json_path),
+           *(["--repeats", "2", "--classes", "10"] if args.dry_run else [])]
+    env = {**os.environ, **({"JAX_PLATFORMS": "cpu"} if args.dry_run else {})}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    return {"table": out.stdout, **json.loads(json_path.read_text())}
+
+
+@one_line_errors("gpu_check")
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.dry_run:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    elif not gpus():
+        raise ConfigError("no GPU here (JAX finds none): run this on a GPU machine, or --dry-run to rehearse it")
+    start, out = time.perf_counter(), Path(args.out)
+    (out / "parts").mkdir(parents=True, exist_ok=True)
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    runs = {"env": part_env, "tests": part_tests, "kernels": part_kernels,
+            "steps": lambda a: part_steps(a, say), "remat": lambda a: part_remat(a, say)}
+    left = []
+    for name in args.part or PARTS:
+        cached = out / "parts" / f"{name}.json"
+        if cached.exists() and not args.again:
+            say(f"{name}: cached in {cached} (--again to measure it anew)")
+            continue
+        if time.perf_counter() - start > args.budget:
+            left.append(name)
+            continue
+        say(f"{name}...")
+        part_start = time.perf_counter()
+        result = {**runs[name](args), "part_seconds": time.perf_counter() - part_start, "dry_run": args.dry_run}
+        atomic_write(cached, json.dumps(result, indent=1, default=str))
+    parts = {p.stem: json.loads(p.read_text()) for p in sorted((out / "parts").glob("*.json"))}
+    atomic_write(out / "report.json", json.dumps(parts, indent=1, default=str))
+    atomic_write(out / "report.md", report.markdown(parts))
+    print(f"report: {out / 'report.md'} and {out / 'report.json'}"
+          + (f"; not started (budget {args.budget} s spent): {', '.join(left)}: run the same command again" if left
+             else ""))
+    failed = parts.get("tests", {}).get("returncode", 0) != 0 or any("error" in r for k in ("steps", "remat")
+                                                                     for r in parts.get(k, {}).get("rows", []))
+    return 3 if left else (1 if failed else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
