@@ -220,7 +220,11 @@ def main(argv=None) -> int:
     for worker in workers.values():
         worker.close()
     epoch = None if infer else _epoch(args, jt, mesh, runs, model.eval_fn, block)
-    peak = diagnostics.measure_matmul_peak()
+    peak = diagnostics.devices_peak(devices, args.precision, measure=True)  # GPUs' add up; CPU devices share cores
+    from jaxtrain.models.flops import TRAIN_FACTOR, forward
+
+    # the model's FLOPs per example: 3 x forward for a train step, the forward for inference (jaxtrain.models.flops)
+    model_flops = forward(args.model, model.input_shape, model.num_classes) * (1 if infer else TRAIN_FACTOR)
     med = {k: statistics.median(v) for k, v in times.items()}
 
     def paired(a: str, b: str) -> float | None:
@@ -233,11 +237,12 @@ def main(argv=None) -> int:
           f"{model.conv} convolutions, malloc {'keeping freed memory' if host_memory.applied() else 'as is'}"
           f"{', materialize off' if args.no_materialize else ''}; median (min-max) of {args.repeats} x {args.steps} "
           f"{'calls' if infer else 'steps'}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
-    print("| variant | ms/step | examples/s | GFLOP/s | % of peak |\n|---|---|---|---|---|")
+    print("| variant | ms/step | examples/s | GFLOP/s (compiled) | MFU | HFU |\n|---|---|---|---|---|---|")
     for name, v in times.items():
         ms = med[name]
         print(f"| {name} | {ms:.1f} ({min(v):.1f}-{max(v):.1f}) | {args.batch_size / ms * 1000:,.0f} | "
-              f"{flops / ms / 1e6:.0f} | {100 * flops / ms / 1e6 / (peak / 1e9):.0f}% |")
+              f"{flops / ms / 1e6:.0f} | {model_flops * args.batch_size / ms / 1e-3 / peak:.0%} | "
+              f"{flops / ms / 1e-3 / peak:.0%} |")
     ratios = {"torch/jaxtrain": paired("torch", "jaxtrain"), "jaxtrain/handwritten": paired("jaxtrain", "handwritten"),
               "torch_same_malloc/jaxtrain": paired("torch_same_malloc", "jaxtrain"),
               "jaxtrain int8/fp32": paired("jaxtrain", "jaxtrain_fp32"),
@@ -262,6 +267,9 @@ def main(argv=None) -> int:
                        **{f"{k}_ms": med.get(k) for k in ("jaxtrain", "handwritten", "torch", "jaxtrain_fp32",
                                                           "torch_fp32", "torch_same_malloc")},
                        "peak_gflops": peak / 1e9, "flops_per_step": flops, "bytes_per_step": bytes_accessed,
+                       "model_flops_per_example": model_flops,  # 3 x forward (train) or the forward (inference)
+                       "jaxtrain_mfu": model_flops * args.batch_size / (med["jaxtrain"] * 1e-3) / peak,
+                       "jaxtrain_hfu": flops / (med["jaxtrain"] * 1e-3) / peak,
                        **({k: v for k, v in epoch.items() if k != "line"} if epoch else {}),
                        "paired_torch_over_jaxtrain": ratios["torch/jaxtrain"],
                        "paired_jaxtrain_over_handwritten": ratios["jaxtrain/handwritten"],

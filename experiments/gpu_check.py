@@ -128,7 +128,9 @@ def _step_rows(args, settings_list, say) -> list[dict]:
             row = json.loads(out.stdout.strip().splitlines()[-1])
             before = json.loads(first.stdout.strip().splitlines()[-1])
             rows.append({**row, "compile_s": before["compile_s"], "cached_compile_s": row["compile_s"],
-                         "flops": before["flops"], "hfu": before.get("hfu"),
+                         "flops": before["flops"],  # the cached process compiled nothing: no dump to count
+                         "hfu": before["flops"] * row["devices"] / (row["ms"] / 1e3) / row["peak_flops"]
+                         if before.get("flops") and row.get("peak_flops") else None,
                          "first_process": {k: before[k] for k in ("ms", "peak_bytes")}})
         else:
             last = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]

@@ -31,17 +31,17 @@ def _num(x, fmt) -> str:
 
 def step_table(rows: list[dict]) -> str:
     lines = ["| model | precision | remat | batch | ms/step | examples/s | ESTIMATE ms | measured/estimate | "
-             "HFU | peak memory | memory_analysis | measured/analysis | compile s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "MFU | HFU | peak memory | memory_analysis | measured/analysis | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r.get('model')} | {r.get('precision')} | {r.get('remat', 'none')} | FAILED: "
-                         f"{r['error'].replace('|', '/')} |||||||||")
+                         f"{r['error'].replace('|', '/')} ||||||||||")
             continue
         lines.append(
             f"| {r['model']} | {r['precision']} | {r['remat']} | {r['batch']} | {r['ms']:.2f} | "
             f"{r['examples_per_second']:,.0f} | {_num(r.get('estimate_ms'), '.2f')} | {_num(r.get('time_ratio'), '.2f')} | "
-            f"{_num(r.get('hfu'), '.1%')} | {_mib(r.get('peak_bytes'))} | {_mib(r['memory_analysis']['total'])} | "
+            f"{_num(r.get('mfu'), '.1%')} | {_num(r.get('hfu'), '.1%')} | {_mib(r.get('peak_bytes'))} | {_mib(r['memory_analysis']['total'])} | "
             f"{_num(r.get('memory_ratio'), '.2f')} | {r['compile_s']:.1f} |")
     return "\n".join(lines)
 
@@ -64,7 +64,8 @@ def markdown(parts: dict) -> str:
         if name in parts:
             out += [f"## {title}", "", "Step time: median of the timed blocks, on one generated batch already on "
                     "the device. ESTIMATE: `jaxtrain.gpu.estimate` of the same compiled program for this GPU kind. "
-                    "HFU: the compiled program's FLOPs per second over the dense peak.", "",
+                    "MFU: 3 x the model's forward FLOPs (`jaxtrain.models.flops`) per example x examples/s over the dense peak; "
+                    "HFU: the compiled program's FLOPs instead (XLA counts a loop's body once: the ViT's is low).", "",
                     step_table(parts[name]["rows"]), ""]
     kernels = parts.get("kernels")
     if kernels:

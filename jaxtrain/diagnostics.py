@@ -189,6 +189,17 @@ def format_summary(summary: dict) -> str:
 
 # ------------------------------------------------------------ throughput and MFU
 
+def devices_peak(devices, precision: str, measure: bool = False) -> float | None:
+    """The dense peak FLOP/s of ``devices`` together, for the MFU: GPUs' datasheet peaks for the precision
+    (``jaxtrain.gpu.targets``) add up; ``measure``: a measured fp32 matmul peak instead (per GPU; virtual CPU
+    devices share the cores one measured matmul uses, so theirs is the host's). None where neither is known."""
+    from jaxtrain.gpu.targets import peak_flops
+
+    gpus = devices[0].platform == "gpu"
+    one = measure_matmul_peak() if measure else peak_flops(devices[0].device_kind, precision) if gpus else None
+    return one * len(devices) if one and gpus else one
+
+
 def measure_matmul_peak(n: int = 2048, repeats: int = 5, device=None) -> float:
     """FLOP/s of an n x n fp32 matmul on one device (best of ``repeats``): a measured peak."""
     device = device or jax.local_devices()[0]

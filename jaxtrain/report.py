@@ -132,12 +132,16 @@ class RunWriter:
 
 
 def run_summary(args, name: str, history, first_loss, stats, peak, devices, call_batch: int, steps_per_epoch: int,
-                examples: dict, data_sha256: str) -> dict:
-    """summary.json of a finished run: results, steady-state speed, compiled costs, settings."""
+                examples: dict, data_sha256: str, model_flops: float | None = None) -> dict:
+    """summary.json of a finished run: results, steady-state speed, compiled costs, settings; ``model_flops``: the
+    model's forward FLOPs per example (``jaxtrain.models.flops``), for the MFU (the compiled FLOPs give the HFU)."""
     # Steady-state speed: leave out the first epoch (it compiles) when there are others.
     timed = history[1:] if len(history) > 1 else history
     examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
     achieved_flops = stats["flops"] * len(devices) * examples_per_sec / call_batch
+    from jaxtrain.models.flops import utilisation
+
+    use = utilisation(model_flops, stats["flops"] * len(devices), call_batch, call_batch / examples_per_sec, peak)
     last = history[-1]
     return {
         "experiment": name,
@@ -166,8 +170,12 @@ def run_summary(args, name: str, history, first_loss, stats, peak, devices, call
         "compiled_flops": stats["flops"],  # per device
         "ms_per_step": 1000 * call_batch / examples_per_sec,
         "achieved_flops_per_sec": achieved_flops,
-        "peak_flops_per_sec": peak,
-        "mfu": achieved_flops / peak if peak else None,
+        "peak_flops_per_sec": peak,  # of all the devices together: GPUs' peaks add up; CPU devices share the cores
+        "model_flops_per_example": model_flops,  # forward, from the layers' shapes (jaxtrain.models.flops)
+        # MFU: 3 x model FLOPs per example x examples/s over the devices' dense peak; HFU: the compiled program's
+        # FLOPs instead (remat's recomputation included). None where the peak is not known (CPUs: --measure-peak).
+        "mfu": use["mfu"],
+        "hfu": use["hfu"],
         "compiled_temp_bytes": stats["temp_bytes"],
         "saved_residual_bytes": stats["saved_residual_bytes"],
         "steps": sum(h.steps for h in history),

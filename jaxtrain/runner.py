@@ -15,13 +15,14 @@ from pathlib import Path
 import jax
 
 import jaxtrain as jt
-from jaxtrain import assemble, diagnostics, distill, export, gpu, models, observe, remat, track
+from jaxtrain import assemble, diagnostics, distill, export, models, observe, remat, track
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
 from jaxtrain.data import loader, sources
 from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.files import params_digest
+from jaxtrain.models import flops
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.report import RunWriter, claim_out_dir, conv_path, describe, not_learning, run_summary
 from jaxtrain.signals import Exit, StopOnSignal, StopVote
@@ -237,18 +238,19 @@ def stopped(s: Setup, step: int, stop: StopOnSignal):
 def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data, settings, writer) -> dict:
     """summary.json: the result first on stdout (if the files fail, the user still has it), then the files."""
     c, platform = s.config, s.devices[0].platform
-    peak = (diagnostics.measure_matmul_peak() if c.measure_peak
-            else gpu.peak_flops(s.devices[0].device_kind, c.precision) if platform == "gpu" else None)
+    peak = diagnostics.devices_peak(s.devices, c.precision, measure=c.measure_peak)
     summary = run_summary(c, c.model, history, first_loss, stats, peak, s.devices, s.call_batch, steps_per_epoch,
-                          {k: len(v) for k, v in data.items()}, settings["data_sha256"])
+                          {k: len(v) for k, v in data.items()}, settings["data_sha256"],
+                          model_flops=flops.forward(c.model, s.model.input_shape, s.model.num_classes))
     summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
                    sharded_params=s.layout["sharded"], collectives=stats["collectives"],
                    conv=conv_path(c, s.model, platform),
                    pipeline={**s.trainer.describe(), "counted_bubble": float(s.last["pipeline_bubble"])}
                    if s.trainer.pipeline_layout else None)
     plural = "s" * (len(s.devices) != 1)
+    use = f", MFU {summary['mfu']:.1%} (HFU {summary['hfu']:.1%})" if summary["mfu"] is not None else ""
     s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
-          f"device{plural} ({platform}){not_learning(history, first_loss, s.model.num_classes)}", flush=True)
+          f"device{plural} ({platform}){use}{not_learning(history, first_loss, s.model.num_classes)}", flush=True)
     if writer is not None:
         writer.summary(summary)
         s.say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl, curves.png")

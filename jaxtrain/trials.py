@@ -25,8 +25,8 @@ from jaxtrain.models import MODELS
 SUMMARY_NUMBERS = ("test_acc", "test_loss", "train_loss", "train_acc", "initial_loss", "sec_per_epoch",
                    "ms_per_update", "first_epoch_sec", "median_epoch_sec", "examples_per_sec", "data_wait_fraction",
                    "workers", "prefetch", "devices", "processes", "accum_steps", "compiled_flops", "ms_per_step",
-                   "achieved_flops_per_sec", "peak_flops_per_sec", "mfu", "compiled_temp_bytes",
-                   "saved_residual_bytes", "steps", "epochs", "batch_size", "lr", "seed", "train_examples",
+                   "achieved_flops_per_sec", "peak_flops_per_sec", "mfu", "hfu", "model_flops_per_example",
+                   "compiled_temp_bytes", "saved_residual_bytes", "steps", "epochs", "batch_size", "lr", "seed", "train_examples",
                    "test_examples")
 KINDS = {"log": "log-uniform float LO:HI", "float": "uniform float LO:HI", "int": "whole number LO:HI",
          "choice": "one of A,B,C"}

@@ -216,6 +216,13 @@ def test_bench_bf16_smoke(tmp_path):
     result = json.loads((tmp_path / "b.json").read_text())
     assert result["precision"] == "bf16" and result["devices"] == 2 and "LeNet bf16 train step" in out.stdout
     assert result["jaxtrain_ms"] > 0 and result["handwritten_ms"] > 0 and result["paired_jaxtrain_over_handwritten"] > 0
+    # MFU beside HFU: the model's training FLOPs (3 x forward) and the compiled program's, over the same peak
+    from jaxtrain.models.flops import forward
+
+    assert result["model_flops_per_example"] == 3 * forward("lenet", (28, 28, 1), 10)
+    assert result["jaxtrain_mfu"] / result["jaxtrain_hfu"] == pytest.approx(
+        result["model_flops_per_example"] * result["batch_size"] / result["flops_per_step"])
+    assert "| MFU | HFU |" in out.stdout
 
 
 @pytest.mark.slow

@@ -78,15 +78,23 @@ class Estimate:
     from_host: float = 0.0  # bytes it reads back from there
     host_seconds: float = 0.0  # the transfers' time on the host link (beside the kernels: asynchronous)
     host_wait: float = 0.0  # of it, what the kernels waited for
+    model_flops: float | None = None  # per GPU per step: 3 x the model's forward FLOPs (jaxtrain.models.flops)
 
     @property
     def examples_per_second(self) -> float:
         return self.examples / self.seconds
 
     @property
-    def mfu(self) -> float:
-        """Matmul and convolution FLOPs per second over the dense peak."""
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: the program's matmul and convolution FLOPs (remat's recomputation included)
+        per second over the dense peak."""
         return self.flops / self.seconds / self.peak_flops
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation: the model's training FLOPs (3 x forward, counted once) per second over the
+        dense peak; None where the model's FLOPs were not given."""
+        return self.model_flops / self.seconds / self.peak_flops if self.model_flops else None
 
     @property
     def overlapped_share(self) -> float:
@@ -105,7 +113,7 @@ class Estimate:
     def summary(self, n: int = 5) -> dict:
         """The figures a report and its JSON show, the ``n`` costliest ops named."""
         return {"seconds": self.seconds, "lower_bound": self.lower_bound, "roofline": self.roofline,
-                "examples": self.examples, "examples_per_second": self.examples_per_second, "mfu": self.mfu,
+                "examples": self.examples, "examples_per_second": self.examples_per_second, "mfu": self.mfu, "hfu": self.hfu,
                 "bottleneck": self.bottleneck, "compute": self.compute, "memory": self.memory, "launch": self.launch,
                 "communication": self.communication, "exposed": self.exposed,
                 "overlapped_share": self.overlapped_share, "flops": self.flops, "peak_flops": self.peak_flops,
@@ -277,9 +285,13 @@ class _Walker:
         return {**totals, "seconds": end}
 
 
-def estimate(compiled_text: str, gpu: str | Target, gpus: int, hosts: int, examples: int) -> Estimate:
+def estimate(compiled_text: str, gpu: str | Target, gpus: int, hosts: int, examples: int,
+             model_flops_per_example: float | None = None) -> Estimate:
     """The step time of a program compiled for ``gpus`` x ``hosts`` GPUs of kind ``gpu`` (``compiled.as_text()``
-    of a step compiled by ``jaxtrain.gpu``), one call of ``examples`` examples (the global batch)."""
+    of a step compiled by ``jaxtrain.gpu``), one call of ``examples`` examples (the global batch);
+    ``model_flops_per_example``: the model's forward FLOPs (``jaxtrain.models.flops.forward``), for the MFU."""
+    from jaxtrain.models.flops import TRAIN_FACTOR
+
     t = target(gpu)
     comps = hlo.computations(compiled_text)
     entry = hlo.entry_name(compiled_text)
@@ -294,4 +306,6 @@ def estimate(compiled_text: str, gpu: str | Target, gpus: int, hosts: int, examp
                     memory=run["memory"], launch=run["launch"], communication=run["communication"],
                     exposed=max(0.0, run["seconds"] - run["roofline"] - run["launch"] - run["host_wait"]), flops=flops,
                     peak_flops=walker.main_peak[1], ops=ops, to_host=run["to_host"], from_host=run["from_host"],
-                    host_seconds=run["host_seconds"], host_wait=run["host_wait"])
+                    host_seconds=run["host_seconds"], host_wait=run["host_wait"],
+                    model_flops=TRAIN_FACTOR * model_flops_per_example * examples / (gpus * hosts)
+                    if model_flops_per_example else None)

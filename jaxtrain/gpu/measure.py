@@ -84,11 +84,15 @@ def step(*, steps: int = 20, repeats: int = 5, input_shape: tuple | None = None,
            "bytes_accessed": bytes_accessed, "loss": [first_loss, loss], "peak_bytes": _peak_bytes(devices),
            "memory_analysis": analysis.memory(compiled), "target": t.key if t else None}
     if t is not None:
-        e = estimate(compiled.as_text(), t, len(devices), 1, call).summary()
-        peak = t.peak_flops(c.precision)
+        from jaxtrain.models.flops import forward, utilisation
+
+        e = estimate(compiled.as_text(), t, len(devices), 1, call, forward(c.model, shape["input_shape"],
+                                                                          shape["num_classes"])).summary()
+        peak = t.peak_flops(c.precision) * len(devices)
+        model_flops = forward(c.model, shape["input_shape"], shape["num_classes"])
         row.update(estimate_ms=e["seconds"] * 1e3, estimate_bottleneck=e["bottleneck"], peak_flops=peak,
-                   time_ratio=seconds / e["seconds"],
-                   hfu=flops * len(devices) / seconds / (peak * len(devices)) if flops else None)
+                   time_ratio=seconds / e["seconds"], model_flops_per_example=model_flops, estimate_mfu=e["mfu"],
+                   **utilisation(model_flops, flops and flops * len(devices), call, seconds, peak))
         if row["peak_bytes"]:
             row["memory_ratio"] = row["peak_bytes"] / row["memory_analysis"]["total"]
     return row

@@ -114,7 +114,9 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     text = compiled.as_text()
     from jaxtrain.gpu.estimate import estimate
 
-    timing = estimate(text, t, gpus, hosts, call).summary()
+    from jaxtrain.models.flops import forward
+
+    timing = estimate(text, t, gpus, hosts, call, forward(c.model, shape["input_shape"], shape["num_classes"])).summary()
     budget = int(t.memory_bytes * memory_fraction)
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     result = GpuPlan(

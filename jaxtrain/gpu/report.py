@@ -27,11 +27,17 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e3:,.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:,.1f} us"
 
 
+def utilisation(e: dict) -> str:
+    """"MFU 40% (HFU 52%)": the model's FLOPs and the program's over the peak (``jaxtrain.models.flops``)."""
+    mfu = "MFU n/a" if e.get("mfu") is None else f"MFU {e['mfu']:.0%}"
+    return f"{mfu} (HFU {e['hfu']:.0%})"
+
+
 def format_estimate(e: dict) -> list[str]:
     """An estimate's summary (``Estimate.summary()``) as report lines."""
     lines = [f"step time ESTIMATED from the program (not measured): {_time(e['seconds'])} expected, "
              f"{_time(e['lower_bound'])} lower bound; {e['examples_per_second']:,.0f} examples/s, "
-             f"MFU {e['mfu']:.0%}; bottleneck: {e['bottleneck']}",
+             f"{utilisation(e)}; bottleneck: {e['bottleneck']}",
              f"  kernels bound by compute {_time(e['compute'])}, by memory {_time(e['memory'])}; launches "
              f"{_time(e['launch'])}; collectives {_time(e['communication'])}, "
              f"{e['overlapped_share']:.0%} of it assumed hidden behind kernels (exposed {_time(e['exposed'])})",

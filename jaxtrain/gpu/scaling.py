@@ -49,7 +49,7 @@ def scaling(gpu: str, counts: list[int], mode: str = "weak", *, batch_size: int,
         e = p.estimate
         rows.append({"gpus": count, "hosts": hosts, "batch": batch, "per_gpu_batch": batch // count,
                      "seconds": e["seconds"], "examples_per_second": e["examples_per_second"],
-                     "per_gpu": e["examples_per_second"] / count, "mfu": e["mfu"],
+                     "per_gpu": e["examples_per_second"] / count, "mfu": e["mfu"], "hfu": e["hfu"],
                      "communication_share": e["communication"] / e["seconds"],
                      "exposed_share": e["exposed"] / e["seconds"], "bottleneck": e["bottleneck"],
                      "memory_bytes": p.memory["total"], "fits": p.fits})
@@ -60,13 +60,14 @@ def scaling(gpu: str, counts: list[int], mode: str = "weak", *, batch_size: int,
 
 def format_scaling(rows: list[dict], title: str = "") -> str:
     head = (f"{'GPUs':>5} {'hosts':>5} {'batch':>7} {'/GPU':>5} {'step':>10} {'examples/s':>11} {'per GPU':>8} "
-            f"{'efficiency':>10} {'comm':>6} {'exposed':>7} {'MFU':>5}  bottleneck")
+            f"{'efficiency':>10} {'comm':>6} {'exposed':>7} {'MFU':>5} {'HFU':>5}  bottleneck")
     lines = [title, head] if title else [head]
     for r in rows:
         lines.append(f"{r['gpus']:>5} {r['hosts']:>5} {r['batch']:>7,} {r['per_gpu_batch']:>5,} "
                      f"{r['seconds'] * 1e3:>7.2f} ms {r['examples_per_second']:>11,.0f} {r['per_gpu']:>8,.0f} "
                      f"{r['efficiency']:>10.1%} {r['communication_share']:>6.1%} {r['exposed_share']:>7.1%} "
-                     f"{r['mfu']:>5.0%}  {r['bottleneck']}{'' if r['fits'] else ' (DOES NOT FIT)'}")
+                     f"{'n/a' if r['mfu'] is None else format(r['mfu'], '.0%'):>5} {r['hfu']:>5.0%}  "
+                     f"{r['bottleneck']}{'' if r['fits'] else ' (DOES NOT FIT)'}")
     return "\n".join(lines)
 
 
