@@ -39,6 +39,9 @@ _RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 
 _COLLECTIVE = re.compile(r"^(" + "|".join(_RING_STEPS) + r")(-start|-done)?$")
 # An HLO dtype -> the precision whose peak it runs at (Target.peak_flops: f32 matmuls at TF32).
 _PRECISION = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "s8": "int8", "u8": "int8", "f64": "fp64"}
+# Precision.HIGHEST on any operand, as a dot prints it ({highest,highest}) or a cuBLAS call's backend_config
+# (["HIGHEST","HIGHEST"]): XLA then runs an f32 matmul at full fp32, not TF32 (GetBlasComputationType).
+_HIGHEST = re.compile(r'operand_precision(?:=\{[^}]*|":\[[^\]]*)highest', re.IGNORECASE)
 
 
 @dataclasses.dataclass
@@ -124,7 +127,7 @@ class Estimate:
 
 def _peak(t: Target, operand_shape: str, attrs: str) -> float:
     dtype = hlo.arrays(operand_shape)[0][0]
-    if dtype == "f32" and "operand_precision={highest" in attrs:
+    if dtype == "f32" and _HIGHEST.search(attrs):
         return t.peak_tflops["fp32"] * 1e12
     return t.peak_flops("fp8" if dtype.startswith("f8") else _PRECISION.get(dtype, "fp32"))
 
