@@ -8,7 +8,7 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 # (17:37 against 20:17 with the default scheduling, one run each here); --durations names the slowest tests.
 PYTEST_ARGS ?= -n 2 --dist worksteal --durations=20
 
-.PHONY: setup data onednn demo test test-latest test-gpu-compile gpu-bundle gpu-check docs clean help
+.PHONY: setup data onednn demo test test-latest test-gpu-compile gpu-bundle gpu-rehearse gpu-check docs clean help
 
 help:
 	@echo "make demo   set up, then train the d2l LeNet on Fashion-MNIST on 2 devices (10 epochs)"
@@ -16,6 +16,7 @@ help:
 	@echo "make test-latest  the suite again on the newest Python >= 3.12 here with the newest JAX (.venv-latest)"
 	@echo "make test-gpu-compile  the gpu_compile tests: steps compiled for 8 H100s on this host (a cached ~5.6 GB venv)"
 	@echo "make gpu-bundle  fetch the wheels a GPU machine without a registry lacks (.gpu-bundle, ~18 MiB)"
+	@echo "make gpu-rehearse  gpu-check rehearsed here: the GPU image's versions, the bundle alone, the CPU backend"
 	@echo "make gpu-check   on a GPU machine: every GPU figure measured, beside the estimate (gpu-check/report.md)"
 	@echo "make docs   set up, then build the documentation site into docs/_build/html (warnings are errors)"
 	@echo "make data   install the Debian package dataset-fashion-mnist if it is missing"
@@ -96,6 +97,9 @@ gpu-bundle:
 	bash tools/gpu-bundle
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
+# Here: an image-like venv, the bundle installed with --no-index, gpu_check --dry-run (CI runs it).
+gpu-rehearse:
+	bash tools/gpu-rehearse
 gpu-check:
 	@test -d .gpu-bundle || { echo "gpu-check: no .gpu-bundle here: run make gpu-bundle on a host with a package registry and bring it along"; exit 2; }
 	$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target .gpu-site .gpu-bundle/*.whl

@@ -54,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
                    help="rehearse every part on the CPU backend with tiny shapes (estimates as for an H100)")
     p.add_argument("--budget", type=positive_int, default=480,
                    help="seconds after which no new part starts (commands there stop at 10 minutes)")
+    p.add_argument("--predict", metavar="GPU", help="instead: the estimate's predictions for one GPU of this kind "
+                                                     "(h100, h200, ...) for every row measured, compiled on this host "
+                                                     "(the gpu-compile extra; no GPU needed)")
     p.add_argument("--steps", type=positive_int, default=20, help="steps per timed block")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed blocks per step (median reported)")
     return p
@@ -143,12 +146,35 @@ def part_steps(args, say) -> dict:
     return {"rows": _step_rows(args, STEPS, say)}
 
 
-def part_remat(args, say) -> dict:
+def remat_rows() -> list[tuple[dict, int | None]]:
     from experiments.gpu_offload import POLICIES
 
-    settings = [({"model": m, "precision": "bf16", "remat": r}, None) for m in ("resnet18", "vit") for r in POLICIES[m]]
-    settings += [({"model": "resnet50", "precision": "bf16", "remat": r, **RESNET50}, 256) for r in ("none", "full")]
-    return {"rows": _step_rows(args, settings, say)}
+    rows = [({"model": m, "precision": "bf16", "remat": r}, None) for m in ("resnet18", "vit") for r in POLICIES[m]]
+    return rows + [({"model": "resnet50", "precision": "bf16", "remat": r, **RESNET50}, 256) for r in ("none", "full")]
+
+
+def part_remat(args, say) -> dict:
+    return {"rows": _step_rows(args, remat_rows(), say)}
+
+
+def predict(gpu: str, out: Path, say) -> None:
+    """The estimate's predictions for one GPU of kind ``gpu``, for every row the check measures, compiled here
+    (the gpu-compile extra; no GPU): docs/gpu.md writes them down before a measurement tests them."""
+    from jaxtrain import gpu as jgpu
+
+    jgpu.check_plugin()
+    rows = []
+    for settings, per_gpu in STEPS + remat_rows():
+        settings = {**settings, **({"batch_size": per_gpu} if per_gpu else {})}
+        say(f"  {settings['model']} {settings['precision']} remat {settings.get('remat', 'none')}")
+        p = jgpu.plan(gpu, 1, largest_batch=False, **settings)
+        e = p.estimate
+        rows.append({**{k: p.settings[k] for k in ("model", "precision", "remat")}, "batch": p.call_batch,
+                     "estimate_ms": e["seconds"] * 1e3, "examples_per_second": e["examples_per_second"],
+                     "mfu": e["mfu"], "hfu": e["hfu"], "memory_analysis": p.memory["total"],
+                     "bottleneck": e["bottleneck"]})
+    atomic_write(out / f"predict-{gpu}.json", json.dumps(rows, indent=1))
+    print(report.prediction_table(gpu, rows))
 
 
 def part_kernels(args) -> dict:
@@ -165,13 +191,17 @@ def part_kernels(args) -> dict:
 @one_line_errors("gpu_check")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    if args.predict:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        predict(args.predict, Path(args.out), say)
+        return 0
     if args.dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
     elif not gpus():
         raise ConfigError("no GPU here (JAX finds none): run this on a GPU machine, or --dry-run to rehearse it")
     start, out = time.perf_counter(), Path(args.out)
     (out / "parts").mkdir(parents=True, exist_ok=True)
-    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     runs = {"env": part_env, "tests": part_tests, "kernels": part_kernels,
             "steps": lambda a: part_steps(a, say), "remat": lambda a: part_remat(a, say)}
     left = []

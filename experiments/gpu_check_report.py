@@ -46,6 +46,16 @@ def step_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def prediction_table(gpu: str, rows: list[dict]) -> str:
+    lines = [f"| model | precision | remat | batch | ESTIMATE ms on one {gpu.upper()} | examples/s | MFU | HFU | "
+             "memory_analysis | bottleneck |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['precision']} | {r['remat']} | {r['batch']} | {r['estimate_ms']:.2f} | "
+                     f"{r['examples_per_second']:,.0f} | {_num(r['mfu'], '.1%')} | {r['hfu']:.1%} | "
+                     f"{_mib(r['memory_analysis'])} | {r['bottleneck']} |")
+    return "\n".join(lines)
+
+
 def markdown(parts: dict) -> str:
     out = ["# jaxtrain on a GPU: experiments.gpu_check", ""]
     if any(p.get("dry_run") for p in parts.values()):
