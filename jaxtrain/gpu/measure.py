@@ -21,7 +21,9 @@ from jaxtrain.gpu.targets import Target, _table
 def target_for(device_kind: str) -> Target | None:
     """The target (``targets.json``) whose device kind JAX reports, e.g. "NVIDIA H100 80GB HBM3" -> h100; None
     for a device it does not know (a CPU)."""
-    kind = device_kind.upper()
+    kind = device_kind.upper().strip()
+    if not kind:
+        return None
     for t in sorted(_table().values(), key=lambda t: -len(t.device_kind)):
         if t.device_kind.upper() in kind or kind in t.device_kind.upper():
             return t

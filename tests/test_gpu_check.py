@@ -1,0 +1,63 @@
+"""experiments.gpu_check off a GPU: its one-line refusal, its parts cached between commands, its report. The
+whole check on the CPU backend, from the bundle in a venv of the GPU image's versions, is tools/gpu-rehearse (CI)."""
+
+import json
+
+import pytest
+from conftest import run_cli
+
+from experiments import gpu_check_report as report
+from jaxtrain.gpu.measure import target_for
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
+    out = run_cli("-m", "experiments.gpu_check", "--out", str(tmp_path / "g"), env={"JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "no GPU here" in out.stderr and "--dry-run" in out.stderr
+    assert not (tmp_path / "g").exists()  # nothing half-written
+
+
+def test_a_part_is_cached_until_asked_again_and_the_report_is_rewritten(tmp_path):
+    run = lambda *more: run_cli("-m", "experiments.gpu_check", "--dry-run", "--part", "env",  # noqa: E731
+                                "--out", str(tmp_path), *more)
+    first = run()
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert f"report: {tmp_path / 'report.md'}" in first.stdout
+    env = json.loads((tmp_path / "parts" / "env.json").read_text())
+    assert env["dry_run"] is True and env["backend"] == "cpu" and env["packages"]["jax"]
+    assert "**DRY RUN**" in (tmp_path / "report.md").read_text()
+    again = run()
+    assert again.returncode == 0 and "env: cached in" in again.stderr
+    assert json.loads((tmp_path / "parts" / "env.json").read_text()) == env  # not measured anew
+    anew = run("--again")
+    assert anew.returncode == 0 and "cached" not in anew.stderr
+    assert json.loads((tmp_path / "parts" / "env.json").read_text())["part_seconds"] != env["part_seconds"]
+
+
+def test_the_device_kind_names_its_target():
+    assert target_for("NVIDIA H100 80GB HBM3").key == "h100" and target_for("NVIDIA H200").key == "h200"
+    assert target_for("cpu") is None and target_for("") is None
+
+
+def test_junit_counts_and_a_failed_row_reach_the_report(tmp_path):
+    xml = tmp_path / "t.xml"
+    xml.write_text('<testsuites><testsuite><testcase name="a"/><testcase name="b"><failure message="boom"/>'
+                   '</testcase><testcase name="c"><skipped/></testcase></testsuite></testsuites>')
+    counts = report.junit_counts(xml)
+    assert (counts["passed"], counts["failed"], counts["skipped"]) == (1, 1, 1) and counts["failures"] == ["b: boom"]
+    assert report.junit_counts(tmp_path / "none.xml")["passed"] == 0
+    row = {"model": "resnet50", "precision": "bf16", "remat": "none", "batch": 256, "ms": 40.0,
+           "examples_per_second": 6400.0, "estimate_ms": 42.0, "time_ratio": 40 / 42, "mfu": 0.157, "hfu": 0.152,
+           "peak_bytes": 2**30, "memory_analysis": {"total": 2**30}, "memory_ratio": 1.0, "compile_s": 14.0}
+    text = report.markdown({"tests": {"command": "pytest", "returncode": 1, "seconds": 3.0, **counts},
+                            "steps": {"rows": [row, {"model": "vit", "precision": "bf16", "error": "OOM | x"}]}})
+    assert "1 passed, 1 failed" in text and "- b: boom" in text
+    assert "| resnet50 | bf16 | none | 256 | 40.00 | 6,400 | 42.00 | 0.95 | 15.7% | 15.2% | 1,024 MiB |" in text
+    assert "FAILED: OOM / x" in text  # a failed row is a finding in the report, its table intact
+
+
+@pytest.mark.parametrize("flag", ["--help"])
+def test_help_explains_the_parts(flag):
+    out = run_cli("-m", "experiments.gpu_check", flag)
+    assert out.returncode == 0 and all(p in out.stdout for p in ("env", "tests", "steps", "remat", "kernels"))
+    assert "make gpu-bundle" in out.stdout and "--predict" in out.stdout
