@@ -52,8 +52,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--again", action="store_true", help="measure the parts asked for anew, cached or not")
     p.add_argument("--dry-run", action="store_true",
                    help="rehearse every part on the CPU backend with tiny shapes (estimates as for an H100)")
-    p.add_argument("--budget", type=positive_int, default=480,
-                   help="seconds after which no new part starts (commands there stop at 10 minutes)")
+    p.add_argument("--budget", type=positive_int, default=240,
+                   help="seconds after which no new part starts: commands there stop at 10 minutes, and the longest "
+                        "part took 5 on an H200 (tests)")
     p.add_argument("--predict", metavar="GPU", help="instead: the estimate's predictions for one GPU of this kind "
                                                      "(h100, h200, ...) for every row measured, compiled on this host "
                                                      "(the gpu-compile extra; no GPU needed)")
