@@ -77,62 +77,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train_timers(args, jt, mesh, model):
-    """(a) and (b): ``{name: [step, state]}`` of jaxtrain's step and the hand-written one, and the compile-time
-    cost of jaxtrain's step (FLOPs, bytes, over all devices)."""
-    loss_fn = model.loss_fn
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jaxtrain.precision import cast_floats
-    from jaxtrain.sharding import place
-
-    params0, model_state0 = jax.jit(model.init)(jax.random.key(0))
-    host = model.example_batch(args.batch_size)
-    trainer = jt.make_train_step(loss_fn, optax.sgd(0.2), mesh=mesh, precision=args.precision)  # (a) the defaults
-    trainer.check_batch_size(args.batch_size)
-    cost = jt.compiled_stats(trainer, trainer.init(params0, model_state0), host, residuals=False)  # per device
-    compute = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
-
-    # (b) hand-written: the step anyone would write, same shardings, donation and precision.
-    def sgd_step(carry, b):
-        params, model_state = carry
-
-        def loss(p):
-            value, aux = loss_fn(cast_floats(p, compute), model_state, cast_floats(b, compute), None)
-            return value.astype(jnp.float32), aux
-
-        (value, (model_state, _)), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        return (jax.tree.map(lambda p, g: p - 0.2 * g, params, grads), model_state), {"loss": value}
-
-    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(jt.DATA_AXIS))
-    hand = jax.jit(sgd_step, in_shardings=(replicated, sharded), out_shardings=replicated, donate_argnums=0)
-    # fresh buffers for each: the steps donate them
-    runs = {"jaxtrain": [trainer, trainer.init(params0, model_state0)],
-            "handwritten": [hand, place((params0, model_state0), replicated)]}
-    n = len(mesh.devices.flat)
-    return runs, trainer.shard(host), cost["flops"] * n, cost["bytes_accessed"] * n
-
-
-def _int8_timers(args, model):
-    """``{name: fn}`` of jaxtrain's int8 and fp32 inference (``jaxtrain.quantize``) on one batch, and the fp32
-    forward's FLOPs."""
-    import jax
-
-    from jaxtrain import quantize
-
-    params0, model_state0 = jax.jit(model.init)(jax.random.key(0))
-    meta = {"model": args.model, "input_shape": list(model.input_shape), "num_classes": model.num_classes}
-    q = quantize.quantize(meta, params0, model_state0)
-    x = jax.device_put(model.example_batch(args.batch_size)["image"])
-    cost = q.apply_fp32.lower(q.fp32_variables, x).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return {"jaxtrain": lambda: q.int8(x), "jaxtrain_fp32": lambda: q.fp32(x)}, cost.get("flops", 0.0)
-
-
 @one_line_errors("bench")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
@@ -144,7 +88,7 @@ def main(argv=None) -> int:
     args.steps = args.steps or (10 if lenet_model else 3)
     args.repeats = args.repeats or (40 if lenet_model else 10)
     args.epoch_steps = args.epoch_steps or (None if lenet_model else 30)
-    from experiments import bench_torch
+    from experiments import bench_torch, bench_variants
 
     if infer and args.model not in INT8_MODELS:
         print(f"bench: error: --precision int8 covers {', '.join(INT8_MODELS)} (jaxtrain.quantize), not {args.model}",
@@ -175,10 +119,10 @@ def main(argv=None) -> int:
     mesh = jt.make_mesh(devices)
     model = models.get(args.model, conv="xla" if infer else args.conv)  # int8: jaxtrain.quantize's programs
     if infer:
-        calls, flops = _int8_timers(args, model)
+        calls, flops = bench_variants.int8_timers(args, model)
         runs, batch, bytes_accessed = {}, None, None
     else:
-        runs, batch, flops, bytes_accessed = _train_timers(args, jt, mesh, model)
+        runs, batch, flops, bytes_accessed = bench_variants.train_timers(args, jt, mesh, model)
         calls = {}
         for run in runs.values():
             run[1], _ = time_steps(run[0], run[1], batch, 3)  # compile + warm up
