@@ -88,10 +88,9 @@ def step(*, steps: int = 20, repeats: int = 5, input_shape: tuple | None = None,
     if t is not None:
         from jaxtrain.models.flops import forward, utilisation
 
-        e = estimate(compiled.as_text(), t, len(devices), 1, call, forward(c.model, shape["input_shape"],
-                                                                          shape["num_classes"])).summary()
-        peak = t.peak_flops(c.precision) * len(devices)
         model_flops = forward(c.model, shape["input_shape"], shape["num_classes"])
+        e = estimate(compiled.as_text(), t, len(devices), 1, call, model_flops).summary()
+        peak = t.peak_flops(c.precision) * len(devices)
         row.update(estimate_ms=e["seconds"] * 1e3, estimate_bottleneck=e["bottleneck"], peak_flops=peak,
                    time_ratio=seconds / e["seconds"], model_flops_per_example=model_flops, estimate_mfu=e["mfu"],
                    **utilisation(model_flops, flops and flops * len(devices), call, seconds, peak))

@@ -113,10 +113,10 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     compiled, seconds, flops, bytes_accessed = analysis.compile_lowered(trainer.lower(state, batch))
     text = compiled.as_text()
     from jaxtrain.gpu.estimate import estimate
-
     from jaxtrain.models.flops import forward
 
-    timing = estimate(text, t, gpus, hosts, call, forward(c.model, shape["input_shape"], shape["num_classes"])).summary()
+    model_flops = forward(c.model, shape["input_shape"], shape["num_classes"])  # for the MFU beside the HFU
+    timing = estimate(text, t, gpus, hosts, call, model_flops).summary()
     budget = int(t.memory_bytes * memory_fraction)
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     result = GpuPlan(
