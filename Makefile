@@ -15,7 +15,7 @@ help:
 	@echo "make test   set up, then run the whole test suite"
 	@echo "make test-latest  the suite again on the newest Python >= 3.12 here with the newest JAX (.venv-latest)"
 	@echo "make test-gpu-compile  the gpu_compile tests: steps compiled for 8 H100s on this host (a cached ~5.6 GB venv)"
-	@echo "make gpu-bundle  fetch the wheels a GPU machine without a registry lacks (.gpu-bundle, ~18 MiB)"
+	@echo "make gpu-bundle  fetch the wheels a GPU machine without a registry lacks (.gpu-bundle, ~16 MiB)"
 	@echo "make gpu-rehearse  gpu-check rehearsed here: the GPU image's versions, the bundle alone, the CPU backend"
 	@echo "make gpu-check   on a GPU machine: every GPU figure measured, beside the estimate (gpu-check/report.md)"
 	@echo "make docs   set up, then build the documentation site into docs/_build/html (warnings are errors)"

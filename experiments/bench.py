@@ -180,7 +180,8 @@ def main(argv=None) -> int:
           f"{devices[0].platform} devices ({compat.cpu_isa() or 'ISA unknown'}), jax {jax.__version__}, "
           f"{model.conv} convolutions, malloc {'keeping freed memory' if host_memory.applied() else 'as is'}"
           f"{', materialize off' if args.no_materialize else ''}; median (min-max) of {args.repeats} x {args.steps} "
-          f"{'calls' if infer else 'steps'}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
+          f"{'calls' if infer else 'steps'}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s (of all the devices: "
+          "MFU and HFU are over it, whatever the precision)\n")
     print("| variant | ms/step | examples/s | GFLOP/s (compiled) | MFU | HFU |\n|---|---|---|---|---|---|")
     for name, v in times.items():
         ms = med[name]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -65,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Outside --dry-run every child runs on the GPU or fails (JAX unpinned would fall back to the CPU with a warning);
+# the CPU backend beside it counts a module's FLOPs (jaxtrain.gpu.analysis).
+ON_GPU = lambda args: {} if args.dry_run else {"JAX_PLATFORMS": "cuda,cpu"}  # noqa: E731
 DEVICES = "import jax, json; print(json.dumps([jax.default_backend(), [d.device_kind for d in jax.devices()]]))"
 
 
@@ -85,8 +89,11 @@ def part_env(args) -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                          "--format=csv,noheader"], capture_output=True, text=True) if not args.dry_run else None
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True) if not args.dry_run else None
+    except OSError:  # no nvidia-smi: the report says None
+        smi = None
     names = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "flax", "optax", "chex", "orbax-checkpoint",
              "numpy", "grain", "tensorflow-datasets", "qwix", "optuna", "torch")
     backend, kinds = devices_seen()
@@ -123,17 +130,24 @@ def _step_rows(args, settings_list, say) -> list[dict]:
         kw = {**settings, "steps": 2 if args.dry_run else args.steps, "repeats": 1 if args.dry_run else args.repeats,
               "estimate_as": "h100" if args.dry_run else None,
               "dump_dir": str(Path(args.out, "dumps", "-".join(str(v) for v in settings.values()).replace("/", "_")))}
-        cache = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(Path(args.out) / "jit-cache"),
+        # The row's own compilation cache, empty: its first process compiles (and dumps the module its FLOPs are
+        # counted from; jax leaves xla_dump_to out of the cache key, so another row's entry could serve it).
+        jit_cache = Path(args.out, "jit-cache", Path(kw["dump_dir"]).name)
+        shutil.rmtree(jit_cache, ignore_errors=True)
+        cache = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(jit_cache), **ON_GPU(args),
                  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
         first = subprocess.run([sys.executable, "-c", ROW, json.dumps(kw)], capture_output=True, text=True, env=cache)
         # Again, from the cache: the peak memory of a process that runs the step and never compiled it (a compile's
         # autotuning takes device memory of its own); the times of the two agree or the report shows both.
         out = first if first.returncode else subprocess.run([sys.executable, "-c", ROW, json.dumps(kw)],
                                                              capture_output=True, text=True, env=cache)
+        shutil.rmtree(kw["dump_dir"], ignore_errors=True)
         if out.returncode == 0:
             row = json.loads(out.stdout.strip().splitlines()[-1])
             before = json.loads(first.stdout.strip().splitlines()[-1])
             rows.append({**row, "compile_s": before["compile_s"], "cached_compile_s": row["compile_s"],
+                         # the second process compiled nothing (no dump: no FLOPs), else its memory includes a compile
+                         "memory_without_compile": row["flops"] is None,
                          "flops": before["flops"],  # the cached process compiled nothing: no dump to count
                          "hfu": before["flops"] * row["devices"] / (row["ms"] / 1e3) / row["peak_flops"]
                          if before.get("flops") and row.get("peak_flops") else None,
@@ -184,8 +198,7 @@ def part_kernels(args) -> dict:
     json_path = Path(args.out) / "kernels.json"
     cmd = [sys.executable, "-m", "experiments.bench_kernels", "--devices", "1", "--json", str(json_path),
            *(["--repeats", "2", "--classes", "10"] if args.dry_run else [])]
-    env = {**os.environ, **({"JAX_PLATFORMS": "cpu"} if args.dry_run else {})}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ON_GPU(args)})
     if out.returncode != 0:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
     return {"table": out.stdout, **json.loads(json_path.read_text())}
@@ -226,8 +239,8 @@ def main(argv=None) -> int:
     print(f"report: {out / 'report.md'} and {out / 'report.json'}"
           + (f"; not started (budget {args.budget} s spent): {', '.join(left)}: run the same command again" if left
              else ""))
-    failed = parts.get("tests", {}).get("returncode", 0) != 0 or any("error" in r for k in ("steps", "remat")
-                                                                     for r in parts.get(k, {}).get("rows", []))
+    failed = (parts.get("tests", {}).get("returncode", 0) != 0 or "error" in parts.get("kernels", {})
+              or any("error" in r for k in ("steps", "remat") for r in parts.get(k, {}).get("rows", [])))
     return 3 if left else (1 if failed else 0)
 
 

@@ -17,7 +17,7 @@ and fp16 peaks are equal) and fp16 with loss scaling on V100 (no bf16 there); it
 MLPerf Training's ResNet-50 closed-division logs add H100 and H200 rows (``HELD_OUT``): v3.0, 8x H100 SXM, 400
 images per GPU, 55,923-56,206 img/s in steady state; v4.0, 8x H200, 400 per GPU, 63,394-63,862 (the midpoints are
 compared). Their implementations are heavily tuned (DALI, fused NHWC kernels): a gap is expected, and the
-H200/H100 ratio (1.14x measured, against 1.43x more memory bandwidth) tests whether the estimate over-credits
+H200/H100 ratio (1.13x measured, against 1.43x more memory bandwidth) tests whether the estimate over-credits
 bandwidth. And jaxtrain's own step, measured on one H200 by ``python -m experiments.gpu_check`` (2026-11-26,
 docs/gpu.md): the one row where estimate and measurement are of the same program.
 

@@ -248,7 +248,7 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
                    pipeline={**s.trainer.describe(), "counted_bubble": float(s.last["pipeline_bubble"])}
                    if s.trainer.pipeline_layout else None)
     plural = "s" * (len(s.devices) != 1)
-    use = f", MFU {summary['mfu']:.1%} (HFU {summary['hfu']:.1%})" if summary["mfu"] is not None else ""
+    use = "".join(f", {k.upper()} {summary[k]:.1%}" for k in ("mfu", "hfu") if summary[k] is not None)
     s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
           f"device{plural} ({platform}){use}{not_learning(history, first_loss, s.model.num_classes)}", flush=True)
     if writer is not None:
