@@ -6,7 +6,7 @@ RUN_DIR is the teacher run's --out directory (model/ and model.json). The
 loss is (1 - alpha) * CE(student, labels) + alpha * T^2 * KL(softmax(teacher / T) ||
 softmax(student / T)); the teacher's forward pass runs inside the student's
 compiled train step, its weights constant step inputs. Every flag of the
-student's experiment applies (--student NAME is --model NAME); the student's
+student's experiment applies (--student NAME names its model); the student's
 recipe gives the defaults.
 """
 
@@ -19,15 +19,14 @@ PROG = "python -m experiments.distill"
 
 def run(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    argv = [a.replace("--student", "--model", 1) if a.startswith("--student") else a for a in argv]
     if not any(a in ("-h", "--help") for a in argv):
         if not any(a == "--teacher" or a.startswith("--teacher=") for a in argv):
             print(f"{PROG}: error: --teacher RUN_DIR is required (a finished run's --out directory)", file=sys.stderr)
             return 2
-        if not any(a == "--model" or a.startswith("--model=") for a in argv):
+        if not any(a == "--student" or a.startswith("--student=") for a in argv):
             print(f"{PROG}: error: --student NAME is required (e.g. lenet)", file=sys.stderr)
             return 2
-    return main(None, argv, description=__doc__.split("\n")[0], prog=PROG)
+    return main(None, argv, description=__doc__.split("\n")[0], prog=PROG, renamed={"model": "--student"})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from jaxtrain.choices import MESH_AXES
 from jaxtrain.config import RECIPE_FIELDS, RunConfig, flag
@@ -123,9 +123,10 @@ def _flag_type(f: dataclasses.Field):
 
 
 def make_parser(model: str | None = None, description: str | None = None, prog: str | None = None,
-                fields: Sequence[str] | None = None) -> argparse.ArgumentParser:
+                fields: Sequence[str] | None = None, renamed: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """Flags of every RunConfig field (or of ``fields``); ``model`` fixes the model (its recipe gives the
-    defaults shown)."""
+    defaults shown); ``renamed``: a field's flag under another name (experiments.distill: model -> --student)."""
+    renamed = renamed or {}
     prog = prog or (f"python -m experiments.{model}" if model else "python -m jaxtrain.cli")
     defaults = RunConfig(model=model or "lenet")
     p = argparse.ArgumentParser(prog=prog, description=description or (MODELS[model].description if model else None),
@@ -138,12 +139,13 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
         meta, default = f.metadata, getattr(defaults, f.name)
         if model is None and f.name in (*RECIPE_FIELDS, "init"):
             default = None  # the --model given picks them (its recipe), not lenet's
+        name = renamed.get(f.name, flag(f.name))
         if f.type == "bool":
-            p.add_argument(flag(f.name), action="store_true", help=meta["help"])
+            p.add_argument(name, dest=f.name, action="store_true", help=meta["help"])
             continue
         metavar = {"mesh": "data=N[,model=M]", "steps": "START:STOP"}.get(meta["flag_type"])
         choices = meta["choices"] or (MODELS[model].inits if model and f.name == "init" else None)
-        p.add_argument(flag(f.name), type=_flag_type(f), default=default, choices=choices, metavar=metavar,
+        p.add_argument(name, dest=f.name, type=_flag_type(f), default=default, choices=choices, metavar=metavar,
                        help=meta["help"])
     if model:
         p.set_defaults(model=model)
@@ -172,7 +174,7 @@ def to_argv(config: RunConfig, model_fixed: bool = True) -> list[str]:
 
 
 def main(model: str | None = None, argv: Sequence[str] | None = None, description: str | None = None,
-         prog: str | None = None) -> int:
+         prog: str | None = None, renamed: Mapping[str, str] | None = None) -> int:
     """Parse, run, and turn user errors into one line on stderr with exit code 2 (3: training diverged).
 
     SIGTERM / SIGINT are handled from here on (jaxtrain.signals): at start-up
@@ -182,7 +184,7 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
     from jaxtrain.signals import Exit, StopOnSignal
 
     with StopOnSignal() as stop:
-        parser = make_parser(model, description, prog)
+        parser = make_parser(model, description, prog, renamed=renamed)
         args = parser.parse_args(argv)
         try:
             config = RunConfig(**vars(args))

@@ -140,6 +140,10 @@ def test_the_cli_needs_a_teacher_and_a_student(capsys):
     assert "--student NAME is required" in capsys.readouterr().err
     assert distill_cli.run(["--teacher", "/nowhere", "--student", "lenet", "--alpha", "1.5"]) == 2
     assert "--alpha 1.5: expected a weight in [0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --help names the student's flag as the command takes it, never --model
+        distill_cli.run(["--help"])
+    shown = capsys.readouterr().out
+    assert "--student {lenet," in shown and "--model" not in shown and "--teacher" in shown
 
 
 @needs_fashion_mnist
