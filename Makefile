@@ -90,7 +90,7 @@ docs: $(DOCS_STAMP)
 	@echo "docs: docs/_build/html/index.html"
 
 clean:
-	rm -rf $(VENV) .venv-latest runs .pytest_cache build *.egg-info docs/_build
+	rm -rf $(VENV) .venv-latest runs .pytest_cache build *.egg-info docs/_build .gpu-bundle .gpu-site gpu-check-rehearsal
 
 # The day a GPU is available (docs/gpu.md): the wheels its image lacks, fetched here; the check, run there.
 gpu-bundle:
