@@ -131,20 +131,21 @@ class RunWriter:
         return path
 
 
-def run_summary(args, name: str, history, first_loss, stats, peak, devices, call_batch: int, steps_per_epoch: int,
-                examples: dict, data_sha256: str, model_flops: float | None = None) -> dict:
-    """summary.json of a finished run: results, steady-state speed, compiled costs, settings; ``model_flops``: the
-    model's forward FLOPs per example (``jaxtrain.models.flops``), for the MFU (the compiled FLOPs give the HFU)."""
+def run_summary(args, model, history, first_loss, stats, peak, devices, call_batch: int, steps_per_epoch: int,
+                examples: dict, data_sha256: str) -> dict:
+    """summary.json of a finished run: results, steady-state speed, compiled costs, settings; the MFU from
+    ``model``'s forward FLOPs per example (``jaxtrain.models.flops``), the HFU from the compiled FLOPs."""
+    from jaxtrain.models.flops import forward, utilisation
+
     # Steady-state speed: leave out the first epoch (it compiles) when there are others.
     timed = history[1:] if len(history) > 1 else history
     examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
     achieved_flops = stats["flops"] * len(devices) * examples_per_sec / call_batch
-    from jaxtrain.models.flops import utilisation
-
+    model_flops = forward(args.model, model.input_shape, model.num_classes)
     use = utilisation(model_flops, stats["flops"] * len(devices), call_batch, call_batch / examples_per_sec, peak)
     last = history[-1]
     return {
-        "experiment": name,
+        "experiment": args.model,
         "test_acc": last.test_acc,
         "test_loss": last.test_loss,
         "train_loss": last.train_loss,
@@ -190,6 +191,11 @@ def run_summary(args, name: str, history, first_loss, stats, peak, devices, call
         "test_examples": last.test_examples,
         "jax_version": jax.__version__,
     }
+
+
+def utilisation_words(summary: dict) -> str:
+    """", MFU 15.7%, HFU 15.2%" for a run's last line: what of them is known (GPUs, or --measure-peak)."""
+    return "".join(f", {k.upper()} {summary[k]:.1%}" for k in ("mfu", "hfu") if summary[k] is not None)
 
 
 def describe(s, data: dict, writer) -> str:

@@ -22,9 +22,8 @@ from jaxtrain.data import loader, sources
 from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.files import params_digest
-from jaxtrain.models import flops
 from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
-from jaxtrain.report import RunWriter, claim_out_dir, conv_path, describe, not_learning, run_summary
+from jaxtrain.report import RunWriter, claim_out_dir, conv_path, describe, not_learning, run_summary, utilisation_words
 from jaxtrain.signals import Exit, StopOnSignal, StopVote
 from jaxtrain.trainer import Evaluator, Trainer
 
@@ -239,18 +238,16 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
     """summary.json: the result first on stdout (if the files fail, the user still has it), then the files."""
     c, platform = s.config, s.devices[0].platform
     peak = diagnostics.devices_peak(s.devices, c.precision, measure=c.measure_peak)
-    summary = run_summary(c, c.model, history, first_loss, stats, peak, s.devices, s.call_batch, steps_per_epoch,
-                          {k: len(v) for k, v in data.items()}, settings["data_sha256"],
-                          model_flops=flops.forward(c.model, s.model.input_shape, s.model.num_classes))
+    summary = run_summary(c, s.model, history, first_loss, stats, peak, s.devices, s.call_batch, steps_per_epoch,
+                          {k: len(v) for k, v in data.items()}, settings["data_sha256"])
     summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
                    sharded_params=s.layout["sharded"], collectives=stats["collectives"],
                    conv=conv_path(c, s.model, platform),
                    pipeline={**s.trainer.describe(), "counted_bubble": float(s.last["pipeline_bubble"])}
                    if s.trainer.pipeline_layout else None)
     plural = "s" * (len(s.devices) != 1)
-    use = "".join(f", {k.upper()} {summary[k]:.1%}" for k in ("mfu", "hfu") if summary[k] is not None)
     s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
-          f"device{plural} ({platform}){use}{not_learning(history, first_loss, s.model.num_classes)}", flush=True)
+          f"device{plural} ({platform}){utilisation_words(summary)}{not_learning(history, first_loss, s.model.num_classes)}", flush=True)
     if writer is not None:
         writer.summary(summary)
         s.say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl, curves.png")

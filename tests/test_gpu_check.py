@@ -7,7 +7,7 @@ import pytest
 from conftest import run_cli
 
 from experiments import gpu_check_report as report
-from jaxtrain.gpu.measure import target_for
+from jaxtrain.gpu.targets import for_device
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
@@ -35,8 +35,8 @@ def test_a_part_is_cached_until_asked_again_and_the_report_is_rewritten(tmp_path
 
 
 def test_the_device_kind_names_its_target():
-    assert target_for("NVIDIA H100 80GB HBM3").key == "h100" and target_for("NVIDIA H200").key == "h200"
-    assert target_for("cpu") is None and target_for("") is None
+    assert for_device("NVIDIA H100 80GB HBM3").key == "h100" and for_device("NVIDIA H200").key == "h200"
+    assert for_device("cpu") is None and for_device("") is None
 
 
 def test_junit_counts_and_a_failed_row_reach_the_report(tmp_path):

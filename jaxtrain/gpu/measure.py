@@ -15,19 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from jaxtrain.gpu.targets import Target, _table
-
-
-def target_for(device_kind: str) -> Target | None:
-    """The target (``targets.json``) whose device kind JAX reports, e.g. "NVIDIA H100 80GB HBM3" -> h100; None
-    for a device it does not know (a CPU)."""
-    kind = device_kind.upper().strip()
-    if not kind:
-        return None
-    for t in sorted(_table().values(), key=lambda t: -len(t.device_kind)):
-        if t.device_kind.upper() in kind or kind in t.device_kind.upper():
-            return t
-    return None
+from jaxtrain.gpu.targets import for_device
 
 
 def _peak_bytes(devices) -> int | None:
@@ -44,22 +32,16 @@ def step(*, steps: int = 20, repeats: int = 5, input_shape: tuple | None = None,
     there is none and the estimate is left out unless named). ``dump_dir``: ``analysis.compile_lowered``'s."""
     import jax
 
-    from jaxtrain import assemble
     from jaxtrain.config import RunConfig
-    from jaxtrain.data import sources
     from jaxtrain.devices import make_mesh
     from jaxtrain.gpu import analysis
     from jaxtrain.gpu.estimate import estimate
+    from jaxtrain.gpu.plan import run_step
     from jaxtrain.gpu.targets import target
 
     devices = jax.local_devices()
     c = RunConfig(devices=len(devices), **settings)
-    shape = sources.shape_of(c.dataset)
-    shape = {"input_shape": tuple(input_shape or shape["input_shape"]),
-             "num_classes": num_classes or shape["num_classes"]}
-    model = assemble.model(c, shape)
-    trainer = assemble.steps(c, make_mesh(devices, axes=c.mesh), model, updates=0)[0]
-    call = trainer.batches.call_batch(c.batch_size)
+    shape, model, trainer, call = run_step(c, make_mesh(devices, axes=c.mesh), input_shape, num_classes)
     state = trainer.init(init_fn=model.init, rng=jax.random.key(c.seed))
     batch = trainer.shard(model.example_batch(call))
     compiled, compile_s, flops, bytes_accessed = analysis.compile_lowered(trainer.lower(state, batch), dump_dir)
@@ -78,7 +60,7 @@ def step(*, steps: int = 20, repeats: int = 5, input_shape: tuple | None = None,
         times.append(seconds)
     seconds = statistics.median(times)
     kind = devices[0].device_kind
-    t = target(estimate_as) if estimate_as else target_for(kind)
+    t = target(estimate_as) if estimate_as else for_device(kind)
     row = {"model": c.model, "precision": c.precision, "remat": c.remat, "strategy": c.strategy,
            "devices": len(devices), "device_kind": kind, "batch": call, "input_shape": list(shape["input_shape"]),
            "num_classes": shape["num_classes"], "ms": seconds * 1e3, "spread_ms": [min(times) * 1e3, max(times) * 1e3],

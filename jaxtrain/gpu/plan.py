@@ -87,9 +87,7 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     (H, W, C) and ``num_classes``: images other than the dataset's (ResNet-50 on ImageNet's 224x224x3, 1000)."""
     import jax
 
-    from jaxtrain import assemble
     from jaxtrain.config import RunConfig
-    from jaxtrain.data import sources
     from jaxtrain.errors import ConfigError
 
     unknown = sorted(set(settings) - set(SETTINGS))
@@ -99,13 +97,7 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
         raise ConfigError(f"memory_fraction={memory_fraction}: expected a fraction in (0, 1]")
     t = target(gpu)
     c = RunConfig(devices=gpus * hosts, **settings)
-    mesh = mesh_for(t, gpus, hosts, c.mesh)
-    shape = sources.shape_of(c.dataset)
-    shape = {"input_shape": tuple(input_shape or shape["input_shape"]),
-             "num_classes": num_classes or shape["num_classes"]}
-    model = assemble.model(c, shape)
-    trainer = assemble.steps(c, mesh, model, updates=0)[0]
-    call = trainer.batches.call_batch(c.batch_size)
+    shape, model, trainer, call = run_step(c, mesh_for(t, gpus, hosts, c.mesh), input_shape, num_classes)
     say = progress or (lambda text: None)
     say(f"compiling the {c.model} step for {gpus * hosts} x {t.name} (call batch {call})")
     state = trainer.abstract_state(init_fn=model.init, rng=jax.random.key(c.seed))
@@ -147,6 +139,20 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
             result.largest_batch, result.largest_batch_bytes = found.batch_size, found.predicted_bytes
             result.search = found.table
     return result
+
+
+def run_step(c, mesh, input_shape: tuple | None = None, num_classes: int | None = None) -> tuple:
+    """``(shape, model, trainer, call batch)``: the step a run ``c`` trains over ``mesh`` (nothing compiled), for
+    images of ``input_shape`` and ``num_classes`` (default: the dataset's); ``gpu.plan``'s and ``gpu.measure``'s."""
+    from jaxtrain import assemble
+    from jaxtrain.data import sources
+
+    shape = sources.shape_of(c.dataset)
+    shape = {"input_shape": tuple(input_shape or shape["input_shape"]),
+             "num_classes": num_classes or shape["num_classes"]}
+    model = assemble.model(c, shape)
+    trainer = assemble.steps(c, mesh, model, updates=0)[0]
+    return shape, model, trainer, trainer.batches.call_batch(c.batch_size)
 
 
 def save(p: GpuPlan, path: str) -> None:

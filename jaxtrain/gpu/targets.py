@@ -121,13 +121,24 @@ def peak_flops(device_kind: str, precision: str) -> float | None:
     """The dense peak FLOP/s, for a run's precision, of the real GPU JAX names ``device_kind`` (e.g. "NVIDIA H100
     PCIe"): a target's, or one of the boards ``targets.json`` knows only by their peaks ("_boards"); None for
     another device. The most specific name wins: "h100 pcie" before "h100"."""
+    key = _board(device_kind)
+    if key is None:
+        return None
+    return _dense_peak(_table()[key].peak_tflops if key in _table() else _data()["_boards"][key]["peak_tflops"],
+                       precision)
+
+
+def for_device(device_kind: str) -> Target | None:
+    """The target of the real GPU JAX names ``device_kind`` ("NVIDIA H100 80GB HBM3" -> h100); None for a board
+    known only by its peaks (an H100 PCIe is not the SXM target) or for another device (a CPU)."""
+    return _table().get(_board(device_kind))
+
+
+def _board(device_kind: str) -> str | None:
+    """The key, of the targets and ``_boards``, whose words all name ``device_kind``: the most specific first."""
     words = set(re.split(r"[^A-Z0-9]+", device_kind.upper()))
-    peaks = {key: t.peak_tflops for key, t in _table().items()}
-    peaks.update({key: spec["peak_tflops"] for key, spec in _data()["_boards"].items() if not key.startswith("_")})
-    for key in sorted(peaks, key=lambda k: -len(k.split())):
-        if set(key.upper().split()) <= words:
-            return _dense_peak(peaks[key], precision)
-    return None
+    keys = [*_table(), *(k for k in _data()["_boards"] if not k.startswith("_"))]
+    return next((k for k in sorted(keys, key=lambda k: -len(k.split())) if set(k.upper().split()) <= words), None)
 
 
 def names() -> tuple[str, ...]:
