@@ -23,6 +23,7 @@ without a GPU it says so in one line and exits 2, unless ``--dry-run``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -72,6 +73,7 @@ ON_GPU = lambda args: {} if args.dry_run else {"JAX_PLATFORMS": "cuda,cpu"}  # n
 DEVICES = "import jax, json; print(json.dumps([jax.default_backend(), [d.device_kind for d in jax.devices()]]))"
 
 
+@functools.cache  # one child process per check, not one per row
 def devices_seen() -> tuple[str, list[str]]:
     """The backend and the device kinds JAX finds, asked in a child process: this one never touches a GPU, since
     JAX preallocates 75% of a GPU's memory in the first process that does, which would leave the rows a quarter."""
