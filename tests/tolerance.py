@@ -8,7 +8,7 @@ the machine that runs the test: the same steps in float64 (the
 independent reference, ``tests/reference.py``, under ``jax.enable_x64``)
 give the exact values, and for every leaf
 
-    max|got - exact| <= MARGIN * max(max|want - exact|, EPS * max|exact|)
+    max|got - exact| <= max(MARGIN * max(max|want - exact|, EPS * max|exact|), KINK * moved)
 
 ``exact`` comes from ``reference.float64_steps``; ``want`` is an fp32
 evaluation held to the reference (the reference itself, or jaxtrain's
@@ -18,17 +18,31 @@ element near 0 carries rounding of the size of the terms summed into it,
 not of its own size (the 1.4e-5 of a BatchNorm mean of -0.01 that a
 per-element rtol refused on an Intel Xeon).
 
-One sample of the fp32 error can be lucky. ResNet-18's steps (millions of
-ReLUs and 20 BatchNorms a step) are so ill-conditioned that fp32 itself pins
-them only to a few % of how far they move: on one thread, 3 SGD steps of the
-reference are 2.5e-5 from float64 where the weights moved 8e-4, but with 2
-micro-batches the same reference happened to land 1.5e-7 away (one late kernel, which
-moved only 1.2e-4: 10% of its own move). So where a float64 run says
-``flip`` (the ResNet-18 tests), params, optimizer and model state may also
-be FLIP (5%) of how far the tree moved (its largest move) during the run: a
-skipped last update moves the largest-moving leaves by a third, a lost
-device's share or a doubled gradient by half or more; a later step's metrics, FLIP of how far they
-moved from the first step's. The other models get no such allowance.
+A ReLU or max-pool decision that sits on its kink can go either way in
+fp32: one term of a gradient's sum is then taken or dropped whole, which no
+re-association bound covers. jax 0.12 recomputes a remat'ed LeNet block in
+one YNNPACK fusion that rounds unlike the primal's convolution, and on an AMD
+EPYC with AVX2 one conv1 ReLU flipped in the third step: channel 13's bias
+4.17e-6 from float64 where every other fp32 evaluation (1 device, 4, each
+strategy, the batch permuted) was 1.7e-8 to 3.9e-8 off: 3.0e-5 of how far
+the tree moved. So state and metrics may also be KINK (3e-4, 10x that) of
+how far the tree moved during the run (its largest move); a lost device's
+share, a doubled gradient or a skipped update moves a leaf by a quarter or
+more of its own move (in that LeNet run the smallest leaf's move is 11% of
+the largest: a quarter of it is 90x KINK's allowance; tests/test_tolerance.py
+plants these).
+
+One sample of the fp32 error can be lucky, and ResNet-18's steps (millions
+of ReLUs and 20 BatchNorms a step) are so ill-conditioned that fp32 itself
+pins them only to a few % of how far they move: on one thread, 3 SGD steps
+of the reference are 2.5e-5 from float64 where the weights moved 8e-4, but
+with 2 micro-batches the same reference happened to land 1.5e-7 away (one
+late kernel, which moved only 1.2e-4: 10% of its own move). So where a
+float64 run says ``flip`` (the ResNet-18 tests), the allowance is FLIP (5%)
+instead of KINK: a skipped last update moves the largest-moving leaves by a
+third, a lost device's share or a doubled gradient by half or more. A later
+step's metrics get the same fraction of how far they moved from the first
+step's.
 
 $JAXTRAIN_TOLERANCE_LOG names a file that gets one JSON line per leaf
 compared (test, leaf, both errors, the ratio), so the variations of
@@ -47,14 +61,15 @@ import numpy as np
 # about equally wrong; the worst ratio seen over the ISA, thread and oneDNN variations of docs/testing.md
 # was 2.69 (its table): 14.9x below this.
 MARGIN = 40.0
-FLIP = 5e-2  # of how far a state leaf moved: where fp32 cannot pin the step closer (ResNet-18; see the module)
+KINK = 3e-4  # of how far the tree moved: a ReLU or max-pool decision on its kink rounded the other way (the module)
+FLIP = 5e-2  # instead of KINK where fp32 cannot pin the step closer (ResNet-18; see the module)
 EPS = float(np.finfo(np.float32).eps)
 
 
-def assert_reassociated(got, want, exact, what: str = "", start=None):
+def assert_reassociated(got, want, exact, what: str = "", start=None, flip: float = KINK):
     """Every leaf of ``got`` is within MARGIN times ``want``'s distance from ``exact``, or (``start``: where the
-    leaves started, for state) FLIP times how far the tree moved (its largest move: errors spread across layers
-    at the size of the largest gradients; see the module)."""
+    leaves started) ``flip`` times how far the tree moved (its largest move: errors spread across layers at the
+    size of the largest gradients; see the module)."""
     got, want, exact = jax.device_get((got, want, exact))
     paths = jax.tree_util.tree_flatten_with_path(exact)[0]
     got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
@@ -69,32 +84,32 @@ def assert_reassociated(got, want, exact, what: str = "", start=None):
         e, g, w = (np.asarray(x, np.float64) for x in (e, g, w))
         assert g.shape == e.shape, (what, jax.tree_util.keystr(path), g.shape, e.shape)
         bound = max(float(np.abs(w - e).max(initial=0)), EPS * float(np.abs(e).max(initial=0)))
-        allowed = max(MARGIN * bound, FLIP * moved)
+        allowed = max(MARGIN * bound, flip * moved)
         err = float(np.abs(g - e).max(initial=0))
         name = f"{what}{jax.tree_util.keystr(path)}"
         _log(name, err, allowed / MARGIN)
         if not err <= allowed:  # a NaN fails too
             failures.append(f"{name}: |got - float64| {err:.3g} > {MARGIN:g} x {bound:.3g} (the fp32 "
-                            f"reference's |want - float64|, or eps x scale) and > {FLIP:g} x {moved:.3g} (moved)")
+                            f"reference's |want - float64|, or eps x scale) and > {flip:g} x {moved:.3g} (moved)")
     assert not failures, "re-association beyond the policy's bound:\n" + "\n".join(failures)
 
 
 def assert_state_reassociated(state, history, want_state, want_history, exact):
     """A run's params, optimizer state, model state and metrics against ``want``'s, by the policy; ``exact``:
-    ``reference.float64_steps``'s run (``exact.flip``: FLIP of the movement allowed too; the optimizer state
-    starts at 0, so it moved by its final value)."""
-    start = (lambda tree: tree) if exact.flip else (lambda tree: None)  # noqa: E731
-    assert_reassociated(state.params, want_state.params, exact.params, "params", start(exact.start_params))
+    ``reference.float64_steps``'s run (``exact.flip``: FLIP of the movement allowed, not KINK; the optimizer
+    state starts at 0, so it moved by its final value)."""
+    flip = FLIP if exact.flip else KINK
+    assert_reassociated(state.params, want_state.params, exact.params, "params", exact.start_params, flip)
     if jax.tree.leaves(exact.opt_state):
         zeros = jax.tree.map(np.zeros_like, exact.opt_state)
-        assert_reassociated(state.opt_state, want_state.opt_state, exact.opt_state, "opt_state", start(zeros))
+        assert_reassociated(state.opt_state, want_state.opt_state, exact.opt_state, "opt_state", zeros, flip)
     if jax.tree.leaves(exact.model_state):
         assert_reassociated(state.model_state, want_state.model_state, exact.model_state, "model_state",
-                            start(exact.start_model_state))
+                            exact.start_model_state, flip)
     keep = [{k: m[k] for k in e} for m, e in zip(history, exact.history)]
     keep_want = [{k: m[k] for k in e} for m, e in zip(want_history, exact.history)]
     first = exact.history[:1] * len(exact.history)  # a later step's loss follows the params: how far it moved
-    assert_reassociated(keep, keep_want, exact.history, "metrics", start(first))
+    assert_reassociated(keep, keep_want, exact.history, "metrics", first, flip)
 
 
 def _log(name: str, err: float, bound: float) -> None:
