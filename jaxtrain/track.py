@@ -14,7 +14,10 @@ the summary and ``curves.png``. Process 0 only.
 A tracker is a view, not the record (metrics.jsonl and summary.json are): if
 its library is missing or a call fails (full disk, no server), ONE warning
 says so and the run goes on without it. A resumed run (same ``--out``)
-continues the same tracked run: its id is kept in ``OUT/track.json``.
+continues the same tracked run: its id is kept in ``OUT/track.json``. It
+recomputes the steps after its checkpoint bit for bit, so MLflow skips a
+step of a metric it already holds (its history cannot be rewritten), and
+matches metrics.jsonl, which the resumed run rewrites from there.
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ class MlflowTracker(Tracker):
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(self.out_dir / 'mlflow.db').resolve()}"
         self.client, experiment = mlflow_experiment(uri, group or os.environ.get("MLFLOW_EXPERIMENT_NAME")
                                                     or "jaxtrain")
-        run_id = self._kept_id()
+        run_id, self._held = self._kept_id(), {}
         if run_id is None:
             run_id = self.client.create_run(experiment, run_name=self.out_dir.name,
                                             tags={"out": str(self.out_dir.resolve())}).info.run_id
@@ -145,6 +148,8 @@ class MlflowTracker(Tracker):
             self.client.log_dict(run_id, config, "config.json")
         else:
             self.client.update_run(run_id, status="RUNNING")
+            held = self.client.get_run(run_id).data.metrics  # {metric: its latest value}: the metrics' names
+            self._held = {k: {m.step for m in self.client.get_metric_history(run_id, k)} for k in held}
         self.run_id = run_id
 
     def _scalars(self, step, values, prefix):
@@ -153,7 +158,9 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+        new = [Metric(k, v, now, step) for k, v in values.items() if step not in self._held.get(k, ())]
+        if new:
+            self.client.log_batch(self.run_id, metrics=new)
 
     def _finish(self, numbers, files):
         import time

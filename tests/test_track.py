@@ -85,17 +85,21 @@ def test_a_tracked_run_logs_what_tensorboard_gets_and_its_summary(tmp_path, kind
 
 
 def test_a_resumed_run_goes_on_in_the_same_tracked_run(tmp_path, monkeypatch):
+    """Killed after epoch 2 was logged but before its checkpoint: the resumed run logs epoch 2 again (the same
+    numbers, recomputed bit for bit), which MLflow must not hold twice."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     first = track.start("mlflow", tmp_path, {"lr": 0.1}, "g")
     first.scalars(1, {"test_acc": 0.5}, "epoch")
+    first.scalars(2, {"test_acc": 0.75}, "epoch")
     first.close("killed")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     assert read_mlflow(uri, "g")["status"] == "KILLED"
     again = track.start("mlflow", tmp_path, {"lr": 0.1}, "g")
-    again.scalars(2, {"test_acc": 0.75}, "epoch")
+    again.scalars(2, {"test_acc": 0.75, "train_loss": 0.3}, "epoch")
     again.finish({"test_acc": 0.75, "note": "text is left out"}, [tmp_path / "absent.png"])
     got = read_mlflow(uri, "g")
     assert got["status"] == "FINISHED" and got["metrics"]["epoch/test_acc"] == [(1, 0.5), (2, 0.75)]
+    assert got["metrics"]["epoch/train_loss"] == [(2, 0.3)]  # a metric new at that step is logged
     assert got["metrics"]["summary/test_acc"] == [(0, 0.75)] and "summary/note" not in got["metrics"]
 
 
