@@ -148,15 +148,13 @@ def step_figures(name: str, batch: int, devices: int, repeats: int) -> dict:
 def gpu_launches(gpu_name: str, batch: int, classes: list[int]) -> list[dict]:
     """Each Pallas kernel's launch (jaxtrain.gpu.launches) for the loss at batch x each class count and the
     ViT's layer norm, compiled for one ``gpu_name``, with every backend that GPU takes (Mosaic GPU, Triton)."""
-    import os
-    from unittest import mock
-
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxtrain.gpu as gpu
+    from jaxtrain import settings
     from jaxtrain.gpu import analysis, launches
     from jaxtrain.kernels import layer_norm, rows, softmax_ce
     from jaxtrain.models import vit
@@ -173,7 +171,7 @@ def gpu_launches(gpu_name: str, batch: int, classes: list[int]) -> list[dict]:
         backends = ["mosaic", "triton"] if rows.backend(jax.sharding.get_abstract_mesh()) == "mosaic" else ["triton"]
     out = []
     for backend in backends:
-        with mock.patch.dict(os.environ, {rows.BACKEND_ENV: backend}):  # rows.backend reads it at trace time
+        with settings.override(pallas_gpu=backend):  # rows.backend reads it as the kernels are traced
             for problem, fn, args in problems:
                 with jax.set_mesh(mesh):
                     lowered = jax.jit(lambda *a, fn=fn: fn(*a)).lower(*args)

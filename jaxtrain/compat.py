@@ -8,7 +8,6 @@ before JAX starts (XLA reads $XLA_FLAGS once, when its first backend starts).
 
 from __future__ import annotations
 
-import os
 import re
 from importlib import metadata
 
@@ -82,7 +81,11 @@ def cpu_isa(cpuinfo: str | None = None, xla_flags: str | None = None) -> str:
     if not flags & {"sse4_2", "avx", "avx2", "avx512f"}:
         return ""
     level = 3 if "avx512f" in flags else 2 if "avx2" in flags else 1
-    cap = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
+    if xla_flags is None:
+        from jaxtrain.settings import xla_flags as given
+
+        xla_flags = given()
+    cap = re.search(r"--xla_cpu_max_isa=(\w+)", xla_flags)
     if cap:
         level = min(level, _ISA_LEVELS.get(cap.group(1).upper(), level))
     return {3: "AVX-512", 2: "AVX2", 1: "older than AVX2"}[level]

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from jaxtrain import compat, host_memory
+from jaxtrain import compat, host_memory, settings
 from jaxtrain.errors import ConfigError
 
 # The mesh axis names; every module imports them from here.
@@ -28,30 +28,21 @@ def batch_axes(mesh) -> str | tuple[str, ...]:
 # rendezvous overhead (and XLA:CPU's all-reduce rendezvous can starve).
 CPU_DEVICES_PER_CORE = 4
 
-# XLA:CPU flags (compat.CPU_XLA_FLAGS, chosen per jaxlib version and CPU
-# vector ISA: why, and the measurements, are there) are added to $XLA_FLAGS before JAX starts,
-# unless $XLA_FLAGS already names them. They are CPU-only: the CPU compiler
-# reads them, so a step compiled for a GPU never sees them.
-# JAXTRAIN_XLA_DEFAULTS=1 keeps XLA's defaults (to compare with a new jaxlib).
-ENV_XLA_DEFAULTS = "JAXTRAIN_XLA_DEFAULTS"
+# XLA:CPU flags (compat.CPU_XLA_FLAGS, chosen per jaxlib version and CPU vector ISA: why, and the
+# measurements, are there) are added to $XLA_FLAGS before JAX starts (settings.add_xla_flags), unless $XLA_FLAGS
+# already names them or JAXTRAIN_XLA_DEFAULTS=1 keeps XLA's defaults. They are CPU-only: the CPU compiler reads
+# them, so a step compiled for a GPU never sees them. What was added: ``xla_flags_added()``.
+_added: tuple[str, ...] = ()
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def xla_flags_added() -> tuple[str, ...]:
+    """The flags ``setup_devices`` added to $XLA_FLAGS in this process (the run's first line says them)."""
+    return _added
 
 
 def max_cpu_devices() -> int:
     """How many virtual CPU devices this machine may simulate."""
-    return CPU_DEVICES_PER_CORE * _cores()
-
-
-def _set_xla_flags() -> None:
-    if os.environ.get(ENV_XLA_DEFAULTS, "") not in ("", "0"):
-        return
-    current = os.environ.get("XLA_FLAGS", "")
-    missing = [f for f in compat.cpu_xla_flags() if f.split("=")[0] not in current]
-    if missing:
-        os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
+    return CPU_DEVICES_PER_CORE * settings.cores()
 
 
 def _check_count(n: int | None) -> None:
@@ -59,34 +50,22 @@ def _check_count(n: int | None) -> None:
         raise ConfigError(f"devices={n!r}: must be a positive whole number")
 
 
-# Set by `python -m jaxtrain.launch` for each process it starts.
-ENV_COORDINATOR = "JAXTRAIN_COORDINATOR"
-ENV_NUM_PROCESSES = "JAXTRAIN_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAXTRAIN_PROCESS_ID"
-ENV_DEVICES_PER_PROCESS = "JAXTRAIN_DEVICES_PER_PROCESS"
 # A dead peer must end the run within a minute, not after JAX's default 100 s.
 HEARTBEAT_TIMEOUT_SECONDS = 30
-ENV_JOIN_TIMEOUT = "JAXTRAIN_JOIN_TIMEOUT"
-JOIN_TIMEOUT_SECONDS = 300  # JAX's default: how long a process waits for the others to start
 
 
 def _cluster_env() -> bool:
     """True inside a multi-task SLURM / Open MPI job, which jax.distributed detects itself."""
-    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-        try:
-            if int(os.environ.get(var, "1")) > 1:
-                return True
-        except ValueError:
-            pass
-    return False
+    return settings.cluster_tasks() > 1
 
 
 def _start_distributed(coordinator, num_processes, process_id) -> None:
     """Start jax.distributed for a multi-process run (flags, our launcher's env, or a cluster's)."""
-    coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
-    num_processes = num_processes or int(os.environ.get(ENV_NUM_PROCESSES, "0")) or None
-    if process_id is None and os.environ.get(ENV_PROCESS_ID) is not None:
-        process_id = int(os.environ[ENV_PROCESS_ID])
+    launched = settings.current()  # what `python -m jaxtrain.launch` set for this process, if it started it
+    coordinator = coordinator or launched.coordinator
+    num_processes = num_processes or launched.num_processes
+    if process_id is None:
+        process_id = launched.process_id
     single = num_processes == 1 or (num_processes is None and not _cluster_env())
     if single or jax.distributed.is_initialized():
         return  # a single-process run stays exactly as it was
@@ -100,18 +79,18 @@ def _join(coordinator, num_processes, process_id) -> None:
     """jax.distributed.initialize, saying what it waits for; peers that never join end the run with one line.
 
     JAX's own timeout aborts the process with a C++ stack dump, so ours comes first: after
-    $JAXTRAIN_JOIN_TIMEOUT seconds (default 300) a message and exit 2.
+    $JAXTRAIN_JOIN_TIMEOUT seconds (default 300, JAX's) a message and exit 2.
     """
     import sys
     import threading
 
-    timeout = float(os.environ.get(ENV_JOIN_TIMEOUT) or JOIN_TIMEOUT_SECONDS)
+    timeout = settings.current().join_timeout
     who = f"process {process_id} of {num_processes}" if num_processes else "this process"
     where = f" at {coordinator}" if coordinator else ""
 
     def waiting():
         print(f"{who}: waiting for the other processes to join{where} (up to {timeout:.0f} s; "
-              f"${ENV_JOIN_TIMEOUT} sets it) ...", file=sys.stderr, flush=True)
+              f"${settings.VARIABLES['join_timeout']} sets it) ...", file=sys.stderr, flush=True)
 
     def give_up():
         print(f"error: {who}: the other processes did not join{where} within {timeout:.0f} s: start all of them "
@@ -155,10 +134,11 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
     """
     _check_count(n)
     _check_count(devices_per_process)
-    if devices_per_process is None and os.environ.get(ENV_DEVICES_PER_PROCESS):
-        devices_per_process = int(os.environ[ENV_DEVICES_PER_PROCESS])
+    if devices_per_process is None:
+        devices_per_process = settings.current().devices_per_process
     if not compat.backend_started():
-        _set_xla_flags()
+        global _added
+        _added = settings.add_xla_flags(compat.cpu_xla_flags())
         if _platform_hint() == "cpu":
             host_memory.keep_freed_memory()  # before JAX's threads start (why: jaxtrain.host_memory)
         if devices_per_process is not None:
@@ -172,11 +152,11 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
                               "or make them agree")
         return devices
     if not compat.backend_started():
-        cpu_n = n if n is not None else int(os.environ.get("JAX_NUM_CPU_DEVICES", "0")) or _cores()
+        cpu_n = n if n is not None else settings.jax_cpu_devices() or settings.cores()
         if cpu_n > max_cpu_devices() and _platform_hint() == "cpu":
             raise ConfigError(
                 f"devices={cpu_n} is more than this machine can simulate: at most "
-                f"{max_cpu_devices()} virtual CPU devices on {_cores()} cores; ask for 1..{max_cpu_devices()}"
+                f"{max_cpu_devices()} virtual CPU devices on {settings.cores()} cores; ask for 1..{max_cpu_devices()}"
             )
         jax.config.update("jax_num_cpu_devices", cpu_n)
     devices = jax.devices()
@@ -198,7 +178,7 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
 
 def _platform_hint() -> str:
     """Best guess of the default platform without starting JAX."""
-    platforms = (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")).split(",")[0]
+    platforms = (jax.config.jax_platforms or settings.jax_platforms()).split(",")[0]
     if platforms:
         return platforms
     from importlib.util import find_spec

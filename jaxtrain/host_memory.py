@@ -19,11 +19,9 @@ other value but empty is a ConfigError: a misspelt opt-out must not keep the set
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import sys
 
-ENV = "JAXTRAIN_MALLOC"  # "default": leave glibc's malloc as it is
 
 # glibc's <malloc.h> parameter, its environment variable, and what jaxtrain sets it to (mallopt takes a C int).
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
@@ -43,14 +41,10 @@ def glibc() -> bool:
 
 def wanted() -> bool:
     """Whether ``keep_freed_memory`` sets anything here: glibc, and $JAXTRAIN_MALLOC unset (or empty), not
-    "default"; any other value is a ConfigError."""
-    from jaxtrain.errors import ConfigError
+    "default"; any other value is a ConfigError (``jaxtrain.settings``)."""
+    from jaxtrain import settings
 
-    value = os.environ.get(ENV, "")
-    if value.lower() not in ("", "default"):
-        raise ConfigError(f"{ENV}={value}: unknown value: set {ENV}=default to keep glibc's malloc settings, or "
-                          "unset it to keep freed memory in the process (docs/performance.md, \"Host memory\")")
-    return glibc() and value.lower() != "default"
+    return glibc() and settings.current().malloc == "keep"
 
 
 def keep_freed_memory() -> bool:

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from jaxtrain.devices import ENV_COORDINATOR, ENV_DEVICES_PER_PROCESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jaxtrain import settings
 
 GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
 
@@ -67,11 +67,7 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
     lock = threading.Lock()
     procs, pumps = [], []
     for rank in range(processes):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{
-            ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes), ENV_PROCESS_ID: str(rank)})
-        if devices_per_process is not None:
-            env[ENV_DEVICES_PER_PROCESS] = str(devices_per_process)
-        env.pop("JAX_NUM_CPU_DEVICES", None)
+        env = settings.launched(f"127.0.0.1:{port}", processes, rank, devices_per_process)
         # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once.
         p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
@@ -134,7 +130,8 @@ def main(argv=None) -> int:
         own, command = argv, []
     p = argparse.ArgumentParser(prog="python -m jaxtrain.launch",
                                 description="Run a command as N cooperating JAX processes on this machine.",
-                                usage="python -m jaxtrain.launch --processes N [--devices-per-process K] -- COMMAND ...")
+                                usage="python -m jaxtrain.launch --processes N [--devices-per-process K] -- "
+                                      "COMMAND ...")
     p.add_argument("--processes", type=int, required=True, help="number of processes to start")
     p.add_argument("--devices-per-process", type=int, default=None,
                    help="CPU virtual devices per process (sets JAXTRAIN_DEVICES_PER_PROCESS)")

@@ -28,15 +28,14 @@ each of its readers is stored once (ResNet-18's conv inputs).
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable
 
 import jax
 
+from jaxtrain import settings
 from jaxtrain.errors import ConfigError
 
 OFFLOAD_NAMES = "offload_names:"
-ENV_NO_MATERIALIZE = "JAXTRAIN_NO_MATERIALIZE"  # materialize() off: to measure it
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 _ALIASES = {
     "full": "nothing_saveable",
@@ -132,10 +131,10 @@ def materialize(x):
     is a bit from ``rng_bit_generator`` (a replicated value that needs no collective under any sharding, and no
     constant XLA could fold). GPUs and TPUs get ``x`` as it is (``platform_dependent``): their convolutions take
     any layout, and a conditional may cost a host sync there.
-    ``JAXTRAIN_NO_MATERIALIZE=1`` (read when the step is traced) turns it off, to measure what it buys
+    ``JAXTRAIN_NO_MATERIALIZE=1`` (``settings.no_materialize``) turns it off, to measure what it buys
     (``python -m experiments.bench --model resnet18 --no-materialize``).
     """
-    if os.environ.get(ENV_NO_MATERIALIZE, "") not in ("", "0"):
+    if settings.current().no_materialize:
         return x
 
     def kept(t):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 
+from jaxtrain import devices
 from jaxtrain.compat import cpu_isa
 from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError
@@ -212,6 +213,7 @@ def describe(s, data: dict, writer) -> str:
             + (", quantisation-aware int8" if c.quantize == "int8" else "")
             + (", Pallas cross-entropy kernel" if c.kernels == "pallas" else "")
             + f", conv: {conv_path(c, s.model, s.devices[0].platform)}"
+            + (f", XLA flags added: {' '.join(devices.xla_flags_added())}" if devices.xla_flags_added() else "")
             + (f", distilled from {c.teacher} (T {c.temperature:g}, alpha {c.alpha:g})" if c.teacher else "")
             + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
                "{bubble:.0%})".format(**s.trainer.describe()) if s.trainer.pipeline_layout else "")

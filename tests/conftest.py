@@ -79,6 +79,19 @@ def tfds_dir() -> str:
     return _TFDS_DIR
 
 
+@pytest.fixture
+def use_settings(monkeypatch):
+    """``use(**changes)``: jaxtrain.settings changed for this test (the process reads its environment once)."""
+    import dataclasses
+
+    from jaxtrain import settings
+
+    def use(**changes):
+        monkeypatch.setattr(settings, "_current", dataclasses.replace(settings.current(), **changes))
+
+    return use
+
+
 def random_batch(size: int, seed: int = 0) -> dict:
     """A tiny generated batch shaped like Fashion-MNIST (unit tests only)."""
     rng = np.random.default_rng(seed)

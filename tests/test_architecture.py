@@ -60,9 +60,9 @@ NEVERS = [
      ["jaxtrain.runner", "jaxtrain.cli"],
      "the library is usable without the run: only the command lines drive the runner"),
     (["jaxtrain.files", "jaxtrain.errors", "jaxtrain.choices", "jaxtrain.state", "jaxtrain.integrity",
-      "jaxtrain.int8", "jaxtrain.timing", "jaxtrain.signals", "jaxtrain.compat"],
-     [name for name in MODULES if name not in ("jaxtrain.errors",)],
-     "the ground floor imports nothing of jaxtrain but its error type"),
+      "jaxtrain.int8", "jaxtrain.timing", "jaxtrain.signals", "jaxtrain.compat", "jaxtrain.settings"],
+     [name for name in MODULES if name not in ("jaxtrain.errors", "jaxtrain.settings")],
+     "the ground floor imports nothing of jaxtrain but its error type and its settings"),
     (["jaxtrain.report", "jaxtrain.export"],
      ["jaxtrain.step", "jaxtrain.trainer", "jaxtrain.placement", "jaxtrain.parallel", "jaxtrain.pipeline",
       "jaxtrain.runner"],
@@ -162,3 +162,22 @@ def test_no_context_variable_outside_the_step_and_no_batch_sharding_outside_the_
 
     placing = {name for name, path in MODULES.items() if any(map(batch_sharding, calls(path, "NamedSharding")))}
     assert placing == {"jaxtrain.placement"}, placing
+
+
+# Still reading the environment themselves (issue 52): the trackers' own variables (MLflow's, W&B's) and a sweep
+# trial's child environment.
+READS_ITS_OWN = {"track.py", "sweep.py", "trials.py", "trial_run.py"}
+
+
+def test_the_environment_is_read_in_settings():
+    """Every JAXTRAIN_* variable is a field of jaxtrain.settings, read there once (not while a step is traced)."""
+    from jaxtrain import settings
+
+    readers = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cc")
+               and re.search(r"os\.environ|getenv", p.read_text())}
+    assert readers - {"settings.py"} <= READS_ITS_OWN, sorted(readers - {"settings.py"} - READS_ITS_OWN)
+    named = {m for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cc") for m in re.findall(r"JAXTRAIN_[A-Z_]+",
+                                                                                             p.read_text())}
+    assert named <= set(settings.VARIABLES.values()), sorted(named - set(settings.VARIABLES.values()))
+    rows = [line for line in (ROOT / "docs" / "settings.md").read_text().splitlines() if line.startswith("| `")]
+    assert sorted(row.split("`")[1] for row in rows) == sorted(settings.VARIABLES.values())  # one table, all

@@ -5,7 +5,7 @@ import pytest
 from conftest import run_cli
 
 import jaxtrain as jt
-from jaxtrain import host_memory
+from jaxtrain import host_memory, settings
 from jaxtrain.devices import max_cpu_devices
 
 
@@ -126,11 +126,14 @@ def test_cpu_runs_keep_freed_host_memory_unless_told_not_to(env, kept):
 
 @pytest.mark.parametrize("value", ["off", "0", "none", "defaults", "glibc"])
 def test_an_unknown_malloc_setting_is_refused(monkeypatch, value):
-    """Only "default" opts out: a misspelt opt-out must not keep jaxtrain's malloc settings silently."""
+    """Only "default" opts out: a misspelt opt-out must not keep jaxtrain's malloc settings silently (each
+    setting read anew from the environment, as a process's first read is)."""
     monkeypatch.setenv("JAXTRAIN_MALLOC", value)
-    with pytest.raises(jt.ConfigError, match=f"^JAXTRAIN_MALLOC={value}: unknown value: set JAXTRAIN_MALLOC=default to "
-                                          "keep glibc's malloc settings, or unset it"):
+    monkeypatch.setattr(settings, "_current", None)
+    with pytest.raises(jt.ConfigError, match=f"^JAXTRAIN_MALLOC={value}: unknown value: set "
+                                             "JAXTRAIN_MALLOC=default to keep glibc's malloc settings, or unset it"):
         host_memory.wanted()
     for fine, kept in (("default", False), ("DEFAULT", False), ("", host_memory.glibc())):
         monkeypatch.setenv("JAXTRAIN_MALLOC", fine)
+        monkeypatch.setattr(settings, "_current", None)
         assert host_memory.wanted() is kept

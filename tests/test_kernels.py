@@ -69,8 +69,8 @@ def test_the_kernel_runs_inside_shard_map_with_varying_types_checked():
     np.testing.assert_allclose(inside, grad_fn(logits, labels, weights), rtol=1e-6)
 
 
-def test_the_kernel_and_its_gradient_lower_for_cuda_through_triton(monkeypatch):
-    monkeypatch.setenv(rows.BACKEND_ENV, "triton")  # an H100 target takes Mosaic GPU on jax >= 0.12 (test_kernels_mosaic)
+def test_the_kernel_and_its_gradient_lower_for_cuda_through_triton(use_settings):
+    use_settings(pallas_gpu="triton")  # an H100 target takes Mosaic GPU on jax >= 0.12 (test_kernels_mosaic)
     logits, labels, weights = _problem(100, 1000)
     fn = jax.jit(jax.value_and_grad(lambda x: (softmax_ce.cross_entropy(x, labels) * weights).sum()))
     with compat.cuda_kernel_target():
@@ -220,8 +220,8 @@ def test_layer_norm_under_shard_map_sums_the_scale_gradient_over_the_devices():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
 
 
-def test_layer_norm_lowers_for_cuda_through_triton(monkeypatch):
-    monkeypatch.setenv(rows.BACKEND_ENV, "triton")  # an H100 target takes Mosaic GPU on jax >= 0.12 (test_kernels_mosaic)
+def test_layer_norm_lowers_for_cuda_through_triton(use_settings):
+    use_settings(pallas_gpu="triton")  # an H100 target takes Mosaic GPU on jax >= 0.12 (test_kernels_mosaic)
     x, scale, bias, weights = _ln_problem((4, 49, 64))
     fn = jax.jit(jax.grad(lambda x, s, b: (layer_norm.layer_norm(x, s, b) * weights).sum(), argnums=(0, 1, 2)))
     with compat.cuda_kernel_target():

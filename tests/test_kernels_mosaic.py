@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
-from jaxtrain import compat
+from jaxtrain import compat, settings
 from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import layer_norm, rows, softmax_ce
 
@@ -26,8 +26,8 @@ LN_SHAPES = [(37, 10, jnp.float32), (250, 160, jnp.float32), (9, 192, jnp.bfloat
 
 
 @pytest.fixture
-def mosaic_interpret(monkeypatch):
-    monkeypatch.setenv(rows.INTERPRET_ENV, "mosaic")
+def mosaic_interpret(use_settings):
+    use_settings(pallas_interpret="mosaic")
 
 
 def _ce_problem(n, c, dtype, seed=0):
@@ -117,27 +117,25 @@ def test_inside_shard_map_with_varying_types_checked(mosaic_interpret):
 
 
 @needs_mosaic
-def test_the_cpu_program_runs_the_mosaic_interpreter_only_when_asked(monkeypatch):
+def test_the_cpu_program_runs_the_mosaic_interpreter_only_when_asked(use_settings):
     logits, labels, _ = _ce_problem(16, 10, jnp.float32)
     lowered = lambda: jax.jit(lambda x: softmax_ce.cross_entropy(x, labels)).lower(logits).as_text()  # noqa: E731
     triton = lowered()
-    monkeypatch.setenv(rows.INTERPRET_ENV, "mosaic")
+    use_settings(pallas_interpret="mosaic")
     mosaic = lowered()
     assert "callback" in mosaic and "callback" not in triton  # Mosaic GPU's interpreter simulates through callbacks
 
 
-def test_a_bad_backend_setting_is_one_line(monkeypatch):
-    monkeypatch.setenv(rows.BACKEND_ENV, "cuda")
+def test_a_bad_backend_setting_is_one_line():
     with pytest.raises(ConfigError, match="JAXTRAIN_PALLAS_GPU='cuda': use auto, mosaic or triton"):
-        rows.backend()
-    monkeypatch.setenv(rows.INTERPRET_ENV, "gpu")
-    with pytest.raises(ConfigError, match="use triton or mosaic"):
-        rows.interpreted()
+        settings.read({"JAXTRAIN_PALLAS_GPU": "cuda"})
+    with pytest.raises(ConfigError, match="JAXTRAIN_PALLAS_INTERPRET='gpu': use triton or mosaic"):
+        settings.read({"JAXTRAIN_PALLAS_INTERPRET": "gpu"})
 
 
-def test_without_a_known_hopper_gpu_the_backend_is_triton(monkeypatch):
+def test_without_a_known_hopper_gpu_the_backend_is_triton(use_settings):
     assert rows.backend() == "triton"  # this host's CPUs (and jax < 0.12 everywhere)
-    monkeypatch.setenv(rows.BACKEND_ENV, "mosaic")
+    use_settings(pallas_gpu="mosaic")
     assert rows.backend() == ("mosaic" if compat.MOSAIC_GPU_KERNELS else "triton")
 
 

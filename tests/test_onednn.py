@@ -24,7 +24,7 @@ from reference import assert_matches
 from test_resnet import to_nnx
 
 import jaxtrain as jt
-from jaxtrain import diagnostics, models
+from jaxtrain import diagnostics, models, settings
 from jaxtrain.config import RunConfig
 from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import onednn, onednn_build, onednn_calls
@@ -224,8 +224,8 @@ def test_the_run_names_its_convolutions_and_why(monkeypatch):
 
 
 @usable
-def test_the_run_names_onednn_and_its_threads(monkeypatch):
-    monkeypatch.setenv(onednn_calls.ENV_THREADS, "1")
+def test_the_run_names_onednn_and_its_threads(use_settings):
+    use_settings(onednn_threads=1)
     assert conv_path(RunConfig(), models.get("lenet"), "cpu") == "onednn (1 thread)"
 
 
@@ -261,8 +261,8 @@ def test_a_failed_build_falls_back_to_xla_saying_why_and_the_build_command_fails
                                           "install g++ (make onednn; Debian: apt-get install g++)")], built.stderr
 
 
-def test_a_machine_without_a_compiler_is_told_what_to_install(monkeypatch, tmp_path):
-    monkeypatch.setenv("JAXTRAIN_ONEDNN_CACHE", str(tmp_path))
+def test_a_machine_without_a_compiler_is_told_what_to_install(monkeypatch, use_settings, tmp_path):
+    use_settings(onednn_cache=tmp_path)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     with pytest.raises(onednn_build.Unusable, match="no C\\+\\+ compiler found.*install g\\+\\+ \\(make onednn"):
         onednn.build()
@@ -281,10 +281,10 @@ def _fake_compiler(tmp_path, output: str):
     return script, lambda: len((tmp_path / "runs").read_text().split())
 
 
-def test_a_damaged_cached_library_is_rebuilt_once_saying_so(monkeypatch, tmp_path, capsys):
+def test_a_damaged_cached_library_is_rebuilt_once_saying_so(monkeypatch, use_settings, tmp_path, capsys):
     cache = tmp_path / "cache"
     compiler, runs = _fake_compiler(tmp_path, "not a library")
-    monkeypatch.setenv("JAXTRAIN_ONEDNN_CACHE", str(cache))
+    use_settings(onednn_cache=cache)
     monkeypatch.setenv("CXX", str(compiler))
     lib = onednn.build()
     assert onednn_build.intact(lib) and onednn.build() == lib and runs() == 1  # built once, then the cache's
@@ -300,11 +300,11 @@ def test_a_damaged_cached_library_is_rebuilt_once_saying_so(monkeypatch, tmp_pat
         "): rebuilding it"), said
 
 
-def test_an_unwritable_cache_builds_in_a_private_directory_saying_so(monkeypatch, tmp_path, capsys):
+def test_an_unwritable_cache_builds_in_a_private_directory_saying_so(monkeypatch, use_settings, tmp_path, capsys):
     """A cache under a file: as unwritable as a read-only mount (chmod does not stop root)."""
     (tmp_path / "file").write_text("")
     compiler, runs = _fake_compiler(tmp_path, "library")
-    monkeypatch.setenv("JAXTRAIN_ONEDNN_CACHE", str(tmp_path / "file" / "cache"))
+    use_settings(onednn_cache=tmp_path / "file" / "cache")
     monkeypatch.setenv("CXX", str(compiler))
     lib = onednn.build()
     assert onednn_build.intact(lib) and lib.parent.name.startswith("jaxtrain-onednn-") and runs() == 1
@@ -325,10 +325,10 @@ def test_flops_are_counted_as_xla_counts_its_convolutions(case):
 
 
 @usable
-def test_the_blocked_layouts_and_the_saved_input_equal_xla_too(monkeypatch):
-    """``JAXTRAIN_ONEDNN_BLOCKED=1`` (read as primitives are made: a shape no other test uses) takes oneDNN's
-    blocked layouts, where the forward saves x in the backward-weights layout: that path equals XLA's too."""
-    monkeypatch.setenv("JAXTRAIN_ONEDNN_BLOCKED", "1")
+def test_the_blocked_layouts_and_the_saved_input_equal_xla_too(use_settings):
+    """``JAXTRAIN_ONEDNN_BLOCKED=1`` (an attribute of each call) takes oneDNN's blocked layouts, where the
+    forward saves x in the backward-weights layout: that path equals XLA's too."""
+    use_settings(onednn_blocked=True)
     xs, ws, strides, padding = (5, 10, 10, 32), (3, 3, 32, 48), (1, 1), ((1, 1), (1, 1))
     assert onednn._saved_floats(xs, ws, (strides, padding)) > 0  # the saved path is taken
     x = jax.random.normal(jax.random.key(0), xs)
@@ -338,24 +338,21 @@ def test_the_blocked_layouts_and_the_saved_input_equal_xla_too(monkeypatch):
     _close(fast(x, w), _loss(lax.conv_general_dilated, strides, padding)(x, w))
 
 
-def test_threads_are_the_cores_over_the_devices_or_what_the_environment_says(monkeypatch, capsys):
+def test_threads_are_the_cores_over_the_devices_or_what_the_environment_says(use_settings, capsys):
     """$JAXTRAIN_ONEDNN_THREADS: 1 to the cores this process may run on; past the cores over the devices at once
     (here 4 devices), one warning line; anything else a ConfigError."""
-    from jaxtrain.devices import _cores
-
-    cores, fair = _cores(), max(1, _cores() // jax.local_device_count())
-    monkeypatch.delenv("JAXTRAIN_ONEDNN_THREADS", raising=False)
+    cores, fair = settings.cores(), max(1, settings.cores() // jax.local_device_count())
+    use_settings(onednn_threads=None)
     assert onednn_calls.threads() == fair
-    monkeypatch.setenv("JAXTRAIN_ONEDNN_THREADS", "1")
+    use_settings(onednn_threads=1)
     assert onednn_calls.threads() == 1 and capsys.readouterr().err == ""
     for bad in ("two", "0", "99999999999", str(cores + 1)):
-        monkeypatch.setenv("JAXTRAIN_ONEDNN_THREADS", bad)
         with pytest.raises(ConfigError, match=f"JAXTRAIN_ONEDNN_THREADS={bad}: must be a whole number from 1 to "
                                               f"{cores} \\(the cores this process may run on\\)"):
-            onednn_calls.threads()
+            settings.read({"JAXTRAIN_ONEDNN_THREADS": bad})
     if cores > fair:
         onednn_calls._warn_oversubscribed.cache_clear()
-        monkeypatch.setenv("JAXTRAIN_ONEDNN_THREADS", str(cores))
+        use_settings(onednn_threads=cores)
         assert onednn_calls.threads() == cores and onednn_calls.threads() == cores
         said = capsys.readouterr().err.splitlines()
         devices = jax.local_device_count()
@@ -366,7 +363,9 @@ def test_threads_are_the_cores_over_the_devices_or_what_the_environment_says(mon
 
 @usable
 def test_a_bad_thread_count_is_refused_when_the_model_is_made(monkeypatch):
-    """Before any data is read or step traced (a run's validate makes the model first)."""
+    """Before any data is read or step traced (a run's validate makes the model first): the settings are read
+    from the environment anew here, as a process's first read would."""
     monkeypatch.setenv("JAXTRAIN_ONEDNN_THREADS", "99999999999")
+    monkeypatch.setattr(settings, "_current", None)
     with pytest.raises(ConfigError, match="JAXTRAIN_ONEDNN_THREADS=99999999999: must be a whole number from 1"):
         models.get("lenet")

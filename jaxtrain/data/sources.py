@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxtrain import settings
 from jaxtrain.choices import DATASETS, DEFAULT_DATA_DIRS, TFDS_PREFIX, check_dataset
 from jaxtrain.data import cifar, convert, idx
 from jaxtrain.data.split import Split, files_digest, split_digest  # noqa: F401 - Split: the public home
@@ -79,7 +80,7 @@ def _prepared_tfds(name: str, split: str, tfds_dir):
     """``tfds:NAME``: a dataset TFDS has already prepared, read as a data source (no download, no TensorFlow)."""
     import tensorflow_datasets as tfds
 
-    where = tfds_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
+    where = tfds_dir or settings.tfds_dir()
     try:
         builder = tfds.builder(name, data_dir=tfds_dir)
     except Exception as e:  # noqa: BLE001 - any failure here means "not there"

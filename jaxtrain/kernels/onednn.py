@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxtrain import settings
 from jaxtrain.kernels import onednn_build
 from jaxtrain.kernels import onednn_calls as calls
 from jaxtrain.kernels.onednn_build import build, expected  # noqa: F401  (the public names they were)
@@ -44,7 +45,7 @@ def _library() -> ctypes.CDLL | onednn_build.Unusable:
     for name in _TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     lib.JaxtrainDnnlSavedFloats.restype = ctypes.c_int64
-    lib.JaxtrainDnnlSavedFloats.argtypes = [ctypes.c_int64] * 16
+    lib.JaxtrainDnnlSavedFloats.argtypes = [ctypes.c_int64] * 17
     return lib
 
 
@@ -154,8 +155,9 @@ def _saved_floats(x_shape, w_shape, geometry) -> int:
     _, ho, wo, _ = calls.out_shape(x_shape, w_shape, geometry)
     n = jax.device_count()
     shares = {b // d for d in range(1, n + 1) if n % d == 0 and b % d == 0}
+    blocked = int(settings.current().onednn_blocked)
     sizes = {_library().JaxtrainDnnlSavedFloats(s, h, w, c, kh, kw, o, ho, wo, sh, sw, pt, pb, pl, pr,
-                                                calls.threads()) for s in shares}
+                                                calls.threads(), blocked) for s in shares}
     return sizes.pop() if len(sizes) == 1 and min(sizes) > 0 else 0
 
 

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import jax
 
+from jaxtrain import settings
 from jaxtrain.files import atomic_write
 
 SOURCE = Path(__file__).with_name("onednn_conv.cc")
-ENV_CACHE = "JAXTRAIN_ONEDNN_CACHE"
+ENV_CACHE = settings.VARIABLES["onednn_cache"]
 BUILD_TIMEOUT_S = 600  # g++ takes ~5 s here; a machine 100x busier still finishes
 _LAYOUT = "2"  # in the key: libraries with a digest file beside them (older ones are left alone)
 INSTALL_CXX = "install g++ (make onednn; Debian: apt-get install g++)"
@@ -51,7 +52,7 @@ def expected() -> bool:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "jaxtrain" / "onednn")
+    return settings.current().onednn_cache
 
 
 def note(text: str) -> None:
@@ -121,9 +122,9 @@ def build(rebuild: str | None = None) -> Path:
     lib = cache_dir() / _name()
     if rebuild is None and intact(lib):
         return lib
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    compiler = shutil.which(settings.cxx())
     if compiler is None:
-        raise Unusable(f"no C++ compiler found ({os.environ.get('CXX', 'g++')})", INSTALL_CXX)
+        raise Unusable(f"no C++ compiler found ({settings.cxx()})", INSTALL_CXX)
     if (error := _writable(lib.parent)) is not None:
         private = _private_dir()
         note(f"cannot write the oneDNN cache {lib.parent} ({error.strerror or error}): building oneDNN's "

@@ -17,7 +17,6 @@ step's batch axes (``_explicit_batch_axes``).
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 from jax import lax
@@ -25,6 +24,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain import settings
 from jaxtrain.compat import varying_axes
 from jaxtrain.kernels.onednn_build import note
 
@@ -34,51 +34,45 @@ def out_shape(x_shape, w_shape, geometry):
     return b, (h + sum(pads[0]) - kh) // strides[0] + 1, (w + sum(pads[1]) - kw) // strides[1] + 1, co
 
 
-ENV_THREADS = "JAXTRAIN_ONEDNN_THREADS"
+THREADS = settings.VARIABLES["onednn_threads"]
 
 
 def threads() -> int:
     """OpenMP threads per call: the cores over the devices that run at once on this machine (virtual CPU devices
     share them; so do the processes ``jaxtrain.launch`` starts on localhost). Numbers depend on it (oneDNN splits
     its reductions over its threads): 2 processes x 1 device and 1 process x 2 devices get the same count, and
-    the same parameters bit for bit. ``$JAXTRAIN_ONEDNN_THREADS`` when set: 1 to the cores this process may run
-    on (``os.sched_getaffinity``), else a ConfigError; more than the cores over the devices at once is taken,
-    with one warning line (the calls then oversubscribe the cores)."""
-    from jaxtrain.devices import _cores
-    from jaxtrain.errors import ConfigError
-
-    cores, devices = _cores(), _devices_at_once()
+    the same parameters bit for bit. ``$JAXTRAIN_ONEDNN_THREADS`` (``settings.onednn_threads``: 1 to the cores
+    this process may run on) when set; more than the cores over the devices at once is taken, with one warning
+    line (the calls then oversubscribe the cores)."""
+    cores, devices = settings.cores(), _devices_at_once()
     fair = max(1, cores // devices)
-    if not (wanted := os.environ.get(ENV_THREADS)):
+    wanted = settings.current().onednn_threads
+    if wanted is None:
         return fair
-    if not wanted.isdigit() or not 1 <= int(wanted) <= cores:
-        raise ConfigError(f"{ENV_THREADS}={wanted}: must be a whole number from 1 to {cores} (the cores this "
-                          f"process may run on), or unset: the cores over the devices, here {fair}")
-    if int(wanted) > fair:
-        _warn_oversubscribed(int(wanted), devices, cores)
-    return int(wanted)
+    if wanted > fair:
+        _warn_oversubscribed(wanted, devices, cores)
+    return wanted
 
 
 def _devices_at_once() -> int:
     """The devices that run calls at once on this machine: this process's, times the processes where
     ``jaxtrain.launch`` started them on localhost."""
-    from jaxtrain.devices import ENV_COORDINATOR
-
     devices = jax.local_device_count()
-    if os.environ.get(ENV_COORDINATOR, "").startswith(("127.0.0.1:", "localhost:")):
+    if (settings.current().coordinator or "").startswith(("127.0.0.1:", "localhost:")):
         devices *= jax.process_count()
     return devices
 
 
 @functools.cache
 def _warn_oversubscribed(n: int, devices: int, cores: int) -> None:
-    note(f"{ENV_THREADS}={n} x {devices} device(s) at once = {n * devices} threads on {cores} cores: the calls "
+    note(f"{THREADS}={n} x {devices} device(s) at once = {n * devices} threads on {cores} cores: the calls "
          f"oversubscribe the cores (slower); unset it for {max(1, cores // devices)} per call")
 
 
 def _attrs(geometry, **more):
     strides, ((pt, pb), (pl, pr)) = geometry
-    return dict(sh=strides[0], sw=strides[1], pt=pt, pb=pb, pl=pl, pr=pr, threads=threads(), **more)
+    return dict(sh=strides[0], sw=strides[1], pt=pt, pb=pb, pl=pl, pr=pr, threads=threads(),
+                always_blocked=int(settings.current().onednn_blocked), **more)
 
 
 def _ffi_forward(x, w, geometry):

@@ -29,8 +29,10 @@ static engine& eng() {
 // A convolution's shapes in oneDNN's dims order: src {N,C,H,W}, weights {O,I,KH,KW}, dst {N,O,Ho,Wo}.
 struct Geo {
   memory::dims src, wei, dst, strides, pl, pr;
+  bool always_blocked;  // JAXTRAIN_ONEDNN_BLOCKED=1 (jaxtrain.settings), an attribute of every call
   std::string key(char kind) const {
     std::string s(1, kind);
+    if (always_blocked) s += "B";
     for (auto* v : {&src, &wei, &dst, &strides, &pl, &pr}) {
       for (auto d : *v) s += "," + std::to_string(d);
       s += ";";
@@ -44,9 +46,9 @@ struct Geo {
 
 // x: [N,H,W,C], w: [KH,KW,I,O], y: [N,Ho,Wo,O] (XLA's dimensions).
 static Geo geo(ffi::Span<const int64_t> x, ffi::Span<const int64_t> w, ffi::Span<const int64_t> y, int64_t sh,
-               int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+               int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t always_blocked) {
   return Geo{{x[0], x[3], x[1], x[2]}, {w[3], w[2], w[0], w[1]}, {y[0], y[3], y[1], y[2]}, {sh, sw}, {pt, pl},
-             {pb, pr}};
+             {pb, pr}, always_blocked != 0};
 }
 
 static primitive_attr attr() {
@@ -92,10 +94,10 @@ static convolution_backward_weights::primitive_desc weights_pd(const Geo& g, tag
 // AVX-512): no reorders of dy, dx or x, at the blocked kernels' speed. The forward keeps the blocked layouts:
 // oneDNN 3.2's NHWC forwards ran ~45 ms per ResNet-18 step slower than its blocked ones, more than the
 // reorders of x and y cost (docs/performance.md, "oneDNN convolutions"). Blocked, too, where NHWC would get a
-// gemm or reference kernel (oneDNN 2.6). JAXTRAIN_ONEDNN_BLOCKED=1: the blocked layouts always (to measure).
+// gemm or reference kernel (oneDNN 2.6). g.always_blocked: the blocked layouts always (to measure).
 template <class PD>
 static PD pick(PD (*make)(const Geo&, tag), const Geo& g) {
-  if (!getenv("JAXTRAIN_ONEDNN_BLOCKED")) {
+  if (!g.always_blocked) {
     try {
       PD pd = make(g, tag::nhwc);
       std::string impl = pd.impl_info_str();
@@ -188,9 +190,10 @@ static void forward(Entry& e, stream& st, const Geo& g, const memory& x1, float*
 
 // y = conv(x, w)
 static ffi::Error Fwd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int64_t sh,
-                      int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t threads) {
+                      int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t threads,
+                      int64_t always_blocked) {
   return guarded(threads, [&] {
-    Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr);
+    Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr, always_blocked);
     auto& e = fwd_entry(g);
     stream st(eng());
     forward(e, st, g, in(st, e.a, memory(g.s(tag::nhwc), eng(), x.typed_data())), w.typed_data(), y->typed_data());
@@ -219,12 +222,13 @@ static int64_t saved_per_example(const memory::desc& md, int64_t n) {
 
 extern "C" int64_t JaxtrainDnnlSavedFloats(int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
                                            int64_t o, int64_t ho, int64_t wo, int64_t sh, int64_t sw, int64_t pt,
-                                           int64_t pb, int64_t pl, int64_t pr, int64_t threads) {
+                                           int64_t pb, int64_t pl, int64_t pr, int64_t threads,
+                                           int64_t always_blocked) {
   int before = omp_get_max_threads();  // the caller's (Python's) thread keeps its own setting
   int64_t floats = -1;
   try {
     omp_set_num_threads((int)threads);
-    Geo g{{n, c, h, w}, {o, c, kh, kw}, {n, o, ho, wo}, {sh, sw}, {pt, pl}, {pb, pr}};
+    Geo g{{n, c, h, w}, {o, c, kh, kw}, {n, o, ho, wo}, {sh, sw}, {pt, pl}, {pb, pr}, always_blocked != 0};
     auto& e = weights_entry(g);
     floats = e.a == g.s(tag::nhwc) ? -1 : saved_per_example(e.a, n);  // NHWC: x itself serves, uncopied
   } catch (const std::exception&) {
@@ -236,9 +240,9 @@ extern "C" int64_t JaxtrainDnnlSavedFloats(int64_t n, int64_t h, int64_t w, int6
 // y = conv(x, w), and x in the backward-weights layout (saved: [N, JaxtrainDnnlSavedFloats]).
 static ffi::Error FwdSave(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
                           ffi::ResultBuffer<ffi::F32> saved, int64_t sh, int64_t sw, int64_t pt, int64_t pb,
-                          int64_t pl, int64_t pr, int64_t threads) {
+                          int64_t pl, int64_t pr, int64_t threads, int64_t always_blocked) {
   return guarded(threads, [&] {
-    Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr);
+    Geo g = geo(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt, pb, pl, pr, always_blocked);
     auto& e = fwd_entry(g);
     auto& ew = weights_entry(g);
     auto dims = saved->dimensions();
@@ -256,9 +260,10 @@ static ffi::Error FwdSave(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
 // itself (blocked=0, NHWC); dy reordered once when both primitives want one layout.
 static ffi::Error Bwd(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> saved,
                       ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw, int64_t sh, int64_t sw,
-                      int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t threads, int64_t blocked) {
+                      int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t threads, int64_t always_blocked,
+                      int64_t blocked) {
   return guarded(threads, [&] {
-    Geo g = geo(dx->dimensions(), w.dimensions(), dy.dimensions(), sh, sw, pt, pb, pl, pr);
+    Geo g = geo(dx->dimensions(), w.dimensions(), dy.dimensions(), sh, sw, pt, pb, pl, pr, always_blocked);
     auto& ed = data_entry(g);
     auto& ew = weights_entry(g);
     if (blocked && saved_per_example(ew.a, g.src[0]) != saved.dimensions().back())
@@ -290,7 +295,7 @@ static ffi::Error Bwd(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::Bu
 // The attributes bind in this order, the handlers' parameters too (XLA decodes them by position).
 #define GEOMETRY                                                                                                \
   Attr<int64_t>("sh").Attr<int64_t>("sw").Attr<int64_t>("pt").Attr<int64_t>("pb").Attr<int64_t>("pl").Attr< \
-      int64_t>("pr").Attr<int64_t>("threads")
+      int64_t>("pr").Attr<int64_t>("threads").Attr<int64_t>("always_blocked")
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlConvFwd, Fwd,
                               ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Ret<F32>().GEOMETRY);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlConvFwdSave, FwdSave,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import compat
+from jaxtrain import compat, settings
 from jaxtrain.devices import DATA_AXIS, batch_axes
 from jaxtrain.errors import ConfigError
 from jaxtrain.sharding import axes_of
@@ -135,8 +134,6 @@ def _interpret(kernel, inputs, kinds, outputs, out_kinds, rows, cols):
     return tuple(o[tuple(slice(0, n) for n in spec.shape)] for o, spec in zip(outs, outputs))
 
 
-BACKEND_ENV = "JAXTRAIN_PALLAS_GPU"  # auto (default), mosaic or triton
-INTERPRET_ENV = "JAXTRAIN_PALLAS_INTERPRET"  # triton (default) or mosaic: which version runs in interpret mode on CPUs
 MOSAIC_MIN_CAPABILITY = 9.0  # Mosaic GPU: Hopper (sm_90) and newer
 HOPPER_OR_NEWER = ("H100", "H200", "H800", "H20", "GH200", "B100", "B200", "B300", "GB200", "GB300")  # device kinds
 
@@ -154,10 +151,9 @@ def _hopper_or_newer(mesh) -> bool | None:
 def backend(mesh=None) -> str:
     """The GPU backend of the kernels: ``"mosaic"`` (Mosaic GPU) where jax >= 0.12 and the GPU (``mesh``'s
     devices, else JAX's default devices) is a Hopper or newer, else ``"triton"``. A GPU not known here (a CPU
-    host, an unnamed kind) gets Triton, which lowers for any. ``JAXTRAIN_PALLAS_GPU=mosaic|triton`` overrides."""
-    forced = os.environ.get(BACKEND_ENV, "auto")
-    if forced not in ("auto", "mosaic", "triton"):
-        raise ConfigError(f"{BACKEND_ENV}={forced!r}: use auto, mosaic or triton")
+    host, an unnamed kind) gets Triton, which lowers for any. ``JAXTRAIN_PALLAS_GPU=mosaic|triton``
+    (``settings.pallas_gpu``) overrides."""
+    forced = settings.current().pallas_gpu
     if forced == "triton" or not compat.MOSAIC_GPU_KERNELS:
         return "triton"
     return "mosaic" if forced == "mosaic" or _hopper_or_newer(mesh) else "triton"
@@ -166,12 +162,12 @@ def backend(mesh=None) -> str:
 def interpreted() -> str:
     """Which version of the kernels runs on CPUs, in interpret mode: ``"triton"`` (Pallas's generic interpret
     mode; the default) or ``"mosaic"`` (Mosaic GPU's interpret mode, jax >= 0.12: slower; tests use it to
-    prove the Mosaic GPU kernels equal to their references), by ``JAXTRAIN_PALLAS_INTERPRET``."""
-    chosen = os.environ.get(INTERPRET_ENV, "triton")
-    if chosen not in ("triton", "mosaic"):
-        raise ConfigError(f"{INTERPRET_ENV}={chosen!r}: use triton or mosaic")
+    prove the Mosaic GPU kernels equal to their references), by ``JAXTRAIN_PALLAS_INTERPRET``
+    (``settings.pallas_interpret``)."""
+    chosen = settings.current().pallas_interpret
     if chosen == "mosaic" and not compat.MOSAIC_GPU_KERNELS:
-        raise ConfigError(f"{INTERPRET_ENV}=mosaic needs jax >= 0.12 (Mosaic GPU's interpret mode)")
+        raise ConfigError(f"{settings.VARIABLES['pallas_interpret']}=mosaic needs jax >= 0.12 (Mosaic GPU's "
+                          "interpret mode)")
     return chosen
 
 

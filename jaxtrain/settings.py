@@ -1,0 +1,194 @@
+"""Settings from the environment: every ``JAXTRAIN_*`` variable, read once and checked, and ``XLA_FLAGS``.
+
+Nothing else in jaxtrain reads the environment for its settings. ``current()``
+reads the variables the first time it is asked and keeps them for the
+process, so a step traced later sees the values the run started with; a bad
+value is a one-line ``ConfigError`` naming the variable. Benchmarks and tests
+change them with ``override(...)``. docs/settings.md has the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from pathlib import Path
+
+from jaxtrain.errors import ConfigError
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity), which thread counts are bounded by."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One process's settings; each field's variable is ``VARIABLES[field]``."""
+
+    xla_defaults: bool = False  # XLA's default CPU flags, not jaxtrain's (to compare with a new jaxlib)
+    malloc: str = "keep"  # "keep": glibc keeps freed memory (jaxtrain.host_memory); "default": glibc's own
+    coordinator: str | None = None  # the launcher's: HOST:PORT of process 0
+    num_processes: int | None = None  # the launcher's: how many processes
+    process_id: int | None = None  # the launcher's: this one's rank
+    devices_per_process: int | None = None  # the launcher's: local devices of each
+    join_timeout: float = 300.0  # seconds a process waits for the others to join
+    no_materialize: bool = False  # remat.materialize off (to measure what it buys)
+    onednn_threads: int | None = None  # oneDNN's threads per call (None: the cores over the devices at once)
+    onednn_blocked: bool = False  # oneDNN's blocked layouts always (to measure the NHWC kernels)
+    onednn_cache: Path = Path.home() / ".cache" / "jaxtrain" / "onednn"  # where the built library is kept
+    pallas_gpu: str = "auto"  # the kernels' GPU backend: auto, mosaic or triton
+    pallas_interpret: str = "triton"  # which version of the kernels runs interpreted on CPUs: triton or mosaic
+
+
+VARIABLES = {
+    "xla_defaults": "JAXTRAIN_XLA_DEFAULTS", "malloc": "JAXTRAIN_MALLOC", "coordinator": "JAXTRAIN_COORDINATOR",
+    "num_processes": "JAXTRAIN_NUM_PROCESSES", "process_id": "JAXTRAIN_PROCESS_ID",
+    "devices_per_process": "JAXTRAIN_DEVICES_PER_PROCESS", "join_timeout": "JAXTRAIN_JOIN_TIMEOUT",
+    "no_materialize": "JAXTRAIN_NO_MATERIALIZE", "onednn_threads": "JAXTRAIN_ONEDNN_THREADS",
+    "onednn_blocked": "JAXTRAIN_ONEDNN_BLOCKED", "onednn_cache": "JAXTRAIN_ONEDNN_CACHE",
+    "pallas_gpu": "JAXTRAIN_PALLAS_GPU", "pallas_interpret": "JAXTRAIN_PALLAS_INTERPRET",
+}
+
+
+def _flag(name: str, text: str) -> bool:
+    if text.lower() in ("", "0", "false", "no"):
+        return False
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    raise ConfigError(f"{name}={text}: use 1 (on) or 0 (off), or unset it")
+
+
+def _whole(name: str, text: str, low: int = 1, high: int | None = None, why: str = "") -> int:
+    if not text.isdigit() or int(text) < low or (high is not None and int(text) > high):
+        upto = f" to {high}" if high is not None else " or more"
+        raise ConfigError(f"{name}={text}: must be a whole number from {low}{upto}{why}")
+    return int(text)
+
+
+def _choice(name: str, text: str, choices: tuple[str, ...]) -> str:
+    if text not in choices:
+        raise ConfigError(f"{name}={text!r}: use {', '.join(choices[:-1])} or {choices[-1]}")
+    return text
+
+
+def _malloc(name: str, text: str) -> str:
+    if text.lower() not in ("", "default"):
+        raise ConfigError(f"{name}={text}: unknown value: set {name}=default to keep glibc's malloc settings, or "
+                          "unset it to keep freed memory in the process (docs/performance.md, \"Host memory\")")
+    return text.lower() or "keep"
+
+
+def _seconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{name}={text}: must be a number of seconds above 0")
+    return value
+
+
+def _threads(name: str, text: str) -> int:
+    n = cores()
+    return _whole(name, text, 1, n, " (the cores this process may run on), or unset: the cores over the devices")
+
+
+PARSERS = {
+    "xla_defaults": _flag, "malloc": _malloc, "coordinator": lambda name, text: text,
+    "num_processes": _whole, "process_id": lambda name, text: _whole(name, text, 0),
+    "devices_per_process": _whole, "join_timeout": _seconds, "no_materialize": _flag,
+    "onednn_threads": _threads, "onednn_blocked": _flag, "onednn_cache": lambda name, text: Path(text),
+    "pallas_gpu": lambda name, text: _choice(name, text, ("auto", "mosaic", "triton")),
+    "pallas_interpret": lambda name, text: _choice(name, text, ("triton", "mosaic")),
+}
+
+
+def read(environ=None) -> Settings:
+    """The settings ``environ`` (default: this process's environment) holds; an unset or empty variable keeps
+    its default."""
+    environ = os.environ if environ is None else environ
+    given = {field: environ.get(name, "") for field, name in VARIABLES.items()}
+    return Settings(**{field: PARSERS[field](VARIABLES[field], text) for field, text in given.items() if text})
+
+
+_current: Settings | None = None
+
+
+def current() -> Settings:
+    """This process's settings: read from the environment the first time, then kept."""
+    global _current
+    if _current is None:
+        _current = read()
+    return _current
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """These settings changed for the block (benchmarks that compare two values; tests)."""
+    global _current
+    before = current()
+    _current = dataclasses.replace(before, **changes)
+    try:
+        yield _current
+    finally:
+        _current = before
+
+
+def launched(coordinator: str, num_processes: int, process_id: int, devices_per_process: int | None) -> dict:
+    """The environment ``python -m jaxtrain.launch`` gives each process it starts: its own and these settings
+    (without $JAX_NUM_CPU_DEVICES: each process's devices are ``devices_per_process``)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{
+        VARIABLES["coordinator"]: coordinator, VARIABLES["num_processes"]: str(num_processes),
+        VARIABLES["process_id"]: str(process_id)})
+    if devices_per_process is not None:
+        env[VARIABLES["devices_per_process"]] = str(devices_per_process)
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    return env
+
+
+def add_xla_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """Add ``flags`` to ``$XLA_FLAGS`` (before JAX starts: XLA reads it then), each unless ``$XLA_FLAGS`` already
+    names it (yours take precedence) or JAXTRAIN_XLA_DEFAULTS is on; returns those added."""
+    if current().xla_defaults:
+        return ()
+    given = os.environ.get("XLA_FLAGS", "")
+    added = tuple(f for f in flags if f.split("=")[0] not in given)
+    if added:
+        os.environ["XLA_FLAGS"] = " ".join([given, *added]).strip()
+    return added
+
+
+def xla_flags() -> str:
+    """``$XLA_FLAGS`` as it is now (jaxtrain's added)."""
+    return os.environ.get("XLA_FLAGS", "")
+
+
+# Other programs' variables that jaxtrain follows, read here too (when asked: JAX reads them when it starts).
+
+def jax_platforms() -> str:
+    """``$JAX_PLATFORMS`` ("" where unset): JAX's platform choice before it starts."""
+    return os.environ.get("JAX_PLATFORMS", "")
+
+
+def jax_cpu_devices() -> int:
+    """``$JAX_NUM_CPU_DEVICES``, 0 where unset."""
+    text = os.environ.get("JAX_NUM_CPU_DEVICES", "")
+    return _whole("JAX_NUM_CPU_DEVICES", text) if text else 0
+
+
+def tfds_dir() -> str:
+    """``$TFDS_DATA_DIR``, where TFDS keeps prepared datasets (default ~/tensorflow_datasets)."""
+    return os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
+
+
+def cxx() -> str:
+    """``$CXX``, the C++ compiler that builds oneDNN's convolutions (default g++)."""
+    return os.environ.get("CXX") or "g++"
+
+
+def cluster_tasks() -> int:
+    """The tasks of the SLURM or Open MPI job this process is one of (``SLURM_NTASKS``,
+    ``OMPI_COMM_WORLD_SIZE``; 1 outside a job)."""
+    given = (os.environ.get(name, "") for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+    return max([int(text) for text in given if text.isdigit()], default=1)
