@@ -55,8 +55,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=positive_int, default=None,
                    help="virtual CPU devices for jaxtrain and the hand-written step (default: one per core; "
                         "PyTorch always gets every core as threads)")
-    p.add_argument("--batch-size", type=positive_int, default=None, help="global batch (default: 256 LeNet, 64 ResNet-18)")
-    p.add_argument("--steps", type=positive_int, default=None, help="steps per timed block (default: 10 LeNet, 3 ResNet-18)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="global batch (default: 256 LeNet, 64 ResNet-18)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="steps per timed block (default: 10 LeNet, 3 ResNet-18)")
     p.add_argument("--repeats", type=positive_int, default=None,
                    help="timed blocks per variant (default: 40 LeNet, 10 ResNet-18; noisy machines: more)")
     p.add_argument("--epoch-steps", type=positive_int, default=None,

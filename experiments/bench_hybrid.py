@@ -77,7 +77,10 @@ def main(argv=None) -> int:
     model = models.get(args.model)
     variables = jax.eval_shape(model.init, jax.random.key(0))  # shapes: a step compiles from them (GPU too)
     batch = model.batch_shapes(args.batch_size)
-    nbytes = lambda x: x.size * x.dtype.itemsize  # noqa: E731
+
+    def nbytes(x):
+        return x.size * x.dtype.itemsize
+
     grads = sum(nbytes(x) for x in jax.tree.leaves(variables[0]))
     # Averaged beside the gradients: the loss and the loss_fn's metrics, and the model state (BatchNorm).
     _, (model_state, metrics) = jax.eval_shape(model.loss_fn, *variables, batch, jax.random.key(0))
@@ -95,14 +98,20 @@ def main(argv=None) -> int:
                         "every": collective_bytes(text), "state_bytes": sharding.device_bytes(state)}
         rows[layout]["theory"] = theory(layout, grads, sharded, inner, extra)
         print(f"compiled {layout}", file=sys.stderr, flush=True)
-    mib = lambda b: f"{b / 2**20:10.3f}"  # noqa: E731
-    total = lambda row, key: sum(v["bytes"] if isinstance(v, dict) else v for v in row[key].values())  # noqa: E731
-    where = f"{args.replicas} x {inner} {args.gpu.upper()} (compiled here)" if args.gpu else f"{args.devices} CPU devices"
-    print(f"{args.model}, {args.strategy}, {where}, mesh replica={args.replicas} x data={inner}: per step, the bytes that "
-          f"cross processes (MiB; theory in brackets); gradients G = {grads / 2**20:.3f} MiB; state: per device, "
+
+    def mib(b):
+        return f"{b / 2**20:10.3f}"
+
+    def total(row, key):  # bytes of the collectives under row[key]
+        return sum(v["bytes"] if isinstance(v, dict) else v for v in row[key].values())
+
+    where = (f"{args.replicas} x {inner} {args.gpu.upper()} (compiled here)" if args.gpu
+             else f"{args.devices} CPU devices")
+    print(f"{args.model}, {args.strategy}, {where}, mesh replica={args.replicas} x data={inner}: per step, the bytes "
+          f"that cross processes (MiB; theory in brackets); gradients G = {grads / 2**20:.3f} MiB; state: per device, "
           "with Adam's")
-    print(f"{'layout':>10} {'state MiB':>10} {'across MiB':>10} " + " ".join(f"{k:>26}" for k in
-                                                                          ("all-reduce", "all-gather", "reduce-scatter")))
+    print(f"{'layout':>10} {'state MiB':>10} {'across MiB':>10} "
+          + " ".join(f"{k:>26}" for k in ("all-reduce", "all-gather", "reduce-scatter")))
     for layout, row in rows.items():
         cells = [f"{mib(row['across'].get(k, {}).get('bytes', 0))} [{mib(row['theory'].get(k, 0))}]".rjust(26)
                  for k in ("all-reduce", "all-gather", "reduce-scatter")]

@@ -160,8 +160,13 @@ def gpu_launches(gpu_name: str, batch: int, classes: list[int]) -> list[dict]:
     from jaxtrain.models import vit
 
     mesh = gpu.mesh_for(gpu_name, gpus=1)
-    shape = lambda s, dt=jnp.float32: jax.ShapeDtypeStruct(s, dt, sharding=NamedSharding(mesh, P()))  # noqa: E731
-    ce = lambda x, y: jax.value_and_grad(lambda z: softmax_ce.cross_entropy(z, y).mean())(x)  # noqa: E731
+
+    def shape(s, dt=jnp.float32):  # replicated on the GPU
+        return jax.ShapeDtypeStruct(s, dt, sharding=NamedSharding(mesh, P()))
+
+    def ce(x, y):
+        return jax.value_and_grad(lambda z: softmax_ce.cross_entropy(z, y).mean())(x)
+
     ln = jax.grad(lambda x, s, b: layer_norm.layer_norm(x, s, b).sum(), argnums=(0, 1, 2))
     ln_rows = VIT_BATCH * vit.tokens(vit.IMAGE_SHAPE)
     problems = [(f"cross-entropy {batch} x {c}", ce, (shape((batch, c)), shape((batch,), jnp.int32))) for c in classes]

@@ -53,9 +53,16 @@ def jax_ops(batch: int) -> dict:
 
     dev = jax.devices()[0]
     rng = np.random.default_rng(0)
-    put = lambda *shape: jax.device_put(rng.random(shape, np.float32), dev)  # noqa: E731
-    conv = lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))  # noqa: E731
-    pool = lambda a: lenet._avg_pool2(jax.nn.relu(a))  # noqa: E731
+
+    def put(*shape):  # uniform [0, 1) values on the device
+        return jax.device_put(rng.random(shape, np.float32), dev)
+
+    def conv(x, w):
+        return lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def pool(a):
+        return lenet._avg_pool2(jax.nn.relu(a))
+
     x1, w1, a1 = put(batch, 28, 28, 1), put(3, 3, 1, 20), put(batch, 26, 26, 20)
     x2, w2, a2 = put(batch, 13, 13, 20), put(5, 5, 20, 50), put(batch, 9, 9, 50)
     h, wd1, wd2, hid = put(batch, 800), put(800, 128), put(128, 10), put(batch, 128)
@@ -102,7 +109,10 @@ def torch_ops(batch: int) -> dict:
     import torch.nn.functional as F
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    r = lambda *shape: torch.rand(*shape)  # noqa: E731
+
+    def r(*shape):
+        return torch.rand(*shape)
+
     x1, w1, a1 = r(batch, 1, 28, 28), r(20, 1, 3, 3), r(batch, 20, 26, 26)
     x2, w2, a2 = r(batch, 20, 13, 13), r(50, 20, 5, 5), r(batch, 50, 9, 9)
     h, wd1, wd2 = r(batch, 800), r(128, 800), r(10, 128)
@@ -173,7 +183,8 @@ def main(argv=None) -> int:
         print(f"| {name} | {ms:.2f} | {'n/a' if t is None else f'{t:.2f}'} |")
     if torch_ms:
         common = [k for k in xla_ms if k in torch_ms]
-        print(f"| sum (ops both have) | {sum(xla_ms[k] for k in common):.1f} | {sum(torch_ms[k] for k in common):.1f} |")
+        print(f"| sum (ops both have) | {sum(xla_ms[k] for k in common):.1f} | "
+              f"{sum(torch_ms[k] for k in common):.1f} |")
     else:
         print(f"| sum | {sum(xla_ms.values()):.1f} | n/a |")
     return 0

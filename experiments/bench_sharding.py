@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=("resnet18", "lenet"), default="resnet18", help="the model (both have tp rules)")
     p.add_argument("--devices", type=positive_int, default=4, help="devices (even: tp needs model=2)")
     p.add_argument("--batch-size", type=positive_int, default=64, help="GLOBAL batch size")
-    p.add_argument("--strategy", choices=STRATEGIES, default="jit", help="strategy for replicated and fsdp (tp needs jit)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="jit",
+                   help="strategy for replicated and fsdp (tp needs jit)")
     p.add_argument("--steps", type=positive_int, default=3, help="steps timed per repeat")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per setting (median reported)")
     p.add_argument("--conv", choices=CONVS, default="auto",

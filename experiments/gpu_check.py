@@ -69,7 +69,10 @@ def parser() -> argparse.ArgumentParser:
 
 # Outside --dry-run every child runs on the GPU or fails (JAX unpinned would fall back to the CPU with a warning);
 # the CPU backend beside it counts a module's FLOPs (jaxtrain.gpu.analysis).
-ON_GPU = lambda args: {} if args.dry_run else {"JAX_PLATFORMS": "cuda,cpu"}  # noqa: E731
+def on_gpu(args) -> dict:
+    return {} if args.dry_run else {"JAX_PLATFORMS": "cuda,cpu"}
+
+
 DEVICES = "import jax, json; print(json.dumps([jax.default_backend(), [d.device_kind for d in jax.devices()]]))"
 
 
@@ -136,7 +139,7 @@ def _step_rows(args, settings_list, say) -> list[dict]:
         # counted from; jax leaves xla_dump_to out of the cache key, so another row's entry could serve it).
         jit_cache = Path(args.out, "jit-cache", Path(kw["dump_dir"]).name)
         shutil.rmtree(jit_cache, ignore_errors=True)
-        cache = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(jit_cache), **ON_GPU(args),
+        cache = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(jit_cache), **on_gpu(args),
                  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
         first = subprocess.run([sys.executable, "-c", ROW, json.dumps(kw)], capture_output=True, text=True, env=cache)
         # Again, from the cache: the peak memory of a process that runs the step and never compiled it (a compile's
@@ -200,7 +203,7 @@ def part_kernels(args) -> dict:
     json_path = Path(args.out) / "kernels.json"
     cmd = [sys.executable, "-m", "experiments.bench_kernels", "--devices", "1", "--json", str(json_path),
            *(["--repeats", "2", "--classes", "10"] if args.dry_run else [])]
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ON_GPU(args)})
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **on_gpu(args)})
     if out.returncode != 0:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
     return {"table": out.stdout, **json.loads(json_path.read_text())}
@@ -209,7 +212,10 @@ def part_kernels(args) -> dict:
 @one_line_errors("gpu_check")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+
+    def say(text):
+        print(text, file=sys.stderr, flush=True)
+
     if args.predict:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         predict(args.predict, Path(args.out), say)

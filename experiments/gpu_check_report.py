@@ -17,8 +17,13 @@ def junit_counts(path: Path) -> dict:
     skipped = [c for c in cases if c.find("skipped") is not None]
     return {"passed": len(cases) - len(failed) - len(errors) - len(skipped), "failed": len(failed),
             "skipped": len(skipped), "errors": len(errors),
-            "failures": [f"{c.get('name')}: {(c.find('failure') if c.find('failure') is not None else c.find('error')).get('message', '')[:300]}"
-                         for c in failed + errors]}
+            "failures": [f"{c.get('name')}: {_message(c)}" for c in failed + errors]}
+
+
+def _message(case) -> str:
+    """A failed (or errored) test case's message: its first 300 characters."""
+    found = case.find("failure")
+    return (found if found is not None else case.find("error")).get("message", "")[:300]
 
 
 def _mib(n) -> str:
@@ -40,8 +45,9 @@ def step_table(rows: list[dict]) -> str:
             continue
         lines.append(
             f"| {r['model']} | {r['precision']} | {r['remat']} | {r['batch']} | {r['ms']:.2f} | "
-            f"{r['examples_per_second']:,.0f} | {_num(r.get('estimate_ms'), '.2f')} | {_num(r.get('time_ratio'), '.2f')} | "
-            f"{_num(r.get('mfu'), '.1%')} | {_num(r.get('hfu'), '.1%')} | {_mib(r.get('peak_bytes'))} | {_mib(r['memory_analysis']['total'])} | "
+            f"{r['examples_per_second']:,.0f} | {_num(r.get('estimate_ms'), '.2f')} | "
+            f"{_num(r.get('time_ratio'), '.2f')} | {_num(r.get('mfu'), '.1%')} | {_num(r.get('hfu'), '.1%')} | "
+            f"{_mib(r.get('peak_bytes'))} | {_mib(r['memory_analysis']['total'])} | "
             f"{_num(r.get('memory_ratio'), '.2f')} | {r['compile_s']:.1f} |")
     return "\n".join(lines)
 
@@ -74,7 +80,8 @@ def markdown(parts: dict) -> str:
         if name in parts:
             out += [f"## {title}", "", "Step time: median of the timed blocks, on one generated batch already on "
                     "the device. ESTIMATE: `jaxtrain.gpu.estimate` of the same compiled program for this GPU kind. "
-                    "MFU: 3 x the model's forward FLOPs (`jaxtrain.models.flops`) per example x examples/s over the dense peak; "
+                    "MFU: 3 x the model's forward FLOPs (`jaxtrain.models.flops`) per example x examples/s over the "
+                    "dense peak; "
                     "HFU: the compiled program's FLOPs instead (XLA counts a loop's body once: the ViT's is low).", "",
                     step_table(parts[name]["rows"]), ""]
     kernels = parts.get("kernels")

@@ -53,8 +53,9 @@ def main(argv=None) -> int:
     from jaxtrain import gpu
 
     gpu.check_plugin()
-    print(f"| model | remat | device memory per GPU | host memory per GPU | to host / back per step | largest batch per "
-          f"GPU | step on {args.gpus} {args.gpu.upper()} (ESTIMATE) | bottleneck |\n|---|---|---|---|---|---|---|---|",
+    print(f"| model | remat | device memory per GPU | host memory per GPU | to host / back per step | "
+          f"largest batch per GPU | step on {args.gpus} {args.gpu.upper()} (ESTIMATE) | bottleneck |\n"
+          "|---|---|---|---|---|---|---|---|",
           flush=True)
     print_plans([{"gpu": args.gpu, "gpus": args.gpus, "model": model, "precision": args.precision, "remat": remat,
                   "largest_batch": not args.no_search} for model in models for remat in POLICIES[model]],

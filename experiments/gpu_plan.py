@@ -115,7 +115,10 @@ def main(argv=None) -> int:
 
     gpu.check_plugin()  # before anything starts compiling: the plugin's one-line install hint
     shape = {"input_shape": args["input_shape"], "num_classes": args["num_classes"]}
-    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+
+    def say(text):
+        print(text, file=sys.stderr, flush=True)
+
     if args["scaling"]:
         return _scaling(args, settings, shape, say)
     result = gpu.plan(args["gpu"], args["gpus"], args["hosts"], largest_batch=not args["no_search"],

@@ -125,7 +125,8 @@ def main(argv=None) -> int:
         e = estimates[FIT_ON]
         fitted = fit_efficiency(e["roofline"], e["launch"], FIT_ON[3] * FIT_ON[1] / PUBLISHED[FIT_ON])
         print(f"\nkernel efficiency (the one fitted constant): targets.json {stored:.3f}; this run's fit on 1 A100 "
-              f"AMP: {fitted:.3f}{'' if abs(fitted - stored) < 0.005 else ' -- DIFFERENT: put the fit in targets.json'}")
+              f"AMP: {fitted:.3f}"
+              f"{'' if abs(fitted - stored) < 0.005 else ' -- DIFFERENT: put the fit in targets.json'}")
     pair = [estimates.get(k) for k in HELD_OUT if k[1] == 8]
     if all(pair):
         from jaxtrain.gpu.targets import target

@@ -67,8 +67,8 @@ def measure(args) -> dict:
     dataset = meta["settings"]["dataset"]
     # The run's own data (its --data-dir, from summary.json) unless given; never a download (minutes, then a failure
     # when offline): data not found is a one-line error saying to pass --data-dir.
-    test = sources.load_split(dataset, "test", data_dir=args.data_dir or _run_data_dir(args.run), tfds_dir=args.tfds_dir,
-                              download=False).head(args.test_subset)
+    test = sources.load_split(dataset, "test", data_dir=args.data_dir or _run_data_dir(args.run),
+                              tfds_dir=args.tfds_dir, download=False).head(args.test_subset)
     images = loader.normalise(test.images)
     q = quantize.quantize(meta, params, model_state)
     fp32, int8 = _predictions(q.fp32, images), _predictions(q.int8, images)
@@ -90,8 +90,8 @@ def measure(args) -> dict:
 def table(r: dict) -> str:
     lines = [f"{r['model']} ({r['run']}), {r['test_examples']} test examples of {r['dataset']}; {r['device']} "
              f"({r['cpu_isa'] or 'ISA unknown'}), "
-             f"jax {r['jax']}; int8 program: {r['int8_convolutions']} integer convolutions, {r['int8_dots']} integer dots "
-             f"({r['int8_operands']} of them on int8 operands)",
+             f"jax {r['jax']}; int8 program: {r['int8_convolutions']} integer convolutions, "
+             f"{r['int8_dots']} integer dots ({r['int8_operands']} of them on int8 operands)",
              "", "| | fp32 | int8 | int8 / fp32 |", "|---|---|---|---|",
              f"| test accuracy | {r['fp32_acc']:.4f} | {r['int8_acc']:.4f} | {r['int8_acc'] - r['fp32_acc']:+.4f} |",
              f"| argmax agreement | | {r['argmax_agreement']:.4f} | |",

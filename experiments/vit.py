@@ -13,6 +13,6 @@ from jaxtrain.cli import main  # light: JAX is imported inside main(), after the
 
 if __name__ == "__main__":
     sys.exit(main("vit", description="Train a small Vision Transformer (8 blocks) on Fashion-MNIST, data parallel "
-                                     "or pipelined (--mesh stage=N --microbatches M [--pipeline-schedule circular --repeats "
-                                     "R]); prints a line per epoch and writes metrics.jsonl, summary.json, "
-                                     "curves.png."))
+                                     "or pipelined (--mesh stage=N --microbatches M "
+                                     "[--pipeline-schedule circular --repeats R]); prints a line per epoch and writes "
+                                     "metrics.jsonl, summary.json, curves.png."))

@@ -77,7 +77,9 @@ def _platform_scan(step, carry, xs, k: int):
     host's (a CUDA lowering on a CPU host keeps the loop; the compiler never
     sees a conditional).
     """
-    scan = lambda unroll: lambda c, x: lax.scan(step, c, x, unroll=unroll)  # noqa: E731
+    def scan(unroll):
+        return lambda c, x: lax.scan(step, c, x, unroll=unroll)
+
     return lax.platform_dependent(carry, xs, cpu=scan(k), default=scan(1))
 
 
@@ -91,7 +93,10 @@ def microbatched(grads, k: int):
         micro = split_micro_batches((batch, ctx.rows), k)
         keys = jax.random.split(ctx.key, k)
         first = jax.tree.map(lambda x: x[0], micro)
-        one = lambda ms, m, key: grads(params, ms, m[0], dataclasses.replace(ctx, key=key, rows=m[1]), scale)  # noqa: E731
+
+        def one(ms, m, key):  # one micro-batch m = (batch, rows)
+            return grads(params, ms, m[0], dataclasses.replace(ctx, key=key, rows=m[1]), scale)
+
         shapes = jax.eval_shape(one, model_state, first, keys[0])
         # Typed like the results (strategy="explicit": a tensor-parallel gradient's sharding is part of its type).
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32, out_sharding=s.sharding),
@@ -105,7 +110,10 @@ def microbatched(grads, k: int):
 
         ((g_sum, loss_sum, m_sum), model_state), _ = _platform_scan(step, (ctx.vary(zeros), model_state),
                                                                     (micro, keys), k)
-        mean = lambda t: jax.tree.map(lambda x: x / k, t)  # noqa: E731
+
+        def mean(t):
+            return jax.tree.map(lambda x: x / k, t)
+
         return mean(g_sum), mean(loss_sum), model_state, mean(m_sum)
 
     return accumulated

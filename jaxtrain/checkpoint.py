@@ -139,7 +139,8 @@ class Checkpointer:
             if step not in self.manager.all_steps():
                 saveable = _saveable(state)
                 record = {"settings": self.settings, "layout": integrity.layout(saveable),
-                          "state_digest": integrity.state_digest(saveable), "position_digest": integrity.json_digest(pos)}
+                          "state_digest": integrity.state_digest(saveable),
+                          "position_digest": integrity.json_digest(pos)}
                 self.manager.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(saveable), position=ocp.args.JsonSave(pos),
                     record=ocp.args.JsonSave(record)))
@@ -210,7 +211,8 @@ class Checkpointer:
         if diffs:
             raise ConfigError(
                 f"the checkpoint at step {step} in {self.directory} holds a differently shaped state "
-                f"({'; '.join(diffs)}): was the model changed? Use the model it was written with, or a new {self.param}")
+                f"({'; '.join(diffs)}): was the model changed? Use the model it was written with, "
+                f"or a new {self.param}")
 
     @staticmethod
     def _verify(record: dict, restored) -> str | None:

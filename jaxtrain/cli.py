@@ -123,7 +123,8 @@ def _flag_type(f: dataclasses.Field):
 
 
 def make_parser(model: str | None = None, description: str | None = None, prog: str | None = None,
-                fields: Sequence[str] | None = None, renamed: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+                fields: Sequence[str] | None = None,
+                renamed: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """Flags of every RunConfig field (or of ``fields``); ``model`` fixes the model (its recipe gives the
     defaults shown); ``renamed``: a field's flag under another name (experiments.distill: model -> --student)."""
     renamed = renamed or {}

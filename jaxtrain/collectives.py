@@ -194,11 +194,17 @@ def make_comm(dims, ring: bool = False, grad_dims=None, batch=DATA_AXIS, shard=D
         raise ConfigError("the ring runs over one axis: a hybrid mesh ('replica') needs strategy='shard_map', 'jit' "
                           "or 'explicit'")
     if ring:
-        total = lambda t: ring_allreduce(t, DATA_AXIS)  # noqa: E731
-        gather_split = lambda xs, ds: ring_all_gather(xs, DATA_AXIS, ds)  # noqa: E731
-        scatter_split = lambda xs, ds: ring_reduce_scatter(xs, DATA_AXIS, ds)  # noqa: E731
+        def total(t):
+            return ring_allreduce(t, DATA_AXIS)
+
+        def gather_split(xs, ds):
+            return ring_all_gather(xs, DATA_AXIS, ds)
+
+        def scatter_split(xs, ds):
+            return ring_reduce_scatter(xs, DATA_AXIS, ds)
     else:
-        total = lambda t: lax.psum(t, batch)  # noqa: E731
+        def total(t):
+            return lax.psum(t, batch)
 
         def gather_split(xs, ds):  # HSDP: marked varying across too, so the gradient is summed across once (below)
             whole = [lax.all_gather(x, shard, axis=d, tiled=True) for x, d in zip(xs, ds)]
@@ -208,7 +214,8 @@ def make_comm(dims, ring: bool = False, grad_dims=None, batch=DATA_AXIS, shard=D
             mine = [lax.psum_scatter(x, shard, scatter_dimension=d, tiled=True) for x, d in zip(xs, ds)]
             return lax.psum(mine, across) if across else mine
 
-    vary = lambda t: _pcast(t, batch)  # noqa: E731
+    def vary(t):
+        return _pcast(t, batch)
 
     def mean(tree):
         n = lax.axis_size(batch)

@@ -154,7 +154,8 @@ class RunConfig:
     eval_every_steps: int | None = _field(None, "also evaluate every N train steps (a line, and TensorBoard's "
                                                 "test_step/ scalars)", minimum=1)
     profile: str | None = _field(None, "write a jax.profiler trace of steps START..STOP-1 to OUT/profile (open "
-                                       "it in XProf, TensorBoard or ui.perfetto.dev; docs: Getting started, 'Watching a run')", flag_type="steps")
+                                       "it in XProf, TensorBoard or ui.perfetto.dev; docs: Getting started, "
+                                       "'Watching a run')", flag_type="steps")
     track: str = _field("none", "also log the run to an experiment tracker (pip install 'jaxtrain[wandb]' or "
                                 "'jaxtrain[mlflow]'): wandb runs OFFLINE under OUT/wandb unless you logged in "
                                 "(wandb login / WANDB_API_KEY; upload later with wandb sync); mlflow logs to "

@@ -23,9 +23,9 @@ from jaxtrain.errors import ConfigError
 class DirLock:
     """``with DirLock(path, param):`` or ``acquire()`` / ``release()``.
 
-    Held by another process: a ConfigError naming ``param`` (the parameter that chose the directory, e.g. "out="); or, given
-    ``waiting`` (a message), that message on stderr and a wait for the holder to finish. ``name``: the lock
-    file's name in ``directory``.
+    Held by another process: a ConfigError naming ``param`` (the parameter that chose the directory, e.g.
+    "out="); or, given ``waiting`` (a message), that message on stderr and a wait for the holder to finish.
+    ``name``: the lock file's name in ``directory``.
     """
 
     def __init__(self, directory: Path, param: str, *, name: str = ".lock", waiting: str | None = None):

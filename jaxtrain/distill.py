@@ -67,7 +67,8 @@ def distilled(student: models.Model, teacher: models.Model, teacher_params, teac
         params, own = student.init(rng)
         return params, {"student": own, "teacher": frozen}
 
-    return models.Model(student.name, init, loss, lambda params, state, batch: student.eval_fn(params, state["student"], batch),
+    return models.Model(student.name, init, loss,
+                        lambda params, state, batch: student.eval_fn(params, state["student"], batch),
                         lambda params, state, images: student.logits(params, state["student"], images),
                         student.logical_axes, student.input_shape, student.num_classes, student.init_name)
 

@@ -125,8 +125,8 @@ def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
             tree = reader.restore(Path(run_dir).absolute() / ARRAYS, target)
     except Exception as e:  # orbax raises many types for damaged files
         _quiet_closed_loop()
-        raise ConfigError(f"{param}{run_dir}: its saved model cannot be read ({str(e).splitlines()[0][:120] or type(e).__name__})"
-                          "; train it again") from None
+        raise ConfigError(f"{param}{run_dir}: its saved model cannot be read "
+                          f"({str(e).splitlines()[0][:120] or type(e).__name__}); train it again") from None
     tree = jax.tree.map(np.asarray, tree)
     differ = [f"{jax.tree_util.keystr(path)} {got.shape} vs {want.shape}" for (path, got), want in
               zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(target)) if got.shape != want.shape]

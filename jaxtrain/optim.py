@@ -82,6 +82,9 @@ def make_optimizer(name: str, lr: float, *, schedule: str = "constant", total_st
 def learning_rate(opt_state):
     """The learning rate of the newest update, from ``inject_hyperparams`` state anywhere in ``opt_state``
     (e.g. inside ``optax.MultiSteps``); None if the optimizer does not record one."""
-    has = lambda x: hasattr(x, "hyperparams") and "learning_rate" in x.hyperparams  # noqa: E731
+
+    def has(x):
+        return hasattr(x, "hyperparams") and "learning_rate" in x.hyperparams
+
     found = [x for x in jax.tree.leaves(opt_state, is_leaf=has) if has(x)]
     return found[0].hyperparams["learning_rate"] if found else None

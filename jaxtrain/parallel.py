@@ -104,8 +104,8 @@ class Strategy:
 
     def compile(self, step: Callable, plan) -> Compiled:
         """``step(state, batch)`` over global arrays, the state donated and kept in its shardings."""
-        return Compiled(jax.jit(step, in_shardings=(plan.state, plan.batch), out_shardings=(plan.state, plan.replicated),
-                                donate_argnums=(0,)))
+        return Compiled(jax.jit(step, in_shardings=(plan.state, plan.batch),
+                                out_shardings=(plan.state, plan.replicated), donate_argnums=(0,)))
 
     def evaluate(self, local_sums: Callable, plan, mspecs=P()) -> Compiled:
         """``local_sums(params, model_state, batch) -> sums`` over the examples given, summed over the devices;
@@ -118,7 +118,10 @@ class Jit(Strategy):
 
     def _manual(self, fn, in_specs, out_specs):
         """``fn`` per device along the batch axes only; other mesh axes stay with GSPMD (tensor parallelism)."""
-        only_data = lambda specs: jax.tree.map(sharding.data_only, specs, is_leaf=sharding.is_spec)  # noqa: E731
+
+        def only_data(specs):
+            return jax.tree.map(sharding.data_only, specs, is_leaf=sharding.is_spec)
+
         batch = set(sharding.axes_of(batch_axes(self.mesh)))
         manual = frozenset(batch) if set(self.mesh.axis_names) - batch else frozenset()
 
@@ -271,8 +274,8 @@ class Pmap(Strategy):
         return self._pmap(step, donate=True)  # the whole step, the update too, runs inside
 
     def evaluate(self, local_sums, plan, mspecs=P()):
-        psum = lambda t: lax.psum(t, DATA_AXIS)  # noqa: E731
-        return self._pmap(lambda state, batch: psum(local_sums(state.params, state.model_state, batch)), donate=False)
+        return self._pmap(lambda state, batch: lax.psum(local_sums(state.params, state.model_state, batch), DATA_AXIS),
+                          donate=False)
 
 
 _CLASSES = {cls.name: cls for cls in (Jit, Explicit, ShardMap, Ring, Pmap)}

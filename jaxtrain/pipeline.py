@@ -7,10 +7,10 @@ A pipelined model is three functions and ``params = {"embed": E, "stages": S, "h
 - ``head_loss_fn(H, x, batch) -> (loss, metrics)``: means over the examples given.
 
 The reference is the sequential loop ``x = embed_fn(E, b); for i in range(L): x = stage_fn(S[i], x)``
-(``jaxtrain.models.sequential.sequential_loss``). Placement: the L layers form ``stages x repeats`` chunks of K consecutive layers;
-chunk c runs on stage ``c % stages`` (its repeat is ``c // stages``). The stored ``"stages"`` leaves are
-``[repeats, stages, K, ...]``, sharded over ``"stage"`` on their second axis, so each stage's layers live
-on its devices only, and a row-major reshape gives ``[L, ...]`` in layer order (``layers``).
+(``jaxtrain.models.sequential.sequential_loss``). Placement: the L layers form ``stages x repeats`` chunks of K
+consecutive layers; chunk c runs on stage ``c % stages`` (its repeat is ``c // stages``). The stored
+``"stages"`` leaves are ``[repeats, stages, K, ...]``, sharded over ``"stage"`` on their second axis, so each
+stage's layers live on its devices only, and a row-major reshape gives ``[L, ...]`` in layer order (``layers``).
 
 The embedding and the head are replicated: every stage device computes them, the first stage uses the
 embedding and the last the head (their gradients are summed over the stages by the transpose of
@@ -69,7 +69,10 @@ def _stored(stages, num_stages: int, repeats: int):
 
 def _splits(layers: int, stages: int, repeats: int) -> str:
     """What splits ``layers`` instead: other stage counts, other repeats, or another layer count."""
-    either = lambda xs: ", ".join(map(str, xs[:-1])) + (" or " if len(xs) > 1 else "") + str(xs[-1])  # noqa: E731
+
+    def either(xs):  # "2, 4 or 8"
+        return ", ".join(map(str, xs[:-1])) + (" or " if len(xs) > 1 else "") + str(xs[-1])
+
     ways = []
     stage_counts = [s for s in range(2, layers + 1) if layers % (s * repeats) == 0]
     if stage_counts:
@@ -97,7 +100,10 @@ def _schedule(embed_fn, stage_fn, num_stages: int, repeats: int, microbatches: i
         mine = jax.tree.map(lambda w: w[:, 0], stored)  # [R, K, ...], fp32: cast per tick (see PipelineTrainer)
         x0 = embed_fn(prec.cast_floats(embed, dtype), prec.cast_floats(batch, dtype))
         micro = x0.reshape(M, x0.shape[0] // M, *x0.shape[1:])
-        vary = lambda x: lax.pcast(x, (DATA_AXIS, STAGE_AXIS), to="varying")  # noqa: E731
+
+        def vary(x):
+            return lax.pcast(x, (DATA_AXIS, STAGE_AXIS), to="varying")
+
         zeros = vary(jnp.zeros(micro.shape, micro.dtype))
 
         def tick(carry, t):
@@ -210,7 +216,10 @@ class PipelineTrainer(Trainer):
         """``init(params)`` or ``init(init_fn=f, rng=key)`` with ``f(rng) -> {"embed", "stages", "head"}``
         (or ``(that, {})``; stages leaves ``[L, ...]``); stored as the schedule places them."""
         if init_fn is not None:
-            first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+
+            def first(out):  # the params of (params, model_state)
+                return out[0] if isinstance(out, tuple) else out
+
             return super()._maker(None, None, lambda r: (self._pipelined(first(init_fn(r))), {}))
         return super()._maker(None if params is None else self._pipelined(params), model_state, None)
 

@@ -143,7 +143,10 @@ def make_plan(mesh: Mesh, state_shapes: TrainState, *, strategy: str, param_shar
     replicated; the strategy for those specs. ConfigError, before
     anything compiles, if a rule does not fit or the strategy cannot run the sharding."""
     placed, updated = sharding.split(param_sharding)  # ZeRO-1: replicated params, fsdp-sharded optimizer state
-    specs = lambda tree, how=placed: sharding.param_specs(tree, how, mesh, min_size)  # noqa: E731
+
+    def specs(tree, how=placed):
+        return sharding.param_specs(tree, how, mesh, min_size)
+
     pspecs, uspecs = specs(state_shapes.params), specs(state_shapes.params, updated)
     state_specs = sharding.state_specs(state_shapes, pspecs, tx, frozen_specs=specs, opt_specs=uspecs)
     return Plan(mesh, micro_batches, calls_per_update, state_specs,

@@ -159,8 +159,8 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
     test_data = loader.Loader(data["test"], c.batch_size, train=False, workers=c.workers)
     if c.summary:
         images = loader.normalise(data["test"].head(8).images)
-        forward = lambda params, x: s.model.logits(params, state.model_state, x)  # noqa: E731
-        say(diagnostics.format_summary(diagnostics.summarize(state.params, forward, images)))
+        say(diagnostics.format_summary(diagnostics.summarize(
+            state.params, lambda params, x: s.model.logits(params, state.model_state, x), images)))
     if c.memory_report:
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     stats = jt.compiled_stats(s.trainer, state, next(iter(train_data.epoch(0))))
@@ -247,7 +247,8 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
                    if s.trainer.pipeline_layout else None)
     plural = "s" * (len(s.devices) != 1)
     s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
-          f"device{plural} ({platform}){utilisation_words(summary)}{not_learning(history, first_loss, s.model.num_classes)}", flush=True)
+          f"device{plural} ({platform}){utilisation_words(summary)}"
+          f"{not_learning(history, first_loss, s.model.num_classes)}", flush=True)
     if writer is not None:
         writer.summary(summary)
         s.say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl, curves.png")

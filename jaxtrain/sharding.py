@@ -37,8 +37,6 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.state import Frozen, is_frozen
 
 MIN_SIZE = 1024  # elements: smaller parameters stay replicated under FSDP (all-gathering them costs more than it saves)
-
-
 BATCH_AXES = (REPLICA_AXIS, DATA_AXIS)  # what the batch may be split over (devices.batch_axes): FSDP's axes too
 
 
@@ -60,10 +58,7 @@ PRESETS = PARAM_SHARDINGS  # the CLI's --param-sharding
 LOGICAL_AXES = {"mlp": MODEL_AXIS, "heads": MODEL_AXIS, "conv_out": MODEL_AXIS,
                 "embed": None, "classes": None, "conv_in": None}
 
-
 ZERO1 = "zero1"  # parameters replicated, optimizer state (and the gradients the update sees) sharded like fsdp's
-
-
 HSDP = "hsdp"  # fsdp over "data" only: sharded within a process, replicated over "replica" (across processes)
 
 
@@ -133,7 +128,8 @@ def _rules(param_sharding) -> list[tuple[re.Pattern, object]]:
     rules = []
     for rule in param_sharding:
         if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise ConfigError(f"sharding rule {rule!r}: write each rule as (regex, PartitionSpec | 'fsdp' | 'replicated')")
+            raise ConfigError(f"sharding rule {rule!r}: write each rule as "
+                              "(regex, PartitionSpec | 'fsdp' | 'replicated')")
         pattern, value = rule
         if value == "fsdp":
             value = FSDP()
@@ -246,7 +242,10 @@ def state_specs(state_shapes, pspecs, tx: optax.GradientTransformation, frozen_s
     """PartitionSpecs for a whole TrainState: optimizer state follows its parameter (or ``opt_specs``, per
     parameter: ZeRO-1's); ``Frozen`` model state gets ``frozen_specs(tree)`` (the parameters' rules; default
     replicated); the rest replicated."""
-    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+
+    def replicated(tree):
+        return jax.tree.map(lambda _: P(), tree)
+
     frozen_specs = frozen_specs or replicated
     with jax.transfer_guard("allow"):  # tree_map_params runs tx.init eagerly (inject_hyperparams makes arrays)
         opt = optax.tree_map_params(tx, lambda _, spec: spec, state_shapes.opt_state,

@@ -93,7 +93,8 @@ class Trainer:
                   f"splits over {axis!r}", file=sys.stderr, flush=True)
 
     def layout(self, params) -> dict:
-        """Where each parameter goes (``params``: arrays or shapes): ``{"sharded": {name: spec}, "replicated": [...]}``."""
+        """Where each parameter goes (``params``: arrays or shapes):
+        ``{"sharded": {name: spec}, "replicated": [...]}``."""
         return self.plan(jax.eval_shape(self._fresh, params, None, jax.random.key(0))).describe()
 
     def _fresh(self, params, model_state, rng) -> TrainState:
@@ -131,7 +132,10 @@ class Trainer:
         computed or placed (``params`` may be shapes; ``init_fn`` is only traced). ``trainer.lower(state,
         batch_shapes).compile()`` then compiles for the mesh's devices, e.g. the compile-only GPUs of
         ``jaxtrain.gpu.mesh_for``."""
-        make = lambda p, m, r: self._maker(p, m, init_fn)(r)  # noqa: E731 (shapes are arguments: never closed over)
+
+        def make(p, m, r):  # shapes are arguments: never closed over
+            return self._maker(p, m, init_fn)(r)
+
         shapes = jax.eval_shape(make, params, model_state, jax.random.key(0) if rng is None else rng)
         return sharding.abstract(shapes, self.plan(shapes).state)
 

@@ -102,8 +102,8 @@ def random_batch(size: int, seed: int = 0) -> dict:
 
 
 def cached_compiles(env) -> dict:
-    """``env`` plus JAX's persistent compilation cache (_jit_cache_dir), shared with the run's subprocesses (~3 s less per
-    LeNet start here). Not for tests of start-up timing or of kills (test_faults.start leaves it out)."""
+    """``env`` plus JAX's persistent compilation cache (_jit_cache_dir), shared with the run's subprocesses (~3 s less
+    per LeNet start here). Not for tests of start-up timing or of kills (test_faults.start leaves it out)."""
     return {**env, "JAX_COMPILATION_CACHE_DIR": os.environ["JAXTRAIN_TEST_JIT_CACHE"],
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(JIT_CACHE_BYTES)}
 

@@ -61,7 +61,9 @@ def _micro_batches(batch, k):
 
 
 def _mean(trees):
-    wide = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))  # noqa: E731  (fp64 stays fp64)
+    def wide(x):  # fp64 stays fp64
+        return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
     return jax.tree.map(lambda *xs: sum(wide(x) for x in xs) / len(xs), *trees)
 
 

@@ -29,7 +29,8 @@ def imports_of(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)
     known = set(MODULES)
@@ -126,7 +127,8 @@ def flags_in_errors(path: Path) -> list[str]:
         if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")).endswith("Error"):
             text = "".join(part.value for arg in node.args for part in ast.walk(arg)
                            if isinstance(part, ast.Constant) and isinstance(part.value, str))
-            found += [f"{path.name}:{node.lineno}: {flag}" for flag in re.findall(r"--[a-z][\w-]*", OTHER_TOOLS.sub("", text))]
+            found += [f"{path.name}:{node.lineno}: {flag}"
+                      for flag in re.findall(r"--[a-z][\w-]*", OTHER_TOOLS.sub("", text))]
     return found
 
 
@@ -138,7 +140,8 @@ def test_library_errors_name_parameters_and_the_command_line_says_them_as_flags(
     assert not leaks, leaks
     assert flags_in_errors(MODULES["jaxtrain.cli"])  # the check sees flags where they are
     assert as_flags("workers=-1: must be >= 0") == "--workers -1: must be >= 0"
-    assert as_flags("pass checkpoint_dir= elsewhere, or resume=True.") == "pass --checkpoint-dir elsewhere, or --resume."
+    assert as_flags("pass checkpoint_dir= elsewhere, or resume=True.") == (
+        "pass --checkpoint-dir elsewhere, or --resume.")
     assert as_flags("(e.g. data=2,model=2); budget_bytes=", {"budget_bytes": "--memory-budget"}) == (
         "(e.g. data=2,model=2); --memory-budget")
 

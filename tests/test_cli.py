@@ -32,8 +32,8 @@ def test_lenet_cli_end_to_end_with_max_steps(tmp_path):
 @pytest.mark.slow  # a subprocess end to end (>20 s): make test runs it, CI's newest-JAX leg does not
 @needs_fashion_mnist
 def test_lenet_cli_on_a_2d_mesh_with_fsdp_and_tensor_parallelism(tmp_path):
-    out = run_cli(*LENET, "--devices", "4", "--mesh", "data=2,model=2", "--param-sharding", "fsdp+tp", "--max-steps", "5",
-                  "--test-subset", "512", "--out", str(tmp_path), "--no-progress")
+    out = run_cli(*LENET, "--devices", "4", "--mesh", "data=2,model=2", "--param-sharding", "fsdp+tp",
+                  "--max-steps", "5", "--test-subset", "512", "--out", str(tmp_path), "--no-progress")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "mesh data=2,model=2, fsdp+tp (4 of 8 parameters sharded)" in out.stdout, out.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -44,7 +44,8 @@ def test_lenet_cli_on_a_2d_mesh_with_fsdp_and_tensor_parallelism(tmp_path):
 
 @pytest.mark.parametrize(("flags", "fragments"), [
     (["--devices", "4", "--mesh", "data=3,model=2"], ["mesh data=3,model=2 has 6 places", "4 devices"]),
-    (["--devices", "2", "--param-sharding", "tp"], ["names axis 'model'", "give --mesh that axis, e.g. data=2,model=2"]),
+    (["--devices", "2", "--param-sharding", "tp"],
+     ["names axis 'model'", "give --mesh that axis, e.g. data=2,model=2"]),
     (["--devices", "2", "--strategy", "pmap", "--param-sharding", "fsdp"], ["'pmap' keeps the whole state"]),
     (["--devices", "4", "--mesh", "data=2,model=2", "--strategy", "ring", "--param-sharding", "fsdp+tp"],
      ["'ring' shards parameters over 'data' only", "use --strategy 'jit' for tensor parallelism"]),

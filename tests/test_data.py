@@ -80,11 +80,16 @@ def corrupt(idx_dir, stem, data: bytes):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda d: corrupt(d, "train-images-idx3-ubyte", b"\x00\x00\x08\x01" + b"\x00" * 8), "train-images-idx3-ubyte.gz: not an IDX"),
-        (lambda d: corrupt(d, "t10k-labels-idx1-ubyte", struct.pack(">II", 0x801, 12) + b"\x01" * 5), "t10k-labels-idx1-ubyte.gz: header says 12"),
-        (lambda d: corrupt(d, "t10k-labels-idx1-ubyte", struct.pack(">II", 0x801, 12) + b"\x0b" * 12), "label 11 found"),
-        (lambda d: corrupt(d, "train-labels-idx1-ubyte", struct.pack(">II", 0x801, 7) + b"\x01" * 7), "holds 40 images but"),
-        (lambda d: corrupt(d, "train-images-idx3-ubyte", struct.pack(">IIII", 0x803, 40, 32, 32) + b"\x00" * 40 * 1024), "32x32, expected 28x28"),
+        (lambda d: corrupt(d, "train-images-idx3-ubyte", b"\x00\x00\x08\x01" + b"\x00" * 8),
+         "train-images-idx3-ubyte.gz: not an IDX"),
+        (lambda d: corrupt(d, "t10k-labels-idx1-ubyte", struct.pack(">II", 0x801, 12) + b"\x01" * 5),
+         "t10k-labels-idx1-ubyte.gz: header says 12"),
+        (lambda d: corrupt(d, "t10k-labels-idx1-ubyte", struct.pack(">II", 0x801, 12) + b"\x0b" * 12),
+         "label 11 found"),
+        (lambda d: corrupt(d, "train-labels-idx1-ubyte", struct.pack(">II", 0x801, 7) + b"\x01" * 7),
+         "holds 40 images but"),
+        (lambda d: corrupt(d, "train-images-idx3-ubyte", struct.pack(">IIII", 0x803, 40, 32, 32) + b"\x00" * 40 * 1024),
+         "32x32, expected 28x28"),
         (lambda d: (d / "t10k-images-idx3-ubyte.gz").unlink(), "t10k-images-idx3-ubyte\\[.gz\\] is missing"),
         (lambda d: (d / "train-labels-idx1-ubyte.gz").write_bytes(b"\x1f\x8bnot gzip"), "not a readable gzip"),
     ],
@@ -120,7 +125,8 @@ def test_real_fashion_mnist(tfds_dir):
 
 
 def test_loader_train_and_eval_batches():
-    split = sources.Split(np.arange(10 * 784, dtype=np.uint8).reshape(10, 28, 28, 1) % 251, np.arange(10, dtype=np.int32))
+    split = sources.Split(np.arange(10 * 784, dtype=np.uint8).reshape(10, 28, 28, 1) % 251,
+                          np.arange(10, dtype=np.int32))
     train = loader.Loader(split, 4, train=True, seed=3)
     batches = list(train.epoch(1))
     assert len(train) == len(batches) == 2  # remainder dropped
@@ -153,7 +159,8 @@ def test_in_memory_copy_is_checked_and_rebuilt_when_damaged(tmp_path):
     (np.zeros((4, 28, 28, 1), np.uint8), np.array([0, 1, 10, 2]), r"labels must lie in 0..9 \(10 classes\), got 0..10"),
     (np.zeros((4, 28, 28, 1), np.uint8), np.array([0, -1, 3, 2]), r"got -1..3"),
     (np.zeros((4, 28, 28, 1), np.float32), np.zeros(4, np.int32), r"images must be uint8 \[N, H, W, C\].*float32"),
-    (np.zeros((4, 28, 28), np.uint8), np.zeros(4, np.int32), r"a channel axis even for grey\), got uint8 \[4, 28, 28\]"),
+    (np.zeros((4, 28, 28), np.uint8), np.zeros(4, np.int32),
+     r"a channel axis even for grey\), got uint8 \[4, 28, 28\]"),
     (np.zeros((4, 28, 28, 1), np.uint8), np.zeros(3, np.int32), r"labels must be integers \[N\] with N = 4 images"),
     (np.zeros((4, 28, 28, 1), np.uint8), np.zeros(4, np.float32), r"labels must be integers"),
 ])

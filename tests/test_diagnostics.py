@@ -87,7 +87,8 @@ def test_peaks():
     assert gpu.peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12  # not the SXM's
     assert gpu.peak_flops("NVIDIA H100 PCIe", "fp32") == 378e12  # TF32: XLA's f32 matmuls there
     assert gpu.peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
-    assert gpu.peak_flops("NVIDIA A10", "bf16") == 125e12 and gpu.peak_flops("NVIDIA L4", "bf16") == 121e12  # not A100/L40S
+    # not the A100's or the L40S's
+    assert gpu.peak_flops("NVIDIA A10", "bf16") == 125e12 and gpu.peak_flops("NVIDIA L4", "bf16") == 121e12
     assert gpu.peak_flops("Tesla T4", "fp32") == 8.1e12 and gpu.peak_flops("Tesla V100-SXM2-16GB", "fp16") == 125e12
     assert gpu.peak_flops("cpu", "fp32") is None and gpu.peak_flops("NVIDIA GH200 480GB", "bf16") is None
     assert diagnostics.measure_matmul_peak(n=256, repeats=2) > 1e8

@@ -20,7 +20,10 @@ def test_the_soft_loss_gradient_is_the_softened_cross_entropys_times_t_squared()
     s, t = rng.normal(size=(8, 10)).astype(np.float32), 3 * rng.normal(size=(8, 10)).astype(np.float32)
     for temperature in (1.0, 4.0):
         targets = jax.nn.softmax(t / temperature)
-        ce = lambda s: optax.softmax_cross_entropy(s / temperature, targets).mean()  # noqa: E731
+
+        def ce(s):
+            return optax.softmax_cross_entropy(s / temperature, targets).mean()
+
         g = jax.grad(distill.soft_loss)(s, t, temperature)
         np.testing.assert_allclose(g, temperature**2 * jax.grad(ce)(s), rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(distill.soft_loss(t, t, temperature), 0, atol=1e-6)
@@ -176,7 +179,8 @@ def test_the_default_distillation_trains_as_well_as_the_recipe_alone(tmp_path):
     """(BAD 9) T 4, alpha 0.9 left the student at chance for 3 full epochs. The teacher is the plain recipe's own
     3-epoch run (batch 64, 600 steps: past the d2l init's plateau); the student distilled from it with every
     distillation setting at its default must reach the teacher's accuracy - 0.02. Measured: plain 0.601, distilled
-    0.688; the old defaults reached 0.576 here and fail. The full-data runs are in docs/smaller-models.md, "Distillation"."""
+    0.688; the old defaults reached 0.576 here and fail. The full-data runs are in docs/smaller-models.md,
+    "Distillation"."""
     common = ["--devices", "2", "--epochs", "3", "--batch-size", "64", "--train-subset", "12800", "--no-progress"]
     plain = run_cli("-m", "experiments.lenet", *common, "--out", str(tmp_path / "teacher"))
     assert plain.returncode == 0, plain.stderr[-3000:]

@@ -127,7 +127,10 @@ def test_jax_still_reduces_a_reduced_bias_gradient_twice_under_auto_axes():
     mesh = jax.make_mesh((4,), (jt.DATA_AXIS,), axis_types=(AxisType.Explicit,))
     x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
     p = {"w": np.ones((3, 2), np.float32), "b": np.ones((2,), np.float32)}
-    loss = lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2)  # noqa: E731
+
+    def loss(p, x):
+        return jnp.mean((x @ p["w"] + p["b"]) ** 2)
+
     want = jax.grad(loss)(p, x)
 
     def grads(p, x):

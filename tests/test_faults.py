@@ -78,7 +78,8 @@ def test_flipped_bytes_are_detected_moved_aside_and_later_saves_land(tmp_path):
     common = [*LENET, "--max-steps", "20", "--checkpoint-every", "5"]
     assert full.returncode == 0, full.stderr[-3000:]
     ck = tmp_path / "ck"
-    part = run_cli(*[a if a != "20" else "15" for a in common], "--checkpoint-dir", str(ck), "--out", str(tmp_path / "a"))
+    part = run_cli(*[a if a != "20" else "15" for a in common], "--checkpoint-dir", str(ck),
+                   "--out", str(tmp_path / "a"))
     assert part.returncode == 0, part.stderr[-3000:]
     flip_bytes(ck / "15")
     resumed = run_cli(*common, "--checkpoint-dir", str(ck), "--out", str(tmp_path / "b"), "--resume")
@@ -167,7 +168,8 @@ def test_other_or_damaged_data_dir_is_never_served_from_the_cache(tmp_path):
     make_idx_dir(tmp_path / "b", n_train=256, n_test=64, seed=1)
     digests = []
     for name, n in (("a", 512), ("b", 256)):
-        out = run_cli(*LENET, "--max-steps", "1", "--data-dir", str(tmp_path / name), "--out", str(tmp_path / f"o{name}"))
+        out = run_cli(*LENET, "--max-steps", "1", "--data-dir", str(tmp_path / name),
+                      "--out", str(tmp_path / f"o{name}"))
         assert out.returncode == 0, out.stderr[-3000:]
         s = summary(tmp_path / f"o{name}")
         assert s["train_examples"] == n and s["data_source"] == str(tmp_path / name)
@@ -243,7 +245,8 @@ def test_full_disk_up_front_and_during_the_run(small_disk, tmp_path):
     big = run_cli(*LENET, "--max-steps", "5", "--keep-checkpoints", "20", "--checkpoint-dir", str(small_disk / "ck"),
                   "--out", str(tmp_path / "o"))
     one_line_error(big, "MiB free but the run will write about", "--checkpoint-dir")
-    args = [*LENET, "--checkpoint-every", "5", "--checkpoint-dir", str(small_disk / "ck"), "--out", str(small_disk / "o")]
+    args = [*LENET, "--checkpoint-every", "5", "--checkpoint-dir", str(small_disk / "ck"),
+            "--out", str(small_disk / "o")]
     proc = start(*args, "--max-steps", "100000")
     deadline = time.monotonic() + HANG_SECONDS
     while not (small_disk / "ck" / "10").is_dir():

@@ -18,8 +18,9 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
 
 
 def test_a_part_is_cached_until_asked_again_and_the_report_is_rewritten(tmp_path):
-    run = lambda *more: run_cli("-m", "experiments.gpu_check", "--dry-run", "--part", "env",  # noqa: E731
-                                "--out", str(tmp_path), *more)
+    def run(*more):
+        return run_cli("-m", "experiments.gpu_check", "--dry-run", "--part", "env", "--out", str(tmp_path), *more)
+
     first = run()
     assert first.returncode == 0, first.stderr[-2000:]
     assert f"report: {tmp_path / 'report.md'}" in first.stdout

@@ -107,7 +107,10 @@ def test_hsdp_across_two_hosts_sends_only_an_eighth_of_the_sharded_gradients_ove
     state = trainer.abstract_state(init_fn=model.init)
     text = trainer.lower(state, model.batch_shapes(256)).compile(compiler_options=analysis.AUTOTUNER_OFF).as_text()
     across = crossing_bytes(text, replica_hosts(mesh))
-    nbytes = lambda x: x.size * x.dtype.itemsize  # noqa: E731
+
+    def nbytes(x):
+        return x.size * x.dtype.itemsize
+
     grads = sum(nbytes(x) for x in jax.tree.leaves(state.params))  # what replicated all-reduces across hosts
     sharded = sum(nbytes(x) for x in jax.tree.leaves(state.params) if not x.sharding.is_fully_replicated)
     assert set(across) == {"all-reduce"}  # no gather, no reduce-scatter crosses hosts
@@ -331,7 +334,8 @@ def test_the_validation_table_has_a_row_per_published_cell_one_fitted():
     table = v.rows(fake)
     assert [(r["gpu"], r["gpus"], r["precision"]) for r in table][:4] == [
         ("a100", 1, "TF32"), ("a100", 1, "AMP"), ("a100", 8, "TF32"), ("a100", 8, "AMP")]
-    assert len(table) == 12 and [r["held_out"] for r in table].count(False) == 1 and {r["ratio"] for r in table} == {2.0}
+    assert len(table) == 12 and [r["held_out"] for r in table].count(False) == 1
+    assert {r["ratio"] for r in table} == {2.0}
     assert {(r["gpu"], r["gpus"], r["batch_per_gpu"]) for r in table if "MLPerf" in r["precision"]} == {
         ("h100", 8, 400), ("h200", 8, 400)}  # MLPerf Training v3.0 and v4.0's ResNet-50 rows, held out
     text = v.format_rows(table).splitlines()

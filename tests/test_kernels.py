@@ -80,16 +80,12 @@ def test_the_kernel_and_its_gradient_lower_for_cuda_through_triton(use_settings)
     cpu = fn.trace(logits).lower().as_text()
     assert "triton" not in cpu and "stablehlo.while" in cpu  # interpret mode here
     for cols in (3, 10, 1000, 5000, 20000, 50000):  # Triton wants powers of two; tiles stay register-sized
-        n = rows.block_rows(cols)
-        assert n & (n - 1) == 0 and 1 <= n <= 16 and (n == 1 or n * triton_width(cols) <= rows.TILE)
+        n, width = rows.block_rows(cols), 1 << (cols - 1).bit_length()  # Triton's row: the next power of two
+        assert n & (n - 1) == 0 and 1 <= n <= 16 and (n == 1 or n * width <= rows.TILE)
     vocab = jnp.zeros((8, 32000)), jnp.zeros(8, jnp.int32)  # a 32k-vocabulary loss: one row per program, 8 warps
     with compat.cuda_kernel_target():
         wide = jax.jit(softmax_ce.cross_entropy).trace(*vocab).lower(lowering_platforms=("cuda",))
     assert wide.as_text().count("__gpu$xla.gpu.triton") == 1
-
-
-def triton_width(cols):
-    return 1 << (cols - 1).bit_length()
 
 
 def _lenet_steps(strategy, kernels, devices=2, steps=3, accum_steps=1):
@@ -154,8 +150,7 @@ def test_a_train_step_with_the_kernels_lowers_for_cuda(name, strategy):
     trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=2, strategy=strategy, precision="bf16")
     state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
     cuda = trainer.lower(state, model.example_batch(64), platforms=("cuda",)).as_text()
-    # cross-entropy forward + backward; the ViT's 3 layer norms (2 in the block its scan runs, 1 in the head)
-    # both ways too
+    # cross-entropy forward + backward; the ViT's 3 layer norms (2 in the block its scan runs, 1 in the head) both ways
     assert cuda.count("__gpu$xla.gpu.triton") == {"lenet": 2, "vit": 8}[name]
 
 
@@ -182,8 +177,8 @@ def _ln_problem(shape, dtype=jnp.float32):
 
 
 def _ln_value_and_grads(norm, x, scale, bias, weights):
-    loss = lambda x, s, b: (norm(x, s, b).astype(jnp.float32) * weights).sum()  # noqa: E731
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, scale, bias)
+    return jax.jit(jax.value_and_grad(lambda x, s, b: (norm(x, s, b).astype(jnp.float32) * weights).sum(),
+                                      argnums=(0, 1, 2)))(x, scale, bias)
 
 
 @pytest.mark.parametrize("shape", LN_SHAPES)
@@ -212,7 +207,10 @@ def test_layer_norm_in_bf16_keeps_the_dtype_and_rounds_like_the_reference():
 def test_layer_norm_under_shard_map_sums_the_scale_gradient_over_the_devices():
     mesh = jt.make_mesh(2)
     x, scale, bias, _ = _ln_problem((8, 49, 64))
-    grad = lambda norm: jax.grad(lambda s, b, x: (norm(x, s, b) ** 2).sum() / 100, argnums=(0, 1))  # noqa: E731
+
+    def grad(norm):  # d/d(scale, bias)
+        return jax.grad(lambda s, b, x: (norm(x, s, b) ** 2).sum() / 100, argnums=(0, 1))
+
     sharded = jax.device_put(x, NamedSharding(mesh, P(jt.DATA_AXIS)))
     got = jax.jit(jax.shard_map(grad(layer_norm.layer_norm), mesh=mesh, in_specs=(P(), P(), P(jt.DATA_AXIS)),
                                 out_specs=P(), check_vma=True))(scale, bias, sharded)
@@ -233,7 +231,8 @@ def _vit_steps(strategy, kernels, devices=2, steps=2, **mesh_kw):
     model = models.get("vit", kernels=kernels)
     mesh = jt.make_mesh(jax.devices()[:devices], **mesh_kw)
     if "stage" in mesh.axis_names:
-        trainer = jt.make_pipeline_step(model.stack.embed_fn, model.stack.stage_fn, model.stack.head_loss_fn, optax.sgd(0.1), mesh=mesh, microbatches=2)
+        trainer = jt.make_pipeline_step(model.stack.embed_fn, model.stack.stage_fn, model.stack.head_loss_fn,
+                                        optax.sgd(0.1), mesh=mesh, microbatches=2)
     else:
         trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=mesh, strategy=strategy)
     state = trainer.init(init_fn=lambda rng: vit_init(rng), rng=jax.random.key(0))
@@ -294,7 +293,8 @@ def test_bench_kernels_prints_the_bytes_table(tmp_path):
     assert "| cross-entropy | 32 x 10 |" in r.stdout and "| layer norm | 3136 x 64 |" in r.stdout
     figures = json.loads((tmp_path / "k.json").read_text())
     for row in figures["kernels"]:
-        assert 0 < row["kernel_bytes"] < row["xla_bytes"] and row["kernel_ms"] > 0 and row["kernel_runs_as"] == "interpret", row
+        assert 0 < row["kernel_bytes"] < row["xla_bytes"] and row["kernel_ms"] > 0, row
+        assert row["kernel_runs_as"] == "interpret", row
     assert set(figures["steps"]) == {"lenet", "vit"} and set(figures["steps"]["vit"]) == {"jnp", "pallas"}
     r = run_cli("-m", "experiments.bench_kernels", "--classes", "ten")
     assert r.returncode == 2 and "--classes takes class counts" in r.stderr and "Traceback" not in r.stderr

@@ -37,7 +37,8 @@ def test_evaluate_counts_every_example_once(n, batch):
     split = random_split(1000, seed=2)
     params = lenet.init_params(jax.random.key(1), scale=0.1)
     state = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=n).init(params)
-    result = evaluate(jt.make_eval_step(lenet.eval_fn, mesh=n), state, loader.Loader(split, batch, train=False).epoch(0))
+    result = evaluate(jt.make_eval_step(lenet.eval_fn, mesh=n), state,
+                      loader.Loader(split, batch, train=False).epoch(0))
     assert result["count"] == 1000
     logits = np.asarray(lenet.apply(params, loader.normalise(split.images)))
     np.testing.assert_allclose(result["accuracy"], (logits.argmax(-1) == split.labels).mean(), rtol=1e-6)

@@ -38,11 +38,15 @@ def test_a_scanned_layer_counts_once_per_iteration_and_a_cond_its_costlier_branc
     """XLA's cost analysis counts a loop's body once (the ViT's scanned blocks: 1/depth of their FLOPs); here each
     iteration counts."""
     w = jnp.ones((16, 16))
-    body = lambda x, _: (x @ w, None)  # noqa: E731
+
+    def body(x, _):
+        return x @ w, None
+
     one = flops.count(jax.make_jaxpr(lambda x: x @ w)(jnp.ones((4, 16))))
     assert one == 2 * 4 * 16 * 16
     assert flops.count(jax.make_jaxpr(lambda x: jax.lax.scan(body, x, length=7)[0])(jnp.ones((4, 16)))) == 7 * one
-    branches = jax.make_jaxpr(lambda p, x: jax.lax.cond(p, lambda x: x @ w @ w, lambda x: x, x))(True, jnp.ones((4, 16)))
+    branches = jax.make_jaxpr(lambda p, x: jax.lax.cond(p, lambda x: x @ w @ w, lambda x: x, x))(
+        True, jnp.ones((4, 16)))
     assert flops.count(branches) == 2 * one
     vit = flops.forward("vit", (28, 28, 1), 10)
     assert vit > 5 * flops.count(jax.make_jaxpr(lambda x: x @ w)(jnp.ones((1, 16))))  # many layers, counted each

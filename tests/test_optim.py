@@ -26,11 +26,17 @@ def values(schedule, steps):
 def test_schedules_give_the_learning_rate_they_say():
     lr, total, warm = 0.4, 100, 10
     np.testing.assert_allclose(values(optim.make_schedule("constant", lr), [0, 50, 1000]), lr)
-    cosine = lambda t: lr * 0.5 * (1 + math.cos(math.pi * t / total))  # noqa: E731
+
+    def cosine(t):
+        return lr * 0.5 * (1 + math.cos(math.pi * t / total))
+
     np.testing.assert_allclose(values(optim.make_schedule("cosine", lr, total), [0, 25, 50, 100]),
                                [cosine(t) for t in (0, 25, 50, 100)], atol=1e-7)
     warm_cos = optim.make_schedule("warmup_cosine", lr, total, warm)
-    after = lambda t: lr * 0.5 * (1 + math.cos(math.pi * (t - warm) / (total - warm)))  # noqa: E731
+
+    def after(t):  # past the warm-up
+        return lr * 0.5 * (1 + math.cos(math.pi * (t - warm) / (total - warm)))
+
     np.testing.assert_allclose(values(warm_cos, [0, 5, 10, 55, 100]), [0, lr / 2, lr, after(55), 0], atol=1e-6)
     onecycle = values(optim.make_schedule("onecycle", lr, total, warm), range(total + 1))
     assert onecycle.argmax() == warm and onecycle.max() == pytest.approx(lr)

@@ -19,7 +19,8 @@ from jaxtrain.models import lenet
 
 def numbered_split(n):
     """Image i is filled with i % 251 and labelled i: batches reveal which examples they hold."""
-    images = (np.arange(n, dtype=np.int64) % 251).astype(np.uint8)[:, None, None, None] * np.ones((1, 28, 28, 1), np.uint8)
+    images = ((np.arange(n, dtype=np.int64) % 251).astype(np.uint8)[:, None, None, None]
+              * np.ones((1, 28, 28, 1), np.uint8))
     return sources.Split(images, np.arange(n, dtype=np.int32), num_classes=n)  # a class per example: its id
 
 

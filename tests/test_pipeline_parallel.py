@@ -178,7 +178,8 @@ def test_a_batch_that_does_not_split_into_the_microbatches_is_a_one_line_error()
 
 
 def test_the_step_counts_its_bubble():
-    for kw, stages, ticks in ((dict(microbatches=4), 2, 5), (dict(microbatches=4, schedule="circular", repeats=2), 2, 9)):
+    for kw, stages, ticks in ((dict(microbatches=4), 2, 5),
+                              (dict(microbatches=4, schedule="circular", repeats=2), 2, 9)):
         trainer, state, _ = pipelined(optax.sgd(0.1), [], {"data": 2, "stage": stages}, **kw)
         _, metrics = trainer(state, batches(1)[0])
         assert float(metrics["pipeline_bubble"]) == pytest.approx((stages - 1) / ticks) == trainer.bubble

@@ -212,8 +212,9 @@ def test_quantisation_aware_training_is_refused_where_not_built():
 @pytest.mark.slow
 def test_a_quantisation_aware_run_exports_the_int8_model_it_evaluated(tmp_path):
     out = tmp_path / "qat"
-    r = run_cli("-m", "experiments.lenet", "--devices", "2", "--quantize", "int8", "--optimizer", "adam", "--lr", "2e-3",
-                "--epochs", "1", "--train-subset", "6400", "--batch-size", "64", "--out", str(out), "--no-progress")
+    r = run_cli("-m", "experiments.lenet", "--devices", "2", "--quantize", "int8", "--optimizer", "adam",
+                "--lr", "2e-3", "--epochs", "1", "--train-subset", "6400", "--batch-size", "64", "--out", str(out),
+                "--no-progress")
     assert r.returncode == 0, r.stderr
     assert "quantisation-aware int8" in r.stdout
     trained = json.loads((out / "summary.json").read_text())["test_acc"]  # evaluated with int8-rounded numbers

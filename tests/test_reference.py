@@ -101,7 +101,8 @@ def test_lenet_one_device_step_equals_the_reference(opt, precision, accum):
 # random images diverges (loss 4.8 -> 25 -> 46), and a diverging run turns any rounding into a large difference.
 # Adam runs once, with multisteps: a conv bias before a BatchNorm has a zero gradient up to rounding, which Adam
 # normalises to a full step, so a different rounding (another fusion, bf16) moves those biases by a whole lr:
-# only the looser accumulation tolerance holds (LeNet covers Adam x every precision and accumulation). fp16 starts at 2^16: the first two steps overflow, the third updates.
+# only the looser accumulation tolerance holds (LeNet covers Adam x every precision and accumulation).
+# fp16 starts at 2^16: the first two steps overflow, the third updates.
 RESNET_TX = {"sgd": lambda: optax.sgd(3e-3), "adam": lambda: optax.adam(1e-3, eps=1e-6)}
 RESNET_FP16 = {"initial_scale": 2.0**16, "growth_interval": 2}
 # SGD x fp32 without accumulation is test_resnet's `three_step_reference` (the same 3 steps, held to the reference

@@ -57,13 +57,16 @@ def test_offload_policies_offload_what_their_names_say_and_compute_the_same():
         fn = remat.remat(lambda p, x: vit.block(p, x).sum(), policy)
         return sorted(a.shape for a, why in saved_residuals(fn, layer, x) if "device_put" in str(why))
 
-    attention, mlp_hidden, qkv, scores = (2, 49, vit.DIM), (2, 49, vit.MLP), (2, 49, 3 * vit.DIM), (2, vit.HEADS, 49, 49)
+    attention, mlp_hidden, qkv = (2, 49, vit.DIM), (2, 49, vit.MLP), (2, 49, 3 * vit.DIM)
+    scores = (2, vit.HEADS, 49, 49)
     assert offloaded("offload_names:mlp_hidden,attention") == sorted([attention, mlp_hidden])
     assert offloaded("offload_dots_no_batch") == sorted([attention, mlp_hidden, qkv])  # projections' outputs
     assert scores in offloaded("offload_dots")  # the attention's batched einsums too
     assert offloaded("dots") == []
-    grad = lambda policy: jax.jit(jax.grad(remat.remat(lambda p, x: vit.block(p, x).sum(), policy)))(  # noqa: E731
-        layer, x)
+
+    def grad(policy):
+        return jax.jit(jax.grad(remat.remat(lambda p, x: vit.block(p, x).sum(), policy)))(layer, x)
+
     chex.assert_trees_all_close(grad("offload_names:mlp_hidden,attention"), grad("none"), rtol=1e-5, atol=1e-6)
 
 

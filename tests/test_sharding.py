@@ -187,7 +187,10 @@ def test_fsdp_with_optax_multisteps_keeps_its_accumulator_sharded():
 def test_init_fn_builds_the_sharded_state_in_place():
     trainer = jt.make_train_step(lenet.loss_fn, optax.adam(1e-3), mesh=4, param_sharding="fsdp")
     rng = jax.random.key(3)
-    init_fn = lambda r: (lenet.init_params(r), {})  # noqa: E731
+
+    def init_fn(r):
+        return lenet.init_params(r), {}
+
     direct = trainer.init(*jax.jit(init_fn)(rng), rng=rng)  # compiled, as init_fn is (eager differs by 1 ulp)
     built = trainer.init(init_fn=init_fn, rng=rng)
     chex.assert_trees_all_equal(jax.device_get(built.params), jax.device_get(direct.params))

@@ -118,8 +118,11 @@ def test_no_recompilation_between_steps_and_state_donated(strategy):
 
 def psum_and_ring(mesh, tree):
     specs = jax.tree.map(lambda _: P(jt.DATA_AXIS), tree)
-    f = lambda t: (lax.psum(t, jt.DATA_AXIS), jt.ring_allreduce(t, jt.DATA_AXIS))  # noqa: E731
-    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs,), out_specs=(specs, specs), check_vma=False))(tree)
+
+    def both(t):
+        return lax.psum(t, jt.DATA_AXIS), jt.ring_allreduce(t, jt.DATA_AXIS)
+
+    return jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(specs,), out_specs=(specs, specs), check_vma=False))(tree)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -129,7 +132,8 @@ def test_ring_allreduce_equals_psum(n, dtype):
     rng = np.random.default_rng(n)
     shapes = {"a": (5,), "b": (3, 7), "c": {"d": (1,), "e": (2, 3, 11)}, "f": ()}
     # Per-device values stacked on a leading axis of size n (sizes not divisible by n on purpose).
-    tree = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=(n, *s)), dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
+    tree = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=(n, *s)), dtype), shapes,
+                        is_leaf=lambda x: isinstance(x, tuple))
     tree["ints"] = jnp.asarray(rng.integers(-5, 5, (n, 4)), jnp.int32)  # mixed dtypes in one tree
     expected, got = psum_and_ring(mesh, tree)
     tol = {"rtol": 2e-2, "atol": 5e-2} if dtype == jnp.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
@@ -174,7 +178,9 @@ def test_model_state_averaged_over_devices(strategy):
     (lambda out: (out[0], (out[1][0], {"accuracy": jnp.ones(16)})), r"metrics \{'accuracy': \(16,\)\} are not scalars"),
 ])
 def test_a_loss_fn_with_the_wrong_output_is_a_config_error_naming_the_contract(bad, says):
-    loss_fn = lambda *args: bad(lenet.loss_fn(*args))  # noqa: E731
+    def loss_fn(*args):
+        return bad(lenet.loss_fn(*args))
+
     trainer = jt.make_train_step(loss_fn, optax.sgd(0.1), mesh=1)
     with pytest.raises(jt.ConfigError, match=says):
         trainer(trainer.init(init_params()), random_batch(16))

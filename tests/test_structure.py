@@ -73,7 +73,8 @@ def test_ynn_fusion_parser_sees_convolutions_under_xla_defaults():
     from conftest import run_cli
 
     code = ("import jax, jax.numpy as jnp, sys; sys.path.insert(0, 'tests'); from test_structure import ynn_fused_ops; "
-            "f = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC')); "
+            "f = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), 'VALID', "
+            "dimension_numbers=('NHWC', 'HWIO', 'NHWC')); "
             "print(sorted(ynn_fused_ops(jax.jit(f).lower(jnp.ones((8, 13, 13, 20)), jnp.ones((5, 5, 20, 50)))"
             ".compile().as_text())))")
     out = run_cli("-c", code, env={"JAXTRAIN_XLA_DEFAULTS": "1", "XLA_FLAGS": ""})

@@ -12,7 +12,9 @@ import time
 import pytest
 from conftest import ROOT, run_cli
 
-optuna = pytest.importorskip("optuna")
+pytest.importorskip("optuna")
+
+import optuna
 
 from jaxtrain import sweep_study as S
 from jaxtrain.sweep import sweep

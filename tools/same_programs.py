@@ -60,7 +60,8 @@ def compare(old_path: str, new_path: str) -> int:
         changed = sum(1 for line in difflib.unified_diff(a, b, lineterm="", n=0)
                       if line[:1] in "+-" and line[:3] not in ("+++", "---"))
         differ += changed > 0
-        print(f"{key:48s} {len(a):6d} vs {len(b):6d} instructions: {'same' if not changed else f'{changed} lines differ'}")
+        print(f"{key:48s} {len(a):6d} vs {len(b):6d} instructions: "
+              f"{'same' if not changed else f'{changed} lines differ'}")
     print("all the same" if not differ else f"{differ} of {len(old)} steps differ")
     return 1 if differ else 0
 

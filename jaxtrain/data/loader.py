@@ -84,7 +84,8 @@ class Loader:
 
     def _batch(self, order: np.ndarray | None, b: int, epoch: int) -> dict:
         bs, n = self.batch_size, len(self.split)
-        lo, hi = b * bs + self.process_index * self.local_batch_size, b * bs + (self.process_index + 1) * self.local_batch_size
+        lo, hi = (b * bs + self.process_index * self.local_batch_size,
+                  b * bs + (self.process_index + 1) * self.local_batch_size)
         if order is not None:
             idx = order[lo:hi]
             images = self.split.images[idx]

@@ -21,5 +21,5 @@ from jaxtrain.gpu.plan import JAX_MEMORY_FRACTION, GpuPlan, plan
 from jaxtrain.gpu.scaling import format_scaling, scaling
 from jaxtrain.gpu.targets import INSTALL, TESTED, Target, check_plugin, mesh_for, names, peak_flops, target
 
-__all__ = ["Estimate", "GpuPlan", "INSTALL", "OpTime", "estimate", "format_scaling", "scaling", "JAX_MEMORY_FRACTION", "TESTED", "Target", "check_plugin", "mesh_for", "names",
-           "peak_flops", "plan", "target"]
+__all__ = ["Estimate", "GpuPlan", "INSTALL", "OpTime", "estimate", "format_scaling", "scaling", "JAX_MEMORY_FRACTION",
+           "TESTED", "Target", "check_plugin", "mesh_for", "names", "peak_flops", "plan", "target"]

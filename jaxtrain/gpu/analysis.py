@@ -106,7 +106,10 @@ def kernels(hlo_text: str) -> dict:
     """What the GPU launches: cuDNN calls by kind, cuBLAS gemms, Triton gemm fusions, Pallas (Triton / Mosaic)
     kernels, other custom calls, and the fusion count."""
     calls = Counter(_CUSTOM_CALL.findall(hlo_text))
-    pick = lambda test: sum(n for t, n in calls.items() if test(t))  # noqa: E731
+
+    def pick(test):  # how many calls of the targets that pass test
+        return sum(n for t, n in calls.items() if test(t))
+
     return {
         "cudnn": {t.split("$", 1)[1]: n for t, n in sorted(calls.items()) if t.startswith("__cudnn$")},
         "cublas_gemms": pick(lambda t: t.startswith("__cublas")),

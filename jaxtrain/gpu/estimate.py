@@ -115,7 +115,8 @@ class _Walker:
         if kind == "all-reduce":
             cap = model["tree_max_bus_gbps" if hosts <= 2 else "tree_max_bus_gbps_beyond_2_hosts"] * 1e9
             bus = min(link * model["tree_bus_share"], cap)
-            times += [(p["base_us"] + 2 * ((n // hosts - 1) * p["nvlink_hop_us"] + math.log2(hosts) * p["network_hop_us"]))
+            times += [(p["base_us"] + 2 * ((n // hosts - 1) * p["nvlink_hop_us"]
+                                           + math.log2(hosts) * p["network_hop_us"]))
                       * 1e-6 + size / (0.5 * bus * p["bandwidth_share"]) for p in model["tree"].values()]
         return min(times), size
 
@@ -223,8 +224,8 @@ def estimate(compiled_text: str, gpu: str | Target, gpus: int, hosts: int, examp
     ops = list(walker.ops.values())
     flops = sum(o.flops for o in ops if o.kind in ("matmul", "conv"))
     return Estimate(gpu=t.key, gpus=gpus, hosts=hosts, examples=examples, seconds=run["seconds"],
-                    lower_bound=max(low["roofline"], low["communication"], low["host_seconds"]), roofline=low["roofline"],
-                    compute=run["compute"],
+                    lower_bound=max(low["roofline"], low["communication"], low["host_seconds"]),
+                    roofline=low["roofline"], compute=run["compute"],
                     memory=run["memory"], launch=run["launch"], communication=run["communication"],
                     exposed=max(0.0, run["seconds"] - run["roofline"] - run["launch"] - run["host_wait"]), flops=flops,
                     peak_flops=walker.main_peak[1], ops=ops, to_host=run["to_host"], from_host=run["from_host"],

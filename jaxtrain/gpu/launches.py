@@ -62,7 +62,10 @@ def _sections(elf: bytes):
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
     heads = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + k * shentsize) for k in range(shnum)]
     names = heads[shstrndx][4]
-    name = lambda h: elf[names + h[0]: elf.index(b"\0", names + h[0])].decode()  # noqa: E731
+
+    def name(h):
+        return elf[names + h[0]: elf.index(b"\0", names + h[0])].decode()
+
     return {name(h): h for h in heads}  # name -> (name, type, flags, addr, offset, size, link, info, align, entsize)
 
 
@@ -76,8 +79,11 @@ def _cubin_kernels(blob: bytes) -> dict:
             symtab, strtab, info = sections[".symtab"], sections[".strtab"], sections.get(".nv.info")
         except (struct.error, ValueError, KeyError):
             continue  # not a whole cubin
-        symbol = lambda k: elf[strtab[4] + (o := struct.unpack_from("<I", elf, symtab[4] + 24 * k)[0]):  # noqa: E731
-                               elf.index(b"\0", strtab[4] + o)].decode()
+
+        def symbol(k):
+            o = struct.unpack_from("<I", elf, symtab[4] + 24 * k)[0]
+            return elf[strtab[4] + o: elf.index(b"\0", strtab[4] + o)].decode()
+
         off, end = (info[4], info[4] + info[5]) if info else (0, 0)
         while off < end:
             fmt, attr, value = struct.unpack_from("<BBH", elf, off)
@@ -107,14 +113,18 @@ def _mosaic_launch(op_name: str, module: str) -> Launch:
     consts = dict(re.findall(r'(%\d+) = "[\w.]*arith\.constant"\(\) \{value = (\d+) : (?:index|i32)\}', text))
     operands = re.search(r'"[\w.]*gpu\.launch"\(([^)]*)\)', text).group(1).split(", ")
     grid, block, smem = operands[-7:-4], operands[-4:-1], operands[-1]  # after the async token: grid, block, smem
-    value = lambda v: int(consts[v])  # noqa: E731
+
+    def value(v):
+        return int(consts[v])
+
     return Launch(op_name.split("/")[-2] if "/" in op_name else op_name, "mosaic", tuple(map(value, grid)),
                   value(block[0]) * value(block[1]) * value(block[2]), value(smem), None)
 
 
 def format_launches(launches: list[Launch], backends=("triton", "mosaic")) -> list[str]:
     """A markdown table of the kernels of ``backends``."""
-    lines = ["| kernel | backend | grid | threads | shared memory | registers per thread |", "|---|---|---|---|---|---|"]
+    lines = ["| kernel | backend | grid | threads | shared memory | registers per thread |",
+             "|---|---|---|---|---|---|"]
     for k in launches:
         if k.backend in backends:
             regs = k.registers if k.registers is not None else "at first run"

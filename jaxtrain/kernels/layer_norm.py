@@ -5,7 +5,8 @@ x [..., D] is seen as rows [N, D] in row blocks (jaxtrain.kernels.rows). Forward
 statistics in fp32. Backward, with ``xhat = (x - mean) * rstd`` and ``g = dy * scale``:
 ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` per row; ``dscale = sum(dy * xhat)`` and
 ``dbias = sum(dy)`` over the rows, each program writing its block's partial sums (no atomics: the result does
-not depend on the order programs run in), summed in ``jnp`` after (by ``rows.run``, and over the devices here). ``reference`` is the ViT's layer norm.
+not depend on the order programs run in), summed in ``jnp`` after (by ``rows.run``, and over the devices here).
+``reference`` is the ViT's layer norm.
 """
 
 from __future__ import annotations

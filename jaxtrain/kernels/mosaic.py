@@ -196,7 +196,8 @@ def ln_forward(x, scale, bias, eps: float, interpret: bool = False):
             chunk = pl.ds(idx[0] * width, width)
             scale = plgpu.load(scale_gmem.at[chunk], layout=_COL).astype(jnp.float32)
             bias = plgpu.load(bias_gmem.at[chunk], layout=_COL).astype(jnp.float32)
-            xhat = (plgpu.load(x_smem, layout=_TILE).astype(jnp.float32) - _per_row(mean, width)) * _per_row(rstd, width)
+            xhat = ((plgpu.load(x_smem, layout=_TILE).astype(jnp.float32) - _per_row(mean, width))
+                    * _per_row(rstd, width))
             _write_tile(xhat * _per_col(scale) + _per_col(bias), y_smem, y_gmem, idx[0], width)
 
         _pipeline(step, dpad, width, ins=1)(x_gmem)
@@ -224,7 +225,8 @@ def ln_backward(x, scale, dy, mean, rstd, interpret: bool = False):
 
         def terms(j, x_smem, dy_smem):
             scale = plgpu.load(scale_gmem.at[pl.ds(j * width, width)], layout=_COL).astype(jnp.float32)
-            xhat = (plgpu.load(x_smem, layout=_TILE).astype(jnp.float32) - _per_row(mean, width)) * _per_row(rstd, width)
+            xhat = ((plgpu.load(x_smem, layout=_TILE).astype(jnp.float32) - _per_row(mean, width))
+                    * _per_row(rstd, width))
             dy = plgpu.load(dy_smem, layout=_TILE).astype(jnp.float32)
             return xhat, dy, dy * _per_col(scale)
 

@@ -191,7 +191,10 @@ def _vit(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: 
     layer = functools.partial(vit.block, kernels=kernels)  # kernels="pallas": its layer norms too
     block = remat_block(layer, remat)
     vit.tokens(shape["input_shape"])  # sides not divisible by the patch: an error now
-    head_loss = lambda head: sequential_loss(vit.embed_fn, block, vit.head_loss(head, kernels))  # noqa: E731
+
+    def head_loss(head):
+        return sequential_loss(vit.embed_fn, block, vit.head_loss(head, kernels))
+
     return Stacked(name="vit", init=lambda rng: (vit.init(rng, **shape), {}),
                    loss_fn=head_loss(classify.loss_head(kernels)), eval_fn=vit.eval_fn,
                    logits=lambda params, _, images: vit.apply(params, images), head_loss=head_loss,

@@ -19,7 +19,10 @@ IMAGE_SHAPE = (28, 28, 1)
 def shapes(input_shape=IMAGE_SHAPE, num_classes: int = NUM_CLASSES) -> dict:
     """(name -> (weight shape, bias shape)): convs HWIO, inputs NHWC; 28x28x1 gives d2l's 800 features."""
     h, w, c = input_shape
-    side = lambda n: ((n - 2) // 2 - 4) // 2  # noqa: E731 - conv 3 valid, pool 2, conv 5 valid, pool 2
+
+    def side(n):  # conv 3 valid, pool 2, conv 5 valid, pool 2
+        return ((n - 2) // 2 - 4) // 2
+
     if side(h) < 1 or side(w) < 1:
         raise ValueError(f"LeNet needs images of at least 14x14, got {h}x{w}")
     return {"conv1": ((3, 3, c, 20), (20,)), "conv2": ((5, 5, 20, 50), (50,)),

@@ -1,4 +1,5 @@
-"""A small Vision Transformer for small images (28x28, 32x32), shaped to pipeline: embedding -> DEPTH identical blocks -> head.
+"""A small Vision Transformer for small images (28x28, 32x32), shaped to pipeline: embedding -> DEPTH identical
+blocks -> head.
 
 Patches of 4x4 (49 tokens for 28x28) -> linear + position embedding; pre-norm blocks (multi-head self-attention,
 GELU MLP, residuals); layer norm, mean over the tokens, dense classifier. Plain functions over a params
@@ -35,9 +36,19 @@ def init(rng: jax.Array, depth: int = DEPTH, input_shape=IMAGE_SHAPE, num_classe
     embedding std 0.02, fan-in patch embedding, zero head and biases, unit norms."""
     c, n_tokens = input_shape[-1], tokens(input_shape)
     k = iter(jax.random.split(rng, 8))
-    normal = lambda shape, std=0.02: std * jax.random.normal(next(k), shape, jnp.float32)  # noqa: E731
-    glorot = lambda *shape: normal(shape, (2 / (shape[-2] + shape[-1])) ** 0.5)  # noqa: E731
-    zeros, ones = (lambda *s: jnp.zeros(s, jnp.float32)), (lambda *s: jnp.ones(s, jnp.float32))
+
+    def normal(shape, std=0.02):
+        return std * jax.random.normal(next(k), shape, jnp.float32)
+
+    def glorot(*shape):
+        return normal(shape, (2 / (shape[-2] + shape[-1])) ** 0.5)
+
+    def zeros(*shape):
+        return jnp.zeros(shape, jnp.float32)
+
+    def ones(*shape):
+        return jnp.ones(shape, jnp.float32)
+
     return {
         "embed": {"patch": normal((PATCH * PATCH * c, DIM), (PATCH * PATCH * c) ** -0.5), "bias": zeros(DIM),
                   "pos": normal((n_tokens, DIM))},
@@ -69,7 +80,10 @@ def block(p, x, kernels="jnp"):
     n, t, d = x.shape
     qkv = checkpoint_name(_norm(x, p["ln1"], p["ln1_b"], kernels) @ p["qkv"] + p["qkv_b"], "qkv")
     q, k, v = jnp.split(qkv, 3, axis=-1)
-    heads = lambda a: a.reshape(n, t, HEADS, d // HEADS)  # noqa: E731
+
+    def heads(a):  # [n, t, d] -> [n, t, heads, d / heads]
+        return a.reshape(n, t, HEADS, d // HEADS)
+
     scores = jnp.einsum("nqhc,nkhc->nhqk", heads(q), heads(k)).astype(jnp.float32) / (d // HEADS) ** 0.5
     att = jnp.einsum("nhqk,nkhc->nqhc", jax.nn.softmax(scores, axis=-1).astype(x.dtype), heads(v)).reshape(n, t, d)
     att = checkpoint_name(att, "attention")

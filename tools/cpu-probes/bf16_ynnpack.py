@@ -39,7 +39,9 @@ def step(carry, b, dt):
 
 
 YNN = {
-    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION,LIBRARY_FUSION_TYPE_REDUCE"
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
+                                            "LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION,"
+                                            "LIBRARY_FUSION_TYPE_REDUCE"
 }
 variants = {}
 for dt, dn in ((jnp.float32, "fp32"), (jnp.bfloat16, "bf16")):

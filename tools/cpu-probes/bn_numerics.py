@@ -32,7 +32,10 @@ from jaxtrain.models import resnet  # noqa: E402
 
 def grads(stats, dtype, params, model_state, batch):
     loss_fn = resnet.adapter(batch_stats=stats).loss_fn
-    cast = lambda tree: jax.tree.map(lambda a: jnp.asarray(a, dtype), tree)  # noqa: E731
+
+    def cast(tree):
+        return jax.tree.map(lambda a: jnp.asarray(a, dtype), tree)
+
     batch = {"image": jnp.asarray(batch["image"], dtype), "label": batch["label"]}
     return jax.jit(jax.grad(lambda p: loss_fn(p, cast(model_state), batch, jax.random.key(0))[0]))(cast(params))
 
@@ -78,7 +81,10 @@ def one_vs_two_devices():
         nnx.relu = fn  # read as the model is traced
         for stats in ("flax", "jaxtrain"):
             one, two = three_steps(1, stats), three_steps(2, stats)
-            diff = lambda a, b: max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731,E501
+
+            def diff(a, b):  # the largest difference of any element
+                return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
             print(f"1 vs 2 devices, {activation:8s} {stats:8s} statistics: params {diff(one.params, two.params):.1e}, "
                   f"statistics {diff(one.model_state, two.model_state):.1e}")
     nnx.relu = relu

@@ -23,7 +23,12 @@ B = int(sys.argv[1])
 dy = jax.random.normal(jax.random.key(0), (B, 9, 9, 50))
 x = jax.random.normal(jax.random.key(2), (B, 13, 13, 20))
 w = jax.random.normal(jax.random.key(1), (5, 5, 20, 50))
-conv = lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def conv(x, w):
+    return lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
 ref = jax.jit(lambda x, w, dy: jax.vjp(lambda x: conv(x, w), x)[1](dy)[0])
 r = ref(x, w, dy)
 res = {"xla vjp dx": timeit(ref, x, w, dy)}

@@ -27,7 +27,9 @@ for H, C in ((28, 64), (14, 128), (7, 256), (4, 512)):
 
         # two convs in a row with a relu, fwd + grad wrt x and w: the middle activation stays in the model's layout
         def f(x, w):
-            c = lambda a: lax.conv_general_dilated(a, w, (1, 1), "SAME", dimension_numbers=(dn, "HWIO", dn))
+            def c(a):
+                return lax.conv_general_dilated(a, w, (1, 1), "SAME", dimension_numbers=(dn, "HWIO", dn))
+
             return jnp.sum(c(jax.nn.relu(c(x))) ** 2)
 
         g = jax.jit(jax.grad(f, argnums=(0, 1)))

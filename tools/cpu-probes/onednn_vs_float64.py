@@ -17,7 +17,9 @@ CASES = {"3x3, 28x28x64": ((8, 28, 28, 64), (3, 3, 64, 64)), "3x3, 14x14x128": (
 
 
 def grads(conv, x, w):
-    loss = lambda x, w: jnp.sin(conv(x, w, (1, 1), SAME, dimension_numbers=NHWC)).sum()  # noqa: E731
+    def loss(x, w):
+        return jnp.sin(conv(x, w, (1, 1), SAME, dimension_numbers=NHWC)).sum()
+
     return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
 
 

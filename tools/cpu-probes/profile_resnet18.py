@@ -7,7 +7,10 @@ import collections
 import glob
 import gzip
 import json
+import re
 import sys
+import tempfile
+import time
 
 import jaxtrain as jt
 
@@ -26,13 +29,9 @@ tr = jt.make_train_step(model.loss_fn, optax.sgd(0.2), mesh=mesh)
 state = tr.init(params0, ms0)
 batch = tr.shard(host)
 state, _ = time_steps(tr, state, batch, 3)
-import time
-
 t = time.perf_counter()
 state, _ = time_steps(tr, state, batch, 3)
 print("ms/step", (time.perf_counter() - t) / 3 * 1000)
-import tempfile
-
 d = tempfile.mkdtemp(prefix="jaxtrain-trace-")
 with jax.profiler.trace(d):
     state, _ = time_steps(tr, state, batch, 3)
@@ -46,8 +45,6 @@ for e in ev:
         cnt[e["name"]] += 1
 for n, v in tot.most_common(60):
     print(f"{v / 3000:9.2f} ms  x{cnt[n] // 3:3d}  {n[:100]}")
-import re
-
 cat = collections.Counter()
 for n, v in tot.items():
     if n.startswith("$") or "ThunkExecutor" in n or "Pjit" in n or "np.asarray" in n:
