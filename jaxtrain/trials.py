@@ -26,8 +26,8 @@ SUMMARY_NUMBERS = ("test_acc", "test_loss", "train_loss", "train_acc", "initial_
                    "ms_per_update", "first_epoch_sec", "median_epoch_sec", "examples_per_sec", "data_wait_fraction",
                    "workers", "prefetch", "devices", "processes", "accum_steps", "compiled_flops", "ms_per_step",
                    "achieved_flops_per_sec", "peak_flops_per_sec", "mfu", "hfu", "model_flops_per_example",
-                   "compiled_temp_bytes", "saved_residual_bytes", "steps", "epochs", "batch_size", "lr", "seed", "train_examples",
-                   "test_examples")
+                   "compiled_temp_bytes", "saved_residual_bytes", "steps", "epochs", "batch_size", "lr", "seed",
+                   "train_examples", "test_examples")
 KINDS = {"log": "log-uniform float LO:HI", "float": "uniform float LO:HI", "int": "whole number LO:HI",
          "choice": "one of A,B,C"}
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
@@ -81,7 +81,8 @@ def parse_param(text: str, model: str = "lenet") -> Param:
         if not all(math.isfinite(v) for v in values):
             raise ConfigError(f"--param {text!r}: give finite bounds, e.g. {name}={kind}:1e-4:1")
         if not values[0] < values[1] or kind == "log" and values[0] <= 0:
-            raise ConfigError(f"--param {text!r}: expected LO < HI" + (" and LO > 0 (log scale)" if kind == "log" else ""))
+            log = " and LO > 0 (log scale)" if kind == "log" else ""
+            raise ConfigError(f"--param {text!r}: expected LO < HI{log}")
     for v in values:  # RunConfig's own checks (choices, minimum) on each value
         try:
             RunConfig(model=model, **{name: v})
@@ -132,7 +133,8 @@ class Command:
             command.model = config.model
             for name in swept:
                 if flag(name) in argv:
-                    raise ConfigError(f"the command sets {flag(name)}, which --param sweeps: leave it out of the command")
+                    raise ConfigError(f"the command sets {flag(name)}, which --param sweeps: leave it out of the "
+                                      "command")
             if config.out is not None:
                 raise ConfigError("the command sets --out: leave it out; each trial gets its own under the study's "
                                   "folder (--dir)")
@@ -180,7 +182,8 @@ class Command:
         if self.model is None:
             return shlex.join([*self.argv, *flags(values)])
         config = self.config(values)
-        return shlex.join(["python", "-m", self.module, *cli.to_argv(config, model_fixed=self.module != "jaxtrain.cli")])
+        argv = cli.to_argv(config, model_fixed=self.module != "jaxtrain.cli")
+        return shlex.join(["python", "-m", self.module, *argv])
 
 
 def flags(values: dict) -> list[str]:

@@ -119,7 +119,9 @@ def test_inside_shard_map_with_varying_types_checked(mosaic_interpret):
 @needs_mosaic
 def test_the_cpu_program_runs_the_mosaic_interpreter_only_when_asked(use_settings):
     logits, labels, _ = _ce_problem(16, 10, jnp.float32)
-    lowered = lambda: jax.jit(lambda x: softmax_ce.cross_entropy(x, labels)).lower(logits).as_text()  # noqa: E731
+    def lowered():
+        return jax.jit(lambda x: softmax_ce.cross_entropy(x, labels)).lower(logits).as_text()
+
     triton = lowered()
     use_settings(pallas_interpret="mosaic")
     mosaic = lowered()
@@ -151,7 +153,9 @@ def _compiled_kernels(gpu_name: str, n: int, c: int, dtype) -> tuple[dict, list]
     from jaxtrain.gpu import analysis, launches
 
     mesh = gpu.mesh_for(gpu_name, gpus=1)
-    shape = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=NamedSharding(mesh, P()))  # noqa: E731
+    def shape(s, dt):
+        return jax.ShapeDtypeStruct(s, dt, sharding=NamedSharding(mesh, P()))
+
 
     def both(logits, labels, x, scale, bias):
         ce = jax.value_and_grad(lambda z: softmax_ce.cross_entropy(z, labels).sum())(logits)

@@ -98,7 +98,9 @@ def test_what_onednn_does_not_take_is_xla_s(what):
         w, kw["feature_group_count"] = jnp.ones((3, 3, 1, 4)), 4
     else:
         x, kw["dimension_numbers"] = jnp.ones((2, 4, 8, 8)), ("NCHW", "HWIO", "NCHW")
-    fn = lambda conv: jax.jit(lambda x, w: conv(x, w, (1, 1), "SAME", **kw))  # noqa: E731
+    def fn(conv):
+        return jax.jit(lambda x, w: conv(x, w, (1, 1), "SAME", **kw))
+
     assert "JaxtrainDnnl" not in fn(onednn.conv_general_dilated).lower(x, w).as_text()
     np.testing.assert_array_equal(fn(onednn.conv_general_dilated)(x, w), fn(lax.conv_general_dilated)(x, w))
 
@@ -320,7 +322,9 @@ def test_flops_are_counted_as_xla_counts_its_convolutions(case):
     """XLA's cost analysis sees nothing in a custom call: ``hlo_flops`` adds oneDNN's, as XLA counts its own."""
     xs, ws, strides, padding = CASES[case]
     x, w = jnp.ones(xs), jnp.ones(ws)
-    count = lambda conv: diagnostics.program_flops(_loss(conv, strides, padding).lower(x, w).compile())  # noqa: E731
+    def count(conv):
+        return diagnostics.program_flops(_loss(conv, strides, padding).lower(x, w).compile())
+
     assert count(onednn.conv_general_dilated) == pytest.approx(count(lax.conv_general_dilated), rel=1e-3)
 
 

@@ -72,7 +72,9 @@ def supported(lhs, rhs, dimension_numbers=None, lhs_dilation=None, rhs_dilation=
         return False
     if lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) != _NHWC:
         return False
-    ones = lambda d: d is None or all(v == 1 for v in d)  # noqa: E731
+    def ones(d):
+        return d is None or all(v == 1 for v in d)
+
     return (ones(lhs_dilation) and ones(rhs_dilation) and feature_group_count == 1 and batch_group_count == 1
             and preferred_element_type in (None, jnp.float32))
 
@@ -134,15 +136,19 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
     options = dict(lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
                    feature_group_count=feature_group_count, batch_group_count=batch_group_count,
                    preferred_element_type=preferred_element_type)
-    xla = lambda x, w: lax.conv_general_dilated(x, w, window_strides, padding, precision=precision,  # noqa: E731
-                                                out_sharding=out_sharding, **options)
+    def xla(x, w):
+        return lax.conv_general_dilated(x, w, window_strides, padding, precision=precision,
+                                        out_sharding=out_sharding, **options)
+
     if out_sharding is not None or not supported(lhs, rhs, **options) or not _usable_or_say():
         return xla(lhs, rhs)
     if isinstance(padding, str):
         padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
     geometry = (tuple(int(s) for s in window_strides), tuple(tuple(int(p) for p in pair) for pair in padding))
     floats = _saved_floats(lhs.shape, rhs.shape, geometry)
-    fast = lambda x, w: calls.conv(x, w, geometry, tuple(lhs.shape[1:]), floats)  # noqa: E731
+    def fast(x, w):
+        return calls.conv(x, w, geometry, tuple(lhs.shape[1:]), floats)
+
     return lax.platform_dependent(lhs, rhs, cpu=fast, default=xla)
 
 

@@ -175,16 +175,22 @@ def _here(kernel, inputs, kinds, outputs, rows, cols, mosaic, mesh):
     shapes = {ROWS: (rows, cols), ROW: (rows,), BLOCK: (programs(rows, cols), cols)}
     structs = [_result(shapes[kind], dtype, inputs) for kind, dtype in outputs]
     out_kinds = [kind for kind, _ in outputs]
-    summed = lambda outs: tuple(o.sum(0, keepdims=True) if k == BLOCK else o  # noqa: E731
-                                for o, k in zip(outs, out_kinds))
-    on_mosaic = lambda *a, interpret=False: _vary_as(  # noqa: E731
-        [o.reshape(1, -1) if k == BLOCK else o for o, k in zip(mosaic(*a, interpret=interpret), out_kinds)],
-        _varying(a))
+
+    def summed(outs):
+        return tuple(o.sum(0, keepdims=True) if k == BLOCK else o for o, k in zip(outs, out_kinds))
+
+    def on_mosaic(*a, interpret=False):
+        outs = mosaic(*a, interpret=interpret)
+        return _vary_as([o.reshape(1, -1) if k == BLOCK else o for o, k in zip(outs, out_kinds)], _varying(a))
+
+    def interpreted_here(*a):
+        return summed(_interpret(kernel, a, kinds, structs, out_kinds, rows, cols))
+
     gpu = {"cuda": on_mosaic} if mosaic is not None and backend(mesh) == "mosaic" else {}
     if mosaic is not None and interpreted() == "mosaic":
         cpu = functools.partial(on_mosaic, interpret=True)
     else:
-        cpu = lambda *a: summed(_interpret(kernel, a, kinds, structs, out_kinds, rows, cols))  # noqa: E731
+        cpu = interpreted_here
     return jax.lax.platform_dependent(
         *inputs, cpu=cpu, **gpu,
         default=lambda *a: summed(_call(kernel, a, kinds, structs, out_kinds, rows, cols, interpret=False)))
@@ -216,8 +222,12 @@ def run(kernel, inputs, kinds, outputs, rows: int, cols: int, mosaic=None):
     names = axes_of(axes)
     devices = math.prod(dict(mesh.shape).get(a, 1) for a in names) if mesh is not None else 1
     if devices > 1 and rows % devices == 0:
-        spec = lambda kind: P() if kind == COLS else P(axes)  # noqa: E731
-        local = lambda *a: _here(kernel, a, kinds, outputs, rows // devices, cols, mosaic, target)  # noqa: E731
+        def spec(kind):
+            return P() if kind == COLS else P(axes)
+
+        def local(*a):
+            return _here(kernel, a, kinds, outputs, rows // devices, cols, mosaic, target)
+
         return jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, kinds)),
                              out_specs=tuple(spec(kind) for kind, _ in outputs),
                              axis_names=set(names))(*inputs)
