@@ -98,16 +98,19 @@ def test_the_nnx_model_computes_what_the_linen_model_did():
 
 
 def test_a_linen_module_still_trains_through_the_plain_loss_fn_contract():
+    """2 devices against 1, by the tolerance policy (tests/tolerance.py): a per-element tolerance failed here on
+    one thread under jax 0.12 (a BatchNorm bias of -7.2e-4, 4.4e-6 off)."""
     linen = linen_resnet.ResNet18()
     variables = linen_resnet.init_variables(jax.random.key(0), linen)
-    states = []
+    loss_fn = linen_resnet.make_loss_fn(linen)
+    runs = []
     for n, strategy in ((1, "jit"), (2, "shard_map")):
-        trainer = jt.make_train_step(linen_resnet.make_loss_fn(linen), optax.sgd(0.1), mesh=n, strategy=strategy)
+        trainer = jt.make_train_step(loss_fn, optax.sgd(0.1), mesh=n, strategy=strategy)
         state, metrics = trainer(trainer.init(*variables), BATCH)
-        states.append(jax.device_get(state))
-    chex.assert_trees_all_close(states[1].params, states[0].params, rtol=1e-5, atol=1e-6)
-    chex.assert_trees_all_close(states[1].model_state, states[0].model_state, rtol=1e-5, atol=1e-6)
-    assert not np.allclose(states[0].model_state["BatchNorm_0"]["mean"], 0)
+        runs.append((jax.device_get(state), [jax.device_get(metrics)]))
+    exact = float64_steps(loss_fn, optax.sgd(0.1), variables[0], [BATCH], model_state=variables[1], flip=True)
+    assert_state_reassociated(*runs[1], *runs[0], exact)
+    assert not np.allclose(runs[0][0].model_state["BatchNorm_0"]["mean"], 0)
 
 
 @pytest.mark.parametrize("strategy", jt.STRATEGIES)
