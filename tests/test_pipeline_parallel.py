@@ -8,6 +8,8 @@ import numpy as np
 import optax
 import pytest
 from conftest import needs_fashion_mnist
+from reference import float64_steps
+from tolerance import assert_reassociated
 
 import jaxtrain as jt
 from jaxtrain import pipeline
@@ -52,6 +54,14 @@ def reference_of(opt):
     return reference(OPTIMIZERS[opt](), batches())
 
 
+@functools.cache
+def exact_of(opt):
+    """The sequential model's steps in float64: what both the pipeline and the plain model are held to (the
+    tolerance policy, tests/tolerance.py)."""
+    return float64_steps(sequential_loss(embed_fn, stage_fn, head_loss_fn), OPTIMIZERS[opt](),
+                         init_fn(jax.random.key(0)), batches())
+
+
 def reference(tx, data):
     trainer = jt.make_train_step(sequential_loss(embed_fn, stage_fn, head_loss_fn), tx, mesh=1)
     state = trainer.init(init_fn(jax.random.key(0)))
@@ -87,9 +97,11 @@ def pipelined(tx, data, axes, **kw):
 def test_pipelined_steps_equal_the_sequential_model(opt, axes, kw):
     ref, ref_losses = reference_of(opt)  # the plain model on 1 device, shared by the cases
     trainer, state, losses = pipelined(OPTIMIZERS[opt](), batches(), axes, **kw)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    exact = exact_of(opt)
     got = {**state.params, "stages": pipeline.layers(state.params["stages"])}
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, ref.params)
+    assert_reassociated(got, ref.params, exact.params, "params", exact.start_params)
+    exact_losses = [float(h["loss"]) for h in exact.history]
+    assert_reassociated(losses, ref_losses, exact_losses, "losses", exact_losses[:1] * len(exact_losses))
 
 
 def test_each_stage_holds_only_its_layers_and_the_step_gathers_none():
