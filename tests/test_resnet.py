@@ -3,7 +3,6 @@ remat, bf16; a linen module still trains through the plain loss_fn contract."""
 
 import re
 
-import chex
 import jax
 import numpy as np
 import optax
