@@ -27,7 +27,7 @@ class Settings:
     """One process's settings; each field's variable is ``VARIABLES[field]``."""
 
     xla_defaults: bool = False  # XLA's default CPU flags, not jaxtrain's (to compare with a new jaxlib)
-    malloc: str = "keep"  # "keep": glibc keeps freed memory (jaxtrain.host_memory); "default": glibc's own
+    malloc: str = "keep"  # "keep": glibc keeps freed memory (jaxtrain.parallel.host_memory); "default": glibc's own
     coordinator: str | None = None  # the launcher's: HOST:PORT of process 0
     num_processes: int | None = None  # the launcher's: how many processes
     process_id: int | None = None  # the launcher's: this one's rank

@@ -1,4 +1,4 @@
-"""jaxtrain.batch_stats: BatchNorm's statistics over the step's whole batch with one collective each way, held to
+"""jaxtrain.nn.batch_stats: BatchNorm's statistics over the step's whole batch with one collective each way, held to
 the plain 1-device reference under every strategy, sharding, mesh and accumulation mode.
 
 The network here has softplus where ResNet has ReLU: a ReLU flips on a re-association of its input, so two exact
@@ -15,9 +15,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
-from jaxtrain import batch_stats
 from jaxtrain.models import classify
 from jaxtrain.models.resnet import _batch_norm
+from jaxtrain.nn import batch_stats
 from reference import assert_matches
 
 BATCHES = [random_batch(16, seed=s) for s in range(3)]

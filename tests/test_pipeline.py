@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import jaxtrain as jt
 from jaxtrain.data import loader, sources
 from jaxtrain.data.prefetch import prefetch_to_device
-from jaxtrain.loop import device_batches, evaluate, fit
 from jaxtrain.models import lenet
+from jaxtrain.train.loop import device_batches, evaluate, fit
 
 
 def numbered_split(n):
