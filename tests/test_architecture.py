@@ -238,18 +238,13 @@ def test_no_context_variable_outside_the_step_and_no_batch_sharding_outside_the_
     assert placing == {"jaxtrain.parallel.placement"}, placing
 
 
-# Still reading the environment themselves (issue 52): the trackers' own variables (MLflow's, W&B's) and a sweep
-# trial's child environment.
-READS_ITS_OWN = {"run/track.py", "sweep/command.py", "sweep/trials.py", "sweep/trial_run.py"}
-
-
 def test_the_environment_is_read_in_settings():
     """Every JAXTRAIN_* variable is a field of jaxtrain.settings, read there once (not while a step is traced)."""
     from jaxtrain import settings
 
     readers = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cc")
                and re.search(r"os\.environ|getenv", p.read_text())}
-    assert readers - {"settings.py"} <= READS_ITS_OWN, sorted(readers - {"settings.py"} - READS_ITS_OWN)
+    assert readers == {"settings.py"}, sorted(readers)
     named = {m for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cc") for m in re.findall(r"JAXTRAIN_[A-Z_]+",
                                                                                              p.read_text())}
     assert named <= set(settings.VARIABLES.values()), sorted(named - set(settings.VARIABLES.values()))

@@ -10,12 +10,15 @@ import time
 from pathlib import Path
 
 import jax
+from jax.sharding import Mesh
 
 from jaxtrain.core.compat import cpu_isa
 from jaxtrain.errors import ConfigError
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.io.files import atomic_write, ensure_room, ensure_writable, out_of_space, remove_stale_temps
-from jaxtrain.parallel import devices
+from jaxtrain.models import Model
+from jaxtrain.parallel import devices as devices_lib
+from jaxtrain.run.config import RunConfig
 
 
 def make_out_dir(out: str | None, name: str) -> Path:
@@ -199,25 +202,28 @@ def utilisation_words(summary: dict) -> str:
     return "".join(f", {k.upper()} {summary[k]:.1%}" for k in ("mfu", "hfu") if summary[k] is not None)
 
 
-def describe(s, data: dict, writer) -> str:
-    """The run's first line: model, data, devices, placement, precision ... (``s``: the runner's Setup)."""
-    c, sharded = s.config, len(s.layout["sharded"])
-    placement = "layers over the stages" if s.trainer.pipeline_layout else c.param_sharding
+def describe(c: RunConfig, model: Model, devices: list[jax.Device], mesh: Mesh, layout: dict, pipeline: dict | None,
+             data: dict, out_dir: Path | None) -> str:
+    """The run's first line: model, data, devices, placement, precision, ... ``layout``: the state's
+    (``integrity.state_layout``: "sharded" and "replicated" parameters); ``pipeline``: a pipelined trainer's
+    ``describe()``, or None."""
+    sharded = len(layout["sharded"])
+    placement = "layers over the stages" if pipeline else c.param_sharding
     return (f"{c.model}: {len(data['train'])} train / {len(data['test'])} test examples of {c.dataset} "
-            f"({'x'.join(map(str, s.model.input_shape))}, {s.model.num_classes} classes), batch "
-            f"{c.batch_size} on {len(s.devices)} {s.devices[0].platform} device(s), strategy {c.strategy}, mesh "
-            f"{','.join(f'{k}={v}' for k, v in s.mesh.shape.items())}, {placement} ({sharded} of "
-            f"{sharded + len(s.layout['replicated'])} parameters sharded), {c.precision}, accum {c.accum_steps} "
+            f"({'x'.join(map(str, model.input_shape))}, {model.num_classes} classes), batch "
+            f"{c.batch_size} on {len(devices)} {devices[0].platform} device(s), strategy {c.strategy}, mesh "
+            f"{','.join(f'{k}={v}' for k, v in mesh.shape.items())}, {placement} ({sharded} of "
+            f"{sharded + len(layout['replicated'])} parameters sharded), {c.precision}, accum {c.accum_steps} "
             f"({c.accum}), remat {c.remat}, {c.optimizer} lr {c.lr:g} ({c.schedule})"
             + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
             + (", quantisation-aware int8" if c.quantize == "int8" else "")
             + (", Pallas cross-entropy kernel" if c.kernels == "pallas" else "")
-            + f", conv: {conv_path(c, s.model, s.devices[0].platform)}"
-            + (f", XLA flags added: {' '.join(devices.xla_flags_added())}" if devices.xla_flags_added() else "")
+            + f", conv: {conv_path(c, model, devices[0].platform)}"
+            + (f", XLA flags added: {' '.join(devices_lib.xla_flags_added())}" if devices_lib.xla_flags_added() else "")
             + (f", distilled from {c.teacher} (T {c.temperature:g}, alpha {c.alpha:g})" if c.teacher else "")
             + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
-               "{bubble:.0%})".format(**s.trainer.describe()) if s.trainer.pipeline_layout else "")
-            + f"; out: {writer.out_dir if writer else None}")
+               "{bubble:.0%})".format(**pipeline) if pipeline else "")
+            + f"; out: {out_dir}")
 
 
 def conv_path(c, model, platform: str) -> str:

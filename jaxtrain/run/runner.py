@@ -285,7 +285,8 @@ def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = s
         writer = open_outputs(s, state, position)
         out_dir = writer and writer.out_dir
         with track.view(c.track, out_dir, {**dataclasses.asdict(c), **settings}, c.track_group) as tracker:
-            s.say(describe(s, data, writer), flush=True)
+            pipeline = s.trainer.describe() if s.trainer.pipeline_layout else None
+            s.say(describe(c, s.model, s.devices, s.mesh, s.layout, pipeline, data, out_dir), flush=True)
             state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop, tracker)
             summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
             if tracker is not None:

@@ -25,11 +25,11 @@ from __future__ import annotations
 import contextlib
 import json
 import netrc
-import os
 import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+from jaxtrain import settings
 from jaxtrain.io.dirlock import taking_turns
 from jaxtrain.io.files import atomic_write
 from jaxtrain.run.signals import Exit
@@ -107,7 +107,7 @@ class WandbTracker(Tracker):
     def _open(self, config, group):
         import wandb
 
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "jaxtrain"), group=group,
+        self.run = wandb.init(project=settings.tracker("WANDB_PROJECT", "jaxtrain"), group=group,
                               name=self.out_dir.name, dir=str(self.out_dir), config=config, mode=wandb_mode(),
                               id=self._kept_id(), resume="allow",
                               settings=wandb.Settings(console="off", silent=True))
@@ -133,8 +133,8 @@ class WandbTracker(Tracker):
 
 class MlflowTracker(Tracker):
     def _open(self, config, group):
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(self.out_dir / 'mlflow.db').resolve()}"
-        self.client, experiment = mlflow_experiment(uri, group or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        uri = settings.tracker("MLFLOW_TRACKING_URI") or f"sqlite:///{(self.out_dir / 'mlflow.db').resolve()}"
+        self.client, experiment = mlflow_experiment(uri, group or settings.tracker("MLFLOW_EXPERIMENT_NAME")
                                                     or "jaxtrain")
         run_id, self._held = self._kept_id(), {}
         if run_id is None:
@@ -195,7 +195,7 @@ def mlflow_experiment(uri: str, name: str):
 
     if uri.startswith(("http://", "https://")):
         for var, value in HTTP_WAIT.items():
-            os.environ.setdefault(var, value)
+            settings.default_tracker(var, value)
         print(f"--track mlflow: connecting to {uri} (up to {_http_wait_sec()} s if it does not answer)",
               file=sys.stderr, flush=True)
     sqlite = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
@@ -219,9 +219,9 @@ HTTP_WAIT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOU
 
 def _http_wait_sec() -> int:
     """About how long MLflow waits for a server that does not answer (its retries back off by a factor)."""
-    retries = int(os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"])
-    timeout = int(os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"])
-    backoff = int(os.environ.get("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "2"))
+    retries = int(settings.tracker("MLFLOW_HTTP_REQUEST_MAX_RETRIES"))
+    timeout = int(settings.tracker("MLFLOW_HTTP_REQUEST_TIMEOUT"))
+    backoff = int(settings.tracker("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "2"))
     return (retries + 1) * timeout + sum(backoff * 2**i for i in range(retries))
 
 
@@ -234,13 +234,13 @@ def _param(key, value):
 def wandb_mode() -> str:
     """``WANDB_MODE`` if set; else online when logged in (``WANDB_API_KEY``, or ``wandb login``'s ~/.netrc entry
     for the W&B host), offline otherwise."""
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    if os.environ.get("WANDB_API_KEY"):
+    if settings.tracker("WANDB_MODE"):
+        return settings.tracker("WANDB_MODE")
+    if settings.tracker("WANDB_API_KEY"):
         return "online"
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    host = urlparse(settings.tracker("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     try:
-        return "online" if netrc.netrc(os.environ.get("NETRC")).authenticators(host) else "offline"
+        return "online" if netrc.netrc(settings.tracker("NETRC")).authenticators(host) else "offline"
     except (OSError, netrc.NetrcParseError):
         return "offline"
 

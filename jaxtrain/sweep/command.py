@@ -27,6 +27,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from jaxtrain import settings
 from jaxtrain.errors import ConfigError
 from jaxtrain.sweep import study as S, trial_run as R, trials as T
 from jaxtrain.sweep.workers import Signals, Workers
@@ -129,7 +130,7 @@ def _prepare_tracking(cmd, env: dict, study: str, say) -> None:
         return
     from jaxtrain.run import track
 
-    uri = env.get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = env.get("MLFLOW_TRACKING_URI") or settings.tracker("MLFLOW_TRACKING_URI")
     try:
         track.mlflow_experiment(uri, cmd.config({}).track_group or study)
     except Exception as e:  # noqa: BLE001 - a view: the trials go on, each saying so in its log

@@ -27,6 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxtrain import settings
 from jaxtrain.errors import ConfigError, Diverged
 
 
@@ -71,7 +72,7 @@ def run(trial, argv: list[str], out_dir: Path, objective: str, slot: dict, prune
     import optuna
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **(env or {}), **slot.get("env", {})}
+    env = {**settings.environment(), **(env or {}), **slot.get("env", {})}
     with open(out_dir / "trial.log", "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True,

@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import os
 import shlex
 import shutil
 import sys
 from pathlib import Path
 
-from jaxtrain import cli
+from jaxtrain import cli, settings
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 from jaxtrain.run.config import RunConfig, flag
@@ -173,7 +172,7 @@ class Command:
 
     def trial_env(self, folder: Path) -> dict:
         """A tracked study's trials log to one MLflow store, the study's (unless MLFLOW_TRACKING_URI is set)."""
-        if self.model is None or self.config({}).track != "mlflow" or os.environ.get("MLFLOW_TRACKING_URI"):
+        if self.model is None or self.config({}).track != "mlflow" or settings.tracker("MLFLOW_TRACKING_URI"):
             return {}
         return {"MLFLOW_TRACKING_URI": f"sqlite:///{(folder / 'mlflow.db').resolve()}"}
 
