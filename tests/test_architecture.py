@@ -225,8 +225,8 @@ def calls(path: Path, name: str):
 
 def test_no_context_variable_outside_the_step_and_no_batch_sharding_outside_the_plan():
     """What a model needs reaches it through one object set in step.py; the batch's placement is the plan's."""
-    contexts = {name for name, path in MODULES.items() if calls(path, "ContextVar")}
-    assert contexts == {"jaxtrain.core.step"}, contexts
+    contexts = {name for name, path in MODULES.items() if calls(path, "ContextVar") or calls(path, "StepContext")}
+    assert contexts == {"jaxtrain.core.step"}, contexts  # and a shard's StepContext is made there only
 
     def batch_sharding(node) -> bool:  # NamedSharding(mesh, P(DATA_AXIS)), P("data") or P(batch_axes(mesh))
         spec = node.args[1] if len(node.args) > 1 else None

@@ -6,11 +6,12 @@
         loss, grads = value_and_grad(loss_fn)       per micro-batch, summed (``accumulate.microbatched``)
     reduce grads, loss and metrics over the shards  (the strategy: ``jaxtrain.parallel.strategies``)
     grads /= loss scale; skip the update if any is not finite (fp16)
-    params, opt_state = tx.update(...)              (``update``)
+    params, opt_state = tx.update(...)
     metrics: loss, the loss_fn's own, lr, loss scale
 
-The strategies differ only in how they wrap ``local`` and reduce what it
-returns; the update runs on global arrays after the reduction. ``trainer.py``
+``make_step`` is that story as code. The strategies differ only in how they
+wrap ``local`` and reduce what it returns; the update runs on global arrays
+after the reduction. ``trainer.py``
 compiles this for a mesh and places the state (``placement.py``).
 
 What the loss_fn may ask of the step: ``step_context()`` while it is traced
@@ -55,7 +56,8 @@ EvalFn = Callable  # (params, model_state, batch) -> {name: per-example values [
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-    """What one shard's loss is computed under: made by the strategy, read through ``step_context()``.
+    """What one shard's loss is computed under: made by ``shard_context`` (where the strategy runs a shard),
+    read through ``step_context()``.
 
     ``key``: the loss_fn's key; ``step_key`` and ``rows`` (the examples' rows in the update's whole batch):
     per-example draws (``dropout``); ``batch_axis``: the mesh axis the batch is split over where the loss
@@ -91,6 +93,18 @@ def _inside(ctx: StepContext):
 def local_rows(batch, first: jax.Array | int = 0) -> jax.Array:
     """Rows ``first .. first + B - 1`` for a batch of B examples (B: its leaves' leading size)."""
     return first + jnp.arange(jax.tree.leaves(batch)[0].shape[0], dtype=jnp.int32)
+
+
+def shard_context(step_key: jax.Array, batch, mesh: jax.sharding.Mesh, index: jax.Array | None = None,
+                  axis=None, vary: Callable | None = None) -> StepContext:
+    """The ``StepContext`` of the shard a strategy runs ``local`` on; the only place one is made (the key rule
+    of the module docstring). ``index``: the shard's place along the batch axes ``axis``, its examples the
+    ``index``-th block of the update's batch (None: one program sees the whole batch, under "jit")."""
+    if index is None:
+        return StepContext(key=jax.random.fold_in(step_key, 0), step_key=step_key, rows=local_rows(batch),
+                           batch_axis=None, mesh=mesh)
+    return StepContext(key=jax.random.fold_in(step_key, index), step_key=step_key, batch_axis=axis, mesh=mesh,
+                       rows=local_rows(batch, index * jax.tree.leaves(batch)[0].shape[0]), vary=vary)
 
 
 def example_keys(salt: int | None = None) -> jax.Array:
@@ -196,24 +210,30 @@ def gradients(loss_fn: LossFn, policy: prec.Precision):
     return grads
 
 
-def make_local(loss_fn: LossFn, policy: prec.Precision, micro_batches: int):
-    """The per-shard half: ``local(params, model_state, loss_scale, batch, ctx) -> (grads, loss, model_state,
-    metrics)``, the means over the examples given (a shard's, or all under "jit"), NOT reduced over shards."""
-    grads = gradients(loss_fn, policy)
+def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, micro_batches: int,
+              strategy, state_specs) -> Callable:
+    """The train step ``(state, batch) -> (state, metrics)`` on global arrays, every stage in order.
+
+    ``strategy`` (``jaxtrain.parallel.strategies``) supplies only how the per-shard half is traced
+    (``strategy.model``), wrapped and reduced over the shards (``strategy.reduced``, with the state's
+    ``state_specs``); the update runs after the reduction, on global arrays."""
+    grads_of = gradients(strategy.model(loss_fn), policy)  # cast, loss, value_and_grad (under the shard's context)
     if micro_batches > 1:
-        grads = accumulate.microbatched(grads, micro_batches)
+        grads_of = accumulate.microbatched(grads_of, micro_batches)  # ... the means over k micro-batches (scan)
 
     def local(params, model_state, loss_scale, batch, ctx: StepContext):
-        g, loss, model_state, metrics = grads(params, model_state, batch, ctx, prec.current_scale(loss_scale))
+        """On one shard (a shard's examples, or all under "jit"): gradients and means, NOT reduced over shards."""
+        g, loss, model_state, metrics = grads_of(params, model_state, batch, ctx, prec.current_scale(loss_scale))
         return prec.cast_floats(g, policy.reduce_dtype), loss, model_state, metrics
 
-    return local
+    reduced = strategy.reduced(local, state_specs, per_device=micro_batches > 1)
 
-
-def make_update(tx: optax.GradientTransformation, policy: prec.Precision):
-    """The half after the reduction: ``update(state, grads, loss, model_state, metrics) -> (state, metrics)``."""
-
-    def update(state: TrainState, grads, loss, model_state, metrics):
+    def step(state: TrainState, batch):
+        step_key = jax.random.fold_in(state.rng, state.step)
+        # local on every shard, reduced over the shards (each shard's StepContext: shard_context)
+        grads, loss, model_state, metrics = reduced(state.params, state.model_state, state.loss_scale, batch,
+                                                    step_key)
+        # unscale; the update (skipped, fp16, where any gradient is not finite); the metrics
         scale = prec.current_scale(state.loss_scale)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -233,19 +253,6 @@ def make_update(tx: optax.GradientTransformation, policy: prec.Precision):
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                                   model_state=keep_frozen(model_state, state.model_state), loss_scale=loss_scale)
         return new_state, metrics
-
-    return update
-
-
-def train_step(reduced: Callable, update: Callable) -> Callable:
-    """The whole step on global arrays: ``state, batch -> (state, metrics)``. ``reduced(params, model_state,
-    loss_scale, batch, step_key)``: ``local`` on every shard, reduced over them (the strategy's)."""
-
-    def step(state: TrainState, batch):
-        step_key = jax.random.fold_in(state.rng, state.step)
-        grads, loss, model_state, metrics = reduced(state.params, state.model_state, state.loss_scale, batch,
-                                                    step_key)
-        return update(state, grads, loss, model_state, metrics)
 
     return step
 

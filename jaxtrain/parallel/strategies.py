@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.choices import MODEL_AXES, STRATEGIES
 from jaxtrain.core import step as step_lib
 from jaxtrain.core.state import keep_frozen, map_unfrozen
-from jaxtrain.core.step import StepContext, local_rows
+from jaxtrain.core.step import shard_context
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import sharding
 from jaxtrain.parallel.collectives import Comm, make_comm
@@ -71,8 +71,7 @@ def _per_device(local: Callable, comm: Comm, mesh, state_dims=None) -> Callable:
 
     def run(params, model_state, loss_scale, batch, step_key):
         d = lax.axis_index(axes)  # on a hybrid mesh: replica-major, as the batch is split
-        ctx = StepContext(key=jax.random.fold_in(step_key, d), step_key=step_key, batch_axis=axes, mesh=mesh,
-                          rows=local_rows(batch, d * jax.tree.leaves(batch)[0].shape[0]), vary=comm.vary)
+        ctx = shard_context(step_key, batch, mesh, d, axes, comm.vary)
         whole_state = model_state if state_dims is None else comm.gather_like(model_state, state_dims)
         grads, loss, new_state, metrics = local(comm.gather(params), whole_state, loss_scale, batch, ctx)
         loss, metrics = comm.mean((loss, metrics))
@@ -151,8 +150,7 @@ class Jit(Strategy):
         def reduced(params, model_state, loss_scale, batch, step_key):
             params = self._constrain(params, gathered)
             model_state = self._constrain(model_state, gathered_state)  # an FSDP teacher: gathered
-            ctx = StepContext(key=jax.random.fold_in(step_key, 0), step_key=step_key, rows=local_rows(batch),
-                              batch_axis=None, mesh=self.mesh)
+            ctx = shard_context(step_key, batch, self.mesh)
             grads, *rest = local(params, model_state, loss_scale, batch, ctx)
             # Gathered params at the loss, grads sharded like their params: without the first constraint GSPMD
             # gathered activations instead. (XLA:CPU still reduces FSDP grads as all-reduce + slice: docs/sharding.md.)

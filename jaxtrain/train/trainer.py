@@ -51,7 +51,6 @@ class Trainer:
         self.scan_steps = accumulate.scan_steps(accum_steps, self.accum)
         calls = accum_steps // self.scan_steps
         self.batches = Plan(mesh, micro_batches or self.scan_steps, calls)
-        self._update = step_lib.make_update(self.tx, self.policy)
         self._plans, self._steps = {}, {}  # state tree structure -> Plan, compiled step
         self._last_batch = None  # the signature of the last batch a checked call ran (call_checks.untraceable)
         self._labels_checked = False  # read after the first step (call_checks.labels)
@@ -144,9 +143,8 @@ class Trainer:
             call_checks.structure(state, lambda: jax.eval_shape(self._fresh, state.params, state.model_state,
                                                                 state.rng))
             plan = self.plan(state)
-            local = step_lib.make_local(plan.strategy.model(self.loss_fn), self.policy, self.scan_steps)
-            reduced = plan.strategy.reduced(local, plan.specs, per_device=self.scan_steps > 1)
-            self._steps[key] = plan.strategy.compile(step_lib.train_step(reduced, self._update), plan)
+            step = step_lib.make_step(self.loss_fn, self.tx, self.policy, self.scan_steps, plan.strategy, plan.specs)
+            self._steps[key] = plan.strategy.compile(step, plan)
         return self._steps[key]
 
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
