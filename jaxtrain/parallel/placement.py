@@ -136,18 +136,17 @@ def _examples(batch: Mapping) -> int:
     return sizes.pop()
 
 
-def make_plan(mesh: Mesh, state_shapes: TrainState, *, strategy: str, param_sharding, min_size: int, tx,
+def make_plan(mesh: Mesh, state_shapes: TrainState, *, strategy: str, param_sharding: sharding.ParamSharding, tx,
               micro_batches: int = 1, calls_per_update: int = 1, model_axes: str = "auto") -> Plan:
     """The whole plan for a state of these shapes: parameters (and Frozen model state) by ``param_sharding``,
     optimizer state after its parameter (ZeRO-1: sharded as fsdp's, the parameters replicated), the rest
     replicated; the strategy for those specs. ConfigError, before
     anything compiles, if a rule does not fit or the strategy cannot run the sharding."""
-    placed, updated = sharding.split(param_sharding)  # ZeRO-1: replicated params, fsdp-sharded optimizer state
 
-    def specs(tree, how=placed):
-        return sharding.param_specs(tree, how, mesh, min_size)
+    def specs(tree):
+        return param_sharding.specs(tree, mesh)
 
-    pspecs, uspecs = specs(state_shapes.params), specs(state_shapes.params, updated)
+    pspecs, uspecs = specs(state_shapes.params), param_sharding.specs(state_shapes.params, mesh, updated=True)
     state_specs = sharding.state_specs(state_shapes, pspecs, tx, frozen_specs=specs, opt_specs=uspecs)
     return Plan(mesh, micro_batches, calls_per_update, state_specs,
                 strategies.make_strategy(strategy, mesh, pspecs, uspecs, model_axes))

@@ -74,7 +74,8 @@ def logical_spec(names) -> P:
 
 
 def preset(name: str, logical_axes=()) -> object:
-    """``param_sharding`` for a CLI preset; ``logical_axes``: the model's ((regex, names per dimension), ...)."""
+    """The rules of a preset (``ParamSharding.of`` reads them); ``logical_axes``: the model's ((regex, names per
+    dimension), ...)."""
     if name in ("replicated", "fsdp", ZERO1, HSDP):
         return name
     if name not in PRESETS:
@@ -179,20 +180,52 @@ def _fsdp(entries: tuple, shape: tuple, mesh: Mesh, min_size: int, within: bool 
     return entries[:best] + (_entry(over),) + entries[best + 1:]
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamSharding:
+    """``param_sharding`` made once, at the boundary, into what the plan, the strategies and the summary read:
+    the rules that place the parameters (and Frozen model state), those that place their optimizer state and
+    the gradients the update sees (``updated``: ZeRO-1's differ), FSDP's smallest sharded size, and the
+    setting's name (a preset's, or "rules").
+
+    ``ParamSharding.of`` takes what users write: a preset ("replicated", "fsdp", "zero1", "hsdp"; "tp" and
+    "fsdp+tp" given the model's ``logical_axes``), a list of (regex, PartitionSpec | FSDP | "fsdp" |
+    "replicated") rules, or a ParamSharding; a malformed one is a ConfigError there."""
+
+    placed: tuple
+    updated: tuple
+    min_size: int = MIN_SIZE
+    name: str = "rules"
+
+    @classmethod
+    def of(cls, param_sharding, min_size: int = MIN_SIZE, logical_axes=()) -> ParamSharding:
+        if isinstance(param_sharding, ParamSharding):
+            return param_sharding
+        name = param_sharding if isinstance(param_sharding, str) else "rules"
+        if name in ("tp", "fsdp+tp"):
+            param_sharding = preset(name, logical_axes)
+        placed, updated = split(param_sharding)
+        return cls(tuple(_rules(placed)), tuple(_rules(updated)), min_size, name)
+
+    def specs(self, params, mesh: Mesh, updated: bool = False):
+        """A PartitionSpec per parameter (``params``: arrays or shapes), or per optimizer-state parameter
+        (``updated``); ConfigError before anything compiles."""
+        rules = self.updated if updated else self.placed
+
+        def spec(path, leaf):
+            name, shape = path_name(path), tuple(np.shape(leaf))
+            value = next((v for pattern, v in rules if pattern.search(name)), "replicated")
+            if value == "replicated":
+                return P()
+            if isinstance(value, FSDP):
+                return P(*_fsdp(_checked(name, shape, value.base, mesh), shape, mesh, self.min_size, value.within))
+            return P(*_checked(name, shape, value, mesh))
+
+        return jax.tree_util.tree_map_with_path(spec, params)
+
+
 def param_specs(params, param_sharding, mesh: Mesh, min_size: int = MIN_SIZE):
-    """A PartitionSpec per parameter (``params``: arrays or shapes); ConfigError before anything compiles."""
-    rules = _rules(param_sharding)
-
-    def spec(path, leaf):
-        name, shape = path_name(path), tuple(np.shape(leaf))
-        value = next((v for pattern, v in rules if pattern.search(name)), "replicated")
-        if value == "replicated":
-            return P()
-        if isinstance(value, FSDP):
-            return P(*_fsdp(_checked(name, shape, value.base, mesh), shape, mesh, min_size, value.within))
-        return P(*_checked(name, shape, value, mesh))
-
-    return jax.tree_util.tree_map_with_path(spec, params)
+    """A PartitionSpec per parameter placed by ``param_sharding`` (``ParamSharding.of``'s forms)."""
+    return ParamSharding.of(param_sharding, min_size).specs(params, mesh)
 
 
 def mesh_axes_used(specs) -> set[str]:

@@ -35,9 +35,9 @@ def steps(c: RunConfig, mesh, m: models.Model, updates: int) -> tuple[Trainer, E
                               total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),
                               weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm)
     if STAGE_AXIS not in mesh.axis_names:
+        rules = sharding.ParamSharding.of(c.param_sharding, logical_axes=m.logical_axes)
         return (make_train_step(m.loss_fn, tx, mesh=mesh, strategy=c.strategy, precision=c.precision,
-                                   accum_steps=c.accum_steps, accum=c.accum,
-                                   param_sharding=sharding.preset(c.param_sharding, m.logical_axes)),
+                                accum_steps=c.accum_steps, accum=c.accum, param_sharding=rules),
                 make_eval_step(m.eval_fn, mesh=mesh, strategy=c.strategy))
     if not isinstance(m, models.Pipelinable):
         raise ConfigError(f"a mesh with a {STAGE_AXIS!r} axis: model {c.model} has no stack of identical layers to "
@@ -47,8 +47,8 @@ def steps(c: RunConfig, mesh, m: models.Model, updates: int) -> tuple[Trainer, E
                           "(micro-batches are the pipeline's: microbatches=)")
     stack = m.stack
     trainer = make_pipeline_step(stack.embed_fn, stack.stage_fn, stack.head_loss_fn, tx, mesh=mesh,
-                                    microbatches=c.microbatches, schedule=c.pipeline_schedule, repeats=c.repeats,
-                                    precision=c.precision, remat=c.remat)
+                                 microbatches=c.microbatches, schedule=c.pipeline_schedule, repeats=c.repeats,
+                                 precision=c.precision, remat=c.remat)
     return trainer, make_eval_step(trainer.eval_fn(stack.head_eval_fn), mesh=mesh)
 
 

@@ -53,8 +53,9 @@ class Setup:
 
 
 def setup_devices(c: RunConfig, words: Callable = str) -> Setup:
-    devices = devices_lib.setup_devices(c.devices, devices_per_process=c.devices_per_process, coordinator=c.coordinator,
-                               num_processes=c.num_processes, process_id=c.process_id)
+    devices = devices_lib.setup_devices(c.devices, devices_per_process=c.devices_per_process,
+                                        coordinator=c.coordinator, num_processes=c.num_processes,
+                                        process_id=c.process_id)
 
     def say(*text, **kw):
         if jax.process_index() == 0:

@@ -42,11 +42,10 @@ class Trainer:
         strategies.check_strategy(strategy, model_axes)
         mesh = typed(mesh, explicit=strategy == "explicit")
         self.accum = accumulate.check(accum_steps, accum)
-        sharding.param_specs({}, sharding.split(param_sharding)[0], mesh)  # malformed rules: an error now, not at init
         self.policy = prec.get_policy(precision)
         self.loss_fn = loss_fn
         self.mesh, self.strategy, self.accum_steps, self.model_axes = mesh, strategy, accum_steps, model_axes
-        self.param_sharding, self.min_size = param_sharding, min_size
+        self.sharding = sharding.ParamSharding.of(param_sharding, min_size)  # malformed: an error now
         self.tx = accumulate.wrap_optimizer(tx, accum_steps, self.accum)
         self.scan_steps = accumulate.scan_steps(accum_steps, self.accum)
         calls = accum_steps // self.scan_steps
@@ -72,8 +71,8 @@ class Trainer:
         compiles, if a rule does not fit these parameters or the strategy cannot run the sharding."""
         key = jax.tree.structure(state)
         if key not in self._plans:
-            self._plans[key] = make_plan(self.mesh, state, strategy=self.strategy, param_sharding=self.param_sharding,
-                                         min_size=self.min_size, tx=self.tx, micro_batches=self.batches.micro_batches,
+            self._plans[key] = make_plan(self.mesh, state, strategy=self.strategy, param_sharding=self.sharding,
+                                         tx=self.tx, micro_batches=self.batches.micro_batches,
                                          calls_per_update=self.batches.calls_per_update, model_axes=self.model_axes)
             self._say_idle_axes(self._plans[key])
         return self._plans[key]
