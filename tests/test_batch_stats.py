@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
 from jaxtrain.models import classify
-from jaxtrain.models.resnet import _batch_norm
+from jaxtrain.models.resnet import batch_norm
 from jaxtrain.nn import batch_stats
 from reference import assert_matches
 
@@ -28,8 +28,8 @@ class Net(nnx.Module):
     tensor parallelism where the mesh has "model"."""
 
     def __init__(self, stats: str, rngs: nnx.Rngs):
-        self.conv1, self.bn1 = nnx.Conv(1, 8, (3, 3), rngs=rngs), _batch_norm(8, rngs, stats)
-        self.conv2, self.bn2 = nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs), _batch_norm(16, rngs, stats)
+        self.conv1, self.bn1 = nnx.Conv(1, 8, (3, 3), rngs=rngs), batch_norm(8, rngs, stats)
+        self.conv2, self.bn2 = nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs), batch_norm(16, rngs, stats)
         self.out = nnx.Linear(16, 10, rngs=rngs,
                               kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model")))
 
