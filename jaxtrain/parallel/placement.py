@@ -117,6 +117,11 @@ class Plan:
         self.check_batch_size(_examples(batch))
         return sharding.abstract(batch, self.batch)
 
+    def per_device(self, batch):
+        """A global batch as ``jax.pmap`` takes it, [devices, per device, ...] (users never reshape)."""
+        n = self.num_devices
+        return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
     def _put(self, x):
         if isinstance(x, jax.Array):
             return x if x.sharding.is_equivalent_to(self.batch, x.ndim) else jax.device_put(x, self.batch)

@@ -254,26 +254,21 @@ class Pmap(Strategy):
                               "(any sharding) or 'shard_map' / 'ring' (fsdp) for sharded state or a 2-D mesh")
         self.devices = list(mesh.devices.flat)
 
-    def _pmap(self, fn, donate: bool) -> Pmapped:
-        n = len(self.devices)
+    def _pmap(self, fn, plan, donate: bool) -> Pmapped:
         donate_argnums = (0,) if donate else ()
         pmapped = jax.pmap(fn, axis_name=DATA_AXIS, in_axes=(None, 0), out_axes=None, devices=self.devices,
                            donate_argnums=donate_argnums)
-
-        def per_device(batch):  # users never reshape to [devices, per_device, ...]
-            return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-
-        return Pmapped(pmapped, per_device, donate_argnums)
+        return Pmapped(pmapped, plan.per_device, donate_argnums)
 
     def reduced(self, local, state_specs, per_device):
         return _per_device(local, _comm(self), self.mesh)
 
     def compile(self, step, plan):
-        return self._pmap(step, donate=True)  # the whole step, the update too, runs inside
+        return self._pmap(step, plan, donate=True)  # the whole step, the update too, runs inside
 
     def evaluate(self, local_sums, plan, mspecs=P()):
         return self._pmap(lambda state, batch: lax.psum(local_sums(state.params, state.model_state, batch), DATA_AXIS),
-                          donate=False)
+                          plan, donate=False)
 
 
 _CLASSES = {cls.name: cls for cls in (Jit, Explicit, ShardMap, Ring, Pmap)}

@@ -36,9 +36,9 @@ def steps(c: RunConfig, mesh, m: models.Model, updates: int) -> tuple[Trainer, E
                               weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm)
     if STAGE_AXIS not in mesh.axis_names:
         rules = sharding.ParamSharding.of(c.param_sharding, logical_axes=m.logical_axes)
-        return (make_train_step(m.loss_fn, tx, mesh=mesh, strategy=c.strategy, precision=c.precision,
-                                accum_steps=c.accum_steps, accum=c.accum, param_sharding=rules),
-                make_eval_step(m.eval_fn, mesh=mesh, strategy=c.strategy))
+        trainer = make_train_step(m.loss_fn, tx, mesh=mesh, strategy=c.strategy, precision=c.precision,
+                                  accum_steps=c.accum_steps, accum=c.accum, param_sharding=rules)
+        return trainer, make_eval_step(m.eval_fn, trainer=trainer)
     if not isinstance(m, models.Pipelinable):
         raise ConfigError(f"a mesh with a {STAGE_AXIS!r} axis: model {c.model} has no stack of identical layers to "
                           "pipeline: use experiments.vit, or a mesh without a 'stage' axis")

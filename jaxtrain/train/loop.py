@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxtrain.data.prefetch import prefetch_to_device, to_device
+from jaxtrain.data.prefetch import prefetch_to_device
 from jaxtrain.errors import Diverged
 from jaxtrain.train.timing import Chrono, OneStepLate
 
@@ -40,11 +40,11 @@ class EpochStats:
 
 
 def device_batches(batches: Iterable[dict], plan, prefetch: int):
-    """Host batches -> sharded device batches, placed as ``plan`` says (a trainer's or evaluator's
+    """Host batches -> sharded device batches, placed and checked as ``plan`` says (a trainer's or evaluator's
     ``batches``): ``prefetch`` ahead in a thread, or (0) in line."""
     if prefetch > 0:
-        return prefetch_to_device(batches, plan.batch, prefetch)
-    return (to_device(b, plan.batch) for b in batches)
+        return prefetch_to_device(batches, plan.shard, prefetch)
+    return (plan.shard(b) for b in batches)
 
 
 def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> dict:

@@ -244,18 +244,28 @@ class Evaluator:
     Returns the SUM of each per-example metric over the unmasked examples and
     ``count``, the number of them; divide to get means. A batch may carry a
     ``"mask"`` (1 = real example, 0 = padding) so that every example of a
-    test set counts exactly once. The state may be sharded any way the
-    strategy supports (its placement is read from the state).
+    test set counts exactly once. With a ``trainer``, the state is placed
+    as the trainer's plan says (its strategy runs the sums); without one, it
+    may be sharded any way the strategy supports (its placement is read from
+    the state).
     """
 
-    def __init__(self, eval_fn: EvalFn, mesh: Mesh, strategy: str, model_axes: str = "auto"):
+    def __init__(self, eval_fn: EvalFn, mesh: Mesh, strategy: str, model_axes: str = "auto",
+                 trainer: Trainer | None = None):
         strategies.check_strategy(strategy, model_axes)
         self.mesh, self.strategy, self.model_axes = typed(mesh, explicit=strategy == "explicit"), strategy, model_axes
+        self.trainer = trainer
         self.batches = Plan(self.mesh)
         self._sums = step_lib.eval_sums(eval_fn)
         self._steps = {}  # (tree structure, param specs) -> compiled
 
     def _compiled(self, state):
+        if self.trainer is not None:  # the trainer's plan: one placement for both steps
+            plan = self.trainer.plan(state)
+            key = jax.tree.structure(state)
+            if key not in self._steps:
+                self._steps[key] = plan.strategy.evaluate(self._sums, self.batches, plan.specs.model_state)
+            return self._steps[key]
         pspecs, mspecs = _specs_of(state.params), _specs_of(state.model_state)
         key = (jax.tree.structure(state), tuple(jax.tree.leaves((pspecs, mspecs), is_leaf=sharding.is_spec)))
         if key not in self._steps:
@@ -277,7 +287,9 @@ class Evaluator:
 
 
 def make_eval_step(eval_fn: EvalFn, *, mesh: Mesh | int | None = None, strategy: str = "jit",
-                   model_axes: str = "auto") -> Evaluator:
+                   model_axes: str = "auto", trainer: Trainer | None = None) -> Evaluator:
     """Build an eval step from ``eval_fn(params, model_state, batch) -> {name: [B] values}`` (``model_axes``: as
-    ``make_train_step``'s)."""
+    ``make_train_step``'s). ``trainer``: evaluate its states as its plan places them (its mesh and strategy)."""
+    if trainer is not None:
+        return Evaluator(eval_fn, trainer.mesh, trainer.strategy, trainer.model_axes, trainer)
     return Evaluator(eval_fn, make_mesh(mesh), strategy, model_axes)
