@@ -260,9 +260,9 @@ def test_every_public_name_and_command_still_answers():
     import sys
 
     import jaxtrain as jt
-    from jaxtrain import gpu
+    from jaxtrain import gpu, sweep
 
-    for face in (jt, gpu):
+    for face in (jt, gpu, sweep):
         missing = [n for n in face.__all__ if getattr(face, n, None) is None]
         assert not missing, (face.__name__, missing)
     for command in ("jaxtrain.cli", "jaxtrain.launch", "jaxtrain.sweep"):
