@@ -3,8 +3,8 @@ from flax import nnx
 
 import jaxtrain as jt
 from jaxtrain.data import loader, sources
-from jaxtrain.loop import fit
 from jaxtrain.models import classify
+from jaxtrain.train.loop import fit
 
 devices = jt.setup_devices(2)  # first: CPU gets 2 virtual devices
 

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     import optax
 
     from jaxtrain import models
-    from jaxtrain.batch_size import find_batch_size, parse_bytes
+    from jaxtrain.analysis.batch_size import find_batch_size, parse_bytes
 
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     model = models.get(args.model, remat=args.remat)

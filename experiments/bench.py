@@ -7,7 +7,7 @@ strategy and devices); (b) a minimal hand-written ``jax.jit`` SGD step of the
 same model on the same devices (the overhead reference); (c) PyTorch on the
 CPU with ``torch.set_num_threads(cores)``, in its own process, when torch is
 importable (``pip install torch==2.13.0``), and again with the malloc settings
-jaxtrain's CPU runs use (``torch_same_malloc``; ``jaxtrain.host_memory``); (d) an epoch through the real input
+jaxtrain's CPU runs use (``torch_same_malloc``; ``jaxtrain.parallel.host_memory``); (d) an epoch through the real input
 pipeline: wall time vs steps x step time. A B C, B C A, C A B ... (rotated), warm-up excluded,
 median and spread of the repeats. Batch 256 for LeNet, 64 for ResNet-18.
 
@@ -15,7 +15,7 @@ median and spread of the repeats. Batch 256 for LeNet, 64 for ResNet-18.
 the hand-written step casting params and images to bf16 inside its loss,
 PyTorch under ``torch.autocast("cpu", torch.bfloat16)``. ``--precision int8``
 times INFERENCE on one device instead (no step builder is involved, so no
-hand-written variant): jaxtrain's int8 program (``jaxtrain.quantize``, qwix)
+hand-written variant): jaxtrain's int8 program (``jaxtrain.analysis.quantize``, qwix)
 and its fp32 one, against PyTorch's ``quantize_dynamic`` (its ``nn.Linear``
 layers only) and PyTorch's fp32 forward; the weights are the initial ones
 (speed does not depend on them).
@@ -67,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--xla-defaults", action="store_true",
                    help="compile with XLA's default CPU flags instead of jaxtrain's (sets JAXTRAIN_XLA_DEFAULTS=1)")
     p.add_argument("--no-materialize", action="store_true",
-                   help="let XLA:CPU recompute the models' stored activations (jaxtrain.remat.materialize off; "
+                   help="let XLA:CPU recompute the models' stored activations (jaxtrain.core.remat.materialize off; "
                         "sets JAXTRAIN_NO_MATERIALIZE=1)")
     p.add_argument("--conv", choices=CONVS, default="auto",
                    help="jaxtrain's and the hand-written step's convolutions: auto (oneDNN's where they build), "
@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     from experiments import bench_torch, bench_variants
 
     if infer and args.model not in INT8_MODELS:
-        print(f"bench: error: --precision int8 covers {', '.join(INT8_MODELS)} (jaxtrain.quantize), not {args.model}",
+        print(f"bench: error: --precision int8 covers {', '.join(INT8_MODELS)} (jaxtrain.analysis.quantize), "
+              f"not {args.model}",
               file=sys.stderr)
         return 2
     use_torch = not args.no_torch and bench_torch.available(args.torch_python)
@@ -115,11 +116,14 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from experiments.bench_torch import TorchWorker
-    from jaxtrain import compat, diagnostics, host_memory, models
-    from jaxtrain.timing import time_steps
+    from jaxtrain import models
+    from jaxtrain.analysis import diagnostics
+    from jaxtrain.core import compat
+    from jaxtrain.parallel import host_memory
+    from jaxtrain.train.timing import time_steps
 
     mesh = jt.make_mesh(devices)
-    model = models.get(args.model, conv="xla" if infer else args.conv)  # int8: jaxtrain.quantize's programs
+    model = models.get(args.model, conv="xla" if infer else args.conv)  # int8: jaxtrain.analysis.quantize's programs
     if infer:
         calls, flops = bench_variants.int8_timers(args, model)
         runs, batch, bytes_accessed = {}, None, None
@@ -228,7 +232,7 @@ def main(argv=None) -> int:
     return 0
 
 
-INT8_MODELS = ("lenet", "resnet18")  # jaxtrain.quantize.MODELS, without importing JAX before the flags are set
+INT8_MODELS = ("lenet", "resnet18")  # jaxtrain.analysis.quantize.MODELS, without importing JAX before the flags are set
 
 # the ratios printed for training (False) and for int8 inference (True)
 RATIOS = {False: ("torch/jaxtrain", "torch_same_malloc/jaxtrain", "jaxtrain/handwritten"),
@@ -238,7 +242,7 @@ RATIOS = {False: ("torch/jaxtrain", "torch_same_malloc/jaxtrain", "jaxtrain/hand
 def _epoch(args, jt, mesh, runs, eval_fn, block) -> dict:
     """(d) one epoch of jaxtrain's step through the real pipeline: wall time vs steps x step time."""
     from jaxtrain.data import loader, sources
-    from jaxtrain.loop import fit
+    from jaxtrain.train.loop import fit
 
     train = loader.Loader(sources.load_split("fashion_mnist", "train"), args.batch_size, train=True)
     test = loader.Loader(train.split.head(args.batch_size), args.batch_size, train=False)

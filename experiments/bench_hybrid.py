@@ -5,7 +5,7 @@ the compiled program against theory.
 
 The mesh is replica=R (across processes: the network) x data=N/R (within one: NVLink, or here shared memory).
 One process stands in for R of them: the program XLA compiles is the same, and a collective crosses processes
-where its device group spans replicas (``jaxtrain.diagnostics.crossing_bytes``). Bytes are the buffers the
+where its device group spans replicas (``jaxtrain.analysis.diagnostics.crossing_bytes``). Bytes are the buffers the
 collectives work on, as ``compiled_stats`` counts them (a ring moves about (n-1)/n of an all-gather's or a
 reduce-scatter's, 2(n-1)/n of an all-reduce's). Theory, for G gradient bytes of which fsdp/hsdp shard S:
 
@@ -71,8 +71,9 @@ def main(argv=None) -> int:
     import jax
     import optax
 
-    from jaxtrain import models, sharding
-    from jaxtrain.diagnostics import collective_bytes, crossing_bytes, replica_hosts
+    from jaxtrain import models
+    from jaxtrain.analysis.diagnostics import collective_bytes, crossing_bytes, replica_hosts
+    from jaxtrain.parallel import sharding
 
     model = models.get(args.model)
     variables = jax.eval_shape(model.init, jax.random.key(0))  # shapes: a step compiles from them (GPU too)

@@ -8,7 +8,7 @@ For each layer shape (LeNet's two convolutions and two dense layers at the batch
 - ``fp32``: the float layer under jaxtrain's CPU flags (convolutions and dots to XLA's Eigen kernels);
 - ``int8, training flags``: int8 x int8 -> int32 (qwix, an activation scale per example) compiled like the
   training step. Eigen has no int8 kernels: XLA widens the operands to int32 first;
-- ``int8, YNNPACK``: the same program jitted as ``jaxtrain.quantize`` jits its int8 programs (``int8_jit``:
+- ``int8, YNNPACK``: the same program jitted as ``jaxtrain.analysis.quantize`` jits its int8 programs (``int8_jit``:
   the per-jit options ``compat.int8_compiler_options``): convolutions and dots to YNNPACK's int8 kernels;
 - ``quantise only``: the activation's rounding to int8 alone (its share of the int8 layer).
 
@@ -25,7 +25,7 @@ import sys
 
 from experiments import print_and_save
 from jaxtrain.cli import positive_int
-from jaxtrain.timing import median_seconds
+from jaxtrain.train.timing import median_seconds
 
 DN = ("NHWC", "HWIO", "NHWC")
 
@@ -60,9 +60,9 @@ def measure(args) -> dict:
     from jax import lax
 
     import jaxtrain as jt
-    from jaxtrain import compat
-    from jaxtrain.int8 import int8_act, int8_weight
-    from jaxtrain.quantize import int8_jit
+    from jaxtrain.analysis.quantize import int8_jit
+    from jaxtrain.core import compat
+    from jaxtrain.nn.int8 import int8_act, int8_weight
 
     jt.setup_devices(1)
     rng = np.random.default_rng(0)

@@ -27,7 +27,7 @@ import json
 import sys
 
 from jaxtrain.cli import positive_int
-from jaxtrain.timing import median_seconds
+from jaxtrain.train.timing import median_seconds
 
 
 VIT_BATCH, VIT_DEPTH = 64, 8  # the ViT recipe's batch; its blocks
@@ -124,7 +124,8 @@ def step_figures(name: str, batch: int, devices: int, repeats: int) -> dict:
     import optax
 
     import jaxtrain as jt
-    from jaxtrain import diagnostics, models
+    from jaxtrain import models
+    from jaxtrain.analysis import diagnostics
 
     out = {}
     for kernels in ("jnp", "pallas"):

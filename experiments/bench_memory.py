@@ -16,7 +16,7 @@ import sys
 
 from jaxtrain.cli import one_line_errors
 from jaxtrain.models import names as model_names
-from jaxtrain.timing import time_steps
+from jaxtrain.train.timing import time_steps
 
 
 def parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 from jaxtrain.cli import positive_int
-from jaxtrain.timing import median_seconds
+from jaxtrain.train.timing import median_seconds
 
 
 def parser() -> argparse.ArgumentParser:

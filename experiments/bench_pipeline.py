@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     import optax
 
     from jaxtrain import models
-    from jaxtrain.timing import time_steps
+    from jaxtrain.train.timing import time_steps
 
     model = models.get("vit")
     embed_fn, stage_fn, head_loss_fn = model.stack.embed_fn, model.stack.stage_fn, model.stack.head_loss_fn

@@ -56,15 +56,16 @@ def main(argv=None) -> int:
     if args.devices % 2:
         raise jt.ConfigError(f"--devices {args.devices}: use an even count (tp splits over model=2)")
     devices = jt.setup_devices(args.devices)
-    from jaxtrain.batch_size import parse_bytes
+    from jaxtrain.analysis.batch_size import parse_bytes
 
     budget = parse_bytes(args.budget) if args.budget not in ("0", "") else None
     import jax
     import optax
 
-    from jaxtrain import models, sharding
-    from jaxtrain.diagnostics import COLLECTIVES
-    from jaxtrain.timing import time_steps
+    from jaxtrain import models
+    from jaxtrain.analysis.diagnostics import COLLECTIVES
+    from jaxtrain.parallel import sharding
+    from jaxtrain.train.timing import time_steps
 
     n = len(devices)
     model = models.get(args.model, conv=args.conv)
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
           f"replicated {rows['replicated']['state_mib']:.1f} and fsdp {rows['fsdp']['state_mib']:.1f}")
     results = {"settings": rows, "devices": n, "batch_size": args.batch_size, "conv": model.conv}
     if budget:
-        from jaxtrain.batch_size import find_batch_size
+        from jaxtrain.analysis.batch_size import find_batch_size
 
         found = {}
         for setting in ("replicated", "fsdp"):

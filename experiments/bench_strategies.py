@@ -14,8 +14,8 @@ import json
 import statistics
 import sys
 
-from jaxtrain.cli import one_line_errors
 from jaxtrain import models
+from jaxtrain.cli import one_line_errors
 
 
 def parse_devices(text: str) -> list[int]:
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     import optax
 
     from jaxtrain.models import lenet
-    from jaxtrain.timing import time_steps
+    from jaxtrain.train.timing import time_steps
 
     host_batch = models.get("lenet").example_batch(args.batch_size)
     results: dict[str, dict[int, list[float]]] = {s: {} for s in jt.STRATEGIES}

@@ -15,8 +15,8 @@ def train_timers(args, jt, mesh, model):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxtrain.precision import cast_floats
-    from jaxtrain.sharding import place
+    from jaxtrain.core.precision import cast_floats
+    from jaxtrain.parallel.sharding import place
 
     params0, model_state0 = jax.jit(model.init)(jax.random.key(0))
     host = model.example_batch(args.batch_size)
@@ -46,11 +46,11 @@ def train_timers(args, jt, mesh, model):
 
 
 def int8_timers(args, model):
-    """``{name: fn}`` of jaxtrain's int8 and fp32 inference (``jaxtrain.quantize``) on one batch, and the fp32
+    """``{name: fn}`` of jaxtrain's int8 and fp32 inference (``jaxtrain.analysis.quantize``) on one batch, and the fp32
     forward's FLOPs."""
     import jax
 
-    from jaxtrain import quantize
+    from jaxtrain.analysis import quantize
 
     params0, model_state0 = jax.jit(model.init)(jax.random.key(0))
     meta = {"model": args.model, "input_shape": list(model.input_shape), "num_classes": model.num_classes}

@@ -35,7 +35,7 @@ from pathlib import Path
 from experiments import gpu_check_report as report
 from jaxtrain.cli import one_line_errors, positive_int
 from jaxtrain.errors import ConfigError
-from jaxtrain.files import atomic_write
+from jaxtrain.io.files import atomic_write
 
 PARTS = ("env", "tests", "steps", "remat", "kernels")
 RESNET50 = {"input_shape": (224, 224, 3), "num_classes": 1000}  # ImageNet's images, gpu_validate's network

@@ -19,7 +19,7 @@ from jaxtrain.cli import one_line_errors
 from jaxtrain.gpu.report import size
 from jaxtrain.gpu.targets import names
 
-POLICIES = {  # what each model's blocks can save, recompute or offload (jaxtrain.remat)
+POLICIES = {  # what each model's blocks can save, recompute or offload (jaxtrain.core.remat)
     "lenet": ("none", "dots", "full", "offload_dots"),
     "resnet18": ("none", "dots", "full", "offload_dots"),
     "resnet50": ("none", "dots", "full", "offload_dots"),

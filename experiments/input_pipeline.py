@@ -53,8 +53,8 @@ def main(argv=None) -> int:
     import optax
 
     from jaxtrain.data import loader, sources
-    from jaxtrain.loop import fit
     from jaxtrain.models import lenet
+    from jaxtrain.train.loop import fit
 
     trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.2), mesh=jt.make_mesh(devices))
     trainer.check_batch_size(args.batch_size)
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     if args.profile:
         from pathlib import Path
 
-        from jaxtrain.observe import Profile
+        from jaxtrain.run.observe import Profile
 
         for name, w, prefetch in (("starved", 0, 0), ("fed", 4, 2)):
             profile = Profile(Path(args.profile) / name, 3, 8)  # steps 3..7

@@ -52,16 +52,17 @@ def _run_data_dir(run: str) -> str | None:
 
 def measure(args) -> dict:
     import jaxtrain as jt
-    from jaxtrain import compat
+    from jaxtrain.core import compat
 
     if not compat.backend_started():  # from the command line: jaxtrain's CPU flags, as a run (fp32 at its fastest)
         jt.setup_devices(1)  # the int8 program sets its own options
     import jax
     import numpy as np
 
-    from jaxtrain import export, quantize
+    from jaxtrain.analysis import quantize
     from jaxtrain.data import loader, sources
-    from jaxtrain.timing import median_seconds
+    from jaxtrain.run import export
+    from jaxtrain.train.timing import median_seconds
 
     meta, params, model_state = export.load(args.run, quantize.MODELS)
     dataset = meta["settings"]["dataset"]

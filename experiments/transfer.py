@@ -34,8 +34,8 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from jaxtrain.report import make_out_dir
-    from jaxtrain.timing import median_seconds
+    from jaxtrain.run.report import make_out_dir
+    from jaxtrain.train.timing import median_seconds
 
     device = jax.local_devices()[0]
     matmul = jax.jit(lambda a, b: a @ b)

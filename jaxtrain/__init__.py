@@ -1,45 +1,45 @@
 """jaxtrain: pure functional train-step builders for multi-device training.
 
 The public names below are imported on first use, so that ``import
-jaxtrain.signals`` (or ``jaxtrain.errors``) does not import JAX: the
+jaxtrain.run.signals`` (or ``jaxtrain.errors``) does not import JAX: the
 experiments take SIGINT / SIGTERM over before anything heavy is imported.
 """
 
 import importlib
 
 _EXPORTS = {
-    "DATA_AXIS": "jaxtrain.devices",
-    "STRATEGIES": "jaxtrain.parallel",
+    "DATA_AXIS": "jaxtrain.parallel.devices",
+    "STRATEGIES": "jaxtrain.parallel.strategies",
     "ConfigError": "jaxtrain.errors",
-    "Precision": "jaxtrain.precision",
-    "compiled_stats": "jaxtrain.diagnostics",
-    "Evaluator": "jaxtrain.trainer",
-    "TrainState": "jaxtrain.state",
-    "Frozen": "jaxtrain.state",
-    "Trainer": "jaxtrain.trainer",
-    "make_eval_step": "jaxtrain.trainer",
-    "make_mesh": "jaxtrain.devices",
-    "make_train_step": "jaxtrain.trainer",
-    "ring_allreduce": "jaxtrain.collectives",
-    "ring_all_gather": "jaxtrain.collectives",
-    "ring_reduce_scatter": "jaxtrain.collectives",
-    "FSDP": "jaxtrain.sharding",
-    "MODEL_AXIS": "jaxtrain.devices",
-    "REPLICA_AXIS": "jaxtrain.devices",
-    "step_context": "jaxtrain.step",
-    "StepContext": "jaxtrain.step",
-    "Plan": "jaxtrain.placement",
-    "Accum": "jaxtrain.accumulate",
-    "setup_devices": "jaxtrain.devices",
-    "RunConfig": "jaxtrain.config",
-    "run": "jaxtrain.runner",
-    "dropout": "jaxtrain.step",
-    "example_keys": "jaxtrain.step",
-    "make_pipeline_step": "jaxtrain.pipeline",
-    "STAGE_AXIS": "jaxtrain.pipeline",
-    "make_optimizer": "jaxtrain.optim",
-    "from_nnx": "jaxtrain.flax_nnx",
-    "make_schedule": "jaxtrain.optim",
+    "Precision": "jaxtrain.core.precision",
+    "compiled_stats": "jaxtrain.analysis.diagnostics",
+    "Evaluator": "jaxtrain.train.trainer",
+    "TrainState": "jaxtrain.core.state",
+    "Frozen": "jaxtrain.core.state",
+    "Trainer": "jaxtrain.train.trainer",
+    "make_eval_step": "jaxtrain.train.trainer",
+    "make_mesh": "jaxtrain.parallel.devices",
+    "make_train_step": "jaxtrain.train.trainer",
+    "ring_allreduce": "jaxtrain.parallel.collectives",
+    "ring_all_gather": "jaxtrain.parallel.collectives",
+    "ring_reduce_scatter": "jaxtrain.parallel.collectives",
+    "FSDP": "jaxtrain.parallel.sharding",
+    "MODEL_AXIS": "jaxtrain.parallel.devices",
+    "REPLICA_AXIS": "jaxtrain.parallel.devices",
+    "step_context": "jaxtrain.core.step",
+    "StepContext": "jaxtrain.core.step",
+    "Plan": "jaxtrain.parallel.placement",
+    "Accum": "jaxtrain.core.accumulate",
+    "setup_devices": "jaxtrain.parallel.devices",
+    "RunConfig": "jaxtrain.run.config",
+    "run": "jaxtrain.run.runner",
+    "dropout": "jaxtrain.core.step",
+    "example_keys": "jaxtrain.core.step",
+    "make_pipeline_step": "jaxtrain.train.pipeline",
+    "STAGE_AXIS": "jaxtrain.train.pipeline",
+    "make_optimizer": "jaxtrain.core.optim",
+    "from_nnx": "jaxtrain.nn.flax_nnx",
+    "make_schedule": "jaxtrain.core.optim",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,21 +1,21 @@
 """The library's named choices, in one JAX-free place (the command line reads them before JAX is imported)."""
 
-STRATEGIES = ("jit", "explicit", "shard_map", "pmap", "ring")  # jaxtrain.parallel
-PRECISIONS = ("fp32", "bf16", "fp16")  # jaxtrain.precision.POLICIES
-ACCUM_MODES = ("scan", "multisteps")  # jaxtrain.accumulate
+STRATEGIES = ("jit", "explicit", "shard_map", "pmap", "ring")  # jaxtrain.parallel.strategies
+PRECISIONS = ("fp32", "bf16", "fp16")  # jaxtrain.core.precision.POLICIES
+ACCUM_MODES = ("scan", "multisteps")  # jaxtrain.core.accumulate
 MODEL_AXES = ("auto", "explicit")  # the axis types a model is traced under with strategy="explicit"
-PARAM_SHARDINGS = ("replicated", "fsdp", "zero1", "hsdp", "tp", "fsdp+tp")  # jaxtrain.sharding.preset
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")  # jaxtrain.optim
-LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "onecycle")  # jaxtrain.optim.make_schedule
-PIPELINE_SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.pipeline)
+PARAM_SHARDINGS = ("replicated", "fsdp", "zero1", "hsdp", "tp", "fsdp+tp")  # jaxtrain.parallel.sharding.preset
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")  # jaxtrain.core.optim
+LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "onecycle")  # jaxtrain.core.optim.make_schedule
+PIPELINE_SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.train.pipeline)
 KERNELS = ("jnp", "pallas")  # the train loss's cross-entropy: optax's, or jaxtrain.kernels.softmax_ce
 CONVS = ("auto", "xla", "onednn")  # the models' convolutions: jaxtrain.kernels.onednn.choose
 AUGMENTATIONS = ("none", "crop+flip")  # jaxtrain.data.augment
 DATASETS = ("fashion_mnist", "mnist", "cifar10")  # jaxtrain.data.sources.LOCAL; and "tfds:NAME"
-TRACKERS = ("none", "wandb", "mlflow")  # --track: jaxtrain.track
+TRACKERS = ("none", "wandb", "mlflow")  # --track: jaxtrain.run.track
 DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 TFDS_PREFIX = "tfds:"
-MESH_AXES = ("replica", "data", "model", "stage")  # what a run's mesh may name (jaxtrain.devices, jaxtrain.pipeline)
+MESH_AXES = ("replica", "data", "model", "stage")  # a run's mesh's names (parallel.devices, train.pipeline)
 
 
 def check_dataset(name: str) -> None:
@@ -26,5 +26,5 @@ def check_dataset(name: str) -> None:
         raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}, or tfds:NAME for a dataset "
                           "TFDS has prepared")
 # A loss_fn's metric: the share of its batch's labels outside the classes (jaxtrain.models.classify reports it;
-# the trainer reads it after its first step: jaxtrain.call_checks).
+# the trainer reads it after its first step: jaxtrain.parallel.call_checks).
 LABELS_OUT_OF_RANGE = "labels_out_of_range"

@@ -27,7 +27,7 @@ class Settings:
     """One process's settings; each field's variable is ``VARIABLES[field]``."""
 
     xla_defaults: bool = False  # XLA's default CPU flags, not jaxtrain's (to compare with a new jaxlib)
-    malloc: str = "keep"  # "keep": glibc keeps freed memory (jaxtrain.host_memory); "default": glibc's own
+    malloc: str = "keep"  # "keep": glibc keeps freed memory (jaxtrain.parallel.host_memory); "default": glibc's own
     coordinator: str | None = None  # the launcher's: HOST:PORT of process 0
     num_processes: int | None = None  # the launcher's: how many processes
     process_id: int | None = None  # the launcher's: this one's rank
@@ -192,3 +192,27 @@ def cluster_tasks() -> int:
     ``OMPI_COMM_WORLD_SIZE``; 1 outside a job)."""
     given = (os.environ.get(name, "") for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
     return max([int(text) for text in given if text.isdigit()], default=1)
+
+
+# The trackers' own variables (W&B's, MLflow's): theirs to define; read here like ours, when a tracker opens.
+TRACKER_VARIABLES = ("WANDB_PROJECT", "WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "NETRC", "MLFLOW_TRACKING_URI",
+                     "MLFLOW_EXPERIMENT_NAME", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT",
+                     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR")
+
+
+def tracker(name: str, default: str | None = None) -> str | None:
+    """A tracker's own variable (one of ``TRACKER_VARIABLES``) as it is set now, else ``default``."""
+    if name not in TRACKER_VARIABLES:
+        raise ValueError(f"{name} is not a tracker's variable jaxtrain reads: add it to TRACKER_VARIABLES")
+    return os.environ.get(name, default)
+
+
+def default_tracker(name: str, value: str) -> None:
+    """Set a tracker's variable where the user has not (MLflow reads its HTTP waits from the environment)."""
+    tracker(name)
+    os.environ.setdefault(name, value)
+
+
+def environment() -> dict[str, str]:
+    """The whole environment, copied: what a child process (a sweep's trial) starts from."""
+    return dict(os.environ)

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
-from jaxtrain.devices import MODEL_AXIS
+from jaxtrain.core.remat import policy as remat_policy
 from jaxtrain.models import classify
-from jaxtrain.remat import policy as remat_policy
+from jaxtrain.parallel.devices import MODEL_AXIS
 
 NUM_CLASSES = 10
 STAGES = ((64, 1), (128, 2), (256, 2), (512, 2))  # (channels, stride of the first block)
@@ -89,7 +89,7 @@ class Residual(nn.Module):
 class ResNet18(nn.Module):
     num_classes: int = NUM_CLASSES
     weight_init: str = "d2l"
-    remat: str = "none"  # a jaxtrain.remat policy name, applied per residual block
+    remat: str = "none"  # a jaxtrain.core.remat policy name, applied per residual block
 
     @nn.compact
     def __call__(self, x, train: bool = False):

@@ -8,7 +8,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jaxtrain"
@@ -19,11 +18,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path) -> set[str]:
-    """The jaxtrain modules ``path`` imports (``from jaxtrain.models import lenet``: jaxtrain.models.lenet)."""
-    found, here = set(), module_name(path)
-    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+def imports_in(source: str, here: str, is_package: bool = False) -> set[str]:
+    """The jaxtrain modules a module named ``here`` imports in ``source``, at the top or inside functions
+    (``from jaxtrain.models import lenet``: jaxtrain.models.lenet; ``import jaxtrain as jt``, or a name of the
+    face like ``from jaxtrain import Trainer``: "jaxtrain", the face)."""
+    found = set()
+    package = here if is_package else here.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -31,66 +32,114 @@ def imports_of(path: Path) -> set[str]:
             if node.level:
                 base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
                                 + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)
-    known = set(MODULES)
-    return {name for name in found if name in known and name != here}
+            subs = {f"{base}.{a.name}" for a in node.names} & set(MODULES)
+            found.update(subs)
+            if base != "jaxtrain" or len(subs) < len(node.names):  # a name of a module, not a module of a package
+                found.add(base)
+    return {name for name in found if name in MODULES and name != here}
 
 
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+GRAPH = {name: imports_in(path.read_text(), name, path.name == "__init__.py") for name, path in MODULES.items()}
+
+# The floors, bottom to top (docs/architecture.md): a module imports from its own floor or the floors below it.
+FLOORS = [
+    ("ground", ["jaxtrain.errors", "jaxtrain.choices", "jaxtrain.settings"]),
+    ("io", ["jaxtrain.io", "jaxtrain.io.*"]),
+    ("core", ["jaxtrain.core", "jaxtrain.core.*"]),
+    ("parallel", ["jaxtrain.parallel", "jaxtrain.parallel.*"]),
+    ("nn", ["jaxtrain.nn", "jaxtrain.nn.*"]),
+    ("kernels", ["jaxtrain.kernels", "jaxtrain.kernels.*"]),
+    ("models", ["jaxtrain.models", "jaxtrain.models.*"]),
+    ("data", ["jaxtrain.data", "jaxtrain.data.*"]),
+    ("train", ["jaxtrain.train", "jaxtrain.train.*"]),
+    ("analysis", ["jaxtrain.analysis", "jaxtrain.analysis.*"]),
+    ("run", ["jaxtrain.run", "jaxtrain.run.*"]),
+    ("gpu", ["jaxtrain.gpu", "jaxtrain.gpu.*"]),
+    ("cli", ["jaxtrain.cli"]),
+    ("sweep", ["jaxtrain.sweep", "jaxtrain.sweep.*"]),
+    ("launch", ["jaxtrain.launch"]),
+]
+FACE = "jaxtrain"  # the public names, imported lazily: for users, never for the library itself
 # Command lines of their own: their messages are about their flags (the sweep's trials are runs' command lines).
-COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch", "jaxtrain.sweep", "jaxtrain.sweep_study", "jaxtrain.sweep_workers",
-                 "jaxtrain.trials", "jaxtrain.trial_run"}
-GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
+COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch", *(m for m in MODULES if m.startswith("jaxtrain.sweep"))}
 
 
 def matches(name: str, patterns) -> bool:
     return any(name == p or (p.endswith(".*") and name.startswith(p[:-1])) for p in patterns)
 
 
-# (who, may never import, why): each a "never" of docs/architecture.md
+def floor(name: str) -> int:
+    found = [i for i, (_, patterns) in enumerate(FLOORS) if matches(name, patterns)]
+    assert len(found) == 1, f"{name} is on {len(found)} floors: put it in one folder of FLOORS"
+    return found[0]
+
+
+# (who, may never import, why): the nevers stricter than the floors, each one of docs/architecture.md
 NEVERS = [
-    (["jaxtrain.models", "jaxtrain.models.*"],
-     ["jaxtrain.devices", "jaxtrain.parallel", "jaxtrain.pipeline", "jaxtrain.step", "jaxtrain.trainer",
-      "jaxtrain.placement", "jaxtrain.sharding", "jaxtrain.collectives", "jaxtrain.quantize", "jaxtrain.runner"],
+    (["jaxtrain.models", "jaxtrain.models.*"], ["jaxtrain.core.step", "jaxtrain.parallel.*"],
      "a model never knows the mesh, the strategy or the step"),
-    (["jaxtrain.loop", "jaxtrain.checkpoint"],
-     ["jaxtrain.runner", "jaxtrain.report", "jaxtrain.cli", "jaxtrain.config", "jaxtrain.observe"],
-     "the loop and the checkpoints sit below the run: they never reach up into it"),
-    ([name for name in MODULES if name not in ("jaxtrain.runner", *COMMAND_LINES)],
-     ["jaxtrain.runner", "jaxtrain.cli"],
-     "the library is usable without the run: only the command lines drive the runner"),
-    (["jaxtrain.files", "jaxtrain.errors", "jaxtrain.choices", "jaxtrain.state", "jaxtrain.integrity",
-      "jaxtrain.int8", "jaxtrain.timing", "jaxtrain.signals", "jaxtrain.compat", "jaxtrain.settings"],
-     [name for name in MODULES if name not in ("jaxtrain.errors", "jaxtrain.settings")],
-     "the ground floor imports nothing of jaxtrain but its error type and its settings"),
-    (["jaxtrain.report", "jaxtrain.export"],
-     ["jaxtrain.step", "jaxtrain.trainer", "jaxtrain.placement", "jaxtrain.parallel", "jaxtrain.pipeline",
-      "jaxtrain.runner"],
-     "a run's files do not depend on how it was trained"),
-    (["jaxtrain.kernels.*"],
-     ["jaxtrain.models", "jaxtrain.models.*", "jaxtrain.trainer", "jaxtrain.placement", "jaxtrain.parallel",
-      "jaxtrain.pipeline"],
+    (["jaxtrain.kernels.*"], ["jaxtrain.parallel.placement", "jaxtrain.parallel.strategies"],
      "kernels serve models and steps, never the other way round (they may read the step's context)"),
-    (["jaxtrain.data.*"],
-     ["jaxtrain.models", "jaxtrain.models.*", "jaxtrain.step", "jaxtrain.trainer", "jaxtrain.placement",
-      "jaxtrain.parallel", "jaxtrain.pipeline"],
+    (["jaxtrain.data", "jaxtrain.data.*"], ["jaxtrain.core.*", "jaxtrain.parallel.*", "jaxtrain.nn.*"],
      "data serves steps, never the other way round: it is handed the plan's batch sharding"),
-    (["jaxtrain.step"],
-     ["jaxtrain.parallel", "jaxtrain.placement", "jaxtrain.trainer", "jaxtrain.sharding", "jaxtrain.devices"],
-     "the step is the math of one update: the strategies wrap it, the trainer places it"),
+    (["jaxtrain.run.report", "jaxtrain.run.export"],
+     ["jaxtrain.core.step", "jaxtrain.parallel.placement", "jaxtrain.parallel.strategies", "jaxtrain.train.trainer",
+      "jaxtrain.train.pipeline", "jaxtrain.run.runner"],
+     "a run's files do not depend on how it was trained"),
+    ([name for name in MODULES if name not in ("jaxtrain.run.runner", *COMMAND_LINES)], ["jaxtrain.run.runner"],
+     "the library is usable without the run: only the command lines drive the runner"),
 ]
 
 
-@pytest.mark.parametrize("who, forbidden, why", NEVERS, ids=[n[2].split(":")[0] for n in NEVERS])
-def test_no_module_imports_across_a_never(who, forbidden, why):
-    broken = sorted(f"{name} imports {target}" for name in GRAPH if matches(name, who)
-                    for target in GRAPH[name] if matches(target, forbidden) and target != name)
-    assert not broken, f"{why}: " + "; ".join(broken)
+def broken_rules(graph: dict[str, set[str]]) -> list[str]:
+    """Every import in ``graph`` that breaks a rule: up a floor, across a never, or through the face."""
+    broken = []
+    for name, targets in graph.items():
+        for target in sorted(targets):
+            if target == FACE:
+                if name != FACE:
+                    broken.append(f"{name} imports the face (import jaxtrain): import the module itself")
+            elif name != FACE and floor(target) > floor(name):
+                broken.append(f"{name} imports {target}: up from {FLOORS[floor(name)][0]}/ to "
+                              f"{FLOORS[floor(target)][0]}/")
+            broken += [f"{name} imports {target}: {why}" for who, forbidden, why in NEVERS
+                       if matches(name, who) and matches(target, forbidden)]
+    return broken
+
+
+def test_every_import_goes_down_the_floors_and_across_no_never():
+    assert not broken_rules(GRAPH), "\n".join(broken_rules(GRAPH))
+
+
+def test_a_planted_import_is_caught(monkeypatch):
+    """Each kind of broken rule, planted in a copy of the graph, is reported: at the top of a file, inside a
+    function, through the face, across a never."""
+    plants = {
+        "jaxtrain.core.step": ("from jaxtrain.train import trainer\n", "up from core/ to train/"),
+        "jaxtrain.parallel.placement": ("def f():\n    from jaxtrain.run.config import RunConfig\n",
+                                        "up from parallel/ to run/"),
+        "jaxtrain.run.assemble": ("import jaxtrain as jt\n", "imports the face"),
+        "jaxtrain.models.lenet": ("from jaxtrain.parallel import devices\n", "never knows the mesh"),
+        "jaxtrain.data.loader": ("from jaxtrain import Trainer\n", "imports the face"),
+    }
+    for name, (source, says) in plants.items():
+        planted = {**GRAPH, name: GRAPH[name] | imports_in(source, name)}
+        assert any(line.startswith(name) and says in line for line in broken_rules(planted)), (name, says)
+
+
+def test_the_folders_are_the_layers():
+    """At most 6 modules directly in jaxtrain/; every module on one floor; the floors' folders all there."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 6, top
+    for name in set(MODULES) - {FACE}:
+        floor(name)
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert folders == {f for f, patterns in FLOORS if any(p.endswith(".*") for p in patterns)}
 
 
 def test_the_modules_import_each_other_in_no_circle():
-    """A module's imports form a tree of floors: following them never comes back to where it started."""
+    """Following imports never comes back to where it started."""
     done, path = set(), []
 
     def visit(name):
@@ -100,7 +149,7 @@ def test_the_modules_import_each_other_in_no_circle():
             return
         path.append(name)
         for target in sorted(GRAPH[name]):
-            if not (name.startswith(target + ".") or target == "jaxtrain"):  # a package's own __init__
+            if not name.startswith(target + "."):  # a package's own __init__
                 visit(target)
         path.pop()
         done.add(name)
@@ -109,12 +158,34 @@ def test_the_modules_import_each_other_in_no_circle():
         visit(name)
 
 
-def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
-    """The rules read every import: at the top, inside functions, relative ones."""
-    assert "jaxtrain.int8" in GRAPH["jaxtrain.models"]  # imported inside a builder function
-    assert "jaxtrain.models.lenet" in GRAPH["jaxtrain.quantize"]  # idem
-    assert "jaxtrain.files" in GRAPH["jaxtrain.checkpoint"]
+def test_the_checker_sees_function_level_imports():
+    assert "jaxtrain.nn.int8" in GRAPH["jaxtrain.models"]  # imported inside a builder function
+    assert "jaxtrain.models.lenet" in GRAPH["jaxtrain.analysis.quantize"]  # idem
+    assert "jaxtrain.io.files" in GRAPH["jaxtrain.train.checkpoint"]
     assert len(MODULES) > 40 and all(GRAPH[m] <= set(MODULES) for m in GRAPH)
+
+
+def private_names_across_modules(path: Path) -> list[str]:
+    """``from jaxtrain.x import _name`` and ``module._name`` of a jaxtrain module ``path`` imported."""
+    tree, found, modules = ast.parse(path.read_text()), [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxtrain"):
+            for a in node.names:
+                if f"{node.module}.{a.name}" in MODULES:
+                    modules.add(a.asname or a.name)
+                elif a.name.startswith("_"):
+                    found.append(f"{path.name}:{node.lineno}: {node.module}.{a.name}")
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname for a in node.names if a.asname and a.name in MODULES)
+    found += [f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+              and node.attr.startswith("_") and not node.attr.startswith("__")]
+    return found
+
+
+def test_no_private_names_across_modules():
+    found = [hit for path in MODULES.values() for hit in private_names_across_modules(path)]
+    assert not found, found
 
 
 OTHER_TOOLS = re.compile(r"tfds build \S+ --file_format|--file_format=array_record|python -m experiments\.\w+ --out")
@@ -154,8 +225,8 @@ def calls(path: Path, name: str):
 
 def test_no_context_variable_outside_the_step_and_no_batch_sharding_outside_the_plan():
     """What a model needs reaches it through one object set in step.py; the batch's placement is the plan's."""
-    contexts = {name for name, path in MODULES.items() if calls(path, "ContextVar")}
-    assert contexts == {"jaxtrain.step"}, contexts
+    contexts = {name for name, path in MODULES.items() if calls(path, "ContextVar") or calls(path, "StepContext")}
+    assert contexts == {"jaxtrain.core.step"}, contexts  # and a shard's StepContext is made there only
 
     def batch_sharding(node) -> bool:  # NamedSharding(mesh, P(DATA_AXIS)), P("data") or P(batch_axes(mesh))
         spec = node.args[1] if len(node.args) > 1 else None
@@ -164,12 +235,7 @@ def test_no_context_variable_outside_the_step_and_no_batch_sharding_outside_the_
         return named or getattr(first, "id", None) == "DATA_AXIS" or getattr(first, "value", None) == "data"
 
     placing = {name for name, path in MODULES.items() if any(map(batch_sharding, calls(path, "NamedSharding")))}
-    assert placing == {"jaxtrain.placement"}, placing
-
-
-# Still reading the environment themselves (issue 52): the trackers' own variables (MLflow's, W&B's) and a sweep
-# trial's child environment.
-READS_ITS_OWN = {"track.py", "sweep.py", "trials.py", "trial_run.py"}
+    assert placing == {"jaxtrain.parallel.placement"}, placing
 
 
 def test_the_environment_is_read_in_settings():
@@ -178,9 +244,29 @@ def test_the_environment_is_read_in_settings():
 
     readers = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cc")
                and re.search(r"os\.environ|getenv", p.read_text())}
-    assert readers - {"settings.py"} <= READS_ITS_OWN, sorted(readers - {"settings.py"} - READS_ITS_OWN)
+    assert readers == {"settings.py"}, sorted(readers)
     named = {m for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cc") for m in re.findall(r"JAXTRAIN_[A-Z_]+",
                                                                                              p.read_text())}
     assert named <= set(settings.VARIABLES.values()), sorted(named - set(settings.VARIABLES.values()))
     rows = [line for line in (ROOT / "docs" / "settings.md").read_text().splitlines() if line.startswith("| `")]
     assert sorted(row.split("`")[1] for row in rows) == sorted(settings.VARIABLES.values())  # one table, all
+
+
+def test_every_public_name_and_command_still_answers():
+    """The layout is the library's business: ``jt.*``, ``jaxtrain.gpu.*`` and the commands stay where users found
+    them (``python -m jaxtrain.cli / .launch / .sweep``, every ``experiments.*``)."""
+    import importlib
+    import subprocess
+    import sys
+
+    import jaxtrain as jt
+    from jaxtrain import gpu, sweep
+
+    for face in (jt, gpu, sweep):
+        missing = [n for n in face.__all__ if getattr(face, n, None) is None]
+        assert not missing, (face.__name__, missing)
+    for command in ("jaxtrain.cli", "jaxtrain.launch", "jaxtrain.sweep"):
+        out = subprocess.run([sys.executable, "-m", command, "--help"], capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0 and "usage:" in out.stdout, (command, out.stderr[-500:])
+    for path in sorted((ROOT / "experiments").glob("*.py")):
+        importlib.import_module(f"experiments.{path.stem}")  # each imports what it names

@@ -1,4 +1,4 @@
-"""jaxtrain.batch_stats: BatchNorm's statistics over the step's whole batch with one collective each way, held to
+"""jaxtrain.nn.batch_stats: BatchNorm's statistics over the step's whole batch with one collective each way, held to
 the plain 1-device reference under every strategy, sharding, mesh and accumulation mode.
 
 The network here has softplus where ResNet has ReLU: a ReLU flips on a re-association of its input, so two exact
@@ -15,9 +15,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
-from jaxtrain import batch_stats
 from jaxtrain.models import classify
-from jaxtrain.models.resnet import _batch_norm
+from jaxtrain.models.resnet import batch_norm
+from jaxtrain.nn import batch_stats
 from reference import assert_matches
 
 BATCHES = [random_batch(16, seed=s) for s in range(3)]
@@ -28,8 +28,8 @@ class Net(nnx.Module):
     tensor parallelism where the mesh has "model"."""
 
     def __init__(self, stats: str, rngs: nnx.Rngs):
-        self.conv1, self.bn1 = nnx.Conv(1, 8, (3, 3), rngs=rngs), _batch_norm(8, rngs, stats)
-        self.conv2, self.bn2 = nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs), _batch_norm(16, rngs, stats)
+        self.conv1, self.bn1 = nnx.Conv(1, 8, (3, 3), rngs=rngs), batch_norm(8, rngs, stats)
+        self.conv2, self.bn2 = nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs), batch_norm(16, rngs, stats)
         self.out = nnx.Linear(16, 10, rngs=rngs,
                               kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model")))
 

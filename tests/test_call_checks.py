@@ -1,4 +1,5 @@
-"""What the trainer checks where a Python user calls it (jaxtrain.call_checks): labels, batches, states, mesh axes.
+"""What the trainer checks where a Python user calls it (jaxtrain.parallel.call_checks): labels, batches,
+states, mesh axes.
 
 Each mistake is one ConfigError (a ValueError) naming what differs, not a JAX error from deep inside the step.
 """

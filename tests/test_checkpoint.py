@@ -6,9 +6,9 @@ import optax
 import pytest
 
 import jaxtrain as jt
-from jaxtrain.checkpoint import UNREADABLE, Checkpointer
-from jaxtrain.loop import Position
 from jaxtrain.models import lenet
+from jaxtrain.train.checkpoint import Checkpointer, UNREADABLE
+from jaxtrain.train.loop import Position
 
 
 @pytest.fixture

@@ -202,7 +202,7 @@ def test_bench_smoke(tmp_path, model):          # is test_runner's registry smok
     assert result["flops_per_step"] > 0 and result["bytes_per_step"] > 0 and "H100" in out.stdout
     assert result["jaxtrain_ms"] > 0 and result["handwritten_ms"] > 0 and result["peak_gflops"] > 0
     assert "| jaxtrain |" in out.stdout and "jaxtrain/handwritten" in out.stdout
-    from jaxtrain import host_memory
+    from jaxtrain.parallel import host_memory
 
     assert result["malloc_kept"] is host_memory.wanted()  # and PyTorch is timed both with its malloc and with ours
     assert (result["torch_same_malloc_ms"] is not None) is (result["torch_ms"] is not None and host_memory.wanted())
@@ -240,12 +240,13 @@ def test_bench_int8_times_inference_on_one_device(tmp_path):
 
 def test_bench_int8_of_a_model_quantize_does_not_cover_is_a_one_line_error():
     from experiments.bench import INT8_MODELS
-    from jaxtrain.quantize import MODELS
+    from jaxtrain.analysis.quantize import MODELS
 
     assert INT8_MODELS == MODELS
     out = run_cli("-m", "experiments.bench", "--model", "vit", "--precision", "int8", "--no-torch")
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.strip() == "bench: error: --precision int8 covers lenet, resnet18 (jaxtrain.quantize), not vit"
+    assert out.stderr.strip() == ("bench: error: --precision int8 covers lenet, resnet18 (jaxtrain.analysis.quantize), "
+                                  "not vit")
 
 
 def test_bench_of_a_model_pytorch_lacks_is_a_one_line_error():
@@ -329,8 +330,8 @@ def test_resume_under_another_mesh_and_sharding_goes_on_where_the_run_stopped(tm
 
 def test_a_checkpoint_dir_overlapping_the_out_dir_is_refused(tmp_path):
     """--checkpoint-dir inside OUT/model (which the export rewrites) or equal to --out was accepted."""
-    from jaxtrain.config import RunConfig
     from jaxtrain.errors import ConfigError
+    from jaxtrain.run.config import RunConfig
 
     out = tmp_path / "run"
     for ck in (out, out / "model", out / "model" / "ck", tmp_path):  # the last: --out inside the checkpoint dir

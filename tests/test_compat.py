@@ -8,7 +8,7 @@ import pytest
 from conftest import random_batch
 
 import jaxtrain as jt
-from jaxtrain import compat
+from jaxtrain.core import compat
 from jaxtrain.models import lenet
 
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type=reduce"

@@ -177,7 +177,7 @@ def test_runs_converting_the_same_files_at_once_take_turns(tmp_path):
     from test_data import make_idx_dir
 
     from jaxtrain.data import idx
-    from jaxtrain.dirlock import DirLock
+    from jaxtrain.io.dirlock import DirLock
 
     make_idx_dir(tmp_path / "d", n_train=64, n_test=16)
     config = f"fashion_mnist_{sources.files_digest(idx.paths(tmp_path / 'd'))[:12]}"

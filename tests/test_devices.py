@@ -5,8 +5,9 @@ import pytest
 from conftest import run_cli
 
 import jaxtrain as jt
-from jaxtrain import host_memory, settings
-from jaxtrain.devices import max_cpu_devices
+from jaxtrain import settings
+from jaxtrain.parallel import host_memory
+from jaxtrain.parallel.devices import max_cpu_devices
 
 
 def test_setup_devices_matches_running_backend():
@@ -88,7 +89,7 @@ def test_cpu_xla_flags_are_set_before_jax_starts_unless_the_user_chose(env, flag
 
 MALLOC_SNIPPET = """
 import ctypes, resource, jaxtrain as jt
-from jaxtrain import host_memory
+from jaxtrain.parallel import host_memory
 jt.setup_devices(1)
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]

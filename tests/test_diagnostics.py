@@ -9,8 +9,9 @@ import pytest
 from conftest import needs_fashion_mnist, run_cli
 
 import jaxtrain as jt
-from jaxtrain import compat, diagnostics
-from jaxtrain.batch_size import find_batch_size, parse_bytes
+from jaxtrain.analysis import diagnostics
+from jaxtrain.analysis.batch_size import find_batch_size, parse_bytes
+from jaxtrain.core import compat
 from jaxtrain.models import lenet
 
 
@@ -122,7 +123,7 @@ def test_experiment_records_throughput(tmp_path):
 
 def test_a_step_larger_than_free_host_memory_is_warned_before_it_runs(monkeypatch):
     """A batch that exhausted host memory was killed (exit 137) with no message."""
-    from jaxtrain import diagnostics
+    from jaxtrain.analysis import diagnostics
 
     stats = {"temp_bytes": 3 * 2**30, "output_bytes": 2**30, "alias_bytes": 2**30, "argument_bytes": 2**30}
     devices = jax.devices()[:2]

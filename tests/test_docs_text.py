@@ -101,11 +101,11 @@ def test_the_flag_check_reads_code_blocks_and_spans(tmp_path):
 
 # ------------------------------------------------------------------------------ the run's result line
 
-RESULT_LINE = re.compile(r"test acc \d\.\d\d, \d+\.\d sec/epoch on \d+ devices? \((?:cpu|gpu)\)")  # jaxtrain.runner
+RESULT_LINE = re.compile(r"test acc \d\.\d\d, \d+\.\d sec/epoch on \d+ devices? \((?:cpu|gpu)\)")  # jaxtrain.run.runner
 
 
 def test_the_example_result_lines_are_the_same_and_the_results_pages():
-    """``make demo``'s result line, wherever a page shows it: as the run prints it (``jaxtrain/runner.py``), and the
+    """``make demo``'s result line, wherever a page shows it: as the run prints it (``jaxtrain/run/runner.py``), and the
     2-device row of docs/results.md."""
     shown = {(name(page), line) for page in PAGES
              for line in re.findall(r"`(test acc [^`]*sec/epoch[^`]*)`", text(page))}
@@ -148,7 +148,7 @@ def cited_documents(source: str) -> set[str]:
 def test_every_document_the_code_and_pages_cite_is_in_the_repository():
     sources = [*PAGES, *sorted(ROOT.glob("jaxtrain/**/*.py")), *sorted(ROOT.glob("experiments/*.py")),
                *sorted(ROOT.glob("tests/*.py")), *sorted(ROOT.glob("tools/**/*.py")), ROOT / "Makefile"]
-    written = {"sweep.md", "report.md"}  # what jaxtrain.sweep_report writes into a study's folder; gpu_check's report
+    written = {"sweep.md", "report.md"}  # what jaxtrain.sweep.report writes into a study's folder; gpu_check's report
     missing = [f"{name(src)}: {doc}" for src in sources if src != Path(__file__)
                for doc in sorted(cited_documents(text(src)) - written)
                if not any((ROOT / where / doc).exists() for where in ("", "docs"))]

@@ -114,7 +114,7 @@ def test_resume_refuses_other_settings_and_reports_allowed_changes(tmp_path):
 @pytest.mark.slow
 def test_second_run_on_a_checkpoint_dir_is_a_one_line_error(tmp_path):
     """(6) Two runs on one --checkpoint-dir: a raw orbax traceback and a stray step."""
-    from jaxtrain.dirlock import DirLock
+    from jaxtrain.io.dirlock import DirLock
 
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -184,8 +184,9 @@ def test_full_output_disk_keeps_the_previous_file_and_is_one_line(tmp_path, monk
     """(7) ENOSPC from metrics.jsonl was a raw traceback (simulated at the write call; tmpfs below)."""
     import errno
 
-    from jaxtrain import files, report
-    from jaxtrain.loop import EpochStats
+    from jaxtrain.io import files
+    from jaxtrain.run import report
+    from jaxtrain.train.loop import EpochStats
 
     writer = report.RunWriter(tmp_path)
     stats = EpochStats(1, 2, 3, 0.5, 0.5, 0.5, 0.5, 4, 1.0, 1.0, 0.0, 0.0)
@@ -209,8 +210,8 @@ def test_failed_checkpoint_save_is_one_line_naming_the_newest_good_one(tmp_path,
     import optax
 
     import jaxtrain as jt
-    from jaxtrain.checkpoint import Checkpointer
-    from jaxtrain.loop import Position
+    from jaxtrain.train.checkpoint import Checkpointer
+    from jaxtrain.train.loop import Position
 
     trainer = jt.make_train_step(lambda p, s, b, r: (jnp.sum(p["w"] ** 2), (s, {})), optax.sgd(0.1), mesh=2)
     state = trainer.init({"w": jnp.ones(4)}, {})
@@ -335,7 +336,7 @@ def test_chaos_killed_five_times_then_resumed_gives_the_uninterrupted_params(tmp
 
 def test_a_run_removes_temp_files_a_killed_writer_left(tmp_path):
     """A SIGKILL mid-write leaves `.metrics.jsonl.tmp-PID`; the next run in the directory deletes it."""
-    from jaxtrain import report
+    from jaxtrain.run import report
 
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
@@ -361,7 +362,7 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_its_last_good_checkpoint(
 
 
 def test_outputs_are_strict_json_with_null_for_what_was_not_measured(tmp_path):
-    from jaxtrain.report import strict_json
+    from jaxtrain.run.report import strict_json
 
     text = strict_json({"test_acc": float("nan"), "rows": [1.0, float("inf")], "n": 3})
     assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {"test_acc": None, "rows": [1.0, None], "n": 3}
@@ -370,7 +371,7 @@ def test_outputs_are_strict_json_with_null_for_what_was_not_measured(tmp_path):
 @pytest.mark.slow
 def test_resume_writes_the_model_a_killed_run_never_exported(tmp_path):
     """(BAD 1) SIGKILL after the final checkpoint, before model/: --resume said 'nothing to do', no model ever."""
-    from jaxtrain import export
+    from jaxtrain.run import export
 
     args = [*LENET, "--max-steps", "10", "--checkpoint-every", "5", "--checkpoint-dir", str(tmp_path / "ck"),
             "--out", str(tmp_path / "o")]
@@ -399,7 +400,7 @@ def test_a_fresh_run_refuses_an_out_dir_holding_another_run(tmp_path):
 
 
 def test_two_runs_never_write_one_out_dir(tmp_path):
-    from jaxtrain.dirlock import DirLock
+    from jaxtrain.io.dirlock import DirLock
 
     with DirLock(tmp_path, "--out"):  # what a running run holds on its --out
         r = run_cli(*LENET, "--max-steps", "3", "--out", str(tmp_path))

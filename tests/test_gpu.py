@@ -89,7 +89,7 @@ def test_memory_stats_are_real_on_gpus():
 def test_batch_size_finder_uses_the_gpus_own_memory_limit():
     code = """
 import jax, numpy as np, optax, jaxtrain as jt
-from jaxtrain.batch_size import find_batch_size
+from jaxtrain.analysis.batch_size import find_batch_size
 from jaxtrain.models import lenet
 jt.setup_devices()
 trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=1)

@@ -1,8 +1,8 @@
-"""The compiled GPU program read as data (jaxtrain.gpu.hlo): no plugin needed, the HLO lines are XLA:GPU's."""
+"""The compiled GPU program read as data (jaxtrain.analysis.hlo): no plugin needed, the HLO lines are XLA:GPU's."""
 
 import pytest
 
-from jaxtrain.gpu import hlo
+from jaxtrain.analysis import hlo
 
 CONV = ('  %cudnn-conv.1 = (bf16[128,9,9,50]{3,2,1,0}, u8[0]{0}) custom-call(%x, %w), window={size=5x5}, '
         'dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convForward", metadata={op_name="jit(step)/conv"}')

@@ -12,7 +12,7 @@ from tolerance import assert_state_reassociated
 from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
-from jaxtrain.diagnostics import crossing_bytes, replica_hosts
+from jaxtrain.analysis.diagnostics import collective_bytes, crossing_bytes, replica_hosts
 from jaxtrain.models import lenet
 
 HYBRID = {"replica": 2, "data": 2}
@@ -58,7 +58,7 @@ def crossing(param_sharding):
                                  strategy="shard_map", param_sharding=param_sharding)
     state = trainer.init(init_params())
     text = trainer.lower(state, BATCHES[0]).compile().as_text()
-    return crossing_bytes(text, replica_hosts(trainer.mesh)), jt.diagnostics.collective_bytes(text)
+    return crossing_bytes(text, replica_hosts(trainer.mesh)), collective_bytes(text)
 
 
 def test_only_hsdps_gradient_shards_cross_the_replica_boundary():

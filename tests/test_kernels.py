@@ -14,7 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
-from jaxtrain import compat, diagnostics, models
+from jaxtrain import models
+from jaxtrain.analysis import diagnostics
+from jaxtrain.core import compat
 from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import layer_norm, rows, softmax_ce
 from jaxtrain.models import classify
@@ -143,7 +145,7 @@ def test_under_jit_each_device_runs_the_kernels_on_its_own_rows(name, param_shar
 
 @pytest.mark.skipif(not compat.TRITON_FALLBACK_WITHOUT_GPU,
                     reason="this jax's Triton lowering needs a GPU device kind, which a CPU-device mesh cannot hold "
-                           "(jaxtrain.compat.cuda_kernel_target)")
+                           "(jaxtrain.core.compat.cuda_kernel_target)")
 @pytest.mark.parametrize(("name", "strategy"), [("lenet", s) for s in jt.STRATEGIES] + [("vit", "jit")])
 def test_a_train_step_with_the_kernels_lowers_for_cuda(name, strategy):
     model = models.get(name, kernels="pallas")

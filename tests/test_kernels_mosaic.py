@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
-from jaxtrain import compat, settings
+from jaxtrain import settings
+from jaxtrain.core import compat
 from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import layer_norm, rows, softmax_ce
 

@@ -8,8 +8,8 @@ from conftest import needs_fashion_mnist
 
 import jaxtrain as jt
 from jaxtrain.data import loader, sources
-from jaxtrain.loop import evaluate, fit
 from jaxtrain.models import lenet
+from jaxtrain.train.loop import evaluate, fit
 
 
 def random_split(n, seed=0):

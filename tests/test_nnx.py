@@ -13,8 +13,8 @@ from tolerance import assert_state_reassociated
 from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
-from jaxtrain.flax_nnx import Dropout
 from jaxtrain.models import classify
+from jaxtrain.nn.flax_nnx import Dropout
 
 BATCHES = [random_batch(32, seed=s) for s in range(3)]
 

@@ -24,12 +24,13 @@ from reference import assert_matches
 from test_resnet import to_nnx
 
 import jaxtrain as jt
-from jaxtrain import diagnostics, models, settings
-from jaxtrain.config import RunConfig
+from jaxtrain import models, settings
+from jaxtrain.analysis import diagnostics
 from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import onednn, onednn_build, onednn_calls
 from jaxtrain.models import resnet
-from jaxtrain.report import conv_path
+from jaxtrain.run.config import RunConfig
+from jaxtrain.run.report import conv_path
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 

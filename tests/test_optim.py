@@ -1,4 +1,5 @@
-"""Optimizers and schedules by name (jaxtrain.optim): each builds the chain it says; clipping sees the global norm."""
+"""Optimizers and schedules by name (jaxtrain.core.optim): each builds the chain it says; clipping sees the global
+norm."""
 
 import json
 import math
@@ -12,7 +13,7 @@ import pytest
 from conftest import needs_fashion_mnist, random_batch, run_cli
 
 import jaxtrain as jt
-from jaxtrain import optim
+from jaxtrain.core import optim
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import lenet
 

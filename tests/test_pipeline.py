@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import jaxtrain as jt
 from jaxtrain.data import loader, sources
 from jaxtrain.data.prefetch import prefetch_to_device
-from jaxtrain.loop import device_batches, evaluate, fit
 from jaxtrain.models import lenet
+from jaxtrain.train.loop import device_batches, evaluate, fit
 
 
 def numbered_split(n):
@@ -60,7 +60,7 @@ def test_device_batches_are_the_same_global_batches_for_any_device_count(n):
     split = numbered_split(512)
     mesh = jt.make_mesh(n)
     host = list(loader.Loader(split, 64, train=True, seed=2).epoch(0))
-    with prefetch_to_device(loader.Loader(split, 64, train=True, seed=2).epoch(0), jt.Plan(mesh).batch, size=2) as it:
+    with prefetch_to_device(loader.Loader(split, 64, train=True, seed=2).epoch(0), jt.Plan(mesh).shard, size=2) as it:
         got = list(it)
     assert len(got) == len(host) == 8
     for h, d in zip(host, got):
@@ -75,7 +75,7 @@ def test_loader_exception_surfaces_right_after_the_batches_before_it_and_threads
             yield {"image": np.zeros((4, 28, 28, 1), np.float32), "label": np.full(4, i, np.int32)}
         raise RuntimeError("disk on fire")
 
-    it = prefetch_to_device(broken(), jt.Plan(jt.make_mesh(2)).batch, size=2)
+    it = prefetch_to_device(broken(), jt.Plan(jt.make_mesh(2)).shard, size=2)
     got, errors = [], []
 
     def consume():
@@ -97,7 +97,7 @@ def test_loader_exception_surfaces_right_after_the_batches_before_it_and_threads
 def test_early_exit_leaves_no_thread_running():
     split = numbered_split(4096)
     before = {t for t in threading.enumerate() if t.name == "jaxtrain-prefetch"}
-    it = prefetch_to_device(loader.Loader(split, 64, train=True).epoch(0), jt.Plan(jt.make_mesh(2)).batch, size=2)
+    it = prefetch_to_device(loader.Loader(split, 64, train=True).epoch(0), jt.Plan(jt.make_mesh(2)).shard, size=2)
     for i, _ in enumerate(it):
         if i == 2:
             break

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (jaxtrain.pipeline): GPipe and circular schedules against the sequential model."""
+"""Pipeline parallelism (jaxtrain.train.pipeline): GPipe and circular schedules against the sequential model."""
 
 import functools
 
@@ -12,9 +12,9 @@ from reference import float64_steps
 from tolerance import assert_reassociated
 
 import jaxtrain as jt
-from jaxtrain import pipeline
-from jaxtrain.models.sequential import sequential_loss
 from jaxtrain.errors import ConfigError
+from jaxtrain.models.sequential import sequential_loss
+from jaxtrain.train import pipeline
 
 LAYERS, WIDTH = 8, 16
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.3), "adam": lambda: optax.adam(1e-2)}
@@ -146,8 +146,8 @@ def test_pipelined_evaluation_equals_the_sequential_model():
 
 
 def test_a_checkpoint_resumes_the_pipelined_run_exactly(tmp_path):
-    from jaxtrain.checkpoint import Checkpointer
-    from jaxtrain.loop import Position
+    from jaxtrain.train.checkpoint import Checkpointer
+    from jaxtrain.train.loop import Position
 
     data = batches(4)
     trainer, state, _ = pipelined(optax.adam(1e-2), data[:2], {"data": 1, "stage": 2}, microbatches=2)

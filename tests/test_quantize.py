@@ -1,4 +1,5 @@
-"""A finished run keeps its model (jaxtrain.export); post-training int8 quantisation (jaxtrain.quantize, qwix)."""
+"""A finished run keeps its model (jaxtrain.run.export); post-training int8 quantisation (jaxtrain.analysis.quantize,
+qwix)."""
 
 import json
 import subprocess
@@ -14,10 +15,14 @@ import qwix
 import jaxtrain as jt
 from conftest import needs_fashion_mnist, run_cli
 from experiments import quantize as quantize_cli
-from jaxtrain import compat, export, int8, models, quantize
+from jaxtrain import models
+from jaxtrain.analysis import quantize
+from jaxtrain.core import compat
 from jaxtrain.data import loader, sources
 from jaxtrain.errors import ConfigError
-from jaxtrain.files import params_digest
+from jaxtrain.io.files import params_digest
+from jaxtrain.nn import int8
+from jaxtrain.run import export
 
 
 def _info(model="lenet", **extra):

@@ -1,4 +1,4 @@
-"""The randomness rule (jaxtrain/step.py): dropout draws per strategy, device count, seed and accumulation.
+"""The randomness rule (jaxtrain/core/step.py): dropout draws per strategy, device count, seed and accumulation.
 
 The model's parameters are one row per example: after SGD with lr = batch size, row i holds minus the sum of
 example i's dropout masks over the steps, so the trained params show every mask every device drew.
@@ -82,7 +82,7 @@ def test_jt_dropout_gives_each_example_the_same_mask_under_every_strategy_device
 
 
 def test_the_keys_a_loss_fn_gets_differ_between_strategies_and_device_counts_as_documented():
-    """The rule in jaxtrain/step.py: plain jit = one device's key over the whole batch, whatever the device count;
+    """The rule in jaxtrain/core/step.py: plain jit = one device's key over the whole batch, whatever the device count;
     per-device strategies agree with each other; with other device counts the draws differ."""
     jit = masks(False, "jit", 2)
     np.testing.assert_array_equal(jit, masks(False, "jit", 4))

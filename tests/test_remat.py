@@ -11,7 +11,7 @@ from conftest import random_batch
 from tolerance import assert_reassociated
 
 import jaxtrain as jt
-from jaxtrain import remat
+from jaxtrain.core import remat
 from jaxtrain.models import lenet
 
 
@@ -69,7 +69,7 @@ def test_unknown_policy_lists_the_names():
 def test_offload_policies_offload_what_their_names_say_and_compute_the_same():
     """On a CPU (one memory) the values stay put; which ones a policy offloads is decided at trace time: checked
     through the saved residuals (the GPU compile, tests/test_gpu_compile.py, checks where they go)."""
-    from jaxtrain.compat import saved_residuals
+    from jaxtrain.core.compat import saved_residuals
     from jaxtrain.models import vit
 
     params = jax.jit(vit.init)(jax.random.key(0))  # jitted: op by op, the ViT's init and grads took minutes

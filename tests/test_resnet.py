@@ -15,7 +15,7 @@ from tolerance import FLIP, assert_reassociated, assert_state_reassociated
 
 import jaxtrain as jt
 from jaxtrain import models
-from jaxtrain.gpu import hlo
+from jaxtrain.analysis import diagnostics, hlo
 from jaxtrain.models import resnet
 
 BATCH = random_batch(8, seed=11)
@@ -200,7 +200,7 @@ def test_remat_same_gradients_and_fewer_saved_residuals(variables, reference, ex
     saved = {}
     for policy in ("none", "full"):
         trainer = jt.make_train_step(resnet.adapter(remat=policy).loss_fn, optax.sgd(0.1), mesh=1)
-        saved[policy] = jt.diagnostics.saved_residual_bytes(trainer, trainer.init(*variables), random_batch(128))
+        saved[policy] = diagnostics.saved_residual_bytes(trainer, trainer.init(*variables), random_batch(128))
     assert saved["full"] <= 0.4 * saved["none"], saved
 
 

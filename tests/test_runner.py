@@ -7,15 +7,17 @@ import optax
 import pytest
 
 import jaxtrain as jt
-from jaxtrain import accumulate, choices, cli, models, parallel, precision, sharding
-from jaxtrain.config import RunConfig
+from jaxtrain import choices, cli, models
+from jaxtrain.core import accumulate, precision
 from jaxtrain.data import loader, sources
-from jaxtrain.loop import Hook, Interrupted, checkpoint_hooks, fit
-from jaxtrain.timing import Chrono, OneStepLate, time_steps
+from jaxtrain.parallel import sharding, strategies
+from jaxtrain.run.config import RunConfig
+from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
+from jaxtrain.train.timing import Chrono, OneStepLate, time_steps
 
 
 def test_the_choices_are_the_librarys_own():
-    assert choices.STRATEGIES == parallel.STRATEGIES == jt.STRATEGIES
+    assert choices.STRATEGIES == strategies.STRATEGIES == jt.STRATEGIES
     assert choices.PRECISIONS == tuple(precision.POLICIES)
     assert choices.ACCUM_MODES == accumulate.MODES
     assert choices.PARAM_SHARDINGS == sharding.PRESETS
@@ -75,7 +77,8 @@ def test_what_a_model_can_do_is_a_protocol_and_its_axes_are_logical():
     """Capabilities are protocols (not None fields); tensor-parallel rules come from logical axis names."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxtrain import distill, sharding
+    from jaxtrain.parallel import sharding
+    from jaxtrain.run import distill
 
     lenet, vit, resnet = (models.get(n) for n in ("lenet", "vit", "resnet18"))
     assert all(isinstance(m, models.Distillable) for m in (lenet, vit, resnet))
@@ -101,7 +104,7 @@ def test_one_step_late_hands_back_the_previous_outputs_read():
 
 def test_chrono_counts_waits_and_leaves_pauses_out_of_train_time(monkeypatch):
     """On a clock the test moves (a busy machine cannot stretch it): exact sums."""
-    from jaxtrain import timing
+    from jaxtrain.train import timing
 
     now = [100.0]
     monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
@@ -145,7 +148,7 @@ def test_hooks_run_at_their_period_and_checkpoints_hold_the_steps_they_say():
 
 def test_evaluation_is_a_hook_with_a_period_in_epochs_or_steps():
     trainer, state, train, evaluator, test = _setup(n_train=512)  # 4 steps per epoch
-    from jaxtrain.loop import evaluate, evaluation
+    from jaxtrain.train.loop import evaluate, evaluation
 
     results, states = [], {}
     keep = Hook(lambda loop: states.__setitem__(loop.total_steps, (loop.state, jax.tree.map(jnp.copy, loop.state))),
@@ -180,7 +183,7 @@ def test_time_steps_times_a_step_read_one_step_late():
 
 
 def test_the_stop_vote_answers_one_call_late_with_the_largest_request():
-    from jaxtrain.signals import StopOnSignal, StopVote
+    from jaxtrain.run.signals import StopOnSignal, StopVote
 
     vote = StopVote(jax.devices())
     assert [vote(s) for s in (0, 0, 15, 0, 2, 0)] == [0, 0, 0, 15, 0, 2]

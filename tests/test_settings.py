@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxtrain import remat, settings
+from jaxtrain import settings
+from jaxtrain.core import remat
 from jaxtrain.errors import ConfigError
 
 

@@ -8,8 +8,9 @@ import optax
 import pytest
 
 import jaxtrain as jt
-from jaxtrain import diagnostics, models
-from jaxtrain.batch_size import find_batch_size
+from jaxtrain import models
+from jaxtrain.analysis import diagnostics
+from jaxtrain.analysis.batch_size import find_batch_size
 from jaxtrain.errors import ConfigError
 
 LENET = models.get("lenet")

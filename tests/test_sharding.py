@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxtrain as jt
 from jaxtrain.models import lenet
-from jaxtrain.sharding import device_bytes
+from jaxtrain.parallel.sharding import device_bytes
 
 BATCHES = [random_batch(64, seed=s) for s in range(3)]
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.2), "adam": lambda: optax.adam(1e-3, eps=1e-6),  # eps: see test_step
@@ -301,7 +301,7 @@ def test_zero1_reduce_scatters_the_gradients_and_all_gathers_the_new_params_one_
 
 
 def test_hlo_collective_parser_reads_every_replica_group_format():
-    from jaxtrain.diagnostics import collective_bytes
+    from jaxtrain.analysis.diagnostics import collective_bytes
 
     hlo = """
   %a = f32[8,4]{1,0} all-gather(%p), replica_groups={{0,1},{2,3}}, dimensions={0}
@@ -353,8 +353,8 @@ def test_bad_combinations_are_one_line_errors_before_compiling(make, says, caplo
     ((2, None, "replicated"), (4, {"data": 2, "model": 2}, FSDP_TP)),
 ])
 def test_checkpoint_restores_bit_identically_onto_another_mesh_and_sharding(tmp_path, saved, restored):
-    from jaxtrain.checkpoint import Checkpointer
-    from jaxtrain.loop import Position
+    from jaxtrain.train.checkpoint import Checkpointer
+    from jaxtrain.train.loop import Position
 
     def trainer_for(n, axes, param_sharding):
         return jt.make_train_step(lenet.loss_fn, optax.adam(1e-3), mesh=jt.make_mesh(n, axes=axes),

@@ -74,6 +74,22 @@ def test_eval_step_identical_under_every_strategy(strategy):
         np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
 
 
+@pytest.mark.parametrize("strategy, param_sharding", [("jit", "fsdp"), ("explicit", "zero1"), ("shard_map", "fsdp"),
+                                                     ("ring", "zero1"), ("pmap", "replicated")])
+def test_an_evaluator_made_from_a_trainer_uses_its_plan(strategy, param_sharding):
+    """``make_eval_step(eval_fn, trainer=)``: the trainer's plan places the state and its strategy sums, the same
+    sums, bit for bit, as an evaluator that reads the placement from the state."""
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=4, strategy=strategy,
+                                 param_sharding=param_sharding, min_size=16)
+    state = trainer.init(init_params())
+    batch = dict(random_batch(64, seed=9), mask=np.arange(64) < 50)
+    planned = jt.make_eval_step(lenet.eval_fn, trainer=trainer)
+    got = jax.device_get(planned(state, batch))
+    want = jax.device_get(jt.make_eval_step(lenet.eval_fn, mesh=trainer.mesh, strategy=strategy)(state, batch))
+    chex.assert_trees_all_equal(got, want)
+    assert got["count"] == 50
+
+
 @pytest.mark.parametrize("strategy", jt.STRATEGIES)
 def test_indivisible_batch_is_clear_error_before_compiling(strategy):
     traces = []

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, cached_compiles, needs_fashion_mnist, run_cli
 
-from jaxtrain import trial_run as R
-from jaxtrain import trials as T
 from jaxtrain.errors import ConfigError
+from jaxtrain.sweep import trial_run as R, trials as T
 
 optuna = pytest.importorskip("optuna")
 
@@ -233,7 +232,7 @@ def _cmdline(pid: str) -> str:
 @pytest.mark.slow
 def test_a_sweep_from_python_over_a_run_config(tmp_path, monkeypatch):
     from jaxtrain import RunConfig
-    from jaxtrain.sweep import sweep
+    from jaxtrain.sweep.command import sweep
 
     for name, value in cached_compiles({}).items():
         monkeypatch.setenv(name, value)
@@ -254,7 +253,7 @@ def test_a_sweep_from_python_over_a_run_config(tmp_path, monkeypatch):
 def test_parallel_trials_share_the_cores_between_them():
     import shutil
 
-    from jaxtrain.sweep import slots
+    from jaxtrain.sweep.command import slots
 
     if shutil.which("nvidia-smi"):
         pytest.skip("a GPU machine: trials share its GPUs")

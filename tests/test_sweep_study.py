@@ -16,8 +16,8 @@ pytest.importorskip("optuna")
 
 import optuna
 
-from jaxtrain import sweep_study as S
-from jaxtrain.sweep import sweep
+from jaxtrain.sweep import study as S
+from jaxtrain.sweep.command import sweep
 
 FAKE_TRIAL = textwrap.dedent("""
     import json, os, pathlib, sys, time
@@ -180,8 +180,8 @@ def test_the_objectives_a_jaxtrain_run_offers_are_its_summarys_numbers():
     import ast
     import inspect
 
-    from jaxtrain import report
-    from jaxtrain import trials as T
+    from jaxtrain.run import report
+    from jaxtrain.sweep import trials as T
 
     returned = next(n.value for n in ast.walk(ast.parse(inspect.getsource(report.run_summary)))
                     if isinstance(n, ast.Return))
@@ -308,8 +308,8 @@ def test_a_tracked_sweep_makes_its_mlflow_store_before_its_trials(tmp_path, monk
     trials log to, before any trial starts."""
     from mlflow.tracking import MlflowClient
 
-    from jaxtrain import trials as T
-    from jaxtrain.sweep import _prepare_tracking
+    from jaxtrain.sweep import trials as T
+    from jaxtrain.sweep.command import _prepare_tracking
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cmd = T.Command.parse(["python", "-m", "experiments.lenet", "--track", "mlflow"], ["lr"])

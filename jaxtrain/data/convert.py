@@ -13,8 +13,8 @@ import numpy as np
 
 from jaxtrain.data import cifar, idx
 from jaxtrain.data.split import Split, files_digest
-from jaxtrain.dirlock import DirLock
 from jaxtrain.errors import ConfigError
+from jaxtrain.io.dirlock import DirLock
 
 
 @functools.cache

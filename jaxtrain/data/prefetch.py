@@ -2,18 +2,17 @@
 
 The classic fix for a device that idles while the host prepares the next
 batch (PyTorch: ``pin_memory`` + CUDA streams): a thread copies the next
-``size`` batches onto the devices while the current step runs.
+``size`` batches onto the devices while the current step runs. Where a batch
+goes, and the checks on the way, are the plan's (``place``: a trainer's
+``batches.shard``): the one path from the host to the devices.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
-import jax
-import numpy as np
-from jax.sharding import NamedSharding
 
 _END = object()
 
@@ -21,11 +20,6 @@ _END = object()
 class _Failure:
     def __init__(self, error: BaseException):
         self.error = error
-
-
-def to_device(batch: dict, sharding: NamedSharding) -> dict:
-    """This process's rows of a global batch -> global arrays with ``sharding`` (a plan's ``batch``)."""
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
 
 
 class prefetch_to_device(Iterator):  # noqa: N801 - used like a function
@@ -36,11 +30,11 @@ class prefetch_to_device(Iterator):  # noqa: N801 - used like a function
     when the object is garbage collected) stops and joins the thread.
     """
 
-    def __init__(self, iterator: Iterable[dict], sharding: NamedSharding, size: int = 2):
+    def __init__(self, iterator: Iterable[dict], place: Callable[[dict], dict], size: int = 2):
         if size < 1:
             raise ValueError(f"prefetch size must be >= 1, got {size}")
         self._source = iter(iterator)
-        self._sharding = sharding  # where a batch goes: the trainer's plan says (``trainer.batches.batch``)
+        self._place = place  # this process's rows -> global arrays, checked: the plan's (``trainer.batches.shard``)
         self._queue: queue.Queue = queue.Queue(maxsize=size)
         self._stop = threading.Event()
         self._done = False
@@ -59,7 +53,7 @@ class prefetch_to_device(Iterator):  # noqa: N801 - used like a function
     def _run(self) -> None:
         try:
             for batch in self._source:
-                if not self._put(to_device(batch, self._sharding)):
+                if not self._put(self._place(batch)):
                     return
             self._put(_END)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer

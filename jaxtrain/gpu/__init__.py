@@ -19,7 +19,8 @@ step time ESTIMATED from the program (``gpu.estimate``); ``gpu.scaling`` does it
 from jaxtrain.gpu.estimate import Estimate, OpTime, estimate
 from jaxtrain.gpu.plan import JAX_MEMORY_FRACTION, GpuPlan, plan
 from jaxtrain.gpu.scaling import format_scaling, scaling
-from jaxtrain.gpu.targets import INSTALL, TESTED, Target, check_plugin, mesh_for, names, peak_flops, target
+from jaxtrain.analysis.peaks import peak_flops
+from jaxtrain.gpu.targets import INSTALL, TESTED, Target, check_plugin, mesh_for, names, target
 
 __all__ = ["Estimate", "GpuPlan", "INSTALL", "OpTime", "estimate", "format_scaling", "scaling", "JAX_MEMORY_FRACTION",
            "TESTED", "Target", "check_plugin", "mesh_for", "names", "peak_flops", "plan", "target"]

@@ -18,8 +18,8 @@ import tempfile
 import time
 from collections import Counter
 
-from jaxtrain.diagnostics import collective_op
-from jaxtrain.gpu import hlo
+from jaxtrain.analysis import hlo
+from jaxtrain.analysis.diagnostics import collective_op
 
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations)="
                      r"\{?([^}\s]+(?:, %[^,}\s]+)*)")

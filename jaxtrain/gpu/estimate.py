@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import re
 
-from jaxtrain.gpu import hlo
+from jaxtrain.analysis import hlo
 from jaxtrain.gpu.estimated import Estimate, OpTime
 from jaxtrain.gpu.targets import Target, costs, target
 
@@ -96,7 +96,7 @@ class _Walker:
 
     def _collective_seconds(self, kind: str, instr) -> tuple[float, float]:
         """(seconds, bytes per GPU) of one collective: NCCL's model, its fastest algorithm and protocol."""
-        from jaxtrain.diagnostics import collective_op
+        from jaxtrain.analysis.diagnostics import collective_op
 
         op = collective_op(instr.line)
         size = op[1] if op else hlo.nbytes(instr.shape)

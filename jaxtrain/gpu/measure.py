@@ -32,12 +32,12 @@ def step(*, steps: int = 20, repeats: int = 5, input_shape: tuple | None = None,
     there is none and the estimate is left out unless named). ``dump_dir``: ``analysis.compile_lowered``'s."""
     import jax
 
-    from jaxtrain.config import RunConfig
-    from jaxtrain.devices import make_mesh
     from jaxtrain.gpu import analysis
     from jaxtrain.gpu.estimate import estimate
     from jaxtrain.gpu.plan import run_step
     from jaxtrain.gpu.targets import target
+    from jaxtrain.parallel.devices import make_mesh
+    from jaxtrain.run.config import RunConfig
 
     devices = jax.local_devices()
     c = RunConfig(devices=len(devices), **settings)

@@ -70,7 +70,7 @@ class GpuPlan:
 
 
 def _state_bytes(state, batch) -> dict:
-    from jaxtrain.sharding import device_bytes
+    from jaxtrain.parallel.sharding import device_bytes
 
     return {"params": device_bytes(state.params), "optimizer_state": device_bytes(state.opt_state),
             "model_state": device_bytes(state.model_state), "batch": device_bytes(batch),
@@ -87,8 +87,8 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     (H, W, C) and ``num_classes``: images other than the dataset's (ResNet-50 on ImageNet's 224x224x3, 1000)."""
     import jax
 
-    from jaxtrain.config import RunConfig
     from jaxtrain.errors import ConfigError
+    from jaxtrain.run.config import RunConfig
 
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
@@ -119,7 +119,7 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
         collectives=analysis.collectives(text), kernels=analysis.kernels(text), compile_seconds=seconds,
         max_batch=max_batch, estimate=timing)
     if largest_batch:
-        from jaxtrain.batch_size import find_batch_size
+        from jaxtrain.analysis.batch_size import find_batch_size
 
         def compiled_one(batch_size, need):
             say(f"  batch {batch_size:,}: {need / 2**30:,.2f} GiB per GPU "
@@ -144,8 +144,8 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
 def run_step(c, mesh, input_shape: tuple | None = None, num_classes: int | None = None) -> tuple:
     """``(shape, model, trainer, call batch)``: the step a run ``c`` trains over ``mesh`` (nothing compiled), for
     images of ``input_shape`` and ``num_classes`` (default: the dataset's); ``gpu.plan``'s and ``gpu.measure``'s."""
-    from jaxtrain import assemble
     from jaxtrain.data import sources
+    from jaxtrain.run import assemble
 
     shape = sources.shape_of(c.dataset)
     shape = {"input_shape": tuple(input_shape or shape["input_shape"]),

@@ -1,4 +1,5 @@
-"""GPU targets from the vendors' published specifications (``targets.json``), and meshes of compile-only GPUs.
+"""GPU targets from the vendors' published specifications (``analysis/targets.json``), and meshes of
+compile-only GPUs.
 
 XLA:GPU compiles ahead of time with no GPU and no driver: JAX's CUDA plugin describes a topology of
 compile-only devices from a target config (the GPU's SM count, clocks, memory, compute capability), and
@@ -11,16 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import re
-from importlib import resources
 from importlib.util import find_spec
 
 import numpy as np
 
+from jaxtrain.analysis.peaks import board, dense_peak, specs
 from jaxtrain.choices import MESH_AXES
-from jaxtrain.devices import DATA_AXIS, REPLICA_AXIS
 from jaxtrain.errors import ConfigError
+from jaxtrain.parallel.devices import DATA_AXIS, REPLICA_AXIS
 
 # What the GPU leg was tested with (README "Planning for GPUs"): the topology API is experimental.
 TESTED = "jax[cuda12]==0.12.0.1"
@@ -57,7 +56,7 @@ class Target:
         return int(self.memory_gb * 1e9)
 
     def peak_flops(self, precision: str) -> float:
-        return _dense_peak(self.peak_tflops, precision)
+        return dense_peak(self.peak_tflops, precision)
 
     def config_text(self) -> str:
         """The target as XLA's ``GpuTargetConfigProto`` in text form (what the CUDA plugin compiles for)."""
@@ -94,51 +93,21 @@ class Costs:
     protocols_source: str
 
 
-@functools.cache
-def _data() -> dict:
-    return json.loads(resources.files("jaxtrain.gpu").joinpath("targets.json").read_text())
-
-
 def costs() -> Costs:
-    return Costs(**_data()["_costs"])
+    return Costs(**specs()["_costs"])
 
 
 @functools.cache
 def _table() -> dict:
-    data = _data()
+    data = specs()
     return {key: Target(key=key, **{**spec, "compute_capability": tuple(spec["compute_capability"])})
             for key, spec in data.items() if not key.startswith("_")}
-
-
-def _dense_peak(peak_tflops: dict, precision: str) -> float:
-    """Dense FLOP/s for a run's precision: tensor cores in bf16/fp16, TF32 for fp32 (XLA's default for f32
-    matmuls on these GPUs); where the GPU has no such tensor cores, its fp32 peak (V100, T4: no TF32 or bf16)."""
-    key = {"fp32": "tf32"}.get(precision, precision)
-    return peak_tflops.get(key, peak_tflops["fp32"]) * 1e12
-
-
-def peak_flops(device_kind: str, precision: str) -> float | None:
-    """The dense peak FLOP/s, for a run's precision, of the real GPU JAX names ``device_kind`` (e.g. "NVIDIA H100
-    PCIe"): a target's, or one of the boards ``targets.json`` knows only by their peaks ("_boards"); None for
-    another device. The most specific name wins: "h100 pcie" before "h100"."""
-    key = _board(device_kind)
-    if key is None:
-        return None
-    return _dense_peak(_table()[key].peak_tflops if key in _table() else _data()["_boards"][key]["peak_tflops"],
-                       precision)
 
 
 def for_device(device_kind: str) -> Target | None:
     """The target of the real GPU JAX names ``device_kind`` ("NVIDIA H100 80GB HBM3" -> h100); None for a board
     known only by its peaks (an H100 PCIe is not the SXM target) or for another device (a CPU)."""
-    return _table().get(_board(device_kind))
-
-
-def _board(device_kind: str) -> str | None:
-    """The key, of the targets and ``_boards``, whose words all name ``device_kind``: the most specific first."""
-    words = set(re.split(r"[^A-Z0-9]+", device_kind.upper()))
-    keys = [*_table(), *(k for k in _data()["_boards"] if not k.startswith("_"))]
-    return next((k for k in sorted(keys, key=lambda k: -len(k.split())) if set(k.upper().split()) <= words), None)
+    return _table().get(board(device_kind))
 
 
 def names() -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 
 from jaxtrain import settings
-from jaxtrain.files import atomic_write
+from jaxtrain.io.files import atomic_write
 
 SOURCE = Path(__file__).with_name("onednn_conv.cc")
 ENV_CACHE = settings.VARIABLES["onednn_cache"]
@@ -117,7 +117,7 @@ def _private_dir() -> Path:
 def build(rebuild: str | None = None) -> Path:
     """The compiled library, built now if the cache has none that is intact (or ``rebuild``: why the cached one
     must go); ``Unusable`` where it cannot be."""
-    from jaxtrain.dirlock import DirLock
+    from jaxtrain.io.dirlock import DirLock
 
     lib = cache_dir() / _name()
     if rebuild is None and intact(lib):

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import settings
-from jaxtrain.compat import varying_axes
+from jaxtrain.core.compat import varying_axes
 from jaxtrain.kernels.onednn_build import note
 
 
@@ -164,8 +164,8 @@ def _explicit_batch_axes() -> tuple[str, ...]:
     """The batch's mesh axes where a train step is traced under a mesh context (the explicit strategy's
     ``auto_axes``); else (). There, on jax 0.12, the psum in ``_backward_split``'s per-device program keeps a
     Shardy annotation XLA:CPU cannot run ("Unsupported reduction computation"): a shard_map instead."""
-    from jaxtrain.devices import batch_axes
-    from jaxtrain.step import step_context
+    from jaxtrain.core.step import step_context
+    from jaxtrain.parallel.devices import batch_axes
 
     ctx = step_context()
     if ctx is None or not jax.sharding.get_abstract_mesh().axis_names:

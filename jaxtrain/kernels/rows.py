@@ -28,11 +28,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import compat, settings
-from jaxtrain.devices import DATA_AXIS, batch_axes
+from jaxtrain import settings
+from jaxtrain.core import compat
+from jaxtrain.core.step import step_context
 from jaxtrain.errors import ConfigError
-from jaxtrain.sharding import axes_of
-from jaxtrain.step import step_context
+from jaxtrain.parallel.devices import DATA_AXIS, batch_axes
+from jaxtrain.parallel.sharding import axes_of
 
 MAX_ROWS = 16  # rows per program for rows up to 1024 wide
 TILE = 16 * 1024  # elements per program's tile: 128 fp32 registers a thread at 4 warps (8 warps past 1024 wide)

@@ -24,7 +24,7 @@ class Defaults:
     inits: tuple[str, ...] = ("d2l",)  # weight inits it offers; the first is the default
     description: str = ""
     optimizer: str = "sgd"
-    schedule: str = "constant"  # learning rate over the run (jaxtrain.optim.make_schedule)
+    schedule: str = "constant"  # learning rate over the run (jaxtrain.core.optim.make_schedule)
     warmup_epochs: float = 0.0
 
 
@@ -49,7 +49,7 @@ class Model:
     """What is trained: ``init(rng) -> (params, model_state)``, its loss and eval fns, its evaluation-mode
     ``logits(params, model_state, images)`` (a teacher's forward, the model summary's FLOPs), and how its
     parameters split for tensor parallelism (``logical_axes``: ``((regex, (logical name | None per dim)),
-    ...)``, mapped to mesh axes by ``jaxtrain.sharding.LOGICAL_AXES``: a model never names a mesh axis).
+    ...)``, mapped to mesh axes by ``jaxtrain.parallel.sharding.LOGICAL_AXES``: a model never names a mesh axis).
 
     What only some models can do is a capability of its own (``Student``, ``Stacked``): test it with
     ``isinstance(model, Distillable)`` / ``isinstance(model, Pipelinable)``."""
@@ -92,7 +92,7 @@ class Distillable(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
-    """A model as ``embed -> identical layers -> head``: what a pipeline splits (``jaxtrain.pipeline``)."""
+    """A model as ``embed -> identical layers -> head``: what a pipeline splits (``jaxtrain.train.pipeline``)."""
 
     embed_fn: Callable  # (E, batch) -> x
     stage_fn: Callable  # (one layer's params, x) -> x
@@ -175,7 +175,7 @@ def _lenet(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv
     lenet.shapes(**shape)  # images too small: an error now
     ops = (conv, lenet.FLOAT_OPS[1])
     if quantize == "int8":
-        from jaxtrain.int8 import QAT_OPS as ops
+        from jaxtrain.nn.int8 import QAT_OPS as ops
     return Student(name="lenet", init=lambda rng: (lenet.init_params(rng, **shape), {}),
                    loss_fn=lenet.make_loss_fn(remat, classify.loss_head(kernels), ops), eval_fn=lenet.make_eval_fn(ops),
                    logits=lambda params, _, images: lenet.apply(params, images, ops=ops),
@@ -184,9 +184,9 @@ def _lenet(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv
 
 
 def _vit(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable) -> Model:
+    from jaxtrain.core.remat import remat as remat_block
     from jaxtrain.models import classify, vit
     from jaxtrain.models.sequential import sequential_loss
-    from jaxtrain.remat import remat as remat_block
 
     layer = functools.partial(vit.block, kernels=kernels)  # kernels="pallas": its layer norms too
     block = remat_block(layer, remat)

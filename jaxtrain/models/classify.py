@@ -5,7 +5,7 @@ Labels are checked twice, both for free: their dtype and shape while the step is
 their values inside the step: a label outside ``0 .. classes - 1`` gets a NaN loss (never another class's
 loss: a ``-1`` would otherwise wrap to the last class and look plausible), and ``mean_loss`` reports the
 fraction of such labels as the metric ``LABELS_OUT_OF_RANGE``, which the trainer reads on its first step
-(``jaxtrain.call_checks``).
+(``jaxtrain.parallel.call_checks``).
 """
 
 from __future__ import annotations

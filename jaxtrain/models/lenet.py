@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxtrain.core.remat import remat as _remat
 from jaxtrain.models import classify
 from jaxtrain.models.inputs import checked_images
-from jaxtrain.remat import remat as _remat
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (28, 28, 1)
@@ -29,7 +29,7 @@ def shapes(input_shape=IMAGE_SHAPE, num_classes: int = NUM_CLASSES) -> dict:
             "dense1": ((side(h) * side(w) * 50, 128), (128,)), "dense2": ((128, num_classes), (num_classes,))}
 
 
-# Logical axes (jaxtrain.sharding.LOGICAL_AXES maps them to the mesh): tensor parallelism splits "mlp", the
+# Logical axes (jaxtrain.parallel.sharding.LOGICAL_AXES maps them to the mesh): tensor parallelism splits "mlp", the
 # hidden layer (Megatron's MLP split): dense1 column-parallel (its outputs split), dense2 row-parallel (its
 # inputs split); XLA adds the one all-reduce of dense2's partial sums. Convs stay replicated.
 LOGICAL_AXES = ((r"dense1/w$", ("embed", "mlp")), (r"dense1/b$", ("mlp",)), (r"dense2/w$", ("mlp", "classes")))
@@ -45,7 +45,7 @@ def init_params(rng: jax.Array, scale: float = 0.01, input_shape=IMAGE_SHAPE, nu
     }
 
 
-FLOAT_OPS = (lax.conv_general_dilated, jnp.matmul)  # (conv, matmul): jaxtrain.quantize swaps in int8 ones
+FLOAT_OPS = (lax.conv_general_dilated, jnp.matmul)  # (conv, matmul): jaxtrain.analysis.quantize swaps in int8 ones
 
 
 def _conv(x, p, conv=lax.conv_general_dilated):

@@ -23,17 +23,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jaxtrain.batch_stats import moments, split
-from jaxtrain.flax_nnx import from_nnx
+from jaxtrain.core.remat import materialize, policy as remat_policy
 from jaxtrain.models import classify
 from jaxtrain.models.inputs import checked_images
-from jaxtrain.remat import materialize
-from jaxtrain.remat import policy as remat_policy
+from jaxtrain.nn.batch_stats import moments, split
+from jaxtrain.nn.flax_nnx import from_nnx
 
 NUM_CLASSES = 10
 STAGES = ((64, 1), (128, 2), (256, 2), (512, 2))  # (channels, stride of the first block)
 
-# Logical axes (jaxtrain.sharding.LOGICAL_AXES maps them to the mesh): tensor parallelism splits every conv's
+# Logical axes (jaxtrain.parallel.sharding.LOGICAL_AXES maps them to the mesh): tensor parallelism splits every conv's
 # output channels ("conv_out": kernel HWIO's O, and its bias) and so the classifier's input features;
 # BatchNorm parameters and statistics stay replicated.
 LOGICAL_AXES = ((r"(conv\d?|shortcut)/kernel$", (None, None, "conv_in", "conv_out")),
@@ -50,7 +49,7 @@ def _kernel_init(init: str):
 
 class BatchNorm(nnx.BatchNorm):
     """``nnx.BatchNorm`` (features last) whose batch statistics, where a train step splits the batch over
-    devices, are ``jaxtrain.batch_stats.moments``' (one collective each way, two-pass; flax's synchronised
+    devices, are ``jaxtrain.nn.batch_stats.moments``' (one collective each way, two-pass; flax's synchronised
     statistics take two each way; elsewhere flax's, the same two passes), and whose output keeps its input's
     dtype: statistics and normalisation in f32, but under a bf16 / fp16
     policy the next conv gets a bf16 / fp16 input. (flax's own returns f32 there, the f32 batch statistics
@@ -80,7 +79,7 @@ class BatchNorm(nnx.BatchNorm):
         return (y if self.bias is None else y + self.bias[...]).astype(x.dtype)
 
 
-def _batch_norm(channels: int, rngs: nnx.Rngs, stats: str = "jaxtrain") -> nnx.BatchNorm:
+def batch_norm(channels: int, rngs: nnx.Rngs, stats: str = "jaxtrain") -> nnx.BatchNorm:
     """d2l's BatchNorm (momentum 0.9, eps 1e-5), its output in its input's dtype (``BatchNorm``).
 
     Two-pass variance (mean first, then the mean squared deviation; ``BatchNorm``'s training statistics
@@ -100,9 +99,9 @@ class Residual(nnx.Module):
                  conv_op=lax.conv_general_dilated, stats: str = "jaxtrain"):
         conv = partial(nnx.Conv, kernel_init=_kernel_init(init), conv_general_dilated=conv_op, rngs=rngs)
         self.conv1 = conv(cin, channels, (3, 3), strides=strides, padding=1)
-        self.bn1 = _batch_norm(channels, rngs, stats)
+        self.bn1 = batch_norm(channels, rngs, stats)
         self.conv2 = conv(channels, channels, (3, 3), padding=1)
-        self.bn2 = _batch_norm(channels, rngs, stats)
+        self.bn2 = batch_norm(channels, rngs, stats)
         self.shortcut = conv(cin, channels, (1, 1), strides=strides) if projection else None
 
     def __call__(self, x, train: bool):
@@ -121,7 +120,7 @@ class ResNet18(nnx.Module):
         ``jaxtrain.kernels.onednn.conv_general_dilated``); ``batch_stats``: its BatchNorms' (``BatchNorm``)."""
         self.conv = nnx.Conv(in_channels, 64, (3, 3), padding=1, kernel_init=_kernel_init(weight_init),
                              conv_general_dilated=conv, rngs=rngs)
-        self.bn = _batch_norm(64, rngs, batch_stats)
+        self.bn = batch_norm(64, rngs, batch_stats)
         blocks, cin = [], 64
         for stage, (channels, strides) in enumerate(STAGES):
             for i in range(2):
@@ -131,7 +130,7 @@ class ResNet18(nnx.Module):
                 cin = channels
         self.blocks = nnx.List(blocks)
         self.dense = nnx.Linear(512, num_classes, kernel_init=_kernel_init(weight_init), rngs=rngs)
-        self.remat = remat  # a jaxtrain.remat policy name, applied per residual block
+        self.remat = remat  # a jaxtrain.core.remat policy name, applied per residual block
 
     def __call__(self, x, train: bool = False):
         x = checked_images(x, self.conv.in_features, "ResNet-18")

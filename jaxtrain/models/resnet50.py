@@ -6,7 +6,7 @@
 block of stages 2-4 halves the resolution in its 3x3 conv (v1 did it in the first 1x1), and its shortcut is a
 1x1 conv with stride and BatchNorm. Global average pool, dense classifier. Convs have no bias (BatchNorm
 follows); He-normal weights; each block's last BatchNorm scale starts at 0 (``zero_init_residual``, as
-DeepLearningExamples trains it). BatchNorm: momentum 0.9, eps 1e-5, two-pass variance (``resnet._batch_norm``).
+DeepLearningExamples trains it). BatchNorm: momentum 0.9, eps 1e-5, two-pass variance (``resnet.batch_norm``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import jax
 from flax import nnx
 from jax import lax
 
-from jaxtrain.flax_nnx import from_nnx
+from jaxtrain.core.remat import policy as remat_policy
 from jaxtrain.models import classify
 from jaxtrain.models.inputs import checked_images
-from jaxtrain.models.resnet import _batch_norm
-from jaxtrain.remat import policy as remat_policy
+from jaxtrain.models.resnet import batch_norm
+from jaxtrain.nn.flax_nnx import from_nnx
 
 STAGES = ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2))  # (width, blocks, stride of the first block)
 EXPANSION = 4
@@ -38,14 +38,14 @@ class Bottleneck(nnx.Module):
         conv = partial(nnx.Conv, use_bias=False, kernel_init=nnx.initializers.he_normal(),
                        conv_general_dilated=conv_op, rngs=rngs)
         out = width * EXPANSION
-        self.conv1, self.bn1 = conv(cin, width, (1, 1)), _batch_norm(width, rngs)
+        self.conv1, self.bn1 = conv(cin, width, (1, 1)), batch_norm(width, rngs)
         self.conv2 = conv(width, width, (3, 3), strides=strides, padding=1)
-        self.bn2 = _batch_norm(width, rngs)
-        self.conv3, self.bn3 = conv(width, out, (1, 1)), _batch_norm(out, rngs)
+        self.bn2 = batch_norm(width, rngs)
+        self.conv3, self.bn3 = conv(width, out, (1, 1)), batch_norm(out, rngs)
         self.bn3.scale.value = self.bn3.scale.value * 0  # zero_init_residual
         projection = strides != 1 or cin != out
         self.shortcut = conv(cin, out, (1, 1), strides=strides) if projection else None
-        self.bn_shortcut = _batch_norm(out, rngs) if projection else None
+        self.bn_shortcut = batch_norm(out, rngs) if projection else None
 
     def __call__(self, x, train: bool):
         avg = not train
@@ -62,7 +62,7 @@ class ResNet50(nnx.Module):
         """``conv``: the convolution every layer runs (as ResNet-18's)."""
         self.stem = nnx.Conv(in_channels, 64, (7, 7), strides=2, padding=3, use_bias=False,
                              kernel_init=nnx.initializers.he_normal(), conv_general_dilated=conv, rngs=rngs)
-        self.bn = _batch_norm(64, rngs)
+        self.bn = batch_norm(64, rngs)
         blocks, cin = [], 64
         for width, count, strides in STAGES:
             for i in range(count):
@@ -70,7 +70,7 @@ class ResNet50(nnx.Module):
                 cin = width * EXPANSION
         self.blocks = nnx.List(blocks)
         self.dense = nnx.Linear(cin, num_classes, kernel_init=nnx.initializers.he_normal(), rngs=rngs)
-        self.remat = remat  # a jaxtrain.remat policy name, applied per bottleneck block
+        self.remat = remat  # a jaxtrain.core.remat policy name, applied per bottleneck block
 
     def __call__(self, x, train: bool = False):
         x = checked_images(x, self.stem.in_features, "ResNet-50")

@@ -2,7 +2,7 @@
 
 ``params = {"embed": E, "stages": S, "head": H}``, every ``S`` leaf stacking the L layers on its leading
 axis. ``sequential_loss`` runs the layers in order (a scan): the plain model, and the reference a
-pipelined step (``jaxtrain.pipeline``) is tested against.
+pipelined step (``jaxtrain.train.pipeline``) is tested against.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import models
-from jaxtrain.precision import cast_floats
+from jaxtrain.core.precision import cast_floats
 
 name = sys.argv[1]
 model = models.get(name)

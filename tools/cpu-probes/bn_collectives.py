@@ -1,5 +1,5 @@
 """BatchNorm's statistics, flax's synchronised ones (two all-reduces each way per layer) vs jaxtrain's
-(``jaxtrain.batch_stats``: one, none in their backward): ResNet-18's train step (batch 64, SGD, the default
+(``jaxtrain.nn.batch_stats``: one, none in their backward): ResNet-18's train step (batch 64, SGD, the default
 convolutions) compiled both ways in one process, timed in alternating blocks of 3 steps; the median of the
 per-pair ratios, and the all-reduces in each compiled step (docs/performance.md, "BatchNorm's collectives").
     python tools/cpu-probes/bn_collectives.py [DEVICES] [PAIRS]
@@ -17,7 +17,7 @@ import optax
 from jaxtrain import models
 from jaxtrain.kernels import onednn
 from jaxtrain.models import resnet
-from jaxtrain.timing import time_steps
+from jaxtrain.train.timing import time_steps
 
 model = models.get("resnet18")
 conv = onednn.choose(model.conv)[1]

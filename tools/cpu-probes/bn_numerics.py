@@ -1,4 +1,4 @@
-"""BatchNorm's statistics, flax's vs jaxtrain's (``jaxtrain.batch_stats``), in numbers (docs/performance.md,
+"""BatchNorm's statistics, flax's vs jaxtrain's (``jaxtrain.nn.batch_stats``), in numbers (docs/performance.md,
 "BatchNorm's collectives"):
 
 1. ResNet-18's gradient (XLA's convolutions, test_resnet's linen weights, batch 16, 1 device) against float64:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxtrain.timing import median_seconds
+from jaxtrain.train.timing import median_seconds
 
 
 def conv_xla(x, w, s):
@@ -40,7 +40,7 @@ def conv_im2col(x, w, s):
 
 
 def timeit(f, *a, n=20):
-    """Median ms of ``f(*a)`` (jaxtrain.timing, after a warm-up)."""
+    """Median ms of ``f(*a)`` (jaxtrain.train.timing, after a warm-up)."""
     return 1000 * median_seconds(lambda: jax.block_until_ready(f(*a)), n)
 
 

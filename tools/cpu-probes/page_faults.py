@@ -31,8 +31,9 @@ else:
     import jax
     import optax
 
-    from jaxtrain import host_memory, models
-    from jaxtrain.timing import time_steps
+    from jaxtrain import models
+    from jaxtrain.parallel import host_memory
+    from jaxtrain.train.timing import time_steps
 
     print("malloc keeps freed memory:", host_memory.applied())
     model = models.get("resnet18", conv=sys.argv[3] if len(sys.argv) > 3 else "auto")

@@ -19,7 +19,7 @@ import jax
 import optax
 
 from jaxtrain import models
-from jaxtrain.timing import time_steps
+from jaxtrain.train.timing import time_steps
 
 mesh = jt.make_mesh(devices)
 model = models.get("resnet18")

@@ -1,5 +1,5 @@
 """The weight-gradient relayout [B,H,W,C] -> [C,H,W,B] of 8 arrays: XLA's one transpose vs an identity GEMM plus
-a row permutation vs two passes of 16x16 tiles kept apart by jaxtrain.remat.materialize (all checked equal).
+a row permutation vs two passes of 16x16 tiles kept apart by jaxtrain.core.remat.materialize (all checked equal).
     python tools/cpu-probes/relayouts.py 64,28,28,64
 """
 
@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxtrain.remat import materialize
-from jaxtrain.timing import median_seconds
+from jaxtrain.core.remat import materialize
+from jaxtrain.train.timing import median_seconds
 
 
 def timeit(f, *a, n=30):
-    """Median ms of ``f(*a)`` (jaxtrain.timing, after a warm-up)."""
+    """Median ms of ``f(*a)`` (jaxtrain.train.timing, after a warm-up)."""
     return 1000 * median_seconds(lambda: jax.block_until_ready(f(*a)), n)
 
 

@@ -13,7 +13,7 @@ import jax
 import optax
 
 from jaxtrain import models
-from jaxtrain.timing import time_steps
+from jaxtrain.train.timing import time_steps
 
 model = models.get(sys.argv[2] if len(sys.argv) > 2 else "resnet18", conv=sys.argv[3] if len(sys.argv) > 3 else "auto")
 batch_size, steps = (64, 3) if model.name == "resnet18" else (256, 10)

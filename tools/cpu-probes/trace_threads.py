@@ -18,7 +18,7 @@ import jax
 import optax
 
 from jaxtrain import models
-from jaxtrain.timing import time_steps
+from jaxtrain.train.timing import time_steps
 
 STEPS = 3
 model = models.get("resnet18")

@@ -1,0 +1,125 @@
+"""What a trainer checks where the user calls it, each in one line that names what differs.
+
+All of it is cheap: shapes, dtypes and tree structures are static, so they
+are compared on the host without waiting for the devices; the one value read
+back is a scalar of the FIRST step.
+
+- The state: its tree against the one this trainer's optimizer and precision
+  make (``structure``: once per new structure), its arrays' placement against
+  the plan (``Plan.check_placed``, each checked call).
+- The batch: a step that cannot be traced for it (a shape, dtype or key the
+  loss_fn does not take) is said as one line naming the batch's arrays and,
+  where an earlier batch ran, the ones that differ from it (``untraceable``).
+- The labels: jaxtrain's loss helpers report the fraction of labels outside
+  the classes as the metric ``LABELS_OUT_OF_RANGE`` and give those examples a
+  NaN loss (``jaxtrain.models.classify``). The trainer reads that metric after
+  its first step and raises if it is not 0 (``labels``). Reading it there
+  costs one wait for the first step, once; a loop that reads metrics one step
+  late would see it a step later, with the first step's update already
+  applied. Later steps are not read: a bad label there shows as a NaN loss,
+  which ``jaxtrain.train.loop`` stops on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxtrain.choices import LABELS_OUT_OF_RANGE
+from jaxtrain.core.state import TrainState
+from jaxtrain.errors import ConfigError
+from jaxtrain.parallel.sharding import path_name
+
+# What tracing a step raises for a batch its loss_fn cannot take (shapes, dtypes, a missing key).
+TRACE_ERRORS = (TypeError, ValueError, KeyError)
+
+
+def _name(path) -> str:
+    return path_name(path) or "(the whole tree)"
+
+
+def _outline(tree) -> str:
+    """A short description of a tree's top: its node types (an optimizer's states, a loss scale's keys)."""
+    if tree is None:
+        return "none"
+    if isinstance(tree, (tuple, list)):
+        return "(" + ", ".join(type(t).__name__ for t in tree) + ")"
+    if isinstance(tree, dict):
+        return "{" + ", ".join(map(str, tree)) + "}"
+    return type(tree).__name__
+
+
+def structure(state, expected: Callable[[], TrainState]) -> None:
+    """A ConfigError unless ``state`` has the tree of ``expected()`` (what the trainer makes for its params)."""
+    if not isinstance(state, TrainState):
+        raise ConfigError(f"trainer(state, batch) takes the TrainState trainer.init made; got {type(state).__name__}")
+    expected = expected()
+    for field in dataclasses.fields(TrainState):
+        got, want = getattr(state, field.name), getattr(expected, field.name)
+        if jax.tree.structure(got) == jax.tree.structure(want):
+            continue
+        detail = f"{_outline(got)} in the state, {_outline(want)} from this trainer"
+        if _outline(got) == _outline(want):
+            only = {_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(got)[0]} - {
+                _name(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]}
+            detail = f"the state has {min(only)!r}, this trainer does not" if only else "trees differ"
+        why = {"opt_state": " (another optimizer, or accum_steps=)", "loss_scale": " (another precision=)"}
+        raise ConfigError(f"state does not match this trainer: its {field.name} differs{why.get(field.name, '')}: "
+                          f"{detail}; pass a state this trainer made (trainer.init, or a checkpoint restored "
+                          "with it)")
+
+
+def placement(state, want_leaves: list) -> None:
+    """A ConfigError naming the first array of ``state`` not placed as ``want_leaves`` (a sharding per leaf)."""
+    for x, want in zip(jax.tree.leaves(state), want_leaves):
+        if isinstance(x, jax.Array) and x.sharding != want and not x.sharding.is_equivalent_to(want, x.ndim):
+            path = next(p for p, y in jax.tree_util.tree_flatten_with_path(state)[0] if y is x)
+            got = x.sharding
+            where = (f"{got.spec} on mesh {dict(got.mesh.shape)}" if isinstance(got, jax.sharding.NamedSharding)
+                     else type(got).__name__)
+            raise ConfigError(f"state does not match this trainer: {_name(path)} is placed {where} but this "
+                              f"trainer places it {want.spec} on mesh {dict(want.mesh.shape)} (a state from a "
+                              "trainer with another mesh or param_sharding); pass a state this trainer made, or "
+                              "move it: jax.device_put(state, trainer.plan(state).state)")
+
+
+def signature(batch) -> dict[str, str]:
+    """``{name: "shape dtype"}`` of a batch's arrays (or shapes)."""
+    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+    return {_name(p): f"{tuple(np.shape(x))} {np.dtype(x.dtype).name}" for p, x in flat}
+
+
+def untraceable(error: Exception, batch, previous: dict[str, str] | None) -> ConfigError:
+    """The one-line error for a step that could not be traced for ``batch``; ``previous``: the signature of the
+    last batch that ran (None: none has)."""
+    first = (str(error).splitlines() or [""])[0][:300]
+    cause = f"{type(error).__name__}: {first}"
+    now = signature(batch)
+    if previous:
+        changed = [f"batch['{k}'] is {v} but was {previous[k]}" for k, v in now.items() if previous.get(k, v) != v]
+        changed += [f"batch['{k}'] is new" for k in now if k not in previous]
+        changed += [f"batch['{k}'] is missing" for k in previous if k not in now]
+        if changed:
+            return ConfigError(f"{'; '.join(changed)} in the batch that last ran: the step cannot be traced for "
+                               f"it ({cause})")
+    arrays = ", ".join(f"{k} {v}" for k, v in now.items())
+    return ConfigError(f"the step cannot be traced for this batch ({arrays}): {cause}; check its arrays' shapes "
+                       "and dtypes against what the loss_fn takes")
+
+
+def labels(metrics: dict, batch) -> None:
+    """After a first step: a ConfigError if the loss reported labels outside the model's classes."""
+    if LABELS_OUT_OF_RANGE not in metrics:
+        return
+    share = float(jax.device_get(metrics[LABELS_OUT_OF_RANGE]))
+    if share == 0:
+        return
+    found = ""
+    if isinstance(batch, dict) and "label" in batch and getattr(batch["label"], "is_fully_addressable", True):
+        values = np.asarray(jax.device_get(batch["label"]))
+        found = f" (they range {values.min()}..{values.max()})"
+    raise ConfigError(f"{share:.1%} of the first batch's labels are outside the model's classes{found}: labels "
+                      "are class indices 0..num_classes-1 (their loss is NaN); fix the labels")

@@ -1,0 +1,268 @@
+"""Pick the devices a run uses and build the mesh over them (named axes; "data" is the batch axis)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from jaxtrain import settings
+from jaxtrain.core import compat
+from jaxtrain.errors import ConfigError
+from jaxtrain.parallel import host_memory
+
+# The mesh axis names; every module imports them from here.
+DATA_AXIS = "data"  # the batch is sharded over it (and replicated over every other axis)
+MODEL_AXIS = "model"  # tensor parallelism: what the models' TP rules shard over
+# A hybrid mesh's outer axis: data parallelism across processes (hosts, the slow network); the batch is split
+# over it and "data" (within a process) together, and "hsdp" shards parameters over "data" only.
+REPLICA_AXIS = "replica"
+
+
+def batch_axes(mesh) -> str | tuple[str, ...]:
+    """The mesh axes the batch is split over: ``"data"``, or ``("replica", "data")`` on a hybrid mesh."""
+    return (REPLICA_AXIS, DATA_AXIS) if REPLICA_AXIS in mesh.axis_names else DATA_AXIS
+
+# Virtual CPU devices share the cores; past a few per core they only add
+# rendezvous overhead (and XLA:CPU's all-reduce rendezvous can starve).
+CPU_DEVICES_PER_CORE = 4
+
+# XLA:CPU flags (compat.CPU_XLA_FLAGS, chosen per jaxlib version and CPU vector ISA: why, and the
+# measurements, are there) are added to $XLA_FLAGS before JAX starts (settings.add_xla_flags), unless $XLA_FLAGS
+# already names them or JAXTRAIN_XLA_DEFAULTS=1 keeps XLA's defaults. They are CPU-only: the CPU compiler reads
+# them, so a step compiled for a GPU never sees them. What was added: ``xla_flags_added()``.
+_added: tuple[str, ...] = ()
+
+
+def xla_flags_added() -> tuple[str, ...]:
+    """The flags ``setup_devices`` added to $XLA_FLAGS in this process (the run's first line says them)."""
+    return _added
+
+
+def max_cpu_devices() -> int:
+    """How many virtual CPU devices this machine may simulate."""
+    return CPU_DEVICES_PER_CORE * settings.cores()
+
+
+def _check_count(n: int | None) -> None:
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ConfigError(f"devices={n!r}: must be a positive whole number")
+
+
+# A dead peer must end the run within a minute, not after JAX's default 100 s.
+HEARTBEAT_TIMEOUT_SECONDS = 30
+
+
+def _cluster_env() -> bool:
+    """True inside a multi-task SLURM / Open MPI job, which jax.distributed detects itself."""
+    return settings.cluster_tasks() > 1
+
+
+def _start_distributed(coordinator, num_processes, process_id) -> None:
+    """Start jax.distributed for a multi-process run (flags, our launcher's env, or a cluster's)."""
+    launched = settings.current()  # what `python -m jaxtrain.launch` set for this process, if it started it
+    coordinator = coordinator or launched.coordinator
+    num_processes = num_processes or launched.num_processes
+    if process_id is None:
+        process_id = launched.process_id
+    single = num_processes == 1 or (num_processes is None and not _cluster_env())
+    if single or jax.distributed.is_initialized():
+        return  # a single-process run stays exactly as it was
+    if num_processes is not None and (coordinator is None or process_id is None):
+        raise ConfigError("a multi-process run needs coordinator=HOST:PORT and process_id= too "
+                          "(or start it with python -m jaxtrain.launch)")
+    _join(coordinator, num_processes, process_id)
+
+
+def _join(coordinator, num_processes, process_id) -> None:
+    """jax.distributed.initialize, saying what it waits for; peers that never join end the run with one line.
+
+    JAX's own timeout aborts the process with a C++ stack dump, so ours comes first: after
+    $JAXTRAIN_JOIN_TIMEOUT seconds (default 300, JAX's) a message and exit 2.
+    """
+    import sys
+    import threading
+
+    timeout = settings.current().join_timeout
+    who = f"process {process_id} of {num_processes}" if num_processes else "this process"
+    where = f" at {coordinator}" if coordinator else ""
+
+    def waiting():
+        print(f"{who}: waiting for the other processes to join{where} (up to {timeout:.0f} s; "
+              f"${settings.VARIABLES['join_timeout']} sets it) ...", file=sys.stderr, flush=True)
+
+    def give_up():
+        print(f"error: {who}: the other processes did not join{where} within {timeout:.0f} s: start all of them "
+              "(python -m jaxtrain.launch starts them together) with the same --coordinator", file=sys.stderr,
+              flush=True)
+        os._exit(2)
+
+    joined = threading.Event()
+
+    def watch():  # one thread, so the waiting line always comes before the give-up, however late it runs
+        first = min(10.0, timeout / 2)
+        if not joined.wait(first):
+            waiting()
+            if not joined.wait(timeout - first):
+                give_up()
+
+    threading.Thread(target=watch, daemon=True, name="jaxtrain-join").start()
+    try:  # CPU runs use the gloo collectives (JAX's default for CPU); GPUs use NCCL.
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, initialization_timeout=int(timeout) + 60,
+                                   heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
+    finally:
+        joined.set()
+
+
+def setup_devices(n: int | None = None, *, devices_per_process: int | None = None, coordinator: str | None = None,
+                  num_processes: int | None = None, process_id: int | None = None) -> list[jax.Device]:
+    """Return the ``n`` devices of this run; call before any other JAX call.
+
+    CPU: ``n`` virtual devices (default: one per core, or $JAX_NUM_CPU_DEVICES),
+    compiled with ``compat.cpu_xla_flags()`` added to $XLA_FLAGS (yours take precedence), with glibc's malloc
+    set to keep freed memory (``host_memory``; $JAXTRAIN_MALLOC=default keeps glibc's defaults).
+    GPU: the first ``n`` GPUs (default: all). Asking for more devices than
+    exist, or calling after JAX started with a different count, raises a
+    ``ConfigError`` that says what to do.
+
+    Multi-process runs (``num_processes`` > 1, the environment set by
+    ``python -m jaxtrain.launch``, or a SLURM / Open MPI job) start
+    ``jax.distributed`` first; each process then has ``devices_per_process``
+    local devices and ``n``, if given, must be the total over all processes.
+    """
+    _check_count(n)
+    _check_count(devices_per_process)
+    if devices_per_process is None:
+        devices_per_process = settings.current().devices_per_process
+    if not compat.backend_started():
+        global _added
+        _added = settings.add_xla_flags(compat.cpu_xla_flags())
+        if _platform_hint() == "cpu":
+            host_memory.keep_freed_memory()  # before JAX's threads start (why: jaxtrain.parallel.host_memory)
+        if devices_per_process is not None:
+            jax.config.update("jax_num_cpu_devices", devices_per_process)
+        _start_distributed(coordinator, num_processes, process_id)
+    if jax.distributed.is_initialized() or devices_per_process is not None:
+        devices = jax.devices()
+        if n is not None and n != len(devices):
+            raise ConfigError(f"devices={n} does not match {jax.process_count()} processes x "
+                              f"{jax.local_device_count()} devices per process = {len(devices)}; drop devices= "
+                              "or make them agree")
+        return devices
+    if not compat.backend_started():
+        cpu_n = n if n is not None else settings.jax_cpu_devices() or settings.cores()
+        if cpu_n > max_cpu_devices() and _platform_hint() == "cpu":
+            raise ConfigError(
+                f"devices={cpu_n} is more than this machine can simulate: at most "
+                f"{max_cpu_devices()} virtual CPU devices on {settings.cores()} cores; ask for 1..{max_cpu_devices()}"
+            )
+        jax.config.update("jax_num_cpu_devices", cpu_n)
+    devices = jax.devices()
+    platform = devices[0].platform
+    if n is None:
+        return devices
+    if platform == "cpu" and len(devices) != n:
+        raise ConfigError(
+            f"JAX already started with {len(devices)} CPU devices, so {n} cannot be set up now: "
+            f"call jt.setup_devices({n}) before any other JAX call, or set JAX_NUM_CPU_DEVICES={n}"
+        )
+    if n > len(devices):
+        raise ConfigError(
+            f"devices={n} asked for, but only {len(devices)} {platform.upper()} device(s) exist; "
+            f"use devices=1..{len(devices)}"
+        )
+    return devices[:n]
+
+
+def _platform_hint() -> str:
+    """Best guess of the default platform without starting JAX."""
+    platforms = (jax.config.jax_platforms or settings.jax_platforms()).split(",")[0]
+    if platforms:
+        return platforms
+    from importlib.util import find_spec
+
+    has_gpu_plugin = any(find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin"))
+    return "gpu" if has_gpu_plugin else "cpu"
+
+
+def make_mesh(devices: int | Sequence[jax.Device] | Mesh | None = None, axes: Mapping[str, int] | None = None) -> Mesh:
+    """A mesh over ``devices`` (a list, or the first N); a Mesh is returned as is.
+
+    ``axes``: named axis sizes, e.g. ``{"data": 2, "model": 2}``, in mesh
+    order; their product must be the number of devices. Default: one axis
+    ``"data"`` over all of them. ``"data"`` is always the batch axis; left
+    out, it comes first with the devices the others leave (``{"stage": 4}``
+    on 8 devices is ``{"data": 2, "stage": 4}``). ``"replica"`` makes a hybrid
+    mesh: always the outer axis, one replica per process where the devices
+    span processes (JAX's ``create_hybrid_device_mesh``), the batch split over
+    it and ``"data"`` together.
+    """
+    if isinstance(devices, Mesh):
+        return devices
+    available = jax.devices()
+    if devices is None:
+        devices = available
+    elif isinstance(devices, int):
+        _check_count(devices)
+        if devices > len(available):
+            raise ConfigError(
+                f"a mesh of {devices} devices asked for, but JAX has {len(available)}; "
+                f"call jt.setup_devices({devices}) first"
+            )
+        devices = available[:devices]
+    devices = list(devices)
+    axes = dict(axes) if axes else {DATA_AXIS: len(devices)}
+    rest = math.prod(v for v in axes.values() if isinstance(v, int) and v >= 1)
+    if DATA_AXIS not in axes and len(devices) % rest == 0:  # "data" takes the devices the others leave
+        axes = {DATA_AXIS: len(devices) // rest, **axes}
+    if REPLICA_AXIS in axes:  # the outer axis: across processes
+        axes = {REPLICA_AXIS: axes.pop(REPLICA_AXIS), **axes}
+    _check_axes(axes, len(devices))
+    # Auto (GSPMD) axes: users' model code stays sharding-agnostic. With
+    # Explicit axes a plain reshape of a batch-sharded array (e.g. a pooling
+    # written as reshape+mean) is a ShardingTypeError unless annotated; the
+    # trainer types the mesh for its strategy (``typed``).
+    types = (AxisType.Auto,) * len(axes)
+    if REPLICA_AXIS in axes and len({d.process_index for d in devices}) > 1:
+        return Mesh(_hybrid(axes, devices), tuple(axes), axis_types=types)
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=types, devices=devices)
+
+
+def _hybrid(axes: dict, devices: list):
+    """The devices as a hybrid mesh: "replica" across processes, every other axis within one (JAX's helper puts
+    each process's devices together on the inner axes)."""
+    from jax.experimental import mesh_utils
+
+    processes = len({d.process_index for d in devices})
+    if axes[REPLICA_AXIS] != processes:
+        raise ConfigError(f"mesh {REPLICA_AXIS}={axes[REPLICA_AXIS]}: a hybrid mesh has one replica per process, and "
+                          f"this run has {processes} processes: use {REPLICA_AXIS}={processes}")
+    inner = tuple(1 if k == REPLICA_AXIS else v for k, v in axes.items())
+    outer = tuple(v if k == REPLICA_AXIS else 1 for k, v in axes.items())
+    return mesh_utils.create_hybrid_device_mesh(inner, outer, devices, process_is_granule=True)
+
+
+def typed(mesh: Mesh, explicit: bool) -> Mesh:
+    """``mesh`` with every axis Explicit (``strategy="explicit"``: each array's sharding is part of its type) or
+    Auto (every other strategy: GSPMD propagates shardings); the same devices and names."""
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    if all(t == kind for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(kind,) * len(mesh.axis_names))
+
+
+def _check_axes(axes: dict, num_devices: int) -> None:
+    shown = ",".join(f"{k}={v}" for k, v in axes.items())
+    if DATA_AXIS not in axes:
+        raise ConfigError(f"mesh {shown} has no {DATA_AXIS!r} axis: the batch is sharded over it (add {DATA_AXIS}=N)")
+    bad = [k for k, v in axes.items() if not isinstance(v, int) or v < 1]
+    if bad:
+        raise ConfigError(f"mesh {shown}: axis sizes must be whole numbers >= 1 ({', '.join(bad)})")
+    if math.prod(axes.values()) != num_devices:
+        raise ConfigError(f"mesh {shown} has {math.prod(axes.values())} places but there are {num_devices} devices: "
+                          "make the product of the axis sizes equal the device count")
+

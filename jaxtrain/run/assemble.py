@@ -1,0 +1,59 @@
+"""What a run trains, made from its RunConfig: the model, the optimizer, the train and eval steps.
+
+``runner.validate`` calls these on the dataset's usual image shape before the data is read (a bad setting
+fails in seconds, not after a conversion), ``runner.build`` once more for the data.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxtrain import models
+from jaxtrain.core import optim
+from jaxtrain.errors import ConfigError
+from jaxtrain.parallel import sharding
+from jaxtrain.run import distill
+from jaxtrain.run.config import RunConfig
+from jaxtrain.train.pipeline import STAGE_AXIS, make_pipeline_step
+from jaxtrain.train.trainer import Evaluator, Trainer, make_eval_step, make_train_step
+
+
+def model(c: RunConfig, shape: dict, teacher: tuple | None = None) -> models.Model:
+    """The registry model for images of ``shape``; with ``teacher`` ((model, params, model_state) of a
+    finished run) a student that distils from it."""
+    m = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize, kernels=c.kernels, conv=c.conv,
+                   **shape)
+    if teacher is not None:  # the teacher's params and state join the model state, Frozen
+        m = distill.distilled(m, *teacher, c.temperature, c.alpha, c.kernels)
+    return m
+
+
+def steps(c: RunConfig, mesh, m: models.Model, updates: int) -> tuple[Trainer, Evaluator]:
+    """The train and eval steps (nothing compiles yet), the learning rate scheduled over ``updates`` (0: a
+    constant one); a "stage" axis in the mesh pipelines the model."""
+    tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if updates else "constant",
+                              total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),
+                              weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm)
+    if STAGE_AXIS not in mesh.axis_names:
+        rules = sharding.ParamSharding.of(c.param_sharding, logical_axes=m.logical_axes)
+        trainer = make_train_step(m.loss_fn, tx, mesh=mesh, strategy=c.strategy, precision=c.precision,
+                                  accum_steps=c.accum_steps, accum=c.accum, param_sharding=rules)
+        return trainer, make_eval_step(m.eval_fn, trainer=trainer)
+    if not isinstance(m, models.Pipelinable):
+        raise ConfigError(f"a mesh with a {STAGE_AXIS!r} axis: model {c.model} has no stack of identical layers to "
+                          "pipeline: use experiments.vit, or a mesh without a 'stage' axis")
+    if (c.strategy, c.param_sharding, c.accum_steps) != ("jit", "replicated", 1):
+        raise ConfigError("pipelined runs use strategy=jit, param_sharding=replicated and accum_steps=1 "
+                          "(micro-batches are the pipeline's: microbatches=)")
+    stack = m.stack
+    trainer = make_pipeline_step(stack.embed_fn, stack.stage_fn, stack.head_loss_fn, tx, mesh=mesh,
+                                 microbatches=c.microbatches, schedule=c.pipeline_schedule, repeats=c.repeats,
+                                 precision=c.precision, remat=c.remat)
+    return trainer, make_eval_step(trainer.eval_fn(stack.head_eval_fn), mesh=mesh)
+
+
+def placed(c: RunConfig, m: models.Model, trainer: Trainer) -> tuple[dict, int]:
+    """(where each parameter goes, a call's global batch): a ConfigError if the sharding or the batch size does
+    not fit."""
+    layout = trainer.layout(jax.eval_shape(m.init, jax.random.key(c.seed))[0])
+    return layout, trainer.batches.call_batch(c.batch_size)  # multisteps: one call per micro-batch

@@ -1,0 +1,248 @@
+"""Run outputs: metrics.jsonl, summary.json, the curves PNG, the run's first line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import jax
+from jax.sharding import Mesh
+
+from jaxtrain.core.compat import cpu_isa
+from jaxtrain.errors import ConfigError
+from jaxtrain.io.dirlock import DirLock
+from jaxtrain.io.files import atomic_write, ensure_room, ensure_writable, out_of_space, remove_stale_temps
+from jaxtrain.models import Model
+from jaxtrain.parallel import devices as devices_lib
+from jaxtrain.run.config import RunConfig
+
+
+def make_out_dir(out: str | None, name: str) -> Path:
+    """``out``, or a fresh ``runs/NAME-YYYYmmdd-HHMMSS[-k]``; checked writable now."""
+    if out is None:
+        base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        path, k = base, 1
+        while path.exists():
+            path, k = Path(f"{base}-{k}"), k + 1
+    else:
+        path = Path(out)
+    return ensure_writable(path, "to output directory", "out=")
+
+
+def holds_results(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds a run's results (a summary, a model, or epochs in metrics.jsonl)."""
+    metrics = out_dir / "metrics.jsonl"
+    return any((out_dir / name).exists() for name in ("summary.json", "model.json")) or (
+        metrics.is_file() and metrics.stat().st_size > 0)
+
+
+def claim_out_dir(out: str | None, name: str, resume: bool) -> tuple[Path, DirLock]:
+    """The run directory (``out``, or a fresh one), this run's alone (locked: two runs never write one) and
+    with room for its files; another run's results there are kept unless the run resumes."""
+    out_dir = make_out_dir(out, name)
+    if not resume and holds_results(out_dir):
+        raise ConfigError(f"out={out_dir} holds another run's results: pass a new out= (or continue that run "
+                          "with resume=True and its checkpoint_dir=)")
+    lock = DirLock(out_dir, "out=").acquire()
+    ensure_room(out_dir, 2**20, "metrics, summary and curves", "out=")
+    return out_dir, lock
+
+
+class OutputError(ConfigError):
+    """A run file could not be written (full disk, vanished directory)."""
+
+
+def strict_json(data, **kw) -> str:
+    """JSON any parser reads: a NaN or infinite number (e.g. an epoch not evaluated) is written as null."""
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        return [clean(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+    return json.dumps(clean(data), allow_nan=False, **kw)
+
+
+class RunWriter:
+    """Writes one run's files into ``out_dir`` as the run goes; each file whole or not at all.
+
+    ``history`` (rows of earlier epochs, e.g. from a checkpoint) is written
+    again at once; a run's files are never truncated.
+    """
+
+    def __init__(self, out_dir: Path, history: list[dict] = ()):
+        self.out_dir = out_dir
+        self.metrics_path = out_dir / "metrics.jsonl"
+        remove_stale_temps(out_dir)
+        self.epochs: list[dict] = list(history)
+        self._write(self.metrics_path, self._metrics_text())
+
+    def _metrics_text(self) -> str:
+        return "".join(strict_json(row) + "\n" for row in self.epochs)
+
+    def _write(self, path: Path, data) -> None:
+        try:
+            atomic_write(path, data)
+        except OSError as e:
+            cause = "the disk is full" if out_of_space(e) else e.strerror or str(e)
+            raise OutputError(f"cannot write {path} ({cause}); its previous version, if any, is intact: "
+                              "make room (or fix out=), then run again (with resume=True if you checkpoint)") from None
+
+    def epoch(self, stats) -> None:
+        """metrics.jsonl with this epoch's row, and curves.png redrawn (a long run can be watched)."""
+        self.epochs.append(dataclasses.asdict(stats))
+        self._write(self.metrics_path, self._metrics_text())
+        self.plot()
+
+    def summary(self, summary: dict) -> Path:
+        path = self.out_dir / "summary.json"
+        self._write(path, strict_json(summary, indent=2, sort_keys=True) + "\n")
+        self.plot()
+        return path
+
+    def plot(self) -> Path | None:
+        if not self.epochs:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ep = [r["epoch"] for r in self.epochs]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+        ax1.plot(ep, [r["train_loss"] for r in self.epochs], "o-", label="train loss")
+        ax1.plot(ep, [r["test_loss"] for r in self.epochs], "s--", label="test loss")
+        ax2.plot(ep, [r["train_acc"] for r in self.epochs], "o-", label="train acc")
+        ax2.plot(ep, [r["test_acc"] for r in self.epochs], "s--", label="test acc")
+        for ax, title in ((ax1, "loss"), (ax2, "accuracy")):
+            ax.set_xlabel("epoch")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        import io
+
+        path, png = self.out_dir / "curves.png", io.BytesIO()
+        fig.savefig(png, dpi=100, format="png")
+        plt.close(fig)
+        self._write(path, png.getvalue())
+        return path
+
+
+def run_summary(args, model, history, first_loss, stats, peak, devices, call_batch: int, steps_per_epoch: int,
+                examples: dict, data_sha256: str) -> dict:
+    """summary.json of a finished run: results, steady-state speed, compiled costs, settings; the MFU from
+    ``model``'s forward FLOPs per example (``jaxtrain.models.flops``), the HFU from the compiled FLOPs."""
+    from jaxtrain.models.flops import forward, utilisation
+
+    # Steady-state speed: leave out the first epoch (it compiles) when there are others.
+    timed = history[1:] if len(history) > 1 else history
+    examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
+    achieved_flops = stats["flops"] * len(devices) * examples_per_sec / call_batch
+    model_flops = forward(args.model, model.input_shape, model.num_classes)
+    use = utilisation(model_flops, stats["flops"] * len(devices), call_batch, call_batch / examples_per_sec, peak)
+    last = history[-1]
+    return {
+        "experiment": args.model,
+        "test_acc": last.test_acc,
+        "test_loss": last.test_loss,
+        "train_loss": last.train_loss,
+        "train_acc": last.train_acc,
+        "initial_loss": first_loss,
+        "sec_per_epoch": steps_per_epoch * call_batch / examples_per_sec,
+        "ms_per_update": 1000 * args.batch_size / examples_per_sec,
+        "first_epoch_sec": history[0].train_sec,
+        "median_epoch_sec": statistics.median(h.train_sec for h in history),
+        "examples_per_sec": examples_per_sec,
+        "data_wait_fraction": sum(h.data_wait_sec for h in timed) / max(sum(h.train_sec for h in timed), 1e-9),
+        "workers": args.workers,
+        "prefetch": args.prefetch,
+        "devices": len(devices),
+        "processes": jax.process_count(),
+        "platform": devices[0].platform,
+        "cpu_isa": cpu_isa() if devices[0].platform == "cpu" else None,  # CPU results depend on it
+        "strategy": args.strategy,
+        "precision": args.precision,
+        "accum_steps": args.accum_steps,
+        "accum": args.accum,
+        "remat": args.remat,
+        "compiled_flops": stats["flops"],  # per device
+        "ms_per_step": 1000 * call_batch / examples_per_sec,
+        "achieved_flops_per_sec": achieved_flops,
+        "peak_flops_per_sec": peak,  # of all the devices together: GPUs' peaks add up; CPU devices share the cores
+        "model_flops_per_example": model_flops,  # forward, from the layers' shapes (jaxtrain.models.flops)
+        # MFU: 3 x model FLOPs per example x examples/s over the devices' dense peak; HFU: the compiled program's
+        # FLOPs instead (remat's recomputation included). None where the peak is not known (CPUs: --measure-peak).
+        "mfu": use["mfu"],
+        "hfu": use["hfu"],
+        "compiled_temp_bytes": stats["temp_bytes"],
+        "saved_residual_bytes": stats["saved_residual_bytes"],
+        "steps": sum(h.steps for h in history),
+        "epochs": len(history),
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "dataset": args.dataset,
+        "data_source": args.data_dir or "default",
+        "data_sha256": data_sha256,
+        "train_examples": examples["train"],
+        "test_examples": last.test_examples,
+        "jax_version": jax.__version__,
+    }
+
+
+def utilisation_words(summary: dict) -> str:
+    """", MFU 15.7%, HFU 15.2%" for a run's last line: what of them is known (GPUs, or --measure-peak)."""
+    return "".join(f", {k.upper()} {summary[k]:.1%}" for k in ("mfu", "hfu") if summary[k] is not None)
+
+
+def describe(c: RunConfig, model: Model, devices: list[jax.Device], mesh: Mesh, layout: dict, pipeline: dict | None,
+             data: dict, out_dir: Path | None) -> str:
+    """The run's first line: model, data, devices, placement, precision, ... ``layout``: the state's
+    (``integrity.state_layout``: "sharded" and "replicated" parameters); ``pipeline``: a pipelined trainer's
+    ``describe()``, or None."""
+    sharded = len(layout["sharded"])
+    placement = "layers over the stages" if pipeline else c.param_sharding
+    return (f"{c.model}: {len(data['train'])} train / {len(data['test'])} test examples of {c.dataset} "
+            f"({'x'.join(map(str, model.input_shape))}, {model.num_classes} classes), batch "
+            f"{c.batch_size} on {len(devices)} {devices[0].platform} device(s), strategy {c.strategy}, mesh "
+            f"{','.join(f'{k}={v}' for k, v in mesh.shape.items())}, {placement} ({sharded} of "
+            f"{sharded + len(layout['replicated'])} parameters sharded), {c.precision}, accum {c.accum_steps} "
+            f"({c.accum}), remat {c.remat}, {c.optimizer} lr {c.lr:g} ({c.schedule})"
+            + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+            + (", quantisation-aware int8" if c.quantize == "int8" else "")
+            + (", Pallas cross-entropy kernel" if c.kernels == "pallas" else "")
+            + f", conv: {conv_path(c, model, devices[0].platform)}"
+            + (f", XLA flags added: {' '.join(devices_lib.xla_flags_added())}" if devices_lib.xla_flags_added() else "")
+            + (f", distilled from {c.teacher} (T {c.temperature:g}, alpha {c.alpha:g})" if c.teacher else "")
+            + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
+               "{bubble:.0%})".format(**pipeline) if pipeline else "")
+            + f"; out: {out_dir}")
+
+
+def conv_path(c, model, platform: str) -> str:
+    """Which convolutions the run's model takes, and why (``jaxtrain.kernels.onednn.path``): its first line and
+    summary.json say it. ``c``: the RunConfig."""
+    from jaxtrain.kernels import onednn
+
+    if model.conv == "xla" and c.conv != "xla" and platform == "cpu":
+        if c.quantize != "none":
+            return f"xla (quantize={c.quantize}: its layers' own convolutions)"
+        if model.name == "vit":
+            return "none (vit has no convolutions)"
+    return onednn.path(c.conv, model.conv, platform)
+
+
+def not_learning(history, first_loss: float, num_classes: int) -> str:
+    """A note for the result line when the run has not learned: test accuracy within 0.02 of guessing, and the
+    training loss not below 95% of the first step's."""
+    chance = 1 / num_classes
+    if history[-1].test_acc > chance + 0.02 or not history[-1].train_loss >= 0.95 * first_loss:
+        return ""
+    return f"; at chance ({chance:.2f}) and the loss did not fall: not learning (more epochs=? another lr=?)"

@@ -1,0 +1,306 @@
+"""``run(config)``: a whole training run in small phases, each readable alone.
+
+    devices, mesh -> validate -> checkpoints -> data -> build -> state (or resume) -> outputs -> train -> summary
+
+Only process 0 prints and writes files; every process trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+from jaxtrain import models
+from jaxtrain.analysis import diagnostics
+from jaxtrain.core import remat
+from jaxtrain.data import loader, sources
+from jaxtrain.errors import ConfigError, Diverged
+from jaxtrain.io.dirlock import DirLock
+from jaxtrain.io.files import params_digest
+from jaxtrain.parallel import devices as devices_lib
+from jaxtrain.run import assemble, distill, export, observe, track
+from jaxtrain.run.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
+from jaxtrain.run.report import (RunWriter, claim_out_dir, conv_path, describe, not_learning, run_summary,
+                                 utilisation_words)
+from jaxtrain.run.signals import Exit, StopOnSignal, StopVote
+from jaxtrain.train.checkpoint import Checkpointer
+from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
+from jaxtrain.train.trainer import Evaluator, Trainer
+
+
+@dataclasses.dataclass
+class Setup:
+    """What the phases build and pass on."""
+
+    config: RunConfig
+    devices: list[jax.Device]
+    mesh: jax.sharding.Mesh
+    say: Callable  # print on process 0 (parameters said as ``words`` says them), nothing elsewhere
+    words: Callable = str  # the CLI's: parameters as flags (cli.as_flags)
+    model: models.Model | None = None
+    trainer: Trainer | None = None  # a PipelineTrainer where the mesh has a "stage" axis
+    evaluator: Evaluator | None = None
+    layout: dict | None = None  # where each parameter lives (trainer.layout)
+    call_batch: int = 0
+    checkpointer: Checkpointer | None = None
+    teacher: tuple | None = None  # --teacher: (model, params, model_state)
+    last: dict = dataclasses.field(default_factory=dict)  # the last step's metrics
+    out_lock: DirLock | None = None  # held on --out while the run writes there
+
+
+def setup_devices(c: RunConfig, words: Callable = str) -> Setup:
+    devices = devices_lib.setup_devices(c.devices, devices_per_process=c.devices_per_process,
+                                        coordinator=c.coordinator, num_processes=c.num_processes,
+                                        process_id=c.process_id)
+
+    def say(*text, **kw):
+        if jax.process_index() == 0:
+            print(*(words(str(t)) for t in text), **kw)
+
+    if note := remat.offload_note(c.remat, devices[0].platform):  # a bad name fails here, before the data is read
+        say(note)
+    return Setup(c, devices, devices_lib.make_mesh(devices, axes=c.mesh), say, words)
+
+
+def validate(s: Setup) -> None:
+    """Everything that can fail before the data is read (which may take minutes), checked on the dataset's
+    usual image shape: the model, the teacher, the pipeline's settings, where the state goes, the batch size.
+    Nothing is kept but the teacher (read once): ``build`` makes each part once, for the data."""
+    c = s.config
+    s.teacher = distill.teacher_from_run(c.teacher) if c.teacher else None
+    model = assemble.model(c, sources.shape_of(c.dataset), s.teacher)
+    assemble.placed(c, model, assemble.steps(c, s.mesh, model, updates=0)[0])
+
+
+def build(s: Setup, train) -> None:
+    """The model, optimizer and train / eval steps, sized by the ``train`` split (image shape, classes, updates)."""
+    c = s.config
+    s.model = assemble.model(c, sources.shape_of(c.dataset, train), s.teacher)
+    s.trainer, s.evaluator = assemble.steps(c, s.mesh, s.model, c.epochs * (len(train) // c.batch_size))
+    s.layout, s.call_batch = assemble.placed(c, s.model, s.trainer)
+
+
+def open_checkpoints(s: Setup) -> None:
+    """Writable and ours (locked) before the data is read; refuses to mix with another run's checkpoints."""
+    c = s.config
+    if (c.resume or c.checkpoint_every) and not c.checkpoint_dir:
+        raise ConfigError("resume=True and checkpoint_every= need checkpoint_dir=")
+    if not c.checkpoint_dir:
+        return
+    s.checkpointer = Checkpointer(c.checkpoint_dir, c.keep_checkpoints, fixed=FIXED_SETTINGS)
+    if not c.resume and (newest := s.checkpointer.latest()) is not None:
+        raise ConfigError(f"{s.checkpointer.directory} already holds checkpoints (newest: step {newest}): pass "
+                          "resume=True to continue that run, or another checkpoint_dir= to start afresh")
+
+
+def load_data(s: Setup) -> tuple[dict, str]:
+    """The splits (subsets applied) and the digest of the whole dataset."""
+    c = s.config
+    data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir,
+                                  progress=False if c.no_progress else None) for k in ("train", "test")}
+    digest = sources.split_digest(*data.values())
+    return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, digest
+
+
+def run_settings(s: Setup, data_sha256: str) -> dict:
+    """What a checkpoint records of the run (and ``--resume`` compares)."""
+    c = s.config
+    settings = {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS) if hasattr(c, k)},  # mesh: the flag
+                "data_sha256": data_sha256, "experiment": c.model, "devices": len(s.devices),
+                "processes": jax.process_count(), "pipeline_layout": s.trainer.pipeline_layout}
+    if s.checkpointer is not None:
+        s.checkpointer.settings = settings
+    return settings
+
+
+def initial_state(s: Setup, settings: dict):
+    """(state, position): fresh, or the newest checkpoint's; position None when fresh; raises Finished."""
+    c = s.config
+    state = s.trainer.init(init_fn=s.model.init, rng=jax.random.key(c.seed))  # each device makes its shards
+    if not c.resume:
+        return state, None
+    restored = s.checkpointer.restore(state)
+    if restored is None:
+        s.say(f"no checkpoint in {c.checkpoint_dir} yet: starting from scratch")
+        return state, None
+    position = restored.position
+    steps, r = position.total_steps, position.result
+    if r and (position.epoch > c.epochs or c.max_steps is not None and steps >= c.max_steps):
+        s.say(f"already finished at step {steps} (checkpoint in {c.checkpoint_dir}): test acc {r['test_acc']:.3f}, "
+              f"test loss {r['test_loss']:.4f}; nothing to do (raise epochs= or max_steps= to train on)")
+        s.checkpointer.close()
+        raise Finished({"already_finished": True, "steps": steps, "test_acc": r["test_acc"]}, restored.state)
+    changed = [f"{k} {restored.settings.get(k)!r} -> {settings[k]!r}" for k in FREE_SETTINGS
+               if restored.settings.get(k) != settings[k]]
+    s.say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})"
+          + (f"; changed since: {', '.join(changed)}" if changed else ""))
+    return restored.state, position
+
+
+class Finished(Exception):
+    """A resumed run that had already finished: ``args[0]``, its summary, says where."""
+
+
+def open_outputs(s: Setup, state, position) -> RunWriter | None:
+    """The run directory (process 0), checked for room for the files and the checkpoints to come."""
+    c = s.config
+    if jax.process_index() != 0:
+        return None
+    out_dir, s.out_lock = claim_out_dir(c.out, c.model, c.resume)
+    if s.checkpointer is not None:
+        s.checkpointer.ensure_room(state)
+    return RunWriter(out_dir, position.history if position else ())
+
+
+def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tracker=None):
+    """fit with the run's outputs, tracker, checkpoints and signal handling; (state, history, first_loss, stats)."""
+    c, say = s.config, s.say
+    train_data = loader.Loader(data["train"], s.call_batch, train=True, seed=c.seed, workers=c.workers,
+                               augment=c.augment)
+    test_data = loader.Loader(data["test"], c.batch_size, train=False, workers=c.workers)
+    if c.summary:
+        images = loader.normalise(data["test"].head(8).images)
+        say(diagnostics.format_summary(diagnostics.summarize(
+            state.params, lambda params, x: s.model.logits(params, state.model_state, x), images)))
+    if c.memory_report:
+        say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
+    stats = diagnostics.compiled_stats(s.trainer, state, next(iter(train_data.epoch(0))))
+    if warning := diagnostics.host_memory_warning(stats, s.devices):
+        print(s.words(warning), file=sys.stderr, flush=True)
+
+    def memory_after_first_step(loop):
+        if loop.total_steps == 1:
+            loop.sync()
+            say("memory after the first step:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
+
+    def on_epoch(e):
+        if writer is not None:
+            writer.epoch(e)
+        test = f"test acc {e.test_acc:.3f}" if e.test_examples else "not evaluated"
+        say(f"epoch {e.epoch}/{c.epochs}: train loss {e.train_loss:.4f}, train acc {e.train_acc:.3f}, {test}, "
+            f"{e.train_sec:.1f} sec, data wait {100 * e.data_wait_fraction:.1f}%", flush=True)
+
+    def save(state, position):
+        with stop.busy():
+            s.checkpointer.save(state, position)
+
+    watching, profile, events = observe.watchers(c, writer and writer.out_dir, say, s.evaluator, test_data, tracker)
+    hooks = [*watching, *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
+             Hook(lambda loop: s.last.update(loop.recent), unit="epoch"),  # the last step's metrics
+             *([Hook(memory_after_first_step)] if c.memory_report else [])]
+    try:
+        stop.training()
+        if profile and profile.start == 1:
+            profile.begin()
+        state, history, first_loss = fit(
+            s.trainer, state, train_data, s.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,
+            hooks=hooks, on_epoch=on_epoch, progress=False if c.no_progress or writer is None else None,
+            prefetch=c.prefetch, position=position, eval_every=c.eval_every)
+    except Interrupted as e:
+        stop.done()
+        stopped(s, e.position.total_steps, stop)
+    except Diverged as e:
+        stop.done()
+        if s.checkpointer is None:
+            raise
+        with stop.busy():
+            s.checkpointer.close()  # the saves in flight, all of finite states, land
+        raise Diverged(e.what, e.step, f"the newest checkpoint is step {s.checkpointer.latest()} in "
+                       f"{s.checkpointer.directory}") from None
+    finally:
+        if profile:
+            profile.end()
+        if events:
+            events.close()
+    stop.done()
+    if s.checkpointer is not None:
+        with stop.busy():
+            s.checkpointer.close()
+    return state, history, first_loss, stats, len(train_data)
+
+
+def stopped(s: Setup, step: int, stop: StopOnSignal):
+    """A signal stopped training at ``step``: say what was saved, exit with 128 + the signal."""
+    if s.checkpointer is None:
+        s.say(f"stopped by signal at step {step}; nothing saved (no checkpoint_dir=)")
+    else:
+        with stop.busy():
+            s.checkpointer.close()
+        if s.checkpointer.committed(step):
+            s.say(f"stopped by signal at step {step}; checkpoint saved in {s.checkpointer.directory}: continue with "
+                  "resume=True")
+        else:
+            s.say(f"stopped by signal at step {step}; the checkpoint of step {step} was NOT written; the newest is "
+                  f"step {s.checkpointer.latest()}: continue from there with resume=True")
+    raise Exit(128 + stop.signum) from None
+
+
+def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data, settings, writer) -> dict:
+    """summary.json: the result first on stdout (if the files fail, the user still has it), then the files."""
+    c, platform = s.config, s.devices[0].platform
+    peak = diagnostics.devices_peak(s.devices, c.precision, measure=c.measure_peak)
+    summary = run_summary(c, s.model, history, first_loss, stats, peak, s.devices, s.call_batch, steps_per_epoch,
+                          {k: len(v) for k, v in data.items()}, settings["data_sha256"])
+    summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
+                   sharded_params=s.layout["sharded"], collectives=stats["collectives"],
+                   conv=conv_path(c, s.model, platform),
+                   pipeline={**s.trainer.describe(), "counted_bubble": float(s.last["pipeline_bubble"])}
+                   if s.trainer.pipeline_layout else None)
+    plural = "s" * (len(s.devices) != 1)
+    s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
+          f"device{plural} ({platform}){utilisation_words(summary)}"
+          f"{not_learning(history, first_loss, s.model.num_classes)}", flush=True)
+    if writer is not None:
+        writer.summary(summary)
+        s.say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl, curves.png")
+    if jax.process_count() > 1:  # every process vouches for the same result
+        print(f"process {jax.process_index()}: params_digest {summary['params_digest']}", flush=True)
+    return summary
+
+
+def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = str) -> dict:
+    """Train as ``config`` says; print progress; write the run's files; return the summary. ``words``: how the
+    printed lines say a parameter (the command line: as its flag)."""
+    s, c = setup_devices(config, words), config  # first: the device count is set before anything starts JAX's backend
+    stop = stop or StopOnSignal()
+    stop.vote = StopVote(s.devices) if jax.process_count() > 1 else None
+    stop.reinstall()
+    validate(s)
+    open_checkpoints(s)
+    data, data_sha256 = load_data(s)
+    build(s, data["train"])
+    settings = run_settings(s, data_sha256)
+    try:
+        state, position = initial_state(s, settings)
+    except Finished as f:
+        summary, state = f.args
+        if c.out is not None and not export.saved(c.out):  # killed between its last checkpoint and its export
+            s.say(f"its model was never written to {c.out}: writing it now")
+            save_model(s, Path(c.out), state, summary, settings)
+        return summary
+    try:
+        writer = open_outputs(s, state, position)
+        out_dir = writer and writer.out_dir
+        with track.view(c.track, out_dir, {**dataclasses.asdict(c), **settings}, c.track_group) as tracker:
+            pipeline = s.trainer.describe() if s.trainer.pipeline_layout else None
+            s.say(describe(c, s.model, s.devices, s.mesh, s.layout, pipeline, data, out_dir), flush=True)
+            state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop, tracker)
+            summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
+            if tracker is not None:
+                tracker.finish(summary, [out_dir / "curves.png"])
+        save_model(s, out_dir, state, summary, settings)
+    finally:
+        if s.out_lock is not None:
+            s.out_lock.release()
+    return summary
+
+
+def save_model(s: Setup, out_dir, state, summary: dict, settings: dict) -> None:
+    """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.run.export)."""
+    export.save(out_dir, state.params, distill.own_state(state.model_state), {
+        **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": s.config.model, "init": s.model.init_name,
+        "input_shape": s.model.input_shape, "num_classes": s.model.num_classes, "settings": settings})

@@ -1,0 +1,210 @@
+"""Hyperparameter sweeps on Optuna, with a real study database: ``python -m jaxtrain.sweep``.
+
+    python -m jaxtrain.sweep --study lenet-lr --storage sqlite:///runs/sweeps.db --trials 20 \\
+        --param lr=log:1e-3:1 --param batch_size=choice:128,256,512 --param optimizer=choice:sgd,momentum,adamw \\
+        -- python -m experiments.lenet --epochs 3
+
+Each trial is a normal run (``jaxtrain.sweep.trials``) with its own ``--out`` in
+the study's folder (``--dir``, default: next to the SQLite file,
+``runs/sweeps/lenet-lr/trial-0007``); its ``summary.json`` gives the objective
+(``--objective test_acc``, maximised). Per-epoch values go to Optuna as it
+runs, so ``--prune`` (Optuna's median pruner) stops hopeless trials early.
+
+The study is the record: run the same command again and it goes on to
+``--trials`` finished trials (complete or pruned) and re-runs nothing
+finished. A trial whose sweep was killed is marked failed, and its settings
+are tried once more. From Python: ``sweep(study, storage, params, base=RunConfig(...))``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+from jaxtrain import settings
+from jaxtrain.errors import ConfigError
+from jaxtrain.sweep import study as S, trial_run as R, trials as T
+from jaxtrain.sweep.workers import Signals, Workers
+
+
+def slots(parallel: int) -> list[dict]:
+    """Each of ``parallel`` trials at once gets its share: GPUs (CUDA_VISIBLE_DEVICES), else CPU cores."""
+    if parallel == 1:
+        return [{}]
+    gpus = _gpu_count()
+    units = list(range(gpus)) if gpus else sorted(os.sched_getaffinity(0))
+    if parallel > len(units):
+        raise ConfigError(f"--parallel {parallel}: only {len(units)} {'GPUs' if gpus else 'CPU cores'} to share")
+    shares = [units[i::parallel] for i in range(parallel)]
+    if gpus:
+        return [{"env": {"CUDA_VISIBLE_DEVICES": ",".join(map(str, s))}} for s in shares]
+    return [{"cores": set(s)} for s in shares]
+
+
+def _gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
+    return sum(line.startswith("GPU ") for line in listed.splitlines())
+
+
+def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, base=None, objective: str = "test_acc",
+          direction: str = "maximize", prune: bool = False, parallel: int = 1, out_dir: str | None = None,
+          seed: int | None = None, say=print):
+    """Run ``study`` on to ``trials`` finished trials; the Optuna study. ``params``: ``--param`` specs (or
+    trials.Param); the runs: ``command`` (argv) or ``base`` (a RunConfig, run as ``python -m jaxtrain.cli``);
+    ``seed``: the sampler's (None: the study's own; a new study's is 0). A signal (SIGINT, SIGTERM) stops the
+    running trials and raises ``trial_run.Interrupted``."""
+    import optuna
+    import sqlalchemy.exc
+
+    from jaxtrain import cli
+    from jaxtrain.sweep import report as sweep_report
+
+    if (command is None) == (base is None):
+        raise ConfigError("give the trials' command= (argv) or base= (a RunConfig), not both")
+    if base is not None:
+        command = [sys.executable, "-m", "jaxtrain.cli", *cli.to_argv(base, model_fixed=False)]
+    model = base.model if base is not None else None
+    params = [p if isinstance(p, T.Param) else T.parse_param(p, model or _model_of(command)) for p in params]
+    if len({p.name for p in params}) != len(params) or not params:
+        raise ConfigError("--param: give each swept setting once (at least one)")
+    cmd = T.Command.parse(command, [p.name for p in params])
+    cmd.check_objective(objective)
+    folder = Path(out_dir) if out_dir else _default_dir(storage, study)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own line per trial says what Optuna would
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # ask/tell with a heartbeat: Optuna warns; the workers record the heartbeat themselves (sweep_workers)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+    rdb = S.storage_of(storage)
+    writable(folder, "--dir" if out_dir else f"the study's folder {folder} (--dir)")
+    workers = None
+    try:
+        with Signals() as stop:
+            s = S.open_study(study, rdb, direction, prune, {"command": list(cmd.argv),
+                                                             "params": [p.spec() for p in params]}, seed)
+            if orphans := S.fail_orphans(s, rdb):
+                say(f"trial(s) {', '.join(map(str, orphans))}: their sweep was killed; marked failed, settings "
+                    "queued again")
+            done = S.counts(s, ("COMPLETE", "PRUNED"))
+            say(f"study {study!r} in {storage}: {done} of {trials} trials finished; runs in {folder}")
+            env = cmd.trial_env(folder)
+            _prepare_tracking(cmd, env, study, say)
+            workers = Workers(s, rdb, cmd, params, folder, objective, prune, env, trials, stop, say)
+            workers.run(slots(parallel))
+        if stop.signum:
+            raise Interrupted(stop.signum, workers.stopped)
+        sweep_report.report(s, cmd, objective, folder, say)
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
+        raise S.storage_error(storage, e, sorted(workers.running) if workers else []) from None
+    return s
+
+
+class Interrupted(R.Interrupted):
+    """A signal stopped the sweep; ``stopped``: the trials it stopped (failed, their settings queued again)."""
+
+    def __init__(self, signum: int, stopped: list[int]):
+        super().__init__(signum)
+        self.stopped = stopped
+
+
+def writable(folder: Path, what: str) -> None:
+    """``folder`` made if need be, and a file written in it, before any trial (ConfigError: one line)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot write in {folder} ({e.strerror}); choose another --dir") from None
+
+
+def _prepare_tracking(cmd, env: dict, study: str, say) -> None:
+    """A tracked study's MLflow store and experiment, made once before the trials (parallel trials raced)."""
+    if cmd.model is None or cmd.config({}).track != "mlflow":
+        return
+    from jaxtrain.run import track
+
+    uri = env.get("MLFLOW_TRACKING_URI") or settings.tracker("MLFLOW_TRACKING_URI")
+    try:
+        track.mlflow_experiment(uri, cmd.config({}).track_group or study)
+    except Exception as e:  # noqa: BLE001 - a view: the trials go on, each saying so in its log
+        say(f"warning: --track mlflow: cannot prepare {uri} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            "each trial will try on its own")
+
+
+def _model_of(command) -> str:
+    module = command[2] if len(command) > 2 and command[1] == "-m" else ""
+    return module.removeprefix("experiments.") if module.startswith("experiments.") else "lenet"
+
+
+def _default_dir(storage: str, study: str) -> Path:
+    if storage.startswith("sqlite:///"):
+        return Path(storage.removeprefix("sqlite:///")).expanduser().parent / study
+    return Path("runs") / "sweeps" / study
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxtrain.sweep", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Hyperparameter sweep on Optuna: each trial a normal run (its own --out), the study in a "
+                    "database; run it again to go on (nothing finished is re-run).",
+        epilog="example:\n  python -m jaxtrain.sweep --study lenet-lr --storage sqlite:///runs/sweeps.db --trials 20 "
+               "\\\n      --param lr=log:1e-3:1 --param batch_size=choice:128,256,512 \\\n"
+               "      --param optimizer=choice:sgd,momentum,adamw -- python -m experiments.lenet --epochs 3\n\n"
+               "--param NAME=KIND:VALUES, NAME a run's setting (lr, batch_size, ...), KIND one of:\n"
+               + "".join(f"  {k:7s} {v}\n" for k, v in T.KINDS.items())
+               + "\nTracking: add --track wandb|mlflow to the command; each trial is logged, grouped by study.")
+    p.add_argument("--study", required=True, help="the study's name (in the storage)")
+    p.add_argument("--storage", default="sqlite:///runs/sweeps.db", help="Optuna storage URL (default: %(default)s)")
+    p.add_argument("--trials", type=int, default=20, help="finished trials to reach (complete or pruned; default 20)")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=KIND:VALUES", help="a swept setting (repeat)")
+    p.add_argument("--objective", default="test_acc", help="summary.json number to optimise (default: test_acc)")
+    p.add_argument("--direction", choices=("maximize", "minimize"), default="maximize")
+    p.add_argument("--prune", action="store_true", help="stop hopeless trials early (median of the trials so far, "
+                                                        "per epoch of the objective)")
+    p.add_argument("--parallel", type=int, default=1, help="trials at once, each on its share of the GPUs (or CPU "
+                   "cores); on a CPU-only box 1 is right: one run already uses every core (default 1)")
+    p.add_argument("--dir", help="the study's folder of trial runs (default: next to a SQLite storage: DIR/STUDY)")
+    p.add_argument("--seed", type=int, help="the sampler's seed: trial N's settings are drawn from (seed, N), so a "
+                   "sweep continued in chunks or by several workers draws as one sweep would (default: the study's "
+                   "own; a new study's is 0)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the run's command")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.trials < 1 or args.parallel < 1:
+        parser.error("--trials and --parallel take numbers >= 1")
+    try:
+        study = sweep(args.study, args.storage, args.param, args.trials, command=command, objective=args.objective,
+                      direction=args.direction, prune=args.prune, parallel=args.parallel, out_dir=args.dir,
+                      seed=args.seed)
+    except ConfigError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return e.EXIT_CODE
+    except Interrupted as e:
+        stopped = (f"; trial(s) {', '.join(map(str, e.stopped))} stopped, marked failed, their settings queued "
+                   "again" if e.stopped else "")
+        print(f"{parser.prog}: {e} received: stopped{stopped}; run the same command to go on", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:  # before the sweep's own handling began
+        print(f"{parser.prog}: interrupted; run the same command to go on", file=sys.stderr)
+        return 130
+    import optuna
+
+    finished = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
+                                                         optuna.trial.TrialState.PRUNED))
+    return 0 if len(finished) >= args.trials else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
