@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
     from jaxtrain import models
     from jaxtrain.analysis.diagnostics import collective_bytes, crossing_bytes, replica_hosts
-    from jaxtrain.parallel import sharding
+    from jaxtrain.parallel import rules, sharding
 
     model = models.get(args.model)
     variables = jax.eval_shape(model.init, jax.random.key(0))  # shapes: a step compiles from them (GPU too)
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                                      param_sharding=layout)
         state = trainer.abstract_state(init_fn=model.init)
         text = trainer.lower(state, batch).compile().as_text()
-        specs = sharding.param_specs(variables[0], "fsdp" if layout == "zero1" else layout, mesh)
+        specs = rules.param_specs(variables[0], "fsdp" if layout == "zero1" else layout, mesh)
         sharded = sum(nbytes(x) for x, s in zip(jax.tree.leaves(variables[0]), jax.tree.leaves(
             specs, is_leaf=sharding.is_spec)) if any(e is not None for e in s))
         rows[layout] = {"sharded": sharded, "across": crossing_bytes(text, replica_hosts(mesh)),

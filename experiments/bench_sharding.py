@@ -64,7 +64,7 @@ def main(argv=None) -> int:
 
     from jaxtrain import models
     from jaxtrain.analysis.diagnostics import COLLECTIVES
-    from jaxtrain.parallel import sharding
+    from jaxtrain.parallel import rules, sharding
     from jaxtrain.train.timing import time_steps
 
     n = len(devices)
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         axes = {"data": n} if setting in DATA_ONLY else {"data": n // 2, "model": 2}
         strategy = args.strategy if setting in DATA_ONLY else "jit"
         return jt.make_train_step(model.loss_fn, optax.adam(1e-3), mesh=jt.make_mesh(n, axes=axes),
-                                  strategy=strategy, param_sharding=sharding.preset(setting, model.logical_axes))
+                                  strategy=strategy, param_sharding=rules.preset(setting, model.logical_axes))
 
     batch = batch_of(args.batch_size)
     runs, rows = {}, {}

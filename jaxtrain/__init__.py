@@ -23,7 +23,7 @@ _EXPORTS = {
     "ring_allreduce": "jaxtrain.parallel.collectives",
     "ring_all_gather": "jaxtrain.parallel.collectives",
     "ring_reduce_scatter": "jaxtrain.parallel.collectives",
-    "FSDP": "jaxtrain.parallel.sharding",
+    "FSDP": "jaxtrain.parallel.rules",
     "MODEL_AXIS": "jaxtrain.parallel.devices",
     "REPLICA_AXIS": "jaxtrain.parallel.devices",
     "step_context": "jaxtrain.core.step",

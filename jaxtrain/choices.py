@@ -4,7 +4,7 @@ STRATEGIES = ("jit", "explicit", "shard_map", "pmap", "ring")  # jaxtrain.parall
 PRECISIONS = ("fp32", "bf16", "fp16")  # jaxtrain.core.precision.POLICIES
 ACCUM_MODES = ("scan", "multisteps")  # jaxtrain.core.accumulate
 MODEL_AXES = ("auto", "explicit")  # the axis types a model is traced under with strategy="explicit"
-PARAM_SHARDINGS = ("replicated", "fsdp", "zero1", "hsdp", "tp", "fsdp+tp")  # jaxtrain.parallel.sharding.preset
+PARAM_SHARDINGS = ("replicated", "fsdp", "zero1", "hsdp", "tp", "fsdp+tp")  # jaxtrain.parallel.rules.preset
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")  # jaxtrain.core.optim
 LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "onecycle")  # jaxtrain.core.optim.make_schedule
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.train.pipeline)

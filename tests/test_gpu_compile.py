@@ -66,7 +66,7 @@ def test_fsdp_shards_the_state_eight_ways_with_gathers_and_reduce_scatters(gpu):
     _, replicated, _, _ = _compiled(gpu, model="resnet18", optimizer="adam", batch=64)
     _, sharded, _, text = _compiled(gpu, model="resnet18", optimizer="adam", param_sharding="fsdp", batch=64)
     full, per_gpu = device_bytes(replicated.params), device_bytes(sharded.params)
-    assert full / 8 <= per_gpu < full / 8 * 1.05  # leaves under sharding.MIN_SIZE elements (biases) stay whole
+    assert full / 8 <= per_gpu < full / 8 * 1.05  # leaves under rules.MIN_SIZE elements (biases) stay whole
     assert device_bytes(sharded.opt_state) < device_bytes(replicated.opt_state) / 8 * 1.05
     kinds = {c["kind"] for c in gpu.analysis.collectives(text)}
     assert {"all-gather", "reduce-scatter"} <= kinds  # XLA:GPU reduce-scatters (XLA:CPU: all-reduce + slice)

@@ -10,7 +10,7 @@ import jaxtrain as jt
 from jaxtrain import choices, cli, models
 from jaxtrain.core import accumulate, precision
 from jaxtrain.data import loader, sources
-from jaxtrain.parallel import sharding, strategies
+from jaxtrain.parallel import rules, strategies
 from jaxtrain.run.config import RunConfig
 from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.train.timing import Chrono, OneStepLate, time_steps
@@ -20,7 +20,7 @@ def test_the_choices_are_the_librarys_own():
     assert choices.STRATEGIES == strategies.STRATEGIES == jt.STRATEGIES
     assert choices.PRECISIONS == tuple(precision.POLICIES)
     assert choices.ACCUM_MODES == accumulate.MODES
-    assert choices.PARAM_SHARDINGS == sharding.PRESETS
+    assert choices.PARAM_SHARDINGS == rules.PRESETS
 
 
 @pytest.mark.parametrize("config", [
@@ -77,7 +77,6 @@ def test_what_a_model_can_do_is_a_protocol_and_its_axes_are_logical():
     """Capabilities are protocols (not None fields); tensor-parallel rules come from logical axis names."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxtrain.parallel import sharding
     from jaxtrain.run import distill
 
     lenet, vit, resnet = (models.get(n) for n in ("lenet", "vit", "resnet18"))
@@ -86,12 +85,12 @@ def test_what_a_model_can_do_is_a_protocol_and_its_axes_are_logical():
     assert not isinstance(resnet, models.Pipelinable)
     student = distill.distilled(lenet, lenet, {}, {}, 2.0, 0.5)  # a distilled model is neither
     assert not isinstance(student, (models.Distillable, models.Pipelinable))
-    assert sharding.preset("tp", lenet.logical_axes) == [
+    assert rules.preset("tp", lenet.logical_axes) == [
         (r"dense1/w$", P(None, "model")), (r"dense1/b$", P("model")), (r"dense2/w$", P("model", None))]
-    assert sharding.preset("tp", resnet.logical_axes)[0][1] == P(None, None, None, "model")
-    assert sharding.logical_spec(("data", None, "embed")) == P("data", None, None)  # mesh names pass through
+    assert rules.preset("tp", resnet.logical_axes)[0][1] == P(None, None, None, "model")
+    assert rules.logical_spec(("data", None, "embed")) == P("data", None, None)  # mesh names pass through
     with pytest.raises(jt.ConfigError, match="no tensor-parallel rules"):
-        sharding.preset("tp", vit.logical_axes)
+        rules.preset("tp", vit.logical_axes)
 
 
 def test_one_step_late_hands_back_the_previous_outputs_read():

@@ -49,7 +49,7 @@ class Model:
     """What is trained: ``init(rng) -> (params, model_state)``, its loss and eval fns, its evaluation-mode
     ``logits(params, model_state, images)`` (a teacher's forward, the model summary's FLOPs), and how its
     parameters split for tensor parallelism (``logical_axes``: ``((regex, (logical name | None per dim)),
-    ...)``, mapped to mesh axes by ``jaxtrain.parallel.sharding.LOGICAL_AXES``: a model never names a mesh axis).
+    ...)``, mapped to mesh axes by ``jaxtrain.parallel.rules.LOGICAL_AXES``: a model never names a mesh axis).
 
     What only some models can do is a capability of its own (``Student``, ``Stacked``): test it with
     ``isinstance(model, Distillable)`` / ``isinstance(model, Pipelinable)``."""

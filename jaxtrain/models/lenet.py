@@ -29,7 +29,7 @@ def shapes(input_shape=IMAGE_SHAPE, num_classes: int = NUM_CLASSES) -> dict:
             "dense1": ((side(h) * side(w) * 50, 128), (128,)), "dense2": ((128, num_classes), (num_classes,))}
 
 
-# Logical axes (jaxtrain.parallel.sharding.LOGICAL_AXES maps them to the mesh): tensor parallelism splits "mlp", the
+# Logical axes (jaxtrain.parallel.rules.LOGICAL_AXES maps them to the mesh): tensor parallelism splits "mlp", the
 # hidden layer (Megatron's MLP split): dense1 column-parallel (its outputs split), dense2 row-parallel (its
 # inputs split); XLA adds the one all-reduce of dense2's partial sums. Convs stay replicated.
 LOGICAL_AXES = ((r"dense1/w$", ("embed", "mlp")), (r"dense1/b$", ("mlp",)), (r"dense2/w$", ("mlp", "classes")))

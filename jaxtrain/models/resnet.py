@@ -32,7 +32,7 @@ from jaxtrain.nn.flax_nnx import from_nnx
 NUM_CLASSES = 10
 STAGES = ((64, 1), (128, 2), (256, 2), (512, 2))  # (channels, stride of the first block)
 
-# Logical axes (jaxtrain.parallel.sharding.LOGICAL_AXES maps them to the mesh): tensor parallelism splits every conv's
+# Logical axes (jaxtrain.parallel.rules.LOGICAL_AXES maps them to the mesh): tensor parallelism splits every conv's
 # output channels ("conv_out": kernel HWIO's O, and its bias) and so the classifier's input features;
 # BatchNorm parameters and statistics stay replicated.
 LOGICAL_AXES = ((r"(conv\d?|shortcut)/kernel$", (None, None, "conv_in", "conv_out")),

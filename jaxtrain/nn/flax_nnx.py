@@ -28,7 +28,7 @@ import jax
 from flax import nnx
 
 from jaxtrain.core.step import dropout, step_context
-from jaxtrain.parallel.sharding import logical_spec
+from jaxtrain.parallel.rules import logical_spec
 
 
 def _called_with_train(model) -> bool:

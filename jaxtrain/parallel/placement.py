@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.core.state import TrainState
 from jaxtrain.errors import ConfigError
-from jaxtrain.parallel import call_checks, sharding, strategies
+from jaxtrain.parallel import call_checks, rules, sharding, strategies
 from jaxtrain.parallel.devices import batch_axes
 
 
@@ -141,7 +141,7 @@ def _examples(batch: Mapping) -> int:
     return sizes.pop()
 
 
-def make_plan(mesh: Mesh, state_shapes: TrainState, *, strategy: str, param_sharding: sharding.ParamSharding, tx,
+def make_plan(mesh: Mesh, state_shapes: TrainState, *, strategy: str, param_sharding: rules.ParamSharding, tx,
               micro_batches: int = 1, calls_per_update: int = 1, model_axes: str = "auto") -> Plan:
     """The whole plan for a state of these shapes: parameters (and Frozen model state) by ``param_sharding``,
     optimizer state after its parameter (ZeRO-1: sharded as fsdp's, the parameters replicated), the rest

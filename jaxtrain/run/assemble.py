@@ -11,7 +11,7 @@ import jax
 from jaxtrain import models
 from jaxtrain.core import optim
 from jaxtrain.errors import ConfigError
-from jaxtrain.parallel import sharding
+from jaxtrain.parallel import rules
 from jaxtrain.run import distill
 from jaxtrain.run.config import RunConfig
 from jaxtrain.train.pipeline import STAGE_AXIS, make_pipeline_step
@@ -35,9 +35,9 @@ def steps(c: RunConfig, mesh, m: models.Model, updates: int) -> tuple[Trainer, E
                               total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),
                               weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm)
     if STAGE_AXIS not in mesh.axis_names:
-        rules = sharding.ParamSharding.of(c.param_sharding, logical_axes=m.logical_axes)
+        param_rules = rules.ParamSharding.of(c.param_sharding, logical_axes=m.logical_axes)
         trainer = make_train_step(m.loss_fn, tx, mesh=mesh, strategy=c.strategy, precision=c.precision,
-                                  accum_steps=c.accum_steps, accum=c.accum, param_sharding=rules)
+                                  accum_steps=c.accum_steps, accum=c.accum, param_sharding=param_rules)
         return trainer, make_eval_step(m.eval_fn, trainer=trainer)
     if not isinstance(m, models.Pipelinable):
         raise ConfigError(f"a mesh with a {STAGE_AXIS!r} axis: model {c.model} has no stack of identical layers to "

@@ -15,7 +15,7 @@ from jaxtrain.core import accumulate, precision as prec, step as step_lib
 from jaxtrain.core.state import TrainState
 from jaxtrain.core.step import EvalFn, LossFn
 from jaxtrain.errors import ConfigError
-from jaxtrain.parallel import call_checks, sharding, strategies
+from jaxtrain.parallel import call_checks, rules, sharding, strategies
 from jaxtrain.parallel.devices import make_mesh, typed
 from jaxtrain.parallel.placement import Plan, make_plan
 
@@ -37,7 +37,7 @@ class Trainer:
 
     def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, strategy: str,
                  precision: str | prec.Precision = "fp32", accum_steps: int = 1, accum: str = "scan",
-                 param_sharding="replicated", min_size: int = sharding.MIN_SIZE, micro_batches: int | None = None,
+                 param_sharding="replicated", min_size: int = rules.MIN_SIZE, micro_batches: int | None = None,
                  model_axes: str = "auto"):
         strategies.check_strategy(strategy, model_axes)
         mesh = typed(mesh, explicit=strategy == "explicit")
@@ -45,7 +45,7 @@ class Trainer:
         self.policy = prec.get_policy(precision)
         self.loss_fn = loss_fn
         self.mesh, self.strategy, self.accum_steps, self.model_axes = mesh, strategy, accum_steps, model_axes
-        self.sharding = sharding.ParamSharding.of(param_sharding, min_size)  # malformed: an error now
+        self.param_sharding = rules.ParamSharding.of(param_sharding, min_size)  # malformed: an error now
         self.tx = accumulate.wrap_optimizer(tx, accum_steps, self.accum)
         self.scan_steps = accumulate.scan_steps(accum_steps, self.accum)
         calls = accum_steps // self.scan_steps
@@ -71,7 +71,7 @@ class Trainer:
         compiles, if a rule does not fit these parameters or the strategy cannot run the sharding."""
         key = jax.tree.structure(state)
         if key not in self._plans:
-            self._plans[key] = make_plan(self.mesh, state, strategy=self.strategy, param_sharding=self.sharding,
+            self._plans[key] = make_plan(self.mesh, state, strategy=self.strategy, param_sharding=self.param_sharding,
                                          tx=self.tx, micro_batches=self.batches.micro_batches,
                                          calls_per_update=self.batches.calls_per_update, model_axes=self.model_axes)
             self._say_idle_axes(self._plans[key])
@@ -198,7 +198,7 @@ def make_train_step(
     accum_steps: int = 1,
     accum: str | accumulate.Accum = "scan",
     param_sharding="replicated",
-    min_size: int = sharding.MIN_SIZE,
+    min_size: int = rules.MIN_SIZE,
     model_axes: str = "auto",
 ) -> Trainer:
     """Build a (data-parallel, optionally sharded-state) train step.
