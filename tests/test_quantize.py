@@ -71,7 +71,7 @@ def test_a_bad_run_directory_is_one_line(tmp_path, damage, says):
         export.load(run, "vit" if damage == "other" else None)
     assert "\n" not in str(e.value)
     if damage == "truncated":  # and nothing more is printed: tensorstore's late callbacks once printed tracebacks
-        code = f"from jaxtrain import export\ntry: export.load({str(run)!r})\nexcept Exception as e: print(e)"
+        code = f"from jaxtrain.run import export\ntry: export.load({str(run)!r})\nexcept Exception as e: print(e)"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert "cannot be read" in out.stdout and "Traceback" not in out.stderr, out.stderr[-2000:]
 
