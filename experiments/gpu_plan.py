@@ -89,7 +89,7 @@ def _counts(text: str) -> list[int]:
 
 def _check(args: dict, settings: dict) -> None:
     """Every argument, before the plugin check: without the plugin a mistake is still said as itself."""
-    from jaxtrain.run.config import RunConfig
+    from jaxtrain.driver.config import RunConfig
 
     RunConfig(devices=args["gpus"] * args["hosts"], **settings)  # each setting's own check (--batch-size 0, ...)
     if args["plot"] and not args["scaling"]:

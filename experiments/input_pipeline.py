@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     if args.profile:
         from pathlib import Path
 
-        from jaxtrain.run.observe import Profile
+        from jaxtrain.driver.observe import Profile
 
         for name, w, prefetch in (("starved", 0, 0), ("fed", 4, 2)):
             profile = Profile(Path(args.profile) / name, 3, 8)  # steps 3..7

@@ -61,7 +61,7 @@ def measure(args) -> dict:
 
     from jaxtrain.analysis import quantize
     from jaxtrain.data import loader, sources
-    from jaxtrain.run import export
+    from jaxtrain.driver import export
     from jaxtrain.train.timing import median_seconds
 
     meta, params, model_state = export.load(args.run, quantize.MODELS)

@@ -1,7 +1,7 @@
 """jaxtrain: pure functional train-step builders for multi-device training.
 
 The public names below are imported on first use, so that ``import
-jaxtrain.run.signals`` (or ``jaxtrain.errors``) does not import JAX: the
+jaxtrain.driver.signals`` (or ``jaxtrain.errors``) does not import JAX: the
 experiments take SIGINT / SIGTERM over before anything heavy is imported.
 """
 
@@ -31,8 +31,8 @@ _EXPORTS = {
     "Plan": "jaxtrain.parallel.placement",
     "Accum": "jaxtrain.core.accumulate",
     "setup_devices": "jaxtrain.parallel.devices",
-    "RunConfig": "jaxtrain.run.config",
-    "run": "jaxtrain.run.runner",
+    "RunConfig": "jaxtrain.driver.config",
+    "run": "jaxtrain.driver.runner",
     "dropout": "jaxtrain.core.step",
     "example_keys": "jaxtrain.core.step",
     "make_pipeline_step": "jaxtrain.train.pipeline",

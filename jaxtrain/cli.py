@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from jaxtrain.choices import MESH_AXES
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
-from jaxtrain.run.config import RECIPE_FIELDS, RunConfig, flag
+from jaxtrain.driver.config import RECIPE_FIELDS, RunConfig, flag
 
 
 def whole_number(minimum: int):
@@ -178,18 +178,18 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
          prog: str | None = None, renamed: Mapping[str, str] | None = None) -> int:
     """Parse, run, and turn user errors into one line on stderr with exit code 2 (3: training diverged).
 
-    SIGTERM / SIGINT are handled from here on (jaxtrain.run.signals): at start-up
+    SIGTERM / SIGINT are handled from here on (jaxtrain.driver.signals): at start-up
     they exit at once, during training they checkpoint and stop. JAX is
     imported after that.
     """
-    from jaxtrain.run.signals import Exit, StopOnSignal
+    from jaxtrain.driver.signals import Exit, StopOnSignal
 
     with StopOnSignal() as stop:
         parser = make_parser(model, description, prog, renamed=renamed)
         args = parser.parse_args(argv)
         try:
             config = RunConfig(**vars(args))
-            from jaxtrain.run.runner import run
+            from jaxtrain.driver.runner import run
 
             run(config, stop, words=as_flags)
         except ConfigError as e:

@@ -54,7 +54,7 @@ FLOORS = [
     ("data", ["jaxtrain.data", "jaxtrain.data.*"]),
     ("train", ["jaxtrain.train", "jaxtrain.train.*"]),
     ("analysis", ["jaxtrain.analysis", "jaxtrain.analysis.*"]),
-    ("run", ["jaxtrain.run", "jaxtrain.run.*"]),
+    ("driver", ["jaxtrain.driver", "jaxtrain.driver.*"]),
     ("gpu", ["jaxtrain.gpu", "jaxtrain.gpu.*"]),
     ("cli", ["jaxtrain.cli"]),
     ("sweep", ["jaxtrain.sweep", "jaxtrain.sweep.*"]),
@@ -83,11 +83,11 @@ NEVERS = [
      "kernels serve models and steps, never the other way round (they may read the step's context)"),
     (["jaxtrain.data", "jaxtrain.data.*"], ["jaxtrain.core.*", "jaxtrain.parallel.*", "jaxtrain.nn.*"],
      "data serves steps, never the other way round: it is handed the plan's batch sharding"),
-    (["jaxtrain.run.report", "jaxtrain.run.export"],
+    (["jaxtrain.driver.report", "jaxtrain.driver.export"],
      ["jaxtrain.core.step", "jaxtrain.parallel.placement", "jaxtrain.parallel.strategies", "jaxtrain.train.trainer",
-      "jaxtrain.train.pipeline", "jaxtrain.run.runner"],
+      "jaxtrain.train.pipeline", "jaxtrain.driver.runner"],
      "a run's files do not depend on how it was trained"),
-    ([name for name in MODULES if name not in ("jaxtrain.run.runner", *COMMAND_LINES)], ["jaxtrain.run.runner"],
+    ([name for name in MODULES if name not in ("jaxtrain.driver.runner", *COMMAND_LINES)], ["jaxtrain.driver.runner"],
      "the library is usable without the run: only the command lines drive the runner"),
 ]
 
@@ -117,9 +117,9 @@ def test_a_planted_import_is_caught(monkeypatch):
     function, through the face, across a never."""
     plants = {
         "jaxtrain.core.step": ("from jaxtrain.train import trainer\n", "up from core/ to train/"),
-        "jaxtrain.parallel.placement": ("def f():\n    from jaxtrain.run.config import RunConfig\n",
-                                        "up from parallel/ to run/"),
-        "jaxtrain.run.assemble": ("import jaxtrain as jt\n", "imports the face"),
+        "jaxtrain.parallel.placement": ("def f():\n    from jaxtrain.driver.config import RunConfig\n",
+                                        "up from parallel/ to driver/"),
+        "jaxtrain.driver.assemble": ("import jaxtrain as jt\n", "imports the face"),
         "jaxtrain.models.lenet": ("from jaxtrain.parallel import devices\n", "never knows the mesh"),
         "jaxtrain.data.loader": ("from jaxtrain import Trainer\n", "imports the face"),
     }
@@ -262,9 +262,14 @@ def test_every_public_name_and_command_still_answers():
     import jaxtrain as jt
     from jaxtrain import gpu, sweep
 
+    for name in (m for m in MODULES if not m.endswith("__main__")):  # first: a subpackage named like a public
+        # name would shadow it
+        importlib.import_module(name)
     for face in (jt, gpu, sweep):
         missing = [n for n in face.__all__ if getattr(face, n, None) is None]
         assert not missing, (face.__name__, missing)
+    shadowed = [n for n, home in jt._EXPORTS.items() if getattr(jt, n) is not getattr(importlib.import_module(home), n)]
+    assert not shadowed, shadowed  # e.g. jt.run, the function, not a subpackage called run
     for command in ("jaxtrain.cli", "jaxtrain.launch", "jaxtrain.sweep"):
         out = subprocess.run([sys.executable, "-m", command, "--help"], capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0 and "usage:" in out.stdout, (command, out.stderr[-500:])

@@ -331,7 +331,7 @@ def test_resume_under_another_mesh_and_sharding_goes_on_where_the_run_stopped(tm
 def test_a_checkpoint_dir_overlapping_the_out_dir_is_refused(tmp_path):
     """--checkpoint-dir inside OUT/model (which the export rewrites) or equal to --out was accepted."""
     from jaxtrain.errors import ConfigError
-    from jaxtrain.run.config import RunConfig
+    from jaxtrain.driver.config import RunConfig
 
     out = tmp_path / "run"
     for ck in (out, out / "model", out / "model" / "ck", tmp_path):  # the last: --out inside the checkpoint dir

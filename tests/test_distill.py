@@ -1,4 +1,4 @@
-"""Distillation (jaxtrain.run.distill): the loss, the teacher as Frozen step input under every strategy, the CLI."""
+"""Distillation (jaxtrain.driver.distill): the loss, the teacher as Frozen step input under every strategy, the CLI."""
 
 import json
 
@@ -13,7 +13,7 @@ from experiments import distill as distill_cli
 from jaxtrain import models
 from jaxtrain.core.state import Frozen
 from jaxtrain.errors import ConfigError
-from jaxtrain.run import distill, export
+from jaxtrain.driver import distill, export
 
 
 def test_the_soft_loss_gradient_is_the_softened_cross_entropys_times_t_squared():
@@ -197,7 +197,7 @@ def test_the_default_distillation_trains_as_well_as_the_recipe_alone(tmp_path):
 def test_a_run_at_chance_whose_loss_did_not_fall_says_so():
     from types import SimpleNamespace as Epoch
 
-    from jaxtrain.run.report import not_learning
+    from jaxtrain.driver.report import not_learning
 
     stuck = [Epoch(test_acc=0.10, train_loss=7.61)]
     assert "at chance (0.10) and the loss did not fall" in not_learning(stuck, 7.13, 10)

@@ -46,7 +46,7 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path):
 
 
 def params_of(out_dir):
-    from jaxtrain.run import export
+    from jaxtrain.driver import export
 
     return export.load(out_dir, "lenet")[1]
 
@@ -198,7 +198,7 @@ def test_a_worker_stuck_on_a_dead_peer_stops_by_itself_on_sigterm(tmp_path):
     """Issue 20 (8): the survivor ignored SIGTERM and waited out the launcher's grace period. The signal goes to
     the survivor alone, so nothing but its own stall watch can stop it (the launcher's grace period, a clock that
     raced it on a busy machine, is tested on its own below)."""
-    from jaxtrain.run.signals import StopOnSignal
+    from jaxtrain.driver.signals import StopOnSignal
 
     ck = tmp_path / "ck"
     launcher = start("-m", "jaxtrain.launch", "--processes", "2", "--devices-per-process", "1", "--",

@@ -101,12 +101,13 @@ def test_the_flag_check_reads_code_blocks_and_spans(tmp_path):
 
 # ------------------------------------------------------------------------------ the run's result line
 
-RESULT_LINE = re.compile(r"test acc \d\.\d\d, \d+\.\d sec/epoch on \d+ devices? \((?:cpu|gpu)\)")  # jaxtrain.run.runner
+# jaxtrain.driver.runner's
+RESULT_LINE = re.compile(r"test acc \d\.\d\d, \d+\.\d sec/epoch on \d+ devices? \((?:cpu|gpu)\)")
 
 
 def test_the_example_result_lines_are_the_same_and_the_results_pages():
-    """``make demo``'s result line, wherever a page shows it: as the run prints it (``jaxtrain/run/runner.py``), and the
-    2-device row of docs/results.md."""
+    """``make demo``'s result line, wherever a page shows it: as the run prints it
+    (``jaxtrain/driver/runner.py``), and the 2-device row of docs/results.md."""
     shown = {(name(page), line) for page in PAGES
              for line in re.findall(r"`(test acc [^`]*sec/epoch[^`]*)`", text(page))}
     assert len(shown) >= 2, shown

@@ -185,7 +185,7 @@ def test_full_output_disk_keeps_the_previous_file_and_is_one_line(tmp_path, monk
     import errno
 
     from jaxtrain.io import files
-    from jaxtrain.run import report
+    from jaxtrain.driver import report
     from jaxtrain.train.loop import EpochStats
 
     writer = report.RunWriter(tmp_path)
@@ -336,7 +336,7 @@ def test_chaos_killed_five_times_then_resumed_gives_the_uninterrupted_params(tmp
 
 def test_a_run_removes_temp_files_a_killed_writer_left(tmp_path):
     """A SIGKILL mid-write leaves `.metrics.jsonl.tmp-PID`; the next run in the directory deletes it."""
-    from jaxtrain.run import report
+    from jaxtrain.driver import report
 
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
@@ -362,7 +362,7 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_its_last_good_checkpoint(
 
 
 def test_outputs_are_strict_json_with_null_for_what_was_not_measured(tmp_path):
-    from jaxtrain.run.report import strict_json
+    from jaxtrain.driver.report import strict_json
 
     text = strict_json({"test_acc": float("nan"), "rows": [1.0, float("inf")], "n": 3})
     assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {"test_acc": None, "rows": [1.0, None], "n": 3}
@@ -371,7 +371,7 @@ def test_outputs_are_strict_json_with_null_for_what_was_not_measured(tmp_path):
 @pytest.mark.slow
 def test_resume_writes_the_model_a_killed_run_never_exported(tmp_path):
     """(BAD 1) SIGKILL after the final checkpoint, before model/: --resume said 'nothing to do', no model ever."""
-    from jaxtrain.run import export
+    from jaxtrain.driver import export
 
     args = [*LENET, "--max-steps", "10", "--checkpoint-every", "5", "--checkpoint-dir", str(tmp_path / "ck"),
             "--out", str(tmp_path / "o")]

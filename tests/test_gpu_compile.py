@@ -11,8 +11,8 @@ import jaxtrain as jt
 from jaxtrain import models
 from jaxtrain.data import sources
 from jaxtrain.parallel.sharding import device_bytes
-from jaxtrain.run import assemble
-from jaxtrain.run.config import RunConfig
+from jaxtrain.driver import assemble
+from jaxtrain.driver.config import RunConfig
 
 pytestmark = [pytest.mark.gpu_compile,
               pytest.mark.skipif(not find_spec("jax_cuda12_plugin"),
@@ -97,7 +97,7 @@ def test_hsdp_across_two_hosts_sends_only_an_eighth_of_the_sharded_gradients_ove
     from jaxtrain.analysis.diagnostics import crossing_bytes, replica_hosts
     from jaxtrain.data import sources
     from jaxtrain.gpu import analysis
-    from jaxtrain.run import assemble
+    from jaxtrain.driver import assemble
 
     mesh = gpu.mesh_for("h100", 8, hosts=2, axes={"replica": 2, "data": 8})
     assert replica_hosts(mesh) == [0] * 8 + [1] * 8

@@ -29,8 +29,8 @@ from jaxtrain.analysis import diagnostics
 from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import onednn, onednn_build, onednn_calls
 from jaxtrain.models import resnet
-from jaxtrain.run.config import RunConfig
-from jaxtrain.run.report import conv_path
+from jaxtrain.driver.config import RunConfig
+from jaxtrain.driver.report import conv_path
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 

@@ -1,4 +1,4 @@
-"""A finished run keeps its model (jaxtrain.run.export); post-training int8 quantisation (jaxtrain.analysis.quantize,
+"""A finished run keeps its model (jaxtrain.driver.export); post-training int8 quantisation (jaxtrain.analysis.quantize,
 qwix)."""
 
 import json
@@ -22,7 +22,7 @@ from jaxtrain.data import loader, sources
 from jaxtrain.errors import ConfigError
 from jaxtrain.io.files import params_digest
 from jaxtrain.nn import int8
-from jaxtrain.run import export
+from jaxtrain.driver import export
 
 
 def _info(model="lenet", **extra):
@@ -71,7 +71,7 @@ def test_a_bad_run_directory_is_one_line(tmp_path, damage, says):
         export.load(run, "vit" if damage == "other" else None)
     assert "\n" not in str(e.value)
     if damage == "truncated":  # and nothing more is printed: tensorstore's late callbacks once printed tracebacks
-        code = f"from jaxtrain.run import export\ntry: export.load({str(run)!r})\nexcept Exception as e: print(e)"
+        code = f"from jaxtrain.driver import export\ntry: export.load({str(run)!r})\nexcept Exception as e: print(e)"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert "cannot be read" in out.stdout and "Traceback" not in out.stderr, out.stderr[-2000:]
 

@@ -11,7 +11,7 @@ from jaxtrain import choices, cli, models
 from jaxtrain.core import accumulate, precision
 from jaxtrain.data import loader, sources
 from jaxtrain.parallel import rules, strategies
-from jaxtrain.run.config import RunConfig
+from jaxtrain.driver.config import RunConfig
 from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.train.timing import Chrono, OneStepLate, time_steps
 
@@ -77,7 +77,7 @@ def test_what_a_model_can_do_is_a_protocol_and_its_axes_are_logical():
     """Capabilities are protocols (not None fields); tensor-parallel rules come from logical axis names."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxtrain.run import distill
+    from jaxtrain.driver import distill
 
     lenet, vit, resnet = (models.get(n) for n in ("lenet", "vit", "resnet18"))
     assert all(isinstance(m, models.Distillable) for m in (lenet, vit, resnet))
@@ -182,7 +182,7 @@ def test_time_steps_times_a_step_read_one_step_late():
 
 
 def test_the_stop_vote_answers_one_call_late_with_the_largest_request():
-    from jaxtrain.run.signals import StopOnSignal, StopVote
+    from jaxtrain.driver.signals import StopOnSignal, StopVote
 
     vote = StopVote(jax.devices())
     assert [vote(s) for s in (0, 0, 15, 0, 2, 0)] == [0, 0, 0, 15, 0, 2]

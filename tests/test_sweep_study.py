@@ -180,7 +180,7 @@ def test_the_objectives_a_jaxtrain_run_offers_are_its_summarys_numbers():
     import ast
     import inspect
 
-    from jaxtrain.run import report
+    from jaxtrain.driver import report
     from jaxtrain.sweep import trials as T
 
     returned = next(n.value for n in ast.walk(ast.parse(inspect.getsource(report.run_summary)))

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, needs_fashion_mnist, run_cli
 from test_observe import read_events
 
-from jaxtrain.run import track
+from jaxtrain.driver import track
 
 OFFLINE = {"WANDB_API_KEY": None, "NETRC": "/nonexistent", "WANDB_MODE": None, "MLFLOW_TRACKING_URI": None}
 
@@ -126,7 +126,7 @@ def test_a_failing_tracker_warns_once_and_the_run_goes_on(tmp_path, monkeypatch,
 OPEN_ONE_STORE = """
 import os, sys
 from pathlib import Path
-from jaxtrain.run import track
+from jaxtrain.driver import track
 tracker = track.start("mlflow", Path(sys.argv[1]), {"lr": 0.1}, "shared")
 tracker.scalars(1, {"test_acc": 0.5}, "epoch")
 tracker.finish({"test_acc": 0.5}, [])

@@ -74,7 +74,7 @@ def param_bytes(tree) -> int:
 
 
 def quantize(meta: dict, params, model_state) -> Quantized:
-    """The int8 version of a finished run's model (``jaxtrain.run.export.load``'s output)."""
+    """The int8 version of a finished run's model (``jaxtrain.driver.export.load``'s output)."""
     if meta["model"] == "lenet":
         return _lenet(params)
     if meta["model"] == "resnet18":

@@ -37,7 +37,7 @@ def step(*, steps: int = 20, repeats: int = 5, input_shape: tuple | None = None,
     from jaxtrain.gpu.plan import run_step
     from jaxtrain.gpu.targets import target
     from jaxtrain.parallel.devices import make_mesh
-    from jaxtrain.run.config import RunConfig
+    from jaxtrain.driver.config import RunConfig
 
     devices = jax.local_devices()
     c = RunConfig(devices=len(devices), **settings)

@@ -88,7 +88,7 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     import jax
 
     from jaxtrain.errors import ConfigError
-    from jaxtrain.run.config import RunConfig
+    from jaxtrain.driver.config import RunConfig
 
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
@@ -145,7 +145,7 @@ def run_step(c, mesh, input_shape: tuple | None = None, num_classes: int | None 
     """``(shape, model, trainer, call batch)``: the step a run ``c`` trains over ``mesh`` (nothing compiled), for
     images of ``input_shape`` and ``num_classes`` (default: the dataset's); ``gpu.plan``'s and ``gpu.measure``'s."""
     from jaxtrain.data import sources
-    from jaxtrain.run import assemble
+    from jaxtrain.driver import assemble
 
     shape = sources.shape_of(c.dataset)
     shape = {"input_shape": tuple(input_shape or shape["input_shape"]),

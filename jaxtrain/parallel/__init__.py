@@ -2,5 +2,5 @@
 (every placement decided once), the strategies that wrap the step and reduce it (jit, explicit, shard_map,
 pmap, ring), our collectives, the compiled step, host memory.
 
-Imports ``core/`` and the ground; nothing of ``nn/``, ``kernels/``, ``models/``, ``train/``, ``run/``.
+Imports ``core/`` and the ground; nothing of ``nn/``, ``kernels/``, ``models/``, ``train/``, ``driver/``.
 """

@@ -128,7 +128,7 @@ def _prepare_tracking(cmd, env: dict, study: str, say) -> None:
     """A tracked study's MLflow store and experiment, made once before the trials (parallel trials raced)."""
     if cmd.model is None or cmd.config({}).track != "mlflow":
         return
-    from jaxtrain.run import track
+    from jaxtrain.driver import track
 
     uri = env.get("MLFLOW_TRACKING_URI") or settings.tracker("MLFLOW_TRACKING_URI")
     try:

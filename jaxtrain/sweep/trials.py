@@ -18,7 +18,7 @@ from pathlib import Path
 from jaxtrain import cli, settings
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
-from jaxtrain.run.config import RunConfig, flag
+from jaxtrain.driver.config import RunConfig, flag
 
 # The numbers in a jaxtrain run's summary.json (report.run_summary; tests/test_sweep.py keeps the two alike)
 SUMMARY_NUMBERS = ("test_acc", "test_loss", "train_loss", "train_acc", "initial_loss", "sec_per_epoch",

@@ -1,5 +1,5 @@
 """Training with a step: the trainer (compile, place, cache), the fit / evaluate loop, pipeline schedules,
 checkpoints and their integrity, step timing.
 
-Nothing here imports ``run/``: a loop and its checkpoints are usable without the run.
+Nothing here imports ``driver/``: a loop and its checkpoints are usable without the run.
 """

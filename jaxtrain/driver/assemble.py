@@ -12,8 +12,8 @@ from jaxtrain import models
 from jaxtrain.core import optim
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import rules
-from jaxtrain.run import distill
-from jaxtrain.run.config import RunConfig
+from jaxtrain.driver import distill
+from jaxtrain.driver.config import RunConfig
 from jaxtrain.train.pipeline import STAGE_AXIS, make_pipeline_step
 from jaxtrain.train.trainer import Evaluator, Trainer, make_eval_step, make_train_step
 

@@ -22,11 +22,11 @@ from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import devices as devices_lib
-from jaxtrain.run import assemble, distill, export, observe, track
-from jaxtrain.run.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
-from jaxtrain.run.report import (RunWriter, claim_out_dir, conv_path, describe, not_learning, run_summary,
+from jaxtrain.driver import assemble, distill, export, observe, track
+from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
+from jaxtrain.driver.report import (RunWriter, claim_out_dir, conv_path, describe, not_learning, run_summary,
                                  utilisation_words)
-from jaxtrain.run.signals import Exit, StopOnSignal, StopVote
+from jaxtrain.driver.signals import Exit, StopOnSignal, StopVote
 from jaxtrain.train.checkpoint import Checkpointer
 from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.train.trainer import Evaluator, Trainer
@@ -300,7 +300,7 @@ def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = s
 
 
 def save_model(s: Setup, out_dir, state, summary: dict, settings: dict) -> None:
-    """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.run.export)."""
+    """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.driver.export)."""
     export.save(out_dir, state.params, distill.own_state(state.model_state), {
         **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": s.config.model, "init": s.model.init_name,
         "input_shape": s.model.input_shape, "num_classes": s.model.num_classes, "settings": settings})

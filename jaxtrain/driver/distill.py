@@ -24,7 +24,7 @@ from jaxtrain import models
 from jaxtrain.core.state import Frozen
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import classify
-from jaxtrain.run import export
+from jaxtrain.driver import export
 
 
 def soft_loss(student_logits: jax.Array, teacher_logits: jax.Array, temperature: float) -> jax.Array:

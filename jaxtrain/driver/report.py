@@ -18,7 +18,7 @@ from jaxtrain.io.dirlock import DirLock
 from jaxtrain.io.files import atomic_write, ensure_room, ensure_writable, out_of_space, remove_stale_temps
 from jaxtrain.models import Model
 from jaxtrain.parallel import devices as devices_lib
-from jaxtrain.run.config import RunConfig
+from jaxtrain.driver.config import RunConfig
 
 
 def make_out_dir(out: str | None, name: str) -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jax
 
-from jaxtrain.run.config import RunConfig, parse_steps
+from jaxtrain.driver.config import RunConfig, parse_steps
 from jaxtrain.train.loop import Hook, Loop, evaluation
 
 
@@ -163,7 +163,7 @@ class Profile:
 def watchers(config: RunConfig, out_dir: Path | None, say, evaluator=None, test_loader=None, tracker=None
              ) -> tuple[list[Hook], Profile | None, Events | None]:
     """The hooks that --log-every, --eval-every-steps, --profile, the TensorBoard events and ``tracker``
-    (--track: jaxtrain.run.track) ask for (files on process 0 only). The caller closes the events and the tracker."""
+    (--track: jaxtrain.driver.track) ask for (files on process 0 only). The caller closes the events and the tracker."""
     events = Events(out_dir, dataclasses.asdict(config)) if out_dir is not None else None
     views = Views(v for v in (events, tracker) if v is not None) or None
     hooks = [epoch_scalars(views)] if views else []

@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 from jaxtrain import settings
 from jaxtrain.io.dirlock import taking_turns
 from jaxtrain.io.files import atomic_write
-from jaxtrain.run.signals import Exit
+from jaxtrain.driver.signals import Exit
 
 
 class Tracker:
