@@ -217,6 +217,16 @@ def test_a_worker_stuck_on_a_dead_peer_stops_by_itself_on_sigterm(tmp_path):
     assert not any(alive(k) for k in kids)
 
 
+def test_the_stall_watch_gives_up_before_jax_aborts_every_process():
+    """After a signal, a multi-process run stops by its own stall watch (a line saying why), even in a save that
+    waits on a gone peer, before JAX's coordination service aborts every process at its heartbeat timeout: the
+    stuck-peer test above once lost that race in CI (rank 0 aborted at 30 s, its watch silent)."""
+    from jaxtrain.driver.signals import StopOnSignal
+    from jaxtrain.parallel.devices import HEARTBEAT_TIMEOUT_SECONDS
+
+    assert StopOnSignal.STALL < StopOnSignal.STALL_LIMIT < HEARTBEAT_TIMEOUT_SECONDS / 2
+
+
 def test_the_launcher_kills_workers_still_running_after_its_grace_period():
     """A worker that ignores the forwarded SIGTERM is killed GRACE_SECONDS later, and the launcher says so."""
     from jaxtrain.launch import GRACE_SECONDS

@@ -60,6 +60,10 @@ class StopOnSignal:
     """``with StopOnSignal() as stop:`` ... ``stop.training()`` ... ``fit(should_stop=stop.requested)``."""
 
     STALL = 5.0  # seconds without a step after a signal (at least 3x the slowest step) before giving up
+    # ... and at most this, in a multi-process run, even while a save is busy (a save can wait on a peer that is
+    # gone): under half jaxtrain.parallel.devices.HEARTBEAT_TIMEOUT_SECONDS (30), after which JAX's coordination
+    # service aborts every process without a word.
+    STALL_LIMIT = 14.0
 
     def __init__(self, vote: Callable[[int], int] | None = None):
         self.vote = vote  # multi-process: StopVote(devices); None: this process decides alone
@@ -106,7 +110,8 @@ class StopOnSignal:
         while self.vote is not None and self._training:
             time.sleep(0.2)
             quiet = time.monotonic() - max(self._last, since)
-            if not self._busy and self._training and self._step > 1 and quiet > max(self.STALL, 3 * self._slowest):
+            patience = self.STALL_LIMIT if self._busy else min(max(self.STALL, 3 * self._slowest), self.STALL_LIMIT)
+            if self._training and self._step > 1 and quiet > patience:
                 _exit_now(signum, f"no step finished for {quiet:.0f} s (a peer process is gone?): exiting "
                                   "without a checkpoint; the ones before are intact")
 
