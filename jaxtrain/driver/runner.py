@@ -26,7 +26,7 @@ from jaxtrain.driver import assemble, distill, export, observe, track
 from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
 from jaxtrain.driver.report import (RunWriter, claim_out_dir, conv_path, describe, not_learning, run_summary,
                                  utilisation_words)
-from jaxtrain.driver.signals import Exit, StopOnSignal, StopVote
+from jaxtrain.driver.signals import StopOnSignal, StopVote
 from jaxtrain.train.checkpoint import Checkpointer
 from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.train.trainer import Evaluator, Trainer
@@ -202,7 +202,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
             prefetch=c.prefetch, position=position, eval_every=c.eval_every)
     except Interrupted as e:
         stop.done()
-        stopped(s, e.position.total_steps, stop)
+        stop.stopped(e.position.total_steps, s.checkpointer, s.say)
     except Diverged as e:
         stop.done()
         if s.checkpointer is None:
@@ -221,22 +221,6 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
         with stop.busy():
             s.checkpointer.close()
     return state, history, first_loss, stats, len(train_data)
-
-
-def stopped(s: Setup, step: int, stop: StopOnSignal):
-    """A signal stopped training at ``step``: say what was saved, exit with 128 + the signal."""
-    if s.checkpointer is None:
-        s.say(f"stopped by signal at step {step}; nothing saved (no checkpoint_dir=)")
-    else:
-        with stop.busy():
-            s.checkpointer.close()
-        if s.checkpointer.committed(step):
-            s.say(f"stopped by signal at step {step}; checkpoint saved in {s.checkpointer.directory}: continue with "
-                  "resume=True")
-        else:
-            s.say(f"stopped by signal at step {step}; the checkpoint of step {step} was NOT written; the newest is "
-                  f"step {s.checkpointer.latest()}: continue from there with resume=True")
-    raise Exit(128 + stop.signum) from None
 
 
 def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data, settings, writer) -> dict:

@@ -128,6 +128,22 @@ class StopOnSignal:
                 if signum in SIGNALS:
                     threading.Thread(target=self._on_signal, args=(signum,), daemon=True).start()
 
+    def stopped(self, step: int, checkpointer, say: Callable) -> None:
+        """Training stopped at ``step`` for the signal: say what was saved (``checkpointer``: the run's, or
+        None), exit with 128 + the signal."""
+        if checkpointer is None:
+            say(f"stopped by signal at step {step}; nothing saved (no checkpoint_dir=)")
+        else:
+            with self.busy():
+                checkpointer.close()
+            if checkpointer.committed(step):
+                say(f"stopped by signal at step {step}; checkpoint saved in {checkpointer.directory}: continue with "
+                    "resume=True")
+            else:
+                say(f"stopped by signal at step {step}; the checkpoint of step {step} was NOT written; the newest is "
+                    f"step {checkpointer.latest()}: continue from there with resume=True")
+        raise Exit(128 + self.signum) from None
+
     def requested(self) -> bool:
         """Called once per train step: whether the loop should checkpoint and stop now."""
         now = time.monotonic()
