@@ -44,7 +44,7 @@ def test_every_layout_on_a_hybrid_mesh_equals_the_reference(strategy, param_shar
     reference = reference_runs(lenet.loss_fn, lambda: optax.adam(1e-3, eps=1e-6), init_params(), BATCHES,
                                accum_steps=accum_steps)
     assert_state_reassociated(jax.device_get(state), history, *reference)
-    assert trainer.batches.batch.spec == P(("replica", "data")) and trainer.batches.data_shards == 4
+    assert trainer.batch_plan.batch.spec == P(("replica", "data")) and trainer.batch_plan.data_shards == 4
     w, mu = state.params["dense1"]["w"], state.opt_state[0].mu["dense1"]["w"]
     held = {"replicated": (1, 1), "zero1": (1, 1 / 4), "fsdp": (1 / 4, 1 / 4), "hsdp": (1 / 2, 1 / 2)}
     assert (w.addressable_shards[0].data.size / w.size, mu.addressable_shards[0].data.size / mu.size) == \

@@ -165,6 +165,6 @@ def test_host_array_inside_the_guarded_loop_raises():
     with jax.transfer_guard("disallow"), pytest.raises(Exception, match="[Dd]isallowed"):
         trainer.step(state, host)
     # ... while device batches from the pipeline pass.
-    batch = next(iter(device_batches([host], trainer.batches, prefetch=0)))
+    batch = next(iter(device_batches([host], trainer.batch_plan, prefetch=0)))
     with jax.transfer_guard("disallow"):
         trainer.step(state, batch)

@@ -72,7 +72,7 @@ class _Line:
 
     def __init__(self, a, b, unit=8):
         self.a, self.b, self.calls = a, b, []
-        self.batches = type("B", (), {"unit": unit})()
+        self.batch_plan = type("B", (), {"unit": unit})()
 
     def __call__(self, batch):
         self.calls.append(batch)

@@ -79,7 +79,7 @@ def find_batch_size(trainer, state, make_batch: Callable[[int], dict], budget_by
         if budget_bytes is None:
             raise ConfigError(f"{jax.local_devices()[0].platform} devices report no memory limit: "
                               "pass budget_bytes=")
-    unit = trainer.batches.unit
+    unit = trainer.batch_plan.unit
     measured: dict[int, int] = dict(known or {})
 
     def need(batch: int) -> int:

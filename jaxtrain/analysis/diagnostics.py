@@ -38,7 +38,7 @@ def saved_residual_bytes(trainer, state, batch: Mapping) -> int:
     (params and inputs exist anyway). This is what a remat policy controls,
     whatever the backend's scheduler then does with the memory.
     """
-    per_call = trainer.batches.data_shards * trainer.scan_steps  # the rows one micro-batch of one shard sees
+    per_call = trainer.batch_plan.data_shards * trainer.scan_steps  # the rows one micro-batch of one shard sees
     local = {k: jax.ShapeDtypeStruct((v.shape[0] // per_call, *v.shape[1:]), v.dtype) for k, v in batch.items()}
     cast = step.cast_loss(trainer.loss_fn, trainer.policy)  # what the step differentiates
 

@@ -1,10 +1,9 @@
 """Batches of an in-memory split with grain: seeded shuffle, process shard, pad for eval.
 
-A whole split of Fashion-MNIST is 47 MB, so it is read once (a TFDS data source
-read a record at a time took ~0.76 ms per record on a 2-core development machine:
-~45 s per epoch) and grain maps batch indices to
-batches: ``MapDataset.range(batches).map(make_batch)``, with worker threads
-when ``workers > 0``. The epoch's order depends only on (seed, epoch), never
+A whole split is small, so it is read once (a TFDS data source read a record at
+a time is far slower: docs/data.md) and grain maps batch indices to batches:
+``MapDataset.range(batches).map(make_batch)``, with worker threads when
+``workers > 0``. The epoch's order depends only on (seed, epoch), never
 on the device or process count; each process builds only its rows of every
 global batch (the contiguous slice its devices hold).
 """

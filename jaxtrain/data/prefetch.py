@@ -34,7 +34,7 @@ class prefetch_to_device(Iterator):  # noqa: N801 - used like a function
         if size < 1:
             raise ValueError(f"prefetch size must be >= 1, got {size}")
         self._source = iter(iterator)
-        self._place = place  # this process's rows -> global arrays, checked: the plan's (``trainer.batches.shard``)
+        self._place = place  # this process's rows -> global arrays, checked: the plan's (``trainer.batch_plan.shard``)
         self._queue: queue.Queue = queue.Queue(maxsize=size)
         self._stop = threading.Event()
         self._done = False

@@ -56,4 +56,4 @@ def placed(c: RunConfig, m: models.Model, trainer: Trainer) -> tuple[dict, int]:
     """(where each parameter goes, a call's global batch): a ConfigError if the sharding or the batch size does
     not fit."""
     layout = trainer.layout(jax.eval_shape(m.init, jax.random.key(c.seed))[0])
-    return layout, trainer.batches.call_batch(c.batch_size)  # multisteps: one call per micro-batch
+    return layout, trainer.batch_plan.call_batch(c.batch_size)  # multisteps: one call per micro-batch

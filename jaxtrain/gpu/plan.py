@@ -101,7 +101,7 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     say = progress or (lambda text: None)
     say(f"compiling the {c.model} step for {gpus * hosts} x {t.name} (call batch {call})")
     state = trainer.abstract_state(init_fn=model.init, rng=jax.random.key(c.seed))
-    batch = trainer.batches.lowered(model.batch_shapes(call))
+    batch = trainer.batch_plan.lowered(model.batch_shapes(call))
     compiled, seconds, flops, bytes_accessed = analysis.compile_lowered(trainer.lower(state, batch))
     text = compiled.as_text()
     from jaxtrain.gpu.estimate import estimate
@@ -113,7 +113,7 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     result = GpuPlan(
         gpu=t.key, gpus=gpus, hosts=hosts, settings={k: getattr(c, k) for k in SETTINGS if k in fields},
-        call_batch=call, per_gpu_batch=call // trainer.batches.data_shards,
+        call_batch=call, per_gpu_batch=call // trainer.batch_plan.data_shards,
         memory={**_state_bytes(state, batch), **analysis.memory(compiled)}, budget_bytes=budget,
         memory_fraction=memory_fraction, flops=flops, bytes_accessed=bytes_accessed,
         collectives=analysis.collectives(text), kernels=analysis.kernels(text), compile_seconds=seconds,
@@ -152,7 +152,7 @@ def run_step(c, mesh, input_shape: tuple | None = None, num_classes: int | None 
              "num_classes": num_classes or shape["num_classes"]}
     model = assemble.model(c, shape)
     trainer = assemble.steps(c, mesh, model, updates=0)[0]
-    return shape, model, trainer, trainer.batches.call_batch(c.batch_size)
+    return shape, model, trainer, trainer.batch_plan.call_batch(c.batch_size)
 
 
 def save(p: GpuPlan, path: str) -> None:

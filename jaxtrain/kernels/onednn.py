@@ -1,14 +1,14 @@
 """oneDNN's convolutions on CPU (through the XLA FFI): a drop-in ``lax.conv_general_dilated``.
 
 XLA:CPU's convolutions are Eigen's, which need the batch as the minor axis for a weight gradient and a flipped,
-transposed kernel for an input gradient: ResNet-18's step spent ~127 ms of ~1,260 in those relayouts
+transposed kernel for an input gradient, and ResNet-18's step spends a tenth of its time in those relayouts
 (docs/performance.md, "ResNet-18 on this CPU"). oneDNN (PyTorch's CPU backend) has native backward kernels.
 ``conv_general_dilated`` sends f32 2-D NHWC / HWIO convolutions on CPU to ``onednn_conv.cc`` (forward; input
 and weight gradients in one backward call) and everything else to XLA's own, so a model that takes it runs
 unchanged on a GPU (``lax.platform_dependent``: GPU lowering never sees the CPU call) and under every strategy
 (``onednn_calls``: partitioned along the batch under jit, per device inside shard_map).
 
-The library is compiled on first use (g++, ~5 s; ``onednn_build``: the cache, its digests, what goes wrong);
+The library is compiled on first use (g++, seconds; ``onednn_build``: the cache, its digests, what goes wrong);
 ``python -m jaxtrain.kernels.onednn`` builds it and says whether it is usable (exit 1 and why where it is not).
 Without a compiler or oneDNN, ``available()`` is False and ``reason()`` says why: ``conv="auto"`` then keeps XLA's
 convolutions, with one warning line on x86-64 Linux (where jaxtrain's requirements bring oneDNN); ``path`` says

@@ -17,9 +17,8 @@ elsewhere): the batch split over at most ``MAX_DEVICES`` devices.
 The backward is elementwise, ``dx = (dmean + 2 dvar (x - mean)) / N``: the only reduction left in a
 BatchNorm's backward is the normalisation's own (one all-reduce, XLA combining its two sums). flax's
 synchronised BatchNorm (two-pass) takes two all-reduces each way; on XLA:CPU every one is a rendezvous of
-the devices. ResNet-18 on 2 devices: 69 all-reduces per step -> 35; on this project's 2-core VM the time
-saved is within its noise (~1% expected), more where a collective's latency costs more (docs/performance.md,
-"BatchNorm's collectives").
+the devices. Taking one instead of two halves a ResNet's all-reduces per step (docs/performance.md,
+"BatchNorm's collectives", has the counts and the time).
 """
 
 from __future__ import annotations

@@ -2,16 +2,14 @@
 
 XLA:CPU allocates each step's temporaries (hundreds of MB for ResNet-18) with malloc and frees them at the end of
 the step. glibc serves blocks that large with a fresh mmap and unmaps them on free, so every step takes page
-faults on all of it, and the kernel zeroes every page: 107,000 minor faults and ~0.19 s of system time per
-ResNet-18 step on 2 virtual devices (docs/performance.md, "Host memory"). Keeping freed blocks in one heap, as a
-caching allocator does, takes that to 0.
+faults on all of it, and the kernel zeroes every page (docs/performance.md, "Host memory", has the counts).
+Keeping freed blocks in one heap, as a caching allocator does, takes that to 0.
 
 ``keep_freed_memory()`` sets glibc's malloc so (``mallopt``): one arena for every thread (``M_ARENA_MAX``; a
 thread's own arena would hand large blocks back to the system), no mmap'd blocks (``M_MMAP_MAX``; glibc still
 maps when the heap cannot grow), and no trimming of the heap's free top below 2 GiB (``M_TRIM_THRESHOLD``). The
-cost: memory freed stays in the process for it to use again, and one heap fragments: ResNet-18 (batch 64, 2
-devices) holds 1.6 GiB against a 1.05 GiB peak with glibc's defaults, steady from the fifth step on; LeNet's run
-peaks lower (632 vs 687 MB).
+cost: memory freed stays in the process for it to use again, and one heap fragments, so a run holds more than
+its peak with glibc's defaults (steady after a few steps; measured in the same section).
 ``setup_devices`` calls it before JAX starts, on CPU only; $JAXTRAIN_MALLOC=default keeps glibc's defaults (any
 other value but empty is a ConfigError: a misspelt opt-out must not keep the settings silently).
 """

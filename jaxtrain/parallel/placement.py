@@ -128,6 +128,22 @@ class Plan:
         # This process's rows of the global batch (all of it in a 1-process run).
         return jax.make_array_from_process_local_data(self.batch, np.asarray(x))
 
+    def for_state(self, state_shapes: TrainState, *, strategy: str, param_sharding: rules.ParamSharding, tx,
+                  model_axes: str = "auto") -> Plan:
+        """This batch plan made whole for a state of these shapes: parameters (and Frozen model state) by
+        ``param_sharding``, optimizer state after its parameter (ZeRO-1: sharded as fsdp's, the parameters
+        replicated), the rest replicated; the strategy for those specs. A ConfigError, before anything compiles,
+        if a rule does not fit or the strategy cannot run the sharding."""
+
+        def specs(tree):
+            return param_sharding.specs(tree, self.mesh)
+
+        pspecs = specs(state_shapes.params)
+        uspecs = param_sharding.specs(state_shapes.params, self.mesh, updated=True)
+        state_specs = sharding.state_specs(state_shapes, pspecs, tx, frozen_specs=specs, opt_specs=uspecs)
+        strategy = strategies.make_strategy(strategy, self.mesh, pspecs, uspecs, model_axes)
+        return dataclasses.replace(self, specs=state_specs, strategy=strategy)
+
     def describe(self) -> dict:
         """``{"sharded": {name: spec}, "replicated": [names]}`` of the parameters."""
         return sharding.describe(self.specs.params)
@@ -139,19 +155,3 @@ def _examples(batch: Mapping) -> int:
     if len(sizes) != 1:
         raise ConfigError(f"every array in the batch needs the same leading (examples) axis, got sizes {sorted(sizes)}")
     return sizes.pop()
-
-
-def make_plan(mesh: Mesh, state_shapes: TrainState, *, strategy: str, param_sharding: rules.ParamSharding, tx,
-              micro_batches: int = 1, calls_per_update: int = 1, model_axes: str = "auto") -> Plan:
-    """The whole plan for a state of these shapes: parameters (and Frozen model state) by ``param_sharding``,
-    optimizer state after its parameter (ZeRO-1: sharded as fsdp's, the parameters replicated), the rest
-    replicated; the strategy for those specs. ConfigError, before
-    anything compiles, if a rule does not fit or the strategy cannot run the sharding."""
-
-    def specs(tree):
-        return param_sharding.specs(tree, mesh)
-
-    pspecs, uspecs = specs(state_shapes.params), param_sharding.specs(state_shapes.params, mesh, updated=True)
-    state_specs = sharding.state_specs(state_shapes, pspecs, tx, frozen_specs=specs, opt_specs=uspecs)
-    return Plan(mesh, micro_batches, calls_per_update, state_specs,
-                strategies.make_strategy(strategy, mesh, pspecs, uspecs, model_axes))

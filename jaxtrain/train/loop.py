@@ -65,7 +65,8 @@ def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> di
                 totals[k] = totals.get(k, 0.0) + float(v)
 
     late = OneStepLate()
-    with contextlib.closing(device_batches(batches, evaluator.batches, prefetch)) as it, jax.transfer_guard("disallow"):
+    placed = device_batches(batches, evaluator.batch_plan, prefetch)
+    with contextlib.closing(placed) as it, jax.transfer_guard("disallow"):
         for batch in it:
             add(late.push(evaluator.step(state, batch)))
     add(late.flush())
@@ -210,7 +211,7 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
             break
         resuming = epoch == pos.epoch and pos.batch > 0
         loop.start_epoch(epoch, pos.batch if resuming else 0, pos.partial if resuming else None)
-        batches = device_batches(train_loader.epoch(epoch, start=loop.batch), trainer.batches, prefetch)
+        batches = device_batches(train_loader.epoch(epoch, start=loop.batch), trainer.batch_plan, prefetch)
         with contextlib.closing(loop.bar), contextlib.closing(batches), jax.transfer_guard("disallow"):
             while not loop.last_of_epoch:
                 with loop.chrono.waiting(), jax.profiler.TraceAnnotation("data_wait"):

@@ -178,7 +178,7 @@ class PipelineTrainer(Trainer):
         return (s - 1) / (busy + s - 1)
 
     def _mapped(self, fn, out_specs):
-        specs = (P(), P(None, STAGE_AXIS), P(), self.batches.batch.spec)
+        specs = (P(), P(None, STAGE_AXIS), P(), self.batch_plan.batch.spec)
         return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=out_specs)
 
     def _loss(self, head_loss_fn):

@@ -17,7 +17,7 @@ from jaxtrain.core.step import EvalFn, LossFn
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import call_checks, rules, sharding, strategies
 from jaxtrain.parallel.devices import make_mesh, typed
-from jaxtrain.parallel.placement import Plan, make_plan
+from jaxtrain.parallel.placement import Plan
 
 
 def _check_not_donated(state) -> None:
@@ -30,7 +30,7 @@ def _check_not_donated(state) -> None:
 class Trainer:
     """A compiled train step: ``state, metrics = trainer(state, batch)``; the state placed by ``param_sharding``.
 
-    ``trainer.batches``: the plan's batch half (known now); ``trainer.plan(state)``: the whole plan for a state
+    ``trainer.batch_plan``: the plan's batch half (known now); ``trainer.plan(state)``: the whole plan for a state
     (arrays or shapes), made once per state structure."""
 
     pipeline_layout: dict | None = None  # how a pipelined trainer stores its layers (checkpoints must match)
@@ -49,7 +49,7 @@ class Trainer:
         self.tx = accumulate.wrap_optimizer(tx, accum_steps, self.accum)
         self.scan_steps = accumulate.scan_steps(accum_steps, self.accum)
         calls = accum_steps // self.scan_steps
-        self.batches = Plan(mesh, micro_batches or self.scan_steps, calls)
+        self.batch_plan = Plan(mesh, micro_batches or self.scan_steps, calls)
         self._plans, self._steps = {}, {}  # state tree structure -> Plan, compiled step
         self._last_batch = None  # the signature of the last batch a checked call ran (call_checks.untraceable)
         self._labels_checked = False  # read after the first step (call_checks.labels)
@@ -57,23 +57,22 @@ class Trainer:
 
     @property
     def num_devices(self) -> int:
-        return self.batches.num_devices
+        return self.batch_plan.num_devices
 
     def check_batch_size(self, size: int) -> None:
-        self.batches.check_batch_size(size)
+        self.batch_plan.check_batch_size(size)
 
     def shard(self, batch: Mapping) -> dict:
         """A global batch (numpy or jax arrays), checked and placed on the mesh."""
-        return self.batches.shard(batch)
+        return self.batch_plan.shard(batch)
 
     def plan(self, state) -> Plan:
         """Where ``state`` (arrays or shapes) lives and the strategy that runs it; a ConfigError, before anything
         compiles, if a rule does not fit these parameters or the strategy cannot run the sharding."""
         key = jax.tree.structure(state)
         if key not in self._plans:
-            self._plans[key] = make_plan(self.mesh, state, strategy=self.strategy, param_sharding=self.param_sharding,
-                                         tx=self.tx, micro_batches=self.batches.micro_batches,
-                                         calls_per_update=self.batches.calls_per_update, model_axes=self.model_axes)
+            self._plans[key] = self.batch_plan.for_state(state, strategy=self.strategy, tx=self.tx,
+                                                         param_sharding=self.param_sharding, model_axes=self.model_axes)
             self._say_idle_axes(self._plans[key])
         return self._plans[key]
 
@@ -185,7 +184,7 @@ class Trainer:
         array, the GLOBAL batch): a mesh of compile-only devices needs shapes. ``platforms``: lower for these
         instead of the mesh's devices, e.g. ``("cuda",)`` to see on a CPU host what a GPU would compile.
         """
-        return self._compiled(state).lower(state, self.batches.lowered(batch), platforms)
+        return self._compiled(state).lower(state, self.batch_plan.lowered(batch), platforms)
 
 
 def make_train_step(
@@ -255,7 +254,7 @@ class Evaluator:
         strategies.check_strategy(strategy, model_axes)
         self.mesh, self.strategy, self.model_axes = typed(mesh, explicit=strategy == "explicit"), strategy, model_axes
         self.trainer = trainer
-        self.batches = Plan(self.mesh)
+        self.batch_plan = Plan(self.mesh)
         self._sums = step_lib.eval_sums(eval_fn)
         self._steps = {}  # (tree structure, param specs) -> compiled
 
@@ -264,18 +263,18 @@ class Evaluator:
             plan = self.trainer.plan(state)
             key = jax.tree.structure(state)
             if key not in self._steps:
-                self._steps[key] = plan.strategy.evaluate(self._sums, self.batches, plan.specs.model_state)
+                self._steps[key] = plan.strategy.evaluate(self._sums, self.batch_plan, plan.specs.model_state)
             return self._steps[key]
         pspecs, mspecs = _specs_of(state.params), _specs_of(state.model_state)
         key = (jax.tree.structure(state), tuple(jax.tree.leaves((pspecs, mspecs), is_leaf=sharding.is_spec)))
         if key not in self._steps:
             strategy = strategies.make_strategy(self.strategy, self.mesh, pspecs, model_axes=self.model_axes)
-            self._steps[key] = strategy.evaluate(self._sums, self.batches, mspecs)
+            self._steps[key] = strategy.evaluate(self._sums, self.batch_plan, mspecs)
         return self._steps[key]
 
     def __call__(self, state: TrainState, batch: Mapping) -> dict:
         _check_not_donated(state)
-        return self._compiled(state)(state, self.batches.shard(batch))
+        return self._compiled(state)(state, self.batch_plan.shard(batch))
 
     def step(self, state: TrainState, batch: Mapping) -> dict:
         """The eval step on a batch already on the mesh (no checks, no copies)."""
@@ -283,7 +282,7 @@ class Evaluator:
 
     def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
         """The lowered eval step, as ``Trainer.lower`` (arrays or shapes)."""
-        return self._compiled(state).lower(state, self.batches.lowered(batch), platforms)
+        return self._compiled(state).lower(state, self.batch_plan.lowered(batch), platforms)
 
 
 def make_eval_step(eval_fn: EvalFn, *, mesh: Mesh | int | None = None, strategy: str = "jit",
