@@ -17,9 +17,14 @@ from pathlib import Path
 from jaxtrain.errors import ConfigError
 
 
+def affinity() -> set[int]:
+    """The CPUs this process may run on (a launcher may bind it to fewer than the machine has)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def cores() -> int:
     """The cores this process may run on (its affinity), which thread counts are bounded by."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return len(affinity())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,11 +192,57 @@ def cxx() -> str:
     return os.environ.get("CXX") or "g++"
 
 
-def cluster_tasks() -> int:
-    """The tasks of the SLURM or Open MPI job this process is one of (``SLURM_NTASKS``,
-    ``OMPI_COMM_WORLD_SIZE``; 1 outside a job)."""
-    given = (os.environ.get(name, "") for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
-    return max([int(text) for text in given if text.isdigit()], default=1)
+# What JAX's own cluster detection needs (jax._src.clusters: OmpiCluster, then SlurmCluster).
+OMPI_VARIABLES = ("OMPI_MCA_orte_hnp_uri",)  # Open MPI 4's ORTE; Open MPI 5 (PRRTE) sets none
+SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")  # srun's
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """The scheduler's job this process is a task of: ``launcher`` ("Open MPI", "SLURM"; "" outside one), its
+    ``tasks``, and the variables JAX needs to join them that are ``missing``."""
+
+    launcher: str = ""
+    tasks: int = 1
+    missing: tuple[str, ...] = ()
+
+
+def cluster_job() -> Job:
+    """This process's job, checked in JAX's order: Open MPI (``OMPI_COMM_WORLD_SIZE``), then SLURM
+    (``SLURM_NTASKS``, which the batch step of an allocation has too; only an srun step has every variable)."""
+    for launcher, size, needs in (("Open MPI", "OMPI_COMM_WORLD_SIZE", OMPI_VARIABLES),
+                                  ("SLURM", "SLURM_NTASKS", SLURM_VARIABLES)):
+        text = os.environ.get(size, "")
+        if text.isdigit() and int(text) > 1:
+            return Job(launcher, int(text), tuple(name for name in needs if name not in os.environ))
+    return Job()
+
+
+def tasks_on_node() -> tuple[int, int] | None:
+    """(this task's rank on its node, the job's tasks on that node) in an srun step or an Open MPI job, else None.
+    SLURM says the second per node: ``SLURM_STEP_TASKS_PER_NODE`` like ``2(x3),1``, indexed by ``SLURM_NODEID``."""
+    env = os.environ
+    if env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "").isdigit():
+        return int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")), int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE", "")
+    if not per_node or not env.get("SLURM_LOCALID", "").isdigit():
+        return None
+    counts = []
+    for part in per_node.split(","):
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * int(times.rstrip(")") or 1)
+    return int(env["SLURM_LOCALID"]), counts[min(int(env.get("SLURM_NODEID", "0")), len(counts) - 1)]
+
+
+def jax_local_device_ids() -> str:
+    """``$JAX_LOCAL_DEVICE_IDS`` ("" where unset): the user's own choice of this process's GPUs, JAX's to read."""
+    return os.environ.get("JAX_LOCAL_DEVICE_IDS", "")
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """``$CUDA_VISIBLE_DEVICES`` as a list (a scheduler sets it to the GPUs it gave the task), None where unset."""
+    text = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if text is None else [d for d in text.split(",") if d.strip()]
 
 
 # The trackers' own variables (W&B's, MLflow's): theirs to define; read here like ours, when a tracker opens.

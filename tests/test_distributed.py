@@ -43,6 +43,31 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path):
     assert digest(tmp_path / "single") == digest(tmp_path / "multi")  # bit for bit
     summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["devices"] == 2
+    # Started by hand with the --coordinator flags (no launcher's environment), as srun and mpirun start them: each
+    # process once ran 2 oneDNN threads on the 2 cores, and the parameters differed in the last bits.
+    flags = started_by_hand(tmp_path / "flags", "--max-steps", "20")
+    assert flags == {digest(tmp_path / "single")}, flags
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def started_by_hand(out_dir, *args):
+    """Two processes of LeNet given --coordinator, --num-processes and --process-id: their reported digests."""
+    coordinator = f"localhost:{free_port()}"
+    env = {k: v for k, v in cached_compiles(os.environ).items() if not k.startswith(("JAX_NUM_CPU", "JAXTRAIN_"))}
+    procs = [subprocess.Popen([sys.executable, *LENET, "--coordinator", coordinator, "--num-processes", "2",
+                               "--process-id", str(rank), "--devices-per-process", "1", "--out", str(out_dir), *args],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]
+    outs = [p.communicate(timeout=HANG_SECONDS)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    return set().union(*(reported_digests(o) for o in outs))
 
 
 def params_of(out_dir):
@@ -222,7 +247,7 @@ def test_the_stall_watch_gives_up_before_jax_aborts_every_process():
     waits on a gone peer, before JAX's coordination service aborts every process at its heartbeat timeout: the
     stuck-peer test above once lost that race in CI (rank 0 aborted at 30 s, its watch silent)."""
     from jaxtrain.driver.signals import StopOnSignal
-    from jaxtrain.parallel.devices import HEARTBEAT_TIMEOUT_SECONDS
+    from jaxtrain.parallel.processes import HEARTBEAT_TIMEOUT_SECONDS
 
     assert StopOnSignal.STALL < StopOnSignal.STALL_LIMIT < HEARTBEAT_TIMEOUT_SECONDS / 2
 
@@ -247,11 +272,7 @@ def test_the_launcher_kills_workers_still_running_after_its_grace_period():
 
 def test_a_process_whose_peers_never_join_says_so_and_exits_with_one_line(tmp_path):
     """It waited 5 minutes in silence, then aborted with a C++ stack dump (JAX's own timeout)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = run_cli("-m", "experiments.lenet", "--coordinator", f"localhost:{port}", "--num-processes", "2",
                   "--process-id", "0", "--max-steps", "1", "--out", str(tmp_path / "o"),
                   env={"JAXTRAIN_JOIN_TIMEOUT": "4"})

@@ -61,7 +61,7 @@ class StopOnSignal:
 
     STALL = 5.0  # seconds without a step after a signal (at least 3x the slowest step) before giving up
     # ... and at most this, in a multi-process run, even while a save is busy (a save can wait on a peer that is
-    # gone): under half jaxtrain.parallel.devices.HEARTBEAT_TIMEOUT_SECONDS (30), after which JAX's coordination
+    # gone): under half jaxtrain.parallel.processes.HEARTBEAT_TIMEOUT_SECONDS (30), after which JAX's coordination
     # service aborts every process without a word.
     STALL_LIMIT = 14.0
 

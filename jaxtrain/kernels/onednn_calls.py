@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import settings
 from jaxtrain.core.compat import varying_axes
 from jaxtrain.kernels.onednn_build import note
+from jaxtrain.parallel import hosts
 
 
 def out_shape(x_shape, w_shape, geometry):
@@ -38,13 +39,14 @@ THREADS = settings.VARIABLES["onednn_threads"]
 
 
 def threads() -> int:
-    """OpenMP threads per call: the cores over the devices that run at once on this machine (virtual CPU devices
-    share them; so do the processes ``jaxtrain.launch`` starts on localhost). Numbers depend on it (oneDNN splits
-    its reductions over its threads): 2 processes x 1 device and 1 process x 2 devices get the same count, and
-    the same parameters bit for bit. ``$JAXTRAIN_ONEDNN_THREADS`` (``settings.onednn_threads``: 1 to the cores
-    this process may run on) when set; more than the cores over the devices at once is taken, with one warning
-    line (the calls then oversubscribe the cores)."""
-    cores, devices = settings.cores(), _devices_at_once()
+    """OpenMP threads per call: the host's cores over the devices that run at once on it (virtual CPU devices
+    share them; so do the processes on one host, however they were launched: ``hosts``). Numbers depend on it
+    (oneDNN splits its reductions over its threads): 2 processes x 1 device and 1 process x 2 devices get the
+    same count, and the same parameters bit for bit. ``$JAXTRAIN_ONEDNN_THREADS`` (``settings.onednn_threads``:
+    1 to the cores this process may run on) when set; more than the cores over the devices at once is taken,
+    with one warning line (the calls then oversubscribe the cores)."""
+    share = hosts.current()
+    cores, devices = share.cores, share.devices
     fair = max(1, cores // devices)
     wanted = settings.current().onednn_threads
     if wanted is None:
@@ -52,15 +54,6 @@ def threads() -> int:
     if wanted > fair:
         _warn_oversubscribed(wanted, devices, cores)
     return wanted
-
-
-def _devices_at_once() -> int:
-    """The devices that run calls at once on this machine: this process's, times the processes where
-    ``jaxtrain.launch`` started them on localhost."""
-    devices = jax.local_device_count()
-    if (settings.current().coordinator or "").startswith(("127.0.0.1:", "localhost:")):
-        devices *= jax.process_count()
-    return devices
 
 
 @functools.cache

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -12,7 +11,7 @@ from jax.sharding import AxisType, Mesh
 from jaxtrain import settings
 from jaxtrain.core import compat
 from jaxtrain.errors import ConfigError
-from jaxtrain.parallel import host_memory
+from jaxtrain.parallel import host_memory, hosts, processes
 
 # The mesh axis names; every module imports them from here.
 DATA_AXIS = "data"  # the batch is sharded over it (and replicated over every other axis)
@@ -52,72 +51,6 @@ def _check_count(n: int | None) -> None:
         raise ConfigError(f"devices={n!r}: must be a positive whole number")
 
 
-# A dead peer must end the run within a minute, not after JAX's default 100 s.
-HEARTBEAT_TIMEOUT_SECONDS = 30
-
-
-def _cluster_env() -> bool:
-    """True inside a multi-task SLURM / Open MPI job, which jax.distributed detects itself."""
-    return settings.cluster_tasks() > 1
-
-
-def _start_distributed(coordinator, num_processes, process_id) -> None:
-    """Start jax.distributed for a multi-process run (flags, our launcher's env, or a cluster's)."""
-    launched = settings.current()  # what `python -m jaxtrain.launch` set for this process, if it started it
-    coordinator = coordinator or launched.coordinator
-    num_processes = num_processes or launched.num_processes
-    if process_id is None:
-        process_id = launched.process_id
-    single = num_processes == 1 or (num_processes is None and not _cluster_env())
-    if single or jax.distributed.is_initialized():
-        return  # a single-process run stays exactly as it was
-    if num_processes is not None and (coordinator is None or process_id is None):
-        raise ConfigError("a multi-process run needs coordinator=HOST:PORT and process_id= too "
-                          "(or start it with python -m jaxtrain.launch)")
-    _join(coordinator, num_processes, process_id)
-
-
-def _join(coordinator, num_processes, process_id) -> None:
-    """jax.distributed.initialize, saying what it waits for; peers that never join end the run with one line.
-
-    JAX's own timeout aborts the process with a C++ stack dump, so ours comes first: after
-    $JAXTRAIN_JOIN_TIMEOUT seconds (default 300, JAX's) a message and exit 2.
-    """
-    import sys
-    import threading
-
-    timeout = settings.current().join_timeout
-    who = f"process {process_id} of {num_processes}" if num_processes else "this process"
-    where = f" at {coordinator}" if coordinator else ""
-
-    def waiting():
-        print(f"{who}: waiting for the other processes to join{where} (up to {timeout:.0f} s; "
-              f"${settings.VARIABLES['join_timeout']} sets it) ...", file=sys.stderr, flush=True)
-
-    def give_up():
-        print(f"error: {who}: the other processes did not join{where} within {timeout:.0f} s: start all of them "
-              "(python -m jaxtrain.launch starts them together) with the same --coordinator", file=sys.stderr,
-              flush=True)
-        os._exit(2)
-
-    joined = threading.Event()
-
-    def watch():  # one thread, so the waiting line always comes before the give-up, however late it runs
-        first = min(10.0, timeout / 2)
-        if not joined.wait(first):
-            waiting()
-            if not joined.wait(timeout - first):
-                give_up()
-
-    threading.Thread(target=watch, daemon=True, name="jaxtrain-join").start()
-    try:  # CPU runs use the gloo collectives (JAX's default for CPU); GPUs use NCCL.
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=int(timeout) + 60,
-                                   heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
-    finally:
-        joined.set()
-
-
 def setup_devices(n: int | None = None, *, devices_per_process: int | None = None, coordinator: str | None = None,
                   num_processes: int | None = None, process_id: int | None = None) -> list[jax.Device]:
     """Return the ``n`` devices of this run; call before any other JAX call.
@@ -145,9 +78,11 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
             host_memory.keep_freed_memory()  # before JAX's threads start (why: jaxtrain.parallel.host_memory)
         if devices_per_process is not None:
             jax.config.update("jax_num_cpu_devices", devices_per_process)
-        _start_distributed(coordinator, num_processes, process_id)
+        processes.start(coordinator, num_processes, process_id)
     if jax.distributed.is_initialized() or devices_per_process is not None:
         devices = jax.devices()
+        if jax.process_count() > 1:
+            hosts.learn()  # which processes share this host's cores: thread counts follow
         if n is not None and n != len(devices):
             raise ConfigError(f"devices={n} does not match {jax.process_count()} processes x "
                               f"{jax.local_device_count()} devices per process = {len(devices)}; drop devices= "

@@ -1,0 +1,155 @@
+"""Clusters as their environment shows them, without a scheduler: detection as JAX's own, a SLURM allocation's
+shell, a job JAX cannot join, the GPUs each task drives, and the host's cores shared by processes however started.
+
+(tests/test_cluster.py runs the same against a real SLURM and Open MPI.)"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, cached_compiles, needs_fashion_mnist, run_cli
+
+from jaxtrain import settings
+from jaxtrain.errors import ConfigError
+from jaxtrain.parallel import hosts, processes
+
+SCHEDULER_VARIABLES = ("SLURM_", "OMPI_", "PMI", "CUDA_VISIBLE_DEVICES", "JAX_LOCAL_DEVICE_IDS")
+SRUN_STEP = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "localhost", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2"}
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """A clean scheduler environment to set variables in."""
+    for name in list(os.environ):
+        if name.startswith(SCHEDULER_VARIABLES):
+            monkeypatch.delenv(name)
+
+    def set_(**values):
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+
+    return set_
+
+
+ALLOCATION = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}  # an sbatch script's own shell
+CASES = {
+    "srun step": SRUN_STEP, "allocation, no step": ALLOCATION, "one task": {**SRUN_STEP, "SLURM_NTASKS": "1"},
+    "open mpi 4": {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_MCA_orte_hnp_uri": "1.2:tcp://127.0.0.1:5000"},
+    "open mpi 5": {"OMPI_COMM_WORLD_SIZE": "2"}, "mpirun inside an allocation": {
+        **ALLOCATION, "OMPI_COMM_WORLD_SIZE": "2", "OMPI_MCA_orte_hnp_uri": "1.2:tcp://127.0.0.1:5000"},
+    "step without its rank": {k: v for k, v in SRUN_STEP.items() if k != "SLURM_LOCALID"}, "none": {},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_job_is_joined_exactly_where_jax_detects_one(env, case):
+    from jax._src.clusters import OmpiCluster, SlurmCluster
+
+    env(**CASES[case])
+    job = settings.cluster_job()
+    jax_joins = OmpiCluster.is_env_present() or SlurmCluster.is_env_present()
+    assert (job.tasks > 1 and not job.missing) == (jax_joins and job.tasks > 1)
+
+
+def test_a_job_jax_cannot_join_is_one_line_naming_the_variable(env, monkeypatch):
+    env(OMPI_COMM_WORLD_SIZE="2")  # Open MPI 5: no ORTE URI, so JAX finds no coordinator
+    with pytest.raises(ConfigError, match=r"one of 2 Open MPI tasks, but OMPI_MCA_orte_hnp_uri is not set") as e:
+        processes.start(None, None, None)
+    assert "\n" not in str(e.value) and "--coordinator" in str(e.value)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    env(**{k: v for k, v in SRUN_STEP.items() if k != "SLURM_PROCID"})
+    with pytest.raises(ConfigError, match=r"SLURM_PROCID is not set.*srun"):
+        processes.start(None, None, None)
+
+
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_a_run_in_an_allocation_but_outside_srun_runs_as_one_process(tmp_path):
+    """It ended in JAX's ValueError "coordinator_address should be defined" (SLURM_NTASKS=2, no srun step)."""
+    out = run_cli("-m", "experiments.lenet", "--devices", "2", "--max-steps", "1", "--test-subset", "256",
+                  "--no-progress", "--out", str(tmp_path / "o"), env=ALLOCATION)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "note: in a SLURM allocation of 2 tasks but not in an srun step: running as one process" in out.stderr
+
+
+@pytest.mark.parametrize("given, gpus, expected", [
+    ({"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1"}, 8, list(range(8))),  # JAX alone: [0]
+    ({"SLURM_LOCALID": "1"}, 8, [4, 5, 6, 7]),  # 2 tasks on the node: half each
+    ({"SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "6,7"}, 8, [0, 1]),  # what the scheduler gave, as CUDA counts
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"}, 4, [0, 1, 2, 3]),  # the 4th node: 1 task
+    ({"JAX_LOCAL_DEVICE_IDS": "3"}, 8, None),  # the user's: JAX reads it
+    ({}, 0, []),  # no GPU: nothing to restrict
+    ({"SLURM_STEP_TASKS_PER_NODE": "4"}, 2, None),  # fewer GPUs than tasks: JAX's one per task
+])
+def test_each_task_drives_the_gpus_it_was_given(env, given, gpus, expected):
+    env(**{**SRUN_STEP, **given})
+    assert processes.local_device_ids(gpus) == expected
+
+
+def test_outside_a_job_jax_chooses_the_gpus(env):
+    assert processes.local_device_ids(8) is None
+
+
+def test_a_host_share_counts_the_cores_of_all_its_processes():
+    mine = hosts._mine(1)
+    other_host = mine.copy()
+    other_host[0] += 1
+    assert hosts.share_of([mine, mine], 0) == hosts.Share(2, settings.cores(), settings.cores(), 2)
+    assert hosts.share_of([mine, other_host], 1) == hosts.Share(1, settings.cores(), settings.cores(), 1)
+    one_core = mine.copy()
+    one_core[5:] = hosts._mine(1)[5:] * 0
+    one_core[5] = hosts.np.packbits(hosts.np.eye(1, hosts.MAX_CPUS, 0, hosts.np.uint8)).view(hosts.np.int32)[0]
+    bound = hosts.share_of([one_core, mine], 0)
+    assert bound.own_cores == 1 and bound.bound == (settings.cores() > 1)
+
+
+FAKE_SRUN = """
+import jax, jaxtrain as jt
+from jaxtrain.parallel import hosts
+from jaxtrain.kernels import onednn_calls
+jt.setup_devices(devices_per_process=1)
+print("visible", jax.config.read("jax_cuda_visible_devices"), "share", hosts.current(), "threads", onednn_calls.threads())
+"""
+
+
+def fake_srun(nodes: int, **more):
+    """Two processes with the environment srun gives 2 tasks (on one node, or one on each of two), on localhost."""
+    port = next(p for p in range(61440 + os.getpid() % 4000, 65536) if _free(p))  # JAX's: 61440 + job id % 4096
+    base = {k: v for k, v in cached_compiles(os.environ).items() if not k.startswith(SCHEDULER_VARIABLES + (
+        "JAX_NUM_CPU", "JAXTRAIN_"))}
+    procs = []
+    for rank in range(2):
+        env = {**base, **SRUN_STEP, "SLURM_JOB_ID": str(port - 61440), "SLURM_PROCID": str(rank),
+               "SLURM_LOCALID": str(rank if nodes == 1 else 0), "SLURM_NODEID": str(0 if nodes == 1 else rank),
+               "SLURM_STEP_TASKS_PER_NODE": "2" if nodes == 1 else "1(x2)",
+               "SLURM_STEP_NODELIST": "localhost" if nodes == 1 else "localhost,localhost", **more}
+        procs.append(subprocess.Popen([sys.executable, "-c", FAKE_SRUN], cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    return [next(line for line in out.splitlines() if line.startswith("visible")) for out in outs]
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("localhost", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.slow
+def test_under_srun_one_task_per_node_drives_every_gpu_and_a_host_shares_its_cores():
+    """JAX's own choice was the task's rank on its node: "0" in each of one task per node (1 GPU of 8)."""
+    one_each = fake_srun(nodes=2)
+    assert all(line.startswith("visible all ") for line in one_each), one_each
+    two_here = fake_srun(nodes=1, CUDA_VISIBLE_DEVICES="2,3")
+    assert all(line.startswith("visible 0,1 ") for line in two_here), two_here
+    # Both processes on this host, 1 device each: 2 devices share its cores, as 1 process x 2 devices would.
+    cores = settings.cores()
+    assert all(f"Share(devices=2, cores={cores}, own_cores={cores}, processes=2) threads {max(1, cores // 2)}"
+               in line for line in two_here), two_here
