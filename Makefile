@@ -8,11 +8,12 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 # (17:37 against 20:17 with the default scheduling, one run each here); --durations names the slowest tests.
 PYTEST_ARGS ?= -n 2 --dist worksteal --durations=20
 
-.PHONY: setup data onednn demo test test-latest test-gpu-compile gpu-bundle gpu-rehearse gpu-check docs clean help
+.PHONY: setup data onednn demo test cluster test-latest test-gpu-compile gpu-bundle gpu-rehearse gpu-check docs clean help
 
 help:
 	@echo "make demo   set up, then train the d2l LeNet on Fashion-MNIST on 2 devices (10 epochs)"
 	@echo "make test   set up, then run the whole test suite"
+	@echo "make cluster  start a one-node SLURM + Open MPI here (root; installs them), run the cluster tests, stop it"
 	@echo "make test-latest  the suite again on the newest Python >= 3.12 here with the newest JAX (.venv-latest)"
 	@echo "make test-gpu-compile  the gpu_compile tests: steps compiled for 8 H100s on this host (a cached ~5.6 GB venv)"
 	@echo "make gpu-bundle  fetch the wheels a GPU machine without a registry lacks (.gpu-bundle, ~16 MiB)"
@@ -65,7 +66,15 @@ demo: onednn setup data
 	$(PY) -m experiments.lenet --devices 2
 
 test: onednn setup data
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
+
+# The cluster tests (docs/cluster.md): a real SLURM and Open MPI on this host (tools/cluster), one job at a time,
+# the daemons stopped after, whatever the tests did.
+CLUSTER_PYTEST_ARGS ?= --durations=10
+cluster: onednn setup data
+	tools/cluster up
+	status=0; env $$(tools/cluster env) $(PY) -m pytest -m cluster $(CLUSTER_PYTEST_ARGS) tests/test_cluster.py \
+		|| status=$$?; tools/cluster down; exit $$status
 
 # The newest-JAX leg (docs/getting-started.md, "Tested versions"): LATEST_PYTEST_ARGS picks the tests.
 LATEST_PYTEST_ARGS ?= -n 2 --dist worksteal

@@ -120,6 +120,19 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None):
                           timeout=timeout)
 
 
+def reported_digests(stdout: str) -> set[str]:
+    """The final ``params_digest`` every process of a run printed."""
+    return {line.split("params_digest ")[1].strip() for line in stdout.splitlines() if "params_digest " in line}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def pytest_collection_modifyitems(config, items):
     """The slow (subprocess, end-to-end) tests first: under ``-n 2`` they start at once and the short ones fill
     the gaps, instead of one long test running alone at the end."""

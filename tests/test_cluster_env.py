@@ -111,7 +111,8 @@ import jax, jaxtrain as jt
 from jaxtrain.parallel import hosts
 from jaxtrain.kernels import onednn_calls
 jt.setup_devices(devices_per_process=1)
-print("visible", jax.config.read("jax_cuda_visible_devices"), "share", hosts.current(), "threads", onednn_calls.threads())
+visible = jax.config.read("jax_cuda_visible_devices")
+print("visible", visible, "share", hosts.current(), "threads", onednn_calls.threads())
 """
 
 

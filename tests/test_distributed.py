@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, cached_compiles, needs_fashion_mnist, run_cli
+from conftest import ROOT, cached_compiles, free_port, needs_fashion_mnist, reported_digests, run_cli
 
 pytestmark = [needs_fashion_mnist, pytest.mark.slow]
 
@@ -28,10 +28,6 @@ def digest(out_dir):
     return json.loads((out_dir / "summary.json").read_text())["params_digest"]
 
 
-def reported_digests(stdout):
-    return {line.split("params_digest ")[1].strip() for line in stdout.splitlines() if "params_digest " in line}
-
-
 def test_two_processes_match_one_process_with_two_devices(tmp_path):
     out = launch(2, 1, "--max-steps", "20", "--out", str(tmp_path / "multi"))
     assert out.returncode == 0, out.stdout[-3000:]
@@ -47,14 +43,6 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path):
     # process once ran 2 oneDNN threads on the 2 cores, and the parameters differed in the last bits.
     flags = started_by_hand(tmp_path / "flags", "--max-steps", "20")
     assert flags == {digest(tmp_path / "single")}, flags
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def started_by_hand(out_dir, *args):
