@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from jaxtrain.driver.report import make_out_dir
+    from jaxtrain.driver.outputs import make_out_dir
     from jaxtrain.train.timing import median_seconds
 
     device = jax.local_devices()[0]

@@ -85,7 +85,7 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
         received_at.append(time.monotonic())
         _signal_all(procs, signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
         code = 0
         while True:

@@ -234,6 +234,17 @@ def tasks_on_node() -> tuple[int, int] | None:
     return int(env["SLURM_LOCALID"]), counts[min(int(env.get("SLURM_NODEID", "0")), len(counts) - 1)]
 
 
+def slurm_job() -> dict | None:
+    """The SLURM job this process runs in (``SLURM_JOB_ID``; array jobs: ``SLURM_ARRAY_JOB_ID`` and
+    ``SLURM_ARRAY_TASK_ID``) and how often it was requeued (``SLURM_RESTART_COUNT``); None outside SLURM."""
+    env = os.environ
+    if not env.get("SLURM_JOB_ID"):
+        return None
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    return {"job_id": env["SLURM_JOB_ID"], "requeue_id": f"{array}_{task}" if array and task else env["SLURM_JOB_ID"],
+            "restart_count": int(env.get("SLURM_RESTART_COUNT") or 0)}
+
+
 def jax_local_device_ids() -> str:
     """``$JAX_LOCAL_DEVICE_IDS`` ("" where unset): the user's own choice of this process's GPUs, JAX's to read."""
     return os.environ.get("JAX_LOCAL_DEVICE_IDS", "")

@@ -58,11 +58,13 @@ FLOORS = [
     ("gpu", ["jaxtrain.gpu", "jaxtrain.gpu.*"]),
     ("cli", ["jaxtrain.cli"]),
     ("sweep", ["jaxtrain.sweep", "jaxtrain.sweep.*"]),
+    ("slurm", ["jaxtrain.slurm", "jaxtrain.slurm.*"]),
     ("launch", ["jaxtrain.launch"]),
 ]
 FACE = "jaxtrain"  # the public names, imported lazily: for users, never for the library itself
 # Command lines of their own: their messages are about their flags (the sweep's trials are runs' command lines).
-COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch", *(m for m in MODULES if m.startswith("jaxtrain.sweep"))}
+COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch",
+                 *(m for m in MODULES if m.startswith(("jaxtrain.sweep", "jaxtrain.slurm")))}
 
 
 def matches(name: str, patterns) -> bool:
@@ -83,7 +85,7 @@ NEVERS = [
      "kernels serve models and steps, never the other way round (they may read the step's context)"),
     (["jaxtrain.data", "jaxtrain.data.*"], ["jaxtrain.core.*", "jaxtrain.parallel.*", "jaxtrain.nn.*"],
      "data serves steps, never the other way round: it is handed the plan's batch sharding"),
-    (["jaxtrain.driver.report", "jaxtrain.driver.export"],
+    (["jaxtrain.driver.report", "jaxtrain.driver.outputs", "jaxtrain.driver.export"],
      ["jaxtrain.core.step", "jaxtrain.parallel.placement", "jaxtrain.parallel.strategies", "jaxtrain.train.trainer",
       "jaxtrain.train.pipeline", "jaxtrain.driver.runner"],
      "a run's files do not depend on how it was trained"),
@@ -270,7 +272,7 @@ def test_every_public_name_and_command_still_answers():
         assert not missing, (face.__name__, missing)
     shadowed = [n for n, home in jt._EXPORTS.items() if getattr(jt, n) is not getattr(importlib.import_module(home), n)]
     assert not shadowed, shadowed  # e.g. jt.run, the function, not a subpackage called run
-    for command in ("jaxtrain.cli", "jaxtrain.launch", "jaxtrain.sweep"):
+    for command in ("jaxtrain.cli", "jaxtrain.launch", "jaxtrain.sweep", "jaxtrain.slurm"):
         out = subprocess.run([sys.executable, "-m", command, "--help"], capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0 and "usage:" in out.stdout, (command, out.stderr[-500:])
     for path in sorted((ROOT / "experiments").glob("*.py")):

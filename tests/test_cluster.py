@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from conftest import ROOT, cached_compiles, needs_fashion_mnist, reported_digests, run_cli
@@ -95,3 +94,81 @@ def test_mpirun_gives_the_one_process_result_unbound_and_says_why_not_when_bound
     assert said or reported_digests(bound.stdout) == {one_process}, bound.stderr[-3000:]
     if said:  # one line, naming the way out
         assert "mpirun --bind-to none keeps them equal" in bound.stderr
+
+
+# Preemption and time limits. A run of this length takes ~65 s here (2 processes x 1 device): longer than the
+# time-limit test's minute.
+LONG = ["--max-steps", "600", "--checkpoint-every", "100"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> str:
+    out_dir = tmp_path_factory.mktemp("long")
+    out = run_cli(*LENET, *LONG[:2], "--devices", "2", "--out", str(out_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((out_dir / "summary.json").read_text())["params_digest"]
+
+
+def submit(tmp_path, *options: str) -> str:
+    """A 2-task job written by ``python -m jaxtrain.slurm`` (the script the docs show), submitted; its id."""
+    out = run(sys.executable, "-m", "jaxtrain.slurm", "--checkpoint-dir", str(tmp_path / "ck"), "--tasks-per-node",
+              "2", "--output", str(tmp_path / "job.out"), "--script", str(tmp_path / "job.sbatch"), "--submit",
+              *options, "--", sys.executable, *LENET, *LONG, "--devices-per-process", "1", "--out", str(tmp_path / "o"))
+    return re.search(r"Submitted batch job (\d+)", out.stdout).group(1)
+
+
+def job_state(job: str) -> dict:
+    shown = run("scontrol", "show", "job", job, "-o").stdout
+    return dict(re.findall(r"(\w+)=(\S*)", shown))
+
+
+def wait_until(what, ready, job: str):
+    """Wait for ``ready()`` (the job's state or files), the job's own log in the message if it never is."""
+    deadline = time.monotonic() + HANG_SECONDS
+    while not ready():
+        assert time.monotonic() < deadline, f"{what}: {job_state(job)}"
+        time.sleep(0.5)
+
+
+def finished(tmp_path, job: str) -> dict:
+    wait_until("the job did not end", lambda: job_state(job)["JobState"] in ENDED, job)
+    state = job_state(job)
+    assert state["JobState"] == "COMPLETED", (state, (tmp_path / "job.out").read_text()[-4000:])
+    return state
+
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def rows(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_scontrol_requeue_mid_run_resumes_to_the_uninterrupted_result(tmp_path, uninterrupted):
+    job = submit(tmp_path)
+    wait_until("no checkpoint", lambda: (tmp_path / "ck" / "100").is_dir(), job)
+    run("scontrol", "requeue", job)  # as a preemption does: SIGTERM to every task, the job back in the queue
+    state = finished(tmp_path, job)
+    log = (tmp_path / "job.out").read_text()
+    assert int(state["Restarts"]) == 1 and "resuming from step" in log, log[-3000:]
+    assert reported_digests(log) == {uninterrupted}, log[-3000:]
+    stops = [r for r in rows(tmp_path) if r.get("event") == "stopped"]
+    assert [(s["signal"], s["job"]["restart_count"], s["requeue"]) for s in stops] == [
+        ("SIGTERM", 0, "not requeued: SIGTERM")]  # the scheduler requeued it, not the run
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["slurm_job"]["job_id"] == job and summary["slurm_job"]["restart_count"] == 1
+    assert summary["stops"] == stops
+
+
+def test_a_job_past_its_time_limit_checkpoints_requeues_itself_and_finishes(tmp_path, uninterrupted):
+    """--time=00:01:00 --signal=B:USR1@30, a run of ~65 s: each start is warned (SLURM's timer ticks every ~30 s,
+    so a start may get as little as a few seconds), checkpoints, requeues the job, and the next goes on."""
+    job = submit(tmp_path, "--time", "00:01:00", "--signal-seconds", "30")
+    state = finished(tmp_path, job)
+    log = (tmp_path / "job.out").read_text()
+    assert int(state["Restarts"]) >= 1 and "requeued the job: scontrol requeue " + job in log, log[-3000:]
+    assert reported_digests(log) == {uninterrupted}, log[-3000:]
+    stops = [r for r in rows(tmp_path) if r.get("event") == "stopped"]
+    assert stops and all(s["signal"] == "SIGUSR1" and s["requeue"] == f"scontrol requeue {job}" for s in stops)
+    epochs = [r for r in rows(tmp_path) if "event" not in r]
+    assert {r["job"]["id"] for r in epochs} == {job}

@@ -185,10 +185,10 @@ def test_full_output_disk_keeps_the_previous_file_and_is_one_line(tmp_path, monk
     import errno
 
     from jaxtrain.io import files
-    from jaxtrain.driver import report
+    from jaxtrain.driver import outputs
     from jaxtrain.train.loop import EpochStats
 
-    writer = report.RunWriter(tmp_path)
+    writer = outputs.RunWriter(tmp_path)
     stats = EpochStats(1, 2, 3, 0.5, 0.5, 0.5, 0.5, 4, 1.0, 1.0, 0.0, 0.0)
     writer.epoch(stats)
     before = (tmp_path / "metrics.jsonl").read_bytes()
@@ -197,7 +197,7 @@ def test_full_output_disk_keeps_the_previous_file_and_is_one_line(tmp_path, monk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(files.os, "fsync", full)
-    with pytest.raises(report.OutputError, match="the disk is full.*intact"):
+    with pytest.raises(outputs.OutputError, match="the disk is full.*intact"):
         writer.epoch(stats)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
     # no temp file left behind (curves.png: drawn at the first epoch's end)
@@ -336,14 +336,14 @@ def test_chaos_killed_five_times_then_resumed_gives_the_uninterrupted_params(tmp
 
 def test_a_run_removes_temp_files_a_killed_writer_left(tmp_path):
     """A SIGKILL mid-write leaves `.metrics.jsonl.tmp-PID`; the next run in the directory deletes it."""
-    from jaxtrain.driver import report
+    from jaxtrain.driver import outputs
 
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
     stale, live = tmp_path / f".metrics.jsonl.tmp-{dead}", tmp_path / f".summary.json.tmp-{os.getpid()}"
     stale.write_text("half a row")
     live.write_text("being written")  # a live writer's: kept
-    report.RunWriter(tmp_path)
+    outputs.RunWriter(tmp_path)
     assert not stale.exists() and live.exists() and (tmp_path / "metrics.jsonl").read_text() == ""
 
 
@@ -362,7 +362,7 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_its_last_good_checkpoint(
 
 
 def test_outputs_are_strict_json_with_null_for_what_was_not_measured(tmp_path):
-    from jaxtrain.driver.report import strict_json
+    from jaxtrain.driver.outputs import strict_json
 
     text = strict_json({"test_acc": float("nan"), "rows": [1.0, float("inf")], "n": 3})
     assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {"test_acc": None, "rows": [1.0, None], "n": 3}

@@ -112,6 +112,9 @@ class RunConfig:
     checkpoint_every: int | None = _field(None, "also checkpoint every N train steps", minimum=1)
     keep_checkpoints: int = _field(3, "keep the newest K checkpoints", minimum=1)
     resume: bool = _field(False, "continue exactly where the newest readable checkpoint in --checkpoint-dir stopped")
+    requeue_on_signal: bool = _field(False, "in a SLURM job: after the checkpoint of SIGUSR1 (--signal=B:USR1@120 "
+                                            "warns before a time limit), requeue the job with scontrol, to go on "
+                                            "from it (needs --checkpoint-dir and --resume)")
     no_progress: bool = _field(False, "no progress bars (they show only on a terminal anyway)")
     log_every: int | None = _field(None, "print a line every N steps (loss, examples/s, data wait; read one step "
                                          "late, never waiting for the device) and log them to TensorBoard",

@@ -8,6 +8,8 @@ Only process 0 prints and writes files; every process trains.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +17,7 @@ from pathlib import Path
 import jax
 
 from jaxtrain import models
+from jaxtrain.settings import slurm_job
 from jaxtrain.analysis import diagnostics
 from jaxtrain.core import remat
 from jaxtrain.data import loader, sources
@@ -22,10 +25,10 @@ from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import devices as devices_lib
-from jaxtrain.driver import assemble, distill, export, observe, track
+from jaxtrain.driver import assemble, distill, export, observe, requeue, track
 from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
-from jaxtrain.driver.report import (RunWriter, claim_out_dir, conv_path, describe, not_learning, run_summary,
-                                 utilisation_words)
+from jaxtrain.driver.outputs import RunWriter, claim_out_dir
+from jaxtrain.driver.report import conv_path, describe, not_learning, run_summary, utilisation_words
 from jaxtrain.driver.signals import StopOnSignal, StopVote
 from jaxtrain.train.checkpoint import Checkpointer
 from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
@@ -50,6 +53,7 @@ class Setup:
     teacher: tuple | None = None  # --teacher: (model, params, model_state)
     last: dict = dataclasses.field(default_factory=dict)  # the last step's metrics
     out_lock: DirLock | None = None  # held on --out while the run writes there
+    requeue_job: dict | None = None  # --requeue-on-signal: the SLURM job to requeue after a signal's checkpoint
 
 
 def setup_devices(c: RunConfig, words: Callable = str) -> Setup:
@@ -92,6 +96,7 @@ def open_checkpoints(s: Setup) -> None:
     if not c.checkpoint_dir:
         return
     s.checkpointer = Checkpointer(c.checkpoint_dir, c.keep_checkpoints, fixed=FIXED_SETTINGS)
+    s.requeue_job = requeue.check(c)
     if not c.resume and (newest := s.checkpointer.latest()) is not None:
         raise ConfigError(f"{s.checkpointer.directory} already holds checkpoints (newest: step {newest}): pass "
                           "resume=True to continue that run, or another checkpoint_dir= to start afresh")
@@ -153,7 +158,7 @@ def open_outputs(s: Setup, state, position) -> RunWriter | None:
     out_dir, s.out_lock = claim_out_dir(c.out, c.model, c.resume)
     if s.checkpointer is not None:
         s.checkpointer.ensure_room(state)
-    return RunWriter(out_dir, position.history if position else ())
+    return RunWriter(out_dir, position.history if position else (), slurm_job(), resumed=bool(position))
 
 
 def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tracker=None):
@@ -202,7 +207,9 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
             prefetch=c.prefetch, position=position, eval_every=c.eval_every)
     except Interrupted as e:
         stop.done()
-        stop.stopped(e.position.total_steps, s.checkpointer, s.say)
+        step = e.position.total_steps
+        stop.stopped(step, s.checkpointer, s.say, then=functools.partial(
+            requeue.after_stop, s.requeue_job, writer, step, signal.Signals(stop.signum).name, s.say))
     except Diverged as e:
         stop.done()
         if s.checkpointer is None:
@@ -229,6 +236,7 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
     peak = diagnostics.devices_peak(s.devices, c.precision, measure=c.measure_peak)
     summary = run_summary(c, s.model, history, first_loss, stats, peak, s.devices, s.call_batch, steps_per_epoch,
                           {k: len(v) for k, v in data.items()}, settings["data_sha256"])
+    summary.update(slurm_job=slurm_job(), stops=writer.stops if writer else [])
     summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
                    sharded_params=s.layout["sharded"], collectives=stats["collectives"],
                    conv=conv_path(c, s.model, platform),
@@ -255,6 +263,8 @@ def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = s
     stop.reinstall()
     validate(s)
     open_checkpoints(s)
+    if s.requeue_job and jax.process_index() == 0:  # warned before training starts: requeued all the same
+        stop.at_start_up = functools.partial(requeue.at_start_up, s.requeue_job, s.say)
     data, data_sha256 = load_data(s)
     build(s, data["train"])
     settings = run_settings(s, data_sha256)

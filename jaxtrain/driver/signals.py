@@ -1,4 +1,4 @@
-"""SIGTERM / SIGINT over a whole run, from start-up to the last file.
+"""SIGTERM / SIGINT / SIGUSR1 over a whole run, from start-up to the last file.
 
 - Start-up (before ``training()``): nothing is trained or saved yet, so a
   signal exits at once with 128 + N and a message, even in the middle of a
@@ -33,7 +33,8 @@ import threading
 import time
 from collections.abc import Callable
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGUSR1: what SLURM's --signal=B:USR1@SECONDS sends before a time limit (srun passes it on to the tasks).
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class Exit(Exception):
@@ -67,6 +68,7 @@ class StopOnSignal:
 
     def __init__(self, vote: Callable[[int], int] | None = None):
         self.vote = vote  # multi-process: StopVote(devices); None: this process decides alone
+        self.at_start_up: Callable[[int], object] | None = None  # a signal during start-up: called, then exit
         self.signum = 0
         self._count = 0
         self._training = False
@@ -101,6 +103,8 @@ class StopOnSignal:
     def _on_signal(self, signum: int) -> None:
         self._count += 1
         if not self._started:
+            if self.at_start_up is not None:
+                self.at_start_up(signum)
             _exit_now(signum, "interrupted during start-up; nothing was trained or saved")
         if self._count > 1:
             _exit_now(signum, "second signal: exiting now (a checkpoint being written is discarded; "
@@ -128,9 +132,9 @@ class StopOnSignal:
                 if signum in SIGNALS:
                     threading.Thread(target=self._on_signal, args=(signum,), daemon=True).start()
 
-    def stopped(self, step: int, checkpointer, say: Callable) -> None:
+    def stopped(self, step: int, checkpointer, say: Callable, then: Callable[[bool], None] | None = None) -> None:
         """Training stopped at ``step`` for the signal: say what was saved (``checkpointer``: the run's, or
-        None), exit with 128 + the signal."""
+        None), ``then(saved)`` (e.g. requeue the job), exit with 128 + the signal."""
         if checkpointer is None:
             say(f"stopped by signal at step {step}; nothing saved (no checkpoint_dir=)")
         else:
@@ -142,6 +146,8 @@ class StopOnSignal:
             else:
                 say(f"stopped by signal at step {step}; the checkpoint of step {step} was NOT written; the newest is "
                     f"step {checkpointer.latest()}: continue from there with resume=True")
+        if then is not None:
+            then(checkpointer is not None and checkpointer.committed(step))
         raise Exit(128 + self.signum) from None
 
     def requested(self) -> bool:

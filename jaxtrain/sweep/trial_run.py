@@ -128,7 +128,8 @@ def epoch_rows(path: Path) -> list[dict]:
         lines = path.read_text().splitlines()
     except OSError:
         return []
-    return [json.loads(line) for line in lines if line.strip()]  # written whole (atomic), so never half a line
+    rows = [json.loads(line) for line in lines if line.strip()]  # written whole (atomic), so never half a line
+    return [row for row in rows if "event" not in row]  # a stop on a signal is a row of its own
 
 
 def result(out_dir: Path, objective: str, returncode: int, argv: list[str]) -> float:

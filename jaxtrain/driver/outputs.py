@@ -1,0 +1,166 @@
+"""A run's files: its directory (claimed, locked), metrics.jsonl, summary.json and curves.png, each written whole
+or not at all."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+from jaxtrain.errors import ConfigError
+from jaxtrain.io.dirlock import DirLock
+from jaxtrain.io.files import atomic_write, ensure_room, ensure_writable, out_of_space, remove_stale_temps
+
+
+def make_out_dir(out: str | None, name: str) -> Path:
+    """``out``, or a fresh ``runs/NAME-YYYYmmdd-HHMMSS[-k]``; checked writable now."""
+    if out is None:
+        base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        path, k = base, 1
+        while path.exists():
+            path, k = Path(f"{base}-{k}"), k + 1
+    else:
+        path = Path(out)
+    return ensure_writable(path, "to output directory", "out=")
+
+
+def holds_results(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds a run's results (a summary, a model, or epochs in metrics.jsonl)."""
+    metrics = out_dir / "metrics.jsonl"
+    return any((out_dir / name).exists() for name in ("summary.json", "model.json")) or (
+        metrics.is_file() and metrics.stat().st_size > 0)
+
+
+def claim_out_dir(out: str | None, name: str, resume: bool) -> tuple[Path, DirLock]:
+    """The run directory (``out``, or a fresh one), this run's alone (locked: two runs never write one) and
+    with room for its files; another run's results there are kept unless the run resumes."""
+    out_dir = make_out_dir(out, name)
+    if not resume and holds_results(out_dir):
+        raise ConfigError(f"out={out_dir} holds another run's results: pass a new out= (or continue that run "
+                          "with resume=True and its checkpoint_dir=)")
+    lock = DirLock(out_dir, "out=").acquire()
+    ensure_room(out_dir, 2**20, "metrics, summary and curves", "out=")
+    return out_dir, lock
+
+
+class OutputError(ConfigError):
+    """A run file could not be written (full disk, vanished directory)."""
+
+
+def strict_json(data, **kw) -> str:
+    """JSON any parser reads: a NaN or infinite number (e.g. an epoch not evaluated) is written as null."""
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        return [clean(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+    return json.dumps(clean(data), allow_nan=False, **kw)
+
+
+class RunWriter:
+    """Writes one run's files into ``out_dir`` as the run goes; each file whole or not at all.
+
+    ``history`` (rows of earlier epochs, e.g. from a checkpoint) is written
+    again at once; a run's files are never truncated. In a SLURM job each epoch's row says which start of the
+    job ran it (``job``: its id and restart count), and a stop on a signal is a row of its own (``stopped``);
+    a resumed run keeps the rows of its earlier starts that its checkpoint holds.
+    """
+
+    def __init__(self, out_dir: Path, history: list[dict] = (), job: dict | None = None, resumed: bool = False):
+        self.out_dir = out_dir
+        self.metrics_path = out_dir / "metrics.jsonl"
+        remove_stale_temps(out_dir)
+        self.job = job and {"id": job["job_id"], "restart_count": job["restart_count"]}
+        self.rows: list[dict] = self._carried(history) if resumed else [dict(h) for h in history]
+        self._write(self.metrics_path, self._metrics_text())
+
+    @property
+    def epochs(self) -> list[dict]:
+        return [row for row in self.rows if "event" not in row]
+
+    @property
+    def stops(self) -> list[dict]:
+        """The signals that stopped earlier starts of this run (and what was done: requeued or not)."""
+        return [row for row in self.rows if row.get("event") == "stopped"]
+
+    def _carried(self, history) -> list[dict]:
+        """The file's rows in order: its stops, and its epochs the checkpoint holds (the checkpoint's numbers,
+        the file's ``job``), then the checkpoint's epochs the file lacks."""
+        held = {h["epoch"]: dict(h) for h in history}
+        rows = []
+        for row in _rows(self.metrics_path):
+            if "event" in row:
+                rows.append(row)
+            elif (epoch := held.pop(row.get("epoch"), None)) is not None:
+                rows.append({**epoch, **({"job": row["job"]} if "job" in row else {})})
+        return rows + list(held.values())
+
+    def _metrics_text(self) -> str:
+        return "".join(strict_json(row) + "\n" for row in self.rows)
+
+    def _write(self, path: Path, data) -> None:
+        try:
+            atomic_write(path, data)
+        except OSError as e:
+            cause = "the disk is full" if out_of_space(e) else e.strerror or str(e)
+            raise OutputError(f"cannot write {path} ({cause}); its previous version, if any, is intact: "
+                              "make room (or fix out=), then run again (with resume=True if you checkpoint)") from None
+
+    def epoch(self, stats) -> None:
+        """metrics.jsonl with this epoch's row, and curves.png redrawn (a long run can be watched)."""
+        self.rows.append({**dataclasses.asdict(stats), **({"job": self.job} if self.job else {})})
+        self._write(self.metrics_path, self._metrics_text())
+        self.plot()
+
+    def stopped(self, step: int, signal: str, saved: bool, requeue: str | None) -> None:
+        """metrics.jsonl with a row saying a signal stopped the run at ``step``, and what was done."""
+        self.rows.append({"event": "stopped", "step": step, "signal": signal, "checkpoint_saved": saved,
+                          **({"job": self.job} if self.job else {}), **({"requeue": requeue} if requeue else {})})
+        self._write(self.metrics_path, self._metrics_text())
+
+    def summary(self, summary: dict) -> Path:
+        path = self.out_dir / "summary.json"
+        self._write(path, strict_json(summary, indent=2, sort_keys=True) + "\n")
+        self.plot()
+        return path
+
+    def plot(self) -> Path | None:
+        if not self.epochs:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ep = [r["epoch"] for r in self.epochs]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+        ax1.plot(ep, [r["train_loss"] for r in self.epochs], "o-", label="train loss")
+        ax1.plot(ep, [r["test_loss"] for r in self.epochs], "s--", label="test loss")
+        ax2.plot(ep, [r["train_acc"] for r in self.epochs], "o-", label="train acc")
+        ax2.plot(ep, [r["test_acc"] for r in self.epochs], "s--", label="test acc")
+        for ax, title in ((ax1, "loss"), (ax2, "accuracy")):
+            ax.set_xlabel("epoch")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        import io
+
+        path, png = self.out_dir / "curves.png", io.BytesIO()
+        fig.savefig(png, dpi=100, format="png")
+        plt.close(fig)
+        self._write(path, png.getvalue())
+        return path
+
+
+def _rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows, [] where it is missing or unreadable (a resumed run then rewrites it whole)."""
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []

@@ -1,0 +1,77 @@
+"""A SLURM job that requeues itself after a signal's checkpoint (``--requeue-on-signal``).
+
+A time limit is the common case: ``#SBATCH --signal=B:USR1@120`` warns the job two minutes before it, the run
+checkpoints and stops, and ``scontrol requeue`` puts the job back in the queue; it starts again with the same
+job id (``SLURM_RESTART_COUNT`` one higher) and ``--resume`` goes on from the checkpoint. Only SIGUSR1, the
+warning a job asks for, requeues: SIGTERM is the scheduler's own (``scancel``, a preemption, which SLURM
+requeues itself where the partition says so). Everything that could keep the requeue from happening is checked
+before training starts, so a run never ends silently instead.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+
+from jaxtrain import settings
+from jaxtrain.errors import ConfigError
+
+
+def check(config) -> dict | None:
+    """The job to requeue (``settings.slurm_job``) where ``config.requeue_on_signal`` asks for it, else None;
+    a ConfigError now if it could not be requeued later."""
+    if not config.requeue_on_signal:
+        return None
+    job = settings.slurm_job()
+    if job is None:
+        raise ConfigError("requeue_on_signal=True needs a SLURM job (SLURM_JOB_ID is not set): run it with sbatch, "
+                          "or drop it")
+    if not (config.checkpoint_dir and config.resume):
+        raise ConfigError("requeue_on_signal=True needs checkpoint_dir= and resume=True, so the requeued job goes on "
+                          "from the signal's checkpoint")
+    if shutil.which("scontrol") is None:
+        raise ConfigError("requeue_on_signal=True needs SLURM's scontrol on PATH (it is not): add SLURM's bin "
+                          "directory to PATH, or drop it")
+    return job
+
+
+def requeue(job: dict, saved: bool, say) -> str:
+    """``scontrol requeue`` the job (once, from process 0) where the signal's checkpoint was saved; what was done,
+    in words, for metrics.jsonl."""
+    if not saved:
+        say("not requeued: the signal's checkpoint was not written (a requeued job would repeat the steps since "
+            "the one before)")
+        return "not requeued: no checkpoint"
+    command = ["scontrol", "requeue", job["requeue_id"]]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        say(f"error: {' '.join(command)} failed: {(done.stderr or done.stdout).strip()}: requeue the job by hand "
+            "(its checkpoint is saved)")
+        return f"requeue failed: {(done.stderr or done.stdout).strip()}"
+    say(f"requeued the job: {' '.join(command)} (it goes on from the checkpoint when it starts again)")
+    return " ".join(command)
+
+
+REQUEUE_SIGNAL = "SIGUSR1"
+
+
+def after_stop(job: dict | None, writer, step: int, signal_name: str, say, saved: bool) -> None:
+    """Once a signal's checkpoint is closed: requeue ``job`` if asked and the signal was the warning (from
+    process 0, the one with a ``writer``), and say what was done in metrics.jsonl."""
+    if writer is None:
+        return
+    done = None
+    if job and signal_name == REQUEUE_SIGNAL:
+        done = requeue(job, saved, say)
+    elif job:
+        say(f"not requeued: {signal_name} is the scheduler's (requeue_on_signal=True requeues after "
+            f"{REQUEUE_SIGNAL}, the warning before a time limit)")
+        done = f"not requeued: {signal_name}"
+    writer.stopped(step, signal_name, saved, done)
+
+
+def at_start_up(job: dict, say, signum: int) -> None:
+    """The warning came before training started: requeue all the same (the checkpoint, if any, is intact)."""
+    if signal.Signals(signum).name == REQUEUE_SIGNAL:
+        requeue(job, True, say)

@@ -1,0 +1,51 @@
+"""An sbatch script for a run (``python -m jaxtrain.slurm``): nodes, tasks, GPUs, time, requeue and the signal.
+
+The script starts the run with ``exec srun`` (so the warning signal the batch shell gets reaches every task),
+checkpointing to ``--checkpoint-dir`` and resuming from it on every start, and asks the run to requeue its
+own job after the signal's checkpoint: a job cut by a time limit or preempted goes on where it stopped until it
+is done (docs/cluster.md). ``script`` writes the text; the command line prints, writes or submits it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What the script asks SLURM for; ``None`` leaves a setting to the cluster's defaults."""
+
+    command: tuple[str, ...]  # the run, e.g. ("python", "-m", "experiments.resnet18", "--epochs", "90")
+    checkpoint_dir: str
+    name: str = "jaxtrain"
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_task: int | None = None
+    cpus_per_task: int | None = None
+    time: str | None = None  # SLURM's [D-]HH:MM:SS
+    partition: str | None = None
+    account: str | None = None
+    output: str = "%x-%j.out"  # %x: the job's name, %j: its id; appended to on each start
+    signal_seconds: int = 120  # USR1 this long before the time limit (SLURM may send it up to a minute early)
+    requeue: bool = True
+    workdir: str = "."
+
+
+def script(job: Job) -> str:
+    """The sbatch script's text."""
+    options = {"job-name": job.name, "nodes": job.nodes, "ntasks-per-node": job.tasks_per_node,
+               "gpus-per-task": job.gpus_per_task, "cpus-per-task": job.cpus_per_task, "time": job.time,
+               "partition": job.partition, "account": job.account, "output": job.output, "open-mode": "append"}
+    lines = ["#!/bin/bash", "# Written by python -m jaxtrain.slurm (docs/cluster.md). Submit it with sbatch."]
+    lines += [f"#SBATCH --{key}={value}" for key, value in options.items() if value is not None]
+    run = [*job.command, "--checkpoint-dir", job.checkpoint_dir, "--resume"]
+    if job.requeue:
+        # USR1 to the batch shell, which is srun (exec): srun passes it on to every task. The run checkpoints,
+        # stops and requeues the job (scontrol requeue), which starts again with the same id and resumes.
+        lines += ["#SBATCH --requeue", f"#SBATCH --signal=B:USR1@{job.signal_seconds}"]
+        run.append("--requeue-on-signal")
+    lines += ["", 'echo "job $SLURM_JOB_ID start $((SLURM_RESTART_COUNT + 0)) on $SLURM_JOB_NODELIST"',
+              f"cd {shlex.quote(str(Path(job.workdir).resolve()))}", "exec srun " + shlex.join(run), ""]
+    return "\n".join(lines)
