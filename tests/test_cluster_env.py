@@ -58,7 +58,7 @@ def test_a_job_jax_cannot_join_is_one_line_naming_the_variable(env, monkeypatch)
     env(OMPI_COMM_WORLD_SIZE="2")  # Open MPI 5: no ORTE URI, so JAX finds no coordinator
     with pytest.raises(ConfigError, match=r"one of 2 Open MPI tasks, but OMPI_MCA_orte_hnp_uri is not set") as e:
         processes.start(None, None, None)
-    assert "\n" not in str(e.value) and "--coordinator" in str(e.value)
+    assert "\n" not in str(e.value) and "coordinator=HOST:PORT" in str(e.value)
     monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
     env(**{k: v for k, v in SRUN_STEP.items() if k != "SLURM_PROCID"})
     with pytest.raises(ConfigError, match=r"SLURM_PROCID is not set.*srun"):

@@ -32,8 +32,8 @@ def _in_cluster() -> bool:
     how = ("start the tasks with srun" if job.launcher == "SLURM" else
            "JAX finds Open MPI 4's coordinator only (Open MPI 5 sets none)")
     raise ConfigError(f"this process is one of {job.tasks} {job.launcher} tasks, but {', '.join(job.missing)} is not "
-                      f"set, which JAX needs to join them: {how}, or pass --coordinator HOST:PORT "
-                      f"--num-processes {job.tasks} --process-id RANK")
+                      f"set, which JAX needs to join them: {how}, or pass coordinator=HOST:PORT, "
+                      f"num_processes={job.tasks} and process_id=RANK")
 
 
 def start(coordinator, num_processes, process_id) -> None:
