@@ -154,3 +154,71 @@ def test_under_srun_one_task_per_node_drives_every_gpu_and_a_host_shares_its_cor
     cores = settings.cores()
     assert all(f"Share(devices=2, cores={cores}, own_cores={cores}, processes=2) threads {max(1, cores // 2)}"
                in line for line in two_here), two_here
+
+
+def test_the_sbatch_script_asks_for_the_job_and_requeues_on_the_warning():
+    from jaxtrain.slurm import Job, script
+
+    text = script(Job(("python", "-m", "experiments.resnet18", "--lr", "0.1 x"), "$SCRATCH/ck", nodes=2,
+                      gpus_per_task=8, time="24:00:00", account="lab"))
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-task=8",
+                 "#SBATCH --time=24:00:00", "#SBATCH --account=lab", "#SBATCH --requeue",
+                 "#SBATCH --signal=B:USR1@120", "#SBATCH --open-mode=append"):
+        assert line in text.splitlines(), (line, text)
+    assert "#SBATCH --partition" not in text  # unset: the cluster's default
+    assert text.splitlines()[-1] == ("exec srun python -m experiments.resnet18 --lr '0.1 x' --checkpoint-dir "
+                                     '"$SCRATCH/ck" --resume --requeue-on-signal')  # the variable expands in the job
+    once = script(Job(("python", "-m", "experiments.lenet"), "ck", requeue=False))
+    assert "--requeue" not in once and "USR1" not in once and once.splitlines()[-1].endswith("--resume")
+
+
+def test_the_sbatch_command_line_refuses_what_it_cannot_write():
+    def cli(*args):
+        return run_cli("-m", "jaxtrain.slurm", *args)
+
+    printed = cli("--checkpoint-dir", "ck", "--dry-run", "--", "python", "-m", "experiments.lenet")
+    assert printed.returncode == 0 and printed.stdout.startswith("#!/bin/bash"), printed.stderr
+    for args, says in ((["--checkpoint-dir", "ck"], "give the run's command after --"),
+                       (["--checkpoint-dir", "ck", "--", "python", "x.py", "--resume"], "leave --checkpoint-dir"),
+                       (["--checkpoint-dir", "ck", "--nodes", "0", "--", "python"], "--nodes must be >= 1")):
+        out = cli(*args)
+        assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
+
+
+def test_requeue_on_signal_is_refused_at_start_where_it_could_not_requeue(env, monkeypatch, tmp_path):
+    from jaxtrain.driver import requeue
+    from jaxtrain.driver.config import RunConfig
+
+    asked = RunConfig(model="lenet", requeue_on_signal=True, checkpoint_dir=str(tmp_path), resume=True)
+    with pytest.raises(ConfigError, match="needs a SLURM job"):
+        requeue.check(asked)
+    env(SLURM_JOB_ID="41", SLURM_ARRAY_JOB_ID="40", SLURM_ARRAY_TASK_ID="1", SLURM_RESTART_COUNT="2")
+    with pytest.raises(ConfigError, match="needs checkpoint_dir= and resume=True"):
+        requeue.check(RunConfig(model="lenet", requeue_on_signal=True))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol
+    with pytest.raises(ConfigError, match="needs SLURM's scontrol on PATH"):
+        requeue.check(asked)
+    (tmp_path / "scontrol").write_text("#!/bin/sh\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    assert requeue.check(asked) == {"job_id": "41", "requeue_id": "40_1", "restart_count": 2}  # an array's task
+    assert requeue.check(RunConfig(model="lenet")) is None
+
+
+def test_a_resumed_run_keeps_the_rows_of_its_earlier_starts(env, tmp_path):
+    from jaxtrain.driver.outputs import RunWriter
+    from jaxtrain.train.loop import EpochStats
+
+    def stats(epoch):
+        return EpochStats(epoch, 10, 100, 1.0, 0.5, 1.0, 0.5, 50, 1.0, 0.1, 0.0, 0.0)
+
+    first = RunWriter(tmp_path, job={"job_id": "7", "restart_count": 0})
+    first.epoch(stats(1))
+    first.epoch(stats(2))
+    first.stopped(25, "SIGUSR1", True, "scontrol requeue 7")
+    history = [first.rows[0]]  # the checkpoint holds epoch 1 only (epoch 2's row came after it)
+    second = RunWriter(tmp_path, history, job={"job_id": "7", "restart_count": 1}, resumed=True)
+    second.epoch(stats(2))
+    assert [(r.get("epoch"), r.get("event"), r["job"]["restart_count"]) for r in second.rows] == [
+        (1, None, 0), (None, "stopped", 0), (2, None, 1)]
+    assert second.stops == [second.rows[1]] and len(second.epochs) == 2
+    assert RunWriter(tmp_path).rows == []  # a fresh start keeps nothing

@@ -9,6 +9,7 @@ is done (docs/cluster.md). ``script`` writes the text; the command line prints, 
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 from pathlib import Path
 
@@ -47,5 +48,12 @@ def script(job: Job) -> str:
         lines += ["#SBATCH --requeue", f"#SBATCH --signal=B:USR1@{job.signal_seconds}"]
         run.append("--requeue-on-signal")
     lines += ["", 'echo "job $SLURM_JOB_ID start $((SLURM_RESTART_COUNT + 0)) on $SLURM_JOB_NODELIST"',
-              f"cd {shlex.quote(str(Path(job.workdir).resolve()))}", "exec srun " + shlex.join(run), ""]
+              f"cd {shlex.quote(str(Path(job.workdir).resolve()))}", "exec srun " + " ".join(map(_word, run)), ""]
     return "\n".join(lines)
+
+
+def _word(arg: str) -> str:
+    """``arg`` quoted for bash; one naming a variable (``$SCRATCH/ck``) in double quotes, so the job expands it."""
+    if "$" in arg and re.fullmatch(r"[\w@%+=:,./${}-]+", arg):
+        return f'"{arg}"'
+    return shlex.quote(arg)
