@@ -46,5 +46,5 @@ def test_the_checkpoints_page_has_the_requeue_pattern_it_refers_to():
     anchor = LINK.search(row).group(2)
     section = sections(DOCS / "checkpoints.md")[anchor]
     assert "--resume" in section and "--checkpoint-dir" in section and "already finished" in section
-    target = re.search(r"\]\((train-step\.md)#([\w-]+)\)", section)
+    target = re.search(r"\]\((cluster\.md)#([\w-]+)\)", section)
     assert "#SBATCH" in sections(DOCS / target.group(1))[target.group(2)]
