@@ -100,7 +100,7 @@ def test_a_host_share_counts_the_cores_of_all_its_processes():
     assert hosts.share_of([mine, mine], 0) == hosts.Share(2, settings.cores(), settings.cores(), 2)
     assert hosts.share_of([mine, other_host], 1) == hosts.Share(1, settings.cores(), settings.cores(), 1)
     one_core = mine.copy()
-    one_core[5:] = hosts._mine(1)[5:] * 0
+    one_core[hosts._MASK] = 0
     one_core[5] = hosts.np.packbits(hosts.np.eye(1, hosts.MAX_CPUS, 0, hosts.np.uint8)).view(hosts.np.int32)[0]
     bound = hosts.share_of([one_core, mine], 0)
     assert bound.own_cores == 1 and bound.bound == (settings.cores() > 1)
@@ -222,3 +222,12 @@ def test_a_resumed_run_keeps_the_rows_of_its_earlier_starts(env, tmp_path):
         (1, None, 0), (None, "stopped", 0), (2, None, 1)]
     assert second.stops == [second.rows[1]] and len(second.epochs) == 2
     assert RunWriter(tmp_path).rows == []  # a fresh start keeps nothing
+
+
+def test_the_preflight_names_a_slow_process_by_rank_and_host():
+    from jaxtrain.parallel import preflight
+
+    line = preflight.describe([0.002, 0.003, 0.002], [0.004, 0.005, 0.02], ["a", "a", "b"])
+    assert line.startswith("preflight: 3 processes on 2 host(s): all-reduce 3.0 ms, matmul 512x512 4.0-20.0 ms")
+    assert line.endswith("; slow: process 2 on b (20.0 ms, 4.0x the median)")
+    assert "slow" not in preflight.describe([0.002] * 2, [0.004, 0.005], ["a", "a"])

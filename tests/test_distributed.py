@@ -34,6 +34,9 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path):
     assert "[rank 0] process 0: params_digest" in out.stdout and "[rank 1] process 1: params_digest" in out.stdout
     assert reported_digests(out.stdout) == {digest(tmp_path / "multi")}  # both processes: the same params
     assert "[rank 1] epoch" not in out.stdout  # only process 0 reports progress
+    preflight = [line for line in out.stdout.splitlines() if "preflight:" in line]
+    assert len(preflight) == 1, preflight
+    assert preflight[0].startswith("[rank 0] preflight: 2 processes on 1 host(s): all-reduce"), preflight
     single = run_cli(*LENET, "--devices", "2", "--max-steps", "20", "--out", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-3000:]
     assert digest(tmp_path / "single") == digest(tmp_path / "multi")  # bit for bit
@@ -227,6 +230,26 @@ def test_a_worker_stuck_on_a_dead_peer_stops_by_itself_on_sigterm(tmp_path):
     assert int(stuck[0].split("no step finished for ")[1].split()[0]) >= StopOnSignal.STALL  # its stall watch
     assert "process 0 exited with code 143; stopping the others" in output  # then the launcher kills the stopped one
     assert launcher.returncode == 143
+    assert not any(alive(k) for k in kids)
+
+
+def test_a_process_stuck_without_any_signal_is_named_and_the_run_ends(tmp_path):
+    """A collective waiting on a stuck peer once waited until the scheduler's limit: now the stall watch of the
+    waiting process names it and ends the run, before JAX's heartbeat timeout would abort it without a word."""
+    from jaxtrain.driver.signals import STALLED_EXIT
+
+    ck = tmp_path / "ck"
+    launcher = start("-m", "jaxtrain.launch", "--processes", "2", "--devices-per-process", "1", "--",
+                     sys.executable, *LENET, "--max-steps", "100000", "--checkpoint-every", "5", "--stall-timeout",
+                     "8", "--checkpoint-dir", str(ck), "--out", str(tmp_path / "o"))
+    wait_for(ck / "10", launcher)
+    kids = children(launcher.pid)
+    os.kill(kids[1], signal.SIGSTOP)  # alive but silent, and no signal to anyone
+    output, _ = launcher.communicate(timeout=HANG_SECONDS)
+    said = [line for line in output.splitlines() if "no train step finished for" in line]
+    assert said and said[0].startswith("[rank 0] error: process 0 on "), output[-3000:]
+    assert "(stall_timeout=8)" in said[0] or "(--stall-timeout 8)" in said[0], said
+    assert launcher.returncode == STALLED_EXIT, output[-3000:]
     assert not any(alive(k) for k in kids)
 
 

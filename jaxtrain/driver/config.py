@@ -115,6 +115,9 @@ class RunConfig:
     requeue_on_signal: bool = _field(False, "in a SLURM job: after the checkpoint of SIGUSR1 (--signal=B:USR1@120 "
                                             "warns before a time limit), requeue the job with scontrol, to go on "
                                             "from it (needs --checkpoint-dir and --resume)")
+    stall_timeout: float = _field(600.0, "multi-process runs: end the run (exit 124, naming the process) when no "
+                                         "train step finishes for this many seconds, e.g. a collective waiting on "
+                                         "a stuck process; must exceed an evaluation pass; 0: never", minimum=0.0)
     no_progress: bool = _field(False, "no progress bars (they show only on a terminal anyway)")
     log_every: int | None = _field(None, "print a line every N steps (loss, examples/s, data wait; read one step "
                                          "late, never waiting for the device) and log them to TensorBoard",

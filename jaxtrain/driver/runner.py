@@ -25,6 +25,7 @@ from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import devices as devices_lib
+from jaxtrain.parallel import hosts, preflight
 from jaxtrain.driver import assemble, distill, export, observe, requeue, track
 from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
 from jaxtrain.driver.outputs import RunWriter, claim_out_dir
@@ -67,6 +68,8 @@ def setup_devices(c: RunConfig, words: Callable = str) -> Setup:
 
     if note := remat.offload_note(c.remat, devices[0].platform):  # a bad name fails here, before the data is read
         say(note)
+    if jax.process_count() > 1:
+        say(preflight.run(devices), flush=True)
     return Setup(c, devices, devices_lib.make_mesh(devices, axes=c.mesh), say, words)
 
 
@@ -260,6 +263,8 @@ def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = s
     s, c = setup_devices(config, words), config  # first: the device count is set before anything starts JAX's backend
     stop = stop or StopOnSignal()
     stop.vote = StopVote(s.devices) if jax.process_count() > 1 else None
+    if stop.vote and c.stall_timeout:
+        stop.watch_stalls(c.stall_timeout, f"process {jax.process_index()} on {hosts.host_of(jax.process_index())}")
     stop.reinstall()
     validate(s)
     open_checkpoints(s)

@@ -37,6 +37,9 @@ from collections.abc import Callable
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
+STALLED_EXIT = 124  # a run ended by its stall watch (as timeout(1) reports a time-out)
+
+
 class Exit(Exception):
     """The run ends with this process exit code (a signal stopped it: 128 + the signal)."""
 
@@ -79,6 +82,23 @@ class StopOnSignal:
         self._slowest = 0.0
         self._previous: dict = {}
         self._pipe: tuple[int, int] | None = None
+
+    def watch_stalls(self, seconds: float, who: str) -> None:
+        """Multi-process runs: when no train step finishes for ``seconds`` after the first (a collective waiting on
+        a process that is stuck, or gone without JAX noticing), say so naming ``who`` and exit with
+        ``STALLED_EXIT`` instead of waiting for the scheduler's limit. A save in flight is not a stall."""
+
+        def watch():
+            while not (self._started and not self._training):  # until training is over
+                time.sleep(min(1.0, seconds / 4))
+                quiet = time.monotonic() - self._last
+                if self._training and self._step >= 2 and not self._busy and not self.signum and quiet > seconds:
+                    print(f"error: {who}: no train step finished for {quiet:.0f} s (stall_timeout={seconds:g}): a "
+                          "collective is waiting on a process that is stuck or gone; exiting", file=sys.stderr,
+                          flush=True)
+                    os._exit(STALLED_EXIT)
+
+        threading.Thread(target=watch, daemon=True, name="jaxtrain-stall-watch").start()
 
     def training(self) -> None:
         """From now on a first signal asks for a checkpoint instead of exiting."""

@@ -21,6 +21,7 @@ import numpy as np
 from jaxtrain import settings
 
 MAX_CPUS = 4096  # the affinity bitmask's width: CPUs numbered beyond it are not counted
+NAME_BYTES = 64  # a hostname's first bytes, sent along for messages that name a process's host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,21 +42,28 @@ class Share:
 
 
 _learned: Share | None = None
+_names: list[str] = []  # every process's hostname, in process order (``learn``)
 
 
 def _mine(local_devices: int) -> np.ndarray:
-    """[hostname digest (4 x int32), local devices, affinity bitmask (MAX_CPUS / 32 x int32)]."""
-    name = np.frombuffer(hashlib.sha256(socket.gethostname().encode()).digest()[:16], np.int32)
+    """[hostname digest (4 x int32), local devices, affinity bitmask (MAX_CPUS / 32 x int32), hostname
+    (NAME_BYTES / 4 x int32)]."""
+    host = socket.gethostname().encode()
+    digest = np.frombuffer(hashlib.sha256(host).digest()[:16], np.int32)
     mask = np.zeros(MAX_CPUS, np.uint8)
     mask[[c for c in settings.affinity() if c < MAX_CPUS]] = 1
-    return np.concatenate([name, [local_devices], np.packbits(mask).view(np.int32)]).astype(np.int32)
+    name = np.frombuffer(host[:NAME_BYTES].ljust(NAME_BYTES, b"\0"), np.int32)
+    return np.concatenate([digest, [local_devices], np.packbits(mask).view(np.int32), name]).astype(np.int32)
+
+
+_MASK = slice(5, 5 + MAX_CPUS // 32)
 
 
 def share_of(rows: np.ndarray, me: int) -> Share:
     """The share of process ``me`` from every process's ``_mine`` row (one per process, in process order)."""
     rows = np.asarray(rows, np.int32)
     same_host = (rows[:, :4] == rows[me, :4]).all(axis=1)
-    masks = np.unpackbits(rows[:, 5:].view(np.uint8), axis=1)
+    masks = np.unpackbits(rows[:, _MASK].view(np.uint8), axis=1)
     cores = int(np.logical_or.reduce(masks[same_host], axis=0).sum())
     return Share(devices=int(rows[same_host, 4].sum()), cores=max(1, cores), own_cores=max(1, int(masks[me].sum())),
                  processes=int(same_host.sum()))
@@ -71,6 +79,7 @@ def learn() -> Share:
 
     rows = np.asarray(multihost_utils.process_allgather(_mine(jax.local_device_count())))
     shares = [share_of(rows, p) for p in range(len(rows))]
+    _names[:] = [row[_MASK.stop:].tobytes().rstrip(b"\0").decode(errors="replace") for row in rows]
     _learned = shares[jax.process_index()]
     bound = [p for p, s in enumerate(shares) if s.bound]
     if bound and jax.process_index() == 0:
@@ -97,3 +106,8 @@ def current() -> Share:
 def _say_unknown() -> None:
     print("note: jax.distributed was started outside jt.setup_devices, so the processes sharing this host are "
           "unknown: thread counts assume this process is alone on its cores", file=sys.stderr, flush=True)
+
+
+def host_of(process: int) -> str:
+    """Process ``process``'s hostname (after ``learn``; this host's own before)."""
+    return _names[process] if process < len(_names) else socket.gethostname()
