@@ -1,7 +1,7 @@
 """What a run trains, made from its RunConfig: the model, the optimizer, the train and eval steps.
 
-``runner.validate`` calls these on the dataset's usual image shape before the data is read (a bad setting
-fails in seconds, not after a conversion), ``runner.build`` once more for the data.
+``prepare.validate`` calls these on the dataset's usual image shape before the data is read (a bad setting
+fails in seconds, not after a conversion), ``prepare.build`` once more for the data.
 """
 
 from __future__ import annotations

@@ -1,0 +1,140 @@
+"""A run made ready, in phases before its first step: devices and mesh, every setting checked before the data is
+read, checkpoints opened (ours, locked), the data, the model and steps built for it, and the state (fresh, or the
+newest checkpoint's). ``runner`` trains what they make.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+from jaxtrain import models
+from jaxtrain.core import remat
+from jaxtrain.data import sources
+from jaxtrain.errors import ConfigError
+from jaxtrain.io.dirlock import DirLock
+from jaxtrain.parallel import devices as devices_lib
+from jaxtrain.parallel import preflight
+from jaxtrain.driver import assemble, distill, requeue
+from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
+from jaxtrain.train.checkpoint import Checkpointer
+from jaxtrain.train.trainer import Evaluator, Trainer
+
+
+@dataclasses.dataclass
+class Setup:
+    """What the phases build and pass on."""
+
+    config: RunConfig
+    devices: list[jax.Device]
+    mesh: jax.sharding.Mesh
+    say: Callable  # print on process 0 (parameters said as ``words`` says them), nothing elsewhere
+    words: Callable = str  # the CLI's: parameters as flags (cli.as_flags)
+    model: models.Model | None = None
+    trainer: Trainer | None = None  # a PipelineTrainer where the mesh has a "stage" axis
+    evaluator: Evaluator | None = None
+    layout: dict | None = None  # where each parameter lives (trainer.layout)
+    call_batch: int = 0
+    checkpointer: Checkpointer | None = None
+    teacher: tuple | None = None  # --teacher: (model, params, model_state)
+    last: dict = dataclasses.field(default_factory=dict)  # the last step's metrics
+    out_lock: DirLock | None = None  # held on --out while the run writes there
+    requeue_job: dict | None = None  # --requeue-on-signal: the SLURM job to requeue after a signal's checkpoint
+
+
+def setup_devices(c: RunConfig, words: Callable = str) -> Setup:
+    devices = devices_lib.setup_devices(c.devices, devices_per_process=c.devices_per_process,
+                                        coordinator=c.coordinator, num_processes=c.num_processes,
+                                        process_id=c.process_id)
+
+    def say(*text, **kw):
+        if jax.process_index() == 0:
+            print(*(words(str(t)) for t in text), **kw)
+
+    if note := remat.offload_note(c.remat, devices[0].platform):  # a bad name fails here, before the data is read
+        say(note)
+    if jax.process_count() > 1:
+        say(preflight.run(devices), flush=True)
+    return Setup(c, devices, devices_lib.make_mesh(devices, axes=c.mesh), say, words)
+
+
+def validate(s: Setup) -> None:
+    """Everything that can fail before the data is read (which may take minutes), checked on the dataset's
+    usual image shape: the model, the teacher, the pipeline's settings, where the state goes, the batch size.
+    Nothing is kept but the teacher (read once): ``build`` makes each part once, for the data."""
+    c = s.config
+    s.teacher = distill.teacher_from_run(c.teacher) if c.teacher else None
+    model = assemble.model(c, sources.shape_of(c.dataset), s.teacher)
+    assemble.placed(c, model, assemble.steps(c, s.mesh, model, updates=0)[0])
+
+
+def build(s: Setup, train) -> None:
+    """The model, optimizer and train / eval steps, sized by the ``train`` split (image shape, classes, updates)."""
+    c = s.config
+    s.model = assemble.model(c, sources.shape_of(c.dataset, train), s.teacher)
+    s.trainer, s.evaluator = assemble.steps(c, s.mesh, s.model, c.epochs * (len(train) // c.batch_size))
+    s.layout, s.call_batch = assemble.placed(c, s.model, s.trainer)
+
+
+def open_checkpoints(s: Setup) -> None:
+    """Writable and ours (locked) before the data is read; refuses to mix with another run's checkpoints."""
+    c = s.config
+    if (c.resume or c.checkpoint_every) and not c.checkpoint_dir:
+        raise ConfigError("resume=True and checkpoint_every= need checkpoint_dir=")
+    if not c.checkpoint_dir:
+        return
+    s.checkpointer = Checkpointer(c.checkpoint_dir, c.keep_checkpoints, fixed=FIXED_SETTINGS)
+    s.requeue_job = requeue.check(c)
+    if not c.resume and (newest := s.checkpointer.latest()) is not None:
+        raise ConfigError(f"{s.checkpointer.directory} already holds checkpoints (newest: step {newest}): pass "
+                          "resume=True to continue that run, or another checkpoint_dir= to start afresh")
+
+
+def load_data(s: Setup) -> tuple[dict, str]:
+    """The splits (subsets applied) and the digest of the whole dataset."""
+    c = s.config
+    data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir,
+                                  progress=False if c.no_progress else None) for k in ("train", "test")}
+    digest = sources.split_digest(*data.values())
+    return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, digest
+
+
+def run_settings(s: Setup, data_sha256: str) -> dict:
+    """What a checkpoint records of the run (and ``--resume`` compares)."""
+    c = s.config
+    settings = {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS) if hasattr(c, k)},  # mesh: the flag
+                "data_sha256": data_sha256, "experiment": c.model, "devices": len(s.devices),
+                "processes": jax.process_count(), "pipeline_layout": s.trainer.pipeline_layout}
+    if s.checkpointer is not None:
+        s.checkpointer.settings = settings
+    return settings
+
+
+def initial_state(s: Setup, settings: dict):
+    """(state, position): fresh, or the newest checkpoint's; position None when fresh; raises Finished."""
+    c = s.config
+    state = s.trainer.init(init_fn=s.model.init, rng=jax.random.key(c.seed))  # each device makes its shards
+    if not c.resume:
+        return state, None
+    restored = s.checkpointer.restore(state)
+    if restored is None:
+        s.say(f"no checkpoint in {c.checkpoint_dir} yet: starting from scratch")
+        return state, None
+    position = restored.position
+    steps, r = position.total_steps, position.result
+    if r and (position.epoch > c.epochs or c.max_steps is not None and steps >= c.max_steps):
+        s.say(f"already finished at step {steps} (checkpoint in {c.checkpoint_dir}): test acc {r['test_acc']:.3f}, "
+              f"test loss {r['test_loss']:.4f}; nothing to do (raise epochs= or max_steps= to train on)")
+        s.checkpointer.close()
+        raise Finished({"already_finished": True, "steps": steps, "test_acc": r["test_acc"]}, restored.state)
+    changed = [f"{k} {restored.settings.get(k)!r} -> {settings[k]!r}" for k in FREE_SETTINGS
+               if restored.settings.get(k) != settings[k]]
+    s.say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})"
+          + (f"; changed since: {', '.join(changed)}" if changed else ""))
+    return restored.state, position
+
+
+class Finished(Exception):
+    """A resumed run that had already finished: ``args[0]``, its summary, says where."""
