@@ -130,10 +130,10 @@ def wait_until(what, ready, job: str):
         time.sleep(0.5)
 
 
-def finished(tmp_path, job: str) -> dict:
+def finished(tmp_path, job: str, log=None) -> dict:
     wait_until("the job did not end", lambda: job_state(job)["JobState"] in ENDED, job)
     state = job_state(job)
-    assert state["JobState"] == "COMPLETED", (state, (tmp_path / "job.out").read_text()[-4000:])
+    assert state["JobState"] == "COMPLETED", (state, (log or tmp_path / "job.out").read_text()[-4000:])
     return state
 
 
@@ -172,3 +172,31 @@ def test_a_job_past_its_time_limit_checkpoints_requeues_itself_and_finishes(tmp_
     assert stops and all(s["signal"] == "SIGUSR1" and s["requeue"] == f"scontrol requeue {job}" for s in stops)
     epochs = [r for r in rows(tmp_path) if "event" not in r]
     assert {r["job"]["id"] for r in epochs} == {job}
+
+
+def test_a_job_array_of_sweep_workers_finishes_each_trial_once_when_one_task_is_requeued(tmp_path):
+    """Two array tasks work on one Optuna study; one is requeued while its trial runs: its sweep stops the trial,
+    queues its settings again and exits; SLURM starts the task again and the settings are trained once more."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path}/sweeps.db"
+    script = tmp_path / "array.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --array=0-1 --ntasks=1 --cpus-per-task=1 --requeue --output={tmp_path}/task-%a.out --open-mode=append
+cd {ROOT}
+exec {sys.executable} -m jaxtrain.sweep --study array --storage {storage} --trials 2 --param lr=log:0.05:0.5 \\
+    --dir {tmp_path}/trials -- {sys.executable} {' '.join(LENET)} --devices 1 --max-steps 150
+""")
+    job = re.search(r"Submitted batch job (\d+)", run("sbatch", str(script)).stdout).group(1)
+    trial_logs = tmp_path / "trials"
+    wait_until("two trials never ran at once", lambda: len(list(trial_logs.glob("trial-*/trial.log"))) == 2,
+               f"{job}_1")
+    run("scontrol", "requeue", f"{job}_1")
+    for task in ("0", "1"):
+        finished(tmp_path, f"{job}_{task}", log=tmp_path / f"task-{task}.out")
+    assert int(job_state(f"{job}_1")["Restarts"]) == 1
+    trials = optuna.load_study(study_name="array", storage=storage).trials
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+    assert len(done) == 2 and len({t.params["lr"] for t in done}) == 2, [(t.state, t.params) for t in trials]
+    assert len(failed) == 1 and failed[0].params["lr"] in {t.params["lr"] for t in done}  # its settings: once more

@@ -86,7 +86,9 @@ def run(trial, argv: list[str], out_dir: Path, objective: str, slot: dict, prune
                 done = True
             except subprocess.TimeoutExpired:
                 done = False
-            if stop is not None and stop.signum and not done:
+            # Stopped by the sweep's signal (or by the same signal sent to it directly, as a scheduler sends it to
+            # every process of a job, so it may end before the sweep forwards it): queued again, not failed.
+            if stop is not None and stop.signum and not (done and proc.returncode == 0):
                 _forward(proc, stop, poll)
                 raise Interrupted(stop.signum)
             if beat is not None and not done:
