@@ -161,9 +161,11 @@ def test_scontrol_requeue_mid_run_resumes_to_the_uninterrupted_result(tmp_path, 
 
 
 def test_a_job_past_its_time_limit_checkpoints_requeues_itself_and_finishes(tmp_path, uninterrupted):
-    """--time=00:01:00 --signal=B:USR1@30, a run of ~65 s: each start is warned (SLURM's timer ticks every ~30 s,
-    so a start may get as little as a few seconds), checkpoints, requeues the job, and the next goes on."""
-    job = submit(tmp_path, "--time", "00:01:00", "--signal-seconds", "30")
+    """--time=00:01:00 --signal=B:USR1@5, a run of ~65 s: warned, it checkpoints, requeues its job, and the next
+    start goes on. SLURM checks time limits every 30 s and warns at the first check with at most signal + 30 s
+    left: @30 or @15 warned each start ~19 s in (~7 s of training after its start-up; a start-up slowed by a busy
+    machine would never reach a step), @5 ~49 s in, with 11 s left for the checkpoint and the requeue."""
+    job = submit(tmp_path, "--time", "00:01:00", "--signal-seconds", "5")
     state = finished(tmp_path, job)
     log = (tmp_path / "job.out").read_text()
     assert int(state["Restarts"]) >= 1 and "requeued the job: scontrol requeue " + job in log, log[-3000:]
@@ -200,3 +202,17 @@ exec {sys.executable} -m jaxtrain.sweep --study array --storage {storage} --tria
     failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
     assert len(done) == 2 and len({t.params["lr"] for t in done}) == 2, [(t.state, t.params) for t in trials]
     assert len(failed) == 1 and failed[0].params["lr"] in {t.params["lr"] for t in done}  # its settings: once more
+
+
+VISIBLE = ("import jax, jaxtrain as jt; jt.setup_devices(devices_per_process=1); "
+           "print('visible', jax.process_index(), jax.config.read('jax_cuda_visible_devices'))")
+
+
+def test_under_srun_each_task_is_given_the_gpus_its_scheduler_gave_it():
+    """JAX alone gives each task its rank on the node ("0", "1"): one GPU each, whatever the task was given."""
+    def visible(**env):
+        out = run("srun", "-n", "2", sys.executable, "-c", VISIBLE, **env)
+        return sorted(line for line in out.stdout.splitlines() if line.startswith("visible"))
+
+    assert visible(CUDA_VISIBLE_DEVICES="2,3") == ["visible 0 0,1", "visible 1 0,1"]  # both of its GPUs, as CUDA counts
+    assert visible() == ["visible 0 all", "visible 1 all"]  # no GPU on this node: nothing restricted
