@@ -72,7 +72,7 @@ test: onednn setup data
 # the daemons stopped after, whatever the tests did.
 CLUSTER_PYTEST_ARGS ?= --durations=10
 cluster: onednn setup data
-	tools/cluster up
+	tools/cluster up || { tools/cluster down; exit 1; }
 	status=0; env $$(tools/cluster env) $(PY) -m pytest -m cluster $(CLUSTER_PYTEST_ARGS) tests/test_cluster.py \
 		|| status=$$?; tools/cluster down; exit $$status
 

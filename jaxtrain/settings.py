@@ -230,8 +230,15 @@ def tasks_on_node() -> tuple[int, int] | None:
     counts = []
     for part in per_node.split(","):
         count, _, times = part.partition("(x")
+        if not count.isdigit() or not (times.rstrip(")") or "1").isdigit():
+            raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={per_node}: not SLURM's form (e.g. 2(x3),1); run the "
+                              "tasks with srun, or unset it")
         counts += [int(count)] * int(times.rstrip(")") or 1)
-    return int(env["SLURM_LOCALID"]), counts[min(int(env.get("SLURM_NODEID", "0")), len(counts) - 1)]
+    node = int(env.get("SLURM_NODEID", "0") or 0)
+    if node >= len(counts):
+        raise ConfigError(f"SLURM_NODEID={node} but SLURM_STEP_TASKS_PER_NODE={per_node} names {len(counts)} "
+                          "node(s): run the tasks with srun")
+    return int(env["SLURM_LOCALID"]), counts[node]
 
 
 def slurm_job() -> dict | None:
@@ -248,6 +255,12 @@ def slurm_job() -> dict | None:
 def jax_local_device_ids() -> str:
     """``$JAX_LOCAL_DEVICE_IDS`` ("" where unset): the user's own choice of this process's GPUs, JAX's to read."""
     return os.environ.get("JAX_LOCAL_DEVICE_IDS", "")
+
+
+def gpus_per_task() -> int | None:
+    """``$SLURM_GPUS_PER_TASK`` (srun's ``--gpus-per-task``: each task sees its own), None where unset."""
+    text = os.environ.get("SLURM_GPUS_PER_TASK", "")
+    return int(text) if text.isdigit() else None
 
 
 def cuda_visible_devices() -> list[str] | None:

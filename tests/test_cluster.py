@@ -93,7 +93,7 @@ def test_mpirun_gives_the_one_process_result_unbound_and_says_why_not_when_bound
     said = "may run on 1 of the" in bound.stderr
     assert said or reported_digests(bound.stdout) == {one_process}, bound.stderr[-3000:]
     if said:  # one line, naming the way out
-        assert "mpirun --bind-to none keeps them equal" in bound.stderr
+        assert "mpirun --bind-to none (srun --cpu-bind=none) keeps them equal" in bound.stderr
 
 
 # Preemption and time limits. A run of this length takes ~65 s here (2 processes x 1 device): longer than the
@@ -209,10 +209,11 @@ VISIBLE = ("import jax, jaxtrain as jt; jt.setup_devices(devices_per_process=1);
 
 
 def test_under_srun_each_task_is_given_the_gpus_its_scheduler_gave_it():
-    """JAX alone gives each task its rank on the node ("0", "1"): one GPU each, whatever the task was given."""
+    """JAX alone gives each task its rank on the node ("0", "1"), whatever the task was given: with one GPU
+    each (CUDA_VISIBLE_DEVICES=3 in each), task 1 would ask for a GPU it cannot see."""
     def visible(**env):
         out = run("srun", "-n", "2", sys.executable, "-c", VISIBLE, **env)
         return sorted(line for line in out.stdout.splitlines() if line.startswith("visible"))
 
-    assert visible(CUDA_VISIBLE_DEVICES="2,3") == ["visible 0 0,1", "visible 1 0,1"]  # both of its GPUs, as CUDA counts
-    assert visible() == ["visible 0 all", "visible 1 all"]  # no GPU on this node: nothing restricted
+    assert visible(CUDA_VISIBLE_DEVICES="2,3") == ["visible 0 0", "visible 1 1"]  # one list for both: a share each
+    assert visible(CUDA_VISIBLE_DEVICES="3") == ["visible 0 0", "visible 1 0"]  # fewer than the tasks: their own

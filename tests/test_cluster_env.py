@@ -76,12 +76,14 @@ def test_a_run_in_an_allocation_but_outside_srun_runs_as_one_process(tmp_path):
 
 
 @pytest.mark.parametrize("given, gpus, expected", [
-    ({"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1"}, 8, list(range(8))),  # JAX alone: [0]
+    ({"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1"}, 8, []),  # every GPU (JAX alone: [0])
     ({"SLURM_LOCALID": "1"}, 8, [4, 5, 6, 7]),  # 2 tasks on the node: half each
-    ({"SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "6,7"}, 8, [0, 1]),  # what the scheduler gave, as CUDA counts
-    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"}, 4, [0, 1, 2, 3]),  # the 4th node: 1 task
+    ({"SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "6,7", "SLURM_GPUS_PER_TASK": "2"}, 8, [0, 1]),  # its own two
+    ({"SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 8, [2, 3]),  # one list for both tasks: its share
+    ({"SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "5"}, 8, [0]),  # fewer than the tasks: bound per task
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"}, 4, []),  # the 4th node: 1 task, every GPU
     ({"JAX_LOCAL_DEVICE_IDS": "3"}, 8, None),  # the user's: JAX reads it
-    ({}, 0, []),  # no GPU: nothing to restrict
+    ({"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1"}, 0, []),  # one task, no NVIDIA GPU: unrestricted
     ({"SLURM_STEP_TASKS_PER_NODE": "4"}, 2, None),  # fewer GPUs than tasks: JAX's one per task
 ])
 def test_each_task_drives_the_gpus_it_was_given(env, given, gpus, expected):
@@ -91,6 +93,13 @@ def test_each_task_drives_the_gpus_it_was_given(env, given, gpus, expected):
 
 def test_outside_a_job_jax_chooses_the_gpus(env):
     assert processes.local_device_ids(8) is None
+
+
+@pytest.mark.parametrize("per_node, node", [("2(xa)", "0"), ("two", "0"), ("2(x3)", "5")])
+def test_a_malformed_srun_step_is_one_line_naming_the_variable(env, per_node, node):
+    env(**{**SRUN_STEP, "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_NODEID": node})
+    with pytest.raises(ConfigError, match="SLURM_"):
+        processes.local_device_ids(8)
 
 
 def test_a_host_share_counts_the_cores_of_all_its_processes():
@@ -148,8 +157,8 @@ def test_under_srun_one_task_per_node_drives_every_gpu_and_a_host_shares_its_cor
     """JAX's own choice was the task's rank on its node: "0" in each of one task per node (1 GPU of 8)."""
     one_each = fake_srun(nodes=2)
     assert all(line.startswith("visible all ") for line in one_each), one_each
-    two_here = fake_srun(nodes=1, CUDA_VISIBLE_DEVICES="2,3")
-    assert all(line.startswith("visible 0,1 ") for line in two_here), two_here
+    two_here = fake_srun(nodes=1, CUDA_VISIBLE_DEVICES="2,3,4,5", SLURM_GPUS_PER_TASK="4")  # each task: its own 4
+    assert all(line.startswith("visible 0,1,2,3 ") for line in two_here), two_here
     # Both processes on this host, 1 device each: 2 devices share its cores, as 1 process x 2 devices would.
     cores = settings.cores()
     assert all(f"Share(devices=2, cores={cores}, own_cores={cores}, processes=2) threads {max(1, cores // 2)}"
@@ -166,10 +175,12 @@ def test_the_sbatch_script_asks_for_the_job_and_requeues_on_the_warning():
                  "#SBATCH --signal=B:USR1@120", "#SBATCH --open-mode=append"):
         assert line in text.splitlines(), (line, text)
     assert "#SBATCH --partition" not in text  # unset: the cluster's default
-    assert text.splitlines()[-1] == ("exec srun python -m experiments.resnet18 --lr '0.1 x' --checkpoint-dir "
-                                     '"$SCRATCH/ck" --resume --requeue-on-signal')  # the variable expands in the job
-    once = script(Job(("python", "-m", "experiments.lenet"), "ck", requeue=False))
-    assert "--requeue" not in once and "USR1" not in once and once.splitlines()[-1].endswith("--resume")
+    assert text.splitlines()[-1] == (  # the variables expand in the job; every start writes to one run directory
+        "exec srun python -m experiments.resnet18 --lr '0.1 x' --checkpoint-dir \"$SCRATCH/ck\" --resume "
+        '--out "runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}" --requeue-on-signal')
+    once = script(Job(("python", "-m", "experiments.lenet", "--out=o"), "ck", requeue=False))
+    assert "--requeue" not in once and "USR1" not in once
+    assert once.splitlines()[-1].endswith("--out=o --checkpoint-dir ck --resume")  # its own --out kept
 
 
 def test_the_sbatch_command_line_refuses_what_it_cannot_write():
@@ -180,6 +191,8 @@ def test_the_sbatch_command_line_refuses_what_it_cannot_write():
     assert printed.returncode == 0 and printed.stdout.startswith("#!/bin/bash"), printed.stderr
     for args, says in ((["--checkpoint-dir", "ck"], "give the run's command after --"),
                        (["--checkpoint-dir", "ck", "--", "python", "x.py", "--resume"], "leave --checkpoint-dir"),
+                       (["--checkpoint-dir", "ck", "--", "python", "--checkpoint-dir=d"], "leave --checkpoint-dir"),
+                       (["--checkpoint-dir", "ck", "--time", "1 00", "--", "python"], "--time '1 00': give a value"),
                        (["--checkpoint-dir", "ck", "--nodes", "0", "--", "python"], "--nodes must be >= 1")):
         out = cli(*args)
         assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
@@ -231,3 +244,4 @@ def test_the_preflight_names_a_slow_process_by_rank_and_host():
     assert line.startswith("preflight: 3 processes on 2 host(s): all-reduce 3.0 ms, matmul 512x512 4.0-20.0 ms")
     assert line.endswith("; slow: process 2 on b (20.0 ms, 4.0x the median)")
     assert "slow" not in preflight.describe([0.002] * 2, [0.004, 0.005], ["a", "a"])
+    assert "slow" not in preflight.describe([1e-4] * 3, [2e-5, 2e-5, 9e-5], ["a"] * 3)  # a GPU's jitter: 70 us

@@ -17,7 +17,7 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.parallel import preflight
-from jaxtrain.driver import assemble, distill, requeue
+from jaxtrain.driver import assemble, distill
 from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
 from jaxtrain.train.checkpoint import Checkpointer
 from jaxtrain.train.trainer import Evaluator, Trainer
@@ -86,7 +86,6 @@ def open_checkpoints(s: Setup) -> None:
     if not c.checkpoint_dir:
         return
     s.checkpointer = Checkpointer(c.checkpoint_dir, c.keep_checkpoints, fixed=FIXED_SETTINGS)
-    s.requeue_job = requeue.check(c)
     if not c.resume and (newest := s.checkpointer.latest()) is not None:
         raise ConfigError(f"{s.checkpointer.directory} already holds checkpoints (newest: step {newest}): pass "
                           "resume=True to continue that run, or another checkpoint_dir= to start afresh")

@@ -36,42 +36,46 @@ def check(config) -> dict | None:
     return job
 
 
-def requeue(job: dict, saved: bool, say) -> str:
-    """``scontrol requeue`` the job (once, from process 0) where the signal's checkpoint was saved; what was done,
-    in words, for metrics.jsonl."""
-    if not saved:
-        say("not requeued: the signal's checkpoint was not written (a requeued job would repeat the steps since "
-            "the one before)")
-        return "not requeued: no checkpoint"
-    command = ["scontrol", "requeue", job["requeue_id"]]
-    done = subprocess.run(command, capture_output=True, text=True)
+def command(job: dict) -> list[str]:
+    """How the job is requeued: ``scontrol requeue JOB`` (an array's task: ``ARRAYJOB_TASK``)."""
+    return ["scontrol", "requeue", job["requeue_id"]]
+
+
+def requeue(job: dict, say) -> None:
+    """``scontrol requeue`` the job (once, from process 0), saying what came of it. SLURM signals every
+    process of the job at once: whatever must be written is written before."""
+    done = subprocess.run(command(job), capture_output=True, text=True)
     if done.returncode:
-        say(f"error: {' '.join(command)} failed: {(done.stderr or done.stdout).strip()}: requeue the job by hand "
-            "(its checkpoint is saved)")
-        return f"requeue failed: {(done.stderr or done.stdout).strip()}"
-    say(f"requeued the job: {' '.join(command)} (it goes on from the checkpoint when it starts again)")
-    return " ".join(command)
+        say(f"error: {' '.join(command(job))} failed: {(done.stderr or done.stdout).strip()}: requeue the job by "
+            "hand (its checkpoint is saved)")
+    else:
+        say(f"requeued the job: {' '.join(command(job))} (it goes on from the checkpoint when it starts again)")
 
 
 REQUEUE_SIGNAL = "SIGUSR1"
 
 
 def after_stop(job: dict | None, writer, step: int, signal_name: str, say, saved: bool) -> None:
-    """Once a signal's checkpoint is closed: requeue ``job`` if asked and the signal was the warning (from
-    process 0, the one with a ``writer``), and say what was done in metrics.jsonl."""
+    """Once a signal's checkpoint is closed: say in metrics.jsonl what is done (from process 0, the one with a
+    ``writer``), then requeue ``job`` if asked, the signal was the warning and the checkpoint was saved."""
     if writer is None:
         return
-    done = None
-    if job and signal_name == REQUEUE_SIGNAL:
-        done = requeue(job, saved, say)
-    elif job:
+    if not job:
+        writer.stopped(step, signal_name, saved, None)
+    elif signal_name != REQUEUE_SIGNAL:
         say(f"not requeued: {signal_name} is the scheduler's (requeue_on_signal=True requeues after "
             f"{REQUEUE_SIGNAL}, the warning before a time limit)")
-        done = f"not requeued: {signal_name}"
-    writer.stopped(step, signal_name, saved, done)
+        writer.stopped(step, signal_name, saved, f"not requeued: {signal_name}")
+    elif not saved:
+        say("not requeued: the signal's checkpoint was not written (a requeued job would repeat the steps since "
+            "the one before)")
+        writer.stopped(step, signal_name, saved, "not requeued: no checkpoint")
+    else:
+        writer.stopped(step, signal_name, saved, " ".join(command(job)))
+        requeue(job, say)
 
 
 def at_start_up(job: dict, say, signum: int) -> None:
     """The warning came before training started: requeue all the same (the checkpoint, if any, is intact)."""
     if signal.Signals(signum).name == REQUEUE_SIGNAL:
-        requeue(job, True, say)
+        requeue(job, say)

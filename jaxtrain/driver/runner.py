@@ -87,7 +87,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
         state, history, first_loss = fit(
             s.trainer, state, train_data, s.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,
             hooks=hooks, on_epoch=on_epoch, progress=False if c.no_progress or writer is None else None,
-            prefetch=c.prefetch, position=position, eval_every=c.eval_every)
+            prefetch=c.prefetch, position=position, eval_every=c.eval_every, pause=stop.busy)
     except Interrupted as e:
         stop.done()
         step = e.position.total_steps
@@ -146,10 +146,11 @@ def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = s
     if stop.vote and c.stall_timeout:
         stop.watch_stalls(c.stall_timeout, f"process {jax.process_index()} on {hosts.host_of(jax.process_index())}")
     stop.reinstall()
-    validate(s)
-    open_checkpoints(s)
+    s.requeue_job = requeue.check(c)  # a run that could not requeue fails now, not after its warning
     if s.requeue_job and jax.process_index() == 0:  # warned before training starts: requeued all the same
         stop.at_start_up = functools.partial(requeue.at_start_up, s.requeue_job, s.say)
+    validate(s)
+    open_checkpoints(s)
     data, data_sha256 = load_data(s)
     build(s, data["train"])
     settings = run_settings(s, data_sha256)

@@ -77,6 +77,7 @@ class StopOnSignal:
         self._training = False
         self._started = False
         self._busy = 0
+        self._finishing = False
         self._step = 0
         self._last = time.monotonic()
         self._slowest = 0.0
@@ -121,6 +122,8 @@ class StopOnSignal:
             self._last = time.monotonic()
 
     def _on_signal(self, signum: int) -> None:
+        if self._finishing:  # stopped, saved, exiting with the first signal's code
+            return
         self._count += 1
         if not self._started:
             if self.at_start_up is not None:
@@ -166,6 +169,7 @@ class StopOnSignal:
             else:
                 say(f"stopped by signal at step {step}; the checkpoint of step {step} was NOT written; the newest is "
                     f"step {checkpointer.latest()}: continue from there with resume=True")
+        self._finishing = True  # what was to be saved is saved: a further signal (e.g. the requeue's) is ignored
         if then is not None:
             then(checkpointer is not None and checkpointer.committed(step))
         raise Exit(128 + self.signum) from None

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import socket
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -49,7 +50,7 @@ def _mine(local_devices: int) -> np.ndarray:
     """[hostname digest (4 x int32), local devices, affinity bitmask (MAX_CPUS / 32 x int32), hostname
     (NAME_BYTES / 4 x int32)]."""
     host = socket.gethostname().encode()
-    digest = np.frombuffer(hashlib.sha256(host).digest()[:16], np.int32)
+    digest = np.frombuffer(hashlib.sha256(host + _boot_id()).digest()[:16], np.int32)
     mask = np.zeros(MAX_CPUS, np.uint8)
     mask[[c for c in settings.affinity() if c < MAX_CPUS]] = 1
     name = np.frombuffer(host[:NAME_BYTES].ljust(NAME_BYTES, b"\0"), np.int32)
@@ -57,6 +58,15 @@ def _mine(local_devices: int) -> np.ndarray:
 
 
 _MASK = slice(5, 5 + MAX_CPUS // 32)
+
+
+def _boot_id() -> bytes:
+    """The running kernel's boot id: two machines (or containers on them) with one hostname are still two hosts;
+    containers on one machine share it, and its cores."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_bytes()
+    except OSError:
+        return b""
 
 
 def share_of(rows: np.ndarray, me: int) -> Share:
@@ -82,12 +92,12 @@ def learn() -> Share:
     _names[:] = [row[_MASK.stop:].tobytes().rstrip(b"\0").decode(errors="replace") for row in rows]
     _learned = shares[jax.process_index()]
     bound = [p for p, s in enumerate(shares) if s.bound]
-    if bound and jax.process_index() == 0:
+    if bound and jax.process_index() == 0 and jax.local_devices()[0].platform == "cpu":
         s = shares[bound[0]]
         print(f"note: process {bound[0]} may run on {s.own_cores} of the {s.cores} cores its host's processes use "
-              "(the launcher binds it, as mpirun does by default): XLA:CPU sizes its threads by them, so parameters "
-              "may differ in the last bits from a 1-process run on as many devices; mpirun --bind-to none keeps "
-              "them equal", file=sys.stderr, flush=True)
+              "(its launcher binds it: mpirun by default, srun with --cpu-bind): XLA:CPU sizes its threads by "
+              "them, so parameters may differ in the last bits from a 1-process run on as many devices; "
+              "mpirun --bind-to none (srun --cpu-bind=none) keeps them equal", file=sys.stderr, flush=True)
     return _learned
 
 

@@ -102,19 +102,26 @@ def local_device_ids(gpus: int | None = None) -> list[int] | None:
     """The GPUs this process drives, as ``jax.distributed.initialize`` numbers them (None: JAX's choice).
 
     JAX's SLURM and Open MPI detection gives each process one GPU, its rank on the node (jax-ml/jax#16788),
-    so a task given 8 GPUs would drive one. Here: $JAX_LOCAL_DEVICE_IDS, where set, decides (JAX reads it);
-    else the GPUs a scheduler gave the task ($CUDA_VISIBLE_DEVICES, which CUDA numbers from 0), all of them;
-    else, one task on its node: every GPU of the node; else the node's GPUs split evenly over its tasks.
-    [] (no GPU here: a CPU run) restricts nothing."""
+    so a task given 8 GPUs would drive one. Here: $JAX_LOCAL_DEVICE_IDS, where set, decides (JAX reads it).
+    Else $CUDA_VISIBLE_DEVICES (CUDA numbers its GPUs from 0): all of them where they are this task's own (one
+    task on the node, fewer than its tasks, or as many as $SLURM_GPUS_PER_TASK), else this task's share of
+    them. Else one task on its node: every GPU of the node ([]: nothing restricted, whatever the vendor). Else
+    the node's NVIDIA GPUs split evenly over its tasks (fewer GPUs than tasks, or none found: JAX's choice)."""
     on_node = settings.tasks_on_node()
     if on_node is None or settings.jax_local_device_ids():
         return None
+    rank, tasks = on_node
     visible = settings.cuda_visible_devices()
     if visible is not None:
-        return list(range(len(visible)))
+        if tasks == 1 or len(visible) < tasks or settings.gpus_per_task() == len(visible):
+            return list(range(len(visible)))
+        return _share(len(visible), rank, tasks)
+    if tasks == 1:
+        return []
     gpus = gpus_on_node() if gpus is None else gpus
-    rank, tasks = on_node
-    if gpus < tasks:
-        return [] if gpus == 0 else None  # fewer GPUs than tasks: JAX's own one per task (and its error)
+    return None if gpus < tasks else _share(gpus, rank, tasks)
+
+
+def _share(gpus: int, rank: int, tasks: int) -> list[int]:
     each = gpus // tasks
     return list(range(rank * each, (rank + 1) * each))

@@ -14,6 +14,9 @@ import shlex
 from pathlib import Path
 
 
+DEFAULT_OUT = "runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"  # where a run writes without --out: the same on a requeue
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     """What the script asks SLURM for; ``None`` leaves a setting to the cluster's defaults."""
@@ -42,6 +45,8 @@ def script(job: Job) -> str:
     lines = ["#!/bin/bash", "# Written by python -m jaxtrain.slurm (docs/cluster.md). Submit it with sbatch."]
     lines += [f"#SBATCH --{key}={value}" for key, value in options.items() if value is not None]
     run = [*job.command, "--checkpoint-dir", job.checkpoint_dir, "--resume"]
+    if not any(arg == "--out" or arg.startswith("--out=") for arg in job.command):
+        run += ["--out", DEFAULT_OUT]  # one run directory for every start of the job (its rows, its summary)
     if job.requeue:
         # USR1 to the batch shell, which is srun (exec): srun passes it on to every task. The run checkpoints,
         # stops and requeues the job (scontrol requeue), which starts again with the same id and resumes.
@@ -53,7 +58,8 @@ def script(job: Job) -> str:
 
 
 def _word(arg: str) -> str:
-    """``arg`` quoted for bash; one naming a variable (``$SCRATCH/ck``) in double quotes, so the job expands it."""
+    """``arg`` quoted for bash; one naming a variable (``$SCRATCH/ck``, ``${SLURM_JOB_ID}``) in double quotes,
+    so the job expands it (a literal ``$`` in an argument: write it as ``\\$``)."""
     if "$" in arg and re.fullmatch(r"[\w@%+=:,./${}-]+", arg):
         return f'"{arg}"'
     return shlex.quote(arg)

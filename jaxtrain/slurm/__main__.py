@@ -52,8 +52,12 @@ def main(argv=None) -> int:
     for name in ("nodes", "tasks_per_node", "gpus_per_task", "cpus_per_task", "signal_seconds"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if any(a in command for a in ("--checkpoint-dir", "--resume", "--requeue-on-signal")):
+    if any(a.split("=")[0] in ("--checkpoint-dir", "--resume", "--requeue-on-signal") for a in command):
         p.error("leave --checkpoint-dir, --resume and --requeue-on-signal out of the command: the script adds them")
+    for name in ("name", "time", "partition", "account", "output", "checkpoint_dir"):
+        value = getattr(args, name)
+        if value is not None and (not value or any(c.isspace() for c in value)):
+            p.error(f"--{name.replace('_', '-')} {value!r}: give a value without spaces")
     job = Job(tuple(command), args.checkpoint_dir, args.name, args.nodes, args.tasks_per_node, args.gpus_per_task,
               args.cpus_per_task, args.time, args.partition, args.account, args.output, args.signal_seconds,
               not args.no_requeue)

@@ -203,11 +203,11 @@ def main(argv=None) -> int:
 
     state = optuna.trial.TrialState
     finished = study.get_trials(deepcopy=False, states=(state.COMPLETE, state.PRUNED))
-    running = study.get_trials(deepcopy=False, states=(state.RUNNING,))
+    running = S.running_elsewhere(study)
     if running and len(finished) < args.trials:  # another worker of the study (a job array's task) has the rest
-        print(f"{parser.prog}: {len(running)} trial(s) still running in other sweeps of study {args.study!r}: it "
+        print(f"{parser.prog}: {running} trial(s) still running in other sweeps of study {args.study!r}: it "
               "finishes when they do", file=sys.stderr)
-    return 0 if len(finished) + len(running) >= args.trials else 1
+    return 0 if len(finished) + running >= args.trials else 1
 
 
 if __name__ == "__main__":

@@ -209,6 +209,16 @@ def fail_orphans(study, storage) -> list[int]:
     return orphans
 
 
+def running_elsewhere(study) -> int:
+    """RUNNING trials of other live sweeps of the study: on other hosts (their heartbeat vouches for them), or
+    on this one with their sweep's process alive (a dead one's are the next sweep's orphans)."""
+    host, count = socket.gethostname(), 0
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        pid = t.user_attrs.get("pid")
+        count += t.user_attrs.get("host") != host or pid is not None and _alive(pid)
+    return count
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -26,8 +26,9 @@ STATE = optuna.trial.TrialState
 
 
 class Signals:
-    """``with Signals() as stop``: SIGINT / SIGTERM to the sweep are recorded (``signum``: the first; ``count``)
-    for the running trials to forward, instead of killing the sweep (from the main thread only)."""
+    """``with Signals() as stop``: SIGINT / SIGTERM / SIGUSR1 (a SLURM job's warning) to the sweep are recorded
+    (``signum``: the first; ``count``) for the running trials to forward, instead of killing the sweep (from the
+    main thread only)."""
 
     def __init__(self):
         self.signum, self.count = 0, 0
@@ -35,7 +36,7 @@ class Signals:
 
     def __enter__(self) -> Signals:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._on) for s in (signal.SIGINT, signal.SIGTERM)}
+            self._previous = {s: signal.signal(s, self._on) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
         return self
 
     def _on(self, signum, _frame) -> None:

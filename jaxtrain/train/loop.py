@@ -181,7 +181,8 @@ class Loop:
 
 def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, max_steps: int | None = None,
         hooks: Sequence[Hook] = (), on_epoch: Callable[[EpochStats], None] | None = None,
-        progress: bool | None = None, prefetch: int = 2, position: Position | None = None, eval_every: int = 1):
+        progress: bool | None = None, prefetch: int = 2, position: Position | None = None, eval_every: int = 1,
+        pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
     """Train for ``epochs`` (or until ``max_steps`` in total), evaluating every ``eval_every`` epochs and after
     the last (``evaluator`` None: never).
 
@@ -190,8 +191,9 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
     ahead in a background thread), so a stray host array fails loudly instead
     of being copied each step; the time spent waiting for a batch is
     ``data_wait_fraction``. ``hooks`` run every N steps / epochs;
-    ``on_epoch(stats)`` is the common epoch hook. ``position`` resumes a run
-    where a checkpoint left it.
+    ``on_epoch(stats)`` is the common epoch hook; each runs inside ``pause()``
+    (a run's stall watch: an evaluation is not a stall). ``position`` resumes
+    a run where a checkpoint left it.
 
     Returns ``(state, history, first_loss)``: the final state, one EpochStats
     per epoch, and the loss of the very first step.
@@ -223,12 +225,14 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
                 loop.stepped(*out, train_loader.batch_size)
                 for hook in hooks:
                     if hook.due("step", loop.total_steps):
-                        hook.fn(loop)
+                        with pause():
+                            hook.fn(loop)
             loop.sync()
         _end_epoch(loop)
         for hook in hooks:
             if hook.due("epoch", epoch):
-                hook.fn(loop)
+                with pause():
+                    hook.fn(loop)
     return loop.state, loop.history, loop.first_loss
 
 
