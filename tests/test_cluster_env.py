@@ -4,6 +4,7 @@ shell, a job JAX cannot join, the GPUs each task drives, and the host's cores sh
 (tests/test_cluster.py runs the same against a real SLURM and Open MPI.)"""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -245,3 +246,26 @@ def test_the_preflight_names_a_slow_process_by_rank_and_host():
     assert line.endswith("; slow: process 2 on b (20.0 ms, 4.0x the median)")
     assert "slow" not in preflight.describe([0.002] * 2, [0.004, 0.005], ["a", "a"])
     assert "slow" not in preflight.describe([1e-4] * 3, [2e-5, 2e-5, 9e-5], ["a"] * 3)  # a GPU's jitter: 70 us
+
+
+def test_the_cluster_page_shows_what_the_generator_writes_for_its_command():
+    """docs/cluster.md's sbatch script is the generator's output for the command beside it (the cluster tests
+    submit the generator's output), but for the `cd` line, which names where it ran."""
+    import contextlib
+    import io
+    import shlex
+    from pathlib import Path
+
+    from jaxtrain.slurm.__main__ import main
+
+    page = (Path(ROOT) / "docs" / "cluster.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", page, flags=re.S)
+    command = next(b for b in blocks if b.startswith("python -m jaxtrain.slurm"))
+    shown = next(b for b in blocks if b.startswith("#!/bin/bash"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(shlex.split(command.replace("\\\n", " "))[3:]) == 0
+    def without_cd(text):
+        return [line for line in text.splitlines() if not line.startswith("cd ")]
+
+    assert without_cd(printed.getvalue()) == without_cd(shown)
