@@ -10,11 +10,12 @@ LR_SCHEDULES = ("constant", "cosine", "warmup_cosine", "onecycle")  # jaxtrain.c
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # pipeline schedules (jaxtrain.train.pipeline)
 KERNELS = ("jnp", "pallas")  # the train loss's cross-entropy: optax's, or jaxtrain.kernels.softmax_ce
 CONVS = ("auto", "xla", "onednn")  # the models' convolutions: jaxtrain.kernels.onednn.choose
-AUGMENTATIONS = ("none", "crop+flip")  # jaxtrain.data.augment
+AUGMENTATIONS = ("none", "crop+flip", "rrc+flip")  # jaxtrain.data.augment; rrc+flip: data.images (folders)
 DATASETS = ("fashion_mnist", "mnist", "cifar10")  # jaxtrain.data.sources.LOCAL; and "tfds:NAME"
 TRACKERS = ("none", "wandb", "mlflow")  # --track: jaxtrain.driver.track
 DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 TFDS_PREFIX = "tfds:"
+FOLDER_PREFIX = "folder:"  # a folder of images, one sub-folder per class (jaxtrain.data.folder)
 MESH_AXES = ("replica", "data", "model", "stage")  # a run's mesh's names (parallel.devices, train.pipeline)
 
 
@@ -22,9 +23,10 @@ def check_dataset(name: str) -> None:
     """A ConfigError unless ``name`` is one of DATASETS or ``tfds:NAME``."""
     from jaxtrain.errors import ConfigError
 
-    if name not in DATASETS and not (name.startswith(TFDS_PREFIX) and len(name) > len(TFDS_PREFIX)):
-        raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}, or tfds:NAME for a dataset "
-                          "TFDS has prepared")
+    if name not in DATASETS and not any(name.startswith(p) and len(name) > len(p) for p in (TFDS_PREFIX,
+                                                                                             FOLDER_PREFIX)):
+        raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}, tfds:NAME for a dataset "
+                          "TFDS has prepared, or folder:DIR for a folder of images (one sub-folder per class)")
 # A loss_fn's metric: the share of its batch's labels outside the classes (jaxtrain.models.classify reports it;
 # the trainer reads it after its first step: jaxtrain.parallel.call_checks).
 LABELS_OUT_OF_RANGE = "labels_out_of_range"

@@ -37,6 +37,7 @@ def _jit_cache_dir() -> str:
 if "JAXTRAIN_TEST_JIT_CACHE" not in os.environ:  # shared with pytest-xdist workers when they inherit it
     os.environ["JAXTRAIN_TEST_JIT_CACHE"] = _jit_cache_dir()
 os.environ["TFDS_DATA_DIR"] = _TFDS_DIR  # subprocesses inherit it too
+os.environ["JAXTRAIN_INDEX_CACHE"] = os.path.join(_TFDS_DIR, "folder-indexes")  # image folders' indexes, likewise
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

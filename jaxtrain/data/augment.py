@@ -47,7 +47,11 @@ def crop_flip(images: np.ndarray, seed: int, epoch: int, index: np.ndarray, pad:
 
 
 def get(name: str):
-    """``name`` -> fn(images uint8 [B, H, W, C], seed, epoch, index [B]) -> images, or None for "none"."""
+    """``name`` -> fn(images uint8 [B, H, W, C], seed, epoch, index [B]) -> images, or None for "none"
+    (``rrc+flip`` crops before decoding: only image folders have it, ``jaxtrain.data.images``)."""
     if name not in AUGMENTATIONS:
         raise ConfigError(f"unknown augmentation {name!r}: use one of {', '.join(AUGMENTATIONS)}")
+    if name == "rrc+flip":
+        raise ConfigError("augment=rrc+flip crops each image before it is decoded: it is for image folders "
+                          "(dataset=folder:DIR); use crop+flip for a dataset held in memory")
     return {"none": None, "crop+flip": crop_flip}[name]

@@ -1,21 +1,28 @@
-"""Batches of an in-memory split with grain: seeded shuffle, process shard, pad for eval.
+"""Batches of a split with grain: seeded shuffle, process shard, pad for eval.
 
-A whole split is small, so it is read once (a TFDS data source read a record at
-a time is far slower: docs/data.md) and grain maps batch indices to batches:
-``MapDataset.range(batches).map(make_batch)``, with worker threads when
-``workers > 0``. The epoch's order depends only on (seed, epoch), never
-on the device or process count; each process builds only its rows of every
-global batch (the contiguous slice its devices hold).
+grain maps batch indices to batches: ``MapDataset.range(batches).map(make_batch)``. The epoch's order depends
+only on (seed, epoch), never on the device or process count; each process builds only its rows of every
+global batch (the contiguous slice its devices hold), so across processes every example is read exactly
+once per epoch, and a run resumed at batch k of an epoch builds the very batches k, k+1, ... it would have.
+
+Two kinds of split: a ``Split`` held in memory (``workers``: grain threads; float32 batches) and a
+``FolderSplit`` of image files (``workers``: grain worker processes, each decoding whole batches; uint8
+batches, normalised on the device by the model). A folder's files that fail to decode are replaced and
+counted (``FolderSplit.on_bad``); the count is said in one line at the end of each epoch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import sys
+
 import grain
 import numpy as np
 
+from jaxtrain.choices import AUGMENTATIONS
 from jaxtrain.data import augment as augment_lib
+from jaxtrain.data.folder import FolderSplit
 from jaxtrain.data.split import Split
 from jaxtrain.errors import ConfigError
 
@@ -23,6 +30,15 @@ from jaxtrain.errors import ConfigError
 def normalise(images: np.ndarray) -> np.ndarray:
     """uint8 pixels -> float32 in [0, 1] (d2l's ToTensor)."""
     return images.astype(np.float32) * np.float32(1 / 255)
+
+
+def _absl_flags_parsed() -> None:
+    """grain 0.2.18's worker processes read absl flags (their defaults), which fails unless something parsed them:
+    a program that never used absl marks them parsed, as absl's own tests do."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
 
 def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
@@ -36,13 +52,14 @@ class Loader:
     Training (``train=True``): shuffled per epoch, remainder dropped.
     Evaluation: in order, every example exactly once; the last global batch
     is padded to full size and carries ``mask`` (0 for padding).
-    ``workers``: grain worker threads building batches ahead (0: in the
-    caller's thread). ``augment``: "crop+flip" on training batches
-    (``jaxtrain.data.augment``); ``transform``: an extra per-batch function;
-    both run in the workers.
+    ``workers``: grain workers building batches ahead (threads for a
+    ``Split``, processes for a ``FolderSplit``; 0: in the caller's thread).
+    ``augment``: on training batches (``jaxtrain.data.augment``, and
+    ``rrc+flip`` for folders: ``jaxtrain.data.images``); ``transform``: an
+    extra per-batch function; both run in the workers.
     """
 
-    def __init__(self, split: Split, batch_size: int, *, train: bool, seed: int = 0, workers: int = 0,
+    def __init__(self, split: Split | FolderSplit, batch_size: int, *, train: bool, seed: int = 0, workers: int = 0,
                  process_index: int | None = None, process_count: int | None = None,
                  transform: Callable[[dict], dict] | None = None, augment: str = "none"):
         import jax
@@ -58,7 +75,11 @@ class Loader:
             raise ConfigError(f"batch size {batch_size} is larger than the {len(split)} training examples")
         self.split, self.batch_size, self.train, self.seed = split, batch_size, train, seed
         self.workers, self.transform = workers, transform
-        self.augment = augment_lib.get(augment) if train else None  # never on evaluation batches
+        if not split.raw:
+            augment_lib.get(augment)  # a bad name, or rrc+flip without files: a ConfigError here
+        elif augment not in AUGMENTATIONS:
+            raise ConfigError(f"unknown augmentation {augment!r}: use one of {', '.join(AUGMENTATIONS)}")
+        self.augment = augment if train and augment != "none" else None  # never on evaluation batches
 
     def __len__(self) -> int:
         """Global batches per epoch."""
@@ -76,10 +97,28 @@ class Loader:
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict]:
         """Iterate over one epoch from batch ``start`` (a resumed run starts mid-epoch)."""
-        # Explicit options: iterating a MapDataset directly would start grain's
-        # default 16 threads, whatever ``workers`` says.
-        options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=2 * self.workers)
-        return iter(self.dataset(epoch, start).to_iter_dataset(options))
+        dataset = self.dataset(epoch, start)
+        if self.split.raw and self.workers:  # files: whole batches decoded in worker processes
+            _absl_flags_parsed()
+            one = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+            batches = dataset.to_iter_dataset(one).mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=self.workers, per_worker_buffer_size=2),
+                worker_init_fn=lambda index, count: _absl_flags_parsed())
+        else:  # explicit options: iterating a MapDataset directly would start grain's default 16 threads
+            options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=2 * self.workers)
+            batches = dataset.to_iter_dataset(options)
+        return self._counted(iter(batches), epoch)
+
+    def _counted(self, batches: Iterator[dict], epoch: int) -> Iterator[dict]:
+        """The batches without their list of failed files; their count said in one line when the epoch ends."""
+        bad = []
+        for batch in batches:
+            bad += batch.pop("bad")
+            yield batch
+        if bad:
+            print(f"warning: epoch {epoch}: {len(bad)} image file(s) could not be decoded and were replaced by the "
+                  f"next file of the split, e.g. {bad[0]} (on_bad_image=error stops instead)", file=sys.stderr,
+                  flush=True)
 
     def _batch(self, order: np.ndarray | None, b: int, epoch: int) -> dict:
         bs, n = self.batch_size, len(self.split)
@@ -87,13 +126,15 @@ class Loader:
                   b * bs + (self.process_index + 1) * self.local_batch_size)
         if order is not None:
             idx = order[lo:hi]
-            images = self.split.images[idx]
-            if self.augment is not None:
-                images = self.augment(images, self.seed, epoch, idx)
-            batch = {"image": normalise(images), "label": self.split.labels[idx]}
+            images, bad = self.split.examples(idx, self.augment, self.seed, epoch)
+            batch = {"image": images, "label": self.split.labels[idx]}
         else:  # eval: in order, padded past the end, masked
             idx = np.arange(lo, hi)
             real = idx < n
             idx = np.where(real, idx, 0)
-            batch = {"image": normalise(self.split.images[idx]), "label": self.split.labels[idx], "mask": real}
-        return self.transform(batch) if self.transform is not None else batch
+            images, bad = self.split.examples(idx, None, self.seed, epoch)
+            batch = {"image": images, "label": self.split.labels[idx], "mask": real}
+        if not self.split.raw:
+            batch["image"] = normalise(batch["image"])
+        batch = self.transform(batch) if self.transform is not None else batch
+        return {**batch, "bad": bad}

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, CONVS, DATASETS, DEFAULT_DATA_DIRS, KERNELS, LR_SCHEDULES,
-                              OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES, TRACKERS,
-                              check_dataset)
+from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, CONVS, DATASETS, DEFAULT_DATA_DIRS, FOLDER_PREFIX, KERNELS,
+                              LR_SCHEDULES, OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES,
+                              TRACKERS, check_dataset)
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
@@ -27,8 +27,8 @@ RECIPE_FIELDS = ("epochs", "batch_size", "lr", "optimizer", "schedule", "warmup_
 
 # Settings that change what a checkpoint's state means: resume refuses to mix them.
 FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "schedule",
-                  "warmup_epochs", "weight_decay", "clip_grad_norm", "augment", "batch_size", "seed", "precision",
-                  "accum_steps", "accum", "pipeline_layout", "quantize", "teacher", "temperature",
+                  "warmup_epochs", "weight_decay", "clip_grad_norm", "augment", "image_size", "batch_size", "seed",
+                  "precision", "accum_steps", "accum", "pipeline_layout", "quantize", "teacher", "temperature",
                   "alpha")
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
@@ -79,20 +79,31 @@ class RunConfig:
     init: str | None = _field(None, "weight init, where the model offers several (resnet18: d2l or he; "
                                     "default: the first)")
     seed: int = _field(0, "seed of the init and of the shuffling")
-    dataset: str = _field("fashion_mnist", f"dataset to train on: {', '.join(DATASETS)}, or tfds:NAME (an image "
-                                           "classification dataset TFDS has prepared in --tfds-dir)")
+    dataset: str = _field("fashion_mnist", f"dataset to train on: {', '.join(DATASETS)}, tfds:NAME (an image "
+                                           "classification dataset TFDS has prepared in --tfds-dir), or folder:DIR "
+                                           "(images in DIR/train/CLASS/ and DIR/val/CLASS/, or DIR/CLASS/ with "
+                                           "--val-fraction; streamed from disk, decoded by --workers processes)")
     data_dir: str | None = _field(None, "directory of the dataset's files: the four IDX files (train-images-idx3-"
                                         "ubyte[.gz], ...) or CIFAR-10's binary batches (data_batch_1.bin, ..., "
                                         f"test_batch.bin); default for fashion_mnist: "
                                         f"{DEFAULT_DATA_DIRS['fashion_mnist']} (Debian package)")
-    augment: str = _field("none", "training-time augmentation: crop+flip (pad 4, random crop back to the image "
-                                  "size, horizontal flip; drawn from seed, epoch and example index) or none; never "
-                                  "on the test set", choices=AUGMENTATIONS)
+    augment: str | None = _field(None, "training-time augmentation: crop+flip (pad 4, random crop back to the "
+                                       "image size, horizontal flip), rrc+flip (image folders: ImageNet's random-"
+                                       "resized-crop and flip) or none; drawn from seed, epoch and example index; "
+                                       "never on the test set (default: none; a folder: the model's recipe, "
+                                       "rrc+flip for resnet50)", choices=AUGMENTATIONS)
+    image_size: int | None = _field(None, "folder:DIR: the side images are resized to (default: the model's "
+                                          "recipe: 224 for resnet50, 32 otherwise)", minimum=1)
+    val_fraction: float | None = _field(None, "folder:DIR without train/ and val/: the share of each class held "
+                                              "out for evaluation (a fixed split)", above=0.0)
+    on_bad_image: str = _field("skip", "folder:DIR: a file that fails to decode is skipped (replaced by the next, "
+                                       "counted, one warning line per epoch) or an error", choices=("skip", "error"))
     tfds_dir: str | None = _field(None, "TFDS data dir where the converted dataset is cached (default: "
                                         "$TFDS_DATA_DIR or ~/tensorflow_datasets)")
     out: str | None = _field(None, "output directory for metrics.jsonl, summary.json, curves.png and the "
                                    "TensorBoard events (default: a fresh runs/NAME-DATE-TIME)")
-    workers: int = _field(0, "grain worker threads building batches ahead (0: in the prefetch thread; docs: Data)",
+    workers: int = _field(0, "grain workers building batches ahead: threads, or processes decoding a folder's "
+                             "images (0: in the prefetch thread; docs: Data)",
                           minimum=0)
     prefetch: int = _field(2, "batches copied to the devices ahead of the step by a background thread (0: off)",
                            minimum=0)
@@ -207,6 +218,13 @@ class RunConfig:
                 object.__setattr__(self, name, getattr(recipe, name))
         if self.init is None:
             object.__setattr__(self, "init", recipe.inits[0])
+        folder = self.dataset.startswith(FOLDER_PREFIX)
+        if not folder and (self.image_size, self.val_fraction) != (None, None):
+            raise ConfigError("image_size= and val_fraction= are for image folders (dataset=folder:DIR)")
+        if self.augment is None:
+            object.__setattr__(self, "augment", recipe.folder_augment if folder else "none")
+        if folder and self.image_size is None:
+            object.__setattr__(self, "image_size", recipe.image_size)
 
     def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)

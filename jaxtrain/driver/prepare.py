@@ -6,13 +6,15 @@ newest checkpoint's). ``runner`` trains what they make.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 
 import jax
 
 from jaxtrain import models
 from jaxtrain.core import remat
-from jaxtrain.data import sources
+from jaxtrain.choices import FOLDER_PREFIX
+from jaxtrain.data import folder, sources
 from jaxtrain.errors import ConfigError
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.parallel import devices as devices_lib
@@ -66,7 +68,7 @@ def validate(s: Setup) -> None:
     Nothing is kept but the teacher (read once): ``build`` makes each part once, for the data."""
     c = s.config
     s.teacher = distill.teacher_from_run(c.teacher) if c.teacher else None
-    model = assemble.model(c, sources.shape_of(c.dataset), s.teacher)
+    model = assemble.model(c, sources.shape_of(c.dataset, image_size=c.image_size), s.teacher)
     assemble.placed(c, model, assemble.steps(c, s.mesh, model, updates=0)[0])
 
 
@@ -92,20 +94,27 @@ def open_checkpoints(s: Setup) -> None:
 
 
 def load_data(s: Setup) -> tuple[dict, str]:
-    """The splits (subsets applied) and the digest of the whole dataset."""
+    """The splits (subsets applied) and the digest of the whole dataset (a folder's: of its index)."""
     c = s.config
-    data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir,
-                                  progress=False if c.no_progress else None) for k in ("train", "test")}
-    digest = sources.split_digest(*data.values())
+    if c.dataset.startswith(FOLDER_PREFIX):  # streamed from disk: only the index is read now
+        data = folder.load(c.dataset[len(FOLDER_PREFIX):], c.image_size, val_fraction=c.val_fraction,
+                           on_bad=c.on_bad_image, crop_fraction=0.875 if c.augment == "rrc+flip" else 1.0,
+                           warn=lambda text: s.say(text, file=sys.stderr, flush=True))
+        digest = folder.digest(*data.values())
+    else:
+        data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir,
+                                      progress=False if c.no_progress else None) for k in ("train", "test")}
+        digest = sources.split_digest(*data.values())
     return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, digest
 
 
-def run_settings(s: Setup, data_sha256: str) -> dict:
-    """What a checkpoint records of the run (and ``--resume`` compares)."""
+def run_settings(s: Setup, data_sha256: str, class_names: tuple[str, ...] | None = None) -> dict:
+    """What a checkpoint records of the run (and ``--resume`` compares); an image folder's class names too."""
     c = s.config
     settings = {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS) if hasattr(c, k)},  # mesh: the flag
                 "data_sha256": data_sha256, "experiment": c.model, "devices": len(s.devices),
-                "processes": jax.process_count(), "pipeline_layout": s.trainer.pipeline_layout}
+                "processes": jax.process_count(), "pipeline_layout": s.trainer.pipeline_layout,
+                **({"class_names": list(class_names)} if class_names else {})}
     if s.checkpointer is not None:
         s.checkpointer.settings = settings
     return settings

@@ -120,6 +120,8 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
     summary = run_summary(c, s.model, history, first_loss, stats, peak, s.devices, s.call_batch, steps_per_epoch,
                           {k: len(v) for k, v in data.items()}, settings["data_sha256"])
     summary.update(slurm_job=slurm_job(), stops=writer.stops if writer else [])
+    if "class_names" in settings:  # an image folder's: label i is class_names[i]
+        summary["class_names"] = settings["class_names"]
     summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
                    sharded_params=s.layout["sharded"], collectives=stats["collectives"],
                    conv=conv_path(c, s.model, platform),
@@ -153,7 +155,7 @@ def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = s
     open_checkpoints(s)
     data, data_sha256 = load_data(s)
     build(s, data["train"])
-    settings = run_settings(s, data_sha256)
+    settings = run_settings(s, data_sha256, getattr(data["train"], "class_names", None))
     try:
         state, position = initial_state(s, settings)
     except Finished as f:
@@ -183,4 +185,5 @@ def save_model(s: Setup, out_dir, state, summary: dict, settings: dict) -> None:
     """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.driver.export)."""
     export.save(out_dir, state.params, distill.own_state(state.model_state), {
         **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": s.config.model, "init": s.model.init_name,
-        "input_shape": s.model.input_shape, "num_classes": s.model.num_classes, "settings": settings})
+        "input_shape": s.model.input_shape, "num_classes": s.model.num_classes, "settings": settings,
+        **({"class_names": settings["class_names"]} if "class_names" in settings else {})})

@@ -26,6 +26,8 @@ class Defaults:
     optimizer: str = "sgd"
     schedule: str = "constant"  # learning rate over the run (jaxtrain.core.optim.make_schedule)
     warmup_epochs: float = 0.0
+    image_size: int = 32  # an image folder's images are resized to this (the CIFAR recipes' 32)
+    folder_augment: str = "none"  # an image folder's training augmentation unless told
 
 
 # name -> the recipe (d2l's "Multiple GPUs" lessons: LeNet lr 0.2, ResNet-18 lr 0.1; 10 epochs, batch 256)
@@ -35,7 +37,7 @@ MODELS = {
                          description="d2l's ResNet-18 for 28x28 (3x3 stem, no max-pool), BatchNorm synchronised "
                                      "over the devices"),
     "resnet50": Defaults(90, 256, 0.256, inits=("he",), optimizer="momentum", schedule="warmup_cosine",
-                         warmup_epochs=2,
+                         warmup_epochs=2, image_size=224, folder_augment="rrc+flip",
                          description="ResNet-50 v1.5 (NVIDIA DeepLearningExamples' ImageNet network; 224x224x3, 1000 "
                                      "classes for GPU plans): bottleneck blocks, BatchNorm synchronised"),
     "vit": Defaults(3, 64, 2e-3, inits=("glorot",), optimizer="adam", schedule="warmup_cosine", warmup_epochs=0.5,

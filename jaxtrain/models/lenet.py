@@ -68,7 +68,7 @@ def apply(params: dict, images: jax.Array, remat: str = "none", ops: tuple = FLO
     """Logits [B, classes] for images [B, H, W, C]; ``remat`` names a policy per conv block; ``ops``: the
     (conv, matmul) the layers use."""
     conv, matmul = ops
-    images = checked_images(images, params["conv1"]["w"].shape[2], "LeNet")
+    images = checked_images(images, params["conv1"]["w"].shape[2], "LeNet", params["conv1"]["w"].dtype)
     block = _remat(functools.partial(_conv_block, conv=conv), remat)
     x = block(params["conv1"], images)  # 28 -> 26 -> 13
     x = block(params["conv2"], x)  # 13 -> 9 -> 4

@@ -133,7 +133,7 @@ class ResNet18(nnx.Module):
         self.remat = remat  # a jaxtrain.core.remat policy name, applied per residual block
 
     def __call__(self, x, train: bool = False):
-        x = checked_images(x, self.conv.in_features, "ResNet-18")
+        x = checked_images(x, self.conv.in_features, "ResNet-18", self.conv.kernel.dtype)
         x = nnx.relu(self.bn(self.conv(x), use_running_average=not train))
         pol = remat_policy(self.remat)
         for block in self.blocks:

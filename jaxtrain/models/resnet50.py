@@ -73,7 +73,7 @@ class ResNet50(nnx.Module):
         self.remat = remat  # a jaxtrain.core.remat policy name, applied per bottleneck block
 
     def __call__(self, x, train: bool = False):
-        x = checked_images(x, self.stem.in_features, "ResNet-50")
+        x = checked_images(x, self.stem.in_features, "ResNet-50", self.stem.kernel.dtype)
         x = nnx.relu(self.bn(self.stem(x), use_running_average=not train))
         x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         pol = remat_policy(self.remat)

@@ -67,7 +67,7 @@ def _norm(x, scale, bias, kernels="jnp"):
 
 def embed_fn(E, batch):
     """Images [B, H, W, C] -> tokens [B, H/4 * W/4, DIM] (28x28x1: 49 tokens)."""
-    x = checked_images(batch["image"], E["patch"].shape[0] // PATCH**2, "the ViT")
+    x = checked_images(batch["image"], E["patch"].shape[0] // PATCH**2, "the ViT", E["patch"].dtype)
     n, h, w, c = x.shape
     patches = x.reshape(n, h // PATCH, PATCH, w // PATCH, PATCH, c).transpose(0, 1, 3, 2, 4, 5)
     patches = patches.reshape(n, (h // PATCH) * (w // PATCH), PATCH * PATCH * c)

@@ -1,0 +1,104 @@
+"""An image file decoded into a fixed-size uint8 RGB array, transformed on the way (in a loader's worker).
+
+Evaluation, and training without augmentation: the centre square of ``crop_fraction`` of the shorter side,
+resized to ``size`` (ImageNet's "resize 256, centre crop 224" is ``crop_fraction`` 0.875 at 224).
+``rrc+flip``: ImageNet's random-resized-crop (torchvision's ``RandomResizedCrop``: 8% to 100% of the area,
+aspect ratio 3/4 to 4/3, 10 tries, then the centre) and a horizontal flip with probability 1/2.
+``crop+flip``: the whole image resized, then ``jaxtrain.data.augment.crop_flip`` (the CIFAR recipes').
+
+Fast on one core: the crop box is chosen from the header's size before anything is decoded; a JPEG is then
+decoded at the smallest of libjpeg-turbo's reduced scales (1/2, 1/4, 1/8) that keeps the box at least
+``size`` wide (Pillow's ``draft``), and the crop and the resize are one Pillow call (``resize(box=...)``).
+Every random choice comes from (seed, epoch, example index), so a resumed or multi-process run decodes the
+same pixels as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from jaxtrain.data import augment as augment_lib
+from jaxtrain.errors import ConfigError
+
+SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
+DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError)  # what Pillow raises for a damaged file
+
+
+def centre_box(w: int, h: int, fraction: float = 1.0) -> tuple[float, float, float, float]:
+    """The centre square of ``fraction`` of the shorter side: (left, top, right, bottom)."""
+    side = min(w, h) * fraction
+    left, top = (w - side) / 2, (h - side) / 2
+    return left, top, left + side, top + side
+
+
+def random_resized_box(w: int, h: int, rng: np.random.Generator) -> tuple[float, float, float, float]:
+    """torchvision's RandomResizedCrop box: area and log-aspect drawn uniformly, 10 tries, then the centre."""
+    area = w * h
+    for _ in range(10):
+        target = area * rng.uniform(*SCALE)
+        ratio = math.exp(rng.uniform(math.log(RATIO[0]), math.log(RATIO[1])))
+        cw, ch = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        if 0 < cw <= w and 0 < ch <= h:
+            left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+            return left, top, left + cw, top + ch
+    ratio = w / h  # the fallback: the whole image, its aspect clamped to RATIO
+    cw, ch = (w, round(w / RATIO[0])) if ratio < RATIO[0] else (round(h * RATIO[1]), h) if ratio > RATIO[1] else (w, h)
+    cw, ch = min(cw, w), min(ch, h)
+    left, top = (w - cw) // 2, (h - ch) // 2
+    return left, top, left + cw, top + ch
+
+
+def decode(path: str | Path, size: int, box_of, flip: bool = False) -> np.ndarray:
+    """``path`` -> uint8 [size, size, 3]: ``box_of(w, h)`` picks the region (in the full image's pixels),
+    decoded at a reduced scale where JPEG allows, cropped and resized in one call."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        w, h = img.size
+        left, top, right, bottom = box_of(w, h)
+        if img.format == "JPEG":
+            # the largest reduction that keeps the box >= size: draft picks a scale with the image >= the request
+            shrink = max(1.0, min((right - left) / size, (bottom - top) / size))
+            img.draft("RGB", (math.ceil(w / shrink), math.ceil(h / shrink)))
+            sx, sy = img.size[0] / w, img.size[1] / h
+            left, top, right, bottom = left * sx, top * sy, right * sx, bottom * sy
+        rgb = img.convert("RGB")  # the decode; greyscale, CMYK, palette and RGBA (alpha dropped) become RGB
+    out = rgb.resize((size, size), Image.BILINEAR, box=(left, top, right, bottom))
+    if flip:
+        out = out.transpose(Image.FLIP_LEFT_RIGHT)
+    return np.asarray(out, np.uint8)
+
+
+def _rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed % 2**63, epoch, int(index)])
+
+
+def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch: int) -> tuple[np.ndarray, list]:
+    """(uint8 [len(idx), S, S, 3], [what failed]) of ``split``'s files ``idx`` (a ``FolderSplit``): a file that
+    fails to decode is replaced by the next file of the split (``on_bad="skip"``) or is a ConfigError."""
+    size, root, n = split.size, Path(split.root), len(split)
+    out, bad = np.empty((len(idx), size, size, 3), np.uint8), []
+    for row, i in enumerate(np.asarray(idx)):
+        if augment == "rrc+flip":
+            rng = _rng(seed, epoch, i)
+            box_of, flip = (lambda w, h, rng=rng: random_resized_box(w, h, rng)), bool(rng.integers(2))
+        else:
+            box_of, flip = (lambda w, h: centre_box(w, h, split.crop_fraction)), False
+        for j in (int(i + k) % n for k in range(n)):  # this file, or (skip) the next that decodes
+            path = root / split.files[j]
+            try:
+                out[row] = decode(path, size, box_of, flip)
+                break
+            except DECODE_ERRORS as e:
+                if split.on_bad == "error":
+                    raise ConfigError(f"{path} cannot be decoded ({type(e).__name__}: {str(e)[:120]}): replace or "
+                                      "remove it, or pass on_bad_image=skip to skip damaged files") from None
+                bad.append(f"{path} ({type(e).__name__})")
+        else:
+            raise ConfigError(f"{root}: no file of this split decodes (e.g. {bad[0]})")
+    if augment == "crop+flip":
+        out = augment_lib.crop_flip(out, seed, epoch, np.asarray(idx))
+    return out, bad

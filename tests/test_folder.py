@@ -1,0 +1,233 @@
+"""Image folders (``--dataset folder:DIR``): the index, decoding, the transforms, bad input, and the loader's
+batches (worker processes, exactly once across processes, mid-epoch resume)."""
+
+import os
+
+import numpy as np
+import pytest
+from image_folders import CLASSES, code, make_coded, make_folder, noise
+from PIL import Image
+
+from jaxtrain import settings
+from jaxtrain.data import folder, images
+from jaxtrain.data.loader import Loader, normalise
+from jaxtrain.errors import ConfigError
+
+
+@pytest.fixture
+def cache(tmp_path):
+    with settings.override(index_cache=tmp_path / "index-cache"):
+        yield tmp_path / "index-cache"
+
+
+def test_train_and_val_folders_give_sorted_classes_and_every_file(tmp_path, cache):
+    root = make_folder(tmp_path / "d", {"train": 6, "val": 2}, classes=("ship", "cat", "dog"))
+    data = folder.load(root, 16)
+    train, test = data["train"], data["test"]
+    assert train.class_names == test.class_names == ("cat", "dog", "ship")  # sorted by name
+    assert (len(train), len(test)) == (18, 6) and np.bincount(train.labels).tolist() == [6, 6, 6]
+    for split in (train, test):  # each file's label is its folder's place among the classes
+        assert all(split.class_names[label] == f.split(os.sep)[0] for f, label in zip(split.files, split.labels))
+    assert sorted(train.files) == sorted(str(p.relative_to(root / "train")) for p in (root / "train").rglob("*.*"))
+    assert train.image_shape == (16, 16, 3) and train.raw
+
+
+def test_one_folder_is_split_per_class_by_val_fraction_the_same_way_every_time(tmp_path, cache):
+    root = make_folder(tmp_path / "d", {"": 10})
+    data = folder.load(root, 8, val_fraction=0.3)
+    assert np.bincount(data["test"].labels).tolist() == [3, 3, 3] and np.bincount(data["train"].labels).tolist() == [
+        7, 7, 7]
+    assert not set(data["train"].files) & set(data["test"].files)
+    assert folder.load(root, 8, val_fraction=0.3)["test"].files == data["test"].files  # fixed
+    with pytest.raises(ConfigError, match="pass val_fraction="):
+        folder.load(root, 8)
+    with pytest.raises(ConfigError, match="between 0 and 1"):
+        folder.load(root, 8, val_fraction=1.5)
+
+
+def test_head_takes_a_subset_of_every_class(tmp_path, cache):
+    train = folder.load(make_folder(tmp_path / "d", {"train": 10, "val": 1}), 8)["train"]
+    assert set(train.head(9).labels.tolist()) == {0, 1, 2}
+
+
+def test_the_index_is_cached_and_a_changed_folder_is_indexed_again(tmp_path, cache, monkeypatch):
+    root = make_folder(tmp_path / "d", {"train": 4, "val": 1})
+    opened = []
+    real = folder._opens
+    monkeypatch.setattr(folder, "_opens", lambda path: opened.append(path) or real(path))
+    first = folder.load(root, 8)
+    assert len(opened) == 15 and len(list(cache.glob("*.json"))) == 2  # train/ and val/
+    opened.clear()
+    assert folder.load(root, 8)["train"].files == first["train"].files and opened == []  # from the cache
+    Image.fromarray(noise((9, 9, 3), 1)).save(root / "train" / "cat" / "new.png")
+    again = folder.load(root, 8)
+    assert len(again["train"]) == 13 and "cat/new.png" in again["train"].files
+    assert folder.digest(*again.values()) != folder.digest(*first.values())
+    replaced = root / "train" / "dog" / "001.jpg"  # the same name, other bytes: a new size and time
+    Image.fromarray(noise((31, 41, 3), 2)).save(replaced, quality=50)
+    os.utime(replaced, ns=(1, 1))
+    assert folder.load(root, 8)["train"].index_digest != again["train"].index_digest
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "CMYK", "P", "RGB"])
+def test_every_colour_mode_becomes_rgb_uint8_of_the_size_asked(tmp_path, mode):
+    path = tmp_path / f"x.{'jpg' if mode in ('L', 'CMYK', 'RGB') else 'png'}"
+    Image.fromarray(noise((30, 50, 3), 3)).convert(mode).save(path)
+    out = images.decode(path, 12, lambda w, h: images.centre_box(w, h))
+    assert out.shape == (12, 12, 3) and out.dtype == np.uint8
+
+
+def test_a_jpeg_decoded_at_a_reduced_scale_is_close_to_the_full_decode(tmp_path):
+    path = tmp_path / "big.jpg"
+    smooth = np.kron(noise((30, 40, 3), 4), np.ones((32, 32, 1), np.uint8))  # 960x1280, blocks of one colour
+    Image.fromarray(smooth).save(path, quality=95)
+    reduced = images.decode(path, 64, lambda w, h: images.centre_box(w, h)).astype(float)
+    with Image.open(path) as img:
+        full = np.asarray(img.convert("RGB").resize((64, 64), Image.BILINEAR, box=images.centre_box(*img.size)))
+    assert np.abs(reduced - full).mean() < 4  # the same picture (draft decodes at 1/8 here)
+
+
+def test_random_resized_crops_follow_torchvision_and_depend_only_on_seed_epoch_and_index():
+    boxes = [images.random_resized_box(500, 375, np.random.default_rng(i)) for i in range(400)]
+    areas = np.array([(r - left) * (b - t) for left, t, r, b in boxes]) / (500 * 375)
+    ratios = np.array([(r - left) / (b - t) for left, t, r, b in boxes])
+    assert all(0 <= left < r <= 500 and 0 <= t < b <= 375 for left, t, r, b in boxes)
+    assert 0.07 < areas.min() and areas.max() <= 1.0 and areas.mean() > 0.3
+    assert ratios.min() > 0.7 and ratios.max() < 1.4
+    assert images.random_resized_box(10, 1000, np.random.default_rng(0)) == (0, 493, 10, 506)  # the fallback
+    a, b = images._rng(1, 2, 3).random(), images._rng(1, 2, 3).random()
+    assert a == b != images._rng(1, 3, 3).random()
+
+
+def _loader(split, train=True, **kw):
+    return Loader(split, kw.pop("batch_size", 6), train=train, seed=kw.pop("seed", 5), process_index=kw.pop("pi", 0),
+                  process_count=kw.pop("pc", 1), **kw)
+
+
+def _all(loader, epoch=0, start=0):
+    return list(loader.epoch(epoch, start))
+
+
+def test_worker_processes_give_the_batches_of_the_callers_thread_and_a_resume_mid_epoch_the_same(tmp_path, cache):
+    train = folder.load(make_folder(tmp_path / "d", {"train": 8, "val": 2}), 16)["train"]
+    here = _all(_loader(train, augment="rrc+flip"), epoch=1)
+    workers = _all(_loader(train, augment="rrc+flip", workers=2), epoch=1)
+    assert len(here) == len(workers) == 4
+    for a, b in zip(here, workers):
+        assert a["image"].dtype == np.uint8 and set(a) == {"image", "label"}
+        np.testing.assert_array_equal(a["image"], b["image"])
+        np.testing.assert_array_equal(a["label"], b["label"])
+    resumed = _all(_loader(train, augment="rrc+flip", workers=2), epoch=1, start=2)
+    for a, b in zip(here[2:], resumed, strict=True):
+        np.testing.assert_array_equal(a["image"], b["image"])
+    other_epoch = _all(_loader(train, augment="rrc+flip"), epoch=2)
+    assert not np.array_equal(other_epoch[0]["image"], here[0]["image"])
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_two_processes_read_every_example_exactly_once_per_epoch(tmp_path, cache, train):
+    split = folder.load(make_coded(tmp_path / "d", 10), 8, val_fraction=0.2)["train" if train else "test"]
+    batch = 6 if train else 4
+    seen = []
+    for pi in (0, 1):
+        for b in _all(_loader(split, train=train, batch_size=batch, pi=pi, pc=2, workers=1, augment="none")):
+            rows = code(b["image"])
+            seen += rows[b["mask"]].tolist() if not train else rows.tolist()
+            names = [f"{split.class_names[label]}" for label in b["label"]]
+            assert all(n in split.class_names for n in names)
+    numbers = {f: int(code(np.asarray(Image.open(os.path.join(split.root, f)))[None])[0]) for f in split.files}
+    expected = sorted(numbers.values())
+    if train:  # the remainder of the shuffled epoch is dropped: each read once, none twice
+        assert len(seen) == len(set(seen)) == len(split) // batch * batch and set(seen) <= set(expected)
+    else:
+        assert sorted(seen) == expected
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet18", "vit"])
+def test_uint8_batches_are_normalised_on_the_device_as_the_host_would(name):
+    import jax
+
+    from jaxtrain import models
+
+    model = models.get(name, input_shape=(32, 32, 3), conv="xla")
+    params, state = model.init(jax.random.key(0))
+    pixels = noise((2, 32, 32, 3), 5)
+    np.testing.assert_array_equal(np.asarray(model.logits(params, state, pixels)),  # bit for bit
+                                  np.asarray(model.logits(params, state, normalise(pixels))))
+
+
+def _bad_folder(root):
+    make_folder(root, {"train": 4, "val": 1})
+    cat = root / "train" / "cat"
+    (cat / "notes.jpg").write_text("not an image")
+    (cat / "empty.jpg").write_bytes(b"")
+    Image.new("1", (20000, 20000)).save(cat / "huge.png")  # 400 megapixels: over Pillow's limit
+    (cat / "gone.jpg").symlink_to(cat / "nowhere.jpg")
+    (cat / "loop").symlink_to(cat)  # a folder that contains itself
+    (cat / "readme.txt").write_text("not listed: not an image's extension")
+    Image.fromarray(noise((200, 200, 3), 9)).save(cat / "whole.jpg")
+    whole = (cat / "whole.jpg").read_bytes()
+    (cat / "truncated.jpg").write_bytes(whole[: len(whole) * 6 // 10])  # its header whole, its data cut
+    return root
+
+
+def test_files_that_do_not_open_are_left_out_of_the_index_in_one_line(tmp_path, cache):
+    lines = []
+    data = folder.load(_bad_folder(tmp_path / "d"), 8, warn=lines.append)
+    assert len(lines) == 1 and lines[0].startswith(f"warning: {tmp_path / 'd' / 'train'}: 5 file(s) left out")
+    files = set(data["train"].files)
+    assert "cat/truncated.jpg" in files  # its header opens: found only when decoded
+    assert not files & {"cat/notes.jpg", "cat/empty.jpg", "cat/huge.png", "cat/gone.jpg", "cat/readme.txt"}
+    assert not any(f.startswith("cat/loop") for f in files)
+
+
+def test_a_file_that_fails_to_decode_is_replaced_and_counted_once_per_epoch_or_is_one_line(tmp_path, cache, capsys):
+    data = folder.load(_bad_folder(tmp_path / "d"), 8, warn=lambda text: None)
+    batches = _all(_loader(data["train"], batch_size=14, workers=1))
+    assert len(batches) == 1 and batches[0]["image"].shape == (14, 8, 8, 3)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: epoch 0: 1 image file(s) could not be decoded"), err
+    assert "truncated.jpg" in err[0]
+    strict = folder.load(tmp_path / "d", 8, on_bad="error", warn=lambda text: None)
+    with pytest.raises(ConfigError, match=r"truncated.jpg cannot be decoded .*pass on_bad_image=skip"):
+        _all(_loader(strict["train"], batch_size=14))
+
+
+@pytest.mark.parametrize("layout, says", [
+    ("missing", "not a directory"),
+    ("no classes", "has no class folders"),
+    ("empty class", r"class folder\(s\) with no usable image: dog"),
+    ("train only", "has train/ but no val/ or test/"),
+    ("val has more", "has classes train/ lacks: owl"),
+])
+def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, layout, says):
+    root = tmp_path / "d"
+    if layout == "no classes":
+        root.mkdir()
+        Image.fromarray(noise((8, 8, 3), 0)).save(root / "loose.png")
+    elif layout == "empty class":
+        make_folder(root, {"train": 2, "val": 1}, classes=("cat",))
+        (root / "train" / "dog").mkdir()
+    elif layout == "train only":
+        make_folder(root, {"train": 2})
+    elif layout == "val has more":
+        make_folder(root, {"train": 2, "val": 1}, classes=CLASSES)
+        make_folder(root, {"val": 1}, classes=("owl",))
+    with pytest.raises(ConfigError, match=says) as e:
+        folder.load(root, 8, val_fraction=0.5 if layout == "no classes" else None)
+    assert "\n" not in str(e.value)
+
+
+def test_rrc_flip_is_for_folders_and_the_folder_settings_for_folders_only():
+    from jaxtrain.data.split import Split
+    from jaxtrain.driver.config import RunConfig
+
+    split = Split(np.zeros((8, 4, 4, 1), np.uint8), np.zeros(8, np.int32))
+    with pytest.raises(ConfigError, match="rrc\\+flip crops each image before it is decoded"):
+        Loader(split, 4, train=True, augment="rrc+flip", process_index=0, process_count=1)
+    with pytest.raises(ConfigError, match="for image folders"):
+        RunConfig(image_size=64)
+    assert RunConfig(model="resnet50", dataset="folder:/x").augment == "rrc+flip"
+    assert RunConfig(model="resnet50", dataset="folder:/x").image_size == 224
+    assert (RunConfig(dataset="folder:/x").augment, RunConfig(dataset="folder:/x").image_size) == ("none", 32)
+    assert RunConfig().augment == "none"
