@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from jaxtrain.choices import MESH_AXES
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
-from jaxtrain.driver.config import RECIPE_FIELDS, RunConfig, flag
+from jaxtrain.driver.config import DATASET_FIELDS, RECIPE_FIELDS, RunConfig, flag
 
 
 def whole_number(minimum: int):
@@ -138,8 +138,8 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
         if fields is not None and f.name not in fields:
             continue
         meta, default = f.metadata, getattr(defaults, f.name)
-        if model is None and f.name in (*RECIPE_FIELDS, "init"):
-            default = None  # the --model given picks them (its recipe), not lenet's
+        if model is None and f.name in (*RECIPE_FIELDS, "init") or f.name in DATASET_FIELDS:
+            default = None  # the --model (its recipe) or the --dataset given picks them, not lenet's or the default's
         name = renamed.get(f.name, flag(f.name))
         if f.type == "bool":
             p.add_argument(name, dest=f.name, action="store_true", help=meta["help"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import functools
 import sys
 
 import grain
@@ -46,6 +47,10 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
+_order = functools.lru_cache(maxsize=2)(epoch_order)  # a worker's: one permutation per epoch, not per batch
+_EPOCHS_AHEAD = 1 << 20  # the stream's length in epochs: more than any run
+
+
 class Loader:
     """This process's share of each global batch, as dicts of numpy arrays.
 
@@ -75,6 +80,7 @@ class Loader:
             raise ConfigError(f"batch size {batch_size} is larger than the {len(split)} training examples")
         self.split, self.batch_size, self.train, self.seed = split, batch_size, train, seed
         self.workers, self.transform = workers, transform
+        self._stream, self._next = None, 0  # the worker processes' batches, and the global batch they give next
         if not split.raw:
             augment_lib.get(augment)  # a bad name, or rrc+flip without files: a ConfigError here
         elif augment not in AUGMENTATIONS:
@@ -97,22 +103,54 @@ class Loader:
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict]:
         """Iterate over one epoch from batch ``start`` (a resumed run starts mid-epoch)."""
-        dataset = self.dataset(epoch, start)
-        if self.split.raw and self.workers:  # files: whole batches decoded in worker processes
-            _absl_flags_parsed()
-            one = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-            batches = dataset.to_iter_dataset(one).mp_prefetch(
-                grain.MultiprocessingOptions(num_workers=self.workers, per_worker_buffer_size=2),
-                worker_init_fn=lambda index, count: _absl_flags_parsed())
-        else:  # explicit options: iterating a MapDataset directly would start grain's default 16 threads
-            options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=2 * self.workers)
-            batches = dataset.to_iter_dataset(options)
-        return self._counted(iter(batches), epoch)
+        if self.split.raw and self.workers:  # files: whole batches decoded in worker processes, kept across epochs
+            return self._counted(self._from_stream(epoch, start), epoch, len(self) - start)
+        # explicit options: iterating a MapDataset directly would start grain's default 16 threads
+        options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=2 * self.workers)
+        return self._counted(iter(self.dataset(epoch, start).to_iter_dataset(options)), epoch, len(self) - start)
 
-    def _counted(self, batches: Iterator[dict], epoch: int) -> Iterator[dict]:
+    def _from_stream(self, epoch: int, start: int) -> Iterator[dict]:
+        """The worker processes' stream of batches over every epoch to come (batch g: epoch g // len, batch
+        g % len; evaluation passes are all alike), so they start once (seconds each: Python, grain, JAX), not
+        every epoch: continued where the last epoch ended, started again anywhere else (a resume, a break)."""
+        g = (epoch if self.train else 0) * len(self) + start
+        if self._stream is None or (self._next != g and (self.train or start or self._next % len(self))):
+            self.close()
+            _absl_flags_parsed()
+            steps = grain.MapDataset.range(g, g + len(self) * _EPOCHS_AHEAD).map(self._global_batch)
+            self._stream = iter(steps.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+                                .mp_prefetch(grain.MultiprocessingOptions(self.workers, per_worker_buffer_size=2),
+                                             worker_init_fn=lambda index, count: _absl_flags_parsed()))
+            self._next = g
+        for _ in range(len(self) - start):
+            batch = next(self._stream)
+            self._next += 1
+            yield batch
+
+    def batch_at(self, epoch: int, b: int) -> dict:
+        """Batch ``b`` of ``epoch``, built in the calling thread (one batch to compile for: no workers started)."""
+        batch = self._global_batch(epoch * len(self) + b)
+        batch.pop("bad")
+        return batch
+
+    def _global_batch(self, g: int) -> dict:
+        epoch, b = divmod(g, len(self))
+        return self._batch(_order(len(self.split), self.seed, epoch) if self.train else None, b, epoch)
+
+    def close(self) -> None:
+        """Stop the worker processes (if any run); the next epoch starts new ones."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+
+    def __getstate__(self) -> dict:  # what the worker processes get: never the stream they make
+        return {**self.__dict__, "_stream": None}
+
+    def _counted(self, batches: Iterator[dict], epoch: int, count: int) -> Iterator[dict]:
         """The batches without their list of failed files; their count said in one line when the epoch ends."""
         bad = []
-        for batch in batches:
+        for _ in range(count):
+            batch = next(batches)
             bad += batch.pop("bad")
             yield batch
         if bad:

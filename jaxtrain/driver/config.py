@@ -23,6 +23,8 @@ from jaxtrain.models import MODELS
 
 # Left None, these come from the model's recipe (jaxtrain.models.MODELS).
 RECIPE_FIELDS = ("epochs", "batch_size", "lr", "optimizer", "schedule", "warmup_epochs")
+# Left None, these depend on the dataset too (an image folder's come from the recipe).
+DATASET_FIELDS = ("augment", "image_size")
 
 
 # Settings that change what a checkpoint's state means: resume refuses to mix them.

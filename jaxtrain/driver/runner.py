@@ -56,7 +56,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
             state.params, lambda params, x: s.model.logits(params, state.model_state, x), images)))
     if c.memory_report:
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
-    stats = diagnostics.compiled_stats(s.trainer, state, next(iter(train_data.epoch(0))))
+    stats = diagnostics.compiled_stats(s.trainer, state, train_data.batch_at(0, 0))
     if warning := diagnostics.host_memory_warning(stats, s.devices):
         print(s.words(warning), file=sys.stderr, flush=True)
 
@@ -102,6 +102,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
         raise Diverged(e.what, e.step, f"the newest checkpoint is step {s.checkpointer.latest()} in "
                        f"{s.checkpointer.directory}") from None
     finally:
+        train_data.close(), test_data.close()  # their worker processes, if any
         if profile:
             profile.end()
         if events:

@@ -1,0 +1,99 @@
+"""Training runs on image folders, as users start them: 2 processes equal 1, a run resumed mid-epoch equals an
+uninterrupted one (worker processes decoding), memory bounded by the workers' buffers, bad folders in one line."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from conftest import reported_digests, run_cli
+from image_folders import make_folder, noise
+from PIL import Image
+
+pytestmark = pytest.mark.slow
+
+LENET = ["-m", "experiments.lenet", "--no-progress", "--batch-size", "16", "--workers", "2"]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """90 training images (5 steps of 16 an epoch), 12 to evaluate; sizes and formats mixed."""
+    return make_folder(tmp_path_factory.mktemp("folder") / "d", {"train": 30, "val": 4})
+
+
+def summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_two_processes_equal_one_process_with_two_devices(tmp_path, images):
+    args = [*LENET, "--dataset", f"folder:{images}", "--epochs", "2"]
+    multi = run_cli("-m", "jaxtrain.launch", "--processes", "2", "--devices-per-process", "1", "--", sys.executable,
+                    *args, "--out", str(tmp_path / "multi"))
+    assert multi.returncode == 0, multi.stdout[-3000:]
+    single = run_cli(*args, "--devices", "2", "--out", str(tmp_path / "single"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert reported_digests(multi.stdout) == {summary(tmp_path / "single")["params_digest"]}  # bit for bit
+    s = summary(tmp_path / "single")
+    assert s["class_names"] == ["cat", "dog", "ship"] and (s["train_examples"], s["test_examples"]) == (90, 12)
+    model = json.loads((tmp_path / "single" / "model.json").read_text())
+    assert model["class_names"] == ["cat", "dog", "ship"] and model["input_shape"] == [32, 32, 3]
+
+
+def test_a_run_stopped_mid_epoch_and_resumed_ends_with_the_uninterrupted_digest(tmp_path, images):
+    args = [*LENET, "--dataset", f"folder:{images}", "--devices", "2", "--epochs", "2", "--augment", "crop+flip"]
+    whole = run_cli(*args, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    ck = str(tmp_path / "ck")
+    part = run_cli(*args, "--max-steps", "3", "--checkpoint-dir", ck, "--checkpoint-every", "3",
+                   "--out", str(tmp_path / "part"))
+    assert part.returncode == 0, part.stderr[-3000:]
+    rest = run_cli(*args, "--checkpoint-dir", ck, "--resume", "--out", str(tmp_path / "rest"))
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "resuming from step 3 (epoch 1, batch 3)" in rest.stdout, rest.stdout
+    assert summary(tmp_path / "rest")["params_digest"] == summary(tmp_path / "whole")["params_digest"]
+
+
+def test_memory_stays_bounded_on_a_folder_several_times_larger_than_the_process(tmp_path):
+    """1,600 links to one 1.7 MB photograph-sized JPEG (1600x1200 of noise: no decoder shortcut) are 2.7 GB of
+    files; the run's largest process (the trainer or a worker) must stay under a third of that."""
+    root = tmp_path / "big"
+    Image.fromarray(noise((1200, 1600, 3), 7)).save(tmp_path / "photo.jpg", quality=90)
+    for split, n in (("train", 800), ("val", 8)):
+        for c in ("a", "b"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                os.link(tmp_path / "photo.jpg", root / split / c / f"{i}.jpg")
+    folder_bytes = sum(p.stat().st_size for p in root.rglob("*.jpg"))
+    script = tmp_path / "measured.py"
+    script.write_text("import resource, sys\nfrom jaxtrain.cli import main\n\nif __name__ == '__main__':\n"
+                      "    code = main('lenet', sys.argv[1:])\n"
+                      "    print('maxrss', max(resource.getrusage(who).ru_maxrss for who in "
+                      "(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024)\n    sys.exit(code)\n")
+    run = run_cli(str(script), *LENET[2:], "--dataset", f"folder:{root}", "--devices", "2", "--epochs", "1",
+                  "--batch-size", "32", "--out", str(tmp_path / "out"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    peak = int(run.stdout.split("maxrss ")[1].split()[0])
+    assert summary(tmp_path / "out")["train_examples"] == 1600
+    assert folder_bytes > 3 * peak, (folder_bytes, peak)
+
+
+@pytest.mark.parametrize("layout, says", [("missing", "not a directory"), ("flat", "pass --val-fraction")])
+def test_a_folder_that_cannot_be_used_is_one_line_with_exit_2(tmp_path, layout, says):
+    root = tmp_path / "d"
+    if layout == "flat":
+        make_folder(root, {"": 2})
+    run = run_cli(*LENET, "--dataset", f"folder:{root}", "--max-steps", "1", "--out", str(tmp_path / "o"))
+    assert run.returncode == 2 and says in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_rrc_flip_trains_resnet50_on_a_folder_at_its_own_size(tmp_path):
+    root = make_folder(tmp_path / "d", {"train": 6, "val": 1}, size=(300, 260))
+    run = run_cli("-m", "jaxtrain.cli", "--model", "resnet50", "--no-progress", "--dataset",
+                  f"folder:{root}", "--devices", "2", "--max-steps", "2", "--batch-size", "4", "--workers", "1",
+                  "--out", str(tmp_path / "o"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    s = summary(tmp_path / "o")
+    model = json.loads((tmp_path / "o" / "model.json").read_text())
+    assert model["settings"]["augment"] == "rrc+flip" and model["input_shape"] == [224, 224, 3]
+    assert np.isfinite(s["train_loss"])
