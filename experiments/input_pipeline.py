@@ -1,6 +1,14 @@
-"""Does the input pipeline keep the devices fed? LeNet epochs under loader settings.
+"""Does the input pipeline keep the devices fed? LeNet epochs under loader settings, or an image folder's decode
+rate and the cores a GPU plan needs.
 
     python -m experiments.input_pipeline [--devices 2] [--max-steps N] [--slow-ms 40]
+    python -m experiments.input_pipeline --dataset folder:DIR [--workers 1,2] [--gpu h100 --gpus 8 --model resnet50
+                                         --precision bf16 | --gpu-plan PLAN.json] [--cores N]
+
+With ``--dataset folder:DIR``: the image folder's loader (``--augment``, ``--image-size``) is timed with each
+worker count (processes), in images/s and per worker (one core each); then, for a GPU plan (compiled here with
+``--gpu ...``: needs the gpu-compile extra, README "Planning for GPUs"; or read from ``experiments.gpu_plan
+--json``), how many decode cores keep those GPUs fed and the data wait to expect with ``--cores``.
 
 Trains the d2l LeNet on Fashion-MNIST for one epoch per setting, workers in
 {0, 1, 2, 4} x prefetch in {off, 2}, and prints sec/epoch and the data-wait
@@ -23,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--devices", type=int, default=2, help="devices to train on")
     p.add_argument("--batch-size", type=int, default=256, help="global batch size")
-    p.add_argument("--workers", default="0,1,2,4", help="comma-separated grain worker-thread counts")
+    p.add_argument("--workers", default=None, help="comma-separated grain worker counts (default: 0,1,2,4 threads; a "
+                                                   "folder: 1,2 processes)")
     p.add_argument("--max-steps", type=int, default=None, help="steps per measured epoch (default: a full epoch)")
     p.add_argument("--slow-ms", type=float, default=40.0,
                    help="sleep per batch in the slow-transform variant (0: skip the variant)")
@@ -32,16 +41,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also trace 5 steps of the slow variant starved (workers 0, prefetch off) and fed (workers "
                         "4, prefetch 2) into DIR/starved and DIR/fed (docs: Getting started, 'Watching a run')")
+    f = p.add_argument_group("an image folder (--dataset folder:DIR)")
+    f.add_argument("--dataset", default=None, metavar="folder:DIR", help="time this image folder's loader instead")
+    f.add_argument("--image-size", type=int, default=224, help="the side images are cropped and resized to")
+    f.add_argument("--augment", default="rrc+flip", choices=("none", "crop+flip", "rrc+flip"),
+                   help="training augmentation (as --augment of a run)")
+    f.add_argument("--batches", type=int, default=20, help="batches timed per worker count")
+    f.add_argument("--cores", type=int, default=None, help="decode cores a host has (default: this one's)")
+    f.add_argument("--gpu-plan", default=None, metavar="PLAN.json", help="a plan from experiments.gpu_plan --json")
+    f.add_argument("--gpu", default=None, help="compile a plan for this GPU here (h100, a100, ...; gpu-compile extra)")
+    f.add_argument("--gpus", type=int, default=8, help="GPUs per host of the plan")
+    f.add_argument("--hosts", type=int, default=1, help="hosts of the plan")
+    f.add_argument("--model", default="resnet50", help="the plan's model")
+    f.add_argument("--precision", default="bf16", help="the plan's precision")
+    f.add_argument("--plan-batch-size", type=int, default=None, help="the plan's global batch (default: its recipe's)")
     return p
 
 
 @one_line_errors("input_pipeline")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.dataset is not None:
+        from experiments.input_folder import report
+
+        return report(args)
     import jaxtrain as jt
 
     try:
-        workers = [int(w) for w in args.workers.split(",")]
+        workers = [int(w) for w in (args.workers or "0,1,2,4").split(",")]
         if min(workers) < 0:
             raise ValueError
     except ValueError:

@@ -24,6 +24,7 @@ def run_summary(args, model, history, first_loss, stats, peak, devices, call_bat
     # Steady-state speed: leave out the first epoch (it compiles) when there are others.
     timed = history[1:] if len(history) > 1 else history
     examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
+    wait = sum(h.data_wait_sec for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
     achieved_flops = stats["flops"] * len(devices) * examples_per_sec / call_batch
     model_flops = forward(args.model, model.input_shape, model.num_classes)
     use = utilisation(model_flops, stats["flops"] * len(devices), call_batch, call_batch / examples_per_sec, peak)
@@ -40,7 +41,8 @@ def run_summary(args, model, history, first_loss, stats, peak, devices, call_bat
         "first_epoch_sec": history[0].train_sec,
         "median_epoch_sec": statistics.median(h.train_sec for h in history),
         "examples_per_sec": examples_per_sec,
-        "data_wait_fraction": sum(h.data_wait_sec for h in timed) / max(sum(h.train_sec for h in timed), 1e-9),
+        "data_wait_fraction": wait,
+        "bottleneck": bottleneck(wait),  # which side set the pace: "input pipeline" or "step"
         "workers": args.workers,
         "prefetch": args.prefetch,
         "devices": len(devices),
@@ -75,6 +77,25 @@ def run_summary(args, model, history, first_loss, stats, peak, devices, call_bat
         "test_examples": last.test_examples,
         "jax_version": jax.__version__,
     }
+
+
+INPUT_BOUND = 0.05  # a data wait above this share of the train time: the input pipeline sets the pace
+
+
+def bottleneck(wait_fraction: float) -> str:
+    """Which side set a run's pace: "input pipeline" (its steps waited for batches more than INPUT_BOUND of the
+    time) or "step"."""
+    return "input pipeline" if wait_fraction > INPUT_BOUND else "step"
+
+
+def wait_words(wait_fraction: float, workers: int) -> str:
+    """The data wait of an epoch's line, and where it is large, what to do: "data wait 31.0% (the input pipeline
+    is the bottleneck: ...)"."""
+    words = f"data wait {100 * wait_fraction:.1f}%"
+    if bottleneck(wait_fraction) == "step":
+        return words
+    return (f"{words} (the input pipeline is the bottleneck, not the step: {workers} worker(s); more --workers, up "
+            f"to the cores, or --prefetch; experiments.input_pipeline measures the loader alone)")
 
 
 def utilisation_words(summary: dict) -> str:

@@ -26,7 +26,8 @@ from jaxtrain.settings import slurm_job
 from jaxtrain.driver import distill, export, observe, requeue, track
 from jaxtrain.driver.config import RunConfig
 from jaxtrain.driver.outputs import RunWriter, claim_out_dir
-from jaxtrain.driver.report import conv_path, describe, not_learning, run_summary, utilisation_words
+from jaxtrain.driver.report import (conv_path, describe, not_learning, run_summary, utilisation_words,
+                                    wait_words)
 from jaxtrain.driver.signals import StopOnSignal, StopVote
 from jaxtrain.driver.prepare import (Finished, Setup, build, initial_state, load_data, open_checkpoints, run_settings,
                                     setup_devices, validate)
@@ -70,7 +71,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
             writer.epoch(e)
         test = f"test acc {e.test_acc:.3f}" if e.test_examples else "not evaluated"
         say(f"epoch {e.epoch}/{c.epochs}: train loss {e.train_loss:.4f}, train acc {e.train_acc:.3f}, {test}, "
-            f"{e.train_sec:.1f} sec, data wait {100 * e.data_wait_fraction:.1f}%", flush=True)
+            f"{e.train_sec:.1f} sec, {wait_words(e.data_wait_fraction, c.workers)}", flush=True)
 
     def save(state, position):
         with stop.busy():
