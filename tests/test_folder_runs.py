@@ -31,7 +31,7 @@ def test_two_processes_equal_one_process_with_two_devices(tmp_path, images):
     multi = run_cli("-m", "jaxtrain.launch", "--processes", "2", "--devices-per-process", "1", "--", sys.executable,
                     *args, "--out", str(tmp_path / "multi"))
     assert multi.returncode == 0, multi.stdout[-3000:]
-    single = run_cli(*args, "--devices", "2", "--out", str(tmp_path / "single"))
+    single = run_cli(*args, "--devices", "2", "--summary", "--out", str(tmp_path / "single"))  # the summary decodes
     assert single.returncode == 0, single.stderr[-3000:]
     assert reported_digests(multi.stdout) == {summary(tmp_path / "single")["params_digest"]}  # bit for bit
     s = summary(tmp_path / "single")

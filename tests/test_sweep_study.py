@@ -187,7 +187,7 @@ def test_the_objectives_a_jaxtrain_run_offers_are_its_summarys_numbers():
                     if isinstance(n, ast.Return))
     keys = {k.value for k in returned.keys}
     words = {"experiment", "platform", "cpu_isa", "strategy", "precision", "accum", "remat", "dataset", "data_source",
-             "data_sha256", "jax_version"}
+             "data_sha256", "jax_version", "bottleneck"}
     assert set(T.SUMMARY_NUMBERS) == keys - words
 
 

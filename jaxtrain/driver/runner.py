@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jaxtrain.analysis import diagnostics
 from jaxtrain.data import loader
@@ -52,7 +53,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
                                augment=c.augment)
     test_data = loader.Loader(data["test"], c.batch_size, train=False, workers=c.workers)
     if c.summary:
-        images = loader.normalise(data["test"].head(8).images)
+        images = loader.normalise(data["test"].examples(np.arange(min(8, len(data["test"]))), None, c.seed, 0)[0])
         say(diagnostics.format_summary(diagnostics.summarize(
             state.params, lambda params, x: s.model.logits(params, state.model_state, x), images)))
     if c.memory_report:
