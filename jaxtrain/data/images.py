@@ -65,8 +65,9 @@ def decode(path: str | Path, size: int, box_of, flip: bool = False) -> np.ndarra
             img.draft("RGB", (math.ceil(w / shrink), math.ceil(h / shrink)))
             sx, sy = img.size[0] / w, img.size[1] / h
             left, top, right, bottom = left * sx, top * sy, right * sx, bottom * sy
-        rgb = img.convert("RGB")  # the decode; greyscale, CMYK, palette and RGBA (alpha dropped) become RGB
-    out = rgb.resize((size, size), Image.BILINEAR, box=(left, top, right, bottom))
+        # greyscale, CMYK, palette and RGBA (alpha dropped) become RGB; an RGB image is decoded by the resize
+        rgb = img if img.mode == "RGB" else img.convert("RGB")
+        out = rgb.resize((size, size), Image.BILINEAR, box=(left, top, right, bottom))
     if flip:
         out = out.transpose(Image.FLIP_LEFT_RIGHT)
     return np.asarray(out, np.uint8)
