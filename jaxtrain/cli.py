@@ -160,10 +160,13 @@ def parse(argv: Sequence[str] | None = None, model: str | None = None) -> RunCon
 
 def to_argv(config: RunConfig, model_fixed: bool = True) -> list[str]:
     """Flags that give ``config`` back from ``parse(..., model=config.model)`` (defaults left out)."""
-    base, argv = RunConfig(model=config.model), [] if model_fixed else ["--model", config.model]
+    argv = [] if model_fixed else ["--model", config.model]
+    # the dataset against the default; the rest against the defaults for its dataset (a folder's augment and
+    # image_size are not the others')
+    plain, base = RunConfig(model=config.model), RunConfig(model=config.model, dataset=config.dataset)
     for f in dataclasses.fields(RunConfig):
         value = getattr(config, f.name)
-        if f.name == "model" or value == getattr(base, f.name):
+        if f.name == "model" or value == getattr(plain if f.name == "dataset" else base, f.name):
             continue
         if f.type == "bool":
             argv.append(flag(f.name))

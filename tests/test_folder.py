@@ -1,6 +1,7 @@
 """Image folders (``--dataset folder:DIR``): the index, decoding, the transforms, bad input, and the loader's
 batches (worker processes, exactly once across processes, mid-epoch resume)."""
 
+import itertools
 import os
 
 import numpy as np
@@ -192,7 +193,7 @@ def test_files_that_do_not_open_are_left_out_of_the_index_in_one_line(tmp_path, 
 def test_a_file_that_fails_to_decode_is_replaced_and_counted_once_per_epoch_or_is_one_line(tmp_path, cache, capsys):
     data = folder.load(_bad_folder(tmp_path / "d"), 8, warn=lambda text: None)
     loader = _loader(data["train"], batch_size=14, workers=1)
-    batches = _all(loader)
+    batches = list(itertools.islice(loader.epoch(0), len(loader)))  # as the loop takes them: never one more
     loader.close()
     assert len(batches) == 1 and batches[0]["image"].shape == (14, 8, 8, 3)
     err = capsys.readouterr().err.strip().splitlines()
@@ -209,6 +210,7 @@ def test_a_file_that_fails_to_decode_is_replaced_and_counted_once_per_epoch_or_i
     ("empty class", r"class folder\(s\) with no usable image: dog"),
     ("train only", "has train/ but no val/ or test/"),
     ("val has more", "has classes train/ lacks: owl"),
+    ("nothing held out", "no usable image in this split"),
 ])
 def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, layout, says):
     root = tmp_path / "d"
@@ -223,8 +225,10 @@ def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, lay
     elif layout == "val has more":
         make_folder(root, {"train": 2, "val": 1}, classes=CLASSES)
         make_folder(root, {"val": 1}, classes=("owl",))
+    elif layout == "nothing held out":
+        make_folder(root, {"": 2})
     with pytest.raises(ConfigError, match=says) as e:
-        folder.load(root, 8, val_fraction=0.5 if layout == "no classes" else None)
+        folder.load(root, 8, val_fraction={"no classes": 0.5, "nothing held out": 0.2}.get(layout))
     assert "\n" not in str(e.value)
 
 
@@ -241,3 +245,8 @@ def test_rrc_flip_is_for_folders_and_the_folder_settings_for_folders_only():
     assert RunConfig(model="resnet50", dataset="folder:/x").image_size == 224
     assert (RunConfig(dataset="folder:/x").augment, RunConfig(dataset="folder:/x").image_size) == ("none", 32)
     assert RunConfig().augment == "none"
+    from jaxtrain.cli import parse, to_argv
+
+    for config in (RunConfig(model="resnet50", dataset="folder:/x", augment="none"),
+                   RunConfig(model="lenet", dataset="folder:/x", image_size=64), RunConfig(augment="crop+flip")):
+        assert parse(to_argv(config), model=config.model) == config  # a sweep's trials get the settings asked

@@ -43,7 +43,7 @@ class FolderSplit:
     size: int
     on_bad: str = "skip"  # a file that fails to decode: "skip" (count, warn once per epoch) or "error"
     crop_fraction: float = 1.0  # evaluation: resize, then the centre ``crop_fraction`` of the shorter side
-    index_digest: str = ""  # the folder's state it was indexed in (every path, size and modification time)
+    index_digest: str = ""  # what it holds: its classes, files and sizes (not where it is, not their times)
     raw = True  # uint8 batches: normalised on the device (the models' checked_images)
 
     def __len__(self) -> int:
@@ -92,7 +92,10 @@ def _walk(root: Path) -> tuple[list[str], list[tuple[str, int, int]], list[str]]
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     files, problems, seen = [], [], set()
     for name in classes:
-        for top, dirs, names in os.walk(root / name, followlinks=True):
+        def unreadable(e: OSError) -> None:
+            problems.append(f"{Path(e.filename).relative_to(root)} ({e.strerror}: not walked)")
+
+        for top, dirs, names in os.walk(root / name, onerror=unreadable, followlinks=True):
             st = os.stat(top)
             if (st.st_dev, st.st_ino) in seen:  # a link back up the tree: walked once only
                 problems.append(f"{Path(top).relative_to(root)} (a link loop)")
@@ -118,9 +121,9 @@ def _opens(path: Path) -> str | None:
     """None if ``path``'s header opens as an image within Pillow's pixel limit; else why not."""
     from PIL import Image
 
-    if path.stat().st_size == 0:
-        return "zero bytes"
     try:
+        if path.stat().st_size == 0:
+            return "zero bytes"
         with Image.open(path) as img:
             img.size  # noqa: B018 - the header is read by open
     except Image.DecompressionBombError as e:
@@ -150,11 +153,12 @@ def _cached_index(root: Path) -> tuple[list[str], dict]:
     cache = settings.current().index_cache / f"{digest[:32]}.json"
     try:
         index = json.loads(cache.read_text())
-        if index.get("digest") == digest:
+        if index.get("digest") == digest and "content" in index:
             return classes, index
     except (OSError, ValueError):
         pass
-    index = {"digest": digest, "root": str(root), **_index(root, listing), "problems": problems}
+    content = hashlib.sha256(json.dumps([classes, [(rel, size) for rel, size, _ in listing]]).encode()).hexdigest()
+    index = {"digest": digest, "content": content, "root": str(root), **_index(root, listing), "problems": problems}
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
@@ -202,8 +206,11 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
 
     def make(where: Path, index: dict, files: list[str], labels: np.ndarray, classes) -> FolderSplit:
         order = np.random.default_rng(_ORDER_SEED).permutation(len(files))
+        if not files:
+            raise ConfigError(f"{where}: no usable image in this split (e.g. every class's val_fraction share rounds "
+                              "to 0): add images, or raise val_fraction")
         return FolderSplit(str(where), tuple(files[i] for i in order), labels[order], tuple(classes), size,
-                           on_bad, crop_fraction, index["digest"])
+                           on_bad, crop_fraction, index["content"])
 
     if train_dir.is_dir():
         if test_dir is None:

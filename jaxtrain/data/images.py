@@ -15,6 +15,7 @@ same pixels as an uninterrupted one.
 
 from __future__ import annotations
 
+import errno
 import math
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from jaxtrain.data import augment as augment_lib
 from jaxtrain.errors import ConfigError
 
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
-DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError)  # what Pillow raises for a damaged file
+TRIES = 16  # a damaged file is replaced by the next that decodes, among the next TRIES files
 
 
 def centre_box(w: int, h: int, fraction: float = 1.0) -> tuple[float, float, float, float]:
@@ -88,18 +89,22 @@ def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch:
             box_of, flip = (lambda w, h, rng=rng: random_resized_box(w, h, rng)), bool(rng.integers(2))
         else:
             box_of, flip = (lambda w, h: centre_box(w, h, split.crop_fraction)), False
-        for j in (int(i + k) % n for k in range(n)):  # this file, or (skip) the next that decodes
+        for j in (int(i + k) % n for k in range(min(n, TRIES))):  # this file, or (skip) the next that decodes
             path = root / split.files[j]
             try:
                 out[row] = decode(path, size, box_of, flip)
                 break
-            except DECODE_ERRORS as e:
+            except Exception as e:  # noqa: BLE001 - what a damaged file raises varies (OSError, SyntaxError, ...)
+                if isinstance(e, OSError) and e.errno not in (None, errno.ENOENT):  # the disk's, not the image's
+                    raise ConfigError(f"{path} cannot be read ({e.strerror}): check the folder's disk or "
+                                      "mount") from None
                 if split.on_bad == "error":
                     raise ConfigError(f"{path} cannot be decoded ({type(e).__name__}: {str(e)[:120]}): replace or "
                                       "remove it, or pass on_bad_image=skip to skip damaged files") from None
                 bad.append(f"{path} ({type(e).__name__})")
         else:
-            raise ConfigError(f"{root}: no file of this split decodes (e.g. {bad[0]})")
+            raise ConfigError(f"{root}: {min(n, TRIES)} files in a row fail to decode (e.g. {bad[0]}): is this a "
+                              "folder of images?")
     if augment == "crop+flip":
         out = augment_lib.crop_flip(out, seed, epoch, np.asarray(idx))
     return out, bad

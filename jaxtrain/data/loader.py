@@ -42,6 +42,28 @@ def _absl_flags_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
+def _worker_started(index: int, count: int) -> None:
+    """A decode worker leaves signals to its parent (which stops it with ``Loader.close``: a Ctrl-C, a SIGTERM or
+    a scheduler's SIGUSR1 sent to the process group reaches the run's own handlers, not a traceback per worker),
+    and exits if its parent is gone (killed: nothing else would stop it)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    _absl_flags_parsed()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="jaxtrain-orphan-watch", daemon=True).start()
+
+
 def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
     """The shuffled order of one epoch: depends only on (seed, epoch)."""
     return np.random.default_rng([seed, epoch]).permutation(num_examples)
@@ -120,10 +142,18 @@ class Loader:
             steps = grain.MapDataset.range(g, g + len(self) * _EPOCHS_AHEAD).map(self._global_batch)
             self._stream = iter(steps.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
                                 .mp_prefetch(grain.MultiprocessingOptions(self.workers, per_worker_buffer_size=2),
-                                             worker_init_fn=lambda index, count: _absl_flags_parsed()))
+                                             worker_init_fn=_worker_started))
             self._next = g
+        stream = self._stream
         for _ in range(len(self) - start):
-            batch = next(self._stream)
+            try:
+                batch = next(stream)
+            except BaseException:  # a worker's error (raised here) ends this stream: the next epoch starts anew
+                if self._stream is stream:
+                    self.close()
+                raise
+            if self._stream is not stream:  # closed meanwhile (a new epoch began): this epoch's reader stops
+                return
             self._next += 1
             yield batch
 
@@ -147,16 +177,18 @@ class Loader:
         return {**self.__dict__, "_stream": None}
 
     def _counted(self, batches: Iterator[dict], epoch: int, count: int) -> Iterator[dict]:
-        """The batches without their list of failed files; their count said in one line when the epoch ends."""
-        bad = []
-        for _ in range(count):
+        """The batches without their list of failed files; their count said in one line with the epoch's last batch
+        (before it is handed on: a loop that stops at its last batch never asks for more)."""
+        bad, first = 0, None
+        for i in range(count):
             batch = next(batches)
-            bad += batch.pop("bad")
+            failed = batch.pop("bad")
+            bad, first = bad + len(failed), first or (failed[0] if failed else None)
+            if i == count - 1 and bad:
+                print(f"warning: epoch {epoch}: {bad} image file(s) could not be decoded and were replaced by the "
+                      f"next file of the split, e.g. {first} (on_bad_image=error stops instead)", file=sys.stderr,
+                      flush=True)
             yield batch
-        if bad:
-            print(f"warning: epoch {epoch}: {len(bad)} image file(s) could not be decoded and were replaced by the "
-                  f"next file of the split, e.g. {bad[0]} (on_bad_image=error stops instead)", file=sys.stderr,
-                  flush=True)
 
     def _batch(self, order: np.ndarray | None, b: int, epoch: int) -> dict:
         bs, n = self.batch_size, len(self.split)

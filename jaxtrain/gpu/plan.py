@@ -147,7 +147,7 @@ def run_step(c, mesh, input_shape: tuple | None = None, num_classes: int | None 
     from jaxtrain.data import sources
     from jaxtrain.driver import assemble
 
-    shape = sources.shape_of(c.dataset)
+    shape = sources.shape_of(c.dataset, image_size=c.image_size)
     shape = {"input_shape": tuple(input_shape or shape["input_shape"]),
              "num_classes": num_classes or shape["num_classes"]}
     model = assemble.model(c, shape)
