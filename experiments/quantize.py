@@ -62,10 +62,14 @@ def measure(args) -> dict:
     from jaxtrain.analysis import quantize
     from jaxtrain.data import loader, sources
     from jaxtrain.driver import export
+    from jaxtrain.errors import ConfigError
     from jaxtrain.train.timing import median_seconds
 
     meta, params, model_state = export.load(args.run, quantize.MODELS)
     dataset = meta["settings"]["dataset"]
+    if dataset.startswith("folder:"):
+        raise ConfigError(f"{args.run} trained on an image folder ({dataset}): experiments.quantize evaluates runs "
+                          "of the in-memory datasets only (fashion_mnist, mnist, cifar10, tfds:NAME)")
     # The run's own data (its --data-dir, from summary.json) unless given; never a download (minutes, then a failure
     # when offline): data not found is a one-line error saying to pass --data-dir.
     test = sources.load_split(dataset, "test", data_dir=args.data_dir or _run_data_dir(args.run),

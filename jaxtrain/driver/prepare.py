@@ -68,7 +68,10 @@ def validate(s: Setup) -> None:
     Nothing is kept but the teacher (read once): ``build`` makes each part once, for the data."""
     c = s.config
     s.teacher = distill.teacher_from_run(c.teacher) if c.teacher else None
-    model = assemble.model(c, sources.shape_of(c.dataset, image_size=c.image_size), s.teacher)
+    shape = sources.shape_of(c.dataset, image_size=c.image_size)
+    if s.teacher and c.dataset.startswith(FOLDER_PREFIX):  # a folder's classes are unknown until its index is read
+        shape["num_classes"] = s.teacher[0].num_classes
+    model = assemble.model(c, shape, s.teacher)
     assemble.placed(c, model, assemble.steps(c, s.mesh, model, updates=0)[0])
 
 
