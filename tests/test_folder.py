@@ -250,3 +250,8 @@ def test_rrc_flip_is_for_folders_and_the_folder_settings_for_folders_only():
     for config in (RunConfig(model="resnet50", dataset="folder:/x", augment="none"),
                    RunConfig(model="lenet", dataset="folder:/x", image_size=64), RunConfig(augment="crop+flip")):
         assert parse(to_argv(config), model=config.model) == config  # a sweep's trials get the settings asked
+    from jaxtrain.sweep.trials import parse_param
+
+    assert parse_param("image_size=choice:64,128").values == (64, 128)  # a sweep over a folder's settings
+    with pytest.raises(ConfigError, match="image_size=0"):
+        parse_param("image_size=choice:0,128")
