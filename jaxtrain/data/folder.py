@@ -155,8 +155,11 @@ def _cached_index(root: Path) -> tuple[list[str], dict]:
         index = json.loads(cache.read_text())
         if index.get("digest") == digest and "content" in index:
             return classes, index
-    except (OSError, ValueError):
+    except FileNotFoundError:  # not indexed in this state yet
         pass
+    except (OSError, ValueError) as e:
+        print(f"warning: the index of {root} in {cache} cannot be read ({type(e).__name__}): indexing the folder "
+              "again", file=sys.stderr, flush=True)
     content = hashlib.sha256(json.dumps([classes, [(rel, size) for rel, size, _ in listing]]).encode()).hexdigest()
     index = {"digest": digest, "content": content, "root": str(root), **_index(root, listing), "problems": problems}
     try:
@@ -164,8 +167,9 @@ def _cached_index(root: Path) -> tuple[list[str], dict]:
         tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(index))
         os.replace(tmp, cache)
-    except OSError:
-        pass
+    except OSError as e:
+        print(f"warning: the index of {root} cannot be kept in {cache.parent} ({e.strerror}): the next run indexes "
+              "it again (set JAXTRAIN_INDEX_CACHE to a writable directory)", file=sys.stderr, flush=True)
     return classes, index
 
 

@@ -94,7 +94,8 @@ def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch:
             try:
                 out[row] = decode(path, size, box_of, flip)
                 break
-            except Exception as e:  # noqa: BLE001 - what a damaged file raises varies (OSError, SyntaxError, ...)
+            except Exception as e:  # noqa: BLE001 - any damaged file (OSError, SyntaxError, ...): replaced by the
+                # next file and counted (one warning line an epoch), or with on_bad="error" one line naming it
                 if isinstance(e, OSError) and e.errno not in (None, errno.ENOENT):  # the disk's, not the image's
                     raise ConfigError(f"{path} cannot be read ({e.strerror}): check the folder's disk or "
                                       "mount") from None

@@ -119,9 +119,10 @@ class Loader:
         return self.batch_size // self.process_count
 
     def dataset(self, epoch: int, start: int = 0) -> grain.MapDataset:
-        """Batches ``start..`` of ``epoch`` as a grain MapDataset (random access)."""
-        order = epoch_order(len(self.split), self.seed, epoch) if self.train else None
-        return grain.MapDataset.range(start, len(self)).map(lambda b: self._batch(order, b, epoch))
+        """Batches ``start..`` of ``epoch`` as a grain MapDataset (random access), by their global numbers as the
+        worker processes' stream takes them."""
+        first = epoch * len(self)
+        return grain.MapDataset.range(first + start, first + len(self)).map(self._global_batch)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict]:
         """Iterate over one epoch from batch ``start`` (a resumed run starts mid-epoch)."""
