@@ -8,7 +8,7 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 # (17:37 against 20:17 with the default scheduling, one run each here); --durations names the slowest tests.
 PYTEST_ARGS ?= -n 2 --dist worksteal --durations=20
 
-.PHONY: setup data onednn demo test cluster test-latest test-gpu-compile gpu-bundle gpu-rehearse gpu-check docs clean help
+.PHONY: setup data onednn jpeg demo test cluster test-latest test-gpu-compile gpu-bundle gpu-rehearse gpu-check docs clean help
 
 help:
 	@echo "make demo   set up, then train the d2l LeNet on Fashion-MNIST on 2 devices (10 epochs)"
@@ -22,6 +22,7 @@ help:
 	@echo "make docs   set up, then build the documentation site into docs/_build/html (warnings are errors)"
 	@echo "make data   install the Debian package dataset-fashion-mnist if it is missing"
 	@echo "make onednn install g++ (it compiles oneDNN's convolutions for CPUs) if it is missing"
+	@echo "make jpeg   install libjpeg-turbo's headers (image folders' JPEG region decoder) if they are missing"
 	@echo "make setup  create/update $(VENV) and install jaxtrain with its test extras"
 
 $(STAMP): pyproject.toml
@@ -32,6 +33,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 	@# compiles oneDNN's convolutions for CPUs where g++ is here; where not it says why and exits 1: set-up goes on
 	@$(PY) -m jaxtrain.kernels.onednn || true
+	@$(PY) -m jaxtrain.data.jpeg || true
 
 setup: $(STAMP)
 
@@ -62,16 +64,30 @@ onednn:
 		echo "  (slower for ResNet-18 and LeNet); install g++ to use oneDNN's."; \
 	fi
 
-demo: onednn setup data
+# Image folders decode a JPEG's crop alone (jaxtrain.data.jpeg), compiled on first use with g++ against
+# libjpeg-turbo (Debian: libjpeg-dev). Without it JPEGs are decoded whole by Pillow (slower), saying so.
+jpeg:
+	@if [ -f /usr/include/jpeglib.h ]; then \
+		echo "libjpeg headers: /usr/include/jpeglib.h"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian package libjpeg-dev (for the JPEG region decoder)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjpeg-dev >/dev/null; \
+	else \
+		echo "libjpeg headers missing and apt-get is not usable as root: image folders' JPEGs are decoded whole"; \
+		echo "  by Pillow (slower); install libjpeg-turbo's headers (libjpeg-dev) to decode only each crop."; \
+	fi
+
+demo: onednn jpeg setup data
 	$(PY) -m experiments.lenet --devices 2
 
-test: onednn setup data
+test: onednn jpeg setup data
 	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
 
 # The cluster tests (docs/cluster.md): a real SLURM and Open MPI on this host (tools/cluster), one job at a time,
 # the daemons stopped after, whatever the tests did.
 CLUSTER_PYTEST_ARGS ?= --durations=10
-cluster: onednn setup data
+cluster: onednn jpeg setup data
 	tools/cluster up || { tools/cluster down; exit 1; }
 	status=0; env $$(tools/cluster env) $(PY) -m pytest -m cluster $(CLUSTER_PYTEST_ARGS) tests/test_cluster.py \
 		|| status=$$?; tools/cluster down; exit $$status

@@ -43,6 +43,8 @@ class Settings:
     onednn_blocked: bool = False  # oneDNN's blocked layouts always (to measure the NHWC kernels)
     onednn_cache: Path = Path.home() / ".cache" / "jaxtrain" / "onednn"  # where the built library is kept
     index_cache: Path = Path.home() / ".cache" / "jaxtrain" / "folders"  # image folders' indexes (data.folder)
+    jpeg_cache: Path = Path.home() / ".cache" / "jaxtrain" / "jpeg"  # where the built JPEG decoder is kept
+    jpeg_decoder: str = "region"  # how image folders' JPEGs are decoded: region (data.jpeg) or pillow (whole)
     pallas_gpu: str = "auto"  # the kernels' GPU backend: auto, mosaic or triton
     pallas_interpret: str = "triton"  # which version of the kernels runs interpreted on CPUs: triton or mosaic
 
@@ -53,7 +55,7 @@ VARIABLES = {
     "devices_per_process": "JAXTRAIN_DEVICES_PER_PROCESS", "join_timeout": "JAXTRAIN_JOIN_TIMEOUT",
     "no_materialize": "JAXTRAIN_NO_MATERIALIZE", "onednn_threads": "JAXTRAIN_ONEDNN_THREADS",
     "onednn_blocked": "JAXTRAIN_ONEDNN_BLOCKED", "onednn_cache": "JAXTRAIN_ONEDNN_CACHE",
-    "index_cache": "JAXTRAIN_INDEX_CACHE",
+    "index_cache": "JAXTRAIN_INDEX_CACHE", "jpeg_cache": "JAXTRAIN_JPEG_CACHE", "jpeg_decoder": "JAXTRAIN_JPEG_DECODER",
     "pallas_gpu": "JAXTRAIN_PALLAS_GPU", "pallas_interpret": "JAXTRAIN_PALLAS_INTERPRET",
 }
 
@@ -106,7 +108,8 @@ PARSERS = {
     "num_processes": _whole, "process_id": lambda name, text: _whole(name, text, 0),
     "devices_per_process": _whole, "join_timeout": _seconds, "no_materialize": _flag,
     "onednn_threads": _threads, "onednn_blocked": _flag, "onednn_cache": lambda name, text: Path(text),
-    "index_cache": lambda name, text: Path(text),
+    "index_cache": lambda name, text: Path(text), "jpeg_cache": lambda name, text: Path(text),
+    "jpeg_decoder": lambda name, text: _choice(name, text, ("region", "pillow")),
     "pallas_gpu": lambda name, text: _choice(name, text, ("auto", "mosaic", "triton")),
     "pallas_interpret": lambda name, text: _choice(name, text, ("triton", "mosaic")),
 }
@@ -191,7 +194,7 @@ def tfds_dir() -> str:
 
 
 def cxx() -> str:
-    """``$CXX``, the C++ compiler that builds oneDNN's convolutions (default g++)."""
+    """``$CXX``, the C++ compiler that builds jaxtrain's native code (oneDNN's convolutions, the JPEG decoder; g++)."""
     return os.environ.get("CXX") or "g++"
 
 

@@ -23,9 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain import settings
+from jaxtrain.data import jpeg
 from jaxtrain.errors import ConfigError
 
-EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm")
+JPEG_SUFFIXES = (".jpg", ".jpeg")
+EXTENSIONS = (*JPEG_SUFFIXES, ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm")
 EVAL_FOLDERS = ("val", "test")
 ON_BAD = ("skip", "error")
 _ORDER_SEED = 20261127  # the fixed order files are kept in: ``head(n)`` is a random subset, not the first classes
@@ -213,6 +215,8 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
         if not files:
             raise ConfigError(f"{where}: no usable image in this split (e.g. every class's val_fraction share rounds "
                               "to 0): add images, or raise val_fraction")
+        if settings.current().jpeg_decoder == "region" and any(f.lower().endswith(JPEG_SUFFIXES) for f in files):
+            jpeg.check()  # built here, before any worker starts; where it cannot be, one line says so
         return FolderSplit(str(where), tuple(files[i] for i in order), labels[order], tuple(classes), size,
                            on_bad, crop_fraction, index["content"])
 

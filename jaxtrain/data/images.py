@@ -6,9 +6,10 @@ resized to ``size`` (ImageNet's "resize 256, centre crop 224" is ``crop_fraction
 aspect ratio 3/4 to 4/3, 10 tries, then the centre) and a horizontal flip with probability 1/2.
 ``crop+flip``: the whole image resized, then ``jaxtrain.data.augment.crop_flip`` (the CIFAR recipes').
 
-Fast on one core: the crop box is chosen from the header's size before anything is decoded; a JPEG is then
-decoded at the smallest of libjpeg-turbo's reduced scales (1/2, 1/4, 1/8) that keeps the box at least
-``size`` wide (Pillow's ``draft``), and the crop and the resize are one Pillow call (``resize(box=...)``).
+Fast on one core: the crop box is chosen from the header's size before anything is decoded; a JPEG's box
+alone is then decoded (``jaxtrain.data.jpeg``), at the smallest of libjpeg-turbo's scales 1/8, 1/4, 1/2, 1
+that keeps it at least ``size`` wide; other images are Pillow's, and JPEGs too where that decoder cannot be
+built (whole, at the same scale: ``draft``). The crop and the resize are one Pillow call (``resize(box=...)``).
 Every random choice comes from (seed, epoch, example index), so a resumed or multi-process run decodes the
 same pixels as an uninterrupted one.
 """
@@ -16,12 +17,15 @@ same pixels as an uninterrupted one.
 from __future__ import annotations
 
 import errno
+import io
 import math
 from pathlib import Path
 
 import numpy as np
 
+from jaxtrain import settings
 from jaxtrain.data import augment as augment_lib
+from jaxtrain.data import jpeg
 from jaxtrain.errors import ConfigError
 
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
@@ -52,23 +56,33 @@ def random_resized_box(w: int, h: int, rng: np.random.Generator) -> tuple[float,
     return left, top, left + cw, top + ch
 
 
-def decode(path: str | Path, size: int, box_of, flip: bool = False) -> np.ndarray:
+def decode(path: str | Path, size: int, box_of, flip: bool = False, region: bool | None = None) -> np.ndarray:
     """``path`` -> uint8 [size, size, 3]: ``box_of(w, h)`` picks the region (in the full image's pixels),
-    decoded at a reduced scale where JPEG allows, cropped and resized in one call."""
+    decoded at a reduced scale where JPEG allows, cropped and resized in one call. ``region``: a JPEG's crop
+    decoded alone (``jaxtrain.data.jpeg``; default: unless ``$JAXTRAIN_JPEG_DECODER`` is pillow), else with
+    Pillow (whole, at 1/1, 1/2, 1/4 or 1/8)."""
     from PIL import Image
 
-    with Image.open(path) as img:
-        w, h = img.size
-        left, top, right, bottom = box_of(w, h)
-        if img.format == "JPEG":
-            # the largest reduction that keeps the box >= size: draft picks a scale with the image >= the request
-            shrink = max(1.0, min((right - left) / size, (bottom - top) / size))
-            img.draft("RGB", (math.ceil(w / shrink), math.ceil(h / shrink)))
-            sx, sy = img.size[0] / w, img.size[1] / h
-            left, top, right, bottom = left * sx, top * sy, right * sx, bottom * sy
-        # greyscale, CMYK, palette and RGBA (alpha dropped) become RGB; an RGB image is decoded by the resize
-        rgb = img if img.mode == "RGB" else img.convert("RGB")
-        out = rgb.resize((size, size), Image.BILINEAR, box=(left, top, right, bottom))
+    data = Path(path).read_bytes()
+    if region is None:
+        region = settings.current().jpeg_decoder == "region"
+    if region and jpeg.is_jpeg(data) and jpeg.unusable() is None:
+        w, h, space = jpeg.header(data)
+        out = jpeg.decode(data, w, h, size, box_of(w, h)) if space in jpeg.RGB_SPACES else None
+    else:
+        out = None
+    if out is None:  # not a JPEG, a CMYK one, or Pillow's way asked for
+        with Image.open(io.BytesIO(data)) as img:
+            w, h = img.size
+            left, top, right, bottom = box_of(w, h)
+            if img.format == "JPEG":  # decoded at 1/d: draft takes the largest reduction the request allows
+                d = jpeg.reduction((left, top, right, bottom), size)
+                img.draft("RGB", (w // d, h // d))
+                sx, sy = img.size[0] / w, img.size[1] / h
+                left, top, right, bottom = left * sx, top * sy, right * sx, bottom * sy
+            # greyscale, CMYK, palette and RGBA (alpha dropped) become RGB; an RGB image is decoded by the resize
+            rgb = img if img.mode == "RGB" else img.convert("RGB")
+            out = rgb.resize((size, size), Image.BILINEAR, box=(left, top, right, bottom))
     if flip:
         out = out.transpose(Image.FLIP_LEFT_RIGHT)
     return np.asarray(out, np.uint8)

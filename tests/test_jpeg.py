@@ -1,0 +1,136 @@
+"""The JPEG region decoder (jaxtrain.data.jpeg): Pillow's pixels, only the crop read, and a clear fallback."""
+
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxtrain.data import images, jpeg
+from jaxtrain.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(jpeg.unusable() is not None, reason=f"the region decoder: {jpeg.unusable()}")
+
+
+def photo(w=301, h=203, seed=0) -> np.ndarray:
+    """Smooth shapes and some noise: a JPEG with detail at every scale, not a flat field."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    rng = np.random.default_rng(seed)
+    img = np.stack([128 + 100 * np.sin(x / (9 + 7 * c) + y / (13 + 5 * c) + c) for c in range(3)], -1)
+    return np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8)
+
+
+def encoded(pixels: np.ndarray, **options) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", **options)
+    return buf.getvalue()
+
+
+def pillows(data: bytes, size: int, box) -> np.ndarray:
+    """The independent reference: Pillow decodes the whole file at the same reduction, then resizes the box."""
+    with Image.open(io.BytesIO(data)) as img:
+        w, h = img.size
+        d = jpeg.reduction(box, size)
+        img.draft("RGB", (w // d, h // d))
+        assert img.size == (-(-w // d), -(-h // d))  # Pillow took the same scale
+        sx, sy = img.size[0] / w, img.size[1] / h
+        scaled = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+        return np.asarray(img.convert("RGB").resize((size, size), Image.BILINEAR, box=scaled))
+
+
+@pytest.mark.parametrize("options", [dict(quality=90), dict(quality=90, subsampling=0), dict(quality=75, subsampling=1),
+                                     dict(quality=90, progressive=True), dict(quality=95, optimize=True)],
+                         ids=["4:2:0", "4:4:4", "4:2:2", "progressive", "optimized"])
+def test_a_crop_decoded_alone_is_pillows_whole_decode_to_a_level(options):
+    data = encoded(photo(), **options)
+    w, h, space = jpeg.header(data)
+    assert (w, h) == (301, 203) and space in jpeg.RGB_SPACES
+    reductions = set()
+    for k in range(40):
+        rng = np.random.default_rng(k)
+        size = int(rng.choice([8, 16, 32, 64, 150]))
+        box = images.random_resized_box(w, h, rng) if k % 4 else images.centre_box(w, h, 0.875)
+        reductions.add(jpeg.reduction(box, size))
+        ours = np.asarray(jpeg.decode(data, w, h, size, box))
+        assert ours.shape == (size, size, 3)
+        assert np.abs(ours.astype(int) - pillows(data, size, box)).max() <= 1, (k, size, box)
+    assert reductions == {1, 2, 4, 8}  # every scale was checked
+
+
+def test_images_decode_takes_the_region_decoder_for_a_jpeg_and_pillow_for_the_rest(tmp_path, monkeypatch):
+    pixels = photo(120, 90)
+    Image.fromarray(pixels).save(tmp_path / "a.jpg", quality=90)
+    Image.fromarray(pixels).save(tmp_path / "a.png")
+    Image.fromarray(pixels).convert("CMYK").save(tmp_path / "cmyk.jpg", quality=90)  # libjpeg: no CMYK -> RGB
+    Image.fromarray(pixels[..., 0]).save(tmp_path / "grey.jpg", quality=90)
+    calls = []
+    monkeypatch.setattr(jpeg, "decode", lambda *a, _decode=jpeg.decode: calls.append(1) or _decode(*a))
+    box_of = lambda w, h: (10, 5, 90, 85)  # noqa: E731
+    for name, by_region in (("a.jpg", 1), ("a.png", 0), ("cmyk.jpg", 0), ("grey.jpg", 1)):
+        calls.clear()
+        out = images.decode(tmp_path / name, 32, box_of, flip=True)
+        pillow = images.decode(tmp_path / name, 32, box_of, flip=True, region=False)
+        assert out.shape == (32, 32, 3) and len(calls) == by_region, name
+        assert np.abs(out.astype(int) - pillow).max() <= 1, name
+    grey = images.decode(tmp_path / "grey.jpg", 32, box_of)
+    assert (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
+
+
+def test_only_the_crop_is_read_and_a_damaged_crop_is_an_error():
+    data = encoded(photo(256, 256), quality=90)
+    cut = data[: len(data) // 2] + b"\xff\xd9"  # the top half's data, then the end: the bottom rows are lost
+    top, bottom = (0, 0, 256, 64), (0, 192, 256, 256)
+    np.testing.assert_array_equal(np.asarray(jpeg.decode(cut, 256, 256, 64, top)),
+                                  np.asarray(jpeg.decode(data, 256, 256, 64, top)))  # never reads below the crop
+    with pytest.raises(jpeg.DecodeError):
+        jpeg.decode(data[: len(data) // 2], 256, 256, 64, bottom)  # ends early, inside the crop
+    with pytest.raises(jpeg.DecodeError):
+        jpeg.header(b"\xff\xd8\xff" + bytes(100))
+    with pytest.raises(OSError, match="truncated"):  # Pillow's whole decode finds what the crop never reached
+        Image.open(io.BytesIO(data[: len(data) // 2])).load()
+
+
+def test_a_jpeg_damaged_inside_its_crop_is_a_bad_file_of_the_folder(tmp_path):
+    from jaxtrain.data import folder
+
+    data = encoded(photo(64, 64), quality=90)
+    for where in ("train", "val"):
+        (tmp_path / "d" / where / "cat").mkdir(parents=True)
+        (tmp_path / "d" / where / "cat" / "good.jpg").write_bytes(data)
+    (tmp_path / "d" / "train" / "cat" / "cut.jpg").write_bytes(data[: len(data) // 3])
+    split = folder.load(tmp_path / "d", 16, on_bad="error", warn=lambda text: None)["train"]
+    with pytest.raises(ConfigError, match=r"cut.jpg cannot be decoded \(DecodeError: .*on_bad_image=skip"):
+        split.examples(np.arange(len(split)), None, 0, 0)  # the centre crop: the whole image's rows
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+def test_without_a_compiler_jpegs_are_pillows_and_one_line_says_why(tmp_path):
+    (tmp_path / "d" / "cat").mkdir(parents=True)
+    Image.fromarray(photo(64, 64)).save(tmp_path / "d" / "cat" / "a.jpg")
+    Image.fromarray(photo(64, 64, 1)).save(tmp_path / "d" / "cat" / "b.jpg")
+    code = ("import numpy as np; from jaxtrain.data import folder\n"
+            f"s = folder.load({str(tmp_path / 'd')!r}, 16, val_fraction=0.5)['train']\n"
+            "folder.load(s.root, 16, val_fraction=0.5)\n"
+            "print(s.examples(np.arange(len(s)), 'rrc+flip', 0, 0)[0].shape)")
+    env = {"CXX": "/nonexistent", "JAXTRAIN_JPEG_CACHE": str(tmp_path / "cache"),
+           "JAXTRAIN_INDEX_CACHE": str(tmp_path / "index")}
+    out = _python(code, **env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["(1,", "16,", "16,", "3)"]
+    assert out.stderr.splitlines() == [
+        "warning: JPEGs are decoded whole by Pillow, slower: the region decoder is not usable (no C++ compiler "
+        "found (/nonexistent): install g++ (make onednn; Debian: apt-get install g++))"], out.stderr
+    quiet = _python(code, JAXTRAIN_JPEG_DECODER="pillow", **env)  # Pillow's, asked for: nothing to say
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    built = subprocess.run([sys.executable, "-m", "jaxtrain.data.jpeg"], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, **env})
+    assert built.returncode == 1 and built.stderr.splitlines() == [
+        "JPEG region decoder: not usable: no C++ compiler found (/nonexistent): install g++ (make onednn; Debian: "
+        "apt-get install g++)"], built.stderr
