@@ -40,6 +40,24 @@ def test_two_processes_equal_one_process_with_two_devices(tmp_path, images):
     assert model["class_names"] == ["cat", "dog", "ship"] and model["input_shape"] == [32, 32, 3]
 
 
+def test_processes_that_read_different_folders_stop_in_one_line_naming_the_first(tmp_path):
+    """Each node's copy of a folder must be the same: process 1's lacks a file, so both processes stop before
+    training, with the same one line (not a run of silently mixed data)."""
+    for rank, per_class in enumerate(({"train": 6, "val": 2}, {"train": 5, "val": 2})):
+        make_folder(tmp_path / f"d{rank}", per_class)
+    command = (f"exec {sys.executable} {' '.join(LENET)} --dataset folder:{tmp_path}/d$JAXTRAIN_PROCESS_ID "
+               "--max-steps 1")
+    run = run_cli("-m", "jaxtrain.launch", "--processes", "2", "--devices-per-process", "1", "--", "sh", "-c",
+                  command)
+    assert run.returncode != 0
+    errors = [line.split("] ", 1)[-1] for line in run.stdout.splitlines() if "error:" in line]
+    assert errors and all(e == errors[0] for e in errors), run.stdout[-3000:]
+    assert errors[0].startswith("python -m experiments.lenet: error: process 1 on ")
+    assert "has other data than process 0 on " in errors[0]
+    assert errors[0].endswith("every process must read the same dataset (a folder copied whole to each node, or "
+                              "one shared folder)"), errors[0]
+
+
 def test_a_run_stopped_mid_epoch_and_resumed_ends_with_the_uninterrupted_digest(tmp_path, images):
     args = [*LENET, "--dataset", f"folder:{images}", "--devices", "2", "--epochs", "2", "--augment", "crop+flip"]
     whole = run_cli(*args, "--out", str(tmp_path / "whole"))

@@ -18,6 +18,7 @@ from jaxtrain.data import folder, sources
 from jaxtrain.errors import ConfigError
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.parallel import devices as devices_lib
+from jaxtrain.parallel import hosts
 from jaxtrain.parallel import preflight
 from jaxtrain.driver import assemble, distill
 from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
@@ -108,6 +109,8 @@ def load_data(s: Setup) -> tuple[dict, str]:
         data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir,
                                       progress=False if c.no_progress else None) for k in ("train", "test")}
         digest = sources.split_digest(*data.values())
+    hosts.agree(digest, "data", "every process must read the same dataset (a folder copied whole to each node, or "
+                "one shared folder)")
     return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, digest
 
 

@@ -121,3 +121,26 @@ def _say_unknown() -> None:
 def host_of(process: int) -> str:
     """Process ``process``'s hostname (after ``learn``; this host's own before)."""
     return _names[process] if process < len(_names) else socket.gethostname()
+
+
+def disagreeing(values: list[str]) -> list[int]:
+    """The processes whose value differs from process 0's."""
+    return [p for p, v in enumerate(values) if v != values[0]]
+
+
+def agree(value: str, what: str, fix: str) -> None:
+    """Every process's ``value`` (a hex digest) is process 0's, or a ConfigError on every process naming the
+    first that differs and its host (one all-gather; every process calls it)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from jaxtrain.errors import ConfigError
+
+    if jax.process_count() == 1:
+        return
+    row = np.frombuffer(value.encode().ljust(64, b"\0")[:64], np.uint8)
+    values = [r.tobytes().rstrip(b"\0").decode() for r in np.asarray(multihost_utils.process_allgather(row))]
+    if bad := disagreeing(values):
+        p = bad[0]
+        raise ConfigError(f"process {p} on {host_of(p)} has other {what} than process 0 on {host_of(0)} "
+                          f"({values[p][:12]}... vs {values[0][:12]}...): {fix}")
