@@ -78,6 +78,14 @@ def test_every_colour_mode_becomes_rgb_uint8_of_the_size_asked(tmp_path, mode):
     assert out.shape == (12, 12, 3) and out.dtype == np.uint8
 
 
+def test_a_16_bit_greyscale_png_is_scaled_to_8_bits_not_clipped(tmp_path):
+    levels = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)
+    Image.fromarray(levels).save(tmp_path / "deep.png")
+    out = images.decode(tmp_path / "deep.png", 64, lambda w, h: images.centre_box(w, h))
+    assert (out[..., 0] == out[..., 2]).all()
+    assert np.abs(out[..., 0].astype(int) - np.round(levels / 257)).max() <= 1  # Pillow alone: all 255 but one
+
+
 def test_a_jpeg_decoded_at_a_reduced_scale_is_close_to_the_full_decode(tmp_path):
     path = tmp_path / "big.jpg"
     smooth = np.kron(noise((30, 40, 3), 4), np.ones((32, 32, 1), np.uint8))  # 960x1280, blocks of one colour

@@ -81,11 +81,21 @@ def decode(path: str | Path, size: int, box_of, flip: bool = False, region: bool
                 sx, sy = img.size[0] / w, img.size[1] / h
                 left, top, right, bottom = left * sx, top * sy, right * sx, bottom * sy
             # greyscale, CMYK, palette and RGBA (alpha dropped) become RGB; an RGB image is decoded by the resize
-            rgb = img if img.mode == "RGB" else img.convert("RGB")
+            rgb = img if img.mode == "RGB" else _eight_bit(img).convert("RGB")
             out = rgb.resize((size, size), Image.BILINEAR, box=(left, top, right, bottom))
     if flip:
         out = out.transpose(Image.FLIP_LEFT_RIGHT)
     return np.asarray(out, np.uint8)
+
+
+def _eight_bit(img):
+    """A 16-bit greyscale image (a PNG's "I;16", or "I") scaled to 8 bits (Pillow's conversion clips it: white)."""
+    if img.mode not in ("I", "I;16", "I;16B", "I;16L"):
+        return img
+    from PIL import Image
+
+    wide = np.asarray(img, np.uint32)
+    return Image.fromarray(((np.minimum(wide, 65535) * 255 + 32767) // 65535).astype(np.uint8), "L")
 
 
 def _rng(seed: int, epoch: int, index: int) -> np.random.Generator:
