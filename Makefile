@@ -8,7 +8,7 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 # (17:37 against 20:17 with the default scheduling, one run each here); --durations names the slowest tests.
 PYTEST_ARGS ?= -n 2 --dist worksteal --durations=20
 
-.PHONY: setup data onednn jpeg demo test cluster test-latest test-gpu-compile gpu-bundle gpu-rehearse gpu-check docs clean help
+.PHONY: setup data onednn jpeg torch-venv demo test cluster test-latest test-gpu-compile gpu-bundle gpu-rehearse gpu-check docs clean help
 
 help:
 	@echo "make demo   set up, then train the d2l LeNet on Fashion-MNIST on 2 devices (10 epochs)"
@@ -23,6 +23,7 @@ help:
 	@echo "make data   install the Debian package dataset-fashion-mnist if it is missing"
 	@echo "make onednn install g++ (it compiles oneDNN's convolutions for CPUs) if it is missing"
 	@echo "make jpeg   install libjpeg-turbo's headers (image folders' JPEG region decoder) if they are missing"
+	@echo "make torch-venv  build the PyTorch venv the pretrained-weights tests compare against"
 	@echo "make setup  create/update $(VENV) and install jaxtrain with its test extras"
 
 $(STAMP): pyproject.toml
@@ -78,10 +79,15 @@ jpeg:
 		echo "  by Pillow (slower); install libjpeg-turbo's headers (libjpeg-dev) to decode only each crop."; \
 	fi
 
+# The PyTorch side of the pretrained-weights tests (tests/test_pretrained.py): torch, torchvision, timm and
+# safetensors in their own venv, outside the checkout (tools/torch-venv; ~5.5 GB, kept for later runs).
+torch-venv:
+	@bash tools/torch-venv >/dev/null
+
 demo: onednn jpeg setup data
 	$(PY) -m experiments.lenet --devices 2
 
-test: onednn jpeg setup data
+test: onednn jpeg torch-venv setup data
 	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
 
 # The cluster tests (docs/cluster.md): a real SLURM and Open MPI on this host (tools/cluster), one job at a time,

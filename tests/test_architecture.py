@@ -52,6 +52,7 @@ FLOORS = [
     ("kernels", ["jaxtrain.kernels", "jaxtrain.kernels.*"]),
     ("models", ["jaxtrain.models", "jaxtrain.models.*"]),
     ("data", ["jaxtrain.data", "jaxtrain.data.*"]),
+    ("pretrained", ["jaxtrain.pretrained", "jaxtrain.pretrained.*"]),
     ("train", ["jaxtrain.train", "jaxtrain.train.*"]),
     ("analysis", ["jaxtrain.analysis", "jaxtrain.analysis.*"]),
     ("driver", ["jaxtrain.driver", "jaxtrain.driver.*"]),

@@ -59,7 +59,7 @@ def test_a_bad_flag_value_is_one_line_on_stderr_with_exit_2(capsys):
     assert err == ["python -m experiments.lenet: error: --batch-size 0: expected a number >= 1"]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n == "resnet18"))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * n.startswith("resnet18"))
                                   for n in models.names()])
 def test_registry_models_train_on_their_example_batch(name):
     model = models.get(name)

@@ -138,3 +138,12 @@ def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
         raise ConfigError(f"{param}{run_dir}: the saved params do not match the digest in {INFO}: the files are "
                           "damaged; train it again")
     return meta, tree["params"], tree["model_state"]
+
+
+def save_pretrained(run_dir: str | Path, path: str | Path) -> Path:
+    """A finished run's model (``RUN_DIR/model``) as a file torchvision / timm load (``jaxtrain.pretrained.save``:
+    ``.safetensors``, or PyTorch's ``.pth``)."""
+    from jaxtrain import pretrained
+
+    meta, params, model_state = load(run_dir)
+    return pretrained.save(meta["model"], (params, model_state), path)

@@ -36,6 +36,10 @@ MODELS = {
     "resnet18": Defaults(10, 256, 0.1, inits=("d2l", "he"),
                          description="d2l's ResNet-18 for 28x28 (3x3 stem, no max-pool), BatchNorm synchronised "
                                      "over the devices"),
+    "resnet18_imagenet": Defaults(90, 256, 0.1, inits=("he",), optimizer="momentum", schedule="warmup_cosine",
+                                  warmup_epochs=2, image_size=224, folder_augment="rrc+flip",
+                                  description="torchvision's ResNet-18 (7x7 stem, max-pool, no conv biases; 224x224): "
+                                              "the network of torchvision's and timm's resnet18 weights"),
     "resnet50": Defaults(90, 256, 0.256, inits=("he",), optimizer="momentum", schedule="warmup_cosine",
                          warmup_epochs=2, image_size=224, folder_augment="rrc+flip",
                          description="ResNet-50 v1.5 (NVIDIA DeepLearningExamples' ImageNet network; 224x224x3, 1000 "
@@ -204,17 +208,19 @@ def _vit(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: 
                                vit.head_eval_fn), **shape)
 
 
-def _resnet18(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable) -> Model:
+def _resnet18(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable,
+              stem: str = "d2l") -> Model:
     from jaxtrain.models import classify, resnet
 
     net = resnet.adapter(shape["input_shape"], shape["num_classes"], weight_init=init, remat=remat,
-                         head=classify.loss_head(kernels), conv=conv)
-    return Student(name="resnet18", init=lambda rng: resnet.init_variables(rng, weight_init=init, **shape),
+                         head=classify.loss_head(kernels), conv=conv, stem=stem)
+    return Student(name="resnet18" if stem == "d2l" else "resnet18_imagenet",
+                   init=lambda rng: resnet.init_variables(rng, weight_init=init, stem=stem, **shape),
                    loss_fn=net.loss_fn, eval_fn=net.eval_fn,
                    logits=lambda params, stats, images: net.module(params, stats)(images),
                    logical_axes=resnet.LOGICAL_AXES,
                    head_loss=lambda head: resnet.adapter(weight_init=init, remat=remat, head=head, conv=conv,
-                                                         **shape).loss_fn,
+                                                         stem=stem, **shape).loss_fn,
                    **shape)
 
 
@@ -232,5 +238,6 @@ def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, c
 
 
 # name -> its builder (remat, init, shape, quantize, kernels, conv) -> Model
-BUILDERS = {"lenet": _lenet, "resnet18": _resnet18, "resnet50": _resnet50, "vit": _vit}
+BUILDERS = {"lenet": _lenet, "resnet18": _resnet18, "resnet18_imagenet": functools.partial(_resnet18, stem="imagenet"),
+            "resnet50": _resnet50, "vit": _vit}
 assert BUILDERS.keys() == MODELS.keys()

@@ -16,6 +16,7 @@ BatchNorm's ``axis_name`` to the step's batch axis (``jt.step_context()``) while
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -31,6 +32,7 @@ from jaxtrain.nn.flax_nnx import from_nnx
 
 NUM_CLASSES = 10
 STAGES = ((64, 1), (128, 2), (256, 2), (512, 2))  # (channels, stride of the first block)
+STEMS = ("d2l", "imagenet")
 
 # Logical axes (jaxtrain.parallel.rules.LOGICAL_AXES maps them to the mesh): tensor parallelism splits every conv's
 # output channels ("conv_out": kernel HWIO's O, and its bias) and so the classifier's input features;
@@ -57,29 +59,35 @@ class BatchNorm(nnx.BatchNorm):
     ResNet-50's 158 cuDNN convolutions in f32.) Evaluation (running averages) is flax's; ``stats="flax"``:
     flax's synchronised statistics in training too (what tests calibrated on their rounding compare)."""
 
-    def __init__(self, *args, stats: str = "jaxtrain", **kwargs):
+    def __init__(self, *args, stats: str = "jaxtrain", unbiased: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         if stats not in ("jaxtrain", "flax"):
             raise ValueError(f"unknown batch statistics {stats!r}: use jaxtrain or flax")
         self.stats = stats
+        self.unbiased = unbiased  # the running variance takes the batch's unbiased variance (PyTorch's BatchNorm)
 
     def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
         running = self.use_running_average if use_running_average is None else use_running_average
         axes = tuple(range(x.ndim - 1))
         if (running or mask is not None or self.axis_index_groups is not None or self.stats == "flax"
-                or not split(x, axes, self.axis_name)):
+                or not (self.unbiased or split(x, axes, self.axis_name))):
             return super().__call__(x, use_running_average, mask=mask).astype(x.dtype)
         h = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         mean, var = moments(h, axes, self.axis_name)
         self.mean[...] = lax.stop_gradient(self.momentum * self.mean[...] + (1 - self.momentum) * mean)
-        self.var[...] = lax.stop_gradient(self.momentum * self.var[...] + (1 - self.momentum) * var)
+        if self.unbiased:  # over every device's examples: this device's count times the devices'
+            count = math.prod(x.shape[a] for a in axes) * (1 if self.axis_name is None else lax.psum(1, self.axis_name))
+            running_var = var * (count / max(count - 1, 1))
+        else:
+            running_var = var
+        self.var[...] = lax.stop_gradient(self.momentum * self.var[...] + (1 - self.momentum) * running_var)
         mul = lax.rsqrt(var + self.epsilon)  # flax's _normalize, in its order
         mul = mul if self.scale is None else mul * self.scale[...]
         y = (h - mean) * mul
         return (y if self.bias is None else y + self.bias[...]).astype(x.dtype)
 
 
-def batch_norm(channels: int, rngs: nnx.Rngs, stats: str = "jaxtrain") -> nnx.BatchNorm:
+def batch_norm(channels: int, rngs: nnx.Rngs, stats: str = "jaxtrain", unbiased: bool = False) -> nnx.BatchNorm:
     """d2l's BatchNorm (momentum 0.9, eps 1e-5), its output in its input's dtype (``BatchNorm``).
 
     Two-pass variance (mean first, then the mean squared deviation; ``BatchNorm``'s training statistics
@@ -87,22 +95,27 @@ def batch_norm(channels: int, rngs: nnx.Rngs, stats: str = "jaxtrain") -> nnx.Ba
     flax's fast E[x^2] - E[x]^2: on a CPU without AVX-512 (jax 0.10.2) the
     fast form's cancellation made the 2-device step's stem-conv gradient off
     by 1e-3 (relative, vs a float64 reference) while 1 device was at 2e-6;
-    two passes put both at 2e-6.
+    two passes put both at 2e-6. ``unbiased``: the running variance takes the batch's unbiased variance, as
+    PyTorch's BatchNorm does (torchvision's networks: ``stem="imagenet"``, ResNet-50).
     """
-    return BatchNorm(channels, momentum=0.9, epsilon=1e-5, use_fast_variance=False, stats=stats, rngs=rngs)
+    return BatchNorm(channels, momentum=0.9, epsilon=1e-5, use_fast_variance=False, stats=stats, unbiased=unbiased,
+                     rngs=rngs)
 
 
 class Residual(nnx.Module):
-    """d2l's Residual: conv-BN-ReLU-conv-BN, plus a (1x1 conv) shortcut, then ReLU."""
+    """d2l's Residual: conv-BN-ReLU-conv-BN, plus a (1x1 conv) shortcut, then ReLU. ``imagenet``: torchvision's
+    BasicBlock (convs without biases, the shortcut conv followed by a BatchNorm)."""
 
     def __init__(self, cin: int, channels: int, strides: int, projection: bool, init: str, rngs: nnx.Rngs,
-                 conv_op=lax.conv_general_dilated, stats: str = "jaxtrain"):
-        conv = partial(nnx.Conv, kernel_init=_kernel_init(init), conv_general_dilated=conv_op, rngs=rngs)
+                 conv_op=lax.conv_general_dilated, stats: str = "jaxtrain", imagenet: bool = False):
+        conv = partial(nnx.Conv, kernel_init=_kernel_init(init), conv_general_dilated=conv_op, use_bias=not imagenet,
+                       rngs=rngs)
         self.conv1 = conv(cin, channels, (3, 3), strides=strides, padding=1)
-        self.bn1 = batch_norm(channels, rngs, stats)
+        self.bn1 = batch_norm(channels, rngs, stats, imagenet)
         self.conv2 = conv(channels, channels, (3, 3), padding=1)
-        self.bn2 = batch_norm(channels, rngs, stats)
+        self.bn2 = batch_norm(channels, rngs, stats, imagenet)
         self.shortcut = conv(cin, channels, (1, 1), strides=strides) if projection else None
+        self.bn_shortcut = batch_norm(channels, rngs, stats, imagenet) if projection and imagenet else None
 
     def __call__(self, x, train: bool):
         # The convs' inputs stored once: on a CPU, XLA otherwise recomputes each from the conv outputs before it
@@ -110,31 +123,44 @@ class Residual(nnx.Module):
         x = materialize(x)
         y = materialize(nnx.relu(self.bn1(self.conv1(x), use_running_average=not train)))
         y = self.bn2(self.conv2(y), use_running_average=not train)
-        return nnx.relu(y + (self.shortcut(x) if self.shortcut is not None else x))
+        skip = x if self.shortcut is None else self.shortcut(x)
+        if self.bn_shortcut is not None:
+            skip = self.bn_shortcut(skip, use_running_average=not train)
+        return nnx.relu(y + skip)
 
 
 class ResNet18(nnx.Module):
     def __init__(self, in_channels: int = 1, num_classes: int = NUM_CLASSES, *, weight_init: str = "d2l",
-                 remat: str = "none", conv=lax.conv_general_dilated, batch_stats: str = "jaxtrain", rngs: nnx.Rngs):
+                 remat: str = "none", conv=lax.conv_general_dilated, batch_stats: str = "jaxtrain",
+                 stem: str = "d2l", rngs: nnx.Rngs):
         """``conv``: the convolution every layer runs (``lax.conv_general_dilated``'s signature; e.g.
-        ``jaxtrain.kernels.onednn.conv_general_dilated``); ``batch_stats``: its BatchNorms' (``BatchNorm``)."""
-        self.conv = nnx.Conv(in_channels, 64, (3, 3), padding=1, kernel_init=_kernel_init(weight_init),
-                             conv_general_dilated=conv, rngs=rngs)
-        self.bn = batch_norm(64, rngs, batch_stats)
+        ``jaxtrain.kernels.onednn.conv_general_dilated``); ``batch_stats``: its BatchNorms' (``BatchNorm``);
+        ``stem``: "d2l" (above), or "imagenet": torchvision's ResNet-18 (7x7 stride-2 stem and a 3x3 stride-2
+        max-pool, convs without biases, BatchNorm after each shortcut conv) for 224x224 images."""
+        if stem not in STEMS:
+            raise ValueError(f"unknown stem {stem!r}: use {' or '.join(STEMS)}")
+        imagenet = stem == "imagenet"
+        self.conv = nnx.Conv(in_channels, 64, (7, 7) if imagenet else (3, 3), strides=2 if imagenet else 1,
+                             padding=3 if imagenet else 1, use_bias=not imagenet,
+                             kernel_init=_kernel_init(weight_init), conv_general_dilated=conv, rngs=rngs)
+        self.bn = batch_norm(64, rngs, batch_stats, imagenet)
         blocks, cin = [], 64
         for stage, (channels, strides) in enumerate(STAGES):
             for i in range(2):
                 first = i == 0 and stage > 0
                 blocks.append(Residual(cin, channels, strides if first else 1, first, weight_init, rngs, conv,
-                                       batch_stats))
+                                       batch_stats, imagenet))
                 cin = channels
         self.blocks = nnx.List(blocks)
         self.dense = nnx.Linear(512, num_classes, kernel_init=_kernel_init(weight_init), rngs=rngs)
         self.remat = remat  # a jaxtrain.core.remat policy name, applied per residual block
+        self.max_pool = imagenet
 
     def __call__(self, x, train: bool = False):
         x = checked_images(x, self.conv.in_features, "ResNet-18", self.conv.kernel.dtype)
         x = nnx.relu(self.bn(self.conv(x), use_running_average=not train))
+        if self.max_pool:
+            x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         pol = remat_policy(self.remat)
         for block in self.blocks:
             x = (nnx.remat(Residual.__call__, policy=pol, static_argnums=(2,)) if pol is not None
@@ -143,19 +169,20 @@ class ResNet18(nnx.Module):
 
 
 def adapter(input_shape=(28, 28, 1), num_classes: int = NUM_CLASSES, weight_init: str = "d2l", remat: str = "none",
-            head=classify.label_loss, conv=lax.conv_general_dilated, batch_stats: str = "jaxtrain"):
+            head=classify.label_loss, conv=lax.conv_general_dilated, batch_stats: str = "jaxtrain", stem: str = "d2l"):
     """``jt.from_nnx`` of an abstract ResNet-18 (no weights made): the loss / eval fns and the state's layout;
-    ``head(logits, batch) -> (loss, metrics)``; ``conv``: its layers' convolution; ``batch_stats``: ``BatchNorm``'s."""
+    ``head(logits, batch) -> (loss, metrics)``; ``conv``: its layers' convolution; ``batch_stats``: ``BatchNorm``'s;
+    ``stem``: ``ResNet18``'s."""
     model = nnx.eval_shape(lambda: ResNet18(input_shape[-1], num_classes, weight_init=weight_init, remat=remat,
-                                            conv=conv, batch_stats=batch_stats, rngs=nnx.Rngs(0)))
+                                            conv=conv, batch_stats=batch_stats, stem=stem, rngs=nnx.Rngs(0)))
     return from_nnx(model, loss=head,
                     per_example=lambda logits, batch: classify.per_example(logits, batch["label"]))
 
 
 def init_variables(rng: jax.Array, input_shape=(28, 28, 1), num_classes: int = NUM_CLASSES,
-                   weight_init: str = "d2l") -> tuple[dict, dict]:
+                   weight_init: str = "d2l", stem: str = "d2l") -> tuple[dict, dict]:
     """(params, batch_stats) as plain dicts: what ``adapter().loss_fn`` takes."""
-    model = ResNet18(input_shape[-1], num_classes, weight_init=weight_init, rngs=nnx.Rngs(rng))
+    model = ResNet18(input_shape[-1], num_classes, weight_init=weight_init, stem=stem, rngs=nnx.Rngs(rng))
     _, params, _, stats = nnx.split(model, nnx.Param, nnx.RngState, ...)
     return nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
 

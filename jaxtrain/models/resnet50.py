@@ -6,7 +6,8 @@
 block of stages 2-4 halves the resolution in its 3x3 conv (v1 did it in the first 1x1), and its shortcut is a
 1x1 conv with stride and BatchNorm. Global average pool, dense classifier. Convs have no bias (BatchNorm
 follows); He-normal weights; each block's last BatchNorm scale starts at 0 (``zero_init_residual``, as
-DeepLearningExamples trains it). BatchNorm: momentum 0.9, eps 1e-5, two-pass variance (``resnet.batch_norm``).
+DeepLearningExamples trains it). BatchNorm: momentum 0.9, eps 1e-5, two-pass variance, the running variance
+updated with the batch's unbiased variance as PyTorch's is (``resnet.batch_norm``): torchvision's resnet50.
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ class Bottleneck(nnx.Module):
         conv = partial(nnx.Conv, use_bias=False, kernel_init=nnx.initializers.he_normal(),
                        conv_general_dilated=conv_op, rngs=rngs)
         out = width * EXPANSION
-        self.conv1, self.bn1 = conv(cin, width, (1, 1)), batch_norm(width, rngs)
+        self.conv1, self.bn1 = conv(cin, width, (1, 1)), batch_norm(width, rngs, unbiased=True)
         self.conv2 = conv(width, width, (3, 3), strides=strides, padding=1)
-        self.bn2 = batch_norm(width, rngs)
-        self.conv3, self.bn3 = conv(width, out, (1, 1)), batch_norm(out, rngs)
-        self.bn3.scale.value = self.bn3.scale.value * 0  # zero_init_residual
+        self.bn2 = batch_norm(width, rngs, unbiased=True)
+        self.conv3, self.bn3 = conv(width, out, (1, 1)), batch_norm(out, rngs, unbiased=True)
+        self.bn3.scale[...] = self.bn3.scale[...] * 0  # zero_init_residual
         projection = strides != 1 or cin != out
         self.shortcut = conv(cin, out, (1, 1), strides=strides) if projection else None
-        self.bn_shortcut = batch_norm(out, rngs) if projection else None
+        self.bn_shortcut = batch_norm(out, rngs, unbiased=True) if projection else None
 
     def __call__(self, x, train: bool):
         avg = not train
@@ -62,7 +63,7 @@ class ResNet50(nnx.Module):
         """``conv``: the convolution every layer runs (as ResNet-18's)."""
         self.stem = nnx.Conv(in_channels, 64, (7, 7), strides=2, padding=3, use_bias=False,
                              kernel_init=nnx.initializers.he_normal(), conv_general_dilated=conv, rngs=rngs)
-        self.bn = batch_norm(64, rngs)
+        self.bn = batch_norm(64, rngs, unbiased=True)
         blocks, cin = [], 64
         for width, count, strides in STAGES:
             for i in range(count):

@@ -1,0 +1,177 @@
+"""Weights from torchvision and timm into jaxtrain's ResNets and back (jaxtrain.pretrained): the same network,
+checked against PyTorch itself (tests/torch_reference.py, in a Python with torch: ``make torch-venv``)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxtrain as jt
+from jaxtrain import models, pretrained
+from jaxtrain.errors import ConfigError
+from jaxtrain.pretrained import tensors
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZE = 64  # small images: the networks are the ImageNet ones, their maps shrink to 2x2 at the end
+
+
+@pytest.fixture(scope="session")
+def torch_python() -> str:
+    """A Python with torch, torchvision, timm and safetensors: $JAXTRAIN_TORCH_PYTHON, or tools/torch-venv's
+    (built when missing). Without one the tests skip, except under CI (where the leg must run them: fail)."""
+    python = os.environ.get("JAXTRAIN_TORCH_PYTHON")
+    if not python:
+        built = subprocess.run(["bash", str(ROOT / "tools" / "torch-venv")], capture_output=True, text=True)
+        python = built.stdout.strip().splitlines()[-1] if built.returncode == 0 else None
+        if python is None:
+            why = f"no Python with torch: {built.stderr.strip()[-300:]}"
+            pytest.fail(why) if os.environ.get("CI") else pytest.skip(why)
+    return python
+
+
+def reference(torch_python, *args) -> None:
+    done = subprocess.run([torch_python, str(ROOT / "tests" / "torch_reference.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def made(torch_python, tmp_path_factory):
+    """source arch -> the directory of its random model's files (built once per module)."""
+    cache = {}
+
+    def make(arch: str, classes: int):
+        if (arch, classes) not in cache:
+            out = tmp_path_factory.mktemp(arch)
+            reference(torch_python, "make", arch, classes, SIZE, out)
+            cache[arch, classes] = out
+        return cache[arch, classes]
+
+    return make
+
+
+def model(name: str, classes: int):
+    return models.get(name, input_shape=(SIZE, SIZE, 3), num_classes=classes, conv="xla")
+
+
+def relative(a, b) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+
+
+PAIRS = [("resnet18", "resnet18_imagenet"), ("resnet50", "resnet50"), ("timm_resnet18", "resnet18_imagenet"),
+         ("timm_resnet50", "resnet50")]
+
+
+@pytest.mark.parametrize("arch, name", PAIRS)
+@pytest.mark.parametrize("file", ["weights.pth", "weights.safetensors"])
+def test_imported_weights_give_torchs_logits(made, arch, name, file):
+    out = made(arch, 7)
+    loaded = pretrained.load(out / file, into=model(name, 7))
+    assert loaded.replaced == () and set(n.rsplit(".", 1)[-1] for n in loaded.unused) == {"num_batches_tracked"}
+    logits = model(name, 7).logits(*loaded.variables, np.load(out / "x.npy"))
+    assert relative(logits, np.load(out / "logits.npy")) < 1e-4
+
+
+@pytest.mark.parametrize("mesh, strategy", [(1, "jit"), (2, "jit"), (2, "shard_map")])
+def test_a_training_step_updates_the_batchnorm_statistics_as_torch_does(made, mesh, strategy):
+    """One SGD step (lr 0.1) in training mode: the running means and variances (PyTorch's: the batch's unbiased
+    variance) equal torch's, over the whole batch however the step splits it."""
+    out = made("resnet18", 7)
+    net = model("resnet18_imagenet", 7)
+    variables = pretrained.load(out / "weights.safetensors", into=net).variables
+    trainer = jt.make_train_step(net.loss_fn, optax.sgd(0.1), mesh=mesh, strategy=strategy)
+    state = trainer.init(init_fn=lambda rng: variables, rng=jax.random.key(0))
+    batch = {"image": np.load(out / "x.npy"), "label": np.load(out / "y.npy").astype(np.int32)}
+    state, _ = trainer(state, trainer.shard(batch))
+    mine = pretrained.export("resnet18_imagenet", *jax.device_get((state.params, state.model_state)))
+    theirs = tensors.read(out / "after.safetensors")
+    for name in (n for n in theirs if n.endswith(("running_mean", "running_var"))):
+        assert relative(mine[name], theirs[name]) < 1e-5, name
+
+
+def test_another_class_count_gets_the_models_own_classifier_saying_so(made):
+    out = made("resnet50", 7)
+    loaded = pretrained.load(out / "weights.safetensors", into=model("resnet50", 3), seed=1)
+    assert loaded.replaced == ("fc.bias (7 -> 3)", "fc.weight (7x2048 -> 3x2048)")
+    fresh = jax.tree.map(np.asarray, model("resnet50", 3).init(jax.random.key(1)))
+    np.testing.assert_array_equal(loaded.params["dense"]["kernel"], fresh[0]["dense"]["kernel"])
+    np.testing.assert_array_equal(loaded.params["stem"]["kernel"],
+                                  tensors.read(out / "weights.safetensors")["conv1.weight"].transpose(2, 3, 1, 0))
+    assert loaded.summary("w") == ("w: loaded; replaced fc.bias (7 -> 3), fc.weight (7x2048 -> 3x2048); unused: "
+                                   "num_batches_tracked x53")
+    by_name = pretrained.load(out / "weights.safetensors", into="resnet50")  # the file's 7 classes, 224x224
+    assert by_name.params["dense"]["kernel"].shape == (2048, 7) and by_name.replaced == ()
+
+
+def test_exported_weights_load_into_torchvision_with_the_same_logits(made, torch_python, tmp_path):
+    out = made("resnet18", 7)
+    net = model("resnet18_imagenet", 7)
+    variables = pretrained.load(out / "weights.pth", into=net, seed=0).variables
+    path = tensors.write(pretrained.export("resnet18_imagenet", *variables), tmp_path / "back.safetensors")
+    reference(torch_python, "check", "resnet18", 7, SIZE, out, path)  # load_state_dict(strict=True)
+    assert relative(np.load(out / "checked.npy"), net.logits(*variables, np.load(out / "x.npy"))) < 1e-4
+
+
+def test_bad_files_and_models_are_one_line_naming_what(made, tmp_path):
+    out = made("resnet18", 7)
+    whole = tensors.read(out / "weights.safetensors")
+    tensors.write({k: v for k, v in whole.items() if k != "layer2.1.conv1.weight"}, tmp_path / "missing.safetensors")
+    with pytest.raises(ConfigError, match=r"no tensor layer2.1.conv1.weight \(for resnet18_imagenet's "
+                                          r"blocks/3/conv1/kernel\): is it a torchvision or timm resnet18 file\?"):
+        pretrained.load(tmp_path / "missing.safetensors", into=model("resnet18_imagenet", 7))
+    with pytest.raises(ConfigError, match=r"no tensor layer1.0.bn3.bias \(for resnet50's blocks/0/bn3/bias\): is it "
+                                          r"a torchvision or timm resnet50 file\?"):
+        pretrained.load(out / "weights.pth", into=model("resnet50", 7))  # ResNet-18's file in a ResNet-50
+    shrunk = {**whole, "layer1.0.conv1.weight": whole["layer1.0.conv1.weight"][:32]}
+    tensors.write(shrunk, tmp_path / "shape.safetensors")
+    with pytest.raises(ConfigError, match=r"layer1.0.conv1.weight is 32x64x3x3, resnet18_imagenet needs 64x64x3x3 "
+                                          r"there: another network\?"):
+        pretrained.load(tmp_path / "shape.safetensors", into=model("resnet18_imagenet", 7))
+    (tmp_path / "text.pth").write_text("not a checkpoint")
+    with pytest.raises(ConfigError, match=r"text.pth: not PyTorch's zip format"):
+        pretrained.load(tmp_path / "text.pth", into="resnet50")
+    with pytest.raises(ConfigError, match=r"weights.npz: not a checkpoint jaxtrain reads"):
+        pretrained.load(tmp_path / "weights.npz", into="resnet50")
+    with pytest.raises(ConfigError, match=r"model lenet: pretrained weights load into resnet18_imagenet, resnet50"):
+        pretrained.load(out / "weights.pth", into="lenet")
+
+
+def test_a_pytorch_file_is_read_without_torch_and_runs_no_code(tmp_path):
+    """The unpickler allows tensors and dicts only: a pickle that would call os.system is refused."""
+    import pickle
+    import zipfile
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    with zipfile.ZipFile(tmp_path / "evil.pth", "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"x": Evil()}))
+    with pytest.raises(ConfigError, match=r"evil.pth: not a PyTorch state_dict \(UnpicklingError: posix.system is "
+                                          r"not part of a state_dict\)"):
+        tensors.read(tmp_path / "evil.pth")
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.slow
+def test_a_finished_runs_model_goes_back_to_torchvision_with_its_logits(torch_python, tmp_path):
+    from conftest import run_cli
+    from image_folders import make_folder
+
+    from jaxtrain.driver import export
+
+    root = make_folder(tmp_path / "d", {"train": 4, "val": 1})
+    run = run_cli("-m", "jaxtrain.cli", "--model", "resnet18_imagenet", "--dataset", f"folder:{root}", "--image-size",
+                  "32", "--batch-size", "4", "--max-steps", "2", "--devices", "2", "--no-progress",
+                  "--out", str(tmp_path / "run"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    path = export.save_pretrained(tmp_path / "run", tmp_path / "back.safetensors")
+    np.save(tmp_path / "x.npy", np.random.default_rng(1).random((2, 32, 32, 3), dtype=np.float32))
+    reference(torch_python, "check", "resnet18", 3, 32, tmp_path, path)
+    meta, params, model_state = export.load(tmp_path / "run")
+    ours = export.model_of(meta).logits(params, model_state, np.load(tmp_path / "x.npy"))
+    assert relative(np.load(tmp_path / "checked.npy"), ours) < 1e-4
