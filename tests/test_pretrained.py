@@ -175,3 +175,31 @@ def test_a_finished_runs_model_goes_back_to_torchvision_with_its_logits(torch_py
     meta, params, model_state = export.load(tmp_path / "run")
     ours = export.model_of(meta).logits(params, model_state, np.load(tmp_path / "x.npy"))
     assert relative(np.load(tmp_path / "checked.npy"), ours) < 1e-4
+
+
+@pytest.mark.slow
+def test_init_from_starts_a_run_from_the_files_weights_and_says_what_it_loaded(made, tmp_path):
+    """--init-from: the run starts from the file's weights (one step at lr 1e-30 leaves them as they were), its
+    first line says what it loaded and replaced; a model that takes no such file is one line (exit 2)."""
+    from conftest import run_cli
+    from image_folders import make_folder
+
+    from jaxtrain.driver import export
+
+    out = made("resnet18", 7)
+    root = make_folder(tmp_path / "d", {"train": 4, "val": 1})  # 3 classes: the classifier starts afresh
+    args = ["-m", "jaxtrain.cli", "--model", "resnet18_imagenet", "--dataset", f"folder:{root}", "--image-size", "64",
+            "--batch-size", "4", "--max-steps", "1", "--lr", "1e-30", "--devices", "2", "--no-progress"]
+    run = run_cli(*args, "--init-from", str(out / "weights.pth"), "--out", str(tmp_path / "run"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (f"{out / 'weights.pth'}: loaded; replaced fc.bias (7 -> 3), fc.weight (7x512 -> 3x512); unused: "
+            "num_batches_tracked x20") in run.stdout
+    meta, params, model_state = export.load(tmp_path / "run")
+    source = tensors.read(out / "weights.pth")
+    np.testing.assert_allclose(params["conv"]["kernel"], source["conv1.weight"].transpose(2, 3, 1, 0), rtol=1e-6)
+    assert meta["settings"]["init_from"] == str(out / "weights.pth")
+    wrong = run_cli("-m", "experiments.resnet18", "--init-from", str(out / "weights.pth"), "--max-steps", "1")
+    assert wrong.returncode == 2 and wrong.stderr.strip().splitlines()[-1] == (
+        "python -m experiments.resnet18: error: model resnet18: pretrained weights load into resnet18_imagenet, "
+        "resnet50 (torchvision's and timm's ResNets): torchvision's ResNet-18 is resnet18_imagenet (resnet18 is "
+        "d2l's)")

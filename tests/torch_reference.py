@@ -9,13 +9,26 @@ parameters drawn at random too, so evaluation is not the identity) saved as DIR/
 DIR/weights.safetensors; a random batch DIR/x.npy (NHWC); its evaluation-mode logits DIR/logits.npy; then one
 SGD step in training mode (lr 0.1, cross-entropy on DIR/y.npy): DIR/after.safetensors (its state_dict after).
 ``check``: FILE (.pth or .safetensors) loaded with ``load_state_dict(strict=True)``; its logits on DIR/x.npy
-written to DIR/checked.npy.
+written to DIR/checked.npy. Images are in [0, 1] (as jaxtrain's loaders give them) and normalised with
+ImageNet's mean and std before the model, as torchvision's transforms do (jaxtrain's ImageNet ResNets do it
+inside).
 """
 
 import sys
 from pathlib import Path
 
 import numpy as np
+
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's: what torchvision's transforms feed
+
+
+def normalized(x):
+    """NHWC images in [0, 1] -> NCHW, normalised as torchvision's transforms normalise them."""
+    import torch
+
+    x = torch.from_numpy(x).permute(0, 3, 1, 2)
+    return (x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
 
 
 def build(arch: str, classes: int):
@@ -40,8 +53,7 @@ def main(argv):
         model.load_state_dict(state, strict=True)
         model.eval()
         with torch.no_grad():
-            x = torch.from_numpy(np.load(out / "x.npy")).permute(0, 3, 1, 2)
-            np.save(out / "checked.npy", model(x).numpy())
+            np.save(out / "checked.npy", model(normalized(np.load(out / "x.npy"))).numpy())
         return 0
     with torch.no_grad():
         for m in model.modules():
@@ -61,10 +73,10 @@ def main(argv):
     np.save(out / "y.npy", y)
     model.eval()
     with torch.no_grad():
-        np.save(out / "logits.npy", model(torch.from_numpy(x).permute(0, 3, 1, 2)).numpy())
+        np.save(out / "logits.npy", model(normalized(x)).numpy())
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x).permute(0, 3, 1, 2)), torch.from_numpy(y))
+    loss = torch.nn.functional.cross_entropy(model(normalized(x)), torch.from_numpy(y))
     loss.backward()
     opt.step()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "after.safetensors"))

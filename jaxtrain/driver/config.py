@@ -28,7 +28,7 @@ DATASET_FIELDS = ("augment", "image_size")
 
 
 # Settings that change what a checkpoint's state means: resume refuses to mix them.
-FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "train_subset", "optimizer", "lr", "schedule",
+FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "init_from", "train_subset", "optimizer", "lr", "schedule",
                   "warmup_epochs", "weight_decay", "clip_grad_norm", "augment", "image_size", "batch_size", "seed",
                   "precision", "accum_steps", "accum", "pipeline_layout", "quantize", "teacher", "temperature",
                   "alpha")
@@ -81,6 +81,9 @@ class RunConfig:
     init: str | None = _field(None, "weight init, where the model offers several (resnet18: d2l or he; "
                                     "default: the first)")
     seed: int = _field(0, "seed of the init and of the shuffling")
+    init_from: str | None = _field(None, "start from another library's weights: a torchvision or timm ResNet file "
+                                         "(.pth or .safetensors) for resnet18_imagenet or resnet50; a classifier of "
+                                         "another class count starts afresh (docs/pretrained.md)")
     dataset: str = _field("fashion_mnist", f"dataset to train on: {', '.join(DATASETS)}, tfds:NAME (an image "
                                            "classification dataset TFDS has prepared in --tfds-dir), or folder:DIR "
                                            "(images in DIR/train/CLASS/ and DIR/val/CLASS/, or DIR/CLASS/ with "
@@ -203,6 +206,9 @@ class RunConfig:
             raise ConfigError(f"microbatches={self.microbatches}: micro-batches split a pipelined step; give "
                               "mesh= a 'stage' axis (e.g. data=1,stage=4), or use accum_steps= to "
                               "accumulate gradients")
+        if self.init_from and self.teacher:
+            raise ConfigError("init_from= with teacher=: a distilled student starts from its own init (train the "
+                              "pretrained network first, then distil from that run)")
         if self.alpha > 1:
             raise ConfigError(f"alpha={self.alpha}: expected a weight in [0, 1]")
         if self.checkpoint_dir is not None and self.out is not None:

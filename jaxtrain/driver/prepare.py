@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxtrain import models
+from jaxtrain import models, pretrained
 from jaxtrain.core import remat
 from jaxtrain.choices import FOLDER_PREFIX
 from jaxtrain.data import folder, sources
@@ -73,6 +73,8 @@ def validate(s: Setup) -> None:
     if s.teacher and c.dataset.startswith(FOLDER_PREFIX):  # a folder's classes are unknown until its index is read
         shape["num_classes"] = s.teacher[0].num_classes
     model = assemble.model(c, shape, s.teacher)
+    if c.init_from:
+        pretrained.check(c.init_from, model.name)
     assemble.placed(c, model, assemble.steps(c, s.mesh, model, updates=0)[0])
 
 
@@ -129,7 +131,12 @@ def run_settings(s: Setup, data_sha256: str, class_names: tuple[str, ...] | None
 def initial_state(s: Setup, settings: dict):
     """(state, position): fresh, or the newest checkpoint's; position None when fresh; raises Finished."""
     c = s.config
-    state = s.trainer.init(init_fn=s.model.init, rng=jax.random.key(c.seed))  # each device makes its shards
+    init = s.model.init
+    if c.init_from and not (c.resume and s.checkpointer.latest() is not None):
+        loaded = pretrained.load(c.init_from, into=s.model, seed=c.seed)
+        s.say(loaded.summary(c.init_from), flush=True)
+        init = lambda rng: loaded.variables  # noqa: E731 - every device takes its shards of the file's weights
+    state = s.trainer.init(init_fn=init, rng=jax.random.key(c.seed))  # each device makes its shards
     if not c.resume:
         return state, None
     restored = s.checkpointer.restore(state)

@@ -24,3 +24,15 @@ def checked_images(images: jax.Array, channels: int, model: str, dtype=None) -> 
         raise ConfigError(f"batch['image'] is {images.dtype}: {model} takes float images (e.g. images / 255.0, as "
                           "jaxtrain's loaders give them) or uint8 pixels")
     return images
+
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # torchvision's / timm's ResNets'
+
+
+def imagenet_normalized(images: jax.Array) -> jax.Array:
+    """``(images - mean) / std`` with ImageNet's per-channel statistics, as torchvision's transforms feed its
+    ResNets (images in [0, 1]); an image of another channel count takes their averages in every channel."""
+    c = images.shape[-1]
+    mean = jnp.asarray(IMAGENET_MEAN if c == 3 else [sum(IMAGENET_MEAN) / 3] * c, images.dtype)
+    std = jnp.asarray(IMAGENET_STD if c == 3 else [sum(IMAGENET_STD) / 3] * c, images.dtype)
+    return (images - mean) / std

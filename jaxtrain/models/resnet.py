@@ -26,7 +26,7 @@ from jax import lax
 
 from jaxtrain.core.remat import materialize, policy as remat_policy
 from jaxtrain.models import classify
-from jaxtrain.models.inputs import checked_images
+from jaxtrain.models.inputs import checked_images, imagenet_normalized
 from jaxtrain.nn.batch_stats import moments, split
 from jaxtrain.nn.flax_nnx import from_nnx
 
@@ -136,7 +136,9 @@ class ResNet18(nnx.Module):
         """``conv``: the convolution every layer runs (``lax.conv_general_dilated``'s signature; e.g.
         ``jaxtrain.kernels.onednn.conv_general_dilated``); ``batch_stats``: its BatchNorms' (``BatchNorm``);
         ``stem``: "d2l" (above), or "imagenet": torchvision's ResNet-18 (7x7 stride-2 stem and a 3x3 stride-2
-        max-pool, convs without biases, BatchNorm after each shortcut conv) for 224x224 images."""
+        max-pool, convs without biases, BatchNorm after each shortcut conv) for 224x224 images, its [0, 1]
+        inputs normalised with ImageNet's mean and std first (``inputs.imagenet_normalized``), as
+        torchvision's transforms feed it."""
         if stem not in STEMS:
             raise ValueError(f"unknown stem {stem!r}: use {' or '.join(STEMS)}")
         imagenet = stem == "imagenet"
@@ -158,6 +160,8 @@ class ResNet18(nnx.Module):
 
     def __call__(self, x, train: bool = False):
         x = checked_images(x, self.conv.in_features, "ResNet-18", self.conv.kernel.dtype)
+        if self.max_pool:  # torchvision's network: its inputs normalised as torchvision's transforms do
+            x = imagenet_normalized(x)
         x = nnx.relu(self.bn(self.conv(x), use_running_average=not train))
         if self.max_pool:
             x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))

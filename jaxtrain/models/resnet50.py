@@ -7,7 +7,8 @@ block of stages 2-4 halves the resolution in its 3x3 conv (v1 did it in the firs
 1x1 conv with stride and BatchNorm. Global average pool, dense classifier. Convs have no bias (BatchNorm
 follows); He-normal weights; each block's last BatchNorm scale starts at 0 (``zero_init_residual``, as
 DeepLearningExamples trains it). BatchNorm: momentum 0.9, eps 1e-5, two-pass variance, the running variance
-updated with the batch's unbiased variance as PyTorch's is (``resnet.batch_norm``): torchvision's resnet50.
+updated with the batch's unbiased variance as PyTorch's is (``resnet.batch_norm``): torchvision's resnet50, its
+[0, 1] inputs normalised with ImageNet's mean and std first (``inputs.imagenet_normalized``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jax import lax
 
 from jaxtrain.core.remat import policy as remat_policy
 from jaxtrain.models import classify
-from jaxtrain.models.inputs import checked_images
+from jaxtrain.models.inputs import checked_images, imagenet_normalized
 from jaxtrain.models.resnet import batch_norm
 from jaxtrain.nn.flax_nnx import from_nnx
 
@@ -74,7 +75,7 @@ class ResNet50(nnx.Module):
         self.remat = remat  # a jaxtrain.core.remat policy name, applied per bottleneck block
 
     def __call__(self, x, train: bool = False):
-        x = checked_images(x, self.stem.in_features, "ResNet-50", self.stem.kernel.dtype)
+        x = imagenet_normalized(checked_images(x, self.stem.in_features, "ResNet-50", self.stem.kernel.dtype))
         x = nnx.relu(self.bn(self.stem(x), use_running_average=not train))
         x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         pol = remat_policy(self.remat)

@@ -49,9 +49,18 @@ class Loaded:
 
 def _architecture(model: str):
     if model not in ARCHITECTURES:
+        hint = ": torchvision's ResNet-18 is resnet18_imagenet (resnet18 is d2l's)" if model == "resnet18" else ""
         raise ConfigError(f"model {model}: pretrained weights load into {', '.join(ARCHITECTURES)} (torchvision's "
-                          "and timm's ResNets)")
+                          f"and timm's ResNets){hint}")
     return ARCHITECTURES[model]
+
+
+def check(path: str | Path, model: str) -> None:
+    """Before a run reads its data: ``model`` takes pretrained weights and ``path`` is a file it can read."""
+    _architecture(model)
+    path = Path(path).expanduser()
+    if path.suffix not in tensors.SUFFIXES or not path.is_file():
+        tensors.read(path)  # its one-line error
 
 
 def _leaves(tree: dict, prefix: tuple = ()):
