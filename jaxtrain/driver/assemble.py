@@ -13,7 +13,7 @@ from jaxtrain.core import optim
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import rules
 from jaxtrain.driver import distill
-from jaxtrain.driver.config import RunConfig
+from jaxtrain.driver.config import RunConfig, lr_groups
 from jaxtrain.train.pipeline import STAGE_AXIS, make_pipeline_step
 from jaxtrain.train.trainer import Evaluator, Trainer, make_eval_step, make_train_step
 
@@ -33,7 +33,8 @@ def steps(c: RunConfig, mesh, m: models.Model, updates: int) -> tuple[Trainer, E
     constant one); a "stage" axis in the mesh pipelines the model."""
     tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if updates else "constant",
                               total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),
-                              weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm)
+                              weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm, freeze=c.freeze,
+                              lr_groups=lr_groups(c.lr_groups))
     if STAGE_AXIS not in mesh.axis_names:
         param_rules = rules.ParamSharding.of(c.param_sharding, logical_axes=m.logical_axes)
         trainer = make_train_step(m.loss_fn, tx, mesh=mesh, strategy=c.strategy, precision=c.precision,

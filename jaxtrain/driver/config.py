@@ -28,10 +28,10 @@ DATASET_FIELDS = ("augment", "image_size")
 
 
 # Settings that change what a checkpoint's state means: resume refuses to mix them.
-FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "init_from", "train_subset", "optimizer", "lr", "schedule",
-                  "warmup_epochs", "weight_decay", "clip_grad_norm", "augment", "image_size", "batch_size", "seed",
-                  "precision", "accum_steps", "accum", "pipeline_layout", "quantize", "teacher", "temperature",
-                  "alpha")
+FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "init_from", "freeze", "lr_groups", "train_subset",
+                  "optimizer", "lr", "schedule", "warmup_epochs", "weight_decay", "clip_grad_norm", "augment",
+                  "image_size", "batch_size", "seed", "precision", "accum_steps", "accum", "pipeline_layout",
+                  "quantize", "teacher", "temperature", "alpha")
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
                  "microbatches", "kernels", "conv", "test_subset")
@@ -81,6 +81,12 @@ class RunConfig:
     init: str | None = _field(None, "weight init, where the model offers several (resnet18: d2l or he; "
                                     "default: the first)")
     seed: int = _field(0, "seed of the init and of the shuffling")
+    freeze: str | None = _field(None, "fine-tuning: a regex over parameter names (e.g. 'blocks/[0-5]/' or "
+                                      "'^(?!dense/)', all but the classifier: a linear probe): those are never "
+                                      "updated and get no optimizer state")
+    lr_groups: str | None = _field(None, "fine-tuning: per-group learning rates, 'REGEX=LR,...' (e.g. "
+                                         "'dense/=1e-2,blocks/[67]/=1e-3'): a parameter takes the first matching "
+                                         "group's peak lr (the same schedule), the rest --lr")
     init_from: str | None = _field(None, "start from another library's weights: a torchvision or timm ResNet file "
                                          "(.pth or .safetensors) for resnet18_imagenet or resnet50; a classifier of "
                                          "another class count starts afresh (docs/pretrained.md)")
@@ -206,6 +212,8 @@ class RunConfig:
             raise ConfigError(f"microbatches={self.microbatches}: micro-batches split a pipelined step; give "
                               "mesh= a 'stage' axis (e.g. data=1,stage=4), or use accum_steps= to "
                               "accumulate gradients")
+        if self.lr_groups is not None:
+            lr_groups(self.lr_groups)  # its one-line error now
         if self.init_from and self.teacher:
             raise ConfigError("init_from= with teacher=: a distilled student starts from its own init (train the "
                               "pretrained network first, then distil from that run)")
@@ -261,3 +269,20 @@ def parse_steps(text: str) -> tuple[int, int]:
 def flag(name: str) -> str:
     """The command-line flag of a RunConfig field: ``batch_size`` -> ``--batch-size``."""
     return "--" + name.replace("_", "-")
+
+
+def lr_groups(text: str | None) -> tuple[tuple[str, float], ...]:
+    """'REGEX=LR,...' -> ((regex, lr), ...): items split at ",", each at its last "="; a one-line ConfigError
+    for an item without a positive number after its "="."""
+    groups = []
+    for item in text.split(",") if text else ():
+        pattern, _, value = item.strip().rpartition("=")
+        try:
+            lr = float(value)
+        except ValueError:
+            lr = 0.0
+        if not pattern or not lr > 0:
+            raise ConfigError(f"lr_groups={text!r}: give REGEX=LR items separated by commas, each LR a number > 0 "
+                              f"(e.g. 'dense/=1e-2,blocks/7/=1e-3'); {item.strip()!r} is not one")
+        groups.append((pattern, lr))
+    return tuple(groups)

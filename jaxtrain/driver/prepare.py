@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 
 from jaxtrain import models, pretrained
-from jaxtrain.core import remat
+from jaxtrain.core import optim, remat
 from jaxtrain.choices import FOLDER_PREFIX
 from jaxtrain.data import folder, sources
 from jaxtrain.errors import ConfigError
@@ -21,7 +21,7 @@ from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.parallel import hosts
 from jaxtrain.parallel import preflight
 from jaxtrain.driver import assemble, distill
-from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig
+from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig, lr_groups
 from jaxtrain.train.checkpoint import Checkpointer
 from jaxtrain.train.trainer import Evaluator, Trainer
 
@@ -75,6 +75,10 @@ def validate(s: Setup) -> None:
     model = assemble.model(c, shape, s.teacher)
     if c.init_from:
         pretrained.check(c.init_from, model.name)
+    if c.freeze or c.lr_groups:
+        params = jax.eval_shape(model.init, jax.random.key(0))[0]
+        if problems := optim.check_groups(params, c.freeze, lr_groups(c.lr_groups)):
+            raise ConfigError(problems[0])
     assemble.placed(c, model, assemble.steps(c, s.mesh, model, updates=0)[0])
 
 

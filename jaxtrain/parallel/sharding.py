@@ -102,6 +102,10 @@ def describe(specs) -> dict:
     return {"sharded": sharded, "replicated": replicated}
 
 
+def _masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
 def state_specs(state_shapes, pspecs, tx: optax.GradientTransformation, frozen_specs=None, opt_specs=None):
     """PartitionSpecs for a whole TrainState: optimizer state follows its parameter (or ``opt_specs``, per
     parameter: ZeRO-1's); ``Frozen`` model state gets ``frozen_specs(tree)`` (the parameters' rules; default
@@ -112,9 +116,10 @@ def state_specs(state_shapes, pspecs, tx: optax.GradientTransformation, frozen_s
 
     frozen_specs = frozen_specs or replicated
     with jax.transfer_guard("allow"):  # tree_map_params runs tx.init eagerly (inject_hyperparams makes arrays)
-        opt = optax.tree_map_params(tx, lambda _, spec: spec, state_shapes.opt_state,
+        # a masked state (optax.multi_transform / masked: fine-tuning's groups) keeps its MaskedNode placeholders
+        opt = optax.tree_map_params(tx, lambda value, spec: value if _masked(value) else spec, state_shapes.opt_state,
                                     pspecs if opt_specs is None else opt_specs,
-                                    transform_non_params=lambda _: P(), is_leaf=is_spec)
+                                    transform_non_params=lambda _: P(), is_leaf=lambda x: is_spec(x) or _masked(x))
     model_state = jax.tree.map(lambda x: Frozen(frozen_specs(x.tree)) if is_frozen(x) else P(),
                                state_shapes.model_state, is_leaf=is_frozen)
     return state_shapes.replace(step=P(), params=pspecs, opt_state=opt, model_state=model_state, rng=P(),
