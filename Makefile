@@ -82,7 +82,7 @@ jpeg:
 # The PyTorch side of the pretrained-weights tests (tests/test_pretrained.py): torch, torchvision, timm and
 # safetensors in their own venv, outside the checkout (tools/torch-venv; ~5.5 GB, kept for later runs).
 torch-venv:
-	@bash tools/torch-venv >/dev/null
+	@bash tools/torch-venv >/dev/null || echo "torch-venv: not built: the pretrained-weights tests skip here (CI fails them)"
 
 demo: onednn jpeg setup data
 	$(PY) -m experiments.lenet --devices 2

@@ -1,8 +1,10 @@
 """Weights from torchvision and timm into jaxtrain's ResNets and back (jaxtrain.pretrained): the same network,
 checked against PyTorch itself (tests/torch_reference.py, in a Python with torch: ``make torch-venv``)."""
 
+import io
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -203,3 +205,75 @@ def test_init_from_starts_a_run_from_the_files_weights_and_says_what_it_loaded(m
         "python -m experiments.resnet18: error: model resnet18: pretrained weights load into resnet18_imagenet, "
         "resnet50 (torchvision's and timm's ResNets): torchvision's ResNet-18 is resnet18_imagenet (resnet18 is "
         "d2l's)")
+
+
+def test_a_pytorch_file_cannot_read_outside_its_storage(tmp_path, monkeypatch):
+    """Crafted tensors (a size past the storage, a negative stride, an offset past the end, a storage shorter
+    than it says) are one line each: never bytes from around the buffer, never a crash."""
+    import pickle
+    import types
+    import zipfile
+
+    torch, utils = types.ModuleType("torch"), types.ModuleType("torch._utils")
+
+    def _rebuild_tensor_v2(*args):
+        return None
+
+    class FloatStorage:
+        pass
+
+    _rebuild_tensor_v2.__module__, FloatStorage.__module__ = "torch._utils", "torch"
+    _rebuild_tensor_v2.__qualname__, FloatStorage.__qualname__ = "_rebuild_tensor_v2", "FloatStorage"
+    utils._rebuild_tensor_v2, torch.FloatStorage = _rebuild_tensor_v2, FloatStorage
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return obj if isinstance(obj, tuple) and obj[:1] == ("storage",) else None
+
+    class Tensor:
+        def __init__(self, size, stride, offset=0, numel=4):
+            self.args = (("storage", FloatStorage, "0", "cpu", numel), offset, size, stride, False, None)
+
+        def __reduce__(self):
+            return _rebuild_tensor_v2, self.args
+
+    def read(tensor):
+        buf = io.BytesIO()
+        with monkeypatch.context() as m:  # pickled as torch would name them; read with no torch at all
+            m.setitem(sys.modules, "torch", torch)
+            m.setitem(sys.modules, "torch._utils", utils)
+            Pickler(buf).dump({"w": tensor})
+        with zipfile.ZipFile(tmp_path / "t.pth", "w") as z:
+            z.writestr("archive/data.pkl", buf.getvalue())
+            z.writestr("archive/data/0", np.arange(4, dtype=np.float32).tobytes())
+        return tensors.read(tmp_path / "t.pth")["w"]
+
+    np.testing.assert_array_equal(read(Tensor((2, 2), (2, 1))), [[0, 1], [2, 3]])
+    for tensor, says in ((Tensor((64,), (1,)), "a tensor reaching element 63 of a storage of 4"),
+                         (Tensor((10**8,), (1,)), "a tensor reaching element 99999999"),
+                         (Tensor((4,), (-1,), 3), "a tensor whose storage, offset, size or stride is not a tensor's"),
+                         (Tensor((1,), (1,), 10), "a tensor reaching element 10"),
+                         (Tensor((4,), (1,), 0, 100), "storage 0 holds 16 bytes, not 100 elements")):
+        with pytest.raises(ConfigError, match=r"t.pth: not a PyTorch state_dict \(UnpicklingError: " + says):
+            read(tensor)
+
+
+def test_safetensors_are_read_here_bfloat16_too_and_a_damaged_header_is_one_line(tmp_path):
+    import json
+    import struct
+
+    import ml_dtypes
+
+    weights = np.arange(6, dtype=np.float32).reshape(2, 3)
+    body = weights.astype(ml_dtypes.bfloat16).tobytes() + np.array([7], np.int64).tobytes()
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
+                         "n": {"dtype": "I64", "shape": [], "data_offsets": [12, 20]},
+                         "__metadata__": {"format": "pt"}}).encode()
+    (tmp_path / "bf16.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + body)
+    read = tensors.read(tmp_path / "bf16.safetensors")
+    assert read["w"].dtype == np.float32 and np.array_equal(read["w"], weights) and int(read["n"]) == 7
+    bad = json.dumps({"w": {"dtype": "F32", "shape": [100], "data_offsets": [0, 400]}}).encode()
+    (tmp_path / "bad.safetensors").write_bytes(struct.pack("<Q", len(bad)) + bad + bytes(8))
+    with pytest.raises(ConfigError, match=r"bad.safetensors: not a safetensors file \(ValueError: w's bytes 0:400 "
+                                          r"do not hold float32 \(100,\)\)"):
+        tensors.read(tmp_path / "bad.safetensors")

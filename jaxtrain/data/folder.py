@@ -46,6 +46,7 @@ class FolderSplit:
     on_bad: str = "skip"  # a file that fails to decode: "skip" (count, warn once per epoch) or "error"
     crop_fraction: float = 1.0  # evaluation: resize, then the centre ``crop_fraction`` of the shorter side
     index_digest: str = ""  # what it holds: its classes, files and sizes (not where it is, not their times)
+    jpeg_library: str = ""  # the built JPEG region decoder its workers load ("": Pillow's decode; data.jpeg)
     raw = True  # uint8 batches: normalised on the device (the models' checked_images)
 
     def __len__(self) -> int:
@@ -215,10 +216,11 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
         if not files:
             raise ConfigError(f"{where}: no usable image in this split (e.g. every class's val_fraction share rounds "
                               "to 0): add images, or raise val_fraction")
+        library = ""
         if settings.current().jpeg_decoder == "region" and any(f.lower().endswith(JPEG_SUFFIXES) for f in files):
-            jpeg.check()  # built here, before any worker starts; where it cannot be, one line says so
+            library = jpeg.check()  # built here, before any worker starts; where it cannot be, one line says so
         return FolderSplit(str(where), tuple(files[i] for i in order), labels[order], tuple(classes), size,
-                           on_bad, crop_fraction, index["content"])
+                           on_bad, crop_fraction, index["content"], library)
 
     if train_dir.is_dir():
         if test_dir is None:

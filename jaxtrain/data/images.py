@@ -56,21 +56,26 @@ def random_resized_box(w: int, h: int, rng: np.random.Generator) -> tuple[float,
     return left, top, left + cw, top + ch
 
 
-def decode(path: str | Path, size: int, box_of, flip: bool = False, region: bool | None = None) -> np.ndarray:
+def decode(path: str | Path, size: int, box_of, flip: bool = False, region: bool | None = None,
+           library: str | None = None) -> np.ndarray:
     """``path`` -> uint8 [size, size, 3]: ``box_of(w, h)`` picks the region (in the full image's pixels),
     decoded at a reduced scale where JPEG allows, cropped and resized in one call. ``region``: a JPEG's crop
-    decoded alone (``jaxtrain.data.jpeg``; default: unless ``$JAXTRAIN_JPEG_DECODER`` is pillow), else with
-    Pillow (whole, at 1/1, 1/2, 1/4 or 1/8)."""
+    decoded alone (``jaxtrain.data.jpeg``, the built ``library`` if given; default: unless
+    ``$JAXTRAIN_JPEG_DECODER`` is pillow), else with Pillow (whole, at 1/1, 1/2, 1/4 or 1/8). A JPEG the region
+    decoder refuses is Pillow's to decode (or to refuse: a damaged file)."""
     from PIL import Image
 
     data = Path(path).read_bytes()
     if region is None:
         region = settings.current().jpeg_decoder == "region"
-    if region and jpeg.is_jpeg(data) and jpeg.unusable() is None:
-        w, h, space = jpeg.header(data)
-        out = jpeg.decode(data, w, h, size, box_of(w, h)) if space in jpeg.RGB_SPACES else None
-    else:
-        out = None
+    out = None
+    if region and jpeg.is_jpeg(data) and jpeg.unusable(library) is None:
+        try:
+            w, h, space, sampling = jpeg.header(data, library)
+            if jpeg.decodable(space, sampling):
+                out = jpeg.decode(data, w, h, size, box_of(w, h), library)
+        except jpeg.DecodeError:
+            out = None  # Pillow's libjpeg may read it (a newer one); if not, its error says the file is damaged
     if out is None:  # not a JPEG, a CMYK one, or Pillow's way asked for
         with Image.open(io.BytesIO(data)) as img:
             w, h = img.size
@@ -94,8 +99,8 @@ def _eight_bit(img):
         return img
     from PIL import Image
 
-    wide = np.asarray(img, np.uint32)
-    return Image.fromarray(((np.minimum(wide, 65535) * 255 + 32767) // 65535).astype(np.uint8), "L")
+    wide = np.clip(np.asarray(img, np.int64), 0, 65535)
+    return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
 
 
 def _rng(seed: int, epoch: int, index: int) -> np.random.Generator:
@@ -116,7 +121,7 @@ def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch:
         for j in (int(i + k) % n for k in range(min(n, TRIES))):  # this file, or (skip) the next that decodes
             path = root / split.files[j]
             try:
-                out[row] = decode(path, size, box_of, flip)
+                out[row] = decode(path, size, box_of, flip, library=split.jpeg_library or None)
                 break
             except Exception as e:  # noqa: BLE001 - any damaged file (OSError, SyntaxError, ...): replaced by the
                 # next file and counted (one warning line an epoch), or with on_bad="error" one line naming it

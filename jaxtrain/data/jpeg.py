@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -40,52 +41,63 @@ def _command(compiler: str, out: Path) -> list[str]:
 
 LIBRARY = native.Native(
     short="JPEG decoder", what="the JPEG region decoder", prefix="jpeg-region", source=SOURCE, command=_command,
-    key=lambda: "1", cache="jpeg_cache",
+    key=lambda: f"2 {platform.machine()}", cache="jpeg_cache",
     fix=lambda error: INSTALL_LIBJPEG if "jpeglib" in error or "ljpeg" in error else
     f"{native.INSTALL_CXX}; {INSTALL_LIBJPEG}", rebuild="python -m jaxtrain.data.jpeg")
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | native.Unusable:
-    """The loaded library, its functions typed; or why it cannot be."""
+def _library(path: str | None = None) -> ctypes.CDLL | native.Unusable:
+    """The loaded library (``path``: one already built, as a loader's workers take it from their split; else
+    built here if need be), its functions typed; or why it cannot be."""
     try:
-        lib = LIBRARY.load()
+        lib = ctypes.CDLL(path) if path else LIBRARY.load()
     except native.Unusable as e:
         return e
+    except OSError as e:  # a built library that does not load in a worker: as unusable as none
+        return native.Unusable(f"{path} does not load ({e})", f"delete it and run {LIBRARY.rebuild}")
     ints = ctypes.POINTER(ctypes.c_int)
-    lib.jt_jpeg_header.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ints, ints, ints, ctypes.c_char_p]
+    lib.jt_jpeg_header.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ints, ints, ints, ints, ctypes.c_char_p]
     lib.jt_jpeg_region.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ints, ctypes.c_int, ctypes.c_int,
                                    ctypes.c_int, ctypes.c_void_p, ints, ctypes.c_char_p]
     return lib
 
 
-def unusable() -> native.Unusable | None:
+def unusable(path: str | None = None) -> native.Unusable | None:
     """None when the region decoder is usable here; else why not (``.cause``, ``.fix``)."""
-    lib = _library()
+    lib = _library(path)
     return lib if isinstance(lib, native.Unusable) else None
 
 
 @functools.cache
-def check() -> bool:
-    """Whether JPEGs are decoded here by region (built now if need be, before any worker starts); where not,
-    one warning line (once a process) says they are decoded whole with Pillow, and why."""
+def check() -> str:
+    """The built library's path, for a loader's workers (built now if need be, before any starts); "" where it
+    cannot be built, and one warning line (once a process) says JPEGs are decoded whole by Pillow, and why."""
     why = unusable()
     if why is not None:
-        native.note(f"JPEGs are decoded whole by Pillow, slower: the region decoder is not usable ({why})")
-    return why is None
+        native.note(f"JPEGs are decoded whole by Pillow, slower: the region decoder is not usable: {why}")
+        return ""
+    return str(LIBRARY.build())
 
 
 def is_jpeg(data: bytes) -> bool:
     return data[:3] == b"\xff\xd8\xff"
 
 
-def header(data: bytes) -> tuple[int, int, int]:
-    """(width, height, libjpeg's colour space) from the JPEG's header; DecodeError if it has none."""
-    lib, w, h, space = _library(), ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+def header(data: bytes, library: str | None = None) -> tuple[int, int, int, int]:
+    """(width, height, libjpeg's colour space, largest sampling factor) from the JPEG's header; DecodeError if
+    it has none."""
+    lib, w, h, space, sampling = _library(library), ctypes.c_int(), ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     message = ctypes.create_string_buffer(_MESSAGE_BYTES)
-    if lib.jt_jpeg_header(data, len(data), w, h, space, message):
+    if lib.jt_jpeg_header(data, len(data), w, h, space, sampling, message):
         raise DecodeError(message.value.decode(errors="replace"))
-    return w.value, h.value, space.value
+    return w.value, h.value, space.value, sampling.value
+
+
+def decodable(space: int, sampling: int) -> bool:
+    """What the region decoder gives Pillow's pixels for: RGB-convertible colour spaces (not CMYK), sampling
+    factors of at most 2 (a 4x2 luma block came out up to 5 levels off, inside the crop)."""
+    return space in RGB_SPACES and sampling <= 2
 
 
 def reduction(box: tuple[float, float, float, float], size: int) -> int:
@@ -95,7 +107,8 @@ def reduction(box: tuple[float, float, float, float], size: int) -> int:
     return next(d for d in (8, 4, 2, 1) if shrink >= d or d == 1)
 
 
-def decode(data: bytes, w: int, h: int, size: int, box: tuple[float, float, float, float]):
+def decode(data: bytes, w: int, h: int, size: int, box: tuple[float, float, float, float],
+           library: str | None = None):
     """``box`` (left, top, right, bottom, in the full image's pixels) of a ``w`` x ``h`` JPEG, resized to
     ``size`` x ``size``: a PIL image, the one Pillow gives decoding it whole at the same ``reduction`` and
     resizing (bilinear) the box, to within a level (libjpeg's rounding at the region's edges)."""
@@ -110,9 +123,9 @@ def decode(data: bytes, w: int, h: int, size: int, box: tuple[float, float, floa
     mx, my = math.ceil(max((right - left) / size, 1)) + 1, math.ceil(max((bottom - top) / size, 1)) + 1
     x0, x1 = max(0, math.floor(left) - mx), min(sw, math.ceil(right) + mx)
     y0, y1 = max(0, math.floor(top) - my), min(sh, math.ceil(bottom) + my)
-    pixels = np.empty((y1 - y0) * sw * 3, np.uint8)
+    pixels = np.empty((y1 - y0) * x1 * 3, np.uint8)  # the widest rows libjpeg writes: columns x <= x1
     x, width, message = ctypes.c_int(x0), ctypes.c_int(), ctypes.create_string_buffer(_MESSAGE_BYTES)
-    if _library().jt_jpeg_region(data, len(data), 8 // d, x, x1, y0, y1, pixels.ctypes.data, width, message):
+    if _library(library).jt_jpeg_region(data, len(data), 8 // d, x, x1, y0, y1, pixels.ctypes.data, width, message):
         raise DecodeError(message.value.decode(errors="replace"))
     img = Image.frombuffer("RGB", (width.value, y1 - y0), pixels[: (y1 - y0) * width.value * 3], "raw", "RGB", 0, 1)
     return img.resize((size, size), Image.BILINEAR, box=(left - x.value, top - y0, right - x.value, bottom - y0))

@@ -1,6 +1,6 @@
 /* A region of a JPEG, decoded at a reduced scale: what jaxtrain.data.jpeg calls through ctypes.
  *
- * libjpeg-turbo (libjpeg's API, 1.5 or newer) decodes at M/8 of the full size (M = 1..8, its scaled inverse
+ * libjpeg-turbo (libjpeg's API, 2.1 or newer) decodes at M/8 of the full size (M = 1..8, its scaled inverse
  * DCTs), skips the rows above the region (jpeg_skip_scanlines: no inverse DCT, no colour conversion), leaves the
  * columns beside it untransformed (jpeg_crop_scanline) and never reads the rows below it. Errors never exit:
  * libjpeg's error handler jumps back here and the message is copied out; a file that ends early is an error
@@ -8,6 +8,7 @@
  */
 #include <csetjmp>
 #include <cstdio>
+#include <cstring>
 
 extern "C" {
 #include <jpeglib.h>
@@ -34,20 +35,26 @@ static void on_message(j_common_ptr info, int level) {
   if (level < 0 && info->err->msg_code == JWRN_JPEG_EOF) on_error(info); /* a truncated file */
 }
 
+#if !defined(LIBJPEG_TURBO_VERSION_NUMBER) || LIBJPEG_TURBO_VERSION_NUMBER < 2001000
+#error "libjpeg-turbo 2.1 or newer is needed (jpeg_skip_scanlines could loop forever on progressive JPEGs before)"
+#endif
+
+/* The error manager, before anything can fail: jpeg_create_decompress may fail too (setjmp comes first). */
 static void begin(struct jpeg_decompress_struct *info, struct failure *f, char *message) {
+  memset(info, 0, sizeof *info);
   info->err = jpeg_std_error(&f->pub);
   f->pub.error_exit = on_error;
   f->pub.emit_message = on_message;
   f->message = message;
   message[0] = 0;
-  jpeg_create_decompress(info);
 }
 
 extern "C" {
 
-/* The image's size and libjpeg's colour space (JCS_*) from its header; 0, or -1 with ``message``. */
+/* The image's size, libjpeg's colour space (JCS_*) and its largest sampling factor from its header; 0, or -1
+ * with ``message``. */
 int jt_jpeg_header(const unsigned char *data, unsigned long size, int *width, int *height, int *space,
-                   char *message) {
+                   int *sampling, char *message) {
   struct jpeg_decompress_struct info;
   struct failure f;
   begin(&info, &f, message);
@@ -55,11 +62,13 @@ int jt_jpeg_header(const unsigned char *data, unsigned long size, int *width, in
     jpeg_destroy_decompress(&info);
     return -1;
   }
+  jpeg_create_decompress(&info);
   jpeg_mem_src(&info, data, size);
   jpeg_read_header(&info, TRUE);
   *width = (int)info.image_width;
   *height = (int)info.image_height;
   *space = (int)info.jpeg_color_space;
+  *sampling = info.max_h_samp_factor > info.max_v_samp_factor ? info.max_h_samp_factor : info.max_v_samp_factor;
   jpeg_destroy_decompress(&info);
   return 0;
 }
@@ -77,6 +86,7 @@ int jt_jpeg_region(const unsigned char *data, unsigned long size, int scale, int
     jpeg_destroy_decompress(&info);
     return -1;
   }
+  jpeg_create_decompress(&info);
   jpeg_mem_src(&info, data, size);
   jpeg_read_header(&info, TRUE);
   info.out_color_space = JCS_RGB;

@@ -28,9 +28,9 @@ DATASET_FIELDS = ("augment", "image_size")
 
 
 # Settings that change what a checkpoint's state means: resume refuses to mix them.
-FIXED_SETTINGS = ("experiment", "dataset", "data_sha256", "init_from", "freeze", "lr_groups", "train_subset",
-                  "optimizer", "lr", "schedule", "warmup_epochs", "weight_decay", "clip_grad_norm", "augment",
-                  "image_size", "batch_size", "seed", "precision", "accum_steps", "accum", "pipeline_layout",
+FIXED_SETTINGS = ("experiment", "model_revision", "dataset", "data_sha256", "init_from", "freeze", "lr_groups",
+                  "train_subset", "optimizer", "lr", "schedule", "warmup_epochs", "weight_decay", "clip_grad_norm",
+                  "augment", "image_size", "batch_size", "seed", "precision", "accum_steps", "accum", "pipeline_layout",
                   "quantize", "teacher", "temperature", "alpha")
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",

@@ -109,6 +109,7 @@ def model_of(meta: dict):
     """The registry Model a saved run's ``info`` describes (its name, init, image shape and classes)."""
     from jaxtrain import models
 
+    models.check_revision(meta["model"], meta.get("settings") or {}, "this run's model")
     return models.get(meta["model"], init=meta.get("init"), input_shape=tuple(meta["input_shape"]),
                       num_classes=meta["num_classes"])
 

@@ -73,8 +73,8 @@ def validate(s: Setup) -> None:
     if s.teacher and c.dataset.startswith(FOLDER_PREFIX):  # a folder's classes are unknown until its index is read
         shape["num_classes"] = s.teacher[0].num_classes
     model = assemble.model(c, shape, s.teacher)
-    if c.init_from:
-        pretrained.check(c.init_from, model.name)
+    if c.init_from and not c.resume:  # the file read and fitted now (a resumed run may never need it)
+        pretrained.load(c.init_from, into=model)
     if c.freeze or c.lr_groups:
         params = jax.eval_shape(model.init, jax.random.key(0))[0]
         if problems := optim.check_groups(params, c.freeze, lr_groups(c.lr_groups)):
@@ -124,6 +124,7 @@ def run_settings(s: Setup, data_sha256: str, class_names: tuple[str, ...] | None
     """What a checkpoint records of the run (and ``--resume`` compares); an image folder's class names too."""
     c = s.config
     settings = {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS) if hasattr(c, k)},  # mesh: the flag
+                **models.revision_settings(c.model),
                 "data_sha256": data_sha256, "experiment": c.model, "devices": len(s.devices),
                 "processes": jax.process_count(), "pipeline_layout": s.trainer.pipeline_layout,
                 **({"class_names": list(class_names)} if class_names else {})}

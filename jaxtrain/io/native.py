@@ -110,7 +110,9 @@ class Native:
                            "machine is less busy") from None
         if done.returncode:
             tmp.unlink(missing_ok=True)
-            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+            lines = done.stderr.splitlines()
+            errors = ([line for line in lines if "fatal error" in line or "cannot find" in line]
+                      or [line for line in lines if "error" in line] or lines)
             first = (errors or [f"{compiler} exited {done.returncode}"])[0].strip()
             raise Unusable(f"build failed: {first}", self.fix(first))
         digest = _sha256(tmp)

@@ -28,6 +28,8 @@ class Defaults:
     warmup_epochs: float = 0.0
     image_size: int = 32  # an image folder's images are resized to this (the CIFAR recipes' 32)
     folder_augment: str = "none"  # an image folder's training augmentation unless told
+    revision: int = 1  # raised when the same name computes something else: older runs are refused, not misread
+    revised: str = ""  # what the newest revision changed (the refusal says it)
 
 
 # name -> the recipe (d2l's "Multiple GPUs" lessons: LeNet lr 0.2, ResNet-18 lr 0.1; 10 epochs, batch 256)
@@ -41,7 +43,9 @@ MODELS = {
                                   description="torchvision's ResNet-18 (7x7 stem, max-pool, no conv biases; 224x224): "
                                               "the network of torchvision's and timm's resnet18 weights"),
     "resnet50": Defaults(90, 256, 0.256, inits=("he",), optimizer="momentum", schedule="warmup_cosine",
-                         warmup_epochs=2, image_size=224, folder_augment="rrc+flip",
+                         warmup_epochs=2, image_size=224, folder_augment="rrc+flip", revision=2,
+                         revised="its inputs normalised with ImageNet's mean and std, and its BatchNorm running "
+                                 "variance unbiased, as torchvision's resnet50",
                          description="ResNet-50 v1.5 (NVIDIA DeepLearningExamples' ImageNet network; 224x224x3, 1000 "
                                      "classes for GPU plans): bottleneck blocks, BatchNorm synchronised"),
     "vit": Defaults(3, 64, 2e-3, inits=("glorot",), optimizer="adam", schedule="warmup_cosine", warmup_epochs=0.5,
@@ -241,3 +245,19 @@ def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, c
 BUILDERS = {"lenet": _lenet, "resnet18": _resnet18, "resnet18_imagenet": functools.partial(_resnet18, stem="imagenet"),
             "resnet50": _resnet50, "vit": _vit}
 assert BUILDERS.keys() == MODELS.keys()
+
+
+def revision_settings(name: str) -> dict:
+    """What a run records of its model's revision (nothing for a first revision: older runs match)."""
+    r = MODELS[name].revision
+    return {"model_revision": r} if r > 1 else {}
+
+
+def check_revision(name: str, settings: dict, what: str) -> None:
+    """A ConfigError when ``what`` (a run, a checkpoint) was made by another revision of model ``name``."""
+    from jaxtrain.errors import ConfigError
+
+    theirs, ours = settings.get("model_revision", 1), MODELS[name].revision
+    if theirs != ours:
+        raise ConfigError(f"{what} holds {name} revision {theirs}; jaxtrain's {name} is now revision {ours} "
+                          f"({MODELS[name].revised}): train it anew")

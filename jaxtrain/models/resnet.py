@@ -66,20 +66,28 @@ class BatchNorm(nnx.BatchNorm):
         self.stats = stats
         self.unbiased = unbiased  # the running variance takes the batch's unbiased variance (PyTorch's BatchNorm)
 
+    def _count(self, x, axes):
+        """Examples x positions a channel's statistics are over: this device's count times the devices' (at
+        least 2: one value has no unbiased variance)."""
+        devices = 1 if self.axis_name is None else lax.psum(1, self.axis_name)
+        return jnp.maximum(math.prod(x.shape[a] for a in axes) * devices, 2)
+
     def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
         running = self.use_running_average if use_running_average is None else use_running_average
         axes = tuple(range(x.ndim - 1))
         if (running or mask is not None or self.axis_index_groups is not None or self.stats == "flax"
-                or not (self.unbiased or split(x, axes, self.axis_name))):
-            return super().__call__(x, use_running_average, mask=mask).astype(x.dtype)
+                or not split(x, axes, self.axis_name)):
+            before = self.var[...]
+            y = super().__call__(x, use_running_average, mask=mask).astype(x.dtype)
+            if self.unbiased and not running and mask is None:  # flax's update took the biased variance v:
+                # new = m old + (1 - m) v, so the unbiased one adds (1 - m) v / (n - 1) = (new - m old) / (n - 1)
+                new = self.var[...]
+                self.var[...] = lax.stop_gradient(new + (new - self.momentum * before) / (self._count(x, axes) - 1))
+            return y
         h = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         mean, var = moments(h, axes, self.axis_name)
         self.mean[...] = lax.stop_gradient(self.momentum * self.mean[...] + (1 - self.momentum) * mean)
-        if self.unbiased:  # over every device's examples: this device's count times the devices'
-            count = math.prod(x.shape[a] for a in axes) * (1 if self.axis_name is None else lax.psum(1, self.axis_name))
-            running_var = var * (count / max(count - 1, 1))
-        else:
-            running_var = var
+        running_var = var * (self._count(x, axes) / (self._count(x, axes) - 1)) if self.unbiased else var
         self.var[...] = lax.stop_gradient(self.momentum * self.var[...] + (1 - self.momentum) * running_var)
         mul = lax.rsqrt(var + self.epsilon)  # flax's _normalize, in its order
         mul = mul if self.scale is None else mul * self.scale[...]

@@ -55,14 +55,6 @@ def _architecture(model: str):
     return ARCHITECTURES[model]
 
 
-def check(path: str | Path, model: str) -> None:
-    """Before a run reads its data: ``model`` takes pretrained weights and ``path`` is a file it can read."""
-    _architecture(model)
-    path = Path(path).expanduser()
-    if path.suffix not in tensors.SUFFIXES or not path.is_file():
-        tensors.read(path)  # its one-line error
-
-
 def _leaves(tree: dict, prefix: tuple = ()):
     for key, value in tree.items():
         if isinstance(value, dict):

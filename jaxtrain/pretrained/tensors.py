@@ -1,7 +1,7 @@
 """A checkpoint file of another library as named numpy arrays, and back.
 
-``.safetensors`` (Hugging Face's format; read and written with the ``safetensors`` package) and ``.pth`` /
-``.pt`` / ``.bin`` (PyTorch's ``torch.save`` of a ``state_dict``, its zip format). A PyTorch file is read
+``.safetensors`` (Hugging Face's format; read here, bfloat16 too; written with the ``safetensors`` package)
+and ``.pth`` / ``.pt`` / ``.bin`` (PyTorch's ``torch.save`` of a ``state_dict``, its zip format). A PyTorch file is read
 without PyTorch: its pickle is unpickled with only tensors, storages and dicts allowed (a file cannot run
 code, as with ``torch.load(weights_only=True)``), each tensor's bytes taken from the zip. A checkpoint dict
 holding the state dict under ``state_dict``, ``model`` or ``model_state_dict`` is read too. Writing ``.pth``
@@ -11,7 +11,10 @@ needs torch. Nothing is downloaded: the user supplies the file.
 from __future__ import annotations
 
 import collections
+import json
+import math
 import pickle
+import struct
 import zipfile
 from pathlib import Path
 
@@ -42,9 +45,22 @@ def _dtypes() -> dict:
             "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
 
 
+def _whole(*values) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+
+
 def _rebuild_tensor(storage, offset, size, stride, *args):
+    """The tensor ``storage[offset:]`` viewed with ``size`` and ``stride``, copied; refused unless every element
+    it would read lies inside the storage (a crafted file must not read memory around it)."""
+    size, stride = tuple(size), tuple(stride)
+    if not (isinstance(storage, np.ndarray) and storage.ndim == 1 and _whole(offset, *size, *stride)
+            and len(size) == len(stride)):
+        raise pickle.UnpicklingError("a tensor whose storage, offset, size or stride is not a tensor's")
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if math.prod(size) and last >= storage.size:
+        raise pickle.UnpicklingError(f"a tensor reaching element {last} of a storage of {storage.size}")
     item = storage.itemsize
-    return np.lib.stride_tricks.as_strided(storage[offset:], tuple(size), tuple(s * item for s in stride)).copy()
+    return np.lib.stride_tricks.as_strided(storage[offset:], size, tuple(s * item for s in stride)).copy()
 
 
 class _Unpickler(pickle.Unpickler):
@@ -66,8 +82,15 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a state_dict")
 
     def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("a persistent id that is not a storage's")
         _, dtype, key, _location, numel = pid
-        return np.frombuffer(self.archive.read(f"{self.prefix}/data/{key}"), dtype, count=numel)
+        if not any(dtype is d for d in self.dtypes.values()) or not _whole(numel) or not isinstance(key, str):
+            raise pickle.UnpicklingError(f"a storage of {dtype!r} ({numel!r} elements) is not a tensor's")
+        data = self.archive.read(f"{self.prefix}/data/{key}")
+        if numel * np.dtype(dtype).itemsize > len(data):
+            raise pickle.UnpicklingError(f"storage {key} holds {len(data)} bytes, not {numel} elements")
+        return np.frombuffer(data, dtype, count=numel)
 
 
 def _torch_file(path: Path):
@@ -87,7 +110,8 @@ def _torch_file(path: Path):
                 raise ValueError(f"tensors in {order.decode()}-endian order")
             with archive.open(pickles[0]) as f:
                 return _Unpickler(f, archive, prefix).load()
-    except (pickle.UnpicklingError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+    except (pickle.UnpicklingError, ValueError, KeyError, EOFError, zipfile.BadZipFile, TypeError, AttributeError,
+            IndexError, MemoryError, OverflowError, RecursionError) as e:
         raise ConfigError(f"{path}: not a PyTorch state_dict ({type(e).__name__}: {str(e)[:100]})") from None
 
 
@@ -99,11 +123,7 @@ def read(path: str | Path) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     if path.suffix == ".safetensors":
-        numpy_io = _need("safetensors.numpy", f"reading {path.name}")
-        try:
-            tensors = numpy_io.load_file(str(path))
-        except Exception as e:  # noqa: BLE001 - a damaged or foreign file: one line
-            raise ConfigError(f"{path}: not a safetensors file ({type(e).__name__}: {str(e)[:100]})") from None
+        tensors = _safetensors_file(path)
     else:
         loaded = _torch_file(path)
         for key in _NESTED:
@@ -112,8 +132,39 @@ def read(path: str | Path) -> dict[str, np.ndarray]:
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: holds a {type(loaded).__name__}, not a state_dict (save model.state_dict())")
         tensors = {k: v for k, v in loaded.items() if isinstance(v, np.ndarray)}
-    return {k: np.asarray(v, np.float32) if np.issubdtype(np.asarray(v).dtype, np.floating) else np.asarray(v)
-            for k, v in tensors.items()}
+    return {k: np.asarray(v, np.float32) if _is_float(v.dtype) else np.asarray(v) for k, v in tensors.items()}
+
+
+def _is_float(dtype) -> bool:
+    return np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16"
+
+
+def _safetensors_file(path: Path) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors (its format: an 8-byte header length, a JSON header of each tensor's dtype,
+    shape and byte range, the bytes), read here so that bfloat16 comes in too; every range checked."""
+    import ml_dtypes
+
+    dtypes = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
+              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 << 20:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(f.read(length))
+            data = f.read()
+        tensors = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype, shape, (start, end) = np.dtype(dtypes[info["dtype"]]), tuple(info["shape"]), info["data_offsets"]
+            if not (_whole(start, end, *shape) and start <= end <= len(data)
+                    and end - start == math.prod(shape) * dtype.itemsize):
+                raise ValueError(f"{name}'s bytes {start}:{end} do not hold {dtype.name} {shape}")
+            tensors[name] = np.frombuffer(data, dtype, count=math.prod(shape), offset=start).reshape(shape)
+        return tensors
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+        raise ConfigError(f"{path}: not a safetensors file ({type(e).__name__}: {str(e)[:100]})") from None
 
 
 def write(tensors: dict[str, np.ndarray], path: str | Path) -> Path:
@@ -123,12 +174,18 @@ def write(tensors: dict[str, np.ndarray], path: str | Path) -> Path:
     path = Path(path).expanduser()
     if path.suffix not in SUFFIXES:
         raise ConfigError(f"{path}: give a {', '.join(SUFFIXES)} file name")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{path}: its folder {path.parent} does not exist")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    if path.suffix == ".safetensors":
-        _need("safetensors.numpy", f"writing {path.name}").save_file(arrays, str(tmp))
-    else:
-        torch = _need("torch", f"writing {path.name} (PyTorch's format)")
-        torch.save({k: torch.from_numpy(v) for k, v in arrays.items()}, str(tmp))
-    os.replace(tmp, path)
+    try:
+        if path.suffix == ".safetensors":
+            _need("safetensors.numpy", f"writing {path.name}").save_file(arrays, str(tmp))
+        else:
+            torch = _need("torch", f"writing {path.name} (PyTorch's format; or write .safetensors, which torch "
+                                   "reads with safetensors.torch.load_file)")
+            torch.save({k: torch.from_numpy(v) for k, v in arrays.items()}, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
