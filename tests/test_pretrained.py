@@ -277,3 +277,15 @@ def test_safetensors_are_read_here_bfloat16_too_and_a_damaged_header_is_one_line
     with pytest.raises(ConfigError, match=r"bad.safetensors: not a safetensors file \(ValueError: w's bytes 0:400 "
                                           r"do not hold float32 \(100,\)\)"):
         tensors.read(tmp_path / "bad.safetensors")
+
+
+def test_an_older_resnet50_run_is_refused_not_misread():
+    """resnet50 became torchvision's network (normalised inputs, unbiased running variance): a run or checkpoint
+    of the earlier one is refused in one line; the other models' runs are as they were."""
+    assert models.revision_settings("resnet50") == {"model_revision": 2} and models.revision_settings("lenet") == {}
+    models.check_revision("resnet50", {"model_revision": 2}, "x")
+    models.check_revision("lenet", {}, "x")
+    with pytest.raises(ConfigError, match=r"^this run's model holds resnet50 revision 1; jaxtrain's resnet50 is now "
+                                          r"revision 2 \(its inputs normalised with ImageNet's mean and std, .*\): "
+                                          r"train it anew$"):
+        models.check_revision("resnet50", {}, "this run's model")
