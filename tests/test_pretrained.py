@@ -68,8 +68,9 @@ PAIRS = [("resnet18", "resnet18_imagenet"), ("resnet50", "resnet50"), ("timm_res
          ("timm_resnet50", "resnet50")]
 
 
-@pytest.mark.parametrize("arch, name", PAIRS)
-@pytest.mark.parametrize("file", ["weights.pth", "weights.safetensors"])
+@pytest.mark.parametrize("arch, name, file", [
+    pytest.param(arch, name, file, marks=[pytest.mark.slow] * (arch != "resnet18" or file != "weights.pth"))
+    for arch, name in PAIRS for file in ("weights.pth", "weights.safetensors")])  # the newest-JAX leg: one
 def test_imported_weights_give_torchs_logits(made, arch, name, file):
     out = made(arch, 7)
     loaded = pretrained.load(out / file, into=model(name, 7))
