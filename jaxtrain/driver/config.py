@@ -28,10 +28,10 @@ DATASET_FIELDS = ("augment", "image_size")
 
 
 # Settings that change what a checkpoint's state means: resume refuses to mix them.
-FIXED_SETTINGS = ("experiment", "model_revision", "dataset", "data_sha256", "init_from", "freeze", "lr_groups",
-                  "train_subset", "optimizer", "lr", "schedule", "warmup_epochs", "weight_decay", "clip_grad_norm",
-                  "augment", "image_size", "batch_size", "seed", "precision", "accum_steps", "accum", "pipeline_layout",
-                  "quantize", "teacher", "temperature", "alpha")
+FIXED_SETTINGS = ("experiment", "model_revision", "dataset", "data_sha256", "classes", "init_from", "freeze",
+                  "lr_groups", "train_subset", "optimizer", "lr", "schedule", "warmup_epochs", "weight_decay",
+                  "clip_grad_norm", "augment", "image_size", "batch_size", "seed", "precision", "accum_steps", "accum",
+                  "pipeline_layout", "quantize", "teacher", "temperature", "alpha")
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
                  "microbatches", "kernels", "conv", "test_subset")
@@ -87,6 +87,9 @@ class RunConfig:
     lr_groups: str | None = _field(None, "fine-tuning: per-group learning rates, 'REGEX=LR,...' (e.g. "
                                          "'dense/=1e-2,blocks/[67]/=1e-3'): a parameter takes the first matching "
                                          "group's peak lr (the same schedule), the rest --lr")
+    classes: str | None = _field(None, "train and evaluate on these classes only, comma-separated names (a "
+                                       "folder's sub-folders; cifar10's airplane, ..., truck) or label numbers, "
+                                       "relabelled 0..k-1 in the order given (e.g. cat,deer,dog,frog,horse,bird)")
     init_from: str | None = _field(None, "start from another library's weights: a torchvision or timm ResNet file "
                                          "(.pth or .safetensors) for resnet18_imagenet or resnet50; a classifier of "
                                          "another class count starts afresh (docs/pretrained.md)")

@@ -14,7 +14,7 @@ import jax
 from jaxtrain import models, pretrained
 from jaxtrain.core import optim, remat
 from jaxtrain.choices import FOLDER_PREFIX
-from jaxtrain.data import folder, sources
+from jaxtrain.data import classes, folder, sources
 from jaxtrain.errors import ConfigError
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.parallel import devices as devices_lib
@@ -117,6 +117,7 @@ def load_data(s: Setup) -> tuple[dict, str]:
         digest = sources.split_digest(*data.values())
     hosts.agree(digest, "data", "every process must read the same dataset (a folder copied whole to each node, or "
                 "one shared folder)")
+    data = classes.restricted(c.dataset, data, c.classes)
     return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, digest
 
 
