@@ -172,7 +172,9 @@ def test_a_finished_runs_model_goes_back_to_torchvision_with_its_logits(torch_py
                   "32", "--batch-size", "4", "--max-steps", "2", "--devices", "2", "--no-progress",
                   "--out", str(tmp_path / "run"))
     assert run.returncode == 0, run.stderr[-3000:]
-    path = export.save_pretrained(tmp_path / "run", tmp_path / "back.safetensors")
+    path = tmp_path / "back.safetensors"
+    wrote = run_cli("-m", "experiments.export_weights", str(tmp_path / "run"), str(path))  # save_pretrained
+    assert wrote.returncode == 0 and wrote.stdout.strip() == f"wrote {path}", wrote.stderr[-2000:]
     np.save(tmp_path / "x.npy", np.random.default_rng(1).random((2, 32, 32, 3), dtype=np.float32))
     reference(torch_python, "check", "resnet18", 3, 32, tmp_path, path)
     meta, params, model_state = export.load(tmp_path / "run")

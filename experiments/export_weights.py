@@ -1,0 +1,28 @@
+"""A finished run's model as a file torchvision / timm load (jaxtrain.driver.export.save_pretrained).
+
+    python -m experiments.export_weights RUN_DIR FILE      # FILE: .safetensors (or .pth, with torch installed)
+
+Then, in PyTorch: ``torchvision.models.resnet18(num_classes=K).load_state_dict(safetensors.torch.load_file(FILE))``
+(docs/pretrained.md); its inputs normalised with ImageNet's mean and std, as jaxtrain's ImageNet ResNets do inside.
+"""
+
+import argparse
+import sys
+
+from jaxtrain.cli import one_line_errors
+
+
+@one_line_errors("export_weights")
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.export_weights", description=__doc__.split("\n")[0])
+    p.add_argument("run_dir", help="a finished run's --out directory (holding model/ and model.json)")
+    p.add_argument("file", help="where to write: NAME.safetensors, or NAME.pth (needs torch)")
+    args = p.parse_args(argv)
+    from jaxtrain.driver.export import save_pretrained
+
+    print(f"wrote {save_pretrained(args.run_dir, args.file)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
