@@ -142,3 +142,18 @@ def test_what_the_region_decoder_leaves_to_pillow():
     assert jpeg.decodable(3, 2) and jpeg.decodable(1, 1)  # YCbCr 4:2:0, greyscale
     assert not jpeg.decodable(4, 1)  # CMYK: libjpeg does not make RGB of it
     assert not jpeg.decodable(3, 4)  # a 4x2 luma block: its crop came out up to 5 levels off Pillow's
+
+
+def test_a_decoder_that_does_not_load_in_a_worker_stops_in_one_line_not_silently_pillows(tmp_path):
+    import dataclasses
+
+    from jaxtrain.data import folder
+
+    for where in ("train", "val"):
+        (tmp_path / "d" / where / "cat").mkdir(parents=True)
+        Image.fromarray(photo(32, 32)).save(tmp_path / "d" / where / "cat" / "a.jpg")
+    split = folder.load(tmp_path / "d", 16, warn=lambda text: None)["train"]
+    broken = dataclasses.replace(split, jpeg_library=str(tmp_path / "gone.so"))
+    with pytest.raises(ConfigError, match=r"the JPEG region decoder the run built does not load in a decode "
+                                          r"worker: .*gone.so does not load"):
+        broken.examples(np.arange(1), None, 0, 0)

@@ -111,6 +111,8 @@ def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch:
     """(uint8 [len(idx), S, S, 3], [what failed]) of ``split``'s files ``idx`` (a ``FolderSplit``): a file that
     fails to decode is replaced by the next file of the split (``on_bad="skip"``) or is a ConfigError."""
     size, root, n = split.size, Path(split.root), len(split)
+    if split.jpeg_library and (why := jpeg.unusable(split.jpeg_library)) is not None:  # never Pillow's silently
+        raise ConfigError(f"the JPEG region decoder the run built does not load in a decode worker: {why}")
     out, bad = np.empty((len(idx), size, size, 3), np.uint8), []
     for row, i in enumerate(np.asarray(idx)):
         if augment == "rrc+flip":

@@ -54,7 +54,7 @@ def _library(path: str | None = None) -> ctypes.CDLL | native.Unusable:
         lib = ctypes.CDLL(path) if path else LIBRARY.load()
     except native.Unusable as e:
         return e
-    except OSError as e:  # a built library that does not load in a worker: as unusable as none
+    except OSError as e:  # the main process's library, not loading in a worker: read_batch stops in one line
         return native.Unusable(f"{path} does not load ({e})", f"delete it and run {LIBRARY.rebuild}")
     ints = ctypes.POINTER(ctypes.c_int)
     lib.jt_jpeg_header.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ints, ints, ints, ints, ctypes.c_char_p]

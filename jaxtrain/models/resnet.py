@@ -87,7 +87,10 @@ class BatchNorm(nnx.BatchNorm):
         h = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         mean, var = moments(h, axes, self.axis_name)
         self.mean[...] = lax.stop_gradient(self.momentum * self.mean[...] + (1 - self.momentum) * mean)
-        running_var = var * (self._count(x, axes) / (self._count(x, axes) - 1)) if self.unbiased else var
+        running_var = var
+        if self.unbiased:
+            count = self._count(x, axes)
+            running_var = var * (count / (count - 1))
         self.var[...] = lax.stop_gradient(self.momentum * self.var[...] + (1 - self.momentum) * running_var)
         mul = lax.rsqrt(var + self.epsilon)  # flax's _normalize, in its order
         mul = mul if self.scale is None else mul * self.scale[...]
