@@ -18,8 +18,8 @@ MLPerf Training's ResNet-50 closed-division logs add H100 and H200 rows (``HELD_
 images per GPU, 55,923-56,206 img/s in steady state; v4.0, 8x H200, 400 per GPU, 63,394-63,862 (the midpoints are
 compared). Their implementations are heavily tuned (DALI, fused NHWC kernels): a gap is expected, and the
 H200/H100 ratio (1.13x measured, against 1.43x more memory bandwidth) tests whether the estimate over-credits
-bandwidth. And jaxtrain's own step, measured on one H200 by ``python -m experiments.gpu_check`` (2026-11-26,
-docs/gpu.md): the one row where estimate and measurement are of the same program.
+bandwidth. And jaxtrain's own step, measured on one H200 (2026-11-26) and one H100 (2026-11-27) by ``python -m
+experiments.gpu_check`` (docs/gpu.md): the rows where estimate and measurement are of the same program.
 
 The estimate has one fitted constant, the share of their rooflines kernels reach (``targets.json``
 "_costs.efficiency"). It is fitted on ONE row, 1 A100 AMP; every other row is held out. This command prints the
@@ -42,7 +42,9 @@ PUBLISHED = {("a100", 1, "fp32", 256, "TF32"): 938, ("a100", 1, "bf16", 256, "AM
 HELD_OUT = {("h100", 8, "bf16", 400, "AMP (MLPerf v3.0)"): (55_923 + 56_206) / 2,
             ("h200", 8, "bf16", 400, "AMP (MLPerf v4.0)"): (63_394 + 63_862) / 2,
             ("h200", 1, "bf16", 256, "bf16 (jaxtrain, measured)"): 6_340,
-            ("h200", 1, "bf16", 400, "bf16 (jaxtrain, measured)"): 6_560}
+            ("h200", 1, "bf16", 400, "bf16 (jaxtrain, measured)"): 6_560,
+            ("h100", 1, "bf16", 256, "bf16 (jaxtrain, measured)"): 5_207,
+            ("h100", 1, "bf16", 400, "bf16 (jaxtrain, measured)"): 5_335}
 ALL = {**PUBLISHED, **HELD_OUT}
 FIT_ON = ("a100", 1, "bf16", 256, "AMP")
 BAND = 1.5  # docs/gpu-estimate.md: every ratio "within 1.5x" of an implementation like the one estimated...
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
         estimates[key] = p.estimate
     table = rows(estimates)
     print(f"ResNet-50 v1.5 training: the ESTIMATE against measurements ({SOURCE}; MLPerf Training v3.0 and v4.0 "
-          "closed-division logs; jaxtrain on one H200, experiments.gpu_check)\n")
+          "closed-division logs; jaxtrain on one H200 and one H100, experiments.gpu_check)\n")
     print(format_rows(table))
     stored = costs().efficiency
     fitted = None
@@ -135,6 +137,12 @@ def main(argv=None) -> int:
         print(f"H200/H100 (8 GPUs, 400 per GPU): estimate "
               f"{pair[1]['examples_per_second'] / pair[0]['examples_per_second']:.2f}x, MLPerf "
               f"{MLPERF_H200_OVER_H100:.2f}x (memory bandwidth {bandwidth:.2f}x)")
+    for batch in (256, 400):
+        ours = [(name, 1, "bf16", batch, "bf16 (jaxtrain, measured)") for name in ("h200", "h100")]
+        if all(k in estimates for k in ours):
+            print(f"H200/H100 (jaxtrain's step, 1 GPU, {batch} per GPU): estimate "
+                  f"{estimates[ours[0]]['examples_per_second'] / estimates[ours[1]]['examples_per_second']:.2f}x, "
+                  f"measured {HELD_OUT[ours[0]] / HELD_OUT[ours[1]]:.2f}x")
     off = [r for r in table if r["held_out"] and not band(r)[0] <= r["ratio"] <= band(r)[1]]
     print(f"every ratio within {BAND}x, MLPerf's within {MLPERF_BAND[0]}-{MLPERF_BAND[1]}" if not off else
           f"{len(off)} held-out ratio(s) outside their band ("
