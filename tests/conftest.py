@@ -3,6 +3,7 @@
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from importlib.util import find_spec
@@ -138,3 +139,19 @@ def pytest_collection_modifyitems(config, items):
     """The slow (subprocess, end-to-end) tests first: under ``-n 2`` they start at once and the short ones fill
     the gaps, instead of one long test running alone at the end."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
+
+
+@pytest.fixture(scope="session")
+def torch_python() -> str:
+    """A Python with torch, torchvision, timm, transformers and safetensors: $JAXTRAIN_TORCH_PYTHON, or
+    tools/torch-venv's (built when missing). Without one the tests skip, except under CI (where the leg must run
+    them: fail)."""
+    python = os.environ.get("JAXTRAIN_TORCH_PYTHON")
+    if not python:
+        venv = Path(__file__).resolve().parents[1] / "tools" / "torch-venv"
+        built = subprocess.run(["bash", str(venv)], capture_output=True, text=True)
+        python = built.stdout.strip().splitlines()[-1] if built.returncode == 0 else None
+        if python is None:
+            why = f"no Python with torch: {built.stderr.strip()[-300:]}"
+            pytest.fail(why) if os.environ.get("CI") else pytest.skip(why)
+    return python

@@ -3,9 +3,7 @@ checked against PyTorch itself (tests/torch_reference.py, in a Python with torch
 
 import io
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,29 +14,9 @@ import jaxtrain as jt
 from jaxtrain import models, pretrained
 from jaxtrain.errors import ConfigError
 from jaxtrain.pretrained import tensors
+from torch_side import reference, relative
 
-ROOT = Path(__file__).resolve().parents[1]
 SIZE = 64  # small images: the networks are the ImageNet ones, their maps shrink to 2x2 at the end
-
-
-@pytest.fixture(scope="session")
-def torch_python() -> str:
-    """A Python with torch, torchvision, timm and safetensors: $JAXTRAIN_TORCH_PYTHON, or tools/torch-venv's
-    (built when missing). Without one the tests skip, except under CI (where the leg must run them: fail)."""
-    python = os.environ.get("JAXTRAIN_TORCH_PYTHON")
-    if not python:
-        built = subprocess.run(["bash", str(ROOT / "tools" / "torch-venv")], capture_output=True, text=True)
-        python = built.stdout.strip().splitlines()[-1] if built.returncode == 0 else None
-        if python is None:
-            why = f"no Python with torch: {built.stderr.strip()[-300:]}"
-            pytest.fail(why) if os.environ.get("CI") else pytest.skip(why)
-    return python
-
-
-def reference(torch_python, *args) -> None:
-    done = subprocess.run([torch_python, str(ROOT / "tests" / "torch_reference.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +36,6 @@ def made(torch_python, tmp_path_factory):
 
 def model(name: str, classes: int):
     return models.get(name, input_shape=(SIZE, SIZE, 3), num_classes=classes, conv="xla")
-
-
-def relative(a, b) -> float:
-    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
 
 
 PAIRS = [("resnet18", "resnet18_imagenet"), ("resnet50", "resnet50"), ("timm_resnet18", "resnet18_imagenet"),
@@ -206,8 +180,8 @@ def test_init_from_starts_a_run_from_the_files_weights_and_says_what_it_loaded(m
     wrong = run_cli("-m", "experiments.resnet18", "--init-from", str(out / "weights.pth"), "--max-steps", "1")
     assert wrong.returncode == 2 and wrong.stderr.strip().splitlines()[-1] == (
         "python -m experiments.resnet18: error: model resnet18: pretrained weights load into resnet18_imagenet, "
-        "resnet50 (torchvision's and timm's ResNets): torchvision's ResNet-18 is resnet18_imagenet (resnet18 is "
-        "d2l's)")
+        "resnet50, vit_tiny, vit_small, vit_base (torchvision's and timm's ResNets, timm's and Hugging Face's ViTs): "
+        "torchvision's ResNet-18 is resnet18_imagenet (resnet18 is d2l's)")
 
 
 def test_a_pytorch_file_cannot_read_outside_its_storage(tmp_path, monkeypatch):

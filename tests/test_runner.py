@@ -59,12 +59,13 @@ def test_a_bad_flag_value_is_one_line_on_stderr_with_exit_2(capsys):
     assert err == ["python -m experiments.lenet: error: --batch-size 0: expected a number >= 1"]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * n.startswith("resnet18"))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * n.startswith(("resnet18", "vit_")))
                                   for n in models.names()])
 def test_registry_models_train_on_their_example_batch(name):
-    model = models.get(name)
+    shape = (32, 32, 3) if name.startswith("vit_") else (28, 28, 1)  # 16x16 patches: sides divisible by 16
+    model = models.get(name, input_shape=shape)
     batch = model.example_batch(8)
-    assert batch["image"].shape == (8, 28, 28, 1) and batch["label"].dtype == np.int32
+    assert batch["image"].shape == (8, *shape) and batch["label"].dtype == np.int32
     trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=2)
     state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
     state, metrics = trainer(state, trainer.shard(batch))

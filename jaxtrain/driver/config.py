@@ -90,8 +90,9 @@ class RunConfig:
     classes: str | None = _field(None, "train and evaluate on these classes only, comma-separated names (a "
                                        "folder's sub-folders; cifar10's airplane, ..., truck) or label numbers, "
                                        "relabelled 0..k-1 in the order given (e.g. cat,deer,dog,frog,horse,bird)")
-    init_from: str | None = _field(None, "start from another library's weights: a torchvision or timm ResNet file "
-                                         "(.pth or .safetensors) for resnet18_imagenet or resnet50; a classifier of "
+    init_from: str | None = _field(None, "start from another library's weights (.pth or .safetensors): a "
+                                         "torchvision or timm ResNet for resnet18_imagenet or resnet50, a timm or "
+                                         "Hugging Face ViT/16 for vit_tiny, vit_small or vit_base; a classifier of "
                                          "another class count starts afresh (docs/pretrained.md)")
     dataset: str = _field("fashion_mnist", f"dataset to train on: {', '.join(DATASETS)}, tfds:NAME (an image "
                                            "classification dataset TFDS has prepared in --tfds-dir), or folder:DIR "

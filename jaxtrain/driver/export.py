@@ -141,10 +141,11 @@ def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
     return meta, tree["params"], tree["model_state"]
 
 
-def save_pretrained(run_dir: str | Path, path: str | Path) -> Path:
-    """A finished run's model (``RUN_DIR/model``) as a file torchvision / timm load (``jaxtrain.pretrained.save``:
-    ``.safetensors``, or PyTorch's ``.pth``)."""
+def save_pretrained(run_dir: str | Path, path: str | Path, names: str | None = None) -> Path:
+    """A finished run's model (``RUN_DIR/model``) as a file torchvision, timm or transformers load
+    (``jaxtrain.pretrained.save``: ``.safetensors``, or PyTorch's ``.pth``; ``names``: ``"hf"`` for a ViT in
+    Hugging Face's names)."""
     from jaxtrain import pretrained
 
     meta, params, model_state = load(run_dir)
-    return pretrained.save(meta["model"], (params, model_state), path)
+    return pretrained.save(meta["model"], (params, model_state), path, names=names)

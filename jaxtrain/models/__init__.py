@@ -51,6 +51,12 @@ MODELS = {
     "vit": Defaults(3, 64, 2e-3, inits=("glorot",), optimizer="adam", schedule="warmup_cosine", warmup_epochs=0.5,
                     description="a small Vision Transformer (4x4 patches, 8 pre-norm blocks of width 64): trains "
                                 "unpipelined or pipelined (--mesh stage=N --microbatches M)"),
+    **{f"vit_{size}": Defaults(10, 64, 1e-4, inits=("glorot",), optimizer="adam", schedule="warmup_cosine",
+                               warmup_epochs=1, image_size=224, folder_augment="rrc+flip",
+                               description=f"timm's vit_{size}_patch16_224 (Hugging Face's ViT-{size.title()}/16): "
+                                           f"16x16 patches, width {width}, 12 blocks, a class token, exact GELU; "
+                                           "the network of their pretrained weights (--init-from)")
+       for size, width in (("tiny", 192), ("small", 384), ("base", 768))},
 }
 
 
@@ -175,7 +181,7 @@ def _conv(name: str, conv: str, quantize: str) -> tuple[str, Callable]:
     from jaxtrain.choices import CONVS
     from jaxtrain.kernels import onednn
 
-    own = name == "vit" or quantize != "none"
+    own = name in VIT_CONFIGS or quantize != "none"
     return onednn.choose("xla" if own and conv in CONVS else conv)  # an unknown conv: choose's one-line error
 
 
@@ -193,23 +199,27 @@ def _lenet(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv
                    **shape)
 
 
-def _vit(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable) -> Model:
+def _vit(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable, name: str = "vit") -> Model:
     from jaxtrain.core.remat import remat as remat_block
     from jaxtrain.models import classify, vit
     from jaxtrain.models.sequential import sequential_loss
 
-    layer = functools.partial(vit.block, kernels=kernels)  # kernels="pallas": its layer norms too
+    fns = vit.bound(getattr(vit, VIT_CONFIGS[name]))
+    layer = functools.partial(fns["block"], kernels=kernels)  # kernels="pallas": its layer norms too
     block = remat_block(layer, remat)
-    vit.tokens(shape["input_shape"])  # sides not divisible by the patch: an error now
+    fns["tokens"](shape["input_shape"])  # sides not divisible by the patch: an error now
 
     def head_loss(head):
-        return sequential_loss(vit.embed_fn, block, vit.head_loss(head, kernels))
+        return sequential_loss(fns["embed_fn"], block, fns["head_loss"](head, kernels))
 
-    return Stacked(name="vit", init=lambda rng: (vit.init(rng, **shape), {}),
-                   loss_fn=head_loss(classify.loss_head(kernels)), eval_fn=vit.eval_fn,
-                   logits=lambda params, _, images: vit.apply(params, images), head_loss=head_loss,
-                   stack=Stack(vit.embed_fn, layer, vit.head_loss(classify.loss_head(kernels), kernels),
-                               vit.head_eval_fn), **shape)
+    return Stacked(name=name, init=lambda rng: (fns["init"](rng, **shape), {}),
+                   loss_fn=head_loss(classify.loss_head(kernels)), eval_fn=fns["eval_fn"],
+                   logits=lambda params, _, images: fns["apply"](params, images), head_loss=head_loss,
+                   stack=Stack(fns["embed_fn"], layer, fns["head_loss"](classify.loss_head(kernels), kernels),
+                               fns["head_eval_fn"]), **shape)
+
+
+VIT_CONFIGS = {"vit": "SMALL", "vit_tiny": "TINY16", "vit_small": "SMALL16", "vit_base": "BASE16"}  # vit.<config>
 
 
 def _resnet18(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable,
@@ -243,7 +253,7 @@ def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, c
 
 # name -> its builder (remat, init, shape, quantize, kernels, conv) -> Model
 BUILDERS = {"lenet": _lenet, "resnet18": _resnet18, "resnet18_imagenet": functools.partial(_resnet18, stem="imagenet"),
-            "resnet50": _resnet50, "vit": _vit}
+            "resnet50": _resnet50, **{name: functools.partial(_vit, name=name) for name in VIT_CONFIGS}}
 assert BUILDERS.keys() == MODELS.keys()
 
 

@@ -3,12 +3,16 @@
     from jaxtrain import pretrained
     params, model_state = pretrained.load("resnet50.pth", into="resnet50", num_classes=10).variables
     pretrained.save("resnet50", (params, model_state), "mine.safetensors")  # torchvision / timm load it back
+    pretrained.save("vit_tiny", (params, {}), "vit.safetensors", names="hf")  # transformers' ViT loads it
 
 A local file the user supplies (``jaxtrain.pretrained.tensors``: safetensors, or PyTorch's ``state_dict``),
-mapped onto a registry model (``resnet18_imagenet``, ``resnet50``: torchvision's and timm's ResNets). Every
-tensor of the file is used or named as unused (one line); a tensor the model needs that the file lacks, or
-whose shape differs, is a one-line error naming it, except the classifier: with another class count it is
-the model's own fresh one (said as replaced).
+mapped onto a registry model: ``resnet18_imagenet`` and ``resnet50`` (torchvision's and timm's ResNets,
+``jaxtrain.pretrained.resnet``), ``vit_tiny`` / ``vit_small`` / ``vit_base`` (timm's ViTs with 16x16 patches and
+Hugging Face's ``ViTModel`` / ``ViTForImageClassification``, ``jaxtrain.pretrained.vit``). Every tensor of the
+file is used or named as unused (one line); a tensor the model needs that the file lacks, or whose shape
+differs, is a one-line error naming it, except the classifier: with another class count (or none in the file)
+it is the model's own fresh one (said as replaced). A ViT's position embedding for another image size is
+resampled as timm resamples it (said too).
 """
 
 from __future__ import annotations
@@ -20,38 +24,42 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.pretrained import resnet, tensors
+from jaxtrain.pretrained import resnet, tensors, vit
 
-ARCHITECTURES = {name: resnet for name in resnet.BLOCKS}  # registry model -> its names and layouts
+ARCHITECTURES = {name: arch for arch in (resnet, vit) for name in arch.MODELS}  # registry model -> names, layouts
 
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
     """What ``load`` made: the model's (params, model_state), and what the file held that was not used
-    (``unused``: names) or was left for the model's own (``replaced``: "name (shape there -> here)")."""
+    (``unused``: names), was left for the model's own (``replaced``: "name (shape there -> here)") or was
+    resampled to the model's shape (``resampled``: a ViT's position embedding for another image size)."""
 
     params: dict
     model_state: dict
     unused: tuple[str, ...]
     replaced: tuple[str, ...]
+    resampled: tuple[str, ...] = ()
 
     @property
     def variables(self) -> tuple[dict, dict]:
         return self.params, self.model_state
 
     def summary(self, source: str) -> str:
-        """One line: what was loaded, replaced and left unused."""
+        """One line: what was loaded, resampled, replaced and left unused."""
         counts = Counter(n.rsplit(".", 1)[-1] for n in self.unused)
         unused = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(counts.items()))
-        return (f"{source}: loaded" + (f"; replaced {', '.join(self.replaced)}" if self.replaced else "")
+        return (f"{source}: loaded" + "".join(f"; {r}" for r in self.resampled)
+                + (f"; replaced {', '.join(self.replaced)}" if self.replaced else "")
                 + (f"; unused: {unused}" if unused else ""))
 
 
 def _architecture(model: str):
     if model not in ARCHITECTURES:
         hint = ": torchvision's ResNet-18 is resnet18_imagenet (resnet18 is d2l's)" if model == "resnet18" else ""
+        hint = hint or (": timm's ViT-Tiny/16 is vit_tiny (vit is jaxtrain's small one)" if model == "vit" else "")
         raise ConfigError(f"model {model}: pretrained weights load into {', '.join(ARCHITECTURES)} (torchvision's "
-                          f"and timm's ResNets){hint}")
+                          f"and timm's ResNets, timm's and Hugging Face's ViTs){hint}")
     return ARCHITECTURES[model]
 
 
@@ -69,53 +77,74 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
+def _shape(a) -> str:
+    return "x".join(map(str, a.shape))
+
+
 def load(path: str | Path, into, *, num_classes: int | None = None, input_shape: tuple | None = None,
          seed: int = 0) -> Loaded:
     """``path``'s weights in the registry model ``into`` (a name, or a ``jaxtrain.models.Model``; by name,
     made for ``input_shape`` (default 224x224x3) and ``num_classes`` (default: the file's)); a classifier of
-    another class count is the model's fresh one (``seed``)."""
+    another class count, or none in the file, is the model's fresh one (``seed``)."""
     import jax
 
     from jaxtrain import models
 
     source = tensors.read(path)
+    arch = _architecture(into if isinstance(into, str) else into.name)
     if isinstance(into, str):
-        arch = _architecture(into)
-        classes = num_classes or int(source.get("fc.weight", np.zeros((1000, 1))).shape[0])
+        classes = num_classes or arch.classes(source) or 1000
         into = models.get(into, input_shape=tuple(input_shape or (224, 224, 3)), num_classes=classes, conv="xla")
-    else:
-        arch = _architecture(into.name)
     params, state = jax.tree.map(np.asarray, into.init(jax.random.key(seed)))
-    used, replaced = set(), []
+    used, replaced, resampled, depth = set(), [], [], 0
     for tree in (params, state):
         for where, mine in list(_leaves(tree)):
-            name = arch.name(into.name, where)
-            if name not in source:
-                raise ConfigError(f"{path}: no tensor {name} (for {into.name}'s {'/'.join(map(str, where))}): is it "
-                                  f"a torchvision or timm {into.name.split('_')[0]} file?")
-            used.add(name)
-            theirs = arch.to_ours(where, source[name])
-            if theirs.shape != mine.shape:
+            try:
+                theirs, names, note = arch.read(into.name, where, source, mine.shape)
+            except KeyError as e:
                 if arch.is_head(where):
-                    replaced.append(f"{name} ({'x'.join(map(str, source[name].shape))} -> "
-                                    f"{'x'.join(map(str, arch.to_source(where, mine).shape))})")
+                    replaced.append(f"{e.args[0]} (none there)")
                     continue
-                raise ConfigError(f"{path}: {name} is {'x'.join(map(str, source[name].shape))}, {into.name} needs "
-                                  f"{'x'.join(map(str, arch.to_source(where, mine).shape))} there: another network?")
+                raise ConfigError(f"{path}: no tensor {e.args[0]} (for {into.name}'s {'/'.join(map(str, where))}): "
+                                  f"is it a {' or '.join(arch.NAMES)} {into.name.split('_')[0]} file?") from None
+            except ValueError as e:
+                name, needed = e.args
+                raise ConfigError(f"{path}: {name} is {_shape(source[name])}, {into.name} needs "
+                                  f"{'x'.join(map(str, needed))} there: another network?") from None
+            used.update(names)
+            depth = max(depth, mine.shape[0] if where[0] == "stages" else 0)
+            resampled += [note] if note else []
+            if theirs.shape != mine.shape:
+                needed = arch.write(into.name, where, mine, arch.NAMES[0])[names[0]]
+                if arch.is_head(where):
+                    replaced.append(f"{names[0]} ({_shape(source[names[0]])} -> {_shape(needed)})")
+                    continue
+                raise ConfigError(f"{path}: {names[0]} is {_shape(source[names[0]])}, {into.name} needs "
+                                  f"{_shape(needed)} there: another network?")
             _set(tree, where, theirs.astype(mine.dtype))
-    return Loaded(params, state, tuple(sorted(set(source) - used)), tuple(replaced))
+    unused = set(source) - used
+    arch.check_unused(into.name, unused, depth)
+    return Loaded(params, state, tuple(sorted(unused)), tuple(replaced), tuple(resampled))
 
 
-def export(model: str, params: dict, model_state: dict) -> dict[str, np.ndarray]:
-    """The source library's ``state_dict`` of jaxtrain's ``params`` / ``model_state`` (numpy, its layouts)."""
+def export(model: str, params: dict, model_state: dict, names: str | None = None) -> dict[str, np.ndarray]:
+    """The source library's ``state_dict`` of jaxtrain's ``params`` / ``model_state`` of the registry ``model`` in
+    numpy and its layouts; ``names``: whose (``"torchvision"`` or ``"timm"`` for the ResNets, the same;
+    ``"timm"`` (default) or ``"hf"`` for the ViTs)."""
     arch = _architecture(model)
-    out = {arch.name(model, where): arch.to_source(where, np.asarray(value, np.float32))
-           for tree in (params, model_state) for where, value in _leaves(tree)}
+    names = names or arch.NAMES[0]
+    if names not in arch.NAMES:
+        raise ConfigError(f"{model} is written in {' or '.join(arch.NAMES)}'s names, not {names!r}")
+    out = {}
+    for tree in (params, model_state):
+        for where, value in _leaves(tree):
+            out.update(arch.write(model, where, np.asarray(value, np.float32), names))
     return {**out, **arch.extras(list(out))}
 
 
-def save(model: str, variables: tuple[dict, dict], path: str | Path) -> Path:
+def save(model: str, variables: tuple[dict, dict], path: str | Path, names: str | None = None) -> Path:
     """jaxtrain's ``variables`` (params, model_state) of the registry ``model`` as ``path``: ``.safetensors`` or
-    PyTorch's ``.pth``, in the names and layouts torchvision's and timm's models load (``load_state_dict``).
+    PyTorch's ``.pth``, in the names and layouts the source library's models load (``load_state_dict``):
+    torchvision's and timm's ResNets, timm's ViTs (``names="hf"``: Hugging Face's ``ViTForImageClassification``).
     A finished run's: ``jaxtrain.driver.export.save_pretrained(run_dir, path)``."""
-    return tensors.write(export(model, *variables), path)
+    return tensors.write(export(model, *variables, names=names), path)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 BLOCKS = {"resnet18_imagenet": (2, 2, 2, 2), "resnet50": (3, 4, 6, 3)}
+MODELS = tuple(BLOCKS)
+NAMES = ("torchvision", "timm")  # the same names
 _LEAVES = {"kernel": "weight", "scale": "weight", "bias": "bias", "mean": "running_mean", "var": "running_var"}
 _TOP = {"conv": "conv1", "stem": "conv1", "bn": "bn1", "dense": "fc"}
 _BLOCK = {"shortcut": "downsample.0", "bn_shortcut": "downsample.1"}
@@ -34,6 +36,26 @@ def name(model: str, path: tuple) -> str:
 def is_head(path: tuple) -> bool:
     """The classifier: replaced, not loaded, when the class counts differ."""
     return path[0] == "dense"
+
+
+def classes(source) -> int | None:
+    return int(source["fc.weight"].shape[0]) if "fc.weight" in source else None
+
+
+def read(model: str, path: tuple, source, like: tuple) -> tuple[np.ndarray, list[str], str]:
+    """``model``'s leaf ``path`` from ``source``: (value, [its name], ""). A missing name: KeyError(name)."""
+    n = name(model, path)
+    if n not in source:
+        raise KeyError(n)
+    return to_ours(path, np.asarray(source[n])), [n], ""
+
+
+def write(model: str, path: tuple, value: np.ndarray, names_: str) -> dict[str, np.ndarray]:
+    return {name(model, path): to_source(path, value)}
+
+
+def check_unused(model: str, unused: set[str], depth: int) -> None:
+    """Nothing refused: a ResNet file's other tensors (its BatchNorms' counters) are named as unused."""
 
 
 def to_ours(path: tuple, value: np.ndarray) -> np.ndarray:
