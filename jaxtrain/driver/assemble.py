@@ -6,6 +6,8 @@ fails in seconds, not after a conversion), ``prepare.build`` once more for the d
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from jaxtrain import models
@@ -25,7 +27,16 @@ def model(c: RunConfig, shape: dict, teacher: tuple | None = None) -> models.Mod
                    **shape)
     if teacher is not None:  # the teacher's params and state join the model state, Frozen
         m = distill.distilled(m, *teacher, c.temperature, c.alpha, c.kernels)
+    if c.linear_probe:  # the model in evaluation mode under the loss; frozen() leaves only its classifier to train
+        from jaxtrain.models import classify
+
+        m = dataclasses.replace(m, loss_fn=classify.probe_loss(m.logits, classify.loss_head(c.kernels)))
     return m
+
+
+def frozen(c: RunConfig, m: models.Model) -> str | None:
+    """The regex of the parameters that never train: ``freeze=``'s, or a linear probe's all-but-the-classifier."""
+    return f"^(?!{m.classifier})" if c.linear_probe else c.freeze
 
 
 def steps(c: RunConfig, mesh, m: models.Model, updates: int) -> tuple[Trainer, Evaluator]:
@@ -33,7 +44,7 @@ def steps(c: RunConfig, mesh, m: models.Model, updates: int) -> tuple[Trainer, E
     constant one); a "stage" axis in the mesh pipelines the model."""
     tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if updates else "constant",
                               total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),
-                              weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm, freeze=c.freeze,
+                              weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm, freeze=frozen(c, m),
                               lr_groups=lr_groups(c.lr_groups))
     if STAGE_AXIS not in mesh.axis_names:
         param_rules = rules.ParamSharding.of(c.param_sharding, logical_axes=m.logical_axes)

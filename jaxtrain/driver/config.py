@@ -29,9 +29,10 @@ DATASET_FIELDS = ("augment", "image_size")
 
 # Settings that change what a checkpoint's state means: resume refuses to mix them.
 FIXED_SETTINGS = ("experiment", "model_revision", "dataset", "data_sha256", "classes", "init_from", "freeze",
-                  "lr_groups", "train_subset", "optimizer", "lr", "schedule", "warmup_epochs", "weight_decay",
-                  "clip_grad_norm", "augment", "image_size", "batch_size", "seed", "precision", "accum_steps", "accum",
-                  "pipeline_layout", "quantize", "teacher", "temperature", "alpha")
+                  "linear_probe", "lr_groups", "train_subset", "optimizer", "lr", "schedule", "warmup_epochs",
+                  "weight_decay", "clip_grad_norm", "augment", "image_size", "batch_size", "seed", "precision",
+                  "accum_steps", "accum", "pipeline_layout", "quantize", "teacher", "temperature", "alpha")
+OPTIONAL_SETTINGS = ("linear_probe",)  # recorded only when set, so that checkpoints older than them still resume
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
                  "microbatches", "kernels", "conv", "test_subset")
@@ -84,6 +85,9 @@ class RunConfig:
     freeze: str | None = _field(None, "fine-tuning: a regex over parameter names (e.g. 'blocks/[0-5]/' or "
                                       "'^(?!dense/)', all but the classifier: a linear probe): those are never "
                                       "updated and get no optimizer state")
+    linear_probe: bool = _field(False, "fine-tuning: train only the classifier, the rest frozen and run in "
+                                       "evaluation mode (BatchNorm on its running statistics, which stay as they "
+                                       "are); usually with --init-from")
     lr_groups: str | None = _field(None, "fine-tuning: per-group learning rates, 'REGEX=LR,...' (e.g. "
                                          "'dense/=1e-2,blocks/[67]/=1e-3'): a parameter takes the first matching "
                                          "group's peak lr (the same schedule), the rest --lr")
@@ -218,6 +222,12 @@ class RunConfig:
                               "accumulate gradients")
         if self.lr_groups is not None:
             lr_groups(self.lr_groups)  # its one-line error now
+        if self.linear_probe and self.freeze:
+            raise ConfigError(f"linear_probe= with freeze={self.freeze!r}: a linear probe freezes all but the "
+                              "classifier itself; give one of them")
+        if self.linear_probe and (self.teacher or "stage" in (self.mesh or {})):
+            raise ConfigError("linear_probe=: a plain run's classifier only (not with teacher= or a pipelined "
+                              "mesh's 'stage' axis)")
         if self.init_from and self.teacher:
             raise ConfigError("init_from= with teacher=: a distilled student starts from its own init (train the "
                               "pretrained network first, then distil from that run)")

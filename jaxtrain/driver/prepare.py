@@ -21,7 +21,7 @@ from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.parallel import hosts
 from jaxtrain.parallel import preflight
 from jaxtrain.driver import assemble, distill
-from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, RunConfig, lr_groups
+from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, OPTIONAL_SETTINGS, RunConfig, lr_groups
 from jaxtrain.train.checkpoint import Checkpointer
 from jaxtrain.train.trainer import Evaluator, Trainer
 
@@ -75,9 +75,9 @@ def validate(s: Setup) -> None:
     model = assemble.model(c, shape, s.teacher)
     if c.init_from and not c.resume:  # the file read and fitted now (a resumed run may never need it)
         pretrained.load(c.init_from, into=model)
-    if c.freeze or c.lr_groups:
+    if c.freeze or c.lr_groups or c.linear_probe:
         params = jax.eval_shape(model.init, jax.random.key(0))[0]
-        if problems := optim.check_groups(params, c.freeze, lr_groups(c.lr_groups)):
+        if problems := optim.check_groups(params, assemble.frozen(c, model), lr_groups(c.lr_groups)):
             raise ConfigError(problems[0])
     assemble.placed(c, model, assemble.steps(c, s.mesh, model, updates=0)[0])
 
@@ -124,7 +124,8 @@ def load_data(s: Setup) -> tuple[dict, str]:
 def run_settings(s: Setup, data_sha256: str, class_names: tuple[str, ...] | None = None) -> dict:
     """What a checkpoint records of the run (and ``--resume`` compares); an image folder's class names too."""
     c = s.config
-    settings = {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS) if hasattr(c, k)},  # mesh: the flag
+    settings = {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS)  # mesh: the flag
+                   if hasattr(c, k) and (k not in OPTIONAL_SETTINGS or getattr(c, k))},
                 **models.revision_settings(c.model),
                 "data_sha256": data_sha256, "experiment": c.model, "devices": len(s.devices),
                 "processes": jax.process_count(), "pipeline_layout": s.trainer.pipeline_layout,

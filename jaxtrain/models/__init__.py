@@ -78,6 +78,7 @@ class Model:
     logical_axes: tuple = ()
     input_shape: tuple = IMAGE_SHAPE  # (H, W, C) of the images it was built for
     num_classes: int = 10
+    classifier: str = ""  # a regex of its classifier's parameter names: what a linear probe trains
     init_name: str = "d2l"  # which of the recipe's inits made ``init``'s weights
     conv: str = "xla"  # whose convolutions its layers run: "xla", or "onednn" (jaxtrain.kernels.onednn, CPUs)
 
@@ -196,7 +197,7 @@ def _lenet(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv
                    loss_fn=lenet.make_loss_fn(remat, classify.loss_head(kernels), ops), eval_fn=lenet.make_eval_fn(ops),
                    logits=lambda params, _, images: lenet.apply(params, images, ops=ops),
                    logical_axes=lenet.LOGICAL_AXES, head_loss=lambda head: lenet.make_loss_fn(remat, head, ops),
-                   **shape)
+                   classifier="dense2/", **shape)
 
 
 def _vit(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable, name: str = "vit") -> Model:
@@ -216,7 +217,7 @@ def _vit(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: 
                    loss_fn=head_loss(classify.loss_head(kernels)), eval_fn=fns["eval_fn"],
                    logits=lambda params, _, images: fns["apply"](params, images), head_loss=head_loss,
                    stack=Stack(fns["embed_fn"], layer, fns["head_loss"](classify.loss_head(kernels), kernels),
-                               fns["head_eval_fn"]), **shape)
+                               fns["head_eval_fn"]), classifier="head/(w|b)$", **shape)
 
 
 VIT_CONFIGS = {"vit": "SMALL", "vit_tiny": "TINY16", "vit_small": "SMALL16", "vit_base": "BASE16"}  # vit.<config>
@@ -235,7 +236,7 @@ def _resnet18(remat: str, init: str, shape: dict, quantize: str, kernels: str, c
                    logical_axes=resnet.LOGICAL_AXES,
                    head_loss=lambda head: resnet.adapter(weight_init=init, remat=remat, head=head, conv=conv,
                                                          stem=stem, **shape).loss_fn,
-                   **shape)
+                   classifier="dense/", **shape)
 
 
 def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, conv: Callable) -> Model:
@@ -248,7 +249,7 @@ def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, c
                    logits=lambda params, stats, images: net.module(params, stats)(images),
                    logical_axes=resnet50.LOGICAL_AXES,
                    head_loss=lambda head: resnet50.adapter(remat=remat, head=head, conv=conv, **shape).loss_fn,
-                   **shape)
+                   classifier="dense/", **shape)
 
 
 # name -> its builder (remat, init, shape, quantize, kernels, conv) -> Model

@@ -78,3 +78,15 @@ def label_loss(logits: jax.Array, batch: dict, kernels: str = "jnp") -> tuple[ja
 def loss_head(kernels: str = "jnp"):
     """``label_loss`` with these kernels: ``head(logits, batch) -> (loss, metrics)``."""
     return label_loss if kernels == "jnp" else functools.partial(label_loss, kernels=kernels)
+
+
+def probe_loss(logits, head=label_loss):
+    """A linear probe's ``loss_fn``: ``head`` over the model's evaluation-mode ``logits(params, model_state,
+    images)`` (BatchNorm on its running statistics, no dropout), the model state returned as it came."""
+
+    def loss_fn(params, model_state, batch, rng):
+        del rng
+        loss, metrics = head(logits(params, model_state, batch["image"]), batch)
+        return loss, (model_state, metrics)
+
+    return loss_fn
