@@ -20,7 +20,7 @@ from jaxtrain.models import names as model_names
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.batch_size", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=model_names(), default="lenet", help="model whose train step is compiled")
+    p.add_argument("--model", choices=model_names(side=28), default="lenet", help="model whose train step is compiled")
     p.add_argument("--memory-budget", default=None,
                    help="memory per device, like 2GiB or 512MiB (default: 90%% of the device's limit; "
                         "required on CPU, which reports none)")

@@ -49,7 +49,7 @@ H100_BF16_FLOPS, H100_BYTES_PER_S = 790e12, 3.0e12
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=model_names(), default="lenet")
+    p.add_argument("--model", choices=model_names(side=28), default="lenet")
     p.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32",
                    help="fp32 or bf16 (mixed precision) train steps, or int8 inference (one device)")
     p.add_argument("--devices", type=positive_int, default=None,

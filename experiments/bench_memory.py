@@ -22,7 +22,7 @@ from jaxtrain.train.timing import time_steps
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_memory", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=model_names(), default="lenet")
+    p.add_argument("--model", choices=model_names(side=28), default="lenet")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--batch-sizes", default="256", help="comma-separated global batch sizes")
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated precisions")

@@ -20,9 +20,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.export_weights", description=__doc__.split("\n")[0])
     p.add_argument("run_dir", help="a finished run's --out directory (holding model/ and model.json)")
     p.add_argument("file", help="where to write: NAME.safetensors, or NAME.pth (needs torch)")
-    p.add_argument("--names", choices=("torchvision", "timm", "hf"),
+    p.add_argument("--names", choices=("torchvision", "timm", "hf", "hf4"),
                    help="whose tensor names (default: torchvision's for a ResNet, timm's for a ViT; hf: a ViT as "
-                        "transformers' ViTForImageClassification)")
+                        "transformers 5's ViTForImageClassification, hf4: as transformers 4's, the Hub's files)")
     args = p.parse_args(argv)
     from jaxtrain.driver.export import save_pretrained
 

@@ -150,7 +150,7 @@ def torch_python() -> str:
     if not python:
         venv = Path(__file__).resolve().parents[1] / "tools" / "torch-venv"
         built = subprocess.run(["bash", str(venv)], capture_output=True, text=True)
-        python = built.stdout.strip().splitlines()[-1] if built.returncode == 0 else None
+        python = (built.stdout.strip().splitlines() or [None])[-1] if built.returncode == 0 else None
         if python is None:
             why = f"no Python with torch: {built.stderr.strip()[-300:]}"
             pytest.fail(why) if os.environ.get("CI") else pytest.skip(why)

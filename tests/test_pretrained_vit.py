@@ -1,6 +1,6 @@
 """Weights from timm's and Hugging Face's ViTs into jaxtrain's ``vit_tiny`` and back (jaxtrain.pretrained): the
 same network, checked against PyTorch itself (tests/torch_reference.py, in a Python with torch: ``make
-torch-venv``)."""
+torch-venv``). The first leg runs them all; the newest-JAX leg (not slow) one comparison with torch."""
 
 import jax
 import numpy as np
@@ -31,12 +31,14 @@ def made(torch_python, tmp_path_factory):
     return make
 
 
-def vit(classes: int, size: int = SIZE):
-    return models.get("vit_tiny", input_shape=(size, size, 3), num_classes=classes)
+def vit(classes: int, size: int | tuple = SIZE, name: str = "vit_tiny"):
+    h, w = (size, size) if isinstance(size, int) else size
+    return models.get(name, input_shape=(h, w, 3), num_classes=classes)
 
 
-@pytest.mark.parametrize("arch, file", [(TIMM, "weights.safetensors"), (TIMM, "weights.pth"),
-                                        ("hf_vit_tiny", "weights.safetensors")])
+@pytest.mark.parametrize("arch, file", [(TIMM, "weights.safetensors"),  # the newest-JAX leg (not slow): this one
+                                        pytest.param(TIMM, "weights.pth", marks=pytest.mark.slow),
+                                        pytest.param("hf_vit_tiny", "weights.safetensors", marks=pytest.mark.slow)])
 def test_imported_vit_weights_give_torchs_logits(made, arch, file):
     """timm's ViT-Tiny/16 (one qkv matrix) and transformers' ViTForImageClassification (q, k and v apart; its layer
     norms' eps 1e-12 where timm's and jaxtrain's is 1e-6): every tensor used, the logits torch's."""
@@ -47,6 +49,7 @@ def test_imported_vit_weights_give_torchs_logits(made, arch, file):
     assert relative(logits, np.load(out / "logits.npy")) < 1e-4
 
 
+@pytest.mark.slow
 def test_a_vit_model_without_classifier_gives_its_class_tokens_features(made):
     """transformers' ViTModel: no classifier (the model's own, said), its pooler unused; with an identity head
     the logits are the last hidden state's class token after the final layer norm, as torch computes it."""
@@ -55,25 +58,32 @@ def test_a_vit_model_without_classifier_gives_its_class_tokens_features(made):
     loaded = pretrained.load(out / "weights.safetensors", into=net)
     assert loaded.replaced == ("classifier.bias (none there)", "classifier.weight (none there)")
     assert loaded.unused == ("pooler.dense.bias", "pooler.dense.weight")
+    assert loaded.summary("w") == ("w: loaded; replaced classifier.bias (none there), classifier.weight (none there); "
+                                   "unused: pooler.dense.bias, pooler.dense.weight")
     params = {**loaded.params, "head": {**loaded.params["head"], "w": np.eye(192, dtype=np.float32),
                                         "b": np.zeros(192, np.float32)}}
     features = net.logits(params, {}, np.load(out / "x.npy"))
     assert relative(features, np.load(out / "logits.npy")) < 1e-4
 
 
-def test_the_position_embedding_is_resampled_for_another_image_size_as_timm_does(made, torch_python):
-    """A 64x64 model's weights (4x4 patches) in a 96x96 one (6x6): the grid resampled bicubically, antialiased,
-    the class token's embedding kept; the logits those of timm's model made for 96x96 from the same file through
-    timm's own checkpoint filter."""
+@pytest.mark.slow
+@pytest.mark.parametrize("new, grid", [("96", "6x6"), ("32", "2x2"), ("32x96", "2x6")])
+def test_the_position_embedding_is_resampled_for_another_image_size_as_timm_does(made, torch_python, new, grid):
+    """A 64x64 model's weights (4x4 patches) in a larger, a smaller and an oblong model: the grid resampled
+    bicubically, antialiased, each axis by its own scale, the class token's embedding kept; the logits those of
+    timm's model made for that size from the same file through timm's own checkpoint filter. (A grid of as many
+    patches in another shape, 2x8, is resampled too; timm's filter does that only when it knows the file's image
+    size, which a bare file does not say.)"""
     out = made(TIMM, 7)
-    reference(torch_python, "resample", TIMM, 7, SIZE, out, 96)
-    loaded = pretrained.load(out / "weights.safetensors", into=vit(7, 96))
-    assert loaded.resampled == ("resampled pos_embed (4x4 -> 6x6 patches)",)
-    assert loaded.summary("w") == "w: loaded; resampled pos_embed (4x4 -> 6x6 patches)"
-    logits = vit(7, 96).logits(*loaded.variables, np.load(out / "x_96.npy"))
-    assert relative(logits, np.load(out / "resampled.npy")) < 1e-4
-    smaller = pretrained.load(out / "weights.safetensors", into=vit(7, 32))  # shrinking: the filter widens
-    assert smaller.resampled == ("resampled pos_embed (4x4 -> 2x2 patches)",)
+    reference(torch_python, "resample", TIMM, 7, SIZE, out, new)
+    size = tuple(int(side) for side in new.split("x")) * (1 if "x" in new else 2)
+    loaded = pretrained.load(out / "weights.safetensors", into=vit(7, size))
+    assert loaded.resampled == (f"resampled pos_embed (4x4 -> {grid} patches)",)
+    assert loaded.summary("w") == f"w: loaded; resampled pos_embed (4x4 -> {grid} patches)"
+    oblong = pretrained.load(out / "weights.safetensors", into=vit(7, (32, 128)))
+    assert oblong.resampled == ("resampled pos_embed (4x4 -> 2x8 patches)",)
+    logits = vit(7, size).logits(*loaded.variables, np.load(out / f"x_{new}.npy"))
+    assert relative(logits, np.load(out / f"resampled_{new}.npy")) < 1e-4
 
 
 def test_the_resampling_weights_are_pytorchs_antialiased_bicubic():
@@ -87,6 +97,7 @@ def test_the_resampling_weights_are_pytorchs_antialiased_bicubic():
     assert (down != 0).sum(1).max() > 4  # shrinking stretches the filter over more inputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, names, how", [(TIMM, "timm", "check"), ("hf_vit_tiny", "hf", "check"),
                                               ("hf_vit_tiny", "hf4", "hub")])
 def test_exported_vit_weights_load_strictly_with_the_same_logits(made, torch_python, tmp_path, arch, names, how):
@@ -106,14 +117,15 @@ def test_exported_vit_weights_load_strictly_with_the_same_logits(made, torch_pyt
         pretrained.save("vit_tiny", variables, tmp_path / "x.safetensors", names="torchvision")
 
 
+@pytest.mark.slow
 def test_another_vits_tensors_are_refused_not_left_unused(made, tmp_path):
     """A tensor jaxtrain's ViT would not compute with (layer scale, a deeper file) means another network: one
     line, never a model that silently computes something else."""
     whole = tensors.read(made(TIMM, 7) / "weights.safetensors")
 
-    def load(changed: dict, into="vit_tiny"):
+    def load(changed: dict, into=None):
         tensors.write(changed, tmp_path / "w.safetensors")
-        return pretrained.load(tmp_path / "w.safetensors", into=vit(7) if into == "vit_tiny" else into)
+        return pretrained.load(tmp_path / "w.safetensors", into=into or vit(7))
 
     with pytest.raises(ConfigError, match=r"the file's ViT has blocks.0.ls1.gamma, which vit_tiny does not compute"):
         load({**whole, "blocks.0.ls1.gamma": np.ones(192, np.float32)})
@@ -125,9 +137,15 @@ def test_another_vits_tensors_are_refused_not_left_unused(made, tmp_path):
         load({k: v for k, v in whole.items() if k != "blocks.3.attn.qkv.weight"})
     with pytest.raises(ConfigError, match=r"w.safetensors: blocks.0.mlp.fc1.weight is 768x96, vit_tiny needs 768x192"):
         load({**whole, "blocks.0.mlp.fc1.weight": whole["blocks.0.mlp.fc1.weight"][:, :96]})
+    hf = tensors.read(made("hf_vit_tiny", 7) / "weights.safetensors")
+    fewer = load(hf, into=vit(3))  # transformers' classifier for 7 classes, 3 here: the model's own
+    assert fewer.replaced == ("classifier.bias (7 -> 3)", "classifier.weight (7x192 -> 3x192)")
+    with pytest.raises(ConfigError, match=r"w.safetensors: vit.embeddings.patch_embeddings.projection.bias is 192, "
+                                          r"vit_small needs 384 there: another network\?"):
+        load(hf, into=vit(7, name="vit_small"))
     with pytest.raises(ConfigError, match=r"no tensor layer1.0.bn1.bias .*is it a torchvision or timm resnet50 file"):
         load(whole, into="resnet50")  # a ViT's file in a ResNet
-    with pytest.raises(ConfigError, match=r"no ViT patch embedding"):
+    with pytest.raises(ConfigError, match=r"w.safetensors: no ViT patch embedding"):
         load({"conv1.weight": np.zeros((64, 3, 7, 7), np.float32)})  # a ResNet's file in a ViT
     with pytest.raises(ConfigError, match=r"timm's ViT-Tiny/16 is vit_tiny \(vit is jaxtrain's small one\)"):
         pretrained.load(tmp_path / "w.safetensors", into="vit")

@@ -17,9 +17,9 @@ DIR/x.npy (NHWC); its evaluation-mode logits DIR/logits.npy; then, for the ResNe
 .safetensors) loaded with ``load_state_dict(strict=True)``; its logits on DIR/x.npy written to DIR/checked.npy.
 ``hub``: FILE as a Hugging Face model folder's model.safetensors (beside its config.json), loaded with
 ``from_pretrained`` (which renames transformers 4's names): no tensor missing or unexpected; logits as ``check``'s.
-``resample``: DIR's weights in the timm ViT made for NEW x NEW images, through timm's own checkpoint filter (its
-position embedding resampled); its logits on DIR/x_NEW.npy (a random batch written first) to
-DIR/resampled.npy. Images are in [0, 1] (as jaxtrain's loaders give them) and normalised before the model as
+``resample``: DIR's weights in the timm ViT made for NEW x NEW images (or HxW: NEW "32x128"), through timm's own
+checkpoint filter (its position embedding resampled); its logits on DIR/x_NEW.npy (a random batch written first)
+to DIR/resampled_NEW.npy. Images are in [0, 1] (as jaxtrain's loaders give them) and normalised before the model as
 the model's source normalises them (ImageNet's mean and std for the ResNets, 0.5 and 0.5 for the ViTs: jaxtrain's
 models do it inside).
 """
@@ -110,11 +110,11 @@ def main(argv):
         if command == "resample":
             import timm
 
-            new = int(argv[5])
+            new = tuple(int(side) for side in argv[5].split("x")) * (1 if "x" in argv[5] else 2)  # "96", "32x128"
             model = build(arch, classes, new)
             state = timm.models.vision_transformer.checkpoint_filter_fn(load_file(out / "weights.safetensors"), model)
-            x, target = np.random.default_rng(1).random((2, new, new, 3), dtype=np.float32), "resampled.npy"
-            np.save(out / f"x_{new}.npy", x)
+            x, target = np.random.default_rng(1).random((2, *new, 3), dtype=np.float32), f"resampled_{argv[5]}.npy"
+            np.save(out / f"x_{argv[5]}.npy", x)
         else:
             file = argv[5]
             state = load_file(file) if file.endswith(".safetensors") else torch.load(file, weights_only=True)

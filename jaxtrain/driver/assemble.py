@@ -6,8 +6,6 @@ fails in seconds, not after a conversion), ``prepare.build`` once more for the d
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 
 from jaxtrain import models
@@ -30,12 +28,14 @@ def model(c: RunConfig, shape: dict, teacher: tuple | None = None) -> models.Mod
     if c.linear_probe:  # the model in evaluation mode under the loss; frozen() leaves only its classifier to train
         from jaxtrain.models import classify
 
-        m = dataclasses.replace(m, loss_fn=classify.probe_loss(m.logits, classify.loss_head(c.kernels)))
+        m = classify.linear_probe(m, classify.loss_head(c.kernels))
     return m
 
 
 def frozen(c: RunConfig, m: models.Model) -> str | None:
     """The regex of the parameters that never train: ``freeze=``'s, or a linear probe's all-but-the-classifier."""
+    if c.linear_probe and not m.classifier:
+        raise ConfigError(f"linear_probe=: model {m.name} names no classifier to train alone")
     return f"^(?!{m.classifier})" if c.linear_probe else c.freeze
 
 

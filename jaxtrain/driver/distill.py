@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxtrain import models
-from jaxtrain.core.state import Frozen
+from jaxtrain.core.state import Frozen, is_frozen
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import classify
 from jaxtrain.driver import export
@@ -68,14 +68,19 @@ def distilled(student: models.Model, teacher: models.Model, teacher_params, teac
         params, own = student.init(rng)
         return params, {"student": own, "teacher": frozen}
 
-    return models.Model(student.name, init, loss,
-                        lambda params, state, batch: student.eval_fn(params, state["student"], batch),
-                        lambda params, state, images: student.logits(params, state["student"], images),
-                        student.logical_axes, student.input_shape, student.num_classes, student.init_name)
+    return models.Model(name=student.name, init=init, loss_fn=loss,
+                        eval_fn=lambda params, state, batch: student.eval_fn(params, state["student"], batch),
+                        logits=lambda params, state, images: student.logits(params, state["student"], images),
+                        logical_axes=student.logical_axes, input_shape=student.input_shape,
+                        num_classes=student.num_classes, classifier=student.classifier, init_name=student.init_name,
+                        conv=student.conv)
 
 
 def own_state(model_state):
-    """The student's model state (what its saved model keeps), whether distilled or not."""
+    """The model's own state (what its saved model keeps): a distilled student's, a linear probe's (``Frozen``)
+    or the plain one."""
+    if is_frozen(model_state):
+        return model_state.tree
     return model_state["student"] if isinstance(model_state, dict) and "teacher" in model_state else model_state
 
 

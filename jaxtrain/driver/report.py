@@ -10,7 +10,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxtrain.core.compat import cpu_isa
-from jaxtrain.models import Model
+from jaxtrain.models import VIT_CONFIGS, Model
 from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.driver.config import RunConfig
 
@@ -135,8 +135,8 @@ def conv_path(c, model, platform: str) -> str:
     if model.conv == "xla" and c.conv != "xla" and platform == "cpu":
         if c.quantize != "none":
             return f"xla (quantize={c.quantize}: its layers' own convolutions)"
-        if model.name == "vit":
-            return "none (vit has no convolutions)"
+        if model.name in VIT_CONFIGS:
+            return f"none ({model.name} has no convolutions)"
     return onednn.path(c.conv, model.conv, platform)
 
 

@@ -30,6 +30,7 @@ class Defaults:
     folder_augment: str = "none"  # an image folder's training augmentation unless told
     revision: int = 1  # raised when the same name computes something else: older runs are refused, not misread
     revised: str = ""  # what the newest revision changed (the refusal says it)
+    side_multiple: int = 1  # image sides must be multiples of this (a ViT's patch)
 
 
 # name -> the recipe (d2l's "Multiple GPUs" lessons: LeNet lr 0.2, ResNet-18 lr 0.1; 10 epochs, batch 256)
@@ -52,7 +53,7 @@ MODELS = {
                     description="a small Vision Transformer (4x4 patches, 8 pre-norm blocks of width 64): trains "
                                 "unpipelined or pipelined (--mesh stage=N --microbatches M)"),
     **{f"vit_{size}": Defaults(10, 64, 1e-4, inits=("glorot",), optimizer="adam", schedule="warmup_cosine",
-                               warmup_epochs=1, image_size=224, folder_augment="rrc+flip",
+                               warmup_epochs=1, image_size=224, folder_augment="rrc+flip", side_multiple=16,
                                description=f"timm's vit_{size}_patch16_224 (Hugging Face's ViT-{size.title()}/16): "
                                            f"16x16 patches, width {width}, 12 blocks, a class token, exact GELU; "
                                            "the network of their pretrained weights (--init-from)")
@@ -75,6 +76,7 @@ class Model:
     loss_fn: Callable
     eval_fn: Callable
     logits: Callable
+    _: dataclasses.KW_ONLY  # what follows is named (a field added later cannot shift another's value)
     logical_axes: tuple = ()
     input_shape: tuple = IMAGE_SHAPE  # (H, W, C) of the images it was built for
     num_classes: int = 10
@@ -141,8 +143,9 @@ class Stacked(Student):
     stack: Stack
 
 
-def names() -> tuple[str, ...]:
-    return tuple(MODELS)
+def names(side: int | None = None) -> tuple[str, ...]:
+    """The registry's models; ``side``: those that take images of that side (28: Fashion-MNIST's)."""
+    return tuple(n for n, d in MODELS.items() if side is None or side % d.side_multiple == 0)
 
 
 def get(name: str, *, remat: str = "none", init: str | None = None, input_shape: tuple = IMAGE_SHAPE,

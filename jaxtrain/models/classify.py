@@ -80,13 +80,28 @@ def loss_head(kernels: str = "jnp"):
     return label_loss if kernels == "jnp" else functools.partial(label_loss, kernels=kernels)
 
 
-def probe_loss(logits, head=label_loss):
-    """A linear probe's ``loss_fn``: ``head`` over the model's evaluation-mode ``logits(params, model_state,
-    images)`` (BatchNorm on its running statistics, no dropout), the model state returned as it came."""
+def linear_probe(model, head=label_loss):
+    """``model`` (a registry ``Model``) as a linear probe: its loss is ``head`` over the evaluation-mode
+    ``logits`` (BatchNorm on its running statistics, no dropout), and its model state is carried ``Frozen``, so
+    the step returns it bit-identical on any number of devices (strategies leave Frozen state out of their
+    averages). Which parameters train is the optimizer's: ``freeze`` all but ``model.classifier``."""
+    import dataclasses
+
+    from jaxtrain.core.state import Frozen
+
+    def init(rng):
+        params, state = model.init(rng)
+        return params, Frozen(state)
+
+    def logits(params, model_state, images):
+        return model.logits(params, model_state.tree, images)
 
     def loss_fn(params, model_state, batch, rng):
         del rng
         loss, metrics = head(logits(params, model_state, batch["image"]), batch)
         return loss, (model_state, metrics)
 
-    return loss_fn
+    def eval_fn(params, model_state, batch):
+        return model.eval_fn(params, model_state.tree, batch)
+
+    return dataclasses.replace(model, init=init, loss_fn=loss_fn, eval_fn=eval_fn, logits=logits)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxtrain.core.state import Frozen, is_frozen
 from jaxtrain.errors import ConfigError
 from jaxtrain.pretrained import resnet, tensors, vit
 
@@ -47,8 +48,9 @@ class Loaded:
 
     def summary(self, source: str) -> str:
         """One line: what was loaded, resampled, replaced and left unused."""
-        counts = Counter(n.rsplit(".", 1)[-1] for n in self.unused)
-        unused = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(counts.items()))
+        counts = Counter(n.rsplit(".", 1)[-1] for n in self.unused)  # a repeated kind (BatchNorm's counters) once
+        unused = ", ".join(sorted({f"{n.rsplit('.', 1)[-1]} x{counts[n.rsplit('.', 1)[-1]]}"
+                                   if counts[n.rsplit(".", 1)[-1]] > 1 else n for n in self.unused}))
         return (f"{source}: loaded" + "".join(f"; {r}" for r in self.resampled)
                 + (f"; replaced {', '.join(self.replaced)}" if self.replaced else "")
                 + (f"; unused: {unused}" if unused else ""))
@@ -96,26 +98,30 @@ def load(path: str | Path, into, *, num_classes: int | None = None, input_shape:
         classes = num_classes or arch.classes(source) or 1000
         into = models.get(into, input_shape=tuple(input_shape or (224, 224, 3)), num_classes=classes, conv="xla")
     params, state = jax.tree.map(np.asarray, into.init(jax.random.key(seed)))
+    frozen = is_frozen(state)  # a linear probe carries its model state Frozen: the file fills the tree inside
+    state = state.tree if frozen else state
     used, replaced, resampled, depth = set(), [], [], 0
     for tree in (params, state):
         for where, mine in list(_leaves(tree)):
             try:
-                theirs, names, note = arch.read(into.name, where, source, mine.shape)
+                theirs, names, note = arch.read(into, where, source, mine.shape)
+            except tensors.Mismatch as e:
+                name, needed = e.args
+                raise ConfigError(f"{path}: {name} is {_shape(source[name])}, {into.name} needs "
+                                  f"{'x'.join(map(str, needed))} there: another network?") from None
+            except ConfigError as e:
+                raise ConfigError(f"{path}: {e}") from None
             except KeyError as e:
                 if arch.is_head(where):
                     replaced.append(f"{e.args[0]} (none there)")
                     continue
                 raise ConfigError(f"{path}: no tensor {e.args[0]} (for {into.name}'s {'/'.join(map(str, where))}): "
                                   f"is it a {' or '.join(arch.NAMES)} {into.name.split('_')[0]} file?") from None
-            except ValueError as e:
-                name, needed = e.args
-                raise ConfigError(f"{path}: {name} is {_shape(source[name])}, {into.name} needs "
-                                  f"{'x'.join(map(str, needed))} there: another network?") from None
             used.update(names)
             depth = max(depth, mine.shape[0] if where[0] == "stages" else 0)
             resampled += [note] if note else []
             if theirs.shape != mine.shape:
-                needed = arch.write(into.name, where, mine, arch.NAMES[0])[names[0]]
+                needed = next(iter(arch.write(into.name, where, mine, arch.NAMES[0]).values()))  # the one tensor
                 if arch.is_head(where):
                     replaced.append(f"{names[0]} ({_shape(source[names[0]])} -> {_shape(needed)})")
                     continue
@@ -124,7 +130,8 @@ def load(path: str | Path, into, *, num_classes: int | None = None, input_shape:
             _set(tree, where, theirs.astype(mine.dtype))
     unused = set(source) - used
     arch.check_unused(into.name, unused, depth)
-    return Loaded(params, state, tuple(sorted(unused)), tuple(replaced), tuple(resampled))
+    return Loaded(params, Frozen(state) if frozen else state, tuple(sorted(unused)), tuple(replaced),
+                  tuple(resampled))
 
 
 def export(model: str, params: dict, model_state: dict, names: str | None = None) -> dict[str, np.ndarray]:

@@ -42,9 +42,10 @@ def classes(source) -> int | None:
     return int(source["fc.weight"].shape[0]) if "fc.weight" in source else None
 
 
-def read(model: str, path: tuple, source, like: tuple) -> tuple[np.ndarray, list[str], str]:
-    """``model``'s leaf ``path`` from ``source``: (value, [its name], ""). A missing name: KeyError(name)."""
-    n = name(model, path)
+def read(model, path: tuple, source, like: tuple) -> tuple[np.ndarray, list[str], str]:
+    """The registry Model ``model``'s leaf ``path`` from ``source``: (value, [its name], ""). A missing name:
+    KeyError(name)."""
+    n = name(model.name, path)
     if n not in source:
         raise KeyError(n)
     return to_ours(path, np.asarray(source[n])), [n], ""

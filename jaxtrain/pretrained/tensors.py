@@ -27,6 +27,10 @@ SUFFIXES = (".safetensors", *TORCH_SUFFIXES)
 _NESTED = ("state_dict", "model", "model_state_dict")
 
 
+class Mismatch(Exception):
+    """A source tensor of another shape than the model's: ``Mismatch(name, the shape needed there)``."""
+
+
 def _need(package: str, why: str):
     import importlib
 

@@ -26,6 +26,7 @@ import re
 import numpy as np
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.pretrained import tensors
 
 MODELS = ("vit_tiny", "vit_small", "vit_base")
 _TIMM = {"ln1": "norm1.weight", "ln1_b": "norm1.bias", "qkv": "attn.qkv.weight", "qkv_b": "attn.qkv.bias",
@@ -110,10 +111,10 @@ def _one(path: tuple, value: np.ndarray) -> np.ndarray:
     return value.T if value.ndim == 2 else value
 
 
-def read(model: str, path: tuple, source, like: tuple) -> tuple[np.ndarray, list[str], str]:
-    """``model``'s leaf ``path`` (shaped ``like``) from ``source``: (value, the names used, a note of what was
-    resampled or ""). A missing name: KeyError(name); a block's tensor of another shape: ValueError(name, the
-    shape needed there)."""
+def read(model, path: tuple, source, like: tuple) -> tuple[np.ndarray, list[str], str]:
+    """The registry Model ``model``'s leaf ``path`` (shaped ``like``) from ``source``: (value, the names used, a
+    note of what was resampled or ""). A missing name: KeyError(name); a block's tensor of another shape:
+    ``tensors.Mismatch``."""
     names_, prefix = scheme(source)
     depth = like[0] if path[0] == "stages" else 1
     used = names(path, names_, prefix, depth)
@@ -125,28 +126,35 @@ def read(model: str, path: tuple, source, like: tuple) -> tuple[np.ndarray, list
         want = (*like[1:-1], like[-1] * depth // len(parts))
         for n, part in zip(used, parts):
             if part.shape != want:
-                raise ValueError(n, want[::-1])  # in the source's layout (a matrix transposed)
+                raise tensors.Mismatch(n, want[::-1])  # in the source's layout (a matrix transposed)
     if path[0] != "stages":
         value = parts[0]
     elif len(parts) > depth:  # HF's q, k and v of each block side by side
         value = np.stack([np.concatenate(parts[3 * i:3 * i + 3], axis=-1) for i in range(depth)])
     else:
         value = np.stack(parts)
-    if path == ("embed", "pos") and value.shape != like:
-        return _resampled(value, like, used[0])
+    if path == ("embed", "pos"):
+        h, w, _ = model.input_shape
+        patch = config(model.name).patch
+        return _resampled(value, (h // patch, w // patch), used[0])
     return value, used, ""
 
 
-def _resampled(value: np.ndarray, like: tuple, name: str) -> tuple[np.ndarray, list[str], str]:
-    old, new = value.shape[0] - 1, like[0] - 1
-    side, new_side = math.isqrt(old), math.isqrt(new)
-    if side * side != old or new_side * new_side != new or value.shape[1] != like[1]:
-        return value, [name], ""  # the caller's shape check names it
-    grid = value[1:].reshape(side, side, -1).astype(np.float32)
-    m = resample_matrix(side, new_side)
-    grid = np.einsum("ij,jkc->ikc", m, np.einsum("ij,kjc->kic", m, grid))
-    out = np.concatenate([value[:1], grid.reshape(new, -1).astype(value.dtype)])
-    return out, [name], f"resampled {name} ({side}x{side} -> {new_side}x{new_side} patches)"
+def _resampled(value: np.ndarray, grid: tuple[int, int], name: str) -> tuple[np.ndarray, list[str], str]:
+    """The position embedding (class token's first) for the model's ``grid`` of patches (rows, columns): the
+    file's square grid resampled when it is another one, as timm's ``resample_abs_pos_embed`` does."""
+    old = value.shape[0] - 1
+    side = math.isqrt(old)
+    if side * side != old:
+        raise ConfigError(f"{name} holds {old} patch positions, not a square grid: a ViT of another kind?")
+    if (side, side) == grid:
+        return value, [name], ""
+    rows, cols = grid
+    embedded = value[1:].reshape(side, side, -1).astype(np.float64)
+    embedded = np.einsum("ij,jkc->ikc", resample_matrix(side, rows), embedded)
+    embedded = np.einsum("ij,kjc->kic", resample_matrix(side, cols), embedded)
+    out = np.concatenate([value[:1], embedded.reshape(rows * cols, -1).astype(value.dtype)])
+    return out, [name], f"resampled {name} ({side}x{side} -> {rows}x{cols} patches)"
 
 
 def resample_matrix(size: int, new_size: int) -> np.ndarray:
