@@ -14,24 +14,12 @@ import jaxtrain as jt
 from jaxtrain import models, pretrained
 from jaxtrain.errors import ConfigError
 from jaxtrain.pretrained import tensors
-from torch_side import reference, relative
+from torch_side import made_fixture, reference, relative
 
 SIZE = 64  # small images: the networks are the ImageNet ones, their maps shrink to 2x2 at the end
 
 
-@pytest.fixture(scope="module")
-def made(torch_python, tmp_path_factory):
-    """source arch -> the directory of its random model's files (built once per module)."""
-    cache = {}
-
-    def make(arch: str, classes: int):
-        if (arch, classes) not in cache:
-            out = tmp_path_factory.mktemp(arch)
-            reference(torch_python, "make", arch, classes, SIZE, out)
-            cache[arch, classes] = out
-        return cache[arch, classes]
-
-    return make
+made = made_fixture(SIZE)
 
 
 def model(name: str, classes: int):
@@ -84,12 +72,14 @@ def test_another_class_count_gets_the_models_own_classifier_saying_so(made):
     assert by_name.params["dense"]["kernel"].shape == (2048, 7) and by_name.replaced == ()
 
 
-def test_exported_weights_load_into_torchvision_with_the_same_logits(made, torch_python, tmp_path):
-    out = made("resnet18", 7)
-    net = model("resnet18_imagenet", 7)
+@pytest.mark.parametrize("arch, name", [("resnet18", "resnet18_imagenet"),
+                                        pytest.param("resnet50", "resnet50", marks=pytest.mark.slow)])
+def test_exported_weights_load_into_torchvision_with_the_same_logits(made, torch_python, tmp_path, arch, name):
+    out = made(arch, 7)
+    net = model(name, 7)
     variables = pretrained.load(out / "weights.pth", into=net, seed=0).variables
-    path = tensors.write(pretrained.export("resnet18_imagenet", *variables), tmp_path / "back.safetensors")
-    reference(torch_python, "check", "resnet18", 7, SIZE, out, path)  # load_state_dict(strict=True)
+    path = tensors.write(pretrained.export(name, *variables), tmp_path / "back.safetensors")
+    reference(torch_python, "check", arch, 7, SIZE, out, path)  # load_state_dict(strict=True)
     assert relative(np.load(out / "checked.npy"), net.logits(*variables, np.load(out / "x.npy"))) < 1e-4
 
 

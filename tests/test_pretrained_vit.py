@@ -10,25 +10,13 @@ from jaxtrain import models, pretrained
 from jaxtrain.errors import ConfigError
 from jaxtrain.pretrained import tensors
 from jaxtrain.pretrained.vit import resample_matrix
-from torch_side import reference, relative
+from torch_side import made_fixture, reference, relative
 
 SIZE = 64  # 4x4 patches of 16x16: ViT-Tiny's network at a size a CPU runs quickly
 TIMM = "timm_vit_tiny_patch16_224"
 
 
-@pytest.fixture(scope="module")
-def made(torch_python, tmp_path_factory):
-    """source arch -> the directory of its random model's files (built once per module)."""
-    cache = {}
-
-    def make(arch: str, classes: int):
-        if (arch, classes) not in cache:
-            out = tmp_path_factory.mktemp(arch)
-            reference(torch_python, "make", arch, classes, SIZE, out)
-            cache[arch, classes] = out
-        return cache[arch, classes]
-
-    return make
+made = made_fixture(SIZE)
 
 
 def vit(classes: int, size: int | tuple = SIZE, name: str = "vit_tiny"):
@@ -137,6 +125,9 @@ def test_another_vits_tensors_are_refused_not_left_unused(made, tmp_path):
         load({k: v for k, v in whole.items() if k != "blocks.3.attn.qkv.weight"})
     with pytest.raises(ConfigError, match=r"w.safetensors: blocks.0.mlp.fc1.weight is 768x96, vit_tiny needs 768x192"):
         load({**whole, "blocks.0.mlp.fc1.weight": whole["blocks.0.mlp.fc1.weight"][:, :96]})
+    with pytest.raises(ConfigError, match=r"w.safetensors: patch_embed.proj.weight is 192x768: not the ViT tensor "
+                                          r"vit_tiny's embed/patch is made from"):
+        load({**whole, "patch_embed.proj.weight": np.zeros((192, 768), np.float32)})
     hf = tensors.read(made("hf_vit_tiny", 7) / "weights.safetensors")
     fewer = load(hf, into=vit(3))  # transformers' classifier for 7 classes, 3 here: the model's own
     assert fewer.replaced == ("classifier.bias (7 -> 3)", "classifier.weight (7x192 -> 3x192)")

@@ -121,7 +121,13 @@ def read(model, path: tuple, source, like: tuple) -> tuple[np.ndarray, list[str]
     for name in used:
         if name not in source:
             raise KeyError(name)
-    parts = [_one(path, np.asarray(source[n])) for n in used]
+    parts = []
+    for n in used:
+        try:
+            parts.append(_one(path, np.asarray(source[n])))
+        except ValueError:  # a tensor of another rank than this leaf's (a transpose or reshape that cannot be)
+            raise ConfigError(f"{n} is {'x'.join(map(str, np.shape(source[n])))}: not the ViT tensor "
+                              f"{model.name}'s {'/'.join(path)} is made from") from None
     if path[0] == "stages":  # one block's tensor of another shape: named (the stack would not say which)
         want = (*like[1:-1], like[-1] * depth // len(parts))
         for n, part in zip(used, parts):
