@@ -27,6 +27,27 @@ def check_dataset(name: str) -> None:
                                                                                              FOLDER_PREFIX)):
         raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}, tfds:NAME for a dataset "
                           "TFDS has prepared, or folder:DIR for a folder of images (one sub-folder per class)")
+
+
+def lr_groups(text: str | None) -> tuple[tuple[str, float], ...]:
+    """'REGEX=LR,...' -> ((regex, lr), ...): items split at ",", each at its last "="; a one-line ConfigError
+    for an item without a positive number after its "="."""
+    from jaxtrain.errors import ConfigError
+
+    groups = []
+    for item in text.split(",") if text else ():
+        pattern, _, value = item.strip().rpartition("=")
+        try:
+            lr = float(value)
+        except ValueError:
+            lr = 0.0
+        if not pattern or not lr > 0:
+            raise ConfigError(f"lr_groups={text!r}: give REGEX=LR items separated by commas, each LR a number > 0 "
+                              f"(e.g. 'dense/=1e-2,blocks/7/=1e-3'); {item.strip()!r} is not one")
+        groups.append((pattern, lr))
+    return tuple(groups)
+
+
 # A loss_fn's metric: the share of its batch's labels outside the classes (jaxtrain.models.classify reports it;
 # the trainer reads it after its first step: jaxtrain.parallel.call_checks).
 LABELS_OUT_OF_RANGE = "labels_out_of_range"

@@ -9,11 +9,12 @@ from __future__ import annotations
 import jax
 
 from jaxtrain import models
+from jaxtrain.choices import lr_groups
 from jaxtrain.core import optim
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import rules
 from jaxtrain.driver import distill
-from jaxtrain.driver.config import RunConfig, lr_groups
+from jaxtrain.driver.config import RunConfig
 from jaxtrain.train.pipeline import STAGE_AXIS, make_pipeline_step
 from jaxtrain.train.trainer import Evaluator, Trainer, make_eval_step, make_train_step
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, CONVS, DATASETS, DEFAULT_DATA_DIRS, FOLDER_PREFIX, KERNELS,
                               LR_SCHEDULES, OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES,
-                              TRACKERS, check_dataset)
+                              TRACKERS, check_dataset, lr_groups)
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
@@ -284,19 +284,3 @@ def flag(name: str) -> str:
     """The command-line flag of a RunConfig field: ``batch_size`` -> ``--batch-size``."""
     return "--" + name.replace("_", "-")
 
-
-def lr_groups(text: str | None) -> tuple[tuple[str, float], ...]:
-    """'REGEX=LR,...' -> ((regex, lr), ...): items split at ",", each at its last "="; a one-line ConfigError
-    for an item without a positive number after its "="."""
-    groups = []
-    for item in text.split(",") if text else ():
-        pattern, _, value = item.strip().rpartition("=")
-        try:
-            lr = float(value)
-        except ValueError:
-            lr = 0.0
-        if not pattern or not lr > 0:
-            raise ConfigError(f"lr_groups={text!r}: give REGEX=LR items separated by commas, each LR a number > 0 "
-                              f"(e.g. 'dense/=1e-2,blocks/7/=1e-3'); {item.strip()!r} is not one")
-        groups.append((pattern, lr))
-    return tuple(groups)

@@ -13,7 +13,7 @@ import jax
 
 from jaxtrain import models, pretrained
 from jaxtrain.core import optim, remat
-from jaxtrain.choices import FOLDER_PREFIX
+from jaxtrain.choices import FOLDER_PREFIX, lr_groups
 from jaxtrain.data import classes, folder, sources
 from jaxtrain.errors import ConfigError
 from jaxtrain.io.dirlock import DirLock
@@ -21,7 +21,7 @@ from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.parallel import hosts
 from jaxtrain.parallel import preflight
 from jaxtrain.driver import assemble, distill
-from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, OPTIONAL_SETTINGS, RunConfig, lr_groups
+from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, OPTIONAL_SETTINGS, RunConfig
 from jaxtrain.train.checkpoint import Checkpointer
 from jaxtrain.train.trainer import Evaluator, Trainer
 
