@@ -48,9 +48,9 @@ class Loaded:
 
     def summary(self, source: str) -> str:
         """One line: what was loaded, resampled, replaced and left unused."""
-        counts = Counter(n.rsplit(".", 1)[-1] for n in self.unused)  # a repeated kind (BatchNorm's counters) once
-        unused = ", ".join(sorted({f"{n.rsplit('.', 1)[-1]} x{counts[n.rsplit('.', 1)[-1]]}"
-                                   if counts[n.rsplit(".", 1)[-1]] > 1 else n for n in self.unused}))
+        kinds = {n: n.rsplit(".", 1)[-1] for n in self.unused}
+        counts = Counter(kinds.values())  # a repeated kind (BatchNorm's counters) once, a lone tensor in full
+        unused = ", ".join(sorted({f"{k} x{counts[k]}" if counts[k] > 1 else n for n, k in kinds.items()}))
         return (f"{source}: loaded" + "".join(f"; {r}" for r in self.resampled)
                 + (f"; replaced {', '.join(self.replaced)}" if self.replaced else "")
                 + (f"; unused: {unused}" if unused else ""))
@@ -80,7 +80,13 @@ def _set(tree: dict, path: tuple, value) -> None:
 
 
 def _shape(a) -> str:
-    return "x".join(map(str, a.shape))
+    """A tensor's (or a shape's) dimensions as 3x4x5."""
+    return "x".join(map(str, getattr(a, "shape", a)))
+
+
+def _mismatch(path, source, model: str, name: str, needed: tuple) -> ConfigError:
+    return ConfigError(f"{path}: {name} is {_shape(source[name])}, {model} needs {_shape(needed)} there: another "
+                       "network?")
 
 
 def load(path: str | Path, into, *, num_classes: int | None = None, input_shape: tuple | None = None,
@@ -100,15 +106,13 @@ def load(path: str | Path, into, *, num_classes: int | None = None, input_shape:
     params, state = jax.tree.map(np.asarray, into.init(jax.random.key(seed)))
     frozen = is_frozen(state)  # a linear probe carries its model state Frozen: the file fills the tree inside
     state = state.tree if frozen else state
-    used, replaced, resampled, depth = set(), [], [], 0
+    used, replaced, resampled = set(), [], []
     for tree in (params, state):
         for where, mine in list(_leaves(tree)):
             try:
                 theirs, names, note = arch.read(into, where, source, mine.shape)
             except tensors.Mismatch as e:
-                name, needed = e.args
-                raise ConfigError(f"{path}: {name} is {_shape(source[name])}, {into.name} needs "
-                                  f"{'x'.join(map(str, needed))} there: another network?") from None
+                raise _mismatch(path, source, into.name, *e.args) from None
             except ConfigError as e:
                 raise ConfigError(f"{path}: {e}") from None
             except KeyError as e:
@@ -118,18 +122,16 @@ def load(path: str | Path, into, *, num_classes: int | None = None, input_shape:
                 raise ConfigError(f"{path}: no tensor {e.args[0]} (for {into.name}'s {'/'.join(map(str, where))}): "
                                   f"is it a {' or '.join(arch.NAMES)} {into.name.split('_')[0]} file?") from None
             used.update(names)
-            depth = max(depth, mine.shape[0] if where[0] == "stages" else 0)
             resampled += [note] if note else []
             if theirs.shape != mine.shape:
-                needed = next(iter(arch.write(into.name, where, mine, arch.NAMES[0]).values()))  # the one tensor
-                if arch.is_head(where):
-                    replaced.append(f"{names[0]} ({_shape(source[names[0]])} -> {_shape(needed)})")
-                    continue
-                raise ConfigError(f"{path}: {names[0]} is {_shape(source[names[0]])}, {into.name} needs "
-                                  f"{_shape(needed)} there: another network?")
+                needed = next(iter(arch.write(into.name, where, mine, arch.NAMES[0]).values())).shape  # its one
+                if not arch.is_head(where):
+                    raise _mismatch(path, source, into.name, names[0], needed)
+                replaced.append(f"{names[0]} ({_shape(source[names[0]])} -> {_shape(needed)})")
+                continue
             _set(tree, where, theirs.astype(mine.dtype))
     unused = set(source) - used
-    arch.check_unused(into.name, unused, depth)
+    arch.check_unused(into.name, unused)
     return Loaded(params, Frozen(state) if frozen else state, tuple(sorted(unused)), tuple(replaced),
                   tuple(resampled))
 

@@ -55,7 +55,7 @@ def write(model: str, path: tuple, value: np.ndarray, names_: str) -> dict[str, 
     return {name(model, path): to_source(path, value)}
 
 
-def check_unused(model: str, unused: set[str], depth: int) -> None:
+def check_unused(model: str, unused: set[str]) -> None:
     """Nothing refused: a ResNet file's other tensors (its BatchNorms' counters) are named as unused."""
 
 

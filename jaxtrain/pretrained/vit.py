@@ -213,8 +213,9 @@ def extras(names_: list[str]) -> dict[str, np.ndarray]:
     return {}
 
 
-def check_unused(model: str, unused: set[str], depth: int) -> None:
+def check_unused(model: str, unused: set[str]) -> None:
     """A tensor this ViT does not compute with is another variant's: refused (its output would differ)."""
+    depth = config(model).depth
     strange = sorted(n for n in unused if not UNUSED_OK.match(n))
     blocks = {int(m[2]) for n in strange if (m := re.match(r"(.*blocks|.*encoder\.layer|.*layers)\.(\d+)\.", n))}
     if blocks and max(blocks) >= depth:
