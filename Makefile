@@ -18,7 +18,7 @@ help:
 	@echo "make test-gpu-compile  the gpu_compile tests: steps compiled for 8 H100s on this host (a cached ~5.6 GB venv)"
 	@echo "make gpu-bundle  fetch the wheels a GPU machine without a registry lacks (.gpu-bundle, ~16 MiB)"
 	@echo "make gpu-rehearse  gpu-check rehearsed here: the GPU image's versions, the bundle alone, the CPU backend"
-	@echo "make gpu-check   on a GPU machine: every GPU figure measured, beside the estimate (gpu-check/report.md)"
+	@echo "make gpu-check   on a GPU machine: every GPU figure measured, beside the estimate (kept as docs/gpu-runs/DATE-GPU.json, .md)"
 	@echo "make docs   set up, then build the documentation site into docs/_build/html (warnings are errors)"
 	@echo "make data   install the Debian package dataset-fashion-mnist if it is missing"
 	@echo "make onednn install g++ (it compiles oneDNN's convolutions for CPUs) if it is missing"
@@ -134,4 +134,4 @@ gpu-rehearse:
 gpu-check:
 	@test -d .gpu-bundle || { echo "gpu-check: no .gpu-bundle here: run make gpu-bundle on a host with a package registry and bring it along"; exit 2; }
 	$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target .gpu-site .gpu-bundle/*.whl
-	PYTHONPATH=$(CURDIR)/.gpu-site:$(CURDIR) $(GPU_PYTHON) -m experiments.gpu_check $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(CURDIR)/.gpu-site:$(CURDIR) $(GPU_PYTHON) -m experiments.gpu_check --keep docs/gpu-runs $(GPU_CHECK_ARGS)

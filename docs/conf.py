@@ -15,7 +15,7 @@ copyright = "2026, the jaxtrain authors"
 
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"]
 source_suffix = {".md": "markdown"}
-exclude_patterns = ["_build", "README.md"]
+exclude_patterns = ["_build", "README.md", "gpu-runs"]  # gpu-runs: the GPU runs' reports, data
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
 

@@ -16,8 +16,10 @@ goes on where the last one stopped (``--again`` measures them anew):
   full), measured;
 - ``kernels``: the Pallas kernels against XLA's jnp versions (``experiments.bench_kernels``).
 
-Writes ``OUT/report.json`` and ``OUT/report.md`` (default OUT: ``gpu-check/``) and prints where. On a machine
-without a GPU it says so in one line and exits 2, unless ``--dry-run``.
+Writes ``OUT/report.json`` and ``OUT/report.md`` (default OUT: ``gpu-check/``) and prints where; ``--keep DIR``
+(``make gpu-check``: docs/gpu-runs) also writes them as ``DIR/DATE-GPU.json`` and ``.md``, the run's record to
+commit, which the docs and ``experiments.gpu_validate`` read. On a machine without a GPU it says so in one line
+and exits 2, unless ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--part", action="append", choices=PARTS, help="only these parts (repeatable; default: all)")
     p.add_argument("--out", default="gpu-check", help="the report's folder (parts are cached in OUT/parts)")
+    p.add_argument("--keep", metavar="DIR", help="also write the report as DIR/DATE-GPU.json and .md, to commit "
+                                                  "(make gpu-check: docs/gpu-runs)")
     p.add_argument("--again", action="store_true", help="measure the parts asked for anew, cached or not")
     p.add_argument("--dry-run", action="store_true",
                    help="rehearse every part on the CPU backend with tiny shapes (estimates as for an H100)")
@@ -102,7 +106,8 @@ def part_env(args) -> dict:
     names = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "flax", "optax", "chex", "orbax-checkpoint",
              "numpy", "grain", "tensorflow-datasets", "qwix", "optuna", "torch")
     backend, kinds = devices_seen()
-    return {"python": platform.python_version(), "cores": os.cpu_count(), "backend": backend,
+    return {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "cores": os.cpu_count(),
+            "backend": backend,
             "devices": kinds, "packages": {n: version(n) for n in names},
             "nvidia_smi": (smi.stdout.strip() if smi and smi.returncode == 0 else None)}
 
@@ -220,6 +225,8 @@ def main(argv=None) -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         predict(args.predict, Path(args.out), say)
         return 0
+    if args.dry_run and args.keep:
+        raise ConfigError("--keep with --dry-run: a rehearsal's figures are no GPU's; keep only a GPU's report")
     if args.dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
     elif devices_seen()[0] != "gpu":
@@ -244,6 +251,14 @@ def main(argv=None) -> int:
     parts = {p.stem: json.loads(p.read_text()) for p in sorted((out / "parts").glob("*.json"))}
     atomic_write(out / "report.json", json.dumps(parts, indent=1, default=str))
     atomic_write(out / "report.md", report.markdown(parts))
+    if args.keep:  # the run's record, named by date and GPU: docs/gpu-runs/2026-11-27-h100.json
+        parts = {"run": report.run_header(parts), **parts}
+        name = f"{parts['run']['date']}-{parts['run']['gpu']}"
+        for kept in (Path(args.keep) / f"{name}.json", Path(args.keep) / f"{name}.md"):
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(kept, json.dumps(parts, indent=1, default=str) if kept.suffix == ".json"
+                         else report.markdown(parts))
+        say(f"kept: {Path(args.keep) / name}.json and .md (commit them)")
     print(f"report: {out / 'report.md'} and {out / 'report.json'}"
           + (f"; not started (budget {args.budget} s spent): {', '.join(left)}: run the same command again" if left
              else ""))

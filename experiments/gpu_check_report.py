@@ -1,23 +1,49 @@
-"""``experiments.gpu_check``'s Markdown report: one section per part, every figure beside its estimate."""
+"""``experiments.gpu_check``'s Markdown report: one section per part, every figure beside its estimate; and the
+GPU runs kept in docs/gpu-runs/ (one report.json per run, named DATE-GPU.json), which the docs and
+``experiments.gpu_validate`` read their measured figures from."""
 
 from __future__ import annotations
 
+import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+RUNS = Path(__file__).resolve().parent.parent / "docs" / "gpu-runs"
+TRANSCRIBED = "transcribed from the run's log; report not kept"  # how a run whose report.json was lost is marked
+
+
+def kept_runs(folder: Path = RUNS) -> dict[str, dict]:
+    """Every GPU run kept in ``folder``, by name (DATE-GPU), oldest first."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))}
+
+
+def run_header(parts: dict) -> dict:
+    """A kept report's ``run``: the day its env part was measured and the GPU kind it found (the file's name is
+    DATE-GPU: ``2026-11-27-h100``)."""
+    from jaxtrain.errors import ConfigError
+    from jaxtrain.gpu.targets import for_device
+
+    env = parts.get("env") or {}
+    kind = for_device(env["devices"][0]) if env.get("devices") and env.get("date") else None
+    if kind is None:
+        raise ConfigError("--keep: the report has no env part of a known GPU kind: run the check with --part env")
+    return {"date": env["date"], "gpu": kind.key, "source": "experiments.gpu_check's report.json, as written"}
+
 
 def junit_counts(path: Path) -> dict:
-    """passed / failed / skipped / errors of a pytest ``--junitxml`` file (zeros where pytest wrote none)."""
+    """passed / failed / skipped / errors of a pytest ``--junitxml`` file (zeros where pytest wrote none), and the
+    figures the tests recorded (``record_property``: a benchmark's figure is reported, not asserted)."""
     if not Path(path).exists():
-        return {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failures": []}
+        return {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failures": [], "figures": {}}
     root = ET.parse(path).getroot()
     cases = list(root.iter("testcase"))
+    figures = {f"{c.get('name')}: {p.get('name')}": p.get("value") for c in cases for p in c.iter("property")}
     failed = [c for c in cases if c.find("failure") is not None]
     errors = [c for c in cases if c.find("error") is not None]
     skipped = [c for c in cases if c.find("skipped") is not None]
     return {"passed": len(cases) - len(failed) - len(errors) - len(skipped), "failed": len(failed),
             "skipped": len(skipped), "errors": len(errors),
-            "failures": [f"{c.get('name')}: {_message(c)}" for c in failed + errors]}
+            "failures": [f"{c.get('name')}: {_message(c)}" for c in failed + errors], "figures": figures}
 
 
 def _message(case) -> str:
@@ -75,7 +101,8 @@ def markdown(parts: dict) -> str:
     if tests:
         out += ["## pytest -m gpu", "", f"`{tests['command']}`: {tests['passed']} passed, {tests['failed']} failed, "
                 f"{tests['errors']} errors, {tests['skipped']} skipped (exit {tests['returncode']}, "
-                f"{tests['seconds']:.0f} s)", ""] + [f"- {f}" for f in tests["failures"]] + [""]
+                f"{tests['seconds']:.0f} s)", ""] + [f"- {f}" for f in tests["failures"]]
+        out += [f"- figure, {k}: {v}" for k, v in tests.get("figures", {}).items()] + [""]
     for name, title in (("steps", "Train steps"), ("remat", "Remat policies (bf16)")):
         if name in parts:
             out += [f"## {title}", "", "Step time: median of the timed blocks, on one generated batch already on "

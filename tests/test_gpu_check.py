@@ -7,6 +7,7 @@ import pytest
 from conftest import run_cli
 
 from experiments import gpu_check_report as report
+from jaxtrain.errors import ConfigError
 from jaxtrain.gpu.targets import for_device
 
 
@@ -24,15 +25,29 @@ def test_a_part_is_cached_until_asked_again_and_the_report_is_rewritten(tmp_path
     first = run()
     assert first.returncode == 0, first.stderr[-2000:]
     assert f"report: {tmp_path / 'report.md'}" in first.stdout
-    env = json.loads((tmp_path / "parts" / "env.json").read_text())
+    cached = tmp_path / "parts" / "env.json"
+    env = json.loads(cached.read_text())
     assert env["dry_run"] is True and env["backend"] == "cpu" and env["packages"]["jax"]
     assert "**DRY RUN**" in (tmp_path / "report.md").read_text()
+    # A mark in the cached part (no clock): kept, and the report rewritten from it, until --again measures anew.
+    cached.write_text(json.dumps({**env, "planted": True}))
     again = run()
     assert again.returncode == 0 and "env: cached in" in again.stderr
-    assert json.loads((tmp_path / "parts" / "env.json").read_text()) == env  # not measured anew
+    assert json.loads((tmp_path / "report.json").read_text())["env"]["planted"] is True
     anew = run("--again")
     assert anew.returncode == 0 and "cached" not in anew.stderr
-    assert json.loads((tmp_path / "parts" / "env.json").read_text())["part_seconds"] != env["part_seconds"]
+    assert "planted" not in json.loads(cached.read_text())
+    assert "planted" not in json.loads((tmp_path / "report.json").read_text())["env"]
+
+
+def test_a_kept_report_is_named_by_its_day_and_gpu_and_a_rehearsal_is_never_kept(tmp_path):
+    env = {"date": "2026-11-27", "devices": ["NVIDIA H100 80GB HBM3"]}
+    assert report.run_header({"env": env})["gpu"] == "h100" and report.run_header({"env": env})["date"] == env["date"]
+    with pytest.raises(ConfigError, match="--part env"):
+        report.run_header({"env": {**env, "devices": ["cpu"]}})
+    out = run_cli("-m", "experiments.gpu_check", "--dry-run", "--keep", str(tmp_path / "kept"), "--out",
+                  str(tmp_path / "g"))
+    assert out.returncode == 2 and "no GPU's" in out.stderr and not (tmp_path / "kept").exists(), out.stderr
 
 
 def test_the_device_kind_names_its_target():
@@ -42,17 +57,19 @@ def test_the_device_kind_names_its_target():
 
 def test_junit_counts_and_a_failed_row_reach_the_report(tmp_path):
     xml = tmp_path / "t.xml"
-    xml.write_text('<testsuites><testsuite><testcase name="a"/><testcase name="b"><failure message="boom"/>'
+    xml.write_text('<testsuites><testsuite><testcase name="a"><properties><property name="ratio" value="1.02"/>'
+                   '</properties></testcase><testcase name="b"><failure message="boom"/>'
                    '</testcase><testcase name="c"><skipped/></testcase></testsuite></testsuites>')
     counts = report.junit_counts(xml)
     assert (counts["passed"], counts["failed"], counts["skipped"]) == (1, 1, 1) and counts["failures"] == ["b: boom"]
+    assert counts["figures"] == {"a: ratio": "1.02"}  # a bench figure a test recorded, reported (test_gpu.py)
     assert report.junit_counts(tmp_path / "none.xml")["passed"] == 0
     row = {"model": "resnet50", "precision": "bf16", "remat": "none", "batch": 256, "ms": 40.0,
            "examples_per_second": 6400.0, "estimate_ms": 42.0, "time_ratio": 40 / 42, "mfu": 0.157, "hfu": 0.152,
            "peak_bytes": 2**30, "memory_analysis": {"total": 2**30}, "memory_ratio": 1.0, "compile_s": 14.0}
     text = report.markdown({"tests": {"command": "pytest", "returncode": 1, "seconds": 3.0, **counts},
                             "steps": {"rows": [row, {"model": "vit", "precision": "bf16", "error": "OOM | x"}]}})
-    assert "1 passed, 1 failed" in text and "- b: boom" in text
+    assert "1 passed, 1 failed" in text and "- b: boom" in text and "- figure, a: ratio: 1.02" in text
     assert "| resnet50 | bf16 | none | 256 | 40.00 | 6,400 | 42.00 | 0.95 | 15.7% | 15.2% | 1,024 MiB |" in text
     assert "FAILED: OOM / x" in text  # a failed row is a finding in the report, its table intact
 
