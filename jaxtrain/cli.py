@@ -71,9 +71,9 @@ def one_line_errors(prog: str, flags: dict[str, str] | None = None):
 
     def wrap(main):
         @functools.wraps(main)
-        def run(argv=None) -> int:
+        def run(argv=None, **kwargs) -> int:
             try:
-                return main(argv)
+                return main(argv, **kwargs)
             except ConfigError as e:
                 print(f"{prog}: error: {as_flags(str(e), flags)}", file=sys.stderr)
                 return e.EXIT_CODE

@@ -5,19 +5,23 @@ HTML comment: the site and GitHub do not show it), and every copy of it, on any 
 checker below rebuilds the rows with the benchmark's own code from what needs no GPU: ``gpu_validate``: the
 published figures, the ratios, which row is fitted, the format, and the ratios the prose quotes about the rows;
 ``bench_gpu_plans``: each row as its ``row()`` prints it (step time against examples/s, the largest batch per GPU);
-``gpu_offload``: its no-remat rows are the plans table's. A marker naming a command with no checker fails: a
-marker is a promise that the table is checked. (The estimates themselves need the CUDA plugin and minutes of
-compiling; they are the commands' to regenerate.) Measured timings depend on the machine: those tables name
-their command beside them (the docs' standard), which a reader re-runs. The pages' text: tests/test_docs_text.py.
+``gpu_offload``: its no-remat rows are the plans table's; a kept GPU run (``<!-- checked:
+docs/gpu-runs/DATE-GPU.json -->``): every figure of every row is the run's report's, at the precision shown (the
+measured figures come from those files; tests/test_gpu_runs.py: the prose's). A marker naming a command with no
+checker fails: a marker is a promise that the table is checked. (The estimates themselves need the CUDA plugin
+and minutes of compiling; they are the commands' to regenerate.) Measured timings depend on the machine: those
+tables name their command beside them (the docs' standard), which a reader re-runs. The pages' text:
+tests/test_docs_text.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
-from docs_pages import Table, checked_tables, text
+from docs_pages import ROOT, Table, checked_tables, text
 
 # ------------------------------------------------------------------------------ experiments.gpu_validate
 
@@ -135,15 +139,63 @@ def check_gpu_offload(table: Table):
             f"{table.where()}: {model} without remat differs from bench_gpu_plans' 1-GPU row {plan}")
 
 
+# ------------------------------------------------------------------------------ docs/gpu-runs/DATE-GPU.json
+
+MODELS = {"LeNet": "lenet", "ResNet-18": "resnet18", "ResNet-50": "resnet50", "ViT": "vit"}
+
+
+def shows(cell: str, value: float) -> bool:
+    """The cell (``6,340``, ``15.7%``, ``0.04%``) shows ``value`` at the cell's own precision."""
+    number = cell.replace(",", "")
+    scale = 100 if number.endswith("%") else 1
+    number = number.rstrip("%")
+    return round(value * scale, len(number.partition(".")[2])) == float(number)
+
+
+def mib(row: dict, name: str) -> float:
+    """A kept row's memory in MiB: as a log printed it (``peak_mib``), or from gpu_check's bytes."""
+    return row[f"{name}_mib"] if f"{name}_mib" in row else (
+        row["peak_bytes"] if name == "peak" else row["memory_analysis"]["total"]) / 2**20
+
+
+def check_gpu_run(table: Table):
+    """One row per step the run measured, each figure the report's: ms, ESTIMATE, their ratio, examples/s, MFU,
+    HFU, the peak and memory_analysis."""
+    report = json.loads((ROOT / table.command).read_text())
+    rows = report["steps"]["rows"]
+    assert len(table.rows) == len(rows), f"{table.where()}: {len(table.rows)} rows, {table.command} has {len(rows)}"
+    for cells in table.rows:
+        model, precision, batch, ms, estimate, ratio, rate, mfu, hfu, memory = cells
+        name, side = model.split()
+        key = (MODELS[name], precision, int(batch), int(side.split("x")[0]))
+        r = next((r for r in rows if (r["model"], r["precision"], r["batch"], r["input_shape"][0]) == key), None)
+        assert r is not None, f"{table.where()}: no row {key} in {table.command}"
+        peak, analysis = memory.removesuffix(" MiB").split(" / ")
+        figures = {"ms": (ms, r["ms"]), "estimate_ms": (estimate, r["estimate_ms"]),
+                   "time_ratio": (ratio, r["time_ratio"]),
+                   "examples_per_second": (rate, r["examples_per_second"]), "mfu": (mfu, r["mfu"]),
+                   "hfu": (hfu, r["hfu"]), "peak": (peak, mib(r, "peak")),
+                   "memory_analysis": (analysis, mib(r, "memory_analysis"))}
+        wrong = {k: v for k, v in figures.items() if not shows(*v)}
+        assert not wrong, f"{table.where()}: {model} {precision} {batch}: not {table.command}'s figures: {wrong}"
+
+
 CHECKERS = {"experiments.gpu_validate": check_gpu_validate, "experiments.bench_gpu_plans": check_bench_gpu_plans,
             "experiments.gpu_offload": check_gpu_offload}
+
+
+def checker(command: str):
+    """The check of a table under ``<!-- checked: COMMAND -->``: a benchmark's, or a kept GPU run's."""
+    if command.startswith("docs/gpu-runs/") and (ROOT / command).is_file():
+        return check_gpu_run
+    return CHECKERS.get(command)
 
 
 def test_every_checked_table_has_a_checker_and_each_command_one_table():
     tables = checked_tables()
     assert tables, "no <!-- checked: ... --> table found: the docs check checks nothing"
     for t in tables:
-        assert t.command in CHECKERS, f"{t.where()}: no checker for {t.command!r} in tests/test_docs.py"
+        assert checker(t.command), f"{t.where()}: no checker for {t.command!r} in tests/test_docs.py"
     for command in {t.command for t in tables}:
         copies = [t for t in tables if t.command == command]
         assert all(t.lines == copies[0].lines for t in copies), (
@@ -152,7 +204,7 @@ def test_every_checked_table_has_a_checker_and_each_command_one_table():
 
 @pytest.mark.parametrize("table", checked_tables(), ids=lambda t: t.where())
 def test_a_checked_table_is_what_its_benchmark_gives(table):
-    CHECKERS[table.command](table)
+    checker(table.command)(table)
 
 
 def test_a_misquoted_ratio_or_a_wrong_row_fails_the_check(tmp_path):
@@ -172,14 +224,17 @@ def test_a_misquoted_ratio_or_a_wrong_row_fails_the_check(tmp_path):
 
 @pytest.mark.parametrize("command, cell, wrong", [("experiments.bench_gpu_plans", 7, "9.99 ms (2,930,343/s)"),
                                                    ("experiments.bench_gpu_plans", 4, "933,544 (1,000)"),
-                                                   ("experiments.gpu_offload", 2, "1.00 MiB")])
+                                                   ("experiments.gpu_offload", 2, "1.00 MiB"),
+                                                   ("docs/gpu-runs/2026-11-27-h100.json", 3, "0.36"),
+                                                   ("docs/gpu-runs/2026-11-26-h200.json", 8, "0.4%"),
+                                                   ("docs/gpu-runs/2026-11-26-h200.json", 9, "38 / 39 MiB")])
 def test_a_plan_figure_changed_in_one_place_fails_the_check(command, cell, wrong):
     table = next(t for t in checked_tables() if t.command == command)
-    CHECKERS[command](table)  # as it stands, it passes
-    i, row = next((i, r) for i, r in enumerate(table.rows) if r[1] in ("1", "none"))  # a 1-GPU row, no remat
+    checker(command)(table)  # as it stands, it passes
+    i, row = next((i, r) for i, r in enumerate(table.rows) if r[1] in ("1", "none", "fp32"))  # 1 GPU, no remat
     row[cell] = wrong
     lines = list(table.lines)
     lines[2 + i] = "| " + " | ".join(row) + " |"
     broken = dataclasses.replace(table, lines=lines)
     with pytest.raises(AssertionError):
-        CHECKERS[command](broken)
+        checker(command)(broken)
