@@ -1,7 +1,7 @@
 """Input pipeline: grain loader order/sharding, prefetch_to_device, data wait, transfer guard."""
 
 import threading
-import time
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -14,6 +14,7 @@ import jaxtrain as jt
 from jaxtrain.data import loader, sources
 from jaxtrain.data.prefetch import prefetch_to_device
 from jaxtrain.models import lenet
+from jaxtrain.train import timing
 from jaxtrain.train.loop import device_batches, evaluate, fit
 
 
@@ -112,32 +113,50 @@ def make_run(n=2):
     return trainer, evaluator, trainer.init(lenet.init_params(jax.random.key(0)))
 
 
-def test_slow_loader_shows_up_as_data_wait_and_workers_build_batches_at_once():
+def test_slow_loader_shows_up_as_data_wait_and_workers_build_batches_at_once(monkeypatch):
     """What a busy machine cannot change: the loop's wait for a slow batch is counted, and worker threads run the
-    transform concurrently. How much they hide is timed by ``python -m experiments.input_pipeline --slow-ms 100``."""
+    transform concurrently. How much they hide is timed by ``python -m experiments.input_pipeline --slow-ms 100``.
+    No sleeps and no real clock: the loop's clock is the test's, and the workers wait on each other."""
     numbered = numbered_split(64 * 16)
     split = sources.Split(numbered.images, numbered.labels % 10)  # labels in the classes: a finite loss
     trainer, evaluator, state = make_run()
     test = loader.Loader(sources.Split(split.images[:64], split.labels[:64]), 64, train=False)
-    running, most = [0], {}
-    lock = threading.Lock()
+
+    # No workers, no prefetch: each batch is built in the loop's own wait, on a clock that building one advances
+    # by 0.1 s. The wait counted is exactly those 16 x 0.1 s; a wait left uncounted (or counted elsewhere) is not.
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    seen = []
 
     def slow(batch):
-        with lock:
-            running[0] += 1
-            most[workers] = max(most.get(workers, 0), running[0])
-        time.sleep(0.1)
-        with lock:
-            running[0] -= 1
+        seen.append(threading.current_thread())
+        now[0] += 0.1
         return batch
 
-    for workers in (0, 8):
-        train = loader.Loader(split, 64, train=True, transform=slow, workers=workers)
-        state, history, _ = fit(trainer, state, train, evaluator, test, epochs=1, progress=False, prefetch=2)
-        if workers == 0:  # the first batch alone takes 0.1 s to build, and the loop waits for it
-            assert history[0].data_wait_sec >= 0.09, history[0]
-        assert history[0].steps == 16 and 0 < history[0].data_wait_fraction <= 1
-    assert most == {0: 1, 8: 8} or (most[0] == 1 and most[8] > 1), most  # one at a time, then in parallel
+    train = loader.Loader(split, 64, train=True, transform=slow, workers=0)
+    state, history, _ = fit(trainer, state, train, evaluator, test, epochs=1, progress=False, prefetch=0)
+    assert history[0].steps == 16 and history[0].data_wait_sec == pytest.approx(16 * 0.1), history[0]
+    assert set(seen) == {threading.current_thread()}  # built one at a time, in the loop's thread
+    monkeypatch.undo()
+
+    # 8 workers: the first batch's build waits until a second one has started, which only a second worker can
+    # start. Built one at a time, the wait ends at its deadline and the test fails on ``overlapped``.
+    second, started, overlapped = threading.Event(), [], []
+
+    def waits_for_another(batch):
+        with lock:
+            started.append(batch)
+            first = len(started) == 1
+        if first:
+            overlapped.append(second.wait(timeout=120))
+        else:
+            second.set()
+        return batch
+
+    lock = threading.Lock()
+    train = loader.Loader(split, 64, train=True, transform=waits_for_another, workers=8)
+    state, history, _ = fit(trainer, state, train, evaluator, test, epochs=1, progress=False, prefetch=2)
+    assert history[0].steps == 16 and overlapped == [True], overlapped
 
 
 @needs_fashion_mnist
