@@ -6,10 +6,13 @@ The CLI runs are marked slow (10-60 s each: they run in `make test`, not in CI's
 import errno
 import json
 import os
+import queue
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -291,17 +294,36 @@ def _files_whole(out_dir, epochs_done, killed=False):
     assert killed or not [p for p in out_dir.iterdir() if ".tmp-" in p.name]
 
 
+def _lines(proc) -> queue.Queue:
+    """The run's stdout lines as they come, then None (a thread reads them, so that a wait has a deadline)."""
+    lines = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _step_lines(lines):
+    """The step numbers of a run's ``step N: loss ...`` lines, as they come (--log-every 1; step N: N+1 steps ran)."""
+    while (line := lines.get(timeout=HANG_SECONDS)) is not None:
+        if re.match(r"step \d+: loss", line):
+            yield int(line.split()[1].rstrip(":"))
+
+
 @pytest.mark.slow
 def test_chaos_killed_five_times_then_resumed_gives_the_uninterrupted_params(tmp_path):
-    """Killed at random moments (start-up, mid-save, mid-step; SIGKILL and SIGTERM), resumed each time:
+    """Killed at each kind of moment (start-up, mid-save, mid-step; SIGKILL and SIGTERM), resumed each time:
     the final params equal the uninterrupted run's bit for bit, and no run file is ever truncated.
-    Each kind of fault once (a run start-up costs ~10 s on a 2-core CPU; repeats added time, not kinds)."""
-    import random
-
-    rng = random.Random(20)
+    Each moment is an event the test waits on, never a sleep: start-up, the run's first line (before its first
+    step); mid-save, a checkpoint's temporary folder; mid-step, a step line after a checkpoint newer than the last
+    run's. The run still has steps left then, so "the run ended before the fault" is a finding, not a race."""
     base = [*LENET, "--train-subset", "2560", "--epochs", "6"]  # 10 steps per epoch, 60 steps
     full = run_cli(*base, "--out", str(tmp_path / "full"))
-    args = [*base, "--checkpoint-every", "5"]
+    args = [*base, "--checkpoint-every", "5", "--log-every", "1"]
     assert full.returncode == 0, full.stderr[-3000:]
     ck, out = tmp_path / "ck", tmp_path / "o"
     faults = ["start-up TERM", "save KILL", "step KILL", "step TERM", "save TERM"]
@@ -310,19 +332,20 @@ def test_chaos_killed_five_times_then_resumed_gives_the_uninterrupted_params(tmp
         moment, sig = fault.split()
         seen = max(_checkpoints(ck), default=0)
         proc = start(*args, "--checkpoint-dir", str(ck), "--out", str(out), "--resume")
-        deadline = time.monotonic() + HANG_SECONDS
-        if moment == "start-up":  # a random moment, by design: whatever it lands in, the checks below hold
-            time.sleep(rng.uniform(1.0, 4.0))
-        while moment != "start-up" and proc.poll() is None:
-            assert time.monotonic() < deadline, f"{fault}: no progress"
-            if moment == "save" and _in_flight(ck) or moment == "step" and max(_checkpoints(ck), default=0) > seen:
-                break
-            time.sleep(0.01)
-        if moment == "step":
-            time.sleep(rng.uniform(0.0, 1.0))
+        lines, deadline = _lines(proc), time.monotonic() + HANG_SECONDS
+        if moment == "start-up":  # the first line: the run is set up, its first step not yet taken
+            assert lines.get(timeout=HANG_SECONDS) is not None, f"{fault}: no first line"
+        elif moment == "save":
+            while not _in_flight(ck):
+                assert proc.poll() is None and time.monotonic() < deadline, f"{fault}: no save in flight"
+                time.sleep(0.01)  # polls the checkpoint folder: the wait is for the save itself
+        else:
+            newer = next((step for step in _step_lines(lines) if step > max(_checkpoints(ck), default=0) > seen), None)
+            assert newer is not None and newer < 59, f"{fault}: no step after a new checkpoint before the end"
         assert proc.poll() is None, f"{fault}: the run ended before the fault"
         proc.send_signal(getattr(signal, f"SIG{sig}"))
-        _, err = proc.communicate(timeout=HANG_SECONDS)
+        proc.wait(timeout=HANG_SECONDS)
+        err = proc.stderr.read()
         assert proc.returncode in (128 + getattr(signal, f"SIG{sig}"), -getattr(signal, f"SIG{sig}")), err[-3000:]
         assert "Traceback" not in err, err[-3000:]
         killed += 1
