@@ -1,4 +1,5 @@
-"""The JPEG region decoder (jaxtrain.data.jpeg): Pillow's pixels, only the crop read, and a clear fallback."""
+"""The JPEG region decoder (jaxtrain.data.jpeg): Pillow's pixels, only the crop read, and a clear fallback. Its tests
+skip where it cannot be built, saying why, and fail under CI=true (make test installs g++ and libjpeg-dev)."""
 
 import io
 import os
@@ -8,11 +9,22 @@ import sys
 import numpy as np
 import pytest
 from PIL import Image
+from conftest import ROOT, unavailable
 
 from jaxtrain.data import images, jpeg
 from jaxtrain.errors import ConfigError
 
-pytestmark = pytest.mark.skipif(jpeg.unusable() is not None, reason=f"the region decoder: {jpeg.unusable()}")
+
+@pytest.fixture
+def region_decoder():
+    """The region decoder is built here; else a skip, or under CI (``make test`` installs g++ and libjpeg-dev) a
+    failure: its tests never vanish silently."""
+    why = jpeg.unusable()
+    if why is not None:
+        unavailable(f"the JPEG region decoder is not usable: {why}")
+
+
+usable = pytest.mark.usefixtures("region_decoder")
 
 
 def photo(w=301, h=203, seed=0) -> np.ndarray:
@@ -41,6 +53,7 @@ def pillows(data: bytes, size: int, box) -> np.ndarray:
         return np.asarray(img.convert("RGB").resize((size, size), Image.BILINEAR, box=scaled))
 
 
+@usable
 @pytest.mark.parametrize("options", [dict(quality=90), dict(quality=90, subsampling=0), dict(quality=75, subsampling=1),
                                      dict(quality=90, progressive=True), dict(quality=95, optimize=True)],
                          ids=["4:2:0", "4:4:4", "4:2:2", "progressive", "optimized"])
@@ -60,6 +73,7 @@ def test_a_crop_decoded_alone_is_pillows_whole_decode_to_a_level(options):
     assert reductions == {1, 2, 4, 8}  # every scale was checked
 
 
+@usable
 def test_images_decode_takes_the_region_decoder_for_a_jpeg_and_pillow_for_the_rest(tmp_path, monkeypatch):
     pixels = photo(120, 90)
     Image.fromarray(pixels).save(tmp_path / "a.jpg", quality=90)
@@ -79,6 +93,7 @@ def test_images_decode_takes_the_region_decoder_for_a_jpeg_and_pillow_for_the_re
     assert (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
 
 
+@usable
 def test_only_the_crop_is_read_and_a_damaged_crop_is_an_error():
     data = encoded(photo(256, 256), quality=90)
     cut = data[: len(data) // 2] + b"\xff\xd9"  # the top half's data, then the end: the bottom rows are lost
@@ -93,6 +108,7 @@ def test_only_the_crop_is_read_and_a_damaged_crop_is_an_error():
         Image.open(io.BytesIO(data[: len(data) // 2])).load()
 
 
+@usable
 def test_a_jpeg_damaged_inside_its_crop_is_a_bad_file_of_the_folder(tmp_path):
     from jaxtrain.data import folder
 
@@ -144,6 +160,7 @@ def test_what_the_region_decoder_leaves_to_pillow():
     assert not jpeg.decodable(3, 4)  # a 4x2 luma block: its crop came out up to 5 levels off Pillow's
 
 
+@usable
 def test_a_decoder_that_does_not_load_in_a_worker_stops_in_one_line_not_silently_pillows(tmp_path):
     import dataclasses
 
@@ -157,3 +174,18 @@ def test_a_decoder_that_does_not_load_in_a_worker_stops_in_one_line_not_silently
     with pytest.raises(ConfigError, match=r"the JPEG region decoder the run built does not load in a decode "
                                           r"worker: .*gone.so does not load"):
         broken.examples(np.arange(1), None, 0, 0)
+
+
+@pytest.mark.slow
+def test_without_the_decoder_its_tests_skip_saying_why_and_under_ci_fail(tmp_path):
+    """No compiler: a test of the decoder skips with the reason; under CI=true it fails (it would have passed)."""
+    test = "tests/test_jpeg.py::test_only_the_crop_is_read_and_a_damaged_crop_is_an_error"
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env.update(CXX="/nonexistent", JAXTRAIN_JPEG_CACHE=str(tmp_path / "cache"))
+    skipped, failed = (subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-rsE",
+                                       test], capture_output=True, text=True, timeout=300, cwd=ROOT, env={**env, **ci})
+                       for ci in ({}, {"CI": "true"}))
+    assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout[-2000:]
+    assert "SKIPPED" in skipped.stdout and "no C++ compiler found (/nonexistent)" in skipped.stdout, skipped.stdout
+    assert failed.returncode == 1 and "1 error" in failed.stdout, failed.stdout[-2000:]
+    assert "Failed: the JPEG region decoder is not usable: no C++ compiler found" in failed.stdout, failed.stdout
