@@ -5,6 +5,8 @@ import io
 import os
 import subprocess
 import sys
+import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
@@ -91,6 +93,51 @@ def test_images_decode_takes_the_region_decoder_for_a_jpeg_and_pillow_for_the_re
         assert np.abs(out.astype(int) - pillow).max() <= 1, name
     grey = images.decode(tmp_path / "grey.jpg", 32, box_of)
     assert (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
+
+
+def declaring(data: bytes, w: int, h: int) -> bytes:
+    """The JPEG ``data`` with its frame header (SOF) declaring ``w`` x ``h`` pixels: a decompression bomb."""
+    at = 2
+    while data[at + 1] not in (0xC0, 0xC1, 0xC2):  # each segment: FF, its marker, its length (2 bytes), ...
+        at += 2 + int.from_bytes(data[at + 2:at + 4], "big")
+    return data[:at + 5] + h.to_bytes(2, "big") + w.to_bytes(2, "big") + data[at + 9:]
+
+
+@usable
+def test_a_jpeg_declaring_a_huge_size_is_refused_as_pillow_refuses_it_before_anything_is_allocated(tmp_path):
+    bomb = declaring(encoded(photo(64, 64), quality=90), 65500, 65500)  # 4.3 gigapixels in a few KB
+    (tmp_path / "bomb.jpg").write_bytes(bomb)
+    assert jpeg.header(bomb)[:2] == (65500, 65500) and len(bomb) < 10_000
+    tracemalloc.start()  # numpy's arrays are traced (the region's buffer would be 200 MB at 1/8 scale)
+    try:
+        for region in (True, False):
+            with pytest.raises(Image.DecompressionBombError, match=r"Image size \(4290250000 pixels\) exceeds limit"):
+                images.decode(tmp_path / "bomb.jpg", 224, images.centre_box, region=region)
+        with pytest.raises(Image.DecompressionBombError):
+            jpeg.decode(bomb, 65500, 65500, 224, images.centre_box(65500, 65500))
+        with pytest.raises(Image.DecompressionBombError):  # libjpeg's own guard: the caller's size is not the file's
+            jpeg.decode(bomb, 64, 64, 32, images.centre_box(64, 64))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak} bytes allocated for a bomb"
+
+
+@usable
+@pytest.mark.parametrize("limit, outcome", [(None, "decoded"), (4096, "decoded"), (3000, "warned"), (2000, "refused")])
+def test_the_region_decoder_warns_and_refuses_where_pillow_does(tmp_path, monkeypatch, limit, outcome):
+    """Pillow's limit (Image.MAX_IMAGE_PIXELS, read at each decode): a warning above it, an error above twice it."""
+    Image.fromarray(photo(64, 64)).save(tmp_path / "a.jpg", quality=90)  # 4096 pixels
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
+    for region in (True, False):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                images.decode(tmp_path / "a.jpg", 32, images.centre_box, region=region)
+                got = "warned" if [w for w in seen if w.category is Image.DecompressionBombWarning] else "decoded"
+            except Image.DecompressionBombError:
+                got = "refused"
+        assert got == outcome, (region, [str(w.message) for w in seen])
 
 
 @usable
