@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import io
 import math
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,11 @@ def _rng(seed: int, epoch: int, index: int) -> np.random.Generator:
 def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch: int) -> tuple[np.ndarray, list]:
     """(uint8 [len(idx), S, S, 3], [what failed]) of ``split``'s files ``idx`` (a ``FolderSplit``): a file that
     fails to decode is replaced by the next file of the split (``on_bad="skip"``) or is a ConfigError."""
+    from PIL import Image
+
+    # the decoders' errors for a damaged file (Pillow's plugins raise all of these; jpeg.DecodeError is libjpeg's):
+    # anything else is a bug, raised as it is
+    damaged = (OSError, SyntaxError, ValueError, EOFError, struct.error, Image.DecompressionBombError, jpeg.DecodeError)
     size, root, n = split.size, Path(split.root), len(split)
     if split.jpeg_library and (why := jpeg.unusable(split.jpeg_library)) is not None:  # never Pillow's silently
         raise ConfigError(f"the JPEG region decoder the run built does not load in a decode worker: {why}")
@@ -125,8 +131,8 @@ def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch:
             try:
                 out[row] = decode(path, size, box_of, flip, library=split.jpeg_library or None)
                 break
-            except Exception as e:  # noqa: BLE001 - any damaged file (OSError, SyntaxError, ...): replaced by the
-                # next file and counted (one warning line an epoch), or with on_bad="error" one line naming it
+            except damaged as e:  # replaced by the next file and counted (one warning line an epoch), or with
+                # on_bad="error" one line naming it
                 if isinstance(e, OSError) and e.errno not in (None, errno.ENOENT):  # the disk's, not the image's
                     raise ConfigError(f"{path} cannot be read ({e.strerror}): check the folder's disk or "
                                       "mount") from None
