@@ -2,6 +2,7 @@
 skip where it cannot be built, saying why, and fail under CI=true (make test installs g++ and libjpeg-dev)."""
 
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -169,6 +170,32 @@ def test_a_jpeg_damaged_inside_its_crop_is_a_bad_file_of_the_folder(tmp_path):
     with pytest.raises(ConfigError, match=r"cut.jpg cannot be decoded \(OSError: image file is truncated.*"
                                           r"on_bad_image=skip"):
         split.examples(np.arange(len(split)), None, 0, 0)  # refused by region, then by Pillow: damaged
+
+
+@usable
+def test_jpegs_the_region_decoder_refuses_are_pillows_said_with_their_count_and_the_first_reason(tmp_path, monkeypatch,
+                                                                                               caplog):
+    """Never silently Pillow's: one line at the first such file of a process (a decode worker), and at the 10th,
+    100th, ... (the count so far and the first reason), not a line a file. A file Pillow refuses too is a damaged
+    file (counted by the loader), not said here."""
+    data = encoded(photo(64, 64), quality=90)
+    (tmp_path / "a.jpg").write_bytes(data)
+    (tmp_path / "cut.jpg").write_bytes(data[: len(data) // 2])
+
+    def refuse(*args):
+        raise jpeg.DecodeError("Unsupported marker type 0x99")
+
+    monkeypatch.setattr(jpeg, "decode", refuse)
+    monkeypatch.setattr(images, "_refused", images.Refused())  # this process's count, from 0
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        with pytest.raises(OSError, match="truncated"):
+            images.decode(tmp_path / "cut.jpg", 32, images.centre_box)
+        assert not caplog.records
+        out = [images.decode(tmp_path / "a.jpg", 32, images.centre_box) for _ in range(12)]
+    np.testing.assert_array_equal(out[-1], images.decode(tmp_path / "a.jpg", 32, images.centre_box, region=False))
+    said = (f"JPEG file(s) decoded by Pillow in process {os.getpid()}, slower: the region decoder refused them (the "
+            f"first: {tmp_path / 'a.jpg'}: Unsupported marker type 0x99)")
+    assert [r.getMessage() for r in caplog.records] == [f"1 {said}", f"10 {said}"]
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
