@@ -1,18 +1,33 @@
-"""The JPEG region decoder (jaxtrain.data.jpeg): Pillow's pixels, only the crop read, and a clear fallback."""
+"""The JPEG region decoder (jaxtrain.data.jpeg): Pillow's pixels, only the crop read, and a clear fallback. Its tests
+skip where it cannot be built, saying why, and fail under CI=true (make test installs g++ and libjpeg-dev)."""
 
 import io
+import logging
 import os
 import subprocess
 import sys
+import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
 from PIL import Image
+from conftest import ROOT, unavailable
 
 from jaxtrain.data import images, jpeg
 from jaxtrain.errors import ConfigError
 
-pytestmark = pytest.mark.skipif(jpeg.unusable() is not None, reason=f"the region decoder: {jpeg.unusable()}")
+
+@pytest.fixture
+def region_decoder():
+    """The region decoder is built here; else a skip, or under CI (``make test`` installs g++ and libjpeg-dev) a
+    failure: its tests never vanish silently."""
+    why = jpeg.unusable()
+    if why is not None:
+        unavailable(f"the JPEG region decoder is not usable: {why}")
+
+
+usable = pytest.mark.usefixtures("region_decoder")
 
 
 def photo(w=301, h=203, seed=0) -> np.ndarray:
@@ -41,6 +56,7 @@ def pillows(data: bytes, size: int, box) -> np.ndarray:
         return np.asarray(img.convert("RGB").resize((size, size), Image.BILINEAR, box=scaled))
 
 
+@usable
 @pytest.mark.parametrize("options", [dict(quality=90), dict(quality=90, subsampling=0), dict(quality=75, subsampling=1),
                                      dict(quality=90, progressive=True), dict(quality=95, optimize=True)],
                          ids=["4:2:0", "4:4:4", "4:2:2", "progressive", "optimized"])
@@ -60,6 +76,7 @@ def test_a_crop_decoded_alone_is_pillows_whole_decode_to_a_level(options):
     assert reductions == {1, 2, 4, 8}  # every scale was checked
 
 
+@usable
 def test_images_decode_takes_the_region_decoder_for_a_jpeg_and_pillow_for_the_rest(tmp_path, monkeypatch):
     pixels = photo(120, 90)
     Image.fromarray(pixels).save(tmp_path / "a.jpg", quality=90)
@@ -79,6 +96,52 @@ def test_images_decode_takes_the_region_decoder_for_a_jpeg_and_pillow_for_the_re
     assert (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
 
 
+def declaring(data: bytes, w: int, h: int) -> bytes:
+    """The JPEG ``data`` with its frame header (SOF) declaring ``w`` x ``h`` pixels: a decompression bomb."""
+    at = 2
+    while data[at + 1] not in (0xC0, 0xC1, 0xC2):  # each segment: FF, its marker, its length (2 bytes), ...
+        at += 2 + int.from_bytes(data[at + 2:at + 4], "big")
+    return data[:at + 5] + h.to_bytes(2, "big") + w.to_bytes(2, "big") + data[at + 9:]
+
+
+@usable
+def test_a_jpeg_declaring_a_huge_size_is_refused_as_pillow_refuses_it_before_anything_is_allocated(tmp_path):
+    bomb = declaring(encoded(photo(64, 64), quality=90), 65500, 65500)  # 4.3 gigapixels in a few KB
+    (tmp_path / "bomb.jpg").write_bytes(bomb)
+    assert jpeg.header(bomb)[:2] == (65500, 65500) and len(bomb) < 10_000
+    tracemalloc.start()  # numpy's arrays are traced (the region's buffer would be 200 MB at 1/8 scale)
+    try:
+        for region in (True, False):
+            with pytest.raises(Image.DecompressionBombError, match=r"Image size \(4290250000 pixels\) exceeds limit"):
+                images.decode(tmp_path / "bomb.jpg", 224, images.centre_box, region=region)
+        with pytest.raises(Image.DecompressionBombError):
+            jpeg.decode(bomb, 65500, 65500, 224, images.centre_box(65500, 65500))
+        with pytest.raises(Image.DecompressionBombError):  # libjpeg's own guard: the caller's size is not the file's
+            jpeg.decode(bomb, 64, 64, 32, images.centre_box(64, 64))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak} bytes allocated for a bomb"
+
+
+@usable
+@pytest.mark.parametrize("limit, outcome", [(None, "decoded"), (4096, "decoded"), (3000, "warned"), (2000, "refused")])
+def test_the_region_decoder_warns_and_refuses_where_pillow_does(tmp_path, monkeypatch, limit, outcome):
+    """Pillow's limit (Image.MAX_IMAGE_PIXELS, read at each decode): a warning above it, an error above twice it."""
+    Image.fromarray(photo(64, 64)).save(tmp_path / "a.jpg", quality=90)  # 4096 pixels
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
+    for region in (True, False):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                images.decode(tmp_path / "a.jpg", 32, images.centre_box, region=region)
+                got = "warned" if [w for w in seen if w.category is Image.DecompressionBombWarning] else "decoded"
+            except Image.DecompressionBombError:
+                got = "refused"
+        assert got == outcome, (region, [str(w.message) for w in seen])
+
+
+@usable
 def test_only_the_crop_is_read_and_a_damaged_crop_is_an_error():
     data = encoded(photo(256, 256), quality=90)
     cut = data[: len(data) // 2] + b"\xff\xd9"  # the top half's data, then the end: the bottom rows are lost
@@ -93,6 +156,7 @@ def test_only_the_crop_is_read_and_a_damaged_crop_is_an_error():
         Image.open(io.BytesIO(data[: len(data) // 2])).load()
 
 
+@usable
 def test_a_jpeg_damaged_inside_its_crop_is_a_bad_file_of_the_folder(tmp_path):
     from jaxtrain.data import folder
 
@@ -106,6 +170,32 @@ def test_a_jpeg_damaged_inside_its_crop_is_a_bad_file_of_the_folder(tmp_path):
     with pytest.raises(ConfigError, match=r"cut.jpg cannot be decoded \(OSError: image file is truncated.*"
                                           r"on_bad_image=skip"):
         split.examples(np.arange(len(split)), None, 0, 0)  # refused by region, then by Pillow: damaged
+
+
+@usable
+def test_jpegs_the_region_decoder_refuses_are_pillows_said_with_their_count_and_the_first_reason(tmp_path, monkeypatch,
+                                                                                               caplog):
+    """Never silently Pillow's: one line at the first such file of a process (a decode worker), and at the 10th,
+    100th, ... (the count so far and the first reason), not a line a file. A file Pillow refuses too is a damaged
+    file (counted by the loader), not said here."""
+    data = encoded(photo(64, 64), quality=90)
+    (tmp_path / "a.jpg").write_bytes(data)
+    (tmp_path / "cut.jpg").write_bytes(data[: len(data) // 2])
+
+    def refuse(*args):
+        raise jpeg.DecodeError("Unsupported marker type 0x99")
+
+    monkeypatch.setattr(jpeg, "decode", refuse)
+    monkeypatch.setattr(images, "_refused", images.Refused())  # this process's count, from 0
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        with pytest.raises(OSError, match="truncated"):
+            images.decode(tmp_path / "cut.jpg", 32, images.centre_box)
+        assert not caplog.records
+        out = [images.decode(tmp_path / "a.jpg", 32, images.centre_box) for _ in range(12)]
+    np.testing.assert_array_equal(out[-1], images.decode(tmp_path / "a.jpg", 32, images.centre_box, region=False))
+    said = (f"JPEG file(s) decoded by Pillow in process {os.getpid()}, slower: the region decoder refused them (the "
+            f"first: {tmp_path / 'a.jpg'}: Unsupported marker type 0x99)")
+    assert [r.getMessage() for r in caplog.records] == [f"1 {said}", f"10 {said}"]
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
@@ -144,6 +234,7 @@ def test_what_the_region_decoder_leaves_to_pillow():
     assert not jpeg.decodable(3, 4)  # a 4x2 luma block: its crop came out up to 5 levels off Pillow's
 
 
+@usable
 def test_a_decoder_that_does_not_load_in_a_worker_stops_in_one_line_not_silently_pillows(tmp_path):
     import dataclasses
 
@@ -157,3 +248,18 @@ def test_a_decoder_that_does_not_load_in_a_worker_stops_in_one_line_not_silently
     with pytest.raises(ConfigError, match=r"the JPEG region decoder the run built does not load in a decode "
                                           r"worker: .*gone.so does not load"):
         broken.examples(np.arange(1), None, 0, 0)
+
+
+@pytest.mark.slow
+def test_without_the_decoder_its_tests_skip_saying_why_and_under_ci_fail(tmp_path):
+    """No compiler: a test of the decoder skips with the reason; under CI=true it fails (it would have passed)."""
+    test = "tests/test_jpeg.py::test_only_the_crop_is_read_and_a_damaged_crop_is_an_error"
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env.update(CXX="/nonexistent", JAXTRAIN_JPEG_CACHE=str(tmp_path / "cache"))
+    skipped, failed = (subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-rsE",
+                                       test], capture_output=True, text=True, timeout=300, cwd=ROOT, env={**env, **ci})
+                       for ci in ({}, {"CI": "true"}))
+    assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout[-2000:]
+    assert "SKIPPED" in skipped.stdout and "no C++ compiler found (/nonexistent)" in skipped.stdout, skipped.stdout
+    assert failed.returncode == 1 and "1 error" in failed.stdout, failed.stdout[-2000:]
+    assert "Failed: the JPEG region decoder is not usable: no C++ compiler found" in failed.stdout, failed.stdout

@@ -2,7 +2,9 @@
 checked against PyTorch itself (tests/torch_reference.py, in a Python with torch: ``make torch-venv``)."""
 
 import io
+import math
 import os
+import re
 import sys
 
 import jax
@@ -174,9 +176,10 @@ def test_init_from_starts_a_run_from_the_files_weights_and_says_what_it_loaded(m
         "torchvision's ResNet-18 is resnet18_imagenet (resnet18 is d2l's)")
 
 
-def test_a_pytorch_file_cannot_read_outside_its_storage(tmp_path, monkeypatch):
-    """Crafted tensors (a size past the storage, a negative stride, an offset past the end, a storage shorter
-    than it says) are one line each: never bytes from around the buffer, never a crash."""
+@pytest.fixture
+def crafted(tmp_path, monkeypatch):
+    """``(Tensor, read)``: ``Tensor(size, stride, offset=0, numel=4)`` pickled as torch names it, and ``read``, which
+    writes ``{"w": tensor}`` over a storage of 4 floats (0..3) to t.pth and reads it back, with no torch at all."""
     import pickle
     import types
     import zipfile
@@ -215,6 +218,13 @@ def test_a_pytorch_file_cannot_read_outside_its_storage(tmp_path, monkeypatch):
             z.writestr("archive/data/0", np.arange(4, dtype=np.float32).tobytes())
         return tensors.read(tmp_path / "t.pth")["w"]
 
+    return Tensor, read
+
+
+def test_a_pytorch_file_cannot_read_outside_its_storage(crafted):
+    """Crafted tensors (a size past the storage, a negative stride, an offset past the end, a storage shorter
+    than it says) are one line each: never bytes from around the buffer, never a crash."""
+    Tensor, read = crafted
     np.testing.assert_array_equal(read(Tensor((2, 2), (2, 1))), [[0, 1], [2, 3]])
     for tensor, says in ((Tensor((64,), (1,)), "a tensor reaching element 63 of a storage of 4"),
                          (Tensor((10**8,), (1,)), "a tensor reaching element 99999999"),
@@ -223,6 +233,21 @@ def test_a_pytorch_file_cannot_read_outside_its_storage(tmp_path, monkeypatch):
                          (Tensor((4,), (1,), 0, 100), "storage 0 holds 16 bytes, not 100 elements")):
         with pytest.raises(ConfigError, match=r"t.pth: not a PyTorch state_dict \(UnpicklingError: " + says):
             read(tensor)
+
+
+def test_a_pytorch_tensor_with_more_elements_than_its_storage_is_refused_by_name_before_it_is_copied(crafted):
+    """A zero stride and a huge size stays inside the storage, yet its copy would be as large as the size says
+    (2**40 floats: 4 TB from a file of 16 bytes): refused in one line naming it. A zero stride that repeats
+    nothing (an expanded dimension of 1, as Hugging Face's ``position_ids``) is read."""
+    Tensor, read = crafted
+    np.testing.assert_array_equal(read(Tensor((1, 4), (0, 1))), [[0, 1, 2, 3]])
+    np.testing.assert_array_equal(read(Tensor((2, 2), (0, 1))), [[0, 1], [0, 1]])  # no more than the file holds
+    for size, stride in (((2**40,), (0,)), ((2, 4), (0, 1)), ((3, 2), (1, 1))):
+        says = (f"t.pth: tensor 'w' has {math.prod(size)} elements, more than the 4 its storage holds (a zero or "
+                "overlapping stride, as torch's expand() makes): save it with .contiguous(), or .clone(), before "
+                "torch.save")
+        with pytest.raises(ConfigError, match=re.escape(says) + "$"):
+            read(Tensor(size, stride))
 
 
 def test_safetensors_are_read_here_bfloat16_too_and_a_damaged_header_is_one_line(tmp_path):

@@ -1,6 +1,7 @@
 """--track wandb / mlflow: what a run logs, read back with each library's own reader (no mocks)."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def test_a_tracked_run_logs_what_tensorboard_gets_and_its_summary(tmp_path, kind
     assert [s for s, _ in got["metrics"]["epoch/test_acc"]] == [1, 2]
 
 
-def test_a_resumed_run_goes_on_in_the_same_tracked_run(tmp_path, monkeypatch):
+def test_a_resumed_run_goes_on_in_the_same_tracked_run(tmp_path, monkeypatch, caplog):
     """Killed after epoch 2 was logged but before its checkpoint: the resumed run logs epoch 2 again (the same
     numbers, recomputed bit for bit), which MLflow must not hold twice."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -94,13 +95,34 @@ def test_a_resumed_run_goes_on_in_the_same_tracked_run(tmp_path, monkeypatch):
     first.close("killed")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     assert read_mlflow(uri, "g")["status"] == "KILLED"
-    again = track.start("mlflow", tmp_path, {"lr": 0.1}, "g")
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        again = track.start("mlflow", tmp_path, {"lr": 0.1}, "g", resumed=True)
+    assert not caplog.records  # its tracked run was kept: nothing to say
     again.scalars(2, {"test_acc": 0.75, "train_loss": 0.3}, "epoch")
     again.finish({"test_acc": 0.75, "note": "text is left out"}, [tmp_path / "absent.png"])
     got = read_mlflow(uri, "g")
     assert got["status"] == "FINISHED" and got["metrics"]["epoch/test_acc"] == [(1, 0.5), (2, 0.75)]
     assert got["metrics"]["epoch/train_loss"] == [(2, 0.3)]  # a metric new at that step is logged
     assert got["metrics"]["summary/test_acc"] == [(0, 0.75)] and "summary/note" not in got["metrics"]
+
+
+@pytest.mark.parametrize("kept, why", [(None, "is missing"), ("{not json", "cannot be read (JSONDecodeError"),
+                                       ('{"failed": "--track mlflow: disk I/O error"}', "holds no mlflow run")])
+def test_a_resumed_run_whose_tracked_run_was_not_kept_says_it_opens_a_new_one(tmp_path, monkeypatch, caplog, kept,
+                                                                              why):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    if kept is not None:
+        (tmp_path / "track.json").write_text(kept)
+    (tmp_path / "new").mkdir()
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        tracker = track.start("mlflow", tmp_path, {"lr": 0.1}, "g", resumed=True)
+        track.start("mlflow", tmp_path / "new", {"lr": 0.1}, "g").close()  # a new run: nothing to say
+    tracker.close("killed")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(f"--track mlflow: {tmp_path / 'track.json'} {why}"), lines
+    assert lines[0].endswith(": this resumed run is logged to a new mlflow run (its earlier steps are in "
+                             "metrics.jsonl)"), lines
+    assert read_mlflow(f"sqlite:///{tmp_path}/mlflow.db", "g")["status"] == "KILLED"
 
 
 def test_a_failing_tracker_warns_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys):

@@ -19,6 +19,7 @@ import ctypes
 import functools
 import math
 import platform
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from jaxtrain.io import native
 SOURCE = Path(__file__).with_name("jpeg_region.cc")
 RGB_SPACES = (1, 2, 3)  # libjpeg's JCS_GRAYSCALE, JCS_RGB, JCS_YCbCr: decoded to RGB by libjpeg itself
 _MESSAGE_BYTES = 200
+BOMB = "Image size ({} pixels) exceeds limit of {} pixels, could be decompression bomb DOS attack."  # Pillow's
 INSTALL_LIBJPEG = "install libjpeg-turbo's headers (Debian: apt-get install libjpeg-dev; make setup does)"
 
 
@@ -59,7 +61,7 @@ def _library(path: str | None = None) -> ctypes.CDLL | native.Unusable:
     ints = ctypes.POINTER(ctypes.c_int)
     lib.jt_jpeg_header.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ints, ints, ints, ints, ctypes.c_char_p]
     lib.jt_jpeg_region.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ints, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_int, ctypes.c_void_p, ints, ctypes.c_char_p]
+                                   ctypes.c_int, ctypes.c_void_p, ints, ctypes.c_ulonglong, ctypes.c_char_p]
     return lib
 
 
@@ -94,6 +96,23 @@ def header(data: bytes, library: str | None = None) -> tuple[int, int, int, int]
     return w.value, h.value, space.value, sampling.value
 
 
+def bomb_check(w: int, h: int) -> int:
+    """Pillow's decompression-bomb check of a ``w`` x ``h`` image (``Image.open``'s, against
+    ``PIL.Image.MAX_IMAGE_PIXELS`` as it is now): a DecompressionBombWarning above the limit, a
+    DecompressionBombError above twice it. Returns the most pixels a file may declare (0: no limit)."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is None:
+        return 0
+    pixels = max(1, w) * max(1, h)
+    if pixels > 2 * limit:
+        raise Image.DecompressionBombError(BOMB.format(pixels, 2 * limit))
+    if pixels > limit:
+        warnings.warn(BOMB.format(pixels, limit), Image.DecompressionBombWarning)
+    return 2 * limit
+
+
 def decodable(space: int, sampling: int) -> bool:
     """What the region decoder gives Pillow's pixels for: RGB-convertible colour spaces (not CMYK), sampling
     factors of at most 2 (a 4x2 luma block came out up to 5 levels off, inside the crop)."""
@@ -114,6 +133,7 @@ def decode(data: bytes, w: int, h: int, size: int, box: tuple[float, float, floa
     resizing (bilinear) the box, to within a level (libjpeg's rounding at the region's edges)."""
     from PIL import Image
 
+    most = bomb_check(w, h)  # before anything is allocated for it; libjpeg checks the file's own size against it
     left, top, right, bottom = box
     d = reduction(box, size)
     sw, sh = -(-w // d), -(-h // d)  # libjpeg's scaled size: rounded up
@@ -125,8 +145,11 @@ def decode(data: bytes, w: int, h: int, size: int, box: tuple[float, float, floa
     y0, y1 = max(0, math.floor(top) - my), min(sh, math.ceil(bottom) + my)
     pixels = np.empty((y1 - y0) * x1 * 3, np.uint8)  # the widest rows libjpeg writes: columns x <= x1
     x, width, message = ctypes.c_int(x0), ctypes.c_int(), ctypes.create_string_buffer(_MESSAGE_BYTES)
-    if _library(library).jt_jpeg_region(data, len(data), 8 // d, x, x1, y0, y1, pixels.ctypes.data, width, message):
-        raise DecodeError(message.value.decode(errors="replace"))
+    failed = _library(library).jt_jpeg_region(data, len(data), 8 // d, x, x1, y0, y1, pixels.ctypes.data, width,
+                                              most, message)
+    if failed:
+        text = message.value.decode(errors="replace")
+        raise Image.DecompressionBombError(text) if failed == -2 else DecodeError(text)
     img = Image.frombuffer("RGB", (width.value, y1 - y0), pixels[: (y1 - y0) * width.value * 3], "raw", "RGB", 0, 1)
     return img.resize((size, size), Image.BILINEAR, box=(left - x.value, top - y0, right - x.value, bottom - y0))
 

@@ -76,9 +76,10 @@ int jt_jpeg_header(const unsigned char *data, unsigned long size, int *width, in
 /* Rows [top, bottom) of the image decoded at ``scale``/8, as RGB, columns [*left, *left + *width) of it: the
  * caller's [*left, *right) widened to libjpeg's block boundaries (``*left`` and ``*width`` are set to what was
  * decoded). ``out`` holds (bottom - top) rows of the scaled image's full width (3 bytes a pixel, rows of
- * *width pixels). 0, or -1 with ``message``. */
+ * *width pixels). 0, or -1 with ``message``; -2 (nothing allocated) if the header declares more than
+ * ``max_pixels`` pixels (0: no limit), as Pillow refuses a decompression bomb. */
 int jt_jpeg_region(const unsigned char *data, unsigned long size, int scale, int *left, int right, int top,
-                   int bottom, unsigned char *out, int *width, char *message) {
+                   int bottom, unsigned char *out, int *width, unsigned long long max_pixels, char *message) {
   struct jpeg_decompress_struct info;
   struct failure f;
   begin(&info, &f, message);
@@ -89,6 +90,13 @@ int jt_jpeg_region(const unsigned char *data, unsigned long size, int scale, int
   jpeg_create_decompress(&info);
   jpeg_mem_src(&info, data, size);
   jpeg_read_header(&info, TRUE);
+  unsigned long long pixels = (unsigned long long)info.image_width * info.image_height;
+  if (max_pixels && pixels > max_pixels) {
+    snprintf(message, MESSAGE_BYTES, "Image size (%llu pixels) exceeds limit of %llu pixels, could be decompression "
+             "bomb DOS attack.", pixels, max_pixels);
+    jpeg_destroy_decompress(&info);
+    return -2;
+  }
   info.out_color_space = JCS_RGB;
   info.scale_num = (unsigned int)scale;
   info.scale_denom = 8;

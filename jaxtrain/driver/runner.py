@@ -170,7 +170,8 @@ def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = s
     try:
         writer = open_outputs(s, state, position)
         out_dir = writer and writer.out_dir
-        with track.view(c.track, out_dir, {**dataclasses.asdict(c), **settings}, c.track_group) as tracker:
+        with track.view(c.track, out_dir, {**dataclasses.asdict(c), **settings}, c.track_group,
+                        resumed=bool(position)) as tracker:
             pipeline = s.trainer.describe() if s.trainer.pipeline_layout else None
             s.say(describe(c, s.model, s.devices, s.mesh, s.layout, pipeline, data, out_dir), flush=True)
             state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop, tracker)

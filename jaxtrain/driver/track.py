@@ -14,7 +14,8 @@ the summary and ``curves.png``. Process 0 only.
 A tracker is a view, not the record (metrics.jsonl and summary.json are): if
 its library is missing or a call fails (full disk, no server), ONE warning
 says so and the run goes on without it. A resumed run (same ``--out``)
-continues the same tracked run: its id is kept in ``OUT/track.json``. It
+continues the same tracked run: its id is kept in ``OUT/track.json`` (where
+it is missing or unreadable, one warning says a new tracked run is opened). It
 recomputes the steps after its checkpoint bit for bit, so MLflow skips a
 step of a metric it already holds (its history cannot be rewritten), and
 matches metrics.jsonl, which the resumed run rewrites from there.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import netrc
 import sys
 from pathlib import Path
@@ -34,12 +36,14 @@ from jaxtrain.io.dirlock import taking_turns
 from jaxtrain.io.files import atomic_write
 from jaxtrain.driver.signals import Exit
 
+log = logging.getLogger("jaxtrain.driver")
+
 
 class Tracker:
     """One tracked run. Every call is guarded: the first failure warns once, later calls do nothing."""
 
-    def __init__(self, kind: str, out_dir: Path, config: dict, group: str | None):
-        self.kind, self.out_dir, self.broken = kind, Path(out_dir), False
+    def __init__(self, kind: str, out_dir: Path, config: dict, group: str | None, resumed: bool = False):
+        self.kind, self.out_dir, self.broken, self.resumed = kind, Path(out_dir), False, resumed
         self._prefixes: set[str] = set()
         self._guard(self._open, config, group)
 
@@ -85,11 +89,21 @@ class Tracker:
     # ------------------------------------------------------------------ kept ids
 
     def _kept_id(self) -> str | None:
+        """The id of the tracked run this ``--out`` logged to; None (said in one line if this run resumes) opens a
+        new one."""
         path = self.out_dir / "track.json"
         try:
-            return json.loads(path.read_text()).get(self.kind)
-        except (OSError, ValueError):
-            return None
+            kept = json.loads(path.read_text())
+            run_id = kept.get(self.kind) if isinstance(kept, dict) else None
+            why = None if run_id else f"holds no {self.kind} run"
+        except FileNotFoundError:
+            run_id, why = None, "is missing"
+        except (OSError, ValueError) as e:
+            run_id, why = None, f"cannot be read ({type(e).__name__}: {str(e)[:100]})"
+        if why and self.resumed:
+            log.warning(f"--track {self.kind}: {path} {why}: this resumed run is logged to a new {self.kind} run "
+                        "(its earlier steps are in metrics.jsonl)")
+        return run_id
 
     def _keep_id(self, run_id: str) -> None:
         self._keep(self.kind, run_id)
@@ -248,16 +262,17 @@ def wandb_mode() -> str:
 TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
-def start(kind: str, out_dir: Path, config: dict, group: str | None = None) -> Tracker | None:
-    """The tracker ``--track`` names (``none``: None)."""
-    return None if kind == "none" else TRACKERS[kind](kind, out_dir, config, group)
+def start(kind: str, out_dir: Path, config: dict, group: str | None = None, resumed: bool = False) -> Tracker | None:
+    """The tracker ``--track`` names (``none``: None); ``resumed``: the run goes on from a checkpoint (its tracked
+    run, kept in ``out_dir``, goes on)."""
+    return None if kind == "none" else TRACKERS[kind](kind, out_dir, config, group, resumed)
 
 
 @contextlib.contextmanager
-def view(kind: str, out_dir: Path | None, config: dict, group: str | None = None):
+def view(kind: str, out_dir: Path | None, config: dict, group: str | None = None, resumed: bool = False):
     """``start``'s tracker for the run's block (None without ``--track`` or an ``out_dir``); a block that ends in
     an exception closes it as killed (a signal) or failed."""
-    tracker = start(kind, out_dir, config, group) if out_dir is not None else None
+    tracker = start(kind, out_dir, config, group, resumed) if out_dir is not None else None
     try:
         yield tracker
     except BaseException as e:

@@ -17,6 +17,7 @@ import pickle
 import struct
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -53,9 +54,19 @@ def _whole(*values) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
 
 
+class _Repeats(NamedTuple):
+    """A tensor with more elements than its storage holds from its offset (a zero or overlapping stride: torch
+    saves ``expand()``'s views as they are), never copied: its copy could be any size (tens of GB from a file of a
+    few bytes). ``read`` names it in its error (the unpickler does not know the name)."""
+
+    elements: int
+    stored: int
+
+
 def _rebuild_tensor(storage, offset, size, stride, *args):
     """The tensor ``storage[offset:]`` viewed with ``size`` and ``stride``, copied; refused unless every element
-    it would read lies inside the storage (a crafted file must not read memory around it)."""
+    it would read lies inside the storage (a crafted file must not read memory around it), and never more
+    elements than the storage holds (``_Repeats``)."""
     size, stride = tuple(size), tuple(stride)
     if not (isinstance(storage, np.ndarray) and storage.ndim == 1 and _whole(offset, *size, *stride)
             and len(size) == len(stride)):
@@ -63,6 +74,8 @@ def _rebuild_tensor(storage, offset, size, stride, *args):
     last = offset + sum((n - 1) * s for n, s in zip(size, stride))
     if math.prod(size) and last >= storage.size:
         raise pickle.UnpicklingError(f"a tensor reaching element {last} of a storage of {storage.size}")
+    if math.prod(size) > storage.size - offset:
+        return _Repeats(math.prod(size), storage.size - offset)
     item = storage.itemsize
     return np.lib.stride_tricks.as_strided(storage[offset:], size, tuple(s * item for s in stride)).copy()
 
@@ -135,6 +148,11 @@ def read(path: str | Path) -> dict[str, np.ndarray]:
                 loaded = loaded[key]
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: holds a {type(loaded).__name__}, not a state_dict (save model.state_dict())")
+        for name, value in loaded.items():
+            if isinstance(value, _Repeats):
+                raise ConfigError(f"{path}: tensor {name!r} has {value.elements} elements, more than the "
+                                  f"{value.stored} its storage holds (a zero or overlapping stride, as torch's "
+                                  "expand() makes): save it with .contiguous(), or .clone(), before torch.save")
         tensors = {k: v for k, v in loaded.items() if isinstance(v, np.ndarray)}
     return {k: np.asarray(v, np.float32) if _is_float(v.dtype) else np.asarray(v) for k, v in tensors.items()}
 
