@@ -9,7 +9,7 @@ from conftest import needs_fashion_mnist
 
 import jaxtrain as jt
 from jaxtrain.data import loader, sources
-from jaxtrain.errors import Diverged
+from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.models import lenet
 from jaxtrain.train.loop import evaluate, fit
 
@@ -118,3 +118,15 @@ def test_a_non_finite_evaluation_diverges():
     with pytest.raises(Diverged, match="the evaluation's loss became nan at step 2: training diverged"):
         fit(trainer, state, loader.Loader(random_split(256), 64, train=True), jt.make_eval_step(eval_fn, mesh=1),
             loader.Loader(random_split(64, seed=1), 64, train=False), epochs=1, max_steps=2, progress=False)
+
+
+def test_a_label_outside_the_classes_in_a_later_batch_stops_fit_in_one_line():
+    """(issue 64) Only the first batch's labels were read: a later label of 10 trained on to a NaN loss, then said
+    as a divergence ("a learning rate too high?")."""
+    split = random_split(256)
+    split.labels[200] = 10
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=1)
+    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    with pytest.raises(ConfigError, match=r"^1\.6% of the labels of the batch of step [1-4] are outside the model's "
+                                          r"classes: .*; fix the labels$"):
+        fit(trainer, state, loader.Loader(split, 64, train=True), None, None, epochs=1, progress=False)

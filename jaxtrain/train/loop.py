@@ -17,9 +17,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxtrain.choices import LABELS_OUT_OF_RANGE
 from jaxtrain.core.precision import all_finite
 from jaxtrain.data.prefetch import prefetch_to_device
 from jaxtrain.errors import Diverged
+from jaxtrain.parallel import call_checks
 from jaxtrain.train.timing import Chrono, OneStepLate
 
 _all_finite = jax.jit(all_finite)
@@ -160,9 +162,12 @@ class Loop:
         if read is None:
             return
         m, batch_size = read
+        step = self.total_steps - self._late.pending
+        if LABELS_OUT_OF_RANGE in m:
+            call_checks.labels(m[LABELS_OUT_OF_RANGE], f"the batch of step {step}")
         loss = float(m["loss"])
         if not math.isfinite(loss) and float(m.get("grads_finite", 1.0)) != 0.0:  # fp16 skips its overflows
-            raise Diverged(f"the loss became {loss}", self.total_steps - self._late.pending)
+            raise Diverged(f"the loss became {loss}", step)
         self.recent = m
         self.first_loss = loss if self.first_loss is None else self.first_loss
         for k in ("loss", "accuracy"):
