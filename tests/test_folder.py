@@ -218,7 +218,10 @@ def test_a_file_that_fails_to_decode_is_replaced_and_counted_once_per_epoch_or_i
     ("empty class", r"class folder\(s\) with no usable image: dog"),
     ("train only", "has train/ but no val/ or test/"),
     ("val has more", "has classes train/ lacks: owl"),
-    ("nothing held out", "no usable image in this split"),
+    ("nothing held out", r"val_fraction=0\.2 holds out no image of .* raise val_fraction="),
+    # issue 64: said the (right) split was empty by the wrong name, and advised raising val_fraction
+    ("nothing to train on", r"val_fraction=0\.999 holds out every image of .*, leaving none to train on: lower "
+                            "val_fraction="),
 ])
 def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, layout, says):
     root = tmp_path / "d"
@@ -233,10 +236,11 @@ def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, lay
     elif layout == "val has more":
         make_folder(root, {"train": 2, "val": 1}, classes=CLASSES)
         make_folder(root, {"val": 1}, classes=("owl",))
-    elif layout == "nothing held out":
+    elif layout in ("nothing held out", "nothing to train on"):
         make_folder(root, {"": 2})
     with pytest.raises(ConfigError, match=says) as e:
-        folder.load(root, 8, val_fraction={"no classes": 0.5, "nothing held out": 0.2}.get(layout))
+        folder.load(root, 8, val_fraction={"no classes": 0.5, "nothing held out": 0.2,
+                                           "nothing to train on": 0.999}.get(layout))
     assert "\n" not in str(e.value)
 
 
