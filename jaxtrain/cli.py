@@ -11,8 +11,10 @@ as a Python user calls them; ``as_flags`` says them as flags here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import logging
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -65,15 +67,43 @@ def as_flags(message: str, flags: dict[str, str] | None = None) -> str:
     return _PARAM.sub(say, message)
 
 
+class _AsFlags(logging.Formatter):
+    """A library log record as a command line says it: ``warning: ...``, its parameters as flags."""
+
+    def __init__(self, flags: dict[str, str] | None = None):
+        super().__init__()
+        self.flags = flags
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {as_flags(record.getMessage(), self.flags)}"
+
+
+@contextlib.contextmanager
+def library_log(flags: dict[str, str] | None = None):
+    """While a command runs: the library's log lines (logger "jaxtrain", warnings and up) on stderr, its
+    parameters said as flags (``on_bad_image=error`` -> ``--on-bad-image error``; ``flags``: as ``as_flags``)."""
+    logger, handler = logging.getLogger("jaxtrain"), logging.StreamHandler()
+    handler.setFormatter(_AsFlags(flags))
+    logger.addHandler(handler)
+    logger.propagate = False  # said once: not again by a handler on the root logger (absl's, tfds')
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+
+
 def one_line_errors(prog: str, flags: dict[str, str] | None = None):
     """Decorator of a command's ``main(argv)``: a ConfigError becomes ``prog: error: ...`` on stderr (its
-    parameters said as flags: ``as_flags``), exit with its ``EXIT_CODE`` (2; a Diverged run: 3)."""
+    parameters said as flags: ``as_flags``), exit with its ``EXIT_CODE`` (2; a Diverged run: 3); the library's
+    log lines are said as flags too (``library_log``)."""
 
     def wrap(main):
         @functools.wraps(main)
         def run(argv=None) -> int:
             try:
-                return main(argv)
+                with library_log(flags):
+                    return main(argv)
             except ConfigError as e:
                 print(f"{prog}: error: {as_flags(str(e), flags)}", file=sys.stderr)
                 return e.EXIT_CODE
@@ -187,7 +217,7 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
     """
     from jaxtrain.driver.signals import Exit, StopOnSignal
 
-    with StopOnSignal() as stop:
+    with StopOnSignal() as stop, library_log():
         parser = make_parser(model, description, prog, renamed=renamed)
         args = parser.parse_args(argv)
         try:
