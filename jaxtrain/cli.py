@@ -207,6 +207,28 @@ def to_argv(config: RunConfig, model_fixed: bool = True) -> list[str]:
     return argv
 
 
+# The modules a training run's command runs (python -m MODULE ...): the model each fixes (None: --model says).
+RUNS = {"experiments.lenet": "lenet", "experiments.resnet18": "resnet18", "experiments.vit": "vit",
+        "experiments.distill": None, "jaxtrain.cli": None}
+
+
+def run_config(command: Sequence[str], more: Sequence[str] = ()) -> RunConfig:
+    """The RunConfig of a training run's command (``python -m MODULE FLAGS``, MODULE one of ``RUNS``) with
+    ``more`` flags, parsed and checked as the run does: a one-line ConfigError, before anything runs."""
+    module = command[2] if len(command) > 2 and command[1] == "-m" else None
+    where = " ".join(command[:3])
+    if module not in RUNS:
+        raise ConfigError(f"{where}: not a training run; give python -m MODULE with MODULE one of {', '.join(RUNS)}")
+    parser = make_parser(RUNS[module], prog=f"python -m {module}",
+                         renamed={"model": "--student"} if module == "experiments.distill" else None)
+
+    def error(message):
+        raise ConfigError(f"the command {where}: {message} (see {where} --help)")
+
+    parser.error = error
+    return RunConfig(**vars(parser.parse_args([*command[3:], *more])))
+
+
 def main(model: str | None = None, argv: Sequence[str] | None = None, description: str | None = None,
          prog: str | None = None, renamed: Mapping[str, str] | None = None) -> int:
     """Parse, run, and turn user errors into one line on stderr with exit code 2 (3: training diverged).
