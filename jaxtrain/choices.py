@@ -51,5 +51,5 @@ def lr_groups(text: str | None) -> tuple[tuple[str, float], ...]:
 
 
 # A loss_fn's metric: the share of its batch's labels outside the classes (jaxtrain.models.classify reports it;
-# the trainer reads it after its first step: jaxtrain.parallel.call_checks).
+# the trainer and the loop read it for every step once it is done: jaxtrain.parallel.call_checks).
 LABELS_OUT_OF_RANGE = "labels_out_of_range"
