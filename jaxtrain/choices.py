@@ -1,5 +1,7 @@
 """The library's named choices, in one JAX-free place (the command line reads them before JAX is imported)."""
 
+import math
+
 STRATEGIES = ("jit", "explicit", "shard_map", "pmap", "ring")  # jaxtrain.parallel.strategies
 PRECISIONS = ("fp32", "bf16", "fp16")  # jaxtrain.core.precision.POLICIES
 ACCUM_MODES = ("scan", "multisteps")  # jaxtrain.core.accumulate
@@ -31,7 +33,7 @@ def check_dataset(name: str) -> None:
 
 def lr_groups(text: str | None) -> tuple[tuple[str, float], ...]:
     """'REGEX=LR,...' -> ((regex, lr), ...): items split at ",", each at its last "="; a one-line ConfigError
-    for an item without a positive number after its "="."""
+    for an item without a finite positive number after its "="."""
     from jaxtrain.errors import ConfigError
 
     groups = []
@@ -41,13 +43,13 @@ def lr_groups(text: str | None) -> tuple[tuple[str, float], ...]:
             lr = float(value)
         except ValueError:
             lr = 0.0
-        if not pattern or not lr > 0:
-            raise ConfigError(f"lr_groups={text!r}: give REGEX=LR items separated by commas, each LR a number > 0 "
-                              f"(e.g. 'dense/=1e-2,blocks/7/=1e-3'); {item.strip()!r} is not one")
+        if not pattern or not 0 < lr < math.inf:
+            raise ConfigError(f"lr_groups={text!r}: give REGEX=LR items separated by commas, each LR a finite "
+                              f"number > 0 (e.g. 'dense/=1e-2,blocks/7/=1e-3'); {item.strip()!r} is not one")
         groups.append((pattern, lr))
     return tuple(groups)
 
 
 # A loss_fn's metric: the share of its batch's labels outside the classes (jaxtrain.models.classify reports it;
-# the trainer reads it after its first step: jaxtrain.parallel.call_checks).
+# the trainer and the loop read it for every step once it is done: jaxtrain.parallel.call_checks).
 LABELS_OUT_OF_RANGE = "labels_out_of_range"

@@ -11,8 +11,10 @@ as a Python user calls them; ``as_flags`` says them as flags here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import logging
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -65,15 +67,43 @@ def as_flags(message: str, flags: dict[str, str] | None = None) -> str:
     return _PARAM.sub(say, message)
 
 
+class _AsFlags(logging.Formatter):
+    """A library log record as a command line says it: ``warning: ...``, its parameters as flags."""
+
+    def __init__(self, flags: dict[str, str] | None = None):
+        super().__init__()
+        self.flags = flags
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {as_flags(record.getMessage(), self.flags)}"
+
+
+@contextlib.contextmanager
+def library_log(flags: dict[str, str] | None = None):
+    """While a command runs: the library's log lines (logger "jaxtrain", warnings and up) on stderr, its
+    parameters said as flags (``on_bad_image=error`` -> ``--on-bad-image error``; ``flags``: as ``as_flags``)."""
+    logger, handler = logging.getLogger("jaxtrain"), logging.StreamHandler()
+    handler.setFormatter(_AsFlags(flags))
+    logger.addHandler(handler)
+    logger.propagate = False  # said once: not again by a handler on the root logger (absl's, tfds')
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+
+
 def one_line_errors(prog: str, flags: dict[str, str] | None = None):
     """Decorator of a command's ``main(argv)``: a ConfigError becomes ``prog: error: ...`` on stderr (its
-    parameters said as flags: ``as_flags``), exit with its ``EXIT_CODE`` (2; a Diverged run: 3)."""
+    parameters said as flags: ``as_flags``), exit with its ``EXIT_CODE`` (2; a Diverged run: 3); the library's
+    log lines are said as flags too (``library_log``)."""
 
     def wrap(main):
         @functools.wraps(main)
         def run(argv=None, **kwargs) -> int:
             try:
-                return main(argv, **kwargs)
+                with library_log(flags):
+                    return main(argv, **kwargs)
             except ConfigError as e:
                 print(f"{prog}: error: {as_flags(str(e), flags)}", file=sys.stderr)
                 return e.EXIT_CODE
@@ -177,6 +207,28 @@ def to_argv(config: RunConfig, model_fixed: bool = True) -> list[str]:
     return argv
 
 
+# The modules a training run's command runs (python -m MODULE ...): the model each fixes (None: --model says).
+RUNS = {"experiments.lenet": "lenet", "experiments.resnet18": "resnet18", "experiments.vit": "vit",
+        "experiments.distill": None, "jaxtrain.cli": None}
+
+
+def run_config(command: Sequence[str], more: Sequence[str] = ()) -> RunConfig:
+    """The RunConfig of a training run's command (``python -m MODULE FLAGS``, MODULE one of ``RUNS``) with
+    ``more`` flags, parsed and checked as the run does: a one-line ConfigError, before anything runs."""
+    module = command[2] if len(command) > 2 and command[1] == "-m" else None
+    where = " ".join(command[:3])
+    if module not in RUNS:
+        raise ConfigError(f"{where}: not a training run; give python -m MODULE with MODULE one of {', '.join(RUNS)}")
+    parser = make_parser(RUNS[module], prog=f"python -m {module}",
+                         renamed={"model": "--student"} if module == "experiments.distill" else None)
+
+    def error(message):
+        raise ConfigError(f"the command {where}: {message} (see {where} --help)")
+
+    parser.error = error
+    return RunConfig(**vars(parser.parse_args([*command[3:], *more])))
+
+
 def main(model: str | None = None, argv: Sequence[str] | None = None, description: str | None = None,
          prog: str | None = None, renamed: Mapping[str, str] | None = None) -> int:
     """Parse, run, and turn user errors into one line on stderr with exit code 2 (3: training diverged).
@@ -187,7 +239,7 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
     """
     from jaxtrain.driver.signals import Exit, StopOnSignal
 
-    with StopOnSignal() as stop:
+    with StopOnSignal() as stop, library_log():
         parser = make_parser(model, description, prog, renamed=renamed)
         args = parser.parse_args(argv)
         try:

@@ -12,7 +12,7 @@ class ConfigError(ValueError):
 
 
 class Diverged(ConfigError):
-    """The loss (outside fp16's skipped steps) or the parameters became NaN or infinite: training stopped.
+    """The loss (outside fp16's skipped steps), the evaluation's loss or the parameters became NaN or infinite.
 
     Experiments print it as one line and exit with ``EXIT_CODE`` (3), not 2: a sweep tells a diverged trial (a
     normal outcome of its settings) from a usage error (every trial would fail alike) by it.

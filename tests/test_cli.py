@@ -134,7 +134,11 @@ def test_missing_data_dir_is_a_one_line_error(tmp_path):
                                              (["--mesh", "data=2,foo=2"], "unknown axis 'foo'"),
                                              (["--microbatches", "4"], "give --mesh a 'stage' axis"),
                                              (["--max-steps", "5", "--profile", "10:12"], "starts after --max-steps"),
-                                             (["--param-sharding", "zero"], "--param-sharding")])
+                                             (["--param-sharding", "zero"], "--param-sharding"),
+                                             # issue 64: accepted, then "diverged" (exit 3)
+                                             (["--lr", "inf"], "--lr inf: expected a finite number"),
+                                             (["--lr", "nan"], "--lr nan: expected a finite number"),
+                                             (["--lr-groups", "dense/=inf"], "'dense/=inf' is not one")])
 def test_bad_flags_exit_2(flags, fragment):
     out = run_cli(*LENET, *flags)
     assert out.returncode == 2 and fragment in out.stderr and "Traceback" not in out.stderr

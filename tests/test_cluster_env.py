@@ -199,6 +199,25 @@ def test_the_sbatch_command_line_refuses_what_it_cannot_write():
         assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
 
 
+@pytest.mark.parametrize(("command", "says"), [
+    (["python", "-m", "experiments.resnet19"], "python -m experiments.resnet19: not a training run"),
+    (["python", "-m", "experiments.lenet", "--epohcs", "3"], "unrecognized arguments: --epohcs 3"),
+    (["python", "-m", "experiments.lenet", "--lr", "-1"], "--lr -1.0: expected a number > 0"),
+    (["python", "-m", "jaxtrain.cli", "--model", "resnet99"], "argument --model: invalid choice: 'resnet99'"),
+])
+def test_the_sbatch_command_line_parses_the_run_as_the_run_would_before_writing(tmp_path, command, says):
+    """(issue 64) A job for an unknown module or bad flags was written (and could be submitted), to fail on the
+    cluster after its wait in the queue."""
+    script = tmp_path / "job.sbatch"
+    out = run_cli("-m", "jaxtrain.slurm", "--checkpoint-dir", "ck", "--script", str(script), "--", *command)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and says in out.stderr, out.stderr
+    assert not script.exists()
+    ok = run_cli("-m", "jaxtrain.slurm", "--checkpoint-dir", "ck", "--script", str(script), "--", "python", "-m",
+                 "experiments.distill", "--teacher", "runs/t", "--student", "lenet", "--epochs", "2")
+    assert ok.returncode == 0 and script.is_file(), ok.stderr
+
+
 def test_requeue_on_signal_is_refused_at_start_where_it_could_not_requeue(env, monkeypatch, tmp_path):
     from jaxtrain.driver import requeue
     from jaxtrain.driver.config import RunConfig

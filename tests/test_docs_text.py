@@ -161,3 +161,17 @@ def test_a_design_document_outside_the_repository_is_caught():
     assert cited_documents('From the contract (DESIGN.md "API"), REFERENCE §5, docs/gpu.md and api.md.') == {
         "DESIGN.md", "REFERENCE.md", "docs/gpu.md", "api.md"}
     assert cited_documents("ConvNets/resnet50v1.5/README.md") == set()
+
+
+# ------------------------------------------------------------------------------ the defaults the pages state
+
+
+def test_the_image_sizes_data_md_gives_are_the_recipes():
+    """(issue 64) docs/data.md gave resnet18_imagenet's default --image-size as 32 (it is 224)."""
+    from jaxtrain.models import MODELS
+
+    said = re.search(r"`--image-size` \(default:(.*?)32 for the others\)", text(ROOT / "docs" / "data.md"), re.S)
+    assert said, "docs/data.md no longer says --image-size's defaults"
+    assert "224" in said.group(1)
+    assert set(re.findall(r"`([a-z0-9_]+)`", said.group(1))) == {m for m, d in MODELS.items() if d.image_size == 224}
+    assert {d.image_size for d in MODELS.values()} == {32, 224}

@@ -387,6 +387,15 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_its_last_good_checkpoint(
     assert (ck / str(newest)).is_dir() and not (ck / "unreadable").exists()
 
 
+
+@pytest.mark.slow
+def test_a_run_that_diverges_in_its_last_step_exits_3(tmp_path):
+    """(issue 64) Its losses read were finite, its evaluation NaN: exit 0, test_loss null, a sweep's best trial."""
+    r = run_cli(*LENET, "--lr", "1e6", "--epochs", "1", "--max-steps", "2", "--train-subset", "512",
+                "--out", str(tmp_path / "o"))
+    one_line_error(r, "at step 2: training diverged", "lower --lr", code=3)
+    assert not (tmp_path / "o" / "summary.json").exists() and not (tmp_path / "o" / "model").exists()
+
 def test_outputs_are_strict_json_with_null_for_what_was_not_measured(tmp_path):
     from jaxtrain.driver.outputs import strict_json
 

@@ -198,15 +198,27 @@ def test_files_that_do_not_open_are_left_out_of_the_index_in_one_line(tmp_path, 
     assert not any(f.startswith("cat/loop") for f in files)
 
 
-def test_a_file_that_fails_to_decode_is_replaced_and_counted_once_per_epoch_or_is_one_line(tmp_path, cache, capsys):
+def test_a_file_that_fails_to_decode_is_replaced_and_counted_once_per_epoch_or_is_one_line(tmp_path, cache, capsys,
+                                                                                            caplog):
+    """Counted in one log line per epoch: the library's names its parameter (on_bad_image=error), the command
+    line's its flag (issue 64: it named the parameter, printed, to the command line's user)."""
+    from jaxtrain import cli
+
     data = folder.load(_bad_folder(tmp_path / "d"), 8, warn=lambda text: None)
     loader = _loader(data["train"], batch_size=14, workers=1)
     batches = list(itertools.islice(loader.epoch(0), len(loader)))  # as the loop takes them: never one more
     loader.close()
     assert len(batches) == 1 and batches[0]["image"].shape == (14, 8, 8, 3)
+    said = [r for r in caplog.records if r.name.startswith("jaxtrain")]
+    assert len(said) == 1 and said[0].levelname == "WARNING", said
+    assert said[0].getMessage().startswith("epoch 0: 1 image file(s) could not be decoded")
+    assert "truncated.jpg" in said[0].getMessage() and "(on_bad_image=error stops instead)" in said[0].getMessage()
+    capsys.readouterr()
+    with cli.library_log():  # as python -m experiments.* says it
+        list(itertools.islice(_loader(data["train"], batch_size=14).epoch(1), 1))
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("warning: epoch 0: 1 image file(s) could not be decoded"), err
-    assert "truncated.jpg" in err[0]
+    assert len(err) == 1 and err[0].startswith("warning: epoch 1: 1 image file(s) could not be decoded"), err
+    assert err[0].endswith("(--on-bad-image error stops instead)"), err
     strict = folder.load(tmp_path / "d", 8, on_bad="error", warn=lambda text: None)
     with pytest.raises(ConfigError, match=r"truncated.jpg cannot be decoded .*pass on_bad_image=skip"):
         _all(_loader(strict["train"], batch_size=14))
@@ -230,7 +242,10 @@ def test_a_programming_error_while_decoding_is_raised_not_counted_as_a_damaged_f
     ("empty class", r"class folder\(s\) with no usable image: dog"),
     ("train only", "has train/ but no val/ or test/"),
     ("val has more", "has classes train/ lacks: owl"),
-    ("nothing held out", "no usable image in this split"),
+    ("nothing held out", r"val_fraction=0\.2 holds out no image of .* raise val_fraction="),
+    # issue 64: said the (right) split was empty by the wrong name, and advised raising val_fraction
+    ("nothing to train on", r"val_fraction=0\.999 holds out every image of .*, leaving none to train on: lower "
+                            "val_fraction="),
 ])
 def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, layout, says):
     root = tmp_path / "d"
@@ -245,10 +260,11 @@ def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, lay
     elif layout == "val has more":
         make_folder(root, {"train": 2, "val": 1}, classes=CLASSES)
         make_folder(root, {"val": 1}, classes=("owl",))
-    elif layout == "nothing held out":
+    elif layout in ("nothing held out", "nothing to train on"):
         make_folder(root, {"": 2})
     with pytest.raises(ConfigError, match=says) as e:
-        folder.load(root, 8, val_fraction={"no classes": 0.5, "nothing held out": 0.2}.get(layout))
+        folder.load(root, 8, val_fraction={"no classes": 0.5, "nothing held out": 0.2,
+                                           "nothing to train on": 0.999}.get(layout))
     assert "\n" not in str(e.value)
 
 

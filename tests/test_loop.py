@@ -1,6 +1,7 @@
 """The host loop: no deadlock, exact evaluation, learning on real data."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -8,6 +9,7 @@ from conftest import needs_fashion_mnist
 
 import jaxtrain as jt
 from jaxtrain.data import loader, sources
+from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.models import lenet
 from jaxtrain.train.loop import evaluate, fit
 
@@ -85,3 +87,46 @@ def test_no_recompilation_after_the_first_epoch(strategy):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert per_epoch[0] > 0, "the listener saw no compilation at all"
     assert per_epoch[2] == per_epoch[0], per_epoch
+
+
+def _nan_on_step(n):
+    """An optax update that is NaN at step ``n`` (1-based) only: every loss read before it is finite."""
+    def update(updates, count, params=None):
+        bad = jnp.where(count + 1 == n, jnp.nan, 0.0)
+        return jax.tree.map(lambda u: u + bad, updates), count + 1
+
+    return optax.chain(optax.sgd(0.1), optax.GradientTransformation(lambda p: jnp.zeros([], jnp.int32), update))
+
+
+def test_a_run_whose_last_update_is_not_finite_diverges():
+    """(issue 64) --lr 1e6 for 2 steps: the losses read were finite, the final params NaN; the run exited 0."""
+    trainer = jt.make_train_step(lenet.loss_fn, _nan_on_step(2), mesh=1)
+    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    with pytest.raises(Diverged, match="the parameters became NaN or infinite at step 2: training diverged"):
+        fit(trainer, state, loader.Loader(random_split(256), 64, train=True), None, None, epochs=1, max_steps=2,
+            progress=False)
+
+
+def test_a_non_finite_evaluation_diverges():
+    """(issue 64) A NaN evaluation loss was written as test_loss null, exit 0, a sweep's best trial."""
+    def eval_fn(params, model_state, batch):
+        metrics = lenet.eval_fn(params, model_state, batch)
+        return {**metrics, "loss": metrics["loss"] * jnp.nan}
+
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=1)
+    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    with pytest.raises(Diverged, match="the evaluation's loss became nan at step 2: training diverged"):
+        fit(trainer, state, loader.Loader(random_split(256), 64, train=True), jt.make_eval_step(eval_fn, mesh=1),
+            loader.Loader(random_split(64, seed=1), 64, train=False), epochs=1, max_steps=2, progress=False)
+
+
+def test_a_label_outside_the_classes_in_a_later_batch_stops_fit_in_one_line():
+    """(issue 64) Only the first batch's labels were read: a later label of 10 trained on to a NaN loss, then said
+    as a divergence ("a learning rate too high?")."""
+    split = random_split(256)
+    split.labels[200] = 10
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=1)
+    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    with pytest.raises(ConfigError, match=r"^1\.6% of the labels of the batch of step [1-4] are outside the model's "
+                                          r"classes: .*; fix the labels$"):
+        fit(trainer, state, loader.Loader(split, 64, train=True), None, None, epochs=1, progress=False)

@@ -250,6 +250,26 @@ def test_a_sweep_from_python_over_a_run_config(tmp_path, monkeypatch):
     assert best == [line], said
 
 
+
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_a_trial_that_diverges_in_its_last_step_is_never_best(tmp_path, monkeypatch):
+    """(issue 64) --lr 1e6 for 2 steps: every loss read was finite, the evaluation NaN; the trial was complete and
+    printed as best: with its command line to copy."""
+    from jaxtrain import RunConfig
+    from jaxtrain.sweep.command import sweep
+
+    for name, value in cached_compiles({}).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
+    said = []
+    base = RunConfig(model="lenet", devices=2, epochs=1, max_steps=2, train_subset=512, test_subset=256)
+    study = sweep("d", f"sqlite:///{tmp_path}/s.db", ["lr=choice:1e6"], trials=1, base=base,
+                  say=lambda *a, **k: said.append(" ".join(map(str, a))))
+    assert [t.state.name for t in study.trials] == ["PRUNED"], "\n".join(said)
+    assert "training diverged" in study.trials[0].user_attrs["diverged"]
+    assert not any("best:" in text for text in said), said
+
 def test_parallel_trials_share_the_cores_between_them():
     import shutil
 

@@ -214,8 +214,7 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
     def make(where: Path, index: dict, files: list[str], labels: np.ndarray, classes) -> FolderSplit:
         order = np.random.default_rng(_ORDER_SEED).permutation(len(files))
         if not files:
-            raise ConfigError(f"{where}: no usable image in this split (e.g. every class's val_fraction share rounds "
-                              "to 0): add images, or raise val_fraction")
+            raise ConfigError(f"{where}: no usable image in it: add images")
         library = ""
         if settings.current().jpeg_decoder == "region" and any(f.lower().endswith(JPEG_SUFFIXES) for f in files):
             library = jpeg.check()  # built here, before any worker starts; where it cannot be, one line says so
@@ -254,5 +253,11 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
     for c in range(len(classes)):  # each class's share, so a small class is held out too
         members = np.flatnonzero(labels == c)
         held[rng.permutation(members)[:round(val_fraction * len(members))]] = True
+    if held.all():
+        raise ConfigError(f"val_fraction={val_fraction} holds out every image of {base}, leaving none to train on: "
+                          "lower val_fraction= (e.g. 0.1), or add images")
+    if not held.any():
+        raise ConfigError(f"val_fraction={val_fraction} holds out no image of {base} (each class's share rounds to "
+                          "0): raise val_fraction=, or add images")
     return {name: make(base, index, [files[i] for i in pick], labels[pick], classes)
             for name, pick in (("train", np.flatnonzero(~held)), ("test", np.flatnonzero(held)))}

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import functools
-import sys
+import logging
 
 import grain
 import numpy as np
@@ -26,6 +26,8 @@ from jaxtrain.data import augment as augment_lib
 from jaxtrain.data.folder import FolderSplit
 from jaxtrain.data.split import Split
 from jaxtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def normalise(images: np.ndarray) -> np.ndarray:
@@ -178,17 +180,16 @@ class Loader:
         return {**self.__dict__, "_stream": None}
 
     def _counted(self, batches: Iterator[dict], epoch: int, count: int) -> Iterator[dict]:
-        """The batches without their list of failed files; their count said in one line with the epoch's last batch
-        (before it is handed on: a loop that stops at its last batch never asks for more)."""
+        """The batches without their list of failed files; their count logged in one line with the epoch's last
+        batch (before it is handed on: a loop that stops at its last batch never asks for more)."""
         bad, first = 0, None
         for i in range(count):
             batch = next(batches)
             failed = batch.pop("bad")
             bad, first = bad + len(failed), first or (failed[0] if failed else None)
             if i == count - 1 and bad:
-                print(f"warning: epoch {epoch}: {bad} image file(s) could not be decoded and were replaced by the "
-                      f"next file of the split, e.g. {first} (on_bad_image=error stops instead)", file=sys.stderr,
-                      flush=True)
+                log.warning("epoch %d: %d image file(s) could not be decoded and were replaced by the next file of "
+                            "the split, e.g. %s (on_bad_image=error stops instead)", epoch, bad, first)
             yield batch
 
     def _batch(self, order: np.ndarray | None, b: int, epoch: int) -> dict:

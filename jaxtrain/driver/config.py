@@ -13,6 +13,7 @@ not imported here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, CONVS, DATASETS, DEFAULT_DATA_DIRS, FOLDER_PREFIX, KERNELS,
@@ -205,6 +206,8 @@ class RunConfig:
             value, meta = getattr(self, f.name), f.metadata
             if value is None or isinstance(value, bool):
                 continue
+            if isinstance(value, float) and not math.isfinite(value):  # inf would pass "> 0", then diverge
+                raise ConfigError(f"{f.name}={value}: expected a finite number")
             if meta["choices"] and value not in meta["choices"]:
                 raise ConfigError(f"{f.name}={value!r}: not one of {', '.join(meta['choices'])}")
             if meta["minimum"] is not None and not value >= meta["minimum"]:

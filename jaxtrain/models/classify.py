@@ -4,8 +4,8 @@ cross-entropy of the train loss is the fused Pallas kernel (jaxtrain.kernels.sof
 Labels are checked twice, both for free: their dtype and shape while the step is traced (static), and
 their values inside the step: a label outside ``0 .. classes - 1`` gets a NaN loss (never another class's
 loss: a ``-1`` would otherwise wrap to the last class and look plausible), and ``mean_loss`` reports the
-fraction of such labels as the metric ``LABELS_OUT_OF_RANGE``, which the trainer reads on its first step
-(``jaxtrain.parallel.call_checks``).
+fraction of such labels as the metric ``LABELS_OUT_OF_RANGE``, which the trainer and the loop read for every
+step once it is done (``jaxtrain.parallel.call_checks``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 All of it is cheap: shapes, dtypes and tree structures are static, so they
 are compared on the host without waiting for the devices; the one value read
-back is a scalar of the FIRST step.
+back, a scalar per step, is read when its step is done.
 
 - The state: its tree against the one this trainer's optimizer and precision
   make (``structure``: once per new structure), its arrays' placement against
@@ -12,12 +12,12 @@ back is a scalar of the FIRST step.
   where an earlier batch ran, the ones that differ from it (``untraceable``).
 - The labels: jaxtrain's loss helpers report the fraction of labels outside
   the classes as the metric ``LABELS_OUT_OF_RANGE`` and give those examples a
-  NaN loss (``jaxtrain.models.classify``). The trainer reads that metric after
-  its first step and raises if it is not 0 (``labels``). Reading it there
-  costs one wait for the first step, once; a loop that reads metrics one step
-  late would see it a step later, with the first step's update already
-  applied. Later steps are not read: a bad label there shows as a NaN loss,
-  which ``jaxtrain.train.loop`` stops on.
+  NaN loss (``jaxtrain.models.classify``): its gradient is masked out, so the
+  state stays finite. Every step's metric is read when the step is done and
+  raises if it is not 0 (``labels``): by ``trainer(state, batch)`` two calls
+  later, before it takes (donates) its state, so the state given to the
+  raising call is still usable; by ``jaxtrain.train.loop`` one step late,
+  with the metrics. One step stays in flight: no read waits on the devices.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxtrain.choices import LABELS_OUT_OF_RANGE
 from jaxtrain.core.state import TrainState
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.sharding import path_name
@@ -110,16 +109,15 @@ def untraceable(error: Exception, batch, previous: dict[str, str] | None) -> Con
                        "and dtypes against what the loss_fn takes")
 
 
-def labels(metrics: dict, batch) -> None:
-    """After a first step: a ConfigError if the loss reported labels outside the model's classes."""
-    if LABELS_OUT_OF_RANGE not in metrics:
-        return
-    share = float(jax.device_get(metrics[LABELS_OUT_OF_RANGE]))
+def labels(share, where: str, values=None) -> None:
+    """A ConfigError if ``share``, a step's metric ``LABELS_OUT_OF_RANGE``, is not 0: labels outside the model's
+    classes in the batch ``where`` names (``values``: its labels, to say their range)."""
+    share = float(jax.device_get(share))
     if share == 0:
         return
     found = ""
-    if isinstance(batch, dict) and "label" in batch and getattr(batch["label"], "is_fully_addressable", True):
-        values = np.asarray(jax.device_get(batch["label"]))
+    if values is not None and getattr(values, "is_fully_addressable", True):
+        values = np.asarray(jax.device_get(values))
         found = f" (they range {values.min()}..{values.max()})"
-    raise ConfigError(f"{share:.1%} of the first batch's labels are outside the model's classes{found}: labels "
-                      "are class indices 0..num_classes-1 (their loss is NaN); fix the labels")
+    raise ConfigError(f"{share:.1%} of the labels of {where} are outside the model's classes{found}: labels are "
+                      "class indices 0..num_classes-1 (their loss is NaN); fix the labels")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxtrain.cli import one_line_errors, run_config
 from jaxtrain.slurm import Job, script
 
 USAGE = ("python -m jaxtrain.slurm --checkpoint-dir DIR [--nodes N] [--tasks-per-node T] [--gpus-per-task G] "
@@ -42,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@one_line_errors("python -m jaxtrain.slurm")
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
@@ -58,6 +60,9 @@ def main(argv=None) -> int:
         value = getattr(args, name)
         if value is not None and (not value or any(c.isspace() for c in value)):
             p.error(f"--{name.replace('_', '-')} {value!r}: give a value without spaces")
+    if len(command) > 1 and command[1] == "-m":  # a module: a training run, its flags checked as it checks them
+        run_config(command, ["--checkpoint-dir", args.checkpoint_dir, "--resume"]
+                   + ([] if args.no_requeue else ["--requeue-on-signal"]))
     job = Job(tuple(command), args.checkpoint_dir, args.name, args.nodes, args.tasks_per_node, args.gpus_per_task,
               args.cpus_per_task, args.time, args.partition, args.account, args.output, args.signal_seconds,
               not args.no_requeue)

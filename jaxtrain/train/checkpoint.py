@@ -31,16 +31,14 @@ from pathlib import Path
 
 import jax
 
-from jaxtrain.core.precision import all_finite
 from jaxtrain.core.state import TrainState
-from jaxtrain.errors import ConfigError, Diverged
+from jaxtrain.errors import ConfigError
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.io.files import ensure_room, ensure_writable, out_of_space
 from jaxtrain.train import integrity
-from jaxtrain.train.loop import Position
+from jaxtrain.train.loop import Position, check_finite
 
 UNREADABLE = "unreadable"
-_all_finite = jax.jit(all_finite)
 # What orbax and tensorstore say when a checkpoint's bytes are damaged (seen with files truncated, zeroed,
 # deleted, or JSON overwritten, orbax 0.11): only these mark a checkpoint corrupt.
 _READ_ERRORS = ("Encountered error while reading", "was not found in the checkpoint", "DATA_LOSS", "NOT_FOUND",
@@ -132,8 +130,7 @@ class Checkpointer:
         """Save at step ``position.total_steps`` (asynchronously unless ``wait``)."""
         ocp = self._ocp
         step = position.total_steps
-        if not jax.device_get(_all_finite(state.params)):  # an update overflowed: never saved as a good state
-            raise Diverged("the parameters became NaN or infinite", step)
+        check_finite(state.params, step)  # an update overflowed: never saved as a good state
         pos = dataclasses.asdict(position)
         with self._io(step):
             if step not in self.manager.all_steps():

@@ -17,9 +17,14 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxtrain.choices import LABELS_OUT_OF_RANGE
+from jaxtrain.core.precision import all_finite
 from jaxtrain.data.prefetch import prefetch_to_device
 from jaxtrain.errors import Diverged
+from jaxtrain.parallel import call_checks
 from jaxtrain.train.timing import Chrono, OneStepLate
+
+_all_finite = jax.jit(all_finite)
 
 
 @dataclasses.dataclass
@@ -45,6 +50,12 @@ def device_batches(batches: Iterable[dict], plan, prefetch: int):
     if prefetch > 0:
         return prefetch_to_device(batches, plan.shard, prefetch)
     return (plan.shard(b) for b in batches)
+
+
+def check_finite(params, step: int) -> None:
+    """``Diverged`` if a parameter is NaN or infinite: an update overflowed, though every loss read was finite."""
+    if not jax.device_get(_all_finite(params)):
+        raise Diverged("the parameters became NaN or infinite", step)
 
 
 def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> dict:
@@ -151,9 +162,12 @@ class Loop:
         if read is None:
             return
         m, batch_size = read
+        step = self.total_steps - self._late.pending
+        if LABELS_OUT_OF_RANGE in m:
+            call_checks.labels(m[LABELS_OUT_OF_RANGE], f"the batch of step {step}")
         loss = float(m["loss"])
         if not math.isfinite(loss) and float(m.get("grads_finite", 1.0)) != 0.0:  # fp16 skips its overflows
-            raise Diverged(f"the loss became {loss}", self.total_steps - self._late.pending)
+            raise Diverged(f"the loss became {loss}", step)
         self.recent = m
         self.first_loss = loss if self.first_loss is None else self.first_loss
         for k in ("loss", "accuracy"):
@@ -193,7 +207,8 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
     ``data_wait_fraction``. ``hooks`` run every N steps / epochs;
     ``on_epoch(stats)`` is the common epoch hook; each runs inside ``pause()``
     (a run's stall watch: an evaluation is not a stall). ``position`` resumes
-    a run where a checkpoint left it.
+    a run where a checkpoint left it. A NaN or infinite loss, evaluation loss,
+    or parameters at an epoch's end raise ``Diverged``.
 
     Returns ``(state, history, first_loss)``: the final state, one EpochStats
     per epoch, and the loss of the very first step.
@@ -228,6 +243,7 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
                         with pause():
                             hook.fn(loop)
             loop.sync()
+        check_finite(loop.state.params, loop.total_steps)  # the last update of an epoch has no loss read after it
         _end_epoch(loop)
         for hook in hooks:
             if hook.due("epoch", epoch):
@@ -263,6 +279,8 @@ def evaluation(evaluator, test_loader, every: int = 1, unit: str = "epoch", pref
         with loop.chrono.paused("eval") if unit == "step" else contextlib.nullcontext(), \
                 jax.profiler.TraceAnnotation("eval"):
             test = evaluate(evaluator, loop.state, test_loader.epoch(loop.epoch), prefetch)
+        if test["count"] and not math.isfinite(test.get("loss", 0.0)):
+            raise Diverged(f"the evaluation's loss became {test['loss']}", loop.total_steps)
         loop.evaluated = {"step": loop.total_steps, **test, "sec": time.perf_counter() - start}
         if unit == "epoch":
             loop.stats.test_loss, loop.stats.test_acc = test.get("loss", np.nan), test.get("accuracy", np.nan)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import sys
 from collections.abc import Mapping
 
@@ -11,6 +12,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.choices import LABELS_OUT_OF_RANGE
 from jaxtrain.core import accumulate, precision as prec, step as step_lib
 from jaxtrain.core.state import TrainState
 from jaxtrain.core.step import EvalFn, LossFn
@@ -52,7 +54,8 @@ class Trainer:
         self.batch_plan = Plan(mesh, micro_batches or self.scan_steps, calls)
         self._plans, self._steps = {}, {}  # state tree structure -> Plan, compiled step
         self._last_batch = None  # the signature of the last batch a checked call ran (call_checks.untraceable)
-        self._labels_checked = False  # read after the first step (call_checks.labels)
+        self._unread = collections.deque()  # (call, labels' metric, labels) of calls not read yet (_read_labels)
+        self._calls = 0
         self._axes_said = False  # the warning about mesh axes nothing uses: once
 
     @property
@@ -148,11 +151,13 @@ class Trainer:
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a global batch (numpy or jax arrays): the state (its tree, its placement) and the batch
         checked and the batch sharded first; a step that cannot be traced for the batch is one line naming its
-        arrays (``jaxtrain.parallel.call_checks``)."""
+        arrays; labels outside the classes are found two calls later, before that call takes its state
+        (``jaxtrain.parallel.call_checks``)."""
         _check_not_donated(state)
         compiled = self._compiled(state)
         self.plan(state).check_placed(state)
         batch = self.shard(batch)
+        self._read_labels()
         try:
             out = compiled(state, batch)
         except call_checks.TRACE_ERRORS as e:
@@ -160,22 +165,25 @@ class Trainer:
                 raise
             raise call_checks.untraceable(e, batch, self._last_batch) from e
         self._last_batch = call_checks.signature(batch)
-        return self._first_labels(out, batch)
+        self._calls += 1
+        if LABELS_OUT_OF_RANGE in out[1]:
+            self._unread.append((self._calls, out[1][LABELS_OUT_OF_RANGE], batch.get("label")))
+        return out
+
+    def _read_labels(self) -> None:
+        """A ConfigError if the batch of the call before the previous one had labels outside the classes: its
+        step is done (one step stays in flight, so this never waits on the devices)."""
+        while len(self._unread) > 1:
+            call, share, labels = self._unread.popleft()
+            call_checks.labels(share, f"the batch of call {call}", labels)
 
     def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a batch ALREADY on the mesh (what ``prefetch_to_device`` yields).
 
-        No checks, no copies (but the first step's labels): the hot-loop entry. Under
-        ``jax.transfer_guard("disallow")`` a host array here is an error.
+        No checks, no copies: the hot-loop entry (``loop.fit`` reads each step's labels metric one step late).
+        Under ``jax.transfer_guard("disallow")`` a host array here is an error.
         """
-        return self._first_labels(self._compiled(state)(state, batch), batch)
-
-    def _first_labels(self, out: tuple, batch) -> tuple[TrainState, dict]:
-        """``out``, after the first step's labels were found in range (one wait for that step, once)."""
-        if not self._labels_checked:
-            call_checks.labels(out[1], batch)
-            self._labels_checked = True
-        return out
+        return self._compiled(state)(state, batch)
 
     def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
         """The lowered (not yet compiled) step; ``.compile()`` it.
