@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import contextlib
 import functools
+import signal
 import sys
 
 import grain
@@ -42,18 +44,35 @@ def _absl_flags_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
+# What a Ctrl-C, a SIGTERM or a scheduler's SIGUSR1 sends to the whole process group: the parent's to handle.
+_PARENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Block the parent's signals in this thread while worker processes start: the threads grain starts here, and
+    the processes they spawn, inherit the block, so a signal sent to the process group while a worker still
+    imports (seconds) waits in it until ``_worker_started`` ignores it, instead of killing it (grain: "Worker
+    process was terminated unexpectedly"). This process still gets the signal, in one of its other threads."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _PARENT_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def _worker_started(index: int, count: int) -> None:
     """A decode worker leaves signals to its parent (which stops it with ``Loader.close``: a Ctrl-C, a SIGTERM or
     a scheduler's SIGUSR1 sent to the process group reaches the run's own handlers, not a traceback per worker),
     and exits if its parent is gone (killed: nothing else would stop it)."""
     import os
-    import signal
     import threading
     import time
 
     _absl_flags_parsed()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
+    for sig in _PARENT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)  # one sent while this process started, blocked until now, is dropped
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _PARENT_SIGNALS)
     parent = os.getppid()
 
     def watch():
@@ -137,7 +156,8 @@ class Loader:
         g % len; evaluation passes are all alike), so they start once (seconds each: Python, grain, JAX), not
         every epoch: continued where the last epoch ended, started again anywhere else (a resume, a break)."""
         g = (epoch if self.train else 0) * len(self) + start
-        if self._stream is None or (self._next != g and (self.train or start or self._next % len(self))):
+        fresh = self._stream is None or (self._next != g and (self.train or start or self._next % len(self)))
+        if fresh:
             self.close()
             _absl_flags_parsed()
             steps = grain.MapDataset.range(g, g + len(self) * _EPOCHS_AHEAD).map(self._global_batch)
@@ -146,9 +166,10 @@ class Loader:
                                              worker_init_fn=_worker_started))
             self._next = g
         stream = self._stream
-        for _ in range(len(self) - start):
+        for i in range(len(self) - start):
             try:
-                batch = next(stream)
+                with _signals_held() if fresh and i == 0 else contextlib.nullcontext():  # the workers start here
+                    batch = next(stream)
             except BaseException:  # a worker's error (raised here) ends this stream: the next epoch starts anew
                 if self._stream is stream:
                     self.close()
