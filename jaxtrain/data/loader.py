@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import atexit
 import contextlib
 import functools
+import gc
 import signal
 import sys
 
 import grain
 import numpy as np
+from grain.multiprocessing import SharedMemoryArray
 
 from jaxtrain.choices import AUGMENTATIONS
 from jaxtrain.data import augment as augment_lib
@@ -81,6 +84,17 @@ def _worker_started(index: int, count: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="jaxtrain-orphan-watch", daemon=True).start()
+
+
+@atexit.register
+def _give_back_shared_memory() -> None:
+    """Unlink the shared memory of the batches let go: those in reference cycles (grain's buffers, a traceback's
+    frames) collected now, then grain's one unlinking thread waited for (first in, first out). At exit too: none is
+    left to Python's resource_tracker, which would warn of "leaked shared_memory objects"."""
+    pool = getattr(SharedMemoryArray, "_del_thread_pool", None)  # grain 0.2.18 has no public way to wait for it
+    if pool is not None:
+        gc.collect()
+        pool.apply(int)
 
 
 def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
@@ -190,10 +204,13 @@ class Loader:
         return self._batch(_order(len(self.split), self.seed, epoch) if self.train else None, b, epoch)
 
     def close(self) -> None:
-        """Stop the worker processes (if any run); the next epoch starts new ones."""
+        """Stop the worker processes (if any run); the next epoch starts new ones. The shared memory of the batches
+        grain still held is given back now (else Python's resource_tracker warns at exit of "leaked" blocks)."""
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
+            del stream
+            _give_back_shared_memory()
 
     def __getstate__(self) -> dict:  # what the worker processes get: never the stream they make
         return {**self.__dict__, "_stream": None}
