@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from experiments.input_folder import rate
-from jaxtrain.cli import one_line_errors
+from jaxtrain.cli import executable, one_line_errors, positive_int, whole_numbers
 
 ROOT = Path(__file__).resolve().parents[1]
 PER_IMAGE = (("region", "per image jaxtrain"), ("pillow", "per image jaxtrain, Pillow's whole decode (reduced)"),
@@ -42,15 +42,18 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.decode_bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--images", required=True, help="a folder of JPEG photographs (searched recursively)")
-    p.add_argument("--copies", type=int, default=3, help="links to each image in the benchmark's folder")
-    p.add_argument("--size", type=int, default=224, help="the crop's side")
-    p.add_argument("--batch", type=int, default=64, help="images per batch")
-    p.add_argument("--batches", type=int, default=20, help="batches timed per loader measurement")
-    p.add_argument("--workers", default="1,2", help="comma-separated worker-process counts for the loaders")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of both sides")
-    p.add_argument("--torch-python", default=sys.executable, help="a Python with torch and torchvision")
-    p.add_argument("--dali-python", help="a Python with NVIDIA DALI (nvidia-dali-cuda120): its CPU pipeline with "
-                                         "as many threads as --workers, side by side (default: not measured)")
+    p.add_argument("--copies", type=positive_int, default=3, help="links to each image in the benchmark's folder")
+    p.add_argument("--size", type=positive_int, default=224, help="the crop's side")
+    p.add_argument("--batch", type=positive_int, default=64, help="images per batch")
+    p.add_argument("--batches", type=positive_int, default=20, help="batches timed per loader measurement")
+    p.add_argument("--workers", type=whole_numbers(1, "1,2"), default=[1, 2],
+                   help="comma-separated worker-process counts for the loaders")
+    p.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds of both sides")
+    p.add_argument("--torch-python", type=executable, default=sys.executable,
+                   help="a Python with torch and torchvision")
+    p.add_argument("--dali-python", type=executable,
+                   help="a Python with NVIDIA DALI (nvidia-dali-cuda120): its CPU pipeline with as many threads as "
+                        "--workers, side by side (default: not measured)")
     return p
 
 
@@ -105,7 +108,7 @@ def other_side(who: str, python: str, root: Path, size: int, batch: int, workers
 @one_line_errors("decode_bench")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    workers = [int(w) for w in args.workers.split(",")]
+    workers = args.workers
     from jaxtrain.data import folder
 
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as tmp:

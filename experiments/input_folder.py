@@ -61,7 +61,7 @@ def report(args) -> int:
 
     if not args.dataset.startswith(FOLDER_PREFIX):
         raise ConfigError(f"--dataset {args.dataset}: this report times image folders: give folder:DIR")
-    workers = [int(w) for w in (args.workers or "1,2").split(",")]
+    workers = args.workers or [1, 2]
     if min(workers) < 1:
         raise ConfigError("--workers: worker processes here, counts >= 1 like 1,2")
     cores = args.cores or len(os.sched_getaffinity(0))

@@ -23,17 +23,18 @@ import argparse
 import sys
 import time
 
-from jaxtrain.cli import one_line_errors
+from jaxtrain.cli import one_line_errors, positive_int, whole_numbers
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.input_pipeline", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--devices", type=int, default=2, help="devices to train on")
-    p.add_argument("--batch-size", type=int, default=256, help="global batch size")
-    p.add_argument("--workers", default=None, help="comma-separated grain worker counts (default: 0,1,2,4 threads; a "
-                                                   "folder: 1,2 processes)")
-    p.add_argument("--max-steps", type=int, default=None, help="steps per measured epoch (default: a full epoch)")
+    p.add_argument("--devices", type=positive_int, default=2, help="devices to train on")
+    p.add_argument("--batch-size", type=positive_int, default=256, help="global batch size")
+    p.add_argument("--workers", type=whole_numbers(0, "0,1,2,4"), default=None,
+                   help="comma-separated grain worker counts (default: 0,1,2,4 threads; a folder: 1,2 processes)")
+    p.add_argument("--max-steps", type=positive_int, default=None,
+                   help="steps per measured epoch (default: a full epoch)")
     p.add_argument("--slow-ms", type=float, default=40.0,
                    help="sleep per batch in the slow-transform variant (0: skip the variant)")
     p.add_argument("--data-dir", default=None, help="directory with the IDX files (see experiments.lenet --help)")
@@ -43,18 +44,19 @@ def parser() -> argparse.ArgumentParser:
                         "4, prefetch 2) into DIR/starved and DIR/fed (docs: Getting started, 'Watching a run')")
     f = p.add_argument_group("an image folder (--dataset folder:DIR)")
     f.add_argument("--dataset", default=None, metavar="folder:DIR", help="time this image folder's loader instead")
-    f.add_argument("--image-size", type=int, default=224, help="the side images are cropped and resized to")
+    f.add_argument("--image-size", type=positive_int, default=224, help="the side images are cropped and resized to")
     f.add_argument("--augment", default="rrc+flip", choices=("none", "crop+flip", "rrc+flip"),
                    help="training augmentation (as --augment of a run)")
-    f.add_argument("--batches", type=int, default=20, help="batches timed per worker count")
-    f.add_argument("--cores", type=int, default=None, help="decode cores a host has (default: this one's)")
+    f.add_argument("--batches", type=positive_int, default=20, help="batches timed per worker count")
+    f.add_argument("--cores", type=positive_int, default=None, help="decode cores a host has (default: this one's)")
     f.add_argument("--gpu-plan", default=None, metavar="PLAN.json", help="a plan from experiments.gpu_plan --json")
     f.add_argument("--gpu", default=None, help="compile a plan for this GPU here (h100, a100, ...; gpu-compile extra)")
-    f.add_argument("--gpus", type=int, default=8, help="GPUs per host of the plan")
-    f.add_argument("--hosts", type=int, default=1, help="hosts of the plan")
+    f.add_argument("--gpus", type=positive_int, default=8, help="GPUs per host of the plan")
+    f.add_argument("--hosts", type=positive_int, default=1, help="hosts of the plan")
     f.add_argument("--model", default="resnet50", help="the plan's model")
     f.add_argument("--precision", default="bf16", help="the plan's precision")
-    f.add_argument("--plan-batch-size", type=int, default=None, help="the plan's global batch (default: its recipe's)")
+    f.add_argument("--plan-batch-size", type=positive_int, default=None,
+                   help="the plan's global batch (default: its recipe's)")
     return p
 
 
@@ -67,14 +69,7 @@ def main(argv=None) -> int:
         return report(args)
     import jaxtrain as jt
 
-    try:
-        workers = [int(w) for w in (args.workers or "0,1,2,4").split(",")]
-        if min(workers) < 0:
-            raise ValueError
-    except ValueError:
-        print(f"input_pipeline: error: --workers takes counts >= 0 like 0,1,2,4, got {args.workers!r}",
-              file=sys.stderr)
-        return 2
+    workers = args.workers or [0, 1, 2, 4]
     devices = jt.setup_devices(args.devices)
     import jax
     import optax

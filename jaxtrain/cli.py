@@ -43,6 +43,31 @@ def whole_number(minimum: int):
 positive_int = whole_number(1)
 
 
+def whole_numbers(minimum: int, example: str):
+    """argparse type: comma-separated whole numbers >= ``minimum``, like ``example`` (a one-line error otherwise)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers like {example}, got "
+                                             f"{text!r}") from None
+        if min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"expected numbers >= {minimum} like {example}, got {text!r}")
+        return values
+
+    return parse
+
+
+def executable(text: str) -> str:
+    """argparse type: a program that can be run (a path, or a name on $PATH)."""
+    import shutil
+
+    if shutil.which(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a program that can be run: give a path to one")
+    return text
+
+
 # A parameter in a library message: ``name=VALUE`` or ``name=`` (at the start, after a space, "(" or a quote).
 _PARAM = re.compile(r"(?<![^\s(`'\"])([a-z][a-z0-9_]*)=([^\s,;)]*)")
 

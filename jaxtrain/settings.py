@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 from jaxtrain.errors import ConfigError
@@ -75,6 +76,14 @@ def _whole(name: str, text: str, low: int = 1, high: int | None = None, why: str
     return int(text)
 
 
+def address(name: str, text: str) -> str:
+    """``text`` if it is HOST:PORT (a port from 1 to 65535), else a ConfigError naming ``name``."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name}={text}: not HOST:PORT: give process 0's host and a free port (e.g. 10.0.0.1:7777)")
+    return text
+
+
 def _choice(name: str, text: str, choices: tuple[str, ...]) -> str:
     if text not in choices:
         raise ConfigError(f"{name}={text!r}: use {', '.join(choices[:-1])} or {choices[-1]}")
@@ -104,7 +113,7 @@ def _threads(name: str, text: str) -> int:
 
 
 PARSERS = {
-    "xla_defaults": _flag, "malloc": _malloc, "coordinator": lambda name, text: text,
+    "xla_defaults": _flag, "malloc": _malloc, "coordinator": address,
     "num_processes": _whole, "process_id": lambda name, text: _whole(name, text, 0),
     "devices_per_process": _whole, "join_timeout": _seconds, "no_materialize": _flag,
     "onednn_threads": _threads, "onednn_blocked": _flag, "onednn_cache": lambda name, text: Path(text),
@@ -120,7 +129,11 @@ def read(environ=None) -> Settings:
     its default."""
     environ = os.environ if environ is None else environ
     given = {field: environ.get(name, "") for field, name in VARIABLES.items()}
-    return Settings(**{field: PARSERS[field](VARIABLES[field], text) for field, text in given.items() if text})
+    read_ = Settings(**{field: PARSERS[field](VARIABLES[field], text) for field, text in given.items() if text})
+    if read_.num_processes and read_.process_id is not None and read_.process_id >= read_.num_processes:
+        raise ConfigError(f"{VARIABLES['process_id']}={read_.process_id} but {VARIABLES['num_processes']}="
+                          f"{read_.num_processes}: each process needs its own rank from 0 to {read_.num_processes - 1}")
+    return read_
 
 
 _current: Settings | None = None
@@ -222,6 +235,22 @@ def cluster_job() -> Job:
         if text.isdigit() and int(text) > 1:
             return Job(launcher, int(text), tuple(name for name in needs if name not in os.environ))
     return Job()
+
+
+def check_job(job: Job) -> None:
+    """A job JAX joins (``cluster_job``, nothing missing): its rank among its tasks, and Open MPI's coordinator, in
+    the form JAX reads them; else a ConfigError naming the variable (JAX's own errors are tracebacks)."""
+    rank, size, how = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpirun") if job.launcher == "Open MPI" else
+                       ("SLURM_PROCID", "SLURM_NTASKS", "srun"))
+    if rank not in os.environ:
+        raise ConfigError(f"this process is one of {job.tasks} {job.launcher} tasks, but {rank} is not set: start "
+                          f"the tasks with {how}")
+    _whole(rank, os.environ[rank], 0, job.tasks - 1, f" ({size}={job.tasks}): start the tasks with {how}")
+    uri = os.environ.get(OMPI_VARIABLES[0], "")
+    if job.launcher == "Open MPI" and not (uri.split(".", 1)[0].isdigit()
+                                           and re.search(r"tcp://(.+?)[,:]|tcp6://\[(.+?)[,\]]", uri)):
+        raise ConfigError(f"{OMPI_VARIABLES[0]}={uri}: not Open MPI 4's form (JOBID.RANK;tcp://IP:PORT...): start "
+                          "the tasks with mpirun, or pass coordinator=HOST:PORT, num_processes= and process_id=")
 
 
 def tasks_on_node() -> tuple[int, int] | None:

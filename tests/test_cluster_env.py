@@ -288,3 +288,46 @@ def test_the_cluster_page_shows_what_the_generator_writes_for_its_command():
         return [line for line in text.splitlines() if not line.startswith("cd ")]
 
     assert without_cd(printed.getvalue()) == without_cd(shown)
+
+
+@pytest.mark.parametrize("variables, says", [
+    ({**SRUN_STEP, "SLURM_PROCID": "5"}, r"^SLURM_PROCID=5: must be a whole number from 0 to 1 \(SLURM_NTASKS=2\): "
+                                         r"start the tasks with srun$"),
+    ({**SRUN_STEP, "SLURM_PROCID": "x"}, r"^SLURM_PROCID=x: must be a whole number from 0 to 1"),
+    ({**CASES["open mpi 4"], "OMPI_COMM_WORLD_RANK": "2"}, r"^OMPI_COMM_WORLD_RANK=2: must be a whole number from 0 "
+                                                           r"to 1 \(OMPI_COMM_WORLD_SIZE=2\): start the tasks with "
+                                                           r"mpirun$"),
+    (CASES["open mpi 4"], r"^this process is one of 2 Open MPI tasks, but OMPI_COMM_WORLD_RANK is not set"),
+    ({**CASES["open mpi 4"], "OMPI_COMM_WORLD_RANK": "0", "OMPI_MCA_orte_hnp_uri": "garbage"},
+     r"^OMPI_MCA_orte_hnp_uri=garbage: not Open MPI 4's form .*pass coordinator=HOST:PORT"),
+    ({**CASES["open mpi 4"], "OMPI_COMM_WORLD_RANK": "0", "OMPI_MCA_orte_hnp_uri": "x.0;tcp://10.0.0.1:5000"},
+     r"^OMPI_MCA_orte_hnp_uri=x.0;tcp://10.0.0.1:5000: not Open MPI 4's form"),
+])
+def test_a_jobs_inconsistent_variables_are_one_line_before_jax_starts(env, variables, says):
+    """Issue 64: a rank beyond the job's tasks, or an Open MPI coordinator JAX cannot parse, were JAX's tracebacks
+    (a ValueError, a RuntimeError) from inside jax.distributed."""
+    env(**variables)
+    with pytest.raises(ConfigError, match=says) as e:
+        processes.start(None, None, None)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("variables, says", [
+    ({"JAXTRAIN_PROCESS_ID": "5", "JAXTRAIN_NUM_PROCESSES": "2"},
+     r"^JAXTRAIN_PROCESS_ID=5 but JAXTRAIN_NUM_PROCESSES=2: each process needs its own rank from 0 to 1$"),
+    ({"JAXTRAIN_COORDINATOR": "garbage"}, r"^JAXTRAIN_COORDINATOR=garbage: not HOST:PORT"),
+    ({"JAXTRAIN_COORDINATOR": "localhost:99999"}, r"^JAXTRAIN_COORDINATOR=localhost:99999: not HOST:PORT"),
+])
+def test_the_launchers_inconsistent_variables_are_one_line_naming_them(variables, says):
+    """Issue 64: JAXTRAIN_COORDINATOR=garbage was an IndexError (docs/settings.md promises a line naming it); a
+    rank beyond the count was JAX's traceback."""
+    with pytest.raises(ConfigError, match=says):
+        settings.read(variables)
+    assert settings.read({"JAXTRAIN_COORDINATOR": "[::1]:7777"}).coordinator == "[::1]:7777"
+
+
+@pytest.mark.parametrize("given, says", [(("garbage", 2, 0), r"^coordinator=garbage: not HOST:PORT"),
+                                         (("localhost:7777", 2, 5), r"^process_id=5 but num_processes=2: ")])
+def test_inconsistent_process_flags_are_one_line(env, given, says):
+    with pytest.raises(ConfigError, match=says):
+        processes.start(*given)

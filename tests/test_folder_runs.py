@@ -3,11 +3,13 @@ uninterrupted one (worker processes decoding), memory bounded by the workers' bu
 
 import json
 import os
+import signal
+import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import reported_digests, run_cli
+from conftest import ROOT, reported_digests, run_cli
 from image_folders import make_folder, noise
 from PIL import Image
 
@@ -115,3 +117,55 @@ def test_rrc_flip_trains_resnet50_on_a_folder_at_its_own_size(tmp_path):
     model = json.loads((tmp_path / "o" / "model.json").read_text())
     assert model["settings"]["augment"] == "rrc+flip" and model["input_shape"] == [224, 224, 3]
     assert np.isfinite(s["train_loss"])
+
+
+CTRL_C_WHILE_A_WORKER_STARTS = '''import os, signal, sys
+from jaxtrain.cli import main
+
+if __name__ == "__mp_main__":  # a grain worker process, importing this module as it starts
+    n = 0  # this worker's number in the order they started: the first whose file is new
+    while os.path.exists(os.path.join(os.environ["STARTED"], str(n))):
+        n += 1
+    open(os.path.join(os.environ["STARTED"], str(n)), "x").close()
+    if n == int(os.environ["CTRL_C_AT"]):
+        os.killpg(0, signal.SIGINT)  # as a terminal's Ctrl-C: to every process of the group
+if __name__ == "__main__":
+    sys.exit(main("lenet", sys.argv[1:]))
+'''
+
+
+def test_ctrl_c_while_the_evaluations_workers_start_saves_and_stops_cleanly(tmp_path, images):
+    """Issue 64: a Ctrl-C at an epoch's end, while the evaluation's worker processes were importing, killed them:
+    grain's "Worker process was terminated unexpectedly", 110 lines of traceback, exit 1, nothing saved. Here the
+    evaluation's first worker (the third to start: the training's two started before) sends it itself."""
+    script, started = tmp_path / "ctrl_c.py", tmp_path / "started"
+    script.write_text(CTRL_C_WHILE_A_WORKER_STARTS)
+    started.mkdir()
+    env = {**os.environ, "STARTED": str(started), "CTRL_C_AT": "2", "PYTHONPATH": str(ROOT)}  # this jaxtrain
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    run = subprocess.run([sys.executable, str(script), *LENET[2:], "--dataset", f"folder:{images}", "--devices", "2",
+                          "--epochs", "2", "--log-every", "1", "--checkpoint-every", "5", "--checkpoint-dir",
+                          str(tmp_path / "ck"), "--out", str(tmp_path / "o")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert sorted(os.listdir(started)) == ["0", "1", "2", "3"], run.stderr[-3000:]  # the evaluation's started
+    assert run.returncode == 130, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"checkpoint saved in {tmp_path / 'ck'}" in run.stdout, run.stdout
+    assert "leaked shared_memory" not in run.stderr, run.stderr[-3000:]
+
+
+def test_a_run_with_workers_stopped_by_a_signal_leaves_no_shared_memory_behind(tmp_path, images):
+    """Issue 64: after a signal (or an error) with worker processes, Python's resource_tracker warned at exit of
+    "leaked shared_memory objects" (batches grain had made, unlinked by nobody before the exit)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    proc = subprocess.Popen([sys.executable, *LENET, "--dataset", f"folder:{images}", "--devices", "2", "--epochs",
+                             "2", "--log-every", "1", "--out", str(tmp_path / "o")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # mid-epoch: batches in the workers' buffers and on their way
+        if line.startswith("step 2:"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 143 and "stopped by signal" in out, err[-3000:]
+    assert "resource_tracker" not in err and "leaked shared_memory" not in err, err[-3000:]

@@ -281,3 +281,22 @@ def test_an_older_resnet50_run_is_refused_not_misread():
                                           r"revision 2 \(its inputs normalised with ImageNet's mean and std, .*\): "
                                           r"train it anew$"):
         models.check_revision("resnet50", {}, "this run's model")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "float16"])
+def test_integer_weights_are_refused_and_a_conversion_is_said(tmp_path, dtype):
+    """Issue 64: a file whose float tensors were cast to int8 or uint8 loaded as weights, saying only "loaded;
+    unused: num_batches_tracked x20". Integers where floats belong are one line; float16 loads, said so."""
+    net = model("resnet18_imagenet", 3)
+    weights = pretrained.export(net.name, *net.init(jax.random.key(0)))
+    floats = [k for k, v in weights.items() if v.dtype == np.float32]
+    tensors.write({k: v.astype(dtype) if k in floats else v for k, v in weights.items()}, tmp_path / "w.safetensors")
+    if dtype == "float16":
+        loaded = pretrained.load(tmp_path / "w.safetensors", into=net)
+        assert loaded.summary("w") == (f"w: loaded; converted float16 -> float32 ({len(floats)} tensors); unused: "
+                                       "num_batches_tracked x20")
+        return
+    with pytest.raises(ConfigError, match=rf"w.safetensors: [a-z0-9.]+\.(weight|bias) is {dtype}, resnet18_imagenet "
+                                          r"needs floating-point numbers there: a quantized or cast file\? give its "
+                                          r"float weights \(float32, float16 or bfloat16\)$"):
+        pretrained.load(tmp_path / "w.safetensors", into=net)

@@ -108,15 +108,40 @@ def test_chrono_counts_waits_and_leaves_pauses_out_of_train_time(monkeypatch):
 
     now = [100.0]
     monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
-    chrono = Chrono({"train_sec": 1.0, "wait": 0.5, "pauses": {"checkpoint": 2.0}})
+    chrono = Chrono({"train_sec": 1.0, "wait": 0.5, "start_up": 0.1, "pauses": {"checkpoint": 2.0}})
+    with chrono.waiting():  # a resumed epoch's first batch: its loader starting again
+        now[0] += 0.3
     with chrono.waiting():
         now[0] += 0.05
     with chrono.paused("checkpoint"):
         now[0] += 0.2
     now[0] += 0.25  # training
-    assert chrono.train_sec == pytest.approx(1.0 + 0.05 + 0.25)
+    assert chrono.train_sec == pytest.approx(1.0 + 0.3 + 0.05 + 0.25)
     assert chrono.wait == pytest.approx(0.55) and chrono.pauses["checkpoint"] == pytest.approx(2.2)
-    assert set(chrono.state()) == {"train_sec", "wait", "pauses"}
+    assert chrono.start_up == pytest.approx(0.4) and chrono.wait_fraction == pytest.approx(0.55 / (1.6 - 0.4))
+    assert set(chrono.state()) == {"train_sec", "wait", "start_up", "pauses"}
+
+
+def test_an_epochs_first_wait_is_the_loaders_start_up_not_a_bottleneck(monkeypatch):
+    """Issue 64: every short folder run said "the input pipeline is the bottleneck": the worker processes' start-up
+    (seconds, before the first batch) counted as waiting for data. On a clock the test moves."""
+    from jaxtrain.driver.report import wait_words
+    from jaxtrain.train import loop, timing
+
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    epoch = loop.Loop(None, 1, None, 10, loop.Position(), lambda *_: None)
+    epoch.start_epoch(1, 0, None)
+    with epoch.chrono.waiting():
+        now[0] += 3.0  # the workers start
+    for _ in range(10):
+        with epoch.chrono.waiting():
+            now[0] += 0.002
+        now[0] += 0.098  # the step
+    loop._end_epoch(epoch)
+    assert epoch.stats.data_wait_sec == pytest.approx(0.02) and epoch.stats.train_sec == pytest.approx(4.0)
+    assert epoch.stats.data_wait_fraction == pytest.approx(0.02)
+    assert wait_words(epoch.stats.data_wait_fraction, 2) == "data wait 2.0%"  # not "the input pipeline is ..."
 
 
 def _setup(n_train=1024, batch=128):

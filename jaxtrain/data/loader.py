@@ -15,11 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import atexit
+import contextlib
 import functools
+import gc
 import logging
+import signal
+import sys
 
 import grain
 import numpy as np
+from grain.multiprocessing import SharedMemoryArray
 
 from jaxtrain.choices import AUGMENTATIONS
 from jaxtrain.data import augment as augment_lib
@@ -44,18 +50,35 @@ def _absl_flags_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
+# What a Ctrl-C, a SIGTERM or a scheduler's SIGUSR1 sends to the whole process group: the parent's to handle.
+_PARENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Block the parent's signals in this thread while worker processes start: the threads grain starts here, and
+    the processes they spawn, inherit the block, so a signal sent to the process group while a worker still
+    imports (seconds) waits in it until ``_worker_started`` ignores it, instead of killing it (grain: "Worker
+    process was terminated unexpectedly"). This process still gets the signal, in one of its other threads."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _PARENT_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def _worker_started(index: int, count: int) -> None:
     """A decode worker leaves signals to its parent (which stops it with ``Loader.close``: a Ctrl-C, a SIGTERM or
     a scheduler's SIGUSR1 sent to the process group reaches the run's own handlers, not a traceback per worker),
     and exits if its parent is gone (killed: nothing else would stop it)."""
     import os
-    import signal
     import threading
     import time
 
     _absl_flags_parsed()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
+    for sig in _PARENT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)  # one sent while this process started, blocked until now, is dropped
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _PARENT_SIGNALS)
     parent = os.getppid()
 
     def watch():
@@ -64,6 +87,17 @@ def _worker_started(index: int, count: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="jaxtrain-orphan-watch", daemon=True).start()
+
+
+@atexit.register
+def _give_back_shared_memory() -> None:
+    """Unlink the shared memory of the batches let go: those in reference cycles (grain's buffers, a traceback's
+    frames) collected now, then grain's one unlinking thread waited for (first in, first out). At exit too: none is
+    left to Python's resource_tracker, which would warn of "leaked shared_memory objects"."""
+    pool = getattr(SharedMemoryArray, "_del_thread_pool", None)  # grain 0.2.18 has no public way to wait for it
+    if pool is not None:
+        gc.collect()
+        pool.apply(int)
 
 
 def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
@@ -139,7 +173,8 @@ class Loader:
         g % len; evaluation passes are all alike), so they start once (seconds each: Python, grain, JAX), not
         every epoch: continued where the last epoch ended, started again anywhere else (a resume, a break)."""
         g = (epoch if self.train else 0) * len(self) + start
-        if self._stream is None or (self._next != g and (self.train or start or self._next % len(self))):
+        fresh = self._stream is None or (self._next != g and (self.train or start or self._next % len(self)))
+        if fresh:
             self.close()
             _absl_flags_parsed()
             steps = grain.MapDataset.range(g, g + len(self) * _EPOCHS_AHEAD).map(self._global_batch)
@@ -148,9 +183,10 @@ class Loader:
                                              worker_init_fn=_worker_started))
             self._next = g
         stream = self._stream
-        for _ in range(len(self) - start):
+        for i in range(len(self) - start):
             try:
-                batch = next(stream)
+                with _signals_held() if fresh and i == 0 else contextlib.nullcontext():  # the workers start here
+                    batch = next(stream)
             except BaseException:  # a worker's error (raised here) ends this stream: the next epoch starts anew
                 if self._stream is stream:
                     self.close()
@@ -171,10 +207,13 @@ class Loader:
         return self._batch(_order(len(self.split), self.seed, epoch) if self.train else None, b, epoch)
 
     def close(self) -> None:
-        """Stop the worker processes (if any run); the next epoch starts new ones."""
+        """Stop the worker processes (if any run); the next epoch starts new ones. The shared memory of the batches
+        grain still held is given back now (else Python's resource_tracker warns at exit of "leaked" blocks)."""
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
+            del stream
+            _give_back_shared_memory()
 
     def __getstate__(self) -> dict:  # what the worker processes get: never the stream they make
         return {**self.__dict__, "_stream": None}

@@ -91,7 +91,7 @@ def step_log(every: int, say, views: Views | None) -> Hook:
     def log(loop: Loop) -> None:
         if not loop.recent:
             return  # nothing read yet (the first step of a run)
-        sec, examples, wait = loop.chrono.train_sec, loop.sums["examples"], loop.chrono.wait
+        sec, examples, wait = loop.chrono.train_sec, loop.sums["examples"], loop.chrono.wait + loop.chrono.start_up
         if last["sec"] is None or sec < last["sec"]:  # a new epoch's clock
             last.update(sec=0.0, examples=0, wait=0.0)
         dt = max(sec - last["sec"], 1e-9)

@@ -24,6 +24,8 @@ def _in_cluster() -> bool:
     cannot join (a variable it needs is missing) is a ConfigError naming it."""
     job = settings.cluster_job()
     if not job.missing:
+        if job.tasks > 1:
+            settings.check_job(job)
         return job.tasks > 1
     if job.launcher == "SLURM" and "SLURM_STEP_NODELIST" in job.missing:
         print(f"note: in a SLURM allocation of {job.tasks} tasks but not in an srun step: running as one process "
@@ -49,6 +51,11 @@ def start(coordinator, num_processes, process_id) -> None:
     if num_processes is not None and (coordinator is None or process_id is None):
         raise ConfigError("a multi-process run needs coordinator=HOST:PORT and process_id= too "
                           "(or start it with python -m jaxtrain.launch)")
+    if num_processes is not None:
+        settings.address("coordinator", coordinator)
+        if process_id >= num_processes:
+            raise ConfigError(f"process_id={process_id} but num_processes={num_processes}: each process needs its "
+                              f"own rank from 0 to {num_processes - 1}")
     _join(coordinator, num_processes, process_id)
 
 

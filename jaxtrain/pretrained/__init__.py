@@ -33,25 +33,28 @@ ARCHITECTURES = {name: arch for arch in (resnet, vit) for name in arch.MODELS}  
 @dataclasses.dataclass(frozen=True)
 class Loaded:
     """What ``load`` made: the model's (params, model_state), and what the file held that was not used
-    (``unused``: names), was left for the model's own (``replaced``: "name (shape there -> here)") or was
-    resampled to the model's shape (``resampled``: a ViT's position embedding for another image size)."""
+    (``unused``: names), was left for the model's own (``replaced``: "name (shape there -> here)"), was
+    resampled to the model's shape (``resampled``: a ViT's position embedding for another image size) or was
+    converted to the model's dtype (``converted``: "float16 -> float32 (62 tensors)")."""
 
     params: dict
     model_state: dict
     unused: tuple[str, ...]
     replaced: tuple[str, ...]
     resampled: tuple[str, ...] = ()
+    converted: tuple[str, ...] = ()
 
     @property
     def variables(self) -> tuple[dict, dict]:
         return self.params, self.model_state
 
     def summary(self, source: str) -> str:
-        """One line: what was loaded, resampled, replaced and left unused."""
+        """One line: what was loaded, converted, resampled, replaced and left unused."""
         kinds = {n: n.rsplit(".", 1)[-1] for n in self.unused}
         counts = Counter(kinds.values())  # a repeated kind (BatchNorm's counters) once, a lone tensor in full
         unused = ", ".join(sorted({f"{k} x{counts[k]}" if counts[k] > 1 else n for n, k in kinds.items()}))
-        return (f"{source}: loaded" + "".join(f"; {r}" for r in self.resampled)
+        return (f"{source}: loaded" + (f"; converted {', '.join(self.converted)}" if self.converted else "")
+                + "".join(f"; {r}" for r in self.resampled)
                 + (f"; replaced {', '.join(self.replaced)}" if self.replaced else "")
                 + (f"; unused: {unused}" if unused else ""))
 
@@ -98,7 +101,8 @@ def load(path: str | Path, into, *, num_classes: int | None = None, input_shape:
 
     from jaxtrain import models
 
-    source = tensors.read(path)
+    stored = tensors.read(path, stored=True)
+    source = tensors.as_float32(stored)
     arch = _architecture(into if isinstance(into, str) else into.name)
     if isinstance(into, str):
         classes = num_classes or arch.classes(source) or 1000
@@ -106,7 +110,7 @@ def load(path: str | Path, into, *, num_classes: int | None = None, input_shape:
     params, state = jax.tree.map(np.asarray, into.init(jax.random.key(seed)))
     frozen = is_frozen(state)  # a linear probe carries its model state Frozen: the file fills the tree inside
     state = state.tree if frozen else state
-    used, replaced, resampled = set(), [], []
+    used, replaced, resampled, converted = set(), [], [], Counter()
     for tree in (params, state):
         for where, mine in list(_leaves(tree)):
             try:
@@ -122,6 +126,13 @@ def load(path: str | Path, into, *, num_classes: int | None = None, input_shape:
                 raise ConfigError(f"{path}: no tensor {e.args[0]} (for {into.name}'s {'/'.join(map(str, where))}): "
                                   f"is it a {' or '.join(arch.NAMES)} {into.name.split('_')[0]} file?") from None
             used.update(names)
+            for n in names:
+                if not tensors.is_float(stored[n].dtype):
+                    raise ConfigError(f"{path}: {n} is {stored[n].dtype}, {into.name} needs floating-point numbers "
+                                      "there: a quantized or cast file? give its float weights (float32, float16 "
+                                      "or bfloat16)")
+                if stored[n].dtype != mine.dtype:
+                    converted[f"{stored[n].dtype} -> {mine.dtype}"] += 1
             resampled += [note] if note else []
             if theirs.shape != mine.shape:
                 needed = next(iter(arch.write(into.name, where, mine, arch.NAMES[0]).values())).shape  # its one
@@ -133,7 +144,7 @@ def load(path: str | Path, into, *, num_classes: int | None = None, input_shape:
     unused = set(source) - used
     arch.check_unused(into.name, unused)
     return Loaded(params, Frozen(state) if frozen else state, tuple(sorted(unused)), tuple(replaced),
-                  tuple(resampled))
+                  tuple(resampled), tuple(f"{k} ({n} tensor{'s' * (n != 1)})" for k, n in sorted(converted.items())))
 
 
 def export(model: str, params: dict, model_state: dict, names: str | None = None) -> dict[str, np.ndarray]:

@@ -132,8 +132,9 @@ def _torch_file(path: Path):
         raise ConfigError(f"{path}: not a PyTorch state_dict ({type(e).__name__}: {str(e)[:100]})") from None
 
 
-def read(path: str | Path) -> dict[str, np.ndarray]:
-    """The file's tensors by name (float32 where they were a float type; integer counters as they were)."""
+def read(path: str | Path, *, stored: bool = False) -> dict[str, np.ndarray]:
+    """The file's tensors by name (float32 where they were a float type; integer counters as they were;
+    ``stored``: each in the dtype the file holds it in)."""
     path = Path(path).expanduser()
     if path.suffix not in SUFFIXES:
         raise ConfigError(f"{path}: not a checkpoint jaxtrain reads (give a {', '.join(SUFFIXES)} file)")
@@ -154,10 +155,15 @@ def read(path: str | Path) -> dict[str, np.ndarray]:
                                   f"{value.stored} its storage holds (a zero or overlapping stride, as torch's "
                                   "expand() makes): save it with .contiguous(), or .clone(), before torch.save")
         tensors = {k: v for k, v in loaded.items() if isinstance(v, np.ndarray)}
-    return {k: np.asarray(v, np.float32) if _is_float(v.dtype) else np.asarray(v) for k, v in tensors.items()}
+    return tensors if stored else as_float32(tensors)
 
 
-def _is_float(dtype) -> bool:
+def as_float32(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """float32 where a tensor is of a float type (float16, bfloat16, float64), the others as they are."""
+    return {k: np.asarray(v, np.float32) if is_float(v.dtype) else np.asarray(v) for k, v in tensors.items()}
+
+
+def is_float(dtype) -> bool:
     return np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16"
 
 

@@ -179,7 +179,7 @@ class Loop:
             sec = max(self.chrono.train_sec, 1e-9)
             self.bar.set_postfix(loss=f"{self.sums['loss'] / self.sums['steps']:.4f}",
                                  ex_per_s=f"{self.sums['examples'] / sec:,.0f}",
-                                 data_wait=f"{100 * self.chrono.wait / sec:.0f}%", refresh=False)
+                                 data_wait=f"{100 * self.chrono.wait_fraction:.0f}%", refresh=False)
 
     def position(self) -> Position:
         """Where to resume from here: inside the epoch, or (at the end of a whole epoch) the next one."""
@@ -258,7 +258,7 @@ def _end_epoch(loop: Loop) -> None:
         epoch=loop.epoch, steps=sums["steps"], examples=sums["examples"],
         train_loss=sums["loss"] / max(sums["steps"], 1), train_acc=sums["accuracy"] / max(sums["steps"], 1),
         test_loss=float("nan"), test_acc=float("nan"), test_examples=0, train_sec=chrono.train_sec, eval_sec=0.0,
-        data_wait_sec=chrono.wait, data_wait_fraction=chrono.wait / max(chrono.train_sec, 1e-9),
+        data_wait_sec=chrono.wait, data_wait_fraction=chrono.wait_fraction,
         checkpoint_sec=chrono.pauses.get("checkpoint", 0.0))
     loop.history.append(loop.stats)
 

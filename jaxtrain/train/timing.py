@@ -49,8 +49,11 @@ class Chrono:
     """One epoch's clock: train time (wall time less the pauses), data wait, and the pauses by name.
 
     ``with chrono.waiting():`` around fetching a batch, ``with chrono.paused("checkpoint"):``
-    around work that is not training (saving, evaluating). ``prior`` carries
-    the numbers of a resumed epoch's first part.
+    around work that is not training (saving, evaluating). The epoch's first
+    wait is its loader's start-up (worker processes starting: seconds, even
+    on a loader that keeps pace), so it is ``start_up``, left out of ``wait``
+    and of ``wait_fraction``. ``prior`` carries the numbers of a resumed
+    epoch's first part.
     """
 
     def __init__(self, prior: dict | None = None):
@@ -58,12 +61,19 @@ class Chrono:
         self._start = time.perf_counter()
         self._base = prior.get("train_sec", 0.0)
         self.wait = prior.get("wait", 0.0)
+        self.start_up = prior.get("start_up", 0.0)
         self.pauses: dict[str, float] = dict(prior.get("pauses", {}))
         self._paused = 0.0  # pause time since _start
+        self._started = False  # a batch was fetched on this clock (a resumed epoch's loader starts again)
 
     @property
     def train_sec(self) -> float:
         return self._base + time.perf_counter() - self._start - self._paused
+
+    @property
+    def wait_fraction(self) -> float:
+        """The share of the train time (its start-up left out) spent waiting for batches."""
+        return self.wait / max(self.train_sec - self.start_up, 1e-9)
 
     @contextlib.contextmanager
     def waiting(self):
@@ -71,7 +81,11 @@ class Chrono:
         try:
             yield
         finally:
-            self.wait += time.perf_counter() - t0
+            if self._started:
+                self.wait += time.perf_counter() - t0
+            else:
+                self.start_up += time.perf_counter() - t0
+                self._started = True
 
     @contextlib.contextmanager
     def paused(self, what: str):
@@ -85,7 +99,7 @@ class Chrono:
 
     def state(self) -> dict:
         """What a checkpoint keeps to resume this clock."""
-        return {"train_sec": self.train_sec, "wait": self.wait, "pauses": dict(self.pauses)}
+        return {"train_sec": self.train_sec, "wait": self.wait, "start_up": self.start_up, "pauses": dict(self.pauses)}
 
 
 def time_steps(step, state, batch, steps: int):

@@ -1,0 +1,53 @@
+"""Every command in experiments/ takes a bad argument as one line and exit 2, as the training commands do (issue 64:
+``input_pipeline --workers=-1,x``, ``decode_bench --torch-python /nonexistent/python`` and ``decode_bench --rounds
+0`` were tracebacks). Each command's parser runs here, in-process, on bad values: nothing is measured."""
+
+import importlib
+
+import pytest
+from conftest import ROOT
+
+# The commands' own parsers (``parser()``), or ``main(argv)`` where the parser is built inside it: bad values each.
+BAD = {
+    "batch_size": [["--devices", "x"]],
+    "bench": [["--devices", "0"]],
+    "bench_gpu_plans": [["--gpu", "nope"]],
+    "bench_hybrid": [["--replicas", "0"]],
+    "bench_int8": [["--repeats", "0"]],
+    "bench_kernels": [["--batch-size", "0"]],
+    "bench_memory": [["--steps", "x"]],
+    "bench_ops": [["--repeats", "-1"]],
+    "bench_pipeline": [["--stages", "0"]],
+    "bench_sharding": [["--devices", "0"]],
+    "bench_strategies": [["--devices", "0,2"]],
+    "decode_bench": [["--images", "d", "--rounds", "0"], ["--images", "d", "--torch-python", "/nonexistent/python"],
+                     ["--images", "d", "--workers", "1,x"], ["--images", "d", "--workers", "0"]],
+    "export_weights": [["run", "w.safetensors", "--names", "nope"]],
+    "gpu_check": [["--budget", "0"]],
+    "gpu_offload": [["--gpus", "x"]],
+    "gpu_plan": [["--gpus", "0"]],
+    "gpu_validate": [["--gpu", "nope"]],
+    "input_pipeline": [["--workers=-1,x"], ["--workers", "-1"], ["--batches", "0"]],
+    "quantize": [["--run", "r", "--repeats", "x"]],
+    "transfer": [["--repeats", "x"]],
+}
+# Run by other commands with positional arguments (decode_bench, bench_torch's server), not by users.
+HELPERS = {"bench_torch", "decode_dali", "decode_torch"}
+
+
+@pytest.mark.parametrize("module, argv", [(m, a) for m, cases in BAD.items() for a in cases])
+def test_a_bad_argument_is_one_line_with_exit_2(module, argv, capsys):
+    command = importlib.import_module(f"experiments.{module}")
+    with pytest.raises(SystemExit) as e:
+        if hasattr(command, "parser"):
+            command.parser().parse_args(argv)
+        else:
+            command.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith(f"python -m experiments.{module}: error: argument "), err
+
+
+def test_every_command_that_takes_arguments_is_checked_here():
+    takes = {p.stem for p in (ROOT / "experiments").glob("*.py") if "add_argument(" in p.read_text()}
+    assert takes - HELPERS == set(BAD), sorted(takes ^ set(BAD))
