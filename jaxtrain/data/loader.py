@@ -21,7 +21,6 @@ import functools
 import gc
 import logging
 import signal
-import sys
 
 import grain
 import numpy as np
