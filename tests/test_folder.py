@@ -227,7 +227,7 @@ def test_a_file_that_fails_to_decode_is_replaced_and_counted_once_per_epoch_or_i
 def test_a_programming_error_while_decoding_is_raised_not_counted_as_a_damaged_file(tmp_path, cache, monkeypatch):
     split = folder.load(_bad_folder(tmp_path / "d"), 8, warn=lambda text: None)["train"]
     everything = np.arange(len(split))
-    _, bad = split.examples(everything, None, 0, 0)
+    _, bad, _ = split.examples(everything, None, 0, 0)
     assert [b.split(os.sep)[-1] for b in bad] == ["truncated.jpg (OSError)"]  # the decoders' errors: damaged
     for bug, error in ((lambda *args, **kwargs: len(None), TypeError),  # a bug, not a damaged file: raised
                        (lambda *args, **kwargs: None.shape, AttributeError)):

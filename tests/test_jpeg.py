@@ -4,6 +4,7 @@ skip where it cannot be built, saying why, and fail under CI=true (make test ins
 import io
 import logging
 import os
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -173,29 +174,46 @@ def test_a_jpeg_damaged_inside_its_crop_is_a_bad_file_of_the_folder(tmp_path):
 
 
 @usable
-def test_jpegs_the_region_decoder_refuses_are_pillows_said_with_their_count_and_the_first_reason(tmp_path, monkeypatch,
-                                                                                               caplog):
-    """Never silently Pillow's: one line at the first such file of a process (a decode worker), and at the 10th,
-    100th, ... (the count so far and the first reason), not a line a file. A file Pillow refuses too is a damaged
-    file (counted by the loader), not said here."""
+def test_jpegs_the_region_decoder_refuses_are_pillows_counted_in_the_epochs_line(tmp_path, monkeypatch, caplog):
+    """Never silently Pillow's: the JPEGs the region decoder refused travel with each batch (the workers are other
+    processes) and are said in one line an epoch with their count and the first's reason, as damaged files are;
+    none is said where none was refused. A file Pillow refuses too is a damaged file (counted by the loader)."""
+    import itertools
+
+    from jaxtrain.data import folder
+    from jaxtrain.data.loader import Loader
+
     data = encoded(photo(64, 64), quality=90)
-    (tmp_path / "a.jpg").write_bytes(data)
+    for where, n in (("train", 4), ("val", 1)):
+        (tmp_path / "d" / where / "cat").mkdir(parents=True)
+        for k in range(n):
+            (tmp_path / "d" / where / "cat" / f"{k}.jpg").write_bytes(data)
     (tmp_path / "cut.jpg").write_bytes(data[: len(data) // 2])
-
-    def refuse(*args):
-        raise jpeg.DecodeError("Unsupported marker type 0x99")
-
-    monkeypatch.setattr(jpeg, "decode", refuse)
-    monkeypatch.setattr(images, "_refused", images.Refused())  # this process's count, from 0
+    split = folder.load(tmp_path / "d", 32, warn=lambda text: None)["train"]
+    loader = Loader(split, 2, train=True, process_index=0, process_count=1)
     with caplog.at_level(logging.WARNING, logger="jaxtrain"):
-        with pytest.raises(OSError, match="truncated"):
-            images.decode(tmp_path / "cut.jpg", 32, images.centre_box)
-        assert not caplog.records
-        out = [images.decode(tmp_path / "a.jpg", 32, images.centre_box) for _ in range(12)]
-    np.testing.assert_array_equal(out[-1], images.decode(tmp_path / "a.jpg", 32, images.centre_box, region=False))
-    said = (f"JPEG file(s) decoded by Pillow in process {os.getpid()}, slower: the region decoder refused them (the "
-            f"first: {tmp_path / 'a.jpg'}: Unsupported marker type 0x99)")
-    assert [r.getMessage() for r in caplog.records] == [f"1 {said}", f"10 {said}"]
+        list(itertools.islice(loader.epoch(0), len(loader)))
+        assert not caplog.records  # the region decoder's own: nothing to say
+
+        def refuse(*args):
+            raise jpeg.DecodeError("Unsupported marker type 0x99")
+
+        monkeypatch.setattr(jpeg, "decode", refuse)
+        for epoch in (1, 2):
+            list(itertools.islice(loader.epoch(epoch), len(loader)))  # as the loop takes them: never one more
+    said = (r"epoch {}: 4 JPEG file\(s\) decoded by Pillow, slower: the region decoder refused them \(the first: "
+            + re.escape(str(tmp_path / "d" / "train" / "cat")) + r"/\d.jpg: Unsupported marker type 0x99\)")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(re.fullmatch(said.format(e), line) for e, line in zip((1, 2), lines)), lines
+    refused = []  # one file: its pixels are Pillow's, noted for the caller
+    np.testing.assert_array_equal(images.decode(tmp_path / "d" / "val" / "cat" / "0.jpg", 32, images.centre_box,
+                                                refused=refused),
+                                  images.decode(tmp_path / "d" / "val" / "cat" / "0.jpg", 32, images.centre_box,
+                                                region=False))
+    assert refused == [f"{tmp_path / 'd' / 'val' / 'cat' / '0.jpg'}: Unsupported marker type 0x99"]
+    with pytest.raises(OSError, match="truncated"):  # Pillow's too: a damaged file, not noted here
+        images.decode(tmp_path / "cut.jpg", 32, images.centre_box, refused=refused)
+    assert len(refused) == 1
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:

@@ -64,9 +64,10 @@ class FolderSplit:
         """The first ``n`` files of the index's fixed random order (all for None): a subset of every class."""
         return self if n is None else dataclasses.replace(self, files=self.files[:n], labels=self.labels[:n])
 
-    def examples(self, idx: np.ndarray, augment: str | None, seed: int, epoch: int) -> tuple[np.ndarray, list]:
-        """(uint8 [len(idx), size, size, 3], [files that failed and were replaced]): decoded and transformed in
-        the calling process (a loader's worker); ``augment``: a training batch's (None: evaluation)."""
+    def examples(self, idx: np.ndarray, augment: str | None, seed: int, epoch: int) -> tuple[np.ndarray, list, list]:
+        """(uint8 [len(idx), size, size, 3], [files that failed and were replaced], [JPEGs Pillow decoded: the region
+        decoder refused them]): decoded and transformed in the calling process (a loader's worker); ``augment``: a
+        training batch's (None: evaluation)."""
         from jaxtrain.data import images
 
         return images.read_batch(self, idx, augment=augment, seed=seed, epoch=epoch)

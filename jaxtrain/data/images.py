@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import errno
 import io
-import logging
 import math
-import os
 import struct
 from pathlib import Path
 
@@ -33,27 +31,6 @@ from jaxtrain.errors import ConfigError
 
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
 TRIES = 16  # a damaged file is replaced by the next that decodes, among the next TRIES files
-
-log = logging.getLogger("jaxtrain.data")
-
-
-class Refused:
-    """The JPEGs this process (a decode worker) decoded with Pillow because the region decoder refused them: said
-    in one line at the first, and again at the 10th, 100th, ... (the count so far and the first reason)."""
-
-    def __init__(self):
-        self.count, self.first = 0, ""
-
-    def add(self, path: Path, error: Exception) -> None:
-        self.count += 1
-        self.first = self.first or f"{path}: {error}"
-        if str(self.count).rstrip("0") == "1":  # 1, 10, 100, ...
-            log.warning(f"{self.count} JPEG file(s) decoded by Pillow in process {os.getpid()}, slower: the region "
-                        f"decoder refused them (the first: {self.first})")
-
-
-_refused = Refused()
-
 
 def centre_box(w: int, h: int, fraction: float = 1.0) -> tuple[float, float, float, float]:
     """The centre square of ``fraction`` of the shorter side: (left, top, right, bottom)."""
@@ -80,25 +57,26 @@ def random_resized_box(w: int, h: int, rng: np.random.Generator) -> tuple[float,
 
 
 def decode(path: str | Path, size: int, box_of, flip: bool = False, region: bool | None = None,
-           library: str | None = None) -> np.ndarray:
+           library: str | None = None, refused: list | None = None) -> np.ndarray:
     """``path`` -> uint8 [size, size, 3]: ``box_of(w, h)`` picks the region (in the full image's pixels),
     decoded at a reduced scale where JPEG allows, cropped and resized in one call. ``region``: a JPEG's crop
     decoded alone (``jaxtrain.data.jpeg``, the built ``library`` if given; default: unless
     ``$JAXTRAIN_JPEG_DECODER`` is pillow), else with Pillow (whole, at 1/1, 1/2, 1/4 or 1/8). A JPEG the region
-    decoder refuses is Pillow's to decode (said: ``Refused``), or to refuse (a damaged file)."""
+    decoder refuses is Pillow's to decode (noted as "PATH: REASON" in ``refused``, if given: the loader says them in
+    its epoch's line), or to refuse (a damaged file)."""
     from PIL import Image
 
     data = Path(path).read_bytes()
     if region is None:
         region = settings.current().jpeg_decoder == "region"
-    out = refused = None
+    out = why = None
     if region and jpeg.is_jpeg(data) and jpeg.unusable(library) is None:
         try:
             w, h, space, sampling = jpeg.header(data, library)
             if jpeg.decodable(space, sampling):
                 out = jpeg.decode(data, w, h, size, box_of(w, h), library)
         except jpeg.DecodeError as e:
-            refused = e  # Pillow's libjpeg may read it (a newer one); if not, its error says the file is damaged
+            why = e  # Pillow's libjpeg may read it (a newer one); if not, its error says the file is damaged
     if out is None:  # not a JPEG, a CMYK one, or Pillow's way asked for
         with Image.open(io.BytesIO(data)) as img:
             w, h = img.size
@@ -111,8 +89,8 @@ def decode(path: str | Path, size: int, box_of, flip: bool = False, region: bool
             # greyscale, CMYK, palette and RGBA (alpha dropped) become RGB; an RGB image is decoded by the resize
             rgb = img if img.mode == "RGB" else _eight_bit(img).convert("RGB")
             out = rgb.resize((size, size), Image.BILINEAR, box=(left, top, right, bottom))
-        if refused is not None:
-            _refused.add(path, refused)
+        if why is not None and refused is not None:
+            refused.append(f"{path}: {why}")
     if flip:
         out = out.transpose(Image.FLIP_LEFT_RIGHT)
     return np.asarray(out, np.uint8)
@@ -132,9 +110,11 @@ def _rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed % 2**63, epoch, int(index)])
 
 
-def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch: int) -> tuple[np.ndarray, list]:
-    """(uint8 [len(idx), S, S, 3], [what failed]) of ``split``'s files ``idx`` (a ``FolderSplit``): a file that
-    fails to decode is replaced by the next file of the split (``on_bad="skip"``) or is a ConfigError."""
+def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch: int
+               ) -> tuple[np.ndarray, list, list]:
+    """(uint8 [len(idx), S, S, 3], [what failed], [JPEGs the region decoder refused, Pillow's]) of ``split``'s files
+    ``idx`` (a ``FolderSplit``): a file that fails to decode is replaced by the next file of the split
+    (``on_bad="skip"``) or is a ConfigError."""
     from PIL import Image
 
     # the decoders' errors for a damaged file (Pillow's plugins raise all of these; jpeg.DecodeError is libjpeg's):
@@ -143,7 +123,7 @@ def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch:
     size, root, n = split.size, Path(split.root), len(split)
     if split.jpeg_library and (why := jpeg.unusable(split.jpeg_library)) is not None:  # never Pillow's silently
         raise ConfigError(f"the JPEG region decoder the run built does not load in a decode worker: {why}")
-    out, bad = np.empty((len(idx), size, size, 3), np.uint8), []
+    out, bad, pillows = np.empty((len(idx), size, size, 3), np.uint8), [], []
     for row, i in enumerate(np.asarray(idx)):
         if augment == "rrc+flip":
             rng = _rng(seed, epoch, i)
@@ -153,7 +133,7 @@ def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch:
         for j in (int(i + k) % n for k in range(min(n, TRIES))):  # this file, or (skip) the next that decodes
             path = root / split.files[j]
             try:
-                out[row] = decode(path, size, box_of, flip, library=split.jpeg_library or None)
+                out[row] = decode(path, size, box_of, flip, library=split.jpeg_library or None, refused=pillows)
                 break
             except damaged as e:  # replaced by the next file and counted (one warning line an epoch), or with
                 # on_bad="error" one line naming it
@@ -169,4 +149,4 @@ def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch:
                               "folder of images?")
     if augment == "crop+flip":
         out = augment_lib.crop_flip(out, seed, epoch, np.asarray(idx))
-    return out, bad
+    return out, bad, pillows

@@ -8,7 +8,8 @@ once per epoch, and a run resumed at batch k of an epoch builds the very batches
 Two kinds of split: a ``Split`` held in memory (``workers``: grain threads; float32 batches) and a
 ``FolderSplit`` of image files (``workers``: grain worker processes, each decoding whole batches; uint8
 batches, normalised on the device by the model). A folder's files that fail to decode are replaced and
-counted (``FolderSplit.on_bad``); the count is said in one line at the end of each epoch.
+counted (``FolderSplit.on_bad``), and JPEGs the region decoder refused are Pillow's: each count is said in one
+line at the end of each epoch (the workers' notes travel with the batches).
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ class Loader:
     def batch_at(self, epoch: int, b: int) -> dict:
         """Batch ``b`` of ``epoch``, built in the calling thread (one batch to compile for: no workers started)."""
         batch = self._global_batch(epoch * len(self) + b)
-        batch.pop("bad")
+        batch.pop("bad"), batch.pop("pillow")
         return batch
 
     def _global_batch(self, g: int) -> dict:
@@ -218,16 +219,23 @@ class Loader:
         return {**self.__dict__, "_stream": None}
 
     def _counted(self, batches: Iterator[dict], epoch: int, count: int) -> Iterator[dict]:
-        """The batches without their list of failed files; their count logged in one line with the epoch's last
-        batch (before it is handed on: a loop that stops at its last batch never asks for more)."""
-        bad, first = 0, None
+        """The batches without their lists of failed files and of JPEGs Pillow decoded; each count logged in one
+        line with the epoch's last batch (before it is handed on: a loop that stops at its last batch never asks for
+        more)."""
+        counts, first = {"bad": 0, "pillow": 0}, {}  # this epoch's, and the first file of each
         for i in range(count):
             batch = next(batches)
-            failed = batch.pop("bad")
-            bad, first = bad + len(failed), first or (failed[0] if failed else None)
-            if i == count - 1 and bad:
+            for key in counts:
+                noted = batch.pop(key)
+                counts[key] += len(noted)
+                if noted:
+                    first.setdefault(key, noted[0])
+            if i == count - 1 and counts["bad"]:
                 log.warning("epoch %d: %d image file(s) could not be decoded and were replaced by the next file of "
-                            "the split, e.g. %s (on_bad_image=error stops instead)", epoch, bad, first)
+                            "the split, e.g. %s (on_bad_image=error stops instead)", epoch, counts["bad"], first["bad"])
+            if i == count - 1 and counts["pillow"]:
+                log.warning("epoch %d: %d JPEG file(s) decoded by Pillow, slower: the region decoder refused them "
+                            "(the first: %s)", epoch, counts["pillow"], first["pillow"])
             yield batch
 
     def _batch(self, order: np.ndarray | None, b: int, epoch: int) -> dict:
@@ -236,15 +244,15 @@ class Loader:
                   b * bs + (self.process_index + 1) * self.local_batch_size)
         if order is not None:
             idx = order[lo:hi]
-            images, bad = self.split.examples(idx, self.augment, self.seed, epoch)
+            images, bad, pillow = self.split.examples(idx, self.augment, self.seed, epoch)
             batch = {"image": images, "label": self.split.labels[idx]}
         else:  # eval: in order, padded past the end, masked
             idx = np.arange(lo, hi)
             real = idx < n
             idx = np.where(real, idx, 0)
-            images, bad = self.split.examples(idx, None, self.seed, epoch)
+            images, bad, pillow = self.split.examples(idx, None, self.seed, epoch)
             batch = {"image": images, "label": self.split.labels[idx], "mask": real}
         if not self.split.raw:
             batch["image"] = normalise(batch["image"])
         batch = self.transform(batch) if self.transform is not None else batch
-        return {**batch, "bad": bad}
+        return {**batch, "bad": bad, "pillow": pillow}

@@ -40,13 +40,13 @@ class Split:
 
     raw = False  # batches go to the devices as float32 in [0, 1] (the loader normalises them)
 
-    def examples(self, idx: np.ndarray, augment: str | None, seed: int, epoch: int) -> tuple[np.ndarray, list]:
-        """(uint8 images ``idx``, []), a training batch's ``augment`` applied (None: evaluation)."""
+    def examples(self, idx: np.ndarray, augment: str | None, seed: int, epoch: int) -> tuple[np.ndarray, list, list]:
+        """(uint8 images ``idx``, [], []), a training batch's ``augment`` applied (None: evaluation)."""
         from jaxtrain.data import augment as augment_lib
 
         images = self.images[idx]
         fn = augment_lib.get(augment) if augment else None
-        return (images if fn is None else fn(images, seed, epoch, idx)), []
+        return (images if fn is None else fn(images, seed, epoch, idx)), [], []
 
     def head(self, n: int | None) -> "Split":
         """The first ``n`` examples (all of them for None)."""
