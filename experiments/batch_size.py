@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from jaxtrain.choices import PRECISIONS, STRATEGIES
-from jaxtrain.cli import one_line_errors
+from jaxtrain.cli import one_line_errors, positive_int
 from jaxtrain.models import names as model_names
 
 
@@ -24,12 +24,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default=None,
                    help="memory per device, like 2GiB or 512MiB (default: 90%% of the device's limit; "
                         "required on CPU, which reports none)")
-    p.add_argument("--devices", type=int, default=None, help="devices the batch is split over")
+    p.add_argument("--devices", type=positive_int, default=None, help="devices the batch is split over")
     p.add_argument("--strategy", choices=STRATEGIES, default="jit", help="data-parallel strategy")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="compute dtype")
     p.add_argument("--remat", default="none", help="remat policy per block")
-    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per update (scan)")
-    p.add_argument("--max-batch", type=int, default=2**16, help="largest batch to try")
+    p.add_argument("--accum-steps", type=positive_int, default=1, help="micro-batches per update (scan)")
+    p.add_argument("--max-batch", type=positive_int, default=2**16, help="largest batch to try")
     return p
 
 

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from jaxtrain.cli import one_line_errors
+from jaxtrain.cli import one_line_errors, whole_numbers
 from jaxtrain.gpu.report import size
 from jaxtrain.gpu.targets import names
 
@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_gpu_plans", description=__doc__.split("\n")[0])
     p.add_argument("--gpu", choices=names(), default="h100")
     p.add_argument("--models", default="lenet,resnet18,vit", help="comma-separated models")
-    p.add_argument("--gpus", default="1,8", help="comma-separated GPU counts (one host each)")
+    p.add_argument("--gpus", type=whole_numbers(1, "1,8"), default="1,8",
+                   help="comma-separated GPU counts (one host each)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--json", metavar="PATH", help="also write every plan as JSON here")
     args = p.parse_args(argv)
@@ -66,8 +67,8 @@ def main(argv=None) -> int:
     print(f"| model | {args.gpu.upper()}s | batch | memory per GPU | largest batch (per GPU) | GFLOP per GPU per step "
           "| collectives per GPU | step (ESTIMATE: examples/s) | compile |\n|---|---|---|---|---|---|---|---|---|",
           flush=True)
-    print_plans([{"gpu": args.gpu, "gpus": int(n), "model": model, "precision": args.precision}
-                 for model in args.models.split(",") for n in args.gpus.split(",")], row, args.json)
+    print_plans([{"gpu": args.gpu, "gpus": n, "model": model, "precision": args.precision}
+                 for model in args.models.split(",") for n in args.gpus], row, args.json)
     return 0
 
 

@@ -26,7 +26,7 @@ import argparse
 import json
 import sys
 
-from jaxtrain.cli import positive_int
+from jaxtrain.cli import positive_int, whole_numbers
 from jaxtrain.train.timing import median_seconds
 
 
@@ -37,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_kernels", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batch-size", type=positive_int, default=256, help="global batch (the loss sees all of it)")
-    p.add_argument("--classes", default="10,1000", help="comma-separated class counts for the loss alone")
+    p.add_argument("--classes", type=whole_numbers(2, "10,1000"), default="10,1000",
+                   help="comma-separated class counts for the loss alone")
     p.add_argument("--devices", type=positive_int, default=2, help="devices of the LeNet step (strategy jit)")
     p.add_argument("--repeats", type=positive_int, default=20, help="timed calls (median reported)")
     p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
@@ -200,13 +201,7 @@ def print_gpu_launches(gpu_name: str, found: list[dict]) -> None:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        classes = [int(c) for c in args.classes.split(",")]
-        if min(classes) < 2:
-            raise ValueError
-    except ValueError:
-        print("bench_kernels: error: --classes takes class counts >= 2 like 10,1000", file=sys.stderr)
-        return 2
+    classes = args.classes
     if args.gpu:
         from jaxtrain.errors import ConfigError
 

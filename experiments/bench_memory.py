@@ -14,7 +14,7 @@ import argparse
 import statistics
 import sys
 
-from jaxtrain.cli import one_line_errors
+from jaxtrain.cli import one_line_errors, positive_int, whole_numbers
 from jaxtrain.models import names as model_names
 from jaxtrain.train.timing import time_steps
 
@@ -23,12 +23,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_memory", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", choices=model_names(side=28), default="lenet")
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--batch-sizes", default="256", help="comma-separated global batch sizes")
+    p.add_argument("--devices", type=positive_int, default=2)
+    p.add_argument("--batch-sizes", type=whole_numbers(1, "256,512"), default="256",
+                   help="comma-separated global batch sizes")
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated precisions")
     p.add_argument("--remats", default="none,full", help="comma-separated remat policies")
-    p.add_argument("--steps", type=int, default=5, help="steps timed per repeat")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+    p.add_argument("--steps", type=positive_int, default=5, help="steps timed per repeat")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (median reported)")
     return p
 
 
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     import jaxtrain as jt
 
     devices = jt.setup_devices(args.devices)
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    sizes = args.batch_sizes
     configs = [(p, r) for p in args.precisions.split(",") for r in args.remats.split(",")]
     import jax
     import optax

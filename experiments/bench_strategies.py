@@ -15,7 +15,7 @@ import statistics
 import sys
 
 from jaxtrain import models
-from jaxtrain.cli import one_line_errors
+from jaxtrain.cli import one_line_errors, positive_int
 
 
 def parse_devices(text: str) -> list[int]:
@@ -32,9 +32,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_strategies", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--devices", type=parse_devices, default=[1, 2, 4], help="device counts to measure")
-    p.add_argument("--batch-size", type=int, default=256, help="GLOBAL batch size")
-    p.add_argument("--steps", type=int, default=20, help="steps timed per repeat")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats per strategy (median reported)")
+    p.add_argument("--batch-size", type=positive_int, default=256, help="GLOBAL batch size")
+    p.add_argument("--steps", type=positive_int, default=20, help="steps timed per repeat")
+    p.add_argument("--repeats", type=positive_int, default=7, help="timed repeats per strategy (median reported)")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     return p
 

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from experiments.bench_gpu_plans import print_plans
-from jaxtrain.cli import one_line_errors
+from jaxtrain.cli import one_line_errors, positive_int
 from jaxtrain.gpu.report import size
 from jaxtrain.gpu.targets import names
 
@@ -40,7 +40,7 @@ def row(p) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.gpu_offload", description=__doc__.split("\n")[0])
     p.add_argument("--gpu", choices=names(), default="h100")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs of one host")
+    p.add_argument("--gpus", type=positive_int, default=1, help="GPUs of one host")
     p.add_argument("--models", default="resnet18,vit", help=f"comma-separated, of {', '.join(POLICIES)}")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--no-search", action="store_true", help="skip the largest-batch search (one compile per row)")

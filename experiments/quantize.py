@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from experiments import print_and_save
+from jaxtrain.cli import positive_int, whole_numbers
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,9 +26,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="a finished run's --out directory (holds model/ and model.json)")
     p.add_argument("--data-dir", default=None, help="the dataset's files, if the run was given --data-dir")
     p.add_argument("--tfds-dir", default=None, help="TFDS data dir of the converted dataset (as for the run)")
-    p.add_argument("--test-subset", type=int, default=None, help="the first N test examples only (smoke runs)")
-    p.add_argument("--batch-sizes", default="1,256", help="inference batch sizes to time (ms per batch)")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per batch size (median reported)")
+    p.add_argument("--test-subset", type=positive_int, default=None, help="the first N test examples only (smoke runs)")
+    p.add_argument("--batch-sizes", type=whole_numbers(1, "1,256"), default="1,256",
+                   help="inference batch sizes to time (ms per batch)")
+    p.add_argument("--repeats", type=positive_int, default=20, help="timed calls per batch size (median reported)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     return p
 
@@ -109,14 +111,6 @@ def table(r: dict) -> str:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-        if min(args.batch_sizes) < 1 or args.repeats < 1 or (args.test_subset is not None and args.test_subset < 1):
-            raise ValueError
-    except ValueError:
-        print("quantize: error: --batch-sizes takes positive integers like 1,256; --repeats and --test-subset >= 1",
-              file=sys.stderr)
-        return 2
     from jaxtrain.cli import as_flags
     from jaxtrain.errors import ConfigError
 

@@ -12,25 +12,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxtrain.cli import positive_int, whole_numbers
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.transfer", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--sizes", default="200,1000,2000", help="comma-separated matrix sizes n")
-    p.add_argument("--repeats", type=int, default=20, help="timed repeats per variant (median reported)")
+    p.add_argument("--sizes", type=whole_numbers(1, "200,1000"), default="200,1000,2000",
+                   help="comma-separated matrix sizes n")
+    p.add_argument("--repeats", type=positive_int, default=20, help="timed repeats per variant (median reported)")
     p.add_argument("--out", default=None, help="directory for transfer.png (default: a fresh runs/transfer-...)")
     return p
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        sizes = [int(s) for s in args.sizes.split(",")]
-        if min(sizes) < 1 or args.repeats < 1:
-            raise ValueError
-    except ValueError:
-        print("transfer: error: --sizes takes positive integers like 200,1000 and --repeats >= 1", file=sys.stderr)
-        return 2
+    sizes = args.sizes
     import jax
     import numpy as np
 

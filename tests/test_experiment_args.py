@@ -9,27 +9,29 @@ from conftest import ROOT
 
 # The commands' own parsers (``parser()``), or ``main(argv)`` where the parser is built inside it: bad values each.
 BAD = {
-    "batch_size": [["--devices", "x"]],
+    "batch_size": [["--devices", "x"], ["--devices", "0"], ["--accum-steps", "0"], ["--max-batch", "-1"]],
     "bench": [["--devices", "0"]],
-    "bench_gpu_plans": [["--gpu", "nope"]],
+    "bench_gpu_plans": [["--gpu", "nope"], ["--gpus", "1,0"], ["--gpus", "x"]],
     "bench_hybrid": [["--replicas", "0"]],
     "bench_int8": [["--repeats", "0"]],
-    "bench_kernels": [["--batch-size", "0"]],
-    "bench_memory": [["--steps", "x"]],
+    "bench_kernels": [["--batch-size", "0"], ["--classes", "10,1"], ["--classes", "x"]],
+    "bench_memory": [["--steps", "x"], ["--steps", "0"], ["--repeats", "-1"], ["--devices", "0"],
+                     ["--batch-sizes", "256,0"]],
     "bench_ops": [["--repeats", "-1"]],
     "bench_pipeline": [["--stages", "0"]],
     "bench_sharding": [["--devices", "0"]],
-    "bench_strategies": [["--devices", "0,2"]],
+    "bench_strategies": [["--devices", "0,2"], ["--batch-size", "0"], ["--steps", "0"], ["--repeats", "-1"]],
     "decode_bench": [["--images", "d", "--rounds", "0"], ["--images", "d", "--torch-python", "/nonexistent/python"],
                      ["--images", "d", "--workers", "1,x"], ["--images", "d", "--workers", "0"]],
     "export_weights": [["run", "w.safetensors", "--names", "nope"]],
     "gpu_check": [["--budget", "0"]],
-    "gpu_offload": [["--gpus", "x"]],
+    "gpu_offload": [["--gpus", "x"], ["--gpus", "0"]],
     "gpu_plan": [["--gpus", "0"]],
     "gpu_validate": [["--gpu", "nope"]],
     "input_pipeline": [["--workers=-1,x"], ["--workers", "-1"], ["--batches", "0"]],
-    "quantize": [["--run", "r", "--repeats", "x"]],
-    "transfer": [["--repeats", "x"]],
+    "quantize": [["--run", "r", "--repeats", "x"], ["--run", "r", "--repeats", "0"],
+                 ["--run", "r", "--test-subset", "0"], ["--run", "r", "--batch-sizes", "1,0"]],
+    "transfer": [["--repeats", "x"], ["--repeats", "0"], ["--sizes", "200,-1"]],
 }
 # Run by other commands with positional arguments (decode_bench, bench_torch's server), not by users.
 HELPERS = {"bench_torch", "decode_dali", "decode_torch"}
