@@ -342,3 +342,26 @@ def test_a_checkpoint_dir_overlapping_the_out_dir_is_refused(tmp_path):
         with pytest.raises(ConfigError, match=r"checkpoint_dir=.* and out=.* overlap .*use separate"):
             RunConfig(model="lenet", out=str(out), checkpoint_dir=str(ck))
     RunConfig(model="lenet", out=str(out), checkpoint_dir=str(out / "checkpoints"))  # beside model/: fine
+
+
+def test_runs_lists_every_experiment_that_is_a_training_run_and_the_model_it_fixes(monkeypatch):
+    """``cli.RUNS`` (what ``python -m jaxtrain.slurm`` parses a command with) is exactly the experiments whose main
+    is the run's (``jaxtrain.cli.main``), each with the model it passes: a new training experiment is not forgotten."""
+    import ast
+    import runpy
+
+    from conftest import ROOT
+
+    from jaxtrain import cli
+
+    runs = {f"experiments.{p.stem}" for p in (ROOT / "experiments").glob("*.py")
+            if any(isinstance(node, ast.ImportFrom) and node.module == "jaxtrain.cli"
+                   and any(a.name == "main" for a in node.names) for node in ast.walk(ast.parse(p.read_text())))}
+    assert runs == set(cli.RUNS) - {"jaxtrain.cli"}, sorted(runs ^ (set(cli.RUNS) - {"jaxtrain.cli"}))
+    for module in sorted(runs):  # run as python -m MODULE would, its main a stand-in that says what it was given
+        given = []
+        monkeypatch.setattr(cli, "main", lambda model=None, *args, **kwargs: given.append(model) or 0)
+        monkeypatch.setattr(sys, "argv", [module, "--teacher", "t", "--student", "lenet"])  # distill asks for them
+        with pytest.raises(SystemExit):
+            runpy.run_module(module, run_name="__main__")
+        assert given == [cli.RUNS[module]], (module, given)
