@@ -62,6 +62,8 @@ def test_a_bad_param_spec_is_one_line_saying_what_to_write(spec, says):
     (["python", "-m", "experiments.lenet", "--checkpoint-dir", "ck"], "the command sets --checkpoint-dir"),
     (["/nonexistent/cmd", "--epochs", "3"], "command not found: /nonexistent/cmd"),
     (["no-such-program-here"], "command not found: no-such-program-here"),
+    # a model with no experiments module: parsed as the run parses it (cli.run_config), not left to fail every trial
+    (["python", "-m", "experiments.resnet50"], "python -m experiments.resnet50: not a training run"),
 ])
 def test_a_bad_command_is_one_line(argv, says):
     with pytest.raises(ConfigError, match=re.escape(says)):

@@ -152,16 +152,9 @@ class Command:
                               + "; e.g. test_acc (maximize) or test_loss (--direction minimize)")
 
     def config(self, values: dict) -> RunConfig:
-        """The RunConfig of a trial's flags (jaxtrain runs only); ConfigError on an unknown or bad flag."""
-        model = None if self.module == "jaxtrain.cli" else self.model
-        parser = cli.make_parser(model)
-        where = " ".join(self.argv[:3])
-
-        def error(message):
-            raise ConfigError(f"the command {where}: {message} (see {where} --help)")
-
-        parser.error = error
-        return RunConfig(**vars(parser.parse_args([*self.argv[3:], *flags(values)])))
+        """The RunConfig of a trial's flags (jaxtrain runs only), as the run parses them (``cli.run_config``);
+        ConfigError on an unknown or bad flag."""
+        return cli.run_config(self.argv, flags(values))
 
     def trial_argv(self, values: dict, out_dir: Path, group: str) -> list[str]:
         argv = [*self.argv, *flags(values), "--out", str(out_dir)]
