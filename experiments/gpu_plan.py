@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from jaxtrain.cli import make_parser, one_line_errors, positive_int
+from jaxtrain.cli import make_parser, one_line_errors, positive_int, whole_numbers
 from jaxtrain.errors import ConfigError
 
 
@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--num-classes", type=positive_int, help="classes instead of the dataset's (ImageNet: 1000)")
     g.add_argument("--json", metavar="PATH", help="also write the plan (or the scaling rows) as JSON here")
     s = p.add_argument_group("scaling on paper (estimates)")
-    s.add_argument("--scaling", type=_counts, metavar="N,N,...",
+    s.add_argument("--scaling", type=whole_numbers(1, "1,2,4,8,16"), metavar="N,N,...",
                    help="compile for each GPU count (e.g. 1,2,4,8,16,32,64; 8 per host beyond 8) and print the "
                         "estimated scaling instead of one plan")
     s.add_argument("--scaling-mode", choices=MODES, default="weak",
@@ -75,16 +75,6 @@ def _shape(text: str) -> tuple[int, int, int]:
     if len(shape) != 3 or min(shape) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected H,W,C (three positive integers, e.g. 224,224,3)")
     return shape
-
-
-def _counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected GPU counts like 1,2,4,8,16")
-    return counts
 
 
 def _check(args: dict, settings: dict) -> None:

@@ -230,19 +230,26 @@ def _cmdline(pid: str) -> str:
         return ""
 
 
-@needs_fashion_mnist
-@pytest.mark.slow
-def test_a_sweep_from_python_over_a_run_config(tmp_path, monkeypatch):
-    from jaxtrain import RunConfig
-    from jaxtrain.sweep.command import sweep
-
+@pytest.fixture
+def in_process(monkeypatch):
+    """A sweep run from Python here: its trials' environment (the compile cache; each trial its own devices), and
+    (the lines it says, its say)."""
     for name, value in cached_compiles({}).items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
     said = []
+    return said, lambda *a, **k: said.append(" ".join(map(str, a)))
+
+
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_a_sweep_from_python_over_a_run_config(tmp_path, in_process):
+    from jaxtrain import RunConfig
+    from jaxtrain.sweep.command import sweep
+
+    said, say = in_process
     base = RunConfig(model="lenet", devices=1, epochs=1, train_subset=512, test_subset=256, optimizer="adam")
-    study = sweep("py", f"sqlite:///{tmp_path}/s.db", ["lr=log:1e-3:1e-2"], trials=2, base=base,
-                  say=lambda *a, **k: said.append(" ".join(map(str, a))))
+    study = sweep("py", f"sqlite:///{tmp_path}/s.db", ["lr=log:1e-3:1e-2"], trials=2, base=base, say=say)
     assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"], "\n".join(said)
     summary = json.loads((tmp_path / "py" / "trial-0000" / "summary.json").read_text())
     assert summary["train_examples"] == 512 and summary["lr"] in [t.params["lr"] for t in study.trials]
@@ -255,19 +262,15 @@ def test_a_sweep_from_python_over_a_run_config(tmp_path, monkeypatch):
 
 @needs_fashion_mnist
 @pytest.mark.slow
-def test_a_trial_that_diverges_in_its_last_step_is_never_best(tmp_path, monkeypatch):
+def test_a_trial_that_diverges_in_its_last_step_is_never_best(tmp_path, in_process):
     """(issue 64) --lr 1e6 for 2 steps: every loss read was finite, the evaluation NaN; the trial was complete and
     printed as best: with its command line to copy."""
     from jaxtrain import RunConfig
     from jaxtrain.sweep.command import sweep
 
-    for name, value in cached_compiles({}).items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
-    said = []
+    said, say = in_process
     base = RunConfig(model="lenet", devices=2, epochs=1, max_steps=2, train_subset=512, test_subset=256)
-    study = sweep("d", f"sqlite:///{tmp_path}/s.db", ["lr=choice:1e6"], trials=1, base=base,
-                  say=lambda *a, **k: said.append(" ".join(map(str, a))))
+    study = sweep("d", f"sqlite:///{tmp_path}/s.db", ["lr=choice:1e6"], trials=1, base=base, say=say)
     assert [t.state.name for t in study.trials] == ["PRUNED"], "\n".join(said)
     assert "training diverged" in study.trials[0].user_attrs["diverged"]
     assert not any("best:" in text for text in said), said
