@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from conftest import random_batch, run_cli
 import linen_resnet
-from reference import assert_matches
+from reference import Reference, assert_matches, float64_steps
+from tolerance import assert_state_reassociated
 from test_resnet import to_nnx
 
 import jaxtrain as jt
@@ -163,13 +164,20 @@ def variables():
 @usable
 @pytest.mark.parametrize("strategy,sharding", [*((s, "replicated") for s in jt.STRATEGIES), ("jit", "fsdp"),
                                                ("shard_map", "fsdp")])
-def test_resnet18_on_two_devices_equals_the_reference_with_xla_convolutions(variables, strategy, sharding):
+def test_resnet18_on_two_devices_equals_the_reference(variables, strategy, sharding):
+    """Held to float64 (XLA's convolutions: the same function) no further than the policy allows a run that is
+    1 + MARGIN times as wrong as the independent reference with oneDNN's convolutions on one device: oneDNN's fp32
+    weight gradients are themselves ~1% of a leaf's move from float64 here (XLA's 0.01%: docs/testing.md), so
+    the fp32 evaluation held to the reference is the one with the same kernels."""
     batch = random_batch(8, seed=11)
     fast = resnet.adapter(conv=onednn.conv_general_dilated).loss_fn
     trainer = jt.make_train_step(fast, optax.sgd(0.1), mesh=2, strategy=strategy, param_sharding=sharding)
-    state, metrics = trainer(trainer.init(*variables), batch)
-    assert_matches(state, [metrics], resnet.adapter().loss_fn, optax.sgd(0.1), variables[0], [batch],
-                   model_state=variables[1], flip=True)
+    state, metrics = jax.device_get(trainer(trainer.init(*variables), batch))
+    ref = Reference(fast, optax.sgd(0.1), *variables)
+    want = [ref.step(batch)]
+    exact = float64_steps(resnet.adapter().loss_fn, optax.sgd(0.1), variables[0], [batch], model_state=variables[1])
+    theirs = state.replace(params=ref.params, opt_state=ref.opt_state, model_state=ref.model_state)
+    assert_state_reassociated(state, [metrics], jax.device_get(theirs), want, exact)
 
 
 @usable

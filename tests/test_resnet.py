@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import random_batch
 import linen_resnet
 from reference import assert_matches, float64_steps
-from tolerance import FLIP, assert_reassociated, assert_state_reassociated
+from tolerance import assert_reassociated, assert_state_reassociated
 
 import jaxtrain as jt
 from jaxtrain import models
@@ -43,14 +43,18 @@ def one_step(variables, strategy="jit", n=1, precision="fp32", remat="none", par
 
 @pytest.fixture(scope="module")
 def reference(variables):
-    return one_step(variables)
+    """jaxtrain's 1-device step, held to the independent reference (tests/reference.py) by the policy of
+    tests/tolerance.py; with the same step in float64, which the 2-device steps are then held to."""
+    state, metrics = one_step(variables)
+    exact = assert_matches(state, [metrics], resnet.adapter().loss_fn, optax.sgd(0.1), variables[0], [BATCH],
+                           model_state=variables[1])
+    return state, metrics, exact
 
 
 @pytest.fixture(scope="module")
-def exact_one_step(variables):
+def exact_one_step(reference):
     """``one_step`` in float64 (tests/tolerance.py): what the 1- and 2-device fp32 steps are held to."""
-    return float64_steps(resnet.adapter().loss_fn, optax.sgd(0.1), *variables[:1], [BATCH], model_state=variables[1],
-                         flip=True)
+    return reference[2]
 
 
 def test_shapes_and_parameter_count():
@@ -92,7 +96,7 @@ def test_the_nnx_model_computes_what_the_linen_model_did():
     want_grads = jax.grad(lambda p: linen_resnet.make_loss_fn(linen)(p, ls, batch, None)[0])(lp)
     # The same computation in another module, by the policy (tests/tolerance.py): the forward pass against the
     # linen model's in float64; the gradients (a float64 backward pass of ResNet-18 takes minutes here) norm-wise,
-    # within ResNet-18's FLIP of the largest gradient (their "move" from 0).
+    # each within KINK of its own size (its "move" from 0).
     with jax.enable_x64(True):
         lp64, ls64, image64 = jax.tree.map(lambda x: np.asarray(x, np.float64), (lp, ls, batch["image"]))
         exact_loss, (exact_stats, _) = linen_resnet.make_loss_fn(linen)(
@@ -103,7 +107,7 @@ def test_the_nnx_model_computes_what_the_linen_model_did():
     assert_reassociated(got_stats, to_nnx(lp, want_stats)[1], to_nnx(lp, exact_stats)[1], "batch stats")
     assert_reassociated(resnet.apply(params, stats, batch["image"]), want, exact, "logits")
     want_grads = to_nnx(want_grads, ls)[0]
-    assert_reassociated(grads, want_grads, want_grads, "grads", jax.tree.map(np.zeros_like, params), FLIP)
+    assert_reassociated(grads, want_grads, want_grads, "grads", jax.tree.map(np.zeros_like, params))
 
 
 def test_a_linen_module_still_trains_through_the_plain_loss_fn_contract():
@@ -117,59 +121,29 @@ def test_a_linen_module_still_trains_through_the_plain_loss_fn_contract():
         trainer = jt.make_train_step(loss_fn, optax.sgd(0.1), mesh=n, strategy=strategy)
         state, metrics = trainer(trainer.init(*variables), BATCH)
         runs.append((jax.device_get(state), [jax.device_get(metrics)]))
-    exact = float64_steps(loss_fn, optax.sgd(0.1), variables[0], [BATCH], model_state=variables[1], flip=True)
+    exact = float64_steps(loss_fn, optax.sgd(0.1), variables[0], [BATCH], model_state=variables[1])
     assert_state_reassociated(*runs[1], *runs[0], exact)
     assert not np.allclose(runs[0][0].model_state["BatchNorm_0"]["mean"], 0)
 
 
 @pytest.mark.parametrize("strategy", jt.STRATEGIES)
 def test_two_devices_equal_one_device_params_and_batch_stats(variables, reference, exact_one_step, strategy):
-    ref_state, ref_metrics = reference
+    ref_state, ref_metrics, _ = reference
     state, metrics = one_step(variables, strategy, n=2)
     assert_state_reassociated(state, [metrics], ref_state, [ref_metrics], exact_one_step)
     # The statistics did move from their init (mean 0, var 1) toward the GLOBAL batch's.
     assert not np.allclose(state.model_state["bn"]["mean"], 0)
 
 
-def three_steps(n=1, strategy="jit", param_sharding="replicated"):
-    """3 SGD steps of the He-initialised ResNet-18 at lr 1e-3, XLA's convolutions (tests/test_onednn.py holds
-    oneDNN's to the reference) and flax's BatchNorm statistics (``batch_stats="flax"``; with jaxtrain's, one
-    collective each way, a ReLU flips between 1 and 2 devices: docs/performance.md, "BatchNorm's collectives";
-    test_batch_stats.py holds those to the reference). An update moves the weights by ~2e-3."""
-    trainer = jt.make_train_step(THREE_STEP_LOSS, optax.sgd(1e-3), mesh=n, strategy=strategy,
-                                 param_sharding=param_sharding)
-    state, history = trainer.init(*THREE_STEP_MODEL.init(jax.random.key(0))), []
-    for batch in BATCHES:
-        state, metrics = trainer(state, batch)
-        history.append(metrics)
-    return jax.device_get(state), jax.device_get(history)
-
-
-THREE_STEP_MODEL = models.get("resnet18", init="he", conv="xla")
-THREE_STEP_LOSS = resnet.adapter(weight_init="he", batch_stats="flax").loss_fn
-
-
-@pytest.fixture(scope="module")
-def three_step_reference():
-    """jaxtrain's 1-device run, held to the independent reference (tests/reference.py), and the same 3 steps
-    in float64: the exact values the policy of tests/tolerance.py measures both fp32 runs against."""
-    state, history = three_steps()
-    params, model_state = THREE_STEP_MODEL.init(jax.random.key(0))
-    exact = assert_matches(state, history, THREE_STEP_LOSS, optax.sgd(1e-3), params, BATCHES, model_state=model_state,
-                           flip=True)
-    return state, history, exact
-
-
 @pytest.mark.parametrize("strategy", ["jit", "shard_map"])
-def test_fsdp_equals_one_device_params_and_batch_stats(three_step_reference, strategy):
-    """3 SGD steps on 2 devices, the conv kernels and the dense kernel sharded: params, statistics, metrics, each
-    no further from float64 than the policy allows (tests/tolerance.py). The 1-device fp32 run itself is up to
-    7.1e-6 (weights) and 1.9e-5 (statistics) from float64 after these 3 ill-conditioned steps; a skipped last
-    update moves the weights by 2.8e-3."""
-    ref_state, ref_history, exact = three_step_reference
-    state, history = three_steps(2, strategy, "fsdp")
-    assert int(state.step) == 3
-    assert_state_reassociated(state, history, ref_state, ref_history, exact)
+def test_fsdp_equals_one_device_params_and_batch_stats(variables, reference, exact_one_step, strategy):
+    """One SGD step on 2 devices, the conv kernels and the dense kernel sharded: params, statistics, metrics, each
+    leaf no further from float64 than the policy allows (tests/tolerance.py). One step, not three: from the second
+    step on, ResNet-18's fp32 steps are chaotic leaf by leaf (a late kernel's fp32 reference ends 10-50% of its own
+    move from float64 after 3 steps; docs/testing.md), so no per-leaf check could tell a fault from rounding."""
+    state, metrics = one_step(variables, strategy, n=2, param_sharding="fsdp")
+    assert_state_reassociated(state, [metrics], reference[0], [reference[1]], exact_one_step)
+    assert not np.allclose(state.model_state["bn"]["mean"], 0)
 
 
 def test_fsdp_state_takes_a_quarter_of_the_memory_on_four_devices(variables):
