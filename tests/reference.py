@@ -167,10 +167,9 @@ class Exact(NamedTuple):
     history: list
     start_params: Any
     start_model_state: Any
-    flip: bool = False  # an fp32 evaluation may be FLIP of the movement off (tests/tolerance.py): ResNet-18's steps
 
 
-def float64_steps(loss_fn, tx, params, batches, model_state=None, rng=None, flip=False, **kw) -> Exact:
+def float64_steps(loss_fn, tx, params, batches, model_state=None, rng=None, **kw) -> Exact:
     """The reference's steps in float64 (numpy float64): the exact values of the tolerance policy
     (tests/tolerance.py).
 
@@ -182,7 +181,7 @@ def float64_steps(loss_fn, tx, params, batches, model_state=None, rng=None, flip
         ref = Reference(loss_fn, tx, _to64(params), _to64(model_state), rng=rng, precision="fp64", **kw)
         history = [ref.step(_to64(batch)) for batch in batches]
         return Exact(*jax.device_get((ref.params, ref.opt_state, ref.model_state, history)), _to64(params),
-                     _to64({} if model_state is None else model_state), flip)
+                     _to64({} if model_state is None else model_state))
 
 
 def reference_runs(loss_fn, make_tx, params, batches, model_state=None, **kw):
@@ -196,8 +195,7 @@ def reference_runs(loss_fn, make_tx, params, batches, model_state=None, **kw):
     return jax.device_get(state), history, exact
 
 
-def assert_matches(state, history, loss_fn, tx, params, batches, model_state=None, rng=None, tol=None, flip=False,
-                   **kw):
+def assert_matches(state, history, loss_fn, tx, params, batches, model_state=None, rng=None, tol=None, **kw):
     """jaxtrain's 1-device ``state`` and metrics ``history`` after ``batches`` equal this reference's.
 
     ``tx``: a fresh optimizer like the trainer's; ``rng``: the trainer's init
@@ -219,7 +217,7 @@ def assert_matches(state, history, loss_fn, tx, params, batches, model_state=Non
     got = [{k: m[k] for k in w} for m, w in zip(jax.device_get(history), want)]
     if kw.get("precision", "fp32") == "fp32" and tol is None:
         fp64 = {k: kw[k] for k in ("accum_steps", "accum") if k in kw}
-        exact = float64_steps(loss_fn, tx, params, batches, model_state, rng=rng, flip=flip, **fp64)
+        exact = float64_steps(loss_fn, tx, params, batches, model_state, rng=rng, **fp64)
         mine = host.replace(opt_state=opt_state)
         theirs = host.replace(params=ref.params, opt_state=ref.opt_state, model_state=ref.model_state)
         assert_state_reassociated(mine, got, jax.device_get(theirs), want, exact)

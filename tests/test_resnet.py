@@ -14,7 +14,6 @@ from reference import assert_matches, float64_steps
 from tolerance import assert_reassociated, assert_state_reassociated
 
 import jaxtrain as jt
-from jaxtrain import models
 from jaxtrain.analysis import diagnostics, hlo
 from jaxtrain.models import resnet
 
