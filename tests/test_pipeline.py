@@ -123,7 +123,8 @@ def test_slow_loader_shows_up_as_data_wait_and_workers_build_batches_at_once(mon
     test = loader.Loader(sources.Split(split.images[:64], split.labels[:64]), 64, train=False)
 
     # No workers, no prefetch: each batch is built in the loop's own wait, on a clock that building one advances
-    # by 0.1 s. The wait counted is exactly those 16 x 0.1 s; a wait left uncounted (or counted elsewhere) is not.
+    # by 0.1 s. The first wait is the loader's start (its iterator starting: start_up_sec, as a folder's worker
+    # processes starting would be), the other 15 x 0.1 s are waiting for data; a wait left uncounted is neither.
     now = [0.0]
     monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     seen = []
@@ -135,7 +136,8 @@ def test_slow_loader_shows_up_as_data_wait_and_workers_build_batches_at_once(mon
 
     train = loader.Loader(split, 64, train=True, transform=slow, workers=0)
     state, history, _ = fit(trainer, state, train, evaluator, test, epochs=1, progress=False, prefetch=0)
-    assert history[0].steps == 16 and history[0].data_wait_sec == pytest.approx(16 * 0.1), history[0]
+    assert history[0].steps == 16 and history[0].data_wait_sec == pytest.approx(15 * 0.1), history[0]
+    assert history[0].start_up_sec == pytest.approx(0.1), history[0]
     assert set(seen) == {threading.current_thread()}  # built one at a time, in the loop's thread
     monkeypatch.undo()
 

@@ -42,6 +42,7 @@ class EpochStats:
     data_wait_sec: float
     data_wait_fraction: float
     checkpoint_sec: float = 0.0  # pauses of the epoch to save (not in train_sec)
+    start_up_sec: float = 0.0  # the loader's start before its first batch (in train_sec, not in data_wait_sec)
 
 
 def device_batches(batches: Iterable[dict], plan, prefetch: int):
@@ -259,7 +260,7 @@ def _end_epoch(loop: Loop) -> None:
         train_loss=sums["loss"] / max(sums["steps"], 1), train_acc=sums["accuracy"] / max(sums["steps"], 1),
         test_loss=float("nan"), test_acc=float("nan"), test_examples=0, train_sec=chrono.train_sec, eval_sec=0.0,
         data_wait_sec=chrono.wait, data_wait_fraction=chrono.wait_fraction,
-        checkpoint_sec=chrono.pauses.get("checkpoint", 0.0))
+        checkpoint_sec=chrono.pauses.get("checkpoint", 0.0), start_up_sec=chrono.start_up)
     loop.history.append(loop.stats)
 
 
