@@ -126,6 +126,9 @@ def test_worker_processes_give_the_batches_of_the_callers_thread_and_a_resume_mi
         stream = workers._stream
         second = _all(workers, epoch=2)
         assert workers._stream is stream  # the processes went on to the next epoch: started once
+        assert workers.starts == 1  # so epoch 2's first wait is no start-up (timing.Chrono)
+        _all(workers, epoch=4)
+        assert workers.starts == 2  # a break in the stream: started again
     finally:
         workers.close()
     for a, b in zip(here[0] + here[1], first + second, strict=True):
@@ -137,6 +140,7 @@ def test_worker_processes_give_the_batches_of_the_callers_thread_and_a_resume_mi
     try:
         for a, b in zip(here[0][2:], _all(resumed, epoch=1, start=2), strict=True):
             np.testing.assert_array_equal(a["image"], b["image"])
+        assert resumed.starts == 1
     finally:
         resumed.close()
 

@@ -106,10 +106,12 @@ def test_chrono_counts_waits_and_leaves_pauses_out_of_train_time(monkeypatch):
     """On a clock the test moves (a busy machine cannot stretch it): exact sums."""
     from jaxtrain.train import timing
 
-    now = [100.0]
+    now, starts = [100.0], [4]
     monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
-    chrono = Chrono({"train_sec": 1.0, "wait": 0.5, "start_up": 0.1, "pauses": {"checkpoint": 2.0}})
+    chrono = Chrono({"train_sec": 1.0, "wait": 0.5, "start_up": 0.1, "pauses": {"checkpoint": 2.0}},
+                    lambda: starts[0])
     with chrono.waiting():  # a resumed epoch's first batch: its loader starting again
+        starts[0] += 1
         now[0] += 0.3
     with chrono.waiting():
         now[0] += 0.05
@@ -122,26 +124,39 @@ def test_chrono_counts_waits_and_leaves_pauses_out_of_train_time(monkeypatch):
     assert set(chrono.state()) == {"train_sec", "wait", "start_up", "pauses"}
 
 
-def test_an_epochs_first_wait_is_the_loaders_start_up_not_a_bottleneck(monkeypatch):
+def test_the_loaders_start_up_is_not_a_bottleneck_and_a_stream_carried_into_the_next_epoch_has_none(monkeypatch):
     """Issue 64: every short folder run said "the input pipeline is the bottleneck": the worker processes' start-up
-    (seconds, before the first batch) counted as waiting for data. On a clock the test moves."""
+    (seconds, before the first batch) counted as waiting for data. Yet the workers carry on into the next epoch:
+    there an epoch's first wait is a real wait, and a start-up only where they start again. On a clock the test
+    moves, with the loader's count of starts in the test's hands."""
     from jaxtrain.driver.report import wait_words
     from jaxtrain.train import loop, timing
 
-    now = [0.0]
+    now, starts = [0.0], [0]
     monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
-    epoch = loop.Loop(None, 1, None, 10, loop.Position(), lambda *_: None)
-    epoch.start_epoch(1, 0, None)
-    with epoch.chrono.waiting():
-        now[0] += 3.0  # the workers start
-    for _ in range(10):
+    epoch = loop.Loop(None, 3, None, 10, loop.Position(), lambda *_: None, lambda: starts[0])
+
+    def run(number: int, first_wait: float, start: bool):
+        epoch.start_epoch(number, 0, None)
         with epoch.chrono.waiting():
-            now[0] += 0.002
-        now[0] += 0.098  # the step
-    loop._end_epoch(epoch)
-    assert epoch.stats.data_wait_sec == pytest.approx(0.02) and epoch.stats.train_sec == pytest.approx(4.0)
-    assert epoch.stats.data_wait_fraction == pytest.approx(0.02)
-    assert wait_words(epoch.stats.data_wait_fraction, 2) == "data wait 2.0%"  # not "the input pipeline is ..."
+            starts[0] += start  # the workers start (or carry on: no start)
+            now[0] += first_wait
+        for _ in range(10):
+            with epoch.chrono.waiting():
+                now[0] += 0.002
+            now[0] += 0.098  # the step
+        loop._end_epoch(epoch)
+        return epoch.stats
+
+    first = run(1, 3.0, start=True)
+    assert first.data_wait_sec == pytest.approx(0.02) and first.start_up_sec == pytest.approx(3.0)
+    assert first.train_sec == pytest.approx(4.0) and first.data_wait_fraction == pytest.approx(0.02)
+    assert wait_words(first.data_wait_fraction, 2) == "data wait 2.0%"  # not "the input pipeline is ..."
+    carried = run(2, 0.5, start=False)  # epoch 2: the same workers, slow for its first batch
+    assert carried.start_up_sec == 0 and carried.data_wait_sec == pytest.approx(0.52)
+    assert carried.data_wait_fraction == pytest.approx(0.52 / 1.5)
+    again = run(3, 2.0, start=True)  # epoch 3: started again (a break in the stream)
+    assert again.start_up_sec == pytest.approx(2.0) and again.data_wait_sec == pytest.approx(0.02)
 
 
 def _setup(n_train=1024, batch=128):

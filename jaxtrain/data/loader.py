@@ -120,6 +120,12 @@ class Loader:
     ``augment``: on training batches (``jaxtrain.data.augment``, and
     ``rrc+flip`` for folders: ``jaxtrain.data.images``); ``transform``: an
     extra per-batch function; both run in the workers.
+    ``starts``: how many times the loader started its pipeline for an epoch,
+    counted when its first batch is asked for: every epoch of a ``Split``
+    (a new grain iterator) or of a folder without workers; a folder's worker
+    processes only when they start (the first epoch, a resume, a break), not
+    when they carry on into the next epoch. The loop's clock counts the wait
+    for such a start as start-up, not data wait (``timing.Chrono``).
     """
 
     def __init__(self, split: Split | FolderSplit, batch_size: int, *, train: bool, seed: int = 0, workers: int = 0,
@@ -139,6 +145,7 @@ class Loader:
         self.split, self.batch_size, self.train, self.seed = split, batch_size, train, seed
         self.workers, self.transform = workers, transform
         self._stream, self._next = None, 0  # the worker processes' batches, and the global batch they give next
+        self.starts = 0  # pipelines started (``starts``)
         if not split.raw:
             augment_lib.get(augment)  # a bad name, or rrc+flip without files: a ConfigError here
         elif augment not in AUGMENTATIONS:
@@ -166,7 +173,13 @@ class Loader:
             return self._counted(self._from_stream(epoch, start), epoch, len(self) - start)
         # explicit options: iterating a MapDataset directly would start grain's default 16 threads
         options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=2 * self.workers)
-        return self._counted(iter(self.dataset(epoch, start).to_iter_dataset(options)), epoch, len(self) - start)
+        return self._counted(self._started(iter(self.dataset(epoch, start).to_iter_dataset(options))), epoch,
+                             len(self) - start)
+
+    def _started(self, batches: Iterator[dict]) -> Iterator[dict]:
+        """``batches``, a start counted when the first is asked for (see ``starts``)."""
+        self.starts += 1
+        yield from batches
 
     def _from_stream(self, epoch: int, start: int) -> Iterator[dict]:
         """The worker processes' stream of batches over every epoch to come (batch g: epoch g // len, batch
@@ -175,6 +188,7 @@ class Loader:
         g = (epoch if self.train else 0) * len(self) + start
         fresh = self._stream is None or (self._next != g and (self.train or start or self._next % len(self)))
         if fresh:
+            self.starts += 1
             self.close()
             _absl_flags_parsed()
             steps = grain.MapDataset.range(g, g + len(self) * _EPOCHS_AHEAD).map(self._global_batch)

@@ -129,7 +129,7 @@ class Loop:
     one step late), ``chrono``, ``stats`` (at an epoch's end), ``evaluated``; ``sync()``, ``position()``."""
 
     def __init__(self, state, epochs: int, max_steps: int | None, steps_per_epoch: int, position: Position,
-                 bar_factory: Callable):
+                 bar_factory: Callable, starts: Callable[[], int] = lambda: 0):
         self.state, self.epochs, self.max_steps, self.steps_per_epoch = state, epochs, max_steps, steps_per_epoch
         self.total_steps, self.first_loss = position.total_steps, position.first_loss
         self.history = [EpochStats(**h) for h in position.history]
@@ -137,11 +137,12 @@ class Loop:
         self.evaluated: dict = {}  # the newest evaluation's result (``evaluation``)
         self.stats: EpochStats | None = None
         self._late, self._bar_factory = OneStepLate(), bar_factory
+        self._starts = starts  # the train loader's count of pipeline starts (its start-up is not data wait: Chrono)
 
     def start_epoch(self, epoch: int, batch: int, partial: dict | None) -> None:
         self.epoch, self.batch, self.stats = epoch, batch, None
         self.sums = {k: (partial or _NO_SUMS).get(k, v) for k, v in _NO_SUMS.items()}
-        self.chrono = Chrono(partial)
+        self.chrono = Chrono(partial, self._starts)
         self.bar = self._bar_factory(epoch, batch)
 
     @property
@@ -205,7 +206,9 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
     the devices only through ``device_batches`` (explicit copies, ``prefetch``
     ahead in a background thread), so a stray host array fails loudly instead
     of being copied each step; the time spent waiting for a batch is
-    ``data_wait_fraction``. ``hooks`` run every N steps / epochs;
+    ``data_wait_fraction``, less the loader's start-up (``start_up_sec``: the
+    wait during which ``train_loader.starts`` moved; a loader without it has
+    none). ``hooks`` run every N steps / epochs;
     ``on_epoch(stats)`` is the common epoch hook; each runs inside ``pause()``
     (a run's stall watch: an evaluation is not a stall). ``position`` resumes
     a run where a checkpoint left it. A NaN or infinite loss, evaluation loss,
@@ -223,7 +226,7 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
                     disable=None if progress is None else not progress,  # None: only on a terminal
                     leave=False, mininterval=0.5)
 
-    loop = Loop(state, epochs, max_steps, len(train_loader), pos, bar)
+    loop = Loop(state, epochs, max_steps, len(train_loader), pos, bar, lambda: getattr(train_loader, "starts", 0))
     for epoch in range(pos.epoch, epochs + 1):
         if max_steps is not None and loop.total_steps >= max_steps:
             break

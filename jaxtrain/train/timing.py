@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -49,14 +50,17 @@ class Chrono:
     """One epoch's clock: train time (wall time less the pauses), data wait, and the pauses by name.
 
     ``with chrono.waiting():`` around fetching a batch, ``with chrono.paused("checkpoint"):``
-    around work that is not training (saving, evaluating). The epoch's first
-    wait is its loader's start-up (worker processes starting: seconds, even
-    on a loader that keeps pace), so it is ``start_up``, left out of ``wait``
-    and of ``wait_fraction``. ``prior`` carries the numbers of a resumed
-    epoch's first part.
+    around work that is not training (saving, evaluating). ``starts()`` is
+    the loader's count of the times it started its pipeline (``Loader.starts``:
+    worker processes starting, seconds even on a loader that keeps pace): a
+    wait during which it moved is the loader's start-up, ``start_up``, left
+    out of ``wait`` and of ``wait_fraction``. A loader that carries its
+    workers on into the next epoch has no start-up there: that epoch's first
+    wait is a wait like the others. ``prior`` carries the numbers of a
+    resumed epoch's first part.
     """
 
-    def __init__(self, prior: dict | None = None):
+    def __init__(self, prior: dict | None = None, starts: Callable[[], int] = lambda: 0):
         prior = prior or {}
         self._start = time.perf_counter()
         self._base = prior.get("train_sec", 0.0)
@@ -64,7 +68,7 @@ class Chrono:
         self.start_up = prior.get("start_up", 0.0)
         self.pauses: dict[str, float] = dict(prior.get("pauses", {}))
         self._paused = 0.0  # pause time since _start
-        self._started = False  # a batch was fetched on this clock (a resumed epoch's loader starts again)
+        self._starts, self._seen = starts, starts()  # the loader's starts, and their count the last wait saw
 
     @property
     def train_sec(self) -> float:
@@ -81,11 +85,12 @@ class Chrono:
         try:
             yield
         finally:
-            if self._started:
-                self.wait += time.perf_counter() - t0
+            dt, seen = time.perf_counter() - t0, self._starts()
+            if seen != self._seen:  # the loader started while this wait lasted (or, ahead in a thread, before it)
+                self.start_up += dt
+                self._seen = seen
             else:
-                self.start_up += time.perf_counter() - t0
-                self._started = True
+                self.wait += dt
 
     @contextlib.contextmanager
     def paused(self, what: str):
