@@ -4,6 +4,8 @@ states, mesh axes.
 Each mistake is one ConfigError (a ValueError) naming what differs, not a JAX error from deep inside the step.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,23 +32,73 @@ def with_label(batch, value):
     return {**batch, "label": labels}
 
 
+SAYS = r"model's classes \(they range -?\d+\.\.\d+\): .*; fix the labels"
+
+
 @pytest.mark.parametrize("label", [10, -1])
-@pytest.mark.parametrize("bad", [1, 3])
-def test_a_label_outside_the_classes_is_one_line_and_the_raising_call_keeps_its_state(label, bad):
-    """Label 10 gave a NaN loss, -1 a plausible 2.30 (it wrapped to class 9). Only the first batch was checked,
-    after its step had consumed the state: a later batch trained on to a NaN loss (issue 64). Now every batch's
-    labels are read two calls later (its step is done), before that call takes its state."""
+@pytest.mark.parametrize("entry", ["call", "step"])
+def test_a_bad_later_batch_raises_within_two_calls_and_the_raising_call_keeps_its_state(label, entry):
+    """Label 10 gave a NaN loss, -1 a plausible 2.30 (it wrapped to class 9). Only the first batch was checked:
+    a later batch trained on to a NaN loss (issue 64); trainer.step, the hot-loop entry, checked none but the first.
+    Now each call checks, before its step takes its state, every earlier call whose step is done and the call
+    before the previous one in any case."""
+    trainer = lenet_trainer()
+    run = trainer if entry == "call" else lambda s, b: trainer.step(s, trainer.shard(b))
+    state = lenet_state(trainer)
+    for call in range(1, 4):
+        batch = random_batch(8, seed=call)
+        state, _ = run(state, with_label(batch, label) if call == 3 else batch)
+    for call in (4, 5):  # at most two calls later
+        try:
+            state, _ = run(state, random_batch(8, seed=call))
+        except ConfigError as e:
+            assert re.fullmatch(rf"12\.5% of the labels of the batch of call 3 are outside the {SAYS}", str(e)), e
+            break
+    else:
+        pytest.fail("no call raised within two calls of the bad batch")
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # the raising call took nothing
+    state, metrics = run(state, random_batch(8))
+    assert np.isfinite(metrics["loss"])
+    trainer.check_labels()  # nothing else pending: each call was checked once
+
+
+def test_a_bad_batch_whose_step_is_done_raises_at_the_next_call():
+    """The next call reads every earlier call whose step is done (``is_ready``: a poll), not only the one two back."""
+    trainer = lenet_trainer()
+    state, _ = trainer(lenet_state(trainer), random_batch(8))
+    state, metrics = trainer(state, with_label(random_batch(8, seed=2), 10))
+    jax.block_until_ready(metrics)  # its step is done
+    with pytest.raises(ConfigError, match=r"^12\.5% of the labels of the batch of call 2 are outside "):
+        trainer(state, random_batch(8, seed=3))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("entry", ["call", "step"])
+def test_a_bad_first_batch_raises_on_its_own_call_saying_its_state_is_gone(entry):
+    """The first step waits once (it always did): a single call with bad labels raises, and says that the state it
+    was given went to its step (donated), as nothing else would tell a user it cannot be used again."""
+    trainer = lenet_trainer()
+    run = trainer if entry == "call" else lambda s, b: trainer.step(s, trainer.shard(b))
+    state = lenet_state(trainer)
+    with pytest.raises(ConfigError, match=rf"^12\.5% of the labels of the batch of call 1 are outside the {SAYS}; "
+                                          r"its step ran and consumed \(donated\) the state this call was given: "
+                                          r"start again from trainer\.init or a checkpoint$"):
+        run(state, with_label(random_batch(8), 10))
+    assert any(x.is_deleted() for x in jax.tree.leaves(state))  # as the error says
+
+
+@pytest.mark.parametrize("last", [2, 1])
+def test_bad_labels_in_a_loops_last_call_are_reported_by_check_labels(last):
+    """A loop's last calls have no later call to check them: ``check_labels`` waits for them and does (they went
+    unreported: the loop ended, exit 0)."""
     trainer = lenet_trainer()
     state = lenet_state(trainer)
-    for call in range(1, bad + 2):
+    for call in range(1, 6):
         batch = random_batch(8, seed=call)
-        state, _ = trainer(state, with_label(batch, label) if call == bad else batch)
-    with pytest.raises(ConfigError, match=rf"^12\.5% of the labels of the batch of call {bad} are outside the "
-                                          r"model's classes \(they range -?\d+\.\.\d+\): .*; fix the labels$"):
-        trainer(state, random_batch(8))
-    assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # the raising call took nothing
-    state, metrics = trainer(state, random_batch(8))
-    assert np.isfinite(metrics["loss"])
+        state, _ = trainer(state, with_label(batch, -1) if call == 6 - last else batch)
+    with pytest.raises(ConfigError, match=rf"^12\.5% of the labels of the batch of call {6 - last} are outside "):
+        trainer.check_labels()
+    trainer.check_labels()  # said once
 
 
 def test_a_label_outside_the_classes_gives_a_nan_loss_never_a_plausible_one():

@@ -130,3 +130,13 @@ def test_a_label_outside_the_classes_in_a_later_batch_stops_fit_in_one_line():
     with pytest.raises(ConfigError, match=r"^1\.6% of the labels of the batch of step [1-4] are outside the model's "
                                           r"classes: .*; fix the labels$"):
         fit(trainer, state, loader.Loader(split, 64, train=True), None, None, epochs=1, progress=False)
+
+
+def test_a_label_outside_the_classes_in_the_runs_last_batch_stops_fit():
+    """The last step has no later step to read it: fit checks it at the epoch's end (max_steps ends it here)."""
+    split = random_split(256)
+    split.labels[loader.epoch_order(256, 0, 1)[64 + 5]] = 10  # a row of epoch 1's second batch
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=1)
+    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    with pytest.raises(ConfigError, match=r"^1\.6% of the labels of the batch of (step|call) 2 are outside "):
+        fit(trainer, state, loader.Loader(split, 64, train=True), None, None, epochs=1, max_steps=2, progress=False)

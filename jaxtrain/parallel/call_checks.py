@@ -2,7 +2,8 @@
 
 All of it is cheap: shapes, dtypes and tree structures are static, so they
 are compared on the host without waiting for the devices; the one value read
-back, a scalar per step, is read when its step is done.
+back, a scalar per step, is read when its step is done (the first step's: once
+it is, the one wait).
 
 - The state: its tree against the one this trainer's optimizer and precision
   make (``structure``: once per new structure), its arrays' placement against
@@ -13,11 +14,19 @@ back, a scalar per step, is read when its step is done.
 - The labels: jaxtrain's loss helpers report the fraction of labels outside
   the classes as the metric ``LABELS_OUT_OF_RANGE`` and give those examples a
   NaN loss (``jaxtrain.models.classify``): its gradient is masked out, so the
-  state stays finite. Every step's metric is read when the step is done and
-  raises if it is not 0 (``labels``): by ``trainer(state, batch)`` two calls
-  later, before it takes (donates) its state, so the state given to the
-  raising call is still usable; by ``jaxtrain.train.loop`` one step late,
-  with the metrics. One step stays in flight: no read waits on the devices.
+  state stays finite. Every step's metric is read and raises if it is not 0
+  (``labels``). When (``Trainer.check_labels``, for ``trainer(state, batch)``
+  and ``trainer.step`` alike): the first call reads its own once its step is
+  done (the one wait, once; that call's state is gone, donated to its step,
+  and the error says so); every later call, before its step takes (donates)
+  its state, reads those of all earlier calls whose step is done (a poll,
+  no wait) and that of the call before the previous one in any case (one
+  step stays in flight, so it is all but done): a bad batch raises at most
+  two calls later, the state given to the raising call still usable. The
+  last calls have no later call: ``trainer.check_labels()`` waits for and
+  reads them (``jaxtrain.train.loop.fit`` calls it at each epoch's end, and
+  also reads each step's metric one step late with its loss, before calling
+  a NaN loss a divergence).
 """
 
 from __future__ import annotations
@@ -109,9 +118,10 @@ def untraceable(error: Exception, batch, previous: dict[str, str] | None) -> Con
                        "and dtypes against what the loss_fn takes")
 
 
-def labels(share, where: str, values=None) -> None:
+def labels(share, where: str, values=None, consumed: bool = False) -> None:
     """A ConfigError if ``share``, a step's metric ``LABELS_OUT_OF_RANGE``, is not 0: labels outside the model's
-    classes in the batch ``where`` names (``values``: its labels, to say their range)."""
+    classes in the batch ``where`` names (``values``: its labels, to say their range; ``consumed``: the raising
+    call's own step took the state it was given)."""
     share = float(jax.device_get(share))
     if share == 0:
         return
@@ -119,5 +129,7 @@ def labels(share, where: str, values=None) -> None:
     if values is not None and getattr(values, "is_fully_addressable", True):
         values = np.asarray(jax.device_get(values))
         found = f" (they range {values.min()}..{values.max()})"
+    gone = ("; its step ran and consumed (donated) the state this call was given: start again from trainer.init "
+            "or a checkpoint" if consumed else "")
     raise ConfigError(f"{share:.1%} of the labels of {where} are outside the model's classes{found}: labels are "
-                      "class indices 0..num_classes-1 (their loss is NaN); fix the labels")
+                      f"class indices 0..num_classes-1 (their loss is NaN); fix the labels{gone}")

@@ -212,7 +212,9 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
     ``on_epoch(stats)`` is the common epoch hook; each runs inside ``pause()``
     (a run's stall watch: an evaluation is not a stall). ``position`` resumes
     a run where a checkpoint left it. A NaN or infinite loss, evaluation loss,
-    or parameters at an epoch's end raise ``Diverged``.
+    or parameters at an epoch's end raise ``Diverged``; labels outside the
+    model's classes a ``ConfigError`` first (each step's read one step late
+    with its loss, and ``trainer.check_labels()`` at each epoch's end).
 
     Returns ``(state, history, first_loss)``: the final state, one EpochStats
     per epoch, and the loss of the very first step.
@@ -247,6 +249,7 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
                         with pause():
                             hook.fn(loop)
             loop.sync()
+            trainer.check_labels()  # the trainer's own check, the last calls' too (the loop read each with its loss)
         check_finite(loop.state.params, loop.total_steps)  # the last update of an epoch has no loss read after it
         _end_epoch(loop)
         for hook in hooks:

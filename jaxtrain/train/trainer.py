@@ -54,7 +54,7 @@ class Trainer:
         self.batch_plan = Plan(mesh, micro_batches or self.scan_steps, calls)
         self._plans, self._steps = {}, {}  # state tree structure -> Plan, compiled step
         self._last_batch = None  # the signature of the last batch a checked call ran (call_checks.untraceable)
-        self._unread = collections.deque()  # (call, labels' metric, labels) of calls not read yet (_read_labels)
+        self._unread = collections.deque()  # (call, labels' metric, labels) of calls not checked yet (_read_labels)
         self._calls = 0
         self._axes_said = False  # the warning about mesh axes nothing uses: once
 
@@ -151,8 +151,7 @@ class Trainer:
     def __call__(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a global batch (numpy or jax arrays): the state (its tree, its placement) and the batch
         checked and the batch sharded first; a step that cannot be traced for the batch is one line naming its
-        arrays; labels outside the classes are found two calls later, before that call takes its state
-        (``jaxtrain.parallel.call_checks``)."""
+        arrays; labels outside the classes are checked as ``check_labels`` says (``jaxtrain.parallel.call_checks``)."""
         _check_not_donated(state)
         compiled = self._compiled(state)
         self.plan(state).check_placed(state)
@@ -165,25 +164,54 @@ class Trainer:
                 raise
             raise call_checks.untraceable(e, batch, self._last_batch) from e
         self._last_batch = call_checks.signature(batch)
-        self._calls += 1
-        if LABELS_OUT_OF_RANGE in out[1]:
-            self._unread.append((self._calls, out[1][LABELS_OUT_OF_RANGE], batch.get("label")))
-        return out
-
-    def _read_labels(self) -> None:
-        """A ConfigError if the batch of the call before the previous one had labels outside the classes: its
-        step is done (one step stays in flight, so this never waits on the devices)."""
-        while len(self._unread) > 1:
-            call, share, labels = self._unread.popleft()
-            call_checks.labels(share, f"the batch of call {call}", labels)
+        return self._held_labels(out, state, batch)
 
     def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a batch ALREADY on the mesh (what ``prefetch_to_device`` yields).
 
-        No checks, no copies: the hot-loop entry (``loop.fit`` reads each step's labels metric one step late).
-        Under ``jax.transfer_guard("disallow")`` a host array here is an error.
+        No checks and no copies but the labels' (``check_labels``: a poll per call, a wait on the first step
+        only): the hot-loop entry. Under ``jax.transfer_guard("disallow")`` a host array here is an error.
         """
-        return self._compiled(state)(state, batch)
+        compiled = self._compiled(state)
+        self._read_labels()
+        return self._held_labels(compiled(state, batch), state, batch)
+
+    def check_labels(self) -> None:
+        """Wait for every call whose labels were not checked yet and check them, in order: a ConfigError for the
+        first whose batch had labels outside the model's classes (the share a loss reports as the metric
+        ``labels_out_of_range``; a loss without it is not checked).
+
+        Each call (``trainer(state, batch)`` and ``trainer.step``) checks, before its step takes its state: the
+        labels of every earlier call whose step is done (never waiting for one), and those of the call before
+        the previous one in any case (at most one step in flight: its step is all but done). So a bad batch
+        raises at most two calls later, the state given to the raising call still usable; the first call checks
+        its own batch when its step is done (the first step waits once). The last calls of a loop have no later
+        call: call this after a loop of your own (``loop.fit`` does at each epoch's end)."""
+        self._read_labels(wait=True)
+
+    def _read_labels(self, wait: bool = False) -> None:
+        """Check the held calls' labels, oldest first: those whose step is done, the call before the previous one
+        whatever its step's state, and (``wait``) all."""
+        while self._unread:
+            call, share, labels = self._unread[0]
+            if not (wait or len(self._unread) > 1 or getattr(share, "is_ready", lambda: True)()):
+                return
+            self._unread.popleft()
+            call_checks.labels(share, f"the batch of call {call}", labels)
+
+    def _held_labels(self, out: tuple, state, batch) -> tuple[TrainState, dict]:
+        """``out``, the labels' share of its call held to check later (``check_labels``); the first call's checked
+        now (one wait, once), saying whether the state it was given is gone (donated to its step)."""
+        self._calls += 1
+        if LABELS_OUT_OF_RANGE not in out[1]:
+            return out
+        share, labels = out[1][LABELS_OUT_OF_RANGE], batch.get("label")
+        if self._calls > 1:
+            self._unread.append((self._calls, share, labels))
+            return out
+        consumed = any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state))
+        call_checks.labels(share, "the batch of call 1", labels, consumed=consumed)
+        return out
 
     def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
         """The lowered (not yet compiled) step; ``.compile()`` it.
