@@ -132,6 +132,20 @@ def test_a_label_outside_the_classes_in_a_later_batch_stops_fit_in_one_line():
         fit(trainer, state, loader.Loader(split, 64, train=True), None, None, epochs=1, progress=False)
 
 
+def test_a_label_outside_the_classes_in_the_evaluation_set_is_one_line_not_a_divergence():
+    """Its NaN loss ended the run as "diverged" (exit 3, "lower lr="): it is the labels' ConfigError (exit 2); a
+    padding row never counts (test_call_checks)."""
+    test = random_split(100, seed=1)
+    test.labels[37] = -1
+    trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=1)
+    state = trainer.init(lenet.init_params(jax.random.key(0)))
+    with pytest.raises(ConfigError, match=r"^1\.0% of the labels of the evaluation set are outside the model's "
+                                          r"classes: .*; fix the labels$") as raised:
+        fit(trainer, state, loader.Loader(random_split(256), 64, train=True), jt.make_eval_step(lenet.eval_fn, mesh=1),
+            loader.Loader(test, 64, train=False), epochs=1, max_steps=1, progress=False)
+    assert not isinstance(raised.value, Diverged) and raised.value.EXIT_CODE == 2
+
+
 def test_a_label_outside_the_classes_in_the_runs_last_batch_stops_fit():
     """The last step has no later step to read it: fit checks it at the epoch's end (max_steps ends it here)."""
     split = random_split(256)

@@ -5,7 +5,8 @@ Labels are checked twice, both for free: their dtype and shape while the step is
 their values inside the step: a label outside ``0 .. classes - 1`` gets a NaN loss (never another class's
 loss: a ``-1`` would otherwise wrap to the last class and look plausible), and ``mean_loss`` reports the
 fraction of such labels as the metric ``LABELS_OUT_OF_RANGE``, which the trainer and the loop read for every
-step once it is done (``jaxtrain.parallel.call_checks``).
+step once it is done (``jaxtrain.parallel.call_checks``); ``per_example`` flags each, and ``loop.evaluate`` reads
+their sum over the evaluation set.
 """
 
 from __future__ import annotations
@@ -55,10 +56,12 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, kernels: str = "jnp") ->
 
 
 def per_example(logits: jax.Array, labels: jax.Array, kernels: str = "jnp") -> dict:
-    """Cross-entropy and correctness of each example: the eval-step contract."""
+    """Cross-entropy and correctness of each example, and whether its label is outside the classes (1.0: summed
+    by the eval step, read by ``loop.evaluate``): the eval-step contract."""
     return {
         "loss": cross_entropy(logits, labels, kernels),
         "accuracy": (logits.argmax(-1) == labels).astype(jnp.float32),
+        LABELS_OUT_OF_RANGE: outside(logits, labels).astype(jnp.float32),
     }
 
 
@@ -66,8 +69,7 @@ def mean_loss(logits: jax.Array, labels: jax.Array, kernels: str = "jnp") -> tup
     """(mean cross-entropy, {"accuracy": mean, LABELS_OUT_OF_RANGE: fraction}): what a train-step loss_fn
     returns."""
     metrics = per_example(logits, labels, kernels)
-    return metrics["loss"].mean(), {"accuracy": metrics["accuracy"].mean(),
-                                    LABELS_OUT_OF_RANGE: outside(logits, labels).mean(dtype=jnp.float32)}
+    return metrics.pop("loss").mean(), {k: v.mean() for k, v in metrics.items()}
 
 
 def label_loss(logits: jax.Array, batch: dict, kernels: str = "jnp") -> tuple[jax.Array, dict]:

@@ -26,7 +26,10 @@ it is, the one wait).
   last calls have no later call: ``trainer.check_labels()`` waits for and
   reads them (``jaxtrain.train.loop.fit`` calls it at each epoch's end, and
   also reads each step's metric one step late with its loss, before calling
-  a NaN loss a divergence).
+  a NaN loss a divergence). An evaluation's: ``classify.per_example`` flags
+  each example, the eval step sums the flags of the unmasked ones, and
+  ``jaxtrain.train.loop.evaluate`` raises the same error for the evaluation
+  set (before its NaN loss could end a run as diverged).
 """
 
 from __future__ import annotations

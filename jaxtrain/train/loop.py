@@ -64,7 +64,10 @@ def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> di
 
     ``batches`` are host batches (this process's rows); they reach the devices
     through ``device_batches``, and the eval step runs under
-    ``jax.transfer_guard("disallow")``.
+    ``jax.transfer_guard("disallow")``. Labels outside the model's classes
+    (an eval_fn's per-example ``LABELS_OUT_OF_RANGE``, as
+    ``classify.per_example`` gives it) are a ``ConfigError`` naming their
+    share, not a NaN loss.
     """
     if any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array)):  # jaxlib would crash
         raise ValueError("evaluate: this state was donated to a later train step (its buffers are gone): evaluate "
@@ -83,6 +86,9 @@ def evaluate(evaluator, state, batches: Iterable[dict], prefetch: int = 2) -> di
             add(late.push(evaluator.step(state, batch)))
     add(late.flush())
     count = totals.pop("count", 0.0)
+    outside = totals.pop(LABELS_OUT_OF_RANGE, 0.0)
+    if outside:
+        call_checks.labels(outside / count, "the evaluation set")
     means = {k: v / count for k, v in totals.items()} if count else {k: float("nan") for k in totals}
     return {**means, "count": int(count)}
 
@@ -214,7 +220,8 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
     a run where a checkpoint left it. A NaN or infinite loss, evaluation loss,
     or parameters at an epoch's end raise ``Diverged``; labels outside the
     model's classes a ``ConfigError`` first (each step's read one step late
-    with its loss, and ``trainer.check_labels()`` at each epoch's end).
+    with its loss, and ``trainer.check_labels()`` at each epoch's end; the
+    evaluation's by ``evaluate``, before its loss).
 
     Returns ``(state, history, first_loss)``: the final state, one EpochStats
     per epoch, and the loss of the very first step.
