@@ -20,7 +20,8 @@ compared). Their implementations are heavily tuned (DALI, fused NHWC kernels): a
 H200/H100 ratio (1.13x measured, against 1.43x more memory bandwidth) tests whether the estimate over-credits
 bandwidth. And jaxtrain's own step as ``python -m experiments.gpu_check`` measured it on each GPU run kept in
 docs/gpu-runs/ (one H200 on 2026-11-26, one H100 on 2026-11-27: docs/gpu.md): the rows where estimate and
-measurement are of the same program, read from those reports (``measured``), never typed in here.
+measurement are of the same program, read from those reports when the command runs (``figures``), never typed in
+here. It names the run files it read; none, or two holding the same GPU, GPU count and batch, is one line, exit 1.
 
 The estimate has one fitted constant, the share of their rooflines kernels reach (``targets.json``
 "_costs.efficiency"). It is fitted on ONE row, 1 A100 AMP; every other row is held out. This command prints the
@@ -31,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from experiments.gpu_check_report import kept_runs
+from experiments.gpu_check_report import RUNS, kept_runs
 from jaxtrain.cli import one_line_errors
+from jaxtrain.errors import ConfigError
 
 # NVIDIA's published figures (the README named above): (gpu, GPUs, jaxtrain precision, images per GPU, name) -> img/s
 PUBLISHED = {("a100", 1, "fp32", 256, "TF32"): 938, ("a100", 1, "bf16", 256, "AMP"): 2470,
@@ -44,22 +47,47 @@ MEASURED = "bf16 (jaxtrain, measured)"
 
 
 def measured(runs: dict) -> dict:
-    """jaxtrain's ResNet-50 step (bf16, 224x224, no remat) in each kept GPU run's report: (gpu, GPUs, precision,
-    images per GPU, name) -> img/s measured."""
-    return {(run["run"]["gpu"], r["devices"], "bf16", r["batch"] // r["devices"], MEASURED): r["examples_per_second"]
-            for run in runs.values() for r in run.get("steps", {}).get("rows", [])
-            if (r.get("model"), r.get("precision"), r.get("remat"), r.get("input_shape")) == (
-                "resnet50", "bf16", "none", [224, 224, 3])}
+    """jaxtrain's ResNet-50 step (bf16, 224x224, no remat) in each kept GPU run's report (``runs``: ``kept_runs``,
+    by name): (gpu, GPUs, precision, images per GPU, name) -> img/s measured. Two rows of one cell (two runs of the
+    same GPU, say) are a ConfigError naming both: neither silently wins."""
+    out, where = {}, {}
+    for name, run in runs.items():
+        for r in run.get("steps", {}).get("rows", []):
+            if (r.get("model"), r.get("precision"), r.get("remat"), r.get("input_shape")) != (
+                    "resnet50", "bf16", "none", [224, 224, 3]):
+                continue
+            key = (run["run"]["gpu"], r["devices"], "bf16", r["batch"] // r["devices"], MEASURED)
+            if key in out:
+                raise ConfigError(f"{where[key]}.json and {name}.json both measure {key[0].upper()} x{key[1]} at "
+                                  f"{key[3]} images per GPU: keep one of them in the runs folder")
+            out[key], where[key] = r["examples_per_second"], name
+    return out
 
 
 # Held out, every one (the fit stays on the 1-A100 AMP row): (gpu, GPUs, precision, images per GPU, name) -> img/s
 MLPERF = {("h100", 8, "bf16", 400, "AMP (MLPerf v3.0)"): (55_923 + 56_206) / 2,
           ("h200", 8, "bf16", 400, "AMP (MLPerf v4.0)"): (63_394 + 63_862) / 2}
-HELD_OUT = {**MLPERF, **measured(kept_runs())}
-ALL = {**PUBLISHED, **HELD_OUT}
 FIT_ON = ("a100", 1, "bf16", 256, "AMP")
 BAND = 1.5  # docs/gpu-estimate.md: every ratio "within 1.5x" of an implementation like the one estimated...
 MLPERF_BAND = (0.5, 1.0)  # ...and "0.5-1.0" of MLPerf's tuned ones (mlperf_floor: why 0.5)
+
+
+def figures(runs: dict) -> dict:
+    """Every row's measured figure, (gpu, GPUs, precision, images per GPU, name) -> img/s: NVIDIA's published ones,
+    MLPerf's and jaxtrain's in ``runs`` (``kept_runs``; ``measured``). All but ``FIT_ON`` are held out."""
+    return {**PUBLISHED, **MLPERF, **measured(runs)}
+
+
+def read_runs(folder: Path = RUNS) -> tuple[dict, str]:
+    """(``figures`` of the runs kept in ``folder``, the line naming the files read); a ConfigError where it holds
+    no run with a measured row (they would silently be left out) or two measure the same cell."""
+    runs = kept_runs(folder)
+    cells = figures(runs)
+    if not any(key[4] == MEASURED for key in cells):
+        raise ConfigError(f"{folder}: no GPU run file (DATE-GPU.json) with jaxtrain's ResNet-50 row "
+                          f"({len(runs)} file(s) there): the measured rows would be left out "
+                          "(python -m experiments.gpu_check --keep writes one)")
+    return cells, f"jaxtrain's measured rows from {folder}: " + ", ".join(f"{name}.json" for name in runs)
 
 
 def band(row: dict) -> tuple[float, float]:
@@ -67,10 +95,11 @@ def band(row: dict) -> tuple[float, float]:
     return MLPERF_BAND if "MLPerf" in row["precision"] else (1 / BAND, BAND)
 
 
-def mlperf_floor(held_out: dict = HELD_OUT) -> dict:
+def mlperf_floor(held_out: dict) -> dict:
     """The lowest ratio an estimate of XLA's program may have against MLPerf's tuned code, per GPU, from the
     measurements: jaxtrain's step measured at MLPerf's 400 images per GPU runs at a share S of MLPerf's per-GPU
-    throughput, and an estimate within its own band may be 1/BAND of that step's: so S / BAND."""
+    throughput, and an estimate within its own band may be 1/BAND of that step's: so S / BAND. ``held_out``: as
+    ``figures`` gives them."""
     out = {}
     for (gpu, gpus, _, batch, name), rate in held_out.items():
         if "MLPerf" in name:
@@ -102,8 +131,10 @@ SOURCE = ("NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50
 
 
 def parser() -> argparse.ArgumentParser:
+    from jaxtrain.gpu.targets import names
+
     p = argparse.ArgumentParser(prog="python -m experiments.gpu_validate", description=__doc__.split("\n")[0])
-    p.add_argument("--gpu", choices=sorted({k[0] for k in ALL}), action="append",
+    p.add_argument("--gpu", choices=names(), action="append",
                    help="only these GPUs' rows (repeatable; default: all; the fit needs a100)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     return p
@@ -115,15 +146,15 @@ def fit_efficiency(roofline: float, launch: float, seconds: float) -> float:
     return roofline / (seconds - launch)
 
 
-def rows(estimates: dict) -> list[dict]:
+def rows(estimates: dict, cells: dict) -> list[dict]:
     """The table: one row per measured cell with the estimate, the measured figure and their ratio;
-    ``estimates``: cell (an ``ALL`` key) -> ``Estimate.summary()``."""
+    ``estimates``: cell (a key of ``cells``, ``figures``' dict) -> ``Estimate.summary()``."""
     out = []
     for key, e in estimates.items():
         gpu, gpus, _, batch, name = key
         out.append({"gpu": gpu, "gpus": gpus, "precision": name, "batch_per_gpu": batch,
-                    "estimate": e["examples_per_second"], "published": ALL[key],
-                    "ratio": e["examples_per_second"] / ALL[key], "held_out": key != FIT_ON,
+                    "estimate": e["examples_per_second"], "published": cells[key],
+                    "ratio": e["examples_per_second"] / cells[key], "held_out": key != FIT_ON,
                     "bottleneck": e["bottleneck"], "exposed_share": e["exposed"] / e["seconds"]})
     return out
 
@@ -156,15 +187,25 @@ def estimate(cells: list[tuple]) -> dict:
 
 
 @one_line_errors("gpu_validate")
-def main(argv=None, estimate=estimate) -> int:
-    """``estimate``: cells -> their estimates (tests stand a stub in for the compiles)."""
-    args = parser().parse_args(argv)
+def main(argv=None, estimate=estimate, runs: Path = RUNS) -> int:
+    """``estimate``: cells -> their estimates (tests stand a stub in for the compiles); ``runs``: the folder of kept
+    GPU runs whose measured rows are compared (docs/gpu-runs)."""
+    p = parser()
+    args = p.parse_args(argv)
     import json
 
     from jaxtrain.gpu.targets import costs
 
-    estimates = estimate([k for k in ALL if args.gpu is None or k[0] in args.gpu])
-    table = rows(estimates)
+    try:
+        cells, read = read_runs(runs)
+    except ConfigError as e:  # the comparison cannot be made as documented: a failed check (1), not a usage error
+        print(f"gpu_validate: error: {e}", file=sys.stderr)
+        return 1
+    if args.gpu and (rowless := sorted(set(args.gpu) - {k[0] for k in cells})):
+        p.error(f"argument --gpu: no rows of {', '.join(rowless)} (rows: {', '.join(sorted({k[0] for k in cells}))})")
+    print(read, flush=True)
+    estimates = estimate([k for k in cells if args.gpu is None or k[0] in args.gpu])
+    table = rows(estimates, cells)
     print(f"ResNet-50 v1.5 training: the ESTIMATE against measurements ({SOURCE}; MLPerf Training v3.0 and v4.0 "
           "closed-division logs; jaxtrain on one H200 and one H100, experiments.gpu_check)\n")
     print(format_rows(table))
@@ -189,8 +230,8 @@ def main(argv=None, estimate=estimate) -> int:
         if all(k in estimates for k in ours):
             print(f"H200/H100 (jaxtrain's step, 1 GPU, {batch} per GPU): estimate "
                   f"{estimates[ours[0]]['examples_per_second'] / estimates[ours[1]]['examples_per_second']:.2f}x, "
-                  f"measured {ALL[ours[0]] / ALL[ours[1]]:.2f}x")
-    floors = ", ".join(f"{gpu.upper()} {f:.3f}" for gpu, f in mlperf_floor().items())
+                  f"measured {cells[ours[0]] / cells[ours[1]]:.2f}x")
+    floors = ", ".join(f"{gpu.upper()} {f:.3f}" for gpu, f in mlperf_floor(cells).items())
     if floors:
         print(f"MLPerf's floor from the measured runs (jaxtrain's step over MLPerf's per GPU, over {BAND}): {floors}")
     line, code = verdict(table)

@@ -106,8 +106,13 @@ class _AsFlags(logging.Formatter):
 @contextlib.contextmanager
 def library_log(flags: dict[str, str] | None = None):
     """While a command runs: the library's log lines (logger "jaxtrain", warnings and up) on stderr, its
-    parameters said as flags (``on_bad_image=error`` -> ``--on-bad-image error``; ``flags``: as ``as_flags``)."""
-    logger, handler = logging.getLogger("jaxtrain"), logging.StreamHandler()
+    parameters said as flags (``on_bad_image=error`` -> ``--on-bad-image error``; ``flags``: as ``as_flags``).
+    Nested (a command's ``one_line_errors`` around ``main``, which says them too), the outer one says them: once."""
+    logger = logging.getLogger("jaxtrain")
+    if any(isinstance(h.formatter, _AsFlags) for h in logger.handlers):
+        yield
+        return
+    handler, propagate = logging.StreamHandler(), logger.propagate
     handler.setFormatter(_AsFlags(flags))
     logger.addHandler(handler)
     logger.propagate = False  # said once: not again by a handler on the root logger (absl's, tfds')
@@ -115,7 +120,7 @@ def library_log(flags: dict[str, str] | None = None):
         yield
     finally:
         logger.removeHandler(handler)
-        logger.propagate = True
+        logger.propagate = propagate
 
 
 def one_line_errors(prog: str, flags: dict[str, str] | None = None):

@@ -365,3 +365,29 @@ def test_runs_lists_every_experiment_that_is_a_training_run_and_the_model_it_fix
         with pytest.raises(SystemExit):
             runpy.run_module(module, run_name="__main__")
         assert given == [cli.RUNS[module]], (module, given)
+
+
+@pytest.mark.parametrize("propagating", [True, False])
+def test_a_library_line_is_said_once_when_library_log_is_nested_and_propagate_is_given_back(capsys, propagating):
+    """A command's ``one_line_errors`` around a main that says the library's lines too (``cli.main``): said once, as
+    flags of the outer one; the logger's ``propagate`` is what it was before, not always True."""
+    import logging
+
+    from jaxtrain import cli
+
+    logger = logging.getLogger("jaxtrain")
+    before, handlers, logger.propagate = logger.propagate, list(logger.handlers), propagating
+
+    @cli.one_line_errors("prog", {"budget_bytes": "--memory-budget"})
+    def command(argv):
+        with cli.library_log():  # as cli.main does
+            logging.getLogger("jaxtrain.test").warning("budget_bytes=%d is small", 3)
+        return 0
+
+    try:
+        capsys.readouterr()
+        assert command([]) == 0
+        assert capsys.readouterr().err.splitlines() == ["warning: --memory-budget 3 is small"]
+        assert logger.propagate is propagating and logger.handlers == handlers
+    finally:
+        logger.propagate = before

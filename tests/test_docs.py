@@ -30,22 +30,23 @@ def _validation_rows(table: Table) -> list[dict]:
     """The rows as ``gpu_validate.rows`` returns them, from the page's estimates and labels; the published figures,
     the ratios and which row is fitted come from the benchmark itself."""
     from experiments import gpu_validate as v
+    from experiments.gpu_check_report import kept_runs
 
-    out = []
+    out, figures = [], v.figures(kept_runs())
     for cells in table.rows:
         assert len(cells) == 8, f"{table.where()}: {cells}"
         gpu, gpus, precision, batch, estimate, _published, _ratio, label = cells
         cell = (gpu.lower(), gpus, precision, batch)
-        key = next((k for k in v.ALL if (k[0], str(k[1]), k[4], str(k[3])) == cell), None)
+        key = next((k for k in figures if (k[0], str(k[1]), k[4], str(k[3])) == cell), None)
         assert key is not None, f"{table.where()}: no published cell {cells[:4]} in experiments.gpu_validate"
         m = re.fullmatch(r"(?:held out|fitted); (\w+)-bound(?:; ([\d.]+)% of the step waits for collectives)?", label)
         assert m, f"{table.where()}: the row label {label!r} is not gpu_validate's"
         figure = float(estimate.replace(",", ""))
         out.append({"gpu": key[0], "gpus": key[1], "precision": key[4], "batch_per_gpu": key[3], "estimate": figure,
-                    "published": v.ALL[key], "ratio": figure / v.ALL[key], "held_out": key != v.FIT_ON,
+                    "published": figures[key], "ratio": figure / figures[key], "held_out": key != v.FIT_ON,
                     "bottleneck": m[1], "exposed_share": float(m[2] or 0) / 100})
     keys = sorted((r["gpu"], r["gpus"], r["precision"]) for r in out)
-    assert keys == sorted((k[0], k[1], k[4]) for k in v.ALL), f"{table.where()}: not one row per measured cell"
+    assert keys == sorted((k[0], k[1], k[4]) for k in figures), f"{table.where()}: not one row per measured cell"
     return out
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from conftest import ROOT, needs_fashion_mnist, run_cli
@@ -294,17 +295,26 @@ def _files_whole(out_dir, epochs_done, killed=False):
     assert killed or not [p for p in out_dir.iterdir() if ".tmp-" in p.name]
 
 
-def _lines(proc) -> queue.Queue:
-    """The run's stdout lines as they come, then None (a thread reads them, so that a wait has a deadline)."""
-    lines = queue.Queue()
+def _lines(proc) -> tuple[queue.Queue, Callable[[], str]]:
+    """The run's stdout lines as they come, then None (a thread reads them, so that a wait has a deadline), and a
+    function giving its stderr once it has ended: a second thread drains it as it comes (a run that writes more than
+    a pipe holds, 64 KiB, to an unread stderr would block there, and the test wait out its deadline)."""
+    lines, err = queue.Queue(), []
 
     def read():
         for line in proc.stdout:
             lines.put(line)
         lines.put(None)
 
+    drain = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
     threading.Thread(target=read, daemon=True).start()
-    return lines
+    drain.start()
+
+    def stderr() -> str:
+        drain.join(timeout=HANG_SECONDS)
+        return "".join(err)
+
+    return lines, stderr
 
 
 def _step_lines(lines):
@@ -332,7 +342,7 @@ def test_chaos_killed_five_times_then_resumed_gives_the_uninterrupted_params(tmp
         moment, sig = fault.split()
         seen = max(_checkpoints(ck), default=0)
         proc = start(*args, "--checkpoint-dir", str(ck), "--out", str(out), "--resume")
-        lines, deadline = _lines(proc), time.monotonic() + HANG_SECONDS
+        (lines, stderr), deadline = _lines(proc), time.monotonic() + HANG_SECONDS
         if moment == "start-up":  # the first line: the run is set up, its first step not yet taken
             assert lines.get(timeout=HANG_SECONDS) is not None, f"{fault}: no first line"
         elif moment == "save":
@@ -345,7 +355,7 @@ def test_chaos_killed_five_times_then_resumed_gives_the_uninterrupted_params(tmp
         assert proc.poll() is None, f"{fault}: the run ended before the fault"
         proc.send_signal(getattr(signal, f"SIG{sig}"))
         proc.wait(timeout=HANG_SECONDS)
-        err = proc.stderr.read()
+        err = stderr()
         assert proc.returncode in (128 + getattr(signal, f"SIG{sig}"), -getattr(signal, f"SIG{sig}")), err[-3000:]
         assert "Traceback" not in err, err[-3000:]
         killed += 1

@@ -234,10 +234,13 @@ def test_a_programming_error_while_decoding_is_raised_not_counted_as_a_damaged_f
     _, bad, _ = split.examples(everything, None, 0, 0)
     assert [b.split(os.sep)[-1] for b in bad] == ["truncated.jpg (OSError)"]  # the decoders' errors: damaged
     for bug, error in ((lambda *args, **kwargs: len(None), TypeError),  # a bug, not a damaged file: raised
-                       (lambda *args, **kwargs: None.shape, AttributeError)):
+                       (lambda *args, **kwargs: None.shape, AttributeError),
+                       # a decoded image of the wrong shape: numpy's ValueError storing it, not a decoder's
+                       (lambda path, size, *args, **kwargs: np.zeros((size + 1, size, 3), np.uint8), ValueError)):
         monkeypatch.setattr(images, "decode", bug)
-        with pytest.raises(error):
+        with pytest.raises(error) as raised:
             split.examples(everything, None, 0, 0)
+        assert not isinstance(raised.value, ConfigError), raised.value  # not "N files in a row fail to decode"
 
 
 @pytest.mark.parametrize("layout, says", [

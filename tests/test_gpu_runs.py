@@ -12,6 +12,7 @@ from experiments import gpu_check_report as report
 from experiments import gpu_validate as v
 
 RUNS = report.kept_runs()
+CELLS = v.figures(RUNS)  # every row's figure, as gpu_validate reads them
 GPU = re.compile(r"\b(A100|B200|H100|H200|V100)\b")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 NAMED = re.compile(r"gpu-runs/(20\d\d-\d\d-\d\d-\w+)\.json")
@@ -95,7 +96,7 @@ def test_a_measurement_without_its_report_or_a_wrong_figure_is_caught():
 
 
 def test_gpu_validate_reads_the_measured_rows_from_the_kept_runs(tmp_path):
-    assert {k: v.HELD_OUT[k] for k in v.HELD_OUT if k[4] == v.MEASURED} == v.measured(RUNS) == {
+    assert {k: CELLS[k] for k in CELLS if k[4] == v.MEASURED} == v.measured(RUNS) == {
         ("h200", 1, "bf16", 256, v.MEASURED): 6_340, ("h200", 1, "bf16", 400, v.MEASURED): 6_560,
         ("h100", 1, "bf16", 256, v.MEASURED): 5_207, ("h100", 1, "bf16", 400, v.MEASURED): 5_335}
     row = {"model": "resnet50", "precision": "bf16", "remat": "none", "devices": 8, "batch": 2048,
@@ -109,7 +110,7 @@ def test_gpu_validate_reads_the_measured_rows_from_the_kept_runs(tmp_path):
 def _estimates(ratios: dict) -> callable:
     """A stand-in for gpu_validate's compiles: each cell's estimate at ``ratios[cell]`` (default 1) of its figure."""
     def estimate(cells):
-        return {k: {"examples_per_second": ratios.get(k, 1.0) * v.ALL[k], "bottleneck": "memory", "exposed": 0.0,
+        return {k: {"examples_per_second": ratios.get(k, 1.0) * CELLS[k], "bottleneck": "memory", "exposed": 0.0,
                     "seconds": 1.0, "roofline": 0.06, "launch": 0.001} for k in cells}
     return estimate
 
@@ -118,7 +119,10 @@ def test_gpu_validate_exits_1_when_a_held_out_row_leaves_its_band_and_0_within(c
     ours = ("h100", 1, "bf16", 256, v.MEASURED)
     mlperf = ("h100", 8, "bf16", 400, "AMP (MLPerf v3.0)")
     assert v.main(["--gpu", "h100"], estimate=_estimates({ours: 1.49, mlperf: 0.51})) == 0
-    assert "every ratio within 1.5x" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "every ratio within 1.5x" in out
+    assert out.splitlines()[0] == (f"jaxtrain's measured rows from {report.RUNS}: 2026-11-26-h200.json, "
+                                   "2026-11-27-h100.json")  # the files read, named
     for cell, ratio in [(ours, 1.51), (ours, 0.66), (mlperf, 0.49), (mlperf, 1.01)]:
         assert v.main(["--gpu", "h100"], estimate=_estimates({cell: ratio})) == 1, (cell, ratio)
         last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -133,9 +137,9 @@ def test_gpu_validate_exits_0_on_the_estimates_the_docs_table_holds():
     (table, *_) = [t for t in checked_tables() if t.command == "experiments.gpu_validate"]
     printed = {}
     for gpu, gpus, label, batch, estimate, *_ in table.rows:
-        key = next(k for k in v.ALL if (k[0], str(k[1]), k[4], str(k[3])) == (gpu.lower(), gpus, label, batch))
-        printed[key] = float(estimate.replace(",", "")) / v.ALL[key]
-    assert len(printed) == len(v.ALL)
+        key = next(k for k in CELLS if (k[0], str(k[1]), k[4], str(k[3])) == (gpu.lower(), gpus, label, batch))
+        printed[key] = float(estimate.replace(",", "")) / CELLS[key]
+    assert len(printed) == len(CELLS)
     assert v.main([], estimate=_estimates(printed)) == 0
 
 
@@ -143,6 +147,37 @@ def test_the_mlperf_floor_is_what_the_measured_runs_justify():
     """0.5: jaxtrain's step measured at 400 per GPU runs at a share S of MLPerf's per-GPU throughput; its
     estimate may be S / 1.5 of MLPerf's within its own band. The floor is the least of those, to within 0.01
     (docs/gpu-estimate.md, "The bands")."""
-    floors = v.mlperf_floor()
+    floors = v.mlperf_floor(CELLS)
     assert set(floors) == {"h100", "h200"}, floors
     assert v.MLPERF_BAND[0] <= min(floors.values()) < v.MLPERF_BAND[0] + 0.01, floors
+
+
+def test_gpu_validate_without_run_files_or_with_two_of_one_cell_is_one_line_exit_1(tmp_path, capsys):
+    """Read when it runs: no kept run (a missing or empty folder, or no file with a measured row) would silently
+    drop the measured rows and still say 'every ratio within 1.5x'; two runs of one GPU, GPU count and batch would
+    silently overwrite one another."""
+    def run(folder) -> tuple[int, list[str]]:
+        code = v.main(["--gpu", "h100"], estimate=_estimates({}), runs=folder)
+        out, err = capsys.readouterr()
+        return code, err.strip().splitlines()
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    lenet = {"run": {"gpu": "h100"}, "steps": {"rows": [r for r in RUNS["2026-11-27-h100"]["steps"]["rows"]
+                                                         if r["model"] != "resnet50"]}}
+    (tmp_path / "other" / "2026-11-27-h100.json").write_text(json.dumps(lenet))
+    for folder in (tmp_path / "missing", tmp_path / "empty", tmp_path / "other"):
+        code, err = run(folder)
+        assert code == 1 and len(err) == 1, (folder, err)
+        assert err[0].startswith(f"gpu_validate: error: {folder}: no GPU run file (DATE-GPU.json) with jaxtrain's "
+                                 "ResNet-50 row"), err
+    (tmp_path / "two").mkdir()
+    for run_name in ("2026-11-27-h100", "2026-12-01-h100"):
+        (tmp_path / "two" / f"{run_name}.json").write_text(json.dumps(RUNS["2026-11-27-h100"]))
+    code, err = run(tmp_path / "two")
+    assert code == 1 and err == ["gpu_validate: error: 2026-11-27-h100.json and 2026-12-01-h100.json both measure "
+                                 "H100 x1 at 256 images per GPU: keep one of them in the runs folder"], err
+    with pytest.raises(SystemExit) as e:  # a GPU of no row: not an empty table that passes
+        v.main(["--gpu", "b200"], estimate=_estimates({}))
+    assert e.value.code == 2 and "argument --gpu: no rows of b200 (rows: a100, h100, h200, v100)" in (
+        capsys.readouterr().err)

@@ -107,6 +107,26 @@ def test_early_exit_leaves_no_thread_running():
     assert {t for t in threading.enumerate() if t.name == "jaxtrain-prefetch" and t.is_alive()} <= before
 
 
+def test_a_grain_without_its_unlinking_thread_is_said_once_not_silently_unawaited(monkeypatch, caplog):
+    """grain 0.2.18 has no public way to wait for its unlinking thread: the loader waits on a private attribute.
+    A grain without it is one warning line per process (resource_tracker may warn at exit), not silence."""
+    monkeypatch.delattr(loader.SharedMemoryArray, "_del_thread_pool")
+    loader._cannot_await_shared_memory.cache_clear()
+    try:
+        for _ in range(3):  # each Loader.close, and at exit
+            loader._give_back_shared_memory()
+    finally:
+        loader._cannot_await_shared_memory.cache_clear()
+    said = [r for r in caplog.records if r.name == "jaxtrain.data.loader"]
+    assert len(said) == 1 and said[0].levelname == "WARNING", said
+    assert said[0].getMessage().startswith("the shared memory of the batches let go cannot be awaited: grain "), said
+    assert "has no _del_thread_pool" in said[0].getMessage() and "resource_tracker" in said[0].getMessage()
+    monkeypatch.undo()  # grain's attribute back: waited for, nothing said
+    caplog.clear()
+    loader._give_back_shared_memory()
+    assert not [r for r in caplog.records if r.name == "jaxtrain.data.loader"]
+
+
 def make_run(n=2):
     trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=n)
     evaluator = jt.make_eval_step(lenet.eval_fn, mesh=n)

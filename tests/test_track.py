@@ -125,22 +125,29 @@ def test_a_resumed_run_whose_tracked_run_was_not_kept_says_it_opens_a_new_one(tm
     assert read_mlflow(f"sqlite:///{tmp_path}/mlflow.db", "g")["status"] == "KILLED"
 
 
-def test_a_failing_tracker_warns_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+def test_a_failing_tracker_warns_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys, caplog):
+    """One log line (logger jaxtrain.driver), as a command line says it (``cli.library_log``: ``warning: ...``)."""
+    from jaxtrain import cli
+
     monkeypatch.setitem(sys.modules, "wandb", None)  # importing it raises ImportError, as where it is not installed
-    missing = track.start("wandb", tmp_path, {}, None)
-    missing.scalars(1, {"loss": 1.0}, "train_step")
-    missing.finish({"test_acc": 0.5}, [])
+    with cli.library_log():
+        missing = track.start("wandb", tmp_path, {}, None)
+        missing.scalars(1, {"loss": 1.0}, "train_step")
+        missing.finish({"test_acc": 0.5}, [])
     err = capsys.readouterr().err
     assert err.count("warning") == 1 and "pip install 'jaxtrain[wandb]'" in err, err
+    assert err.startswith("warning: --track wandb: not logging from here on (wandb is not installed"), err
 
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/file/mlflow.db")  # cannot be made: a file there
-    broken = track.start("mlflow", tmp_path, {}, None)
-    for step in range(3):
-        broken.scalars(step, {"loss": 1.0}, "train_step")
-    broken.close("failed")
-    err = capsys.readouterr().err
-    assert broken.broken and err.count("warning: --track mlflow") == 1, err
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        broken = track.start("mlflow", tmp_path, {}, None)
+        for step in range(3):
+            broken.scalars(step, {"loss": 1.0}, "train_step")
+        broken.close("failed")
+    said = [r for r in caplog.records if r.name == "jaxtrain.driver"]
+    assert broken.broken and len(said) == 1 and said[0].levelname == "WARNING", said
+    assert said[0].getMessage().startswith("--track mlflow: not logging from here on (FileExistsError"), said
     kept = json.loads((tmp_path / "track.json").read_text())  # for a sweep to say (it read only the exit code)
     assert kept["failed"].startswith("--track mlflow: FileExistsError"), kept
 
@@ -179,7 +186,10 @@ def test_an_mlflow_server_that_does_not_answer_is_waited_for_boundedly_and_said(
     for name in track.HTTP_WAIT:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
-    tracker = track.start("mlflow", tmp_path, {}, None)
+    from jaxtrain import cli
+
+    with cli.library_log():  # the warning is a log line; a command line says it so
+        tracker = track.start("mlflow", tmp_path, {}, None)
     err = capsys.readouterr().err
     assert tracker.broken and err.startswith("--track mlflow: connecting to http://127.0.0.1:9 (up to 36 s if it "
                                              "does not answer)\nwarning: --track mlflow: not logging"), err

@@ -132,9 +132,8 @@ def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch:
             box_of, flip = (lambda w, h: centre_box(w, h, split.crop_fraction)), False
         for j in (int(i + k) % n for k in range(min(n, TRIES))):  # this file, or (skip) the next that decodes
             path = root / split.files[j]
-            try:
-                out[row] = decode(path, size, box_of, flip, library=split.jpeg_library or None, refused=pillows)
-                break
+            try:  # the decode only: a wrong shape stored into out (numpy's ValueError) is a bug, not a damaged file
+                image = decode(path, size, box_of, flip, library=split.jpeg_library or None, refused=pillows)
             except damaged as e:  # replaced by the next file and counted (one warning line an epoch), or with
                 # on_bad="error" one line naming it
                 if isinstance(e, OSError) and e.errno not in (None, errno.ENOENT):  # the disk's, not the image's
@@ -144,6 +143,9 @@ def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch:
                     raise ConfigError(f"{path} cannot be decoded ({type(e).__name__}: {str(e)[:120]}): replace or "
                                       "remove it, or pass on_bad_image=skip to skip damaged files") from None
                 bad.append(f"{path} ({type(e).__name__})")
+            else:
+                out[row] = image
+                break
         else:
             raise ConfigError(f"{root}: {min(n, TRIES)} files in a row fail to decode (e.g. {bad[0]}): is this a "
                               "folder of images?")

@@ -93,11 +93,27 @@ def _worker_started(index: int, count: int) -> None:
 def _give_back_shared_memory() -> None:
     """Unlink the shared memory of the batches let go: those in reference cycles (grain's buffers, a traceback's
     frames) collected now, then grain's one unlinking thread waited for (first in, first out). At exit too: none is
-    left to Python's resource_tracker, which would warn of "leaked shared_memory objects"."""
-    pool = getattr(SharedMemoryArray, "_del_thread_pool", None)  # grain 0.2.18 has no public way to wait for it
+    left to Python's resource_tracker, which would warn of "leaked shared_memory objects". A grain without that
+    thread's (private) attribute is said in one line, once (``_cannot_await_shared_memory``)."""
+    if not hasattr(SharedMemoryArray, "_del_thread_pool"):  # grain 0.2.18 has no public way to wait for it
+        _cannot_await_shared_memory()
+        return
+    pool = SharedMemoryArray._del_thread_pool  # None: no unlinking thread (each batch unlinked as it goes)
     if pool is not None:
         gc.collect()
         pool.apply(int)
+
+
+@functools.cache  # once per process
+def _cannot_await_shared_memory() -> None:
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:  # a decode worker: the batches it sends are its parent's to
+        return  # unlink, never its own
+    log.warning("the shared memory of the batches let go cannot be awaited: grain %s's SharedMemoryArray has no "
+                "_del_thread_pool (the private attribute of grain 0.2.18's unlinking thread jaxtrain waits for); "
+                "Python's resource_tracker may then warn at exit of leaked shared_memory objects",
+                getattr(grain, "__version__", "(unknown version)"))
 
 
 def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:

@@ -60,8 +60,8 @@ class Tracker:
 
     def _fail(self, why: str) -> None:
         self.broken = True
-        print(f"warning: --track {self.kind}: not logging from here on ({why}); the run goes on "
-              "(metrics.jsonl and summary.json are its record)", file=sys.stderr, flush=True)
+        log.warning("--track %s: not logging from here on (%s); the run goes on (metrics.jsonl and summary.json "
+                    "are its record)", self.kind, why)
         with contextlib.suppress(OSError, ValueError):  # for a sweep to report (it reads OUT/track.json)
             self._keep("failed", f"--track {self.kind}: {why}")
 
@@ -101,8 +101,8 @@ class Tracker:
         except (OSError, ValueError) as e:
             run_id, why = None, f"cannot be read ({type(e).__name__}: {str(e)[:100]})"
         if why and self.resumed:
-            log.warning(f"--track {self.kind}: {path} {why}: this resumed run is logged to a new {self.kind} run "
-                        "(its earlier steps are in metrics.jsonl)")
+            log.warning("--track %s: %s %s: this resumed run is logged to a new %s run (its earlier steps are in "
+                        "metrics.jsonl)", self.kind, path, why, self.kind)
         return run_id
 
     def _keep_id(self, run_id: str) -> None:
