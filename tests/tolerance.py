@@ -36,13 +36,25 @@ params and BatchNorm statistics). A leaf whose exact move is nothing (a conv
 bias before a BatchNorm: its float64 gradient is 0, its fp32 one rounding)
 is held to FLOOR (1%) of the tree's largest move instead.
 
-One ResNet-18 step is well-conditioned leaf by leaf (every fp32 evaluation
-within 3e-4 of each leaf's move), but from the second step on its fp32
-steps are chaotic: the fp32 reference itself ends 10-50% of a late kernel's
-own move from float64 after 3 steps. No per-leaf check can tell a fault
-from rounding there, so the ResNet-18 equivalence tests take one update.
-A later step's metrics are held to how far they moved from the first
-step's.
+A ReLU flipped in ResNet-18 is another matter: its one gradient term
+moves a leaf up to 3% of its own move in a few elements, which no per-leaf
+KINK can let through without letting a gradient 2% off through too. But
+that error is unrelated to the leaf's update: along the update it is at
+most 0.066% of it (six flips forced into one step), where a skipped,
+doubled, lost or 2%-off update moves the leaf along its update by 100%,
+100%, 50% or 2%. So a leaf over its allowance still passes when its error
+is a flipped kink's: at most ALONG (0.5%) of its update along that update,
+and at most FLIPPED (10%) of its move anywhere (an fp32 evaluation has a
+flip with a probability of ~13% per ResNet-18 step on these CPUs, more
+where fp32 rounds coarser: docs/testing.md).
+
+One ResNet-18 step of d2l's weights is well-conditioned otherwise (every
+fp32 evaluation within 3e-4 of each leaf's move), but from the second step
+on its fp32 steps are chaotic: the fp32 reference itself ends 10-50% of a
+late kernel's own move from float64 after 3 steps. No per-leaf check can
+tell a fault from rounding there, so the ResNet-18 equivalence tests take
+one update. A later step's metrics are held to how far they moved from the
+first step's.
 
 $JAXTRAIN_TOLERANCE_LOG names a file that gets one JSON line per leaf
 compared (test, leaf, both errors, the ratio), so the variations of
@@ -65,12 +77,16 @@ KINK = 1e-3  # of how far a leaf moved: a ReLU or max-pool decision on its kink 
 FLOOR = 1e-2  # of the tree's largest move: what KINK holds a leaf that barely moves to (the module)
 EPS = float(np.finfo(np.float32).eps)
 ROUNDING = EPS / 2  # half an ulp of a leaf's scale: want's error can be no less
+# A ReLU flipped in a ResNet-18 step moves a leaf up to 3% of its move in a few elements, but at most 0.066% along
+# the leaf's update, where a skipped, doubled, lost or 2%-off update moves it along the update (the module).
+ALONG = 5e-3  # of a leaf's update: the most a flipped kink's error may point along that update (7.6x the seen)
+FLIPPED = 0.1  # of a leaf's move: the most a flipped kink's error may be anywhere in the leaf (3.3x the seen)
 
 
 def assert_reassociated(got, want, exact, what: str = "", start=None):
     """Every leaf of ``got`` is within MARGIN times ``want``'s distance from ``exact``, or (``start``: where the
-    leaves started) KINK times how far that leaf moved, at least FLOOR of the tree's largest move (see the
-    module)."""
+    leaves started) KINK times how far that leaf moved, at least FLOOR of the tree's largest move, or off as a
+    flipped kink makes it: under ALONG of its move along its update, FLIPPED anywhere (see the module)."""
     got, want, exact = jax.device_get((got, want, exact))
     paths = jax.tree_util.tree_flatten_with_path(exact)[0]
     got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
@@ -80,7 +96,7 @@ def assert_reassociated(got, want, exact, what: str = "", start=None):
     moves = [0.0 if s is None else _distance(e, s) for (_, e), s in zip(paths, start_leaves)]
     largest = max(moves, default=0.0)
     failures = []
-    for (path, e), g, w, moved in zip(paths, got_leaves, want_leaves, moves):
+    for (path, e), g, w, s, moved in zip(paths, got_leaves, want_leaves, start_leaves, moves):
         e, g, w = (np.asarray(x, np.float64) for x in (e, g, w))
         assert g.shape == e.shape, (what, jax.tree_util.keystr(path), g.shape, e.shape)
         bound = max(_distance(w, e), ROUNDING * float(np.abs(e).max(initial=0)))
@@ -89,11 +105,19 @@ def assert_reassociated(got, want, exact, what: str = "", start=None):
         err = _distance(g, e)
         name = f"{what}{jax.tree_util.keystr(path)}"
         _log(name, err, allowed / MARGIN, moved)
-        if not err <= allowed:  # a NaN fails too
+        if not err <= allowed and not (moved > 0 and _a_flipped_kink(g, e, np.asarray(s, np.float64), held)):
             failures.append(f"{name}: |got - float64| {err:.3g} > {MARGIN:g} x {bound:.3g} (the fp32 reference's "
                             f"|want - float64|, or half an ulp of its scale) and > {KINK:g} x {held:.3g} (how far "
                             f"it moved{'' if held == moved else f', {FLOOR:g} of the largest move'})")
     assert not failures, "re-association beyond the policy's bound:\n" + "\n".join(failures)
+
+
+def _a_flipped_kink(got, exact, start, held: float) -> bool:
+    """``got - exact`` is what a kink rounded the other way makes of a leaf: under FLIPPED of its move (``held``)
+    anywhere, and under ALONG of its update ``exact - start`` along that update (a NaN is not)."""
+    update, error = exact - start, got - exact
+    along = abs(float(np.vdot(error, update))) / float(np.vdot(update, update))
+    return _distance(got, exact) <= FLIPPED * held and along <= ALONG
 
 
 def _distance(a, b) -> float:
