@@ -21,6 +21,13 @@ from jaxtrain.models import lenet
 BATCHES = [random_batch(64, seed=s) for s in range(3)]
 
 
+@pytest.fixture
+def unlogged(monkeypatch):
+    """A test that plants faults: tools/tolerance-sweep's log ($JAXTRAIN_TOLERANCE_LOG) is of legitimate
+    variations only."""
+    monkeypatch.delenv("JAXTRAIN_TOLERANCE_LOG", raising=False)
+
+
 def tx():
     return optax.sgd(0.2, momentum=0.9)
 
@@ -63,7 +70,7 @@ def test_the_fp32_reference_and_a_flipped_kink_pass(runs):
 
 @pytest.mark.parametrize("leaf", [("dense1", "w"), ("dense1", "b"), ("conv2", "w"), ("conv1", "b")])
 @pytest.mark.parametrize("fault, share", [("a lost device's share", 0.25), ("a gradient 2% off", 0.02)])
-def test_a_leaf_off_by_part_of_its_own_move_fails(runs, leaf, fault, share):
+def test_a_leaf_off_by_part_of_its_own_move_fails(runs, leaf, fault, share, unlogged):
     """The smallest-moving leaves (dense1) move 11% of the largest (conv1's bias): their faults fail too."""
     exact, states = runs
     want = states[-1]
@@ -73,7 +80,7 @@ def test_a_leaf_off_by_part_of_its_own_move_fails(runs, leaf, fault, share):
         check(got, want, exact)
 
 
-def test_a_skipped_last_update_fails(runs):
+def test_a_skipped_last_update_fails(runs, unlogged):
     exact, states = runs
     with pytest.raises(AssertionError, match="beyond the policy's bound"):
         check(states[-2], states[-1], exact)
@@ -130,7 +137,7 @@ def with_fault(tree, start, half, path, fault):
 @pytest.mark.parametrize("fault", RESNET_FAULTS)
 @pytest.mark.parametrize("part, pattern", [("params", r"\['kernel'\]$"), ("params", r"\['scale'\]$"),
                                            ("model_state", r"\['mean'\]$")])
-def test_a_fault_on_a_resnet18_leaf_that_moves_least_fails(resnet_runs, part, pattern, fault):
+def test_a_fault_on_a_resnet18_leaf_that_moves_least_fails(resnet_runs, part, pattern, fault, unlogged):
     """The least-moving convolution kernel (block 6's shortcut), BatchNorm scale (block 7's bn1) and running mean
     (the stem's), each with a fault a strategy could make. All 12 passed the FLIP policy this one replaced."""
     exact, (params, stats), half = resnet_runs
@@ -143,7 +150,7 @@ def test_a_fault_on_a_resnet18_leaf_that_moves_least_fails(resnet_runs, part, pa
 
 
 @pytest.mark.parametrize("part", ["params", "model_state"])
-def test_every_resnet18_leaf_that_moves_is_held_to_under_2_percent_of_its_move(resnet_runs, part):
+def test_every_resnet18_leaf_that_moves_is_held_to_under_2_percent_of_its_move(resnet_runs, part, unlogged):
     """A gradient 2% off planted on every leaf at once: every leaf is named but the conv biases before a
     BatchNorm, whose float64 gradient is 0 (their move is rounding: 1e-15 of the largest, the stem's), so the
     policy's resolution on this step is under 2% of each leaf's own move; the fp32 reference passes."""

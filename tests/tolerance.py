@@ -104,8 +104,9 @@ def assert_reassociated(got, want, exact, what: str = "", start=None):
         allowed = max(MARGIN * bound, KINK * held)
         err = _distance(g, e)
         name = f"{what}{jax.tree_util.keystr(path)}"
-        _log(name, err, allowed / MARGIN, moved)
-        if not err <= allowed and not (moved > 0 and _a_flipped_kink(g, e, np.asarray(s, np.float64), held)):
+        flipped = not err <= allowed and moved > 0 and _a_flipped_kink(g, e, np.asarray(s, np.float64), held)
+        _log(name, err, allowed / MARGIN, moved, flipped)
+        if not err <= allowed and not flipped:
             failures.append(f"{name}: |got - float64| {err:.3g} > {MARGIN:g} x {bound:.3g} (the fp32 reference's "
                             f"|want - float64|, or half an ulp of its scale) and > {KINK:g} x {held:.3g} (how far "
                             f"it moved{'' if held == moved else f', {FLOOR:g} of the largest move'})")
@@ -154,12 +155,12 @@ def assert_sums_reassociated(got, want, terms, what: str = ""):
         assert err <= bound, f"{what}: two orders of one sum {err:.3g} apart, over (n - 1) eps sum|x| = {bound:.3g}"
 
 
-def _log(name: str, err: float, bound: float, moved: float) -> None:
+def _log(name: str, err: float, bound: float, moved: float, flipped: bool) -> None:
     path = os.environ.get("JAXTRAIN_TOLERANCE_LOG")
     if not path:
         return
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
     ratio = err / bound if bound else (float("inf") if err else 0.0)
-    line = {"test": test, "leaf": name, "err": err, "bound": bound, "ratio": ratio, "moved": moved}
+    line = {"test": test, "leaf": name, "err": err, "bound": bound, "ratio": ratio, "moved": moved, "flipped": flipped}
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
