@@ -299,4 +299,5 @@ def test_bench_kernels_prints_the_bytes_table(tmp_path):
         assert row["kernel_runs_as"] == "interpret", row
     assert set(figures["steps"]) == {"lenet", "vit"} and set(figures["steps"]["vit"]) == {"jnp", "pallas"}
     r = run_cli("-m", "experiments.bench_kernels", "--classes", "ten")
-    assert r.returncode == 2 and "--classes takes class counts" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "argument --classes: expected comma-separated whole numbers" in r.stderr \
+        and "Traceback" not in r.stderr
