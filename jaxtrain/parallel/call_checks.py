@@ -34,12 +34,14 @@ it is, the one wait).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
+from jaxtrain.choices import LABELS_OUT_OF_RANGE
 from jaxtrain.core.state import TrainState
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.sharding import path_name
@@ -136,3 +138,39 @@ def labels(share, where: str, values=None, consumed: bool = False) -> None:
             "or a checkpoint" if consumed else "")
     raise ConfigError(f"{share:.1%} of the labels of {where} are outside the model's classes{found}: labels are "
                       f"class indices 0..num_classes-1 (their loss is NaN); fix the labels{gone}")
+
+
+class PendingLabels:
+    """The labels' share (``LABELS_OUT_OF_RANGE``) of each call of a step, checked without waiting where it can.
+
+    ``held(out, state, batch)`` after each call: the first call's checked at once (one wait, once), saying
+    whether the state it was given is gone (donated to its step); a later call's held. ``read()`` before each
+    call takes its state: every held call whose step is done (never waiting for one), and the call before the
+    previous one in any case (its step is all but done). ``read(wait=True)``: all of them. So a bad batch raises
+    at most two calls later, the state given to the raising call still usable."""
+
+    def __init__(self):
+        self._unread = collections.deque()  # (call, share, labels) not checked yet
+        self._calls = 0
+
+    def read(self, wait: bool = False) -> None:
+        while self._unread:
+            call, share, values = self._unread[0]
+            if not (wait or len(self._unread) > 1 or getattr(share, "is_ready", lambda: True)()):
+                return
+            self._unread.popleft()
+            labels(share, f"the batch of call {call}", values)
+
+    def held(self, out: tuple, state, batch) -> tuple:
+        """``out`` (state, metrics) of a call, its labels' share held (or, the first call's, checked)."""
+        self._calls += 1
+        if LABELS_OUT_OF_RANGE not in out[1]:
+            return out
+        share, values = out[1][LABELS_OUT_OF_RANGE], batch.get("label")
+        if self._calls > 1:
+            self._unread.append((self._calls, share, values))
+            return out
+        consumed = any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state))
+        labels(share, "the batch of call 1", values, consumed=consumed)
+        return out
+

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import sys
 from collections.abc import Mapping
 
@@ -12,7 +11,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.choices import LABELS_OUT_OF_RANGE
 from jaxtrain.core import accumulate, precision as prec, step as step_lib
 from jaxtrain.core.state import TrainState
 from jaxtrain.core.step import EvalFn, LossFn
@@ -54,8 +52,7 @@ class Trainer:
         self.batch_plan = Plan(mesh, micro_batches or self.scan_steps, calls)
         self._plans, self._steps = {}, {}  # state tree structure -> Plan, compiled step
         self._last_batch = None  # the signature of the last batch a checked call ran (call_checks.untraceable)
-        self._unread = collections.deque()  # (call, labels' metric, labels) of calls not checked yet (_read_labels)
-        self._calls = 0
+        self._labels = call_checks.PendingLabels()  # each call's labels, checked as check_labels says
         self._axes_said = False  # the warning about mesh axes nothing uses: once
 
     @property
@@ -156,7 +153,7 @@ class Trainer:
         compiled = self._compiled(state)
         self.plan(state).check_placed(state)
         batch = self.shard(batch)
-        self._read_labels()
+        self._labels.read()
         try:
             out = compiled(state, batch)
         except call_checks.TRACE_ERRORS as e:
@@ -164,7 +161,7 @@ class Trainer:
                 raise
             raise call_checks.untraceable(e, batch, self._last_batch) from e
         self._last_batch = call_checks.signature(batch)
-        return self._held_labels(out, state, batch)
+        return self._labels.held(out, state, batch)
 
     def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
         """One step on a batch ALREADY on the mesh (what ``prefetch_to_device`` yields).
@@ -173,8 +170,8 @@ class Trainer:
         only): the hot-loop entry. Under ``jax.transfer_guard("disallow")`` a host array here is an error.
         """
         compiled = self._compiled(state)
-        self._read_labels()
-        return self._held_labels(compiled(state, batch), state, batch)
+        self._labels.read()
+        return self._labels.held(compiled(state, batch), state, batch)
 
     def check_labels(self) -> None:
         """Wait for every call whose labels were not checked yet and check them, in order: a ConfigError for the
@@ -187,31 +184,7 @@ class Trainer:
         raises at most two calls later, the state given to the raising call still usable; the first call checks
         its own batch when its step is done (the first step waits once). The last calls of a loop have no later
         call: call this after a loop of your own (``loop.fit`` does at each epoch's end)."""
-        self._read_labels(wait=True)
-
-    def _read_labels(self, wait: bool = False) -> None:
-        """Check the held calls' labels, oldest first: those whose step is done, the call before the previous one
-        whatever its step's state, and (``wait``) all."""
-        while self._unread:
-            call, share, labels = self._unread[0]
-            if not (wait or len(self._unread) > 1 or getattr(share, "is_ready", lambda: True)()):
-                return
-            self._unread.popleft()
-            call_checks.labels(share, f"the batch of call {call}", labels)
-
-    def _held_labels(self, out: tuple, state, batch) -> tuple[TrainState, dict]:
-        """``out``, the labels' share of its call held to check later (``check_labels``); the first call's checked
-        now (one wait, once), saying whether the state it was given is gone (donated to its step)."""
-        self._calls += 1
-        if LABELS_OUT_OF_RANGE not in out[1]:
-            return out
-        share, labels = out[1][LABELS_OUT_OF_RANGE], batch.get("label")
-        if self._calls > 1:
-            self._unread.append((self._calls, share, labels))
-            return out
-        consumed = any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state))
-        call_checks.labels(share, "the batch of call 1", labels, consumed=consumed)
-        return out
+        self._labels.read(wait=True)
 
     def lower(self, state: TrainState, batch: Mapping, platforms: tuple[str, ...] | None = None):
         """The lowered (not yet compiled) step; ``.compile()`` it.
