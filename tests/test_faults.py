@@ -342,13 +342,13 @@ def test_chaos_killed_five_times_then_resumed_gives_the_uninterrupted_params(tmp
         moment, sig = fault.split()
         seen = max(_checkpoints(ck), default=0)
         proc = start(*args, "--checkpoint-dir", str(ck), "--out", str(out), "--resume")
-        (lines, stderr), deadline = _lines(proc), time.monotonic() + HANG_SECONDS
+        lines, stderr = _lines(proc)
         if moment == "start-up":  # the first line: the run is set up, its first step not yet taken
             assert lines.get(timeout=HANG_SECONDS) is not None, f"{fault}: no first line"
         elif moment == "save":
-            while not _in_flight(ck):
-                assert proc.poll() is None and time.monotonic() < deadline, f"{fault}: no save in flight"
-                time.sleep(0.01)  # polls the checkpoint folder: the wait is for the save itself
+            while not _in_flight(ck):  # the save itself, or the run's end: no clock decides
+                assert proc.poll() is None, f"{fault}: the run ended with no save in flight"
+                time.sleep(0.01)  # how often the checkpoint folder is looked at, not a deadline
         else:
             newer = next((step for step in _step_lines(lines) if step > max(_checkpoints(ck), default=0) > seen), None)
             assert newer is not None and newer < 59, f"{fault}: no step after a new checkpoint before the end"
