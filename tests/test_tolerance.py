@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from conftest import random_batch
 from reference import Reference, float64_steps
 from tolerance import KINK, assert_reassociated
@@ -96,21 +97,86 @@ RESNET_FAULTS = {  # (fault, what it makes of the leaf's update)
 }
 
 
+def recording_relus(decisions: list):
+    """``nnx.relu``, appending each call's decisions (``x > 0``) to ``decisions`` as the compiled step runs."""
+    relu = nnx.relu
+
+    def recording(x):
+        jax.debug.callback(lambda mask: decisions.append(np.asarray(mask)), x > 0, ordered=True)
+        return relu(x)
+    return recording
+
+
+def replayed_relus(decisions: list):
+    """A ReLU that takes ``decisions`` (one forward pass's, in call order) instead of its input's sign."""
+    calls = []
+
+    def replayed(x):
+        mask = decisions[len(calls) % len(decisions)]
+        calls.append(None)
+        assert mask.shape == x.shape, (len(calls), mask.shape, x.shape)
+        return jnp.where(mask, x, jnp.zeros_like(x))
+    return replayed
+
+
+def test_the_float64_run_replays_the_fp32_runs_relu_decisions():
+    """Recorded from a compiled fp32 function in call order, replayed in float64: a decision the fp32 run took
+    the other way is the float64 run's too, in the value and in the gradient."""
+    def f(w, x):
+        h = nnx.relu(x @ w)
+        return jnp.sum(nnx.relu(h @ w.T) ** 2)
+
+    w, x = jnp.eye(3, dtype=jnp.float32), jnp.array([[1.0, -2.0, 3.0]], jnp.float32)
+    decisions = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(nnx, "relu", recording_relus(decisions))
+        jax.jit(jax.grad(f))(w, x)
+        jax.effects_barrier()
+    assert [d.tolist() for d in decisions] == [[[True, False, True]]] * 2
+    decisions[1] = np.array([[True, True, False]])  # the second ReLU taken the other way on two elements
+
+    def masked(w, x):  # f with those decisions written out
+        h = (x @ w) * decisions[0]
+        return jnp.sum(((h @ w.T) * decisions[1]) ** 2)
+
+    w, x = np.eye(3) + 0.25, np.array([[1.0, -2.0, 3.0]])
+    with jax.enable_x64(True):
+        want = jax.value_and_grad(masked)(w, x)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(nnx, "relu", replayed_relus(decisions))
+            got = jax.value_and_grad(f)(w, x)
+    assert got[1].dtype == np.float64
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 @pytest.fixture(scope="module")
 def resnet_runs():
-    """(float64 run, the fp32 reference's state, its state from device 0's half of the batch alone) of one step."""
+    """(float64 run, the fp32 reference's state, its state from device 0's half of the batch alone) of one step.
+
+    The float64 run takes the fp32 reference's ReLU decisions. An input on its kink that the reference rounds
+    the other way (one thread does, on an AMD EPYC with AVX2) would otherwise make the reference itself a flip's
+    distance from float64, and MARGIN times that distance covered a 2% fault on the leaves upstream of it (two
+    BatchNorm biases). With the same decisions, the reference is off by re-association alone, on any CPU.
+    """
     from test_resnet import BATCH, to_nnx
     import linen_resnet
     from jaxtrain.models import resnet
 
     params, stats = to_nnx(*linen_resnet.init_variables(jax.random.key(0), linen_resnet.ResNet18()))
-    loss_fn = resnet.adapter().loss_fn
-    exact = float64_steps(loss_fn, optax.sgd(0.1), params, [BATCH], model_state=stats)
-    runs = []
+    decisions, runs = [], []
     for batch in (BATCH, jax.tree.map(lambda x: x[: len(x) // 2], BATCH)):
-        ref = Reference(loss_fn, optax.sgd(0.1), params, stats)
-        ref.step(batch)
+        with pytest.MonkeyPatch.context() as patch:
+            if not decisions:
+                patch.setattr(nnx, "relu", recording_relus(decisions))
+            ref = Reference(resnet.adapter().loss_fn, optax.sgd(0.1), params, stats)
+            ref.step(batch)
+            jax.effects_barrier()
         runs.append(jax.device_get((ref.params, ref.model_state)))
+    assert len(decisions) == 17, len(decisions)  # ResNet-18's ReLUs: the stem's and two in each of 8 blocks
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(nnx, "relu", replayed_relus(decisions))
+        exact = float64_steps(resnet.adapter().loss_fn, optax.sgd(0.1), params, [BATCH], model_state=stats)
     return exact, *runs
 
 
@@ -177,7 +243,6 @@ def test_a_relu_flipped_in_a_resnet18_step_passes(resnet_runs, monkeypatch):
     elements; 0.04% along its update). Another CPU's rounding can flip it: the step must still pass."""
     from test_resnet import BATCH, to_nnx
     import linen_resnet
-    from flax import nnx
     from jaxtrain.models import resnet
 
     exact, (params, stats), _ = resnet_runs
