@@ -161,7 +161,7 @@ def _mul(a, b):
     return high + a[1] * b[0] + a[0] * b[1], low
 
 
-_M1, _M2, _GAMMA = (_const(int(c)) for c in (augment_lib._M1, augment_lib._M2, augment_lib._GAMMA))
+_M1, _M2, _GAMMA = (_const(int(c)) for c in (augment_lib.M1, augment_lib.M2, augment_lib.GAMMA))
 
 
 def _mix(x):
