@@ -116,6 +116,8 @@ def test_a_split_sharded_over_data_gives_the_same_batches():
     _, sharded, rows = mesh_and_shardings(2, P("data"))
     split = Split(SPLIT.images[:52], SPLIT.labels[:52])
     data = on_device.place(split, sharded)
+    with pytest.raises(ConfigError, match="the 53 examples do not split evenly over the devices"):
+        on_device.place(SPLIT, sharded)
     assert data.images.addressable_shards[0].data.shape == (26, 12, 10, 3)  # half the split per device
     host = loader.Loader(split, 8, train=True, seed=1, augment="crop+flip")
     index = on_device.put(on_device.train_indices(host, 0, 0, len(host)), rows)

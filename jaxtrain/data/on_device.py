@@ -61,6 +61,11 @@ def place(split: Split, sharding: jax.sharding.Sharding) -> DeviceSplit:
     if split.raw:
         raise ConfigError("a folder of image files cannot be placed on the devices: its images are decoded by the "
                           "host loader's workers; use a dataset held in memory (fashion_mnist, mnist, cifar10)")
+    try:
+        sharding.shard_shape(split.images.shape)
+    except ValueError:  # sharded over more devices than divide N
+        raise ConfigError(f"the {len(split)} examples do not split evenly over the devices of {sharding}: place the "
+                          "split replicated, or use a number of examples the data shards divide") from None
     images = put(np.asarray(split.images, np.uint8), sharding)
     labels = put(np.asarray(split.labels, np.int32), sharding)
     log.info("%d examples %s placed on %d devices (%.1f MB of images on each)", len(split), split.image_shape,
