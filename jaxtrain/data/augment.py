@@ -14,14 +14,15 @@ from jaxtrain.choices import AUGMENTATIONS
 from jaxtrain.errors import ConfigError
 
 PAD = 4
-_M1, _M2, _GAMMA = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+# splitmix64's constants (``on_device`` computes the same hash on the devices)
+M1, M2, GAMMA = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: 64 well-mixed bits from 64 (wrapping uint64 arithmetic)."""
-    x = (x + _GAMMA).astype(np.uint64)
-    x = (x ^ (x >> np.uint64(30))) * _M1
-    x = (x ^ (x >> np.uint64(27))) * _M2
+    x = (x + GAMMA).astype(np.uint64)
+    x = (x ^ (x >> np.uint64(30))) * M1
+    x = (x ^ (x >> np.uint64(27))) * M2
     return x ^ (x >> np.uint64(31))
 
 
