@@ -139,13 +139,15 @@ class Profile:
         self.log_dir, self.start, self.stop, self.active = log_dir, start, stop, False
 
     def hook(self) -> Hook:
-        return Hook(self._on_step)
+        return Hook(self._on_step, cuts=False)
 
     def _on_step(self, loop: Loop) -> None:
-        # Called after step N was dispatched: starting here traces steps N+1 ...
-        if loop.total_steps == self.start - 1:  # (START 1: begin() before the loop)
+        # Called after the call that ran steps (before, N] was dispatched: starting here traces the calls after
+        # it (START 1: begin() before the loop); the calls of several steps that hold START..STOP-1 are traced.
+        before = loop.total_steps - loop.call_size
+        if before < self.start - 1 <= loop.total_steps:
             self.begin()
-        elif loop.total_steps == self.stop - 1 and self.active:
+        elif before < self.stop - 1 <= loop.total_steps and self.active:
             loop.sync()  # the traced steps have run
             self.end()
 

@@ -63,7 +63,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
         print(s.words(warning), file=sys.stderr, flush=True)
 
     def memory_after_first_step(loop):
-        if loop.total_steps == 1:
+        if loop.total_steps == loop.call_size:  # the run's first call (after it: its steps)
             loop.sync()
             say("memory after the first step:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
 
@@ -81,7 +81,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
     watching, profile, events = observe.watchers(c, writer and writer.out_dir, say, s.evaluator, test_data, tracker)
     hooks = [*watching, *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
              Hook(lambda loop: s.last.update(loop.recent), unit="epoch"),  # the last step's metrics
-             *([Hook(memory_after_first_step)] if c.memory_report else [])]
+             *([Hook(memory_after_first_step, cuts=False)] if c.memory_report else [])]
     try:
         stop.training()
         if profile and profile.start == 1:

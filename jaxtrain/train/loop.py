@@ -22,6 +22,7 @@ from jaxtrain.core.precision import all_finite
 from jaxtrain.data.prefetch import prefetch_to_device
 from jaxtrain.errors import Diverged
 from jaxtrain.parallel import call_checks
+from jaxtrain.train import calls, feeds
 from jaxtrain.train.timing import Chrono, OneStepLate
 
 _all_finite = jax.jit(all_finite)
@@ -116,15 +117,21 @@ class Interrupted(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Hook:
-    """``fn(loop)`` every ``every`` steps (``unit="step"``, after the step was dispatched) or epochs (``"epoch"``,
-    after the evaluation, ``loop.stats`` set). A step hook that needs this step's metrics calls ``loop.sync()``."""
+    """``fn(loop)`` every ``every`` steps (``unit="step"``, after the call that ran the step was dispatched) or
+    epochs (``"epoch"``, after the evaluation, ``loop.stats`` set). A step hook that needs the newest step's
+    metrics calls ``loop.sync()``. A step hook ``cuts`` calls where it is due (``jaxtrain.train.calls``: a
+    call of several steps ends there); one that does not runs after each call that passed a due step."""
 
     fn: Callable[[Loop], None]
     every: int = 1
     unit: str = "step"
+    cuts: bool = True
 
-    def due(self, unit: str, count: int) -> bool:
-        return unit == self.unit and count % self.every == 0
+    def due(self, unit: str, count: int, before: int | None = None) -> bool:
+        """Whether a multiple of ``every`` lies in (``before``, ``count``]: the steps (or epochs) since the last
+        call (default: ``count`` alone)."""
+        before = count - 1 if before is None else before
+        return unit == self.unit and count // self.every > before // self.every
 
 
 _NO_SUMS = {"loss": 0.0, "accuracy": 0.0, "steps": 0, "examples": 0}
@@ -140,6 +147,7 @@ class Loop:
         self.total_steps, self.first_loss = position.total_steps, position.first_loss
         self.history = [EpochStats(**h) for h in position.history]
         self.recent: dict = {}
+        self.call_size = 0  # the steps of the newest call (``total_steps - call_size``: the steps before it)
         self.evaluated: dict = {}  # the newest evaluation's result (``evaluation``)
         self.stats: EpochStats | None = None
         self._late, self._bar_factory = OneStepLate(), bar_factory
@@ -156,33 +164,34 @@ class Loop:
         """The newest step ends this epoch's training (its last batch, or ``max_steps``)."""
         return self.batch >= self.steps_per_epoch or self.max_steps is not None and self.total_steps >= self.max_steps
 
-    def stepped(self, state, metrics, batch_size: int) -> None:
-        self.state = state
-        self.batch += 1
-        self.total_steps += 1
-        self._record(self._late.push(metrics, batch_size))
+    def stepped(self, state, metrics, batch_size: int, size: int = 1) -> None:
+        """The call of ``size`` steps (``metrics``: ``[size]`` each where size > 1) was dispatched."""
+        self.state, self.call_size = state, size
+        self.batch += size
+        self.total_steps += size
+        self._record(self._late.push(metrics, batch_size, size, self.total_steps - size))
 
     def sync(self) -> None:
-        """Read the newest step's metrics now (waits for it): before saving a position that counts it."""
+        """Read the newest call's metrics now (waits for it): before saving a position that counts it."""
         self._record(self._late.flush())
 
     def _record(self, read) -> None:
         if read is None:
             return
-        m, batch_size = read
-        step = self.total_steps - self._late.pending
-        if LABELS_OUT_OF_RANGE in m:
-            call_checks.labels(m[LABELS_OUT_OF_RANGE], f"the batch of step {step}")
-        loss = float(m["loss"])
-        if not math.isfinite(loss) and float(m.get("grads_finite", 1.0)) != 0.0:  # fp16 skips its overflows
-            raise Diverged(f"the loss became {loss}", step)
-        self.recent = m
-        self.first_loss = loss if self.first_loss is None else self.first_loss
-        for k in ("loss", "accuracy"):
-            self.sums[k] += float(m.get(k, np.nan))
-        self.sums["steps"] += 1
-        self.sums["examples"] += batch_size
-        self.bar.update(1)
+        metrics, batch_size, size, before = read
+        for step, m in enumerate(calls.rows(metrics, size), before + 1):
+            if LABELS_OUT_OF_RANGE in m:
+                call_checks.labels(m[LABELS_OUT_OF_RANGE], f"the batch of step {step}")
+            loss = float(m["loss"])
+            if not math.isfinite(loss) and float(m.get("grads_finite", 1.0)) != 0.0:  # fp16 skips its overflows
+                raise Diverged(f"the loss became {loss}", step)
+            self.recent = m
+            self.first_loss = loss if self.first_loss is None else self.first_loss
+            for k in ("loss", "accuracy"):
+                self.sums[k] += float(m.get(k, np.nan))
+            self.sums["steps"] += 1
+            self.sums["examples"] += batch_size
+        self.bar.update(size)
         if not self.bar.disable:  # no string formatting in the hot loop when nobody sees it
             sec = max(self.chrono.train_sec, 1e-9)
             self.bar.set_postfix(loss=f"{self.sums['loss'] / self.sums['steps']:.4f}",
@@ -204,7 +213,8 @@ class Loop:
 def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, max_steps: int | None = None,
         hooks: Sequence[Hook] = (), on_epoch: Callable[[EpochStats], None] | None = None,
         progress: bool | None = None, prefetch: int = 2, position: Position | None = None, eval_every: int = 1,
-        pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, steps_per_call: int = 1,
+        data_on_device: bool = False):
     """Train for ``epochs`` (or until ``max_steps`` in total), evaluating every ``eval_every`` epochs and after
     the last (``evaluator`` None: never).
 
@@ -216,7 +226,13 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
     wait during which ``train_loader.starts`` moved; a loader without it has
     none). ``hooks`` run every N steps / epochs;
     ``on_epoch(stats)`` is the common epoch hook; each runs inside ``pause()``
-    (a run's stall watch: an evaluation is not a stall). ``position`` resumes
+    (a run's stall watch: an evaluation is not a stall). ``steps_per_call``:
+    up to this many steps in one compiled call (``trainer.placed_steps``),
+    calls cut where a hook is due (``jaxtrain.train.calls``); a hook that
+    does not cut, e.g. a stop request, runs after the call. ``data_on_device``:
+    the train split is placed on the devices once and each call gathers its
+    batches there (``jaxtrain.train.feeds``: the loader's batches, bit for
+    bit; an in-memory split only). ``position`` resumes
     a run where a checkpoint left it. A NaN or infinite loss, evaluation loss,
     or parameters at an epoch's end raise ``Diverged``; labels outside the
     model's classes a ``ConfigError`` first (each step's read one step late
@@ -236,23 +252,27 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
                     leave=False, mininterval=0.5)
 
     loop = Loop(state, epochs, max_steps, len(train_loader), pos, bar, lambda: getattr(train_loader, "starts", 0))
+    feed = feeds.DeviceFeed(trainer, train_loader) if data_on_device else feeds.HostFeed(trainer, train_loader,
+                                                                                          prefetch)
+    cuts = [hook.every for hook in hooks if hook.unit == "step" and hook.cuts]
     for epoch in range(pos.epoch, epochs + 1):
         if max_steps is not None and loop.total_steps >= max_steps:
             break
         resuming = epoch == pos.epoch and pos.batch > 0
         loop.start_epoch(epoch, pos.batch if resuming else 0, pos.partial if resuming else None)
-        batches = device_batches(train_loader.epoch(epoch, start=loop.batch), trainer.batch_plan, prefetch)
+        sizes = calls.call_sizes(loop.batch, loop.total_steps, len(train_loader), max_steps, cuts, steps_per_call)
+        batches = feed.epoch(epoch, loop.batch, sizes)
         with contextlib.closing(loop.bar), contextlib.closing(batches), jax.transfer_guard("disallow"):
             while not loop.last_of_epoch:
                 with loop.chrono.waiting(), jax.profiler.TraceAnnotation("data_wait"):
-                    batch = next(batches, None)
+                    size, batch = next(batches, (0, None))
                 if batch is None:
                     break
                 with jax.profiler.StepTraceAnnotation("train_step", step_num=loop.total_steps + 1):
-                    out = trainer.step(loop.state, batch)
-                loop.stepped(*out, train_loader.batch_size)
+                    out = feed.run(loop.state, size, batch)
+                loop.stepped(*out, train_loader.batch_size, size)
                 for hook in hooks:
-                    if hook.due("step", loop.total_steps):
+                    if hook.due("step", loop.total_steps, loop.total_steps - size):
                         with pause():
                             hook.fn(loop)
             loop.sync()
@@ -307,8 +327,9 @@ def evaluation(evaluator, test_loader, every: int = 1, unit: str = "epoch", pref
 
 def checkpoint_hooks(save: Callable[[object, Position], None] | None, every: int | None = None,
                      should_stop: Callable[[], bool] | None = None) -> list[Hook]:
-    """Save every ``every`` steps and at each epoch's end; when ``should_stop()`` turns true (checked each
-    step), save and raise ``Interrupted``. The time saving takes is a pause of the epoch's clock."""
+    """Save every ``every`` steps and at each epoch's end; when ``should_stop()`` turns true (checked after
+    each call: at most its steps late), save and raise ``Interrupted``. The time saving takes is a pause of the
+    epoch's clock."""
     saved = [None]
 
     def save_here(loop: Loop) -> None:
@@ -328,5 +349,6 @@ def checkpoint_hooks(save: Callable[[object, Position], None] | None, every: int
             save_here(loop)
             raise Interrupted(loop.position())
 
-    return ([Hook(periodic, every)] if save is not None and every else []) + (
-        [Hook(check)] if should_stop is not None else []) + ([Hook(save_here, unit="epoch")] if save else [])
+    periodic_hooks = [Hook(periodic, every)] if save is not None and every else []
+    stop_hooks = [Hook(check, cuts=False)] if should_stop is not None else []
+    return periodic_hooks + stop_hooks + ([Hook(save_here, unit="epoch")] if save else [])

@@ -1,0 +1,80 @@
+"""Where a call's batches come from: the host loader, or the split held on the devices.
+
+``HostFeed``: the loader builds each batch on the host; a call of k steps
+gets k of them stacked ``[k, batch, ...]``, copied in one transfer by the
+prefetch thread. ``DeviceFeed``: the split is placed on the devices once
+(``jaxtrain.data.on_device``); at an epoch's start the epoch's example
+indices (int32, the loader's own order) are copied there, and each call
+gathers its k batches on the devices: inside the epoch nothing is copied
+from the host. Both give the same batches, bit for bit.
+
+``feed.epoch(epoch, start, sizes)`` yields ``(k, batches)`` per call, placed
+as ``feed.run(state, k, batches)`` takes them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+
+from jaxtrain.data import on_device
+from jaxtrain.data.prefetch import prefetch_to_device
+from jaxtrain.errors import ConfigError
+from jaxtrain.train import calls
+
+log = logging.getLogger(__name__)
+
+
+class HostFeed:
+    """The loader's batches, ``k`` per call stacked on the host, ``prefetch`` calls ahead in a thread."""
+
+    def __init__(self, trainer, loader, prefetch: int):
+        self.trainer, self.loader, self.prefetch = trainer, loader, prefetch
+
+    def _place(self, call: tuple[int, dict]) -> tuple[int, dict]:
+        size, batches = call
+        return size, self._plan(size).shard(batches)
+
+    def epoch(self, epoch: int, start: int, sizes: list[int]):
+        host = calls.stacked(self.loader.epoch(epoch, start=start), sizes)
+        if self.prefetch > 0:
+            return prefetch_to_device(host, self._place, self.prefetch)
+        return (self._place(call) for call in host)
+
+    def _plan(self, size: int):
+        return self.trainer.batch_plan if size == 1 else self.trainer.steps_plan
+
+    def run(self, state, size: int, batches: dict):
+        if size == 1:
+            return self.trainer.step(state, batches)
+        return self.trainer.placed_steps(state, batches)
+
+
+class DeviceFeed(HostFeed):
+    """The loader's split on the devices (replicated: each device gathers its own rows without a collective),
+    its batches gathered there, its augmentation drawn from its seed as the loader draws it."""
+
+    def __init__(self, trainer, loader):
+        if loader.transform is not None:
+            raise ConfigError("data on the device: this loader transforms its batches on the host (transform=); "
+                              "train with the data on the host")
+        super().__init__(trainer, loader, prefetch=0)
+        self.augment = loader.augment or "none"
+        self.data = on_device.place(loader.split, trainer.batch_plan.replicated)
+        seed = loader.seed
+        self._gathers = {
+            plan.steps_axis: jax.jit(lambda data, index, epoch: on_device.train_batch(
+                data, index, seed, epoch, self.augment), out_shardings=plan.batch)
+            for plan in (trainer.batch_plan, trainer.steps_plan)}
+
+    def epoch(self, epoch: int, start: int, sizes: list[int]):
+        """Every call's indices copied now (before the epoch's transfer guard); the batches gathered per call."""
+        if not sizes:
+            return (call for call in ())
+        index = on_device.train_indices(self.loader, epoch, start, sum(sizes))
+        placed = [(size, on_device.put(rows[0] if size == 1 else rows, self._plan(size).batch))
+                  for size, rows in zip(sizes, np.split(index, np.cumsum(sizes)[:-1]))]
+        epoch_number = on_device.put(np.int32(epoch), self.trainer.batch_plan.replicated)
+        return ((size, self._gathers[size > 1](self.data, rows, epoch_number)) for size, rows in placed)
