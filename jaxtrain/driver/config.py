@@ -36,7 +36,7 @@ FIXED_SETTINGS = ("experiment", "model_revision", "dataset", "data_sha256", "cla
 OPTIONAL_SETTINGS = ("linear_probe",)  # recorded only when set, so that checkpoints older than them still resume
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
-                 "microbatches", "kernels", "conv", "test_subset")
+                 "microbatches", "kernels", "conv", "test_subset", "steps_per_call", "data_on_device")
 
 
 def _field(default, help: str, *, choices=None, minimum=None, above=None, flag_type=None):
@@ -127,6 +127,15 @@ class RunConfig:
                           minimum=0)
     prefetch: int = _field(2, "batches copied to the devices ahead of the step by a background thread (0: off)",
                            minimum=0)
+    steps_per_call: str = _field("auto", "train steps in one compiled call: N, or auto (GPUs: enough steps for "
+                                         "~10 ms of device work a call, measured; CPUs: 1); a call ends where a "
+                                         "log line, checkpoint or step evaluation is due, and a signal stops the "
+                                         "run at the end of the call in flight, at most N steps later (docs: "
+                                         "Keeping the GPU busy)")
+    data_on_device: str = _field("auto", "hold the training split on the devices and gather each call's batches "
+                                         "there (the loader's batches, bit for bit; nothing copied in an epoch): "
+                                         "on, off, or auto (on for an in-memory split within a quarter of a GPU's "
+                                         "memory; off on CPUs and for image folders)", choices=("auto", "on", "off"))
     max_steps: int | None = _field(None, "stop after this many train steps in total (for smoke runs), then evaluate",
                                    minimum=1)
     memory_report: bool = _field(False, "print host and device memory at the start and after the first step")
@@ -214,6 +223,9 @@ class RunConfig:
                 raise ConfigError(f"{f.name}={value}: expected a number >= {meta['minimum']}")
             if meta["above"] is not None and not value > meta["above"]:
                 raise ConfigError(f"{f.name}={value}: expected a number > {meta['above']}")
+        object.__setattr__(self, "steps_per_call", str(self.steps_per_call))  # RunConfig(steps_per_call=8) too
+        if self.steps_per_call != "auto" and not (self.steps_per_call.isdigit() and int(self.steps_per_call) >= 1):
+            raise ConfigError(f"steps_per_call={self.steps_per_call!r}: expected a whole number >= 1, or auto")
         if self.profile is not None:
             start, _ = parse_steps(self.profile)
             if self.max_steps is not None and start > self.max_steps:

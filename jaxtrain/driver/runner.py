@@ -20,11 +20,11 @@ import numpy as np
 
 from jaxtrain.analysis import diagnostics
 from jaxtrain.data import loader
-from jaxtrain.errors import Diverged
+from jaxtrain.errors import ConfigError, Diverged
 from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import hosts
 from jaxtrain.settings import slurm_job
-from jaxtrain.driver import distill, export, observe, requeue, track
+from jaxtrain.driver import busy, distill, export, observe, requeue, track
 from jaxtrain.driver.config import RunConfig
 from jaxtrain.driver.outputs import RunWriter, claim_out_dir
 from jaxtrain.driver.report import (conv_path, describe, not_learning, run_summary, utilisation_words,
@@ -78,6 +78,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
         with stop.busy():
             s.checkpointer.save(state, position)
 
+    steps_per_call, on_device = keep_busy(s, state, data["train"], train_data)
     watching, profile, events = observe.watchers(c, writer and writer.out_dir, say, s.evaluator, test_data, tracker)
     hooks = [*watching, *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
              Hook(lambda loop: s.last.update(loop.recent), unit="epoch"),  # the last step's metrics
@@ -89,7 +90,8 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
         state, history, first_loss = fit(
             s.trainer, state, train_data, s.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,
             hooks=hooks, on_epoch=on_epoch, progress=False if c.no_progress or writer is None else None,
-            prefetch=c.prefetch, position=position, eval_every=c.eval_every, pause=stop.busy)
+            prefetch=c.prefetch, position=position, eval_every=c.eval_every, pause=stop.busy,
+            steps_per_call=steps_per_call, data_on_device=on_device)
     except Interrupted as e:
         stop.done()
         step = e.position.total_steps
@@ -114,6 +116,18 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
         with stop.busy():
             s.checkpointer.close()
     return state, history, first_loss, stats, len(train_data)
+
+
+def keep_busy(s: Setup, state, split, train_data) -> tuple[int, bool]:
+    """Steps per call and the data's place (``jaxtrain.driver.busy``), said in one line."""
+    c, device = s.config, s.devices[0]
+    on_device, where = busy.data_on_device(c.data_on_device, device.platform, split, device)
+    k, why = busy.steps_per_call(c.steps_per_call, device.platform,
+                                 lambda: busy.per_step_in_call(s.trainer, state, train_data.batch_at(0, 0)))
+    if k > 1 and not hasattr(s.trainer, "placed_steps"):
+        raise ConfigError(f"steps_per_call={k}: a pipelined step runs one step a call; use steps_per_call=1")
+    s.say(f"steps per call: {k} ({why}); training data on the {'devices' if on_device else 'host'} ({where})")
+    return k, on_device
 
 
 def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data, settings, writer) -> dict:

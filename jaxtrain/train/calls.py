@@ -5,10 +5,11 @@ the state donated): the host dispatches once and reads k steps' metrics
 once. Hooks act between calls, so a call ends where one is due: at every
 multiple of a cutting hook's period (a step log, a checkpoint, a step
 evaluation), at the epoch's end and at ``max_steps``. Calls also end at
-multiples of ``steps_per_call`` counted from the run's first step, so a run
-resumed at any boundary makes the same calls as the uninterrupted one. A
-hook that does not cut (a stop request from a signal) is read after each
-call: at most ``steps_per_call`` steps late.
+multiples of ``steps_per_call`` counted from the epoch's first batch, so
+every epoch makes the same calls (two programs: k steps and the
+remainder), and a run resumed at any boundary makes the same calls as the
+uninterrupted one. A hook that does not cut (a stop request from a signal)
+is read after each call: at most ``steps_per_call`` steps late.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ import numpy as np
 def call_sizes(start: int, done: int, epoch_steps: int, max_steps: int | None, periods: Iterable[int],
                steps_per_call: int) -> list[int]:
     """The sizes of the calls that run an epoch from its batch ``start`` on, ``done`` steps into the run."""
-    periods = [steps_per_call, *periods]
     left = epoch_steps - start if max_steps is None else min(epoch_steps - start, max_steps - done)
-    sizes, step = [], done
+    sizes, batch, step = [], start, done
     while left > 0:
-        size = min(left, *(p - step % p for p in periods))
+        size = min(left, steps_per_call - batch % steps_per_call, *(p - step % p for p in periods))
         sizes.append(size)
-        step, left = step + size, left - size
+        batch, step, left = batch + size, step + size, left - size
     return sizes
 
 
