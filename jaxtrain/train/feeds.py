@@ -14,6 +14,7 @@ as ``feed.run(state, k, batches)`` takes them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import jax
@@ -46,6 +47,11 @@ class HostFeed:
     def _plan(self, size: int):
         return self.trainer.batch_plan if size == 1 else self.trainer.steps_plan
 
+    def guard(self):
+        """What may cross from the host while a call's batches are fetched and its steps run: the batches, here
+        (the loop's own guard refuses any implicit copy)."""
+        return contextlib.nullcontext()
+
     def run(self, state, size: int, batches: dict):
         if size == 1:
             return self.trainer.step(state, batches)
@@ -68,6 +74,12 @@ class DeviceFeed(HostFeed):
             plan.steps_axis: jax.jit(lambda data, index, epoch: on_device.train_batch(
                 data, index, seed, epoch, self.augment), out_shardings=plan.batch)
             for plan in (trainer.batch_plan, trainer.steps_plan)}
+        self._programs = {}  # calls' steps -> the compiled gather
+
+    def guard(self):
+        """Nothing: the split and the epoch's indices are on the devices already, so even an explicit copy from
+        the host is an error while a call is fetched and run."""
+        return jax.transfer_guard_host_to_device("disallow_explicit")
 
     def epoch(self, epoch: int, start: int, sizes: list[int]):
         """Every call's indices copied now (before the epoch's transfer guard); the batches gathered per call."""
@@ -77,4 +89,10 @@ class DeviceFeed(HostFeed):
         placed = [(size, on_device.put(rows[0] if size == 1 else rows, self._plan(size).batch))
                   for size, rows in zip(sizes, np.split(index, np.cumsum(sizes)[:-1]))]
         epoch_number = on_device.put(np.int32(epoch), self.trainer.batch_plan.replicated)
-        return ((size, self._gathers[size > 1](self.data, rows, epoch_number)) for size, rows in placed)
+        gathers = {size: self._compiled(size, rows, epoch_number) for size, rows in placed}  # not in data wait
+        return ((size, gathers[size](self.data, rows, epoch_number)) for size, rows in placed)
+
+    def _compiled(self, size: int, rows: jax.Array, epoch_number: jax.Array):
+        if size not in self._programs:
+            self._programs[size] = self._gathers[size > 1].lower(self.data, rows, epoch_number).compile()
+        return self._programs[size]

@@ -264,11 +264,11 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
         batches = feed.epoch(epoch, loop.batch, sizes)
         with contextlib.closing(loop.bar), contextlib.closing(batches), jax.transfer_guard("disallow"):
             while not loop.last_of_epoch:
-                with loop.chrono.waiting(), jax.profiler.TraceAnnotation("data_wait"):
+                with loop.chrono.waiting(), jax.profiler.TraceAnnotation("data_wait"), feed.guard():
                     size, batch = next(batches, (0, None))
                 if batch is None:
                     break
-                with jax.profiler.StepTraceAnnotation("train_step", step_num=loop.total_steps + 1):
+                with jax.profiler.StepTraceAnnotation("train_step", step_num=loop.total_steps + 1), feed.guard():
                     out = feed.run(loop.state, size, batch)
                 loop.stepped(*out, train_loader.batch_size, size)
                 for hook in hooks:
