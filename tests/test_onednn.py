@@ -36,7 +36,7 @@ from jaxtrain.driver.report import conv_path
 NHWC = ("NHWC", "HWIO", "NHWC")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def onednn_library():
     """The library is usable here; else a skip, or under CI on x86-64 Linux (make test installs g++ and oneDNN:
     see the module's docstring) a failure."""
@@ -161,22 +161,33 @@ def variables():
     return to_nnx(*linen_resnet.init_variables(jax.random.key(0), linen_resnet.ResNet18()))
 
 
+RESNET_BATCH = random_batch(8, seed=11)
+
+
+@pytest.fixture(scope="module")
+def resnet_reference(variables, onednn_library):
+    """The independent reference's step with oneDNN's convolutions, its metrics, and the float64 step (XLA's
+    convolutions: the same function): computed once for every strategy's case."""
+    ref = Reference(resnet.adapter(conv=onednn.conv_general_dilated).loss_fn, optax.sgd(0.1), *variables)
+    want = [ref.step(RESNET_BATCH)]
+    exact = float64_steps(resnet.adapter().loss_fn, optax.sgd(0.1), variables[0], [RESNET_BATCH],
+                          model_state=variables[1])
+    return jax.device_get((ref.params, ref.opt_state, ref.model_state)), want, exact
+
+
 @usable
 @pytest.mark.parametrize("strategy,sharding", [*((s, "replicated") for s in jt.STRATEGIES), ("jit", "fsdp"),
                                                ("shard_map", "fsdp")])
-def test_resnet18_on_two_devices_equals_the_reference(variables, strategy, sharding):
+def test_resnet18_on_two_devices_equals_the_reference(variables, resnet_reference, strategy, sharding):
     """Held to float64 (XLA's convolutions: the same function) no further than the policy allows a run that is
     1 + MARGIN times as wrong as the independent reference with oneDNN's convolutions on one device: oneDNN's fp32
     weight gradients are themselves ~1% of a leaf's move from float64 here (XLA's 0.01%: docs/testing.md), so
     the fp32 evaluation held to the reference is the one with the same kernels."""
-    batch = random_batch(8, seed=11)
     fast = resnet.adapter(conv=onednn.conv_general_dilated).loss_fn
     trainer = jt.make_train_step(fast, optax.sgd(0.1), mesh=2, strategy=strategy, param_sharding=sharding)
-    state, metrics = jax.device_get(trainer(trainer.init(*variables), batch))
-    ref = Reference(fast, optax.sgd(0.1), *variables)
-    want = [ref.step(batch)]
-    exact = float64_steps(resnet.adapter().loss_fn, optax.sgd(0.1), variables[0], [batch], model_state=variables[1])
-    theirs = state.replace(params=ref.params, opt_state=ref.opt_state, model_state=ref.model_state)
+    state, metrics = jax.device_get(trainer(trainer.init(*variables), RESNET_BATCH))
+    (params, opt_state, model_state), want, exact = resnet_reference
+    theirs = state.replace(params=params, opt_state=opt_state, model_state=model_state)
     assert_state_reassociated(state, [metrics], jax.device_get(theirs), want, exact)
 
 
