@@ -45,7 +45,7 @@ class Trainer:
         self.batch_plan = Plan(mesh, micro_batches or self.scan_steps, calls)
         self.steps_plan = self.batch_plan.with_steps_axis()  # batches of K steps per call (``steps``)
         self._plans, self._steps = {}, {}  # state tree structure -> Plan; (structure, K, unroll) -> compiled
-        self._last_batch = None  # the signature of the last batch a checked call ran (call_checks.untraceable)
+        self._last_batch = {}  # steps_axis -> the signature of the last batch a checked call ran (untraceable)
         self._labels = call_checks.PendingLabels()  # each call's labels, checked as check_labels says
         self._axes_said = False  # the warning about mesh axes nothing uses: once
 
@@ -138,7 +138,7 @@ class Trainer:
             plan = self.plan(state)
             step = step_lib.make_step(self.loss_fn, self.tx, self.policy, self.scan_steps, plan.strategy, plan.specs)
             if steps is not None:
-                step, plan = step_lib.scanned(step, unroll), plan.with_steps_axis()
+                step, plan = step_lib.scanned(plan.strategy.carried(step, plan), unroll), plan.with_steps_axis()
             self._steps[key] = plan.strategy.compile(step, plan)
         return self._steps[key]
 
@@ -174,8 +174,8 @@ class Trainer:
         except call_checks.TRACE_ERRORS as e:
             if isinstance(e, (ConfigError, jax.errors.JAXTypeError)):  # already said, or about the code
                 raise
-            raise call_checks.untraceable(e, batch, self._last_batch) from e
-        self._last_batch = call_checks.signature(batch)
+            raise call_checks.untraceable(e, batch, self._last_batch.get(batch_plan.steps_axis)) from e
+        self._last_batch[batch_plan.steps_axis] = call_checks.signature(batch)
         return self._labels.held(out, state, batch)
 
     def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
