@@ -47,7 +47,9 @@ class Plan:
     def batch(self) -> NamedSharding:
         """Examples split over "data" (their leading axis, or the one after the steps'; on a hybrid mesh over
         "replica" and "data"), replicated over every other mesh axis."""
-        return NamedSharding(self.mesh, P(*[None] * self.steps_axis, batch_axes(self.mesh)))
+        if self.steps_axis:  # [K, examples, ...]: the steps' axis whole on every device
+            return NamedSharding(self.mesh, P(None, batch_axes(self.mesh)))
+        return NamedSharding(self.mesh, P(batch_axes(self.mesh)))
 
     @functools.cached_property
     def replicated(self) -> NamedSharding:
