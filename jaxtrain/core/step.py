@@ -263,9 +263,9 @@ def scanned(step: Callable, unroll: bool = False) -> Callable:
     leading axis of K, one batch per step), in one program (``lax.scan``); each metric comes back stacked [K].
 
     The same K steps as K calls of ``step``; bit for bit where XLA compiles the loop's body as it compiles a
-    single step. XLA:CPU canonicalizes convolutions in the entry computation only, so a body with XLA's
-    convolutions (not oneDNN's) rounds differently: ``unroll=True`` lays the K steps out straight (no loop),
-    bit for bit again, at K times the compile time (docs/train-step.md, "Many steps per call")."""
+    single step. XLA:CPU canonicalizes convolutions in the entry computation only, so in a loop's body XLA's
+    convolutions (not oneDNN's) sum in another order: ``unroll=True`` lays the K steps out straight (no loop),
+    bit for bit again, its compile time growing with K (docs/train-step.md, "Many steps per call")."""
 
     def steps(state, batches):
         return lax.scan(step, state, batches, unroll=unroll)

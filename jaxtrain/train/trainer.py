@@ -156,9 +156,10 @@ class Trainer:
         deadlock with many calls sent without waiting). Compiled once per state structure, K and ``unroll``.
 
         The K steps equal K calls of ``trainer(state, batch)``, bit for bit where XLA compiles the loop's body
-        as it compiles one step (oneDNN's fp32 convolutions, matmul-only models); XLA's convolutions (bf16,
-        ``conv="xla"``) round another way inside a loop: ``unroll=True`` lays the K steps out straight, bit for
-        bit again, at about K times the compile time (``step.scanned``; docs/train-step.md)."""
+        as it compiles one step (LeNet with oneDNN's fp32 convolutions); XLA's convolutions (bf16, fp16,
+        ``conv="xla"``) sum in another order inside a loop: ``unroll=True`` lays the K steps out straight, bit
+        for bit again, its compile time growing with K. Other fusions may round an ulp apart, looped or
+        unrolled (``step.scanned``; docs/train-step.md, "Many steps per call")."""
         return self._checked(state, batches, self.steps_plan, unroll)
 
     def _checked(self, state, batch, batch_plan: Plan, unroll: bool = False) -> tuple[TrainState, dict]:
