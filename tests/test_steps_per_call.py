@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 from conftest import random_batch, unavailable
 from reference import float64_steps
 from tolerance import assert_reassociated, assert_state_reassociated
@@ -32,6 +33,7 @@ from jaxtrain.train import pipeline
 K = 3
 BATCHES = [random_batch(8, seed=s) for s in range(K)]
 SHARDINGS = ("replicated", "fsdp", "zero1")
+FSDP_TP = [(r"dense1/w$", jt.FSDP(P(None, "model"))), (r"dense1/b$", P("model")), (r".*", "fsdp")]  # on data x model
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +83,10 @@ def assert_bit_for_bit(got, want):
 
 
 def check(model, strategy, n=2, unroll=False, batches=BATCHES, opt=lambda: optax.adam(1e-2), **kw):
-    """K single calls and one call of K steps from the same fresh state: (theirs, ours)."""
-    trainer = jt.make_train_step(model.loss_fn, opt(), mesh=n, strategy=strategy, min_size=16, **kw)
+    """K single calls and one call of K steps from the same fresh state: (theirs, ours). ``n``: devices, or a
+    mesh's axes."""
+    mesh = jt.make_mesh(int(np.prod(list(n.values()))), n) if isinstance(n, dict) else n
+    trainer = jt.make_train_step(model.loss_fn, opt(), mesh=mesh, strategy=strategy, min_size=16, **kw)
     params = model.init(jax.random.key(0))[0]
     return single_calls(trainer, trainer.init(params), batches), one_call(trainer, trainer.init(params), batches,
                                                                           unroll)
@@ -95,11 +99,14 @@ CASES = [
     ("shard_map", 2, dict(accum_steps=2, accum="multisteps")),
     ("ring", 2, dict(accum_steps=2, accum="multisteps", param_sharding="fsdp")),
     ("jit", 2, dict(remat="full")), ("shard_map", 2, dict(remat="dots", param_sharding="zero1")),
+    ("explicit", {"data": 2, "model": 2}, dict(param_sharding=FSDP_TP)), ("shard_map", {"replica": 2, "data": 2}, {}),
 ]
 
 
 @pytest.mark.parametrize("strategy, n, kw", CASES,
-                         ids=[f"{s}-{n}-" + "-".join(map(str, kw.values())) for s, n, kw in CASES])
+                         ids=[f"{s}-{n if isinstance(n, int) else 'x'.join(n)}-"
+                              + ",".join(f"{k}={'rules' if isinstance(v, list) else v}" for k, v in kw.items())
+                              for s, n, kw in CASES])
 def test_k_steps_in_one_call_equal_k_single_calls_bit_for_bit(onednn_lenet, strategy, n, kw):
     """oneDNN's fp32 convolutions: the loop's body is compiled as one step is, the same bits (Adam: its moments
     too; multisteps: the K calls are K micro-batches, one update)."""
@@ -116,29 +123,33 @@ def relative_change(got, want, start) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want - start))
 
 
-@pytest.mark.parametrize("strategy, precision", [("jit", "fp32"), ("jit", "bf16"), ("jit", "fp16"),
-                                                 ("shard_map", "fp32"), ("shard_map", "fp16"), ("pmap", "bf16")])
-def test_xla_convolutions_are_bit_for_bit_unrolled_and_within_the_policy_in_a_loop(strategy, precision):
+@pytest.mark.parametrize("strategy, precision, kw", [
+    ("jit", "fp32", {}), ("jit", "bf16", dict(accum_steps=2)), ("jit", "fp16", {}),
+    ("shard_map", "fp32", dict(param_sharding="fsdp")), ("shard_map", "fp16", {}), ("pmap", "bf16", {}),
+    ("explicit", "bf16", dict(param_sharding="zero1")),
+])
+def test_xla_convolutions_are_bit_for_bit_unrolled_and_within_the_policy_in_a_loop(strategy, precision, kw):
     """XLA's convolutions (``lenet.loss_fn``; bf16 and fp16 take XLA's in any model) are compiled another way in
     a loop's body (their fp32 sums re-associated): unrolled, the same bits. In the loop, fp32 by the tolerance
     policy (float64's steps the exact values); bf16 / fp16 round each gradient element to their precision after
     those sums, so an element may round one ulp the other way: the parameters' change within one ulp of the
     compute dtype per step (test_precision's criterion for a sum in another order; an fp32 run misses by more)."""
     model = models.get("lenet", conv="xla")
-    trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.2), mesh=2, strategy=strategy, precision=precision)
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.2), mesh=2, strategy=strategy, precision=precision,
+                                 min_size=16, **kw)
     theirs = single_calls(trainer, trainer.init(lenet_params()), BATCHES)
     assert_bit_for_bit(one_call(trainer, trainer.init(lenet_params()), BATCHES, unroll=True), theirs)
     ours = one_call(trainer, trainer.init(lenet_params()), BATCHES)
     if precision == "fp32":
-        exact = float64_steps(model.loss_fn, optax.sgd(0.2), lenet_params(), BATCHES)
+        exact = float64_steps(model.loss_fn, optax.sgd(0.2), lenet_params(), BATCHES)  # any sharding's
         assert_state_reassociated(*ours, *theirs, exact)
         return
     ulp = float(jnp.finfo(trainer.policy.compute_dtype).eps)
     assert relative_change(ours[0].params, theirs[0].params, lenet_params()) <= K * ulp
     np.testing.assert_allclose([m["loss"] for m in ours[1]], [m["loss"] for m in theirs[1]], rtol=ulp)
-    fp32 = jt.make_train_step(model.loss_fn, optax.sgd(0.2), mesh=2, strategy=strategy)
+    fp32 = jt.make_train_step(model.loss_fn, optax.sgd(0.2), mesh=2, strategy=strategy, min_size=16, **kw)
     fp32_state = one_call(fp32, fp32.init(lenet_params()), BATCHES)[0]
-    assert relative_change(fp32_state.params, theirs[0].params, lenet_params()) > 2 * K * ulp
+    assert relative_change(fp32_state.params, theirs[0].params, lenet_params()) > K * ulp  # fp32 fails it
 
 
 @pytest.mark.parametrize("unroll", [False, True])
