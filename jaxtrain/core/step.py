@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.core import accumulate, optim, precision as prec
@@ -255,6 +256,21 @@ def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Pr
         return new_state, metrics
 
     return step
+
+
+def scanned(step: Callable, unroll: bool = False) -> Callable:
+    """``(state, batches) -> (state, metrics)``: ``step`` once per batch of ``batches`` (every array stacked on a
+    leading axis of K, one batch per step), in one program (``lax.scan``); each metric comes back stacked [K].
+
+    The same K steps as K calls of ``step``; bit for bit where XLA compiles the loop's body as it compiles a
+    single step. XLA:CPU canonicalizes convolutions in the entry computation only, so in a loop's body XLA's
+    convolutions (not oneDNN's) sum in another order: ``unroll=True`` lays the K steps out straight (no loop),
+    bit for bit again, its compile time growing with K (docs/train-step.md, "Many steps per call")."""
+
+    def steps(state, batches):
+        return lax.scan(step, state, batches, unroll=unroll)
+
+    return steps
 
 
 def eval_sums(eval_fn: EvalFn):

@@ -65,6 +65,13 @@ def _outline(tree) -> str:
     return type(tree).__name__
 
 
+def not_donated(state) -> None:
+    """A donated state's buffers are gone; reusing it segfaulted jaxlib 0.10.2 on 2+ CPU devices."""
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        raise ConfigError("this TrainState was donated to an earlier step and its buffers are gone: "
+                          "pass the state the previous call returned (state, metrics = trainer(state, batch))")
+
+
 def structure(state, expected: Callable[[], TrainState]) -> None:
     """A ConfigError unless ``state`` has the tree of ``expected()`` (what the trainer makes for its params)."""
     if not isinstance(state, TrainState):
@@ -126,10 +133,17 @@ def untraceable(error: Exception, batch, previous: dict[str, str] | None) -> Con
 def labels(share, where: str, values=None, consumed: bool = False) -> None:
     """A ConfigError if ``share``, a step's metric ``LABELS_OUT_OF_RANGE``, is not 0: labels outside the model's
     classes in the batch ``where`` names (``values``: its labels, to say their range; ``consumed``: the raising
-    call's own step took the state it was given)."""
-    share = float(jax.device_get(share))
-    if share == 0:
+    call's own step took the state it was given). A call of K steps: ``share`` [K] and ``values`` [K, ...]; the
+    first step whose share is not 0 is said."""
+    shares = np.asarray(jax.device_get(share), np.float64)
+    bad = np.flatnonzero(shares.reshape(-1))
+    if not bad.size:
         return
+    if shares.ndim:  # K steps in one call: the first bad one
+        first = int(bad[0])
+        where = f"{where} (its step {first + 1} of {shares.size})"
+        share, values = shares.reshape(-1)[first], None if values is None else values[first]
+    share = float(share)
     found = ""
     if values is not None and getattr(values, "is_fully_addressable", True):
         values = np.asarray(jax.device_get(values))

@@ -32,18 +32,23 @@ class Plan:
     the strategy that runs it.
 
     ``micro_batches``: each data shard's rows split into this many inside one call (scan accumulation, a
-    pipeline's micro-batches); ``calls_per_update``: calls that make one update (``optax.MultiSteps``)."""
+    pipeline's micro-batches); ``calls_per_update``: calls that make one update (``optax.MultiSteps``);
+    ``steps_axis``: every batch array carries a leading axis of steps, one batch per step of a call (K steps per
+    call, ``step.scanned``), unsharded, the examples after it (``with_steps_axis``)."""
 
     mesh: Mesh
     micro_batches: int = 1
     calls_per_update: int = 1
+    steps_axis: bool = False
     specs: TrainState | None = None  # a PartitionSpec per state leaf
     strategy: strategies.Strategy | None = None
 
     @functools.cached_property
     def batch(self) -> NamedSharding:
-        """Examples split over "data" (their leading axis; on a hybrid mesh over "replica" and "data"), replicated
-        over every other mesh axis."""
+        """Examples split over "data" (their leading axis, or the one after the steps'; on a hybrid mesh over
+        "replica" and "data"), replicated over every other mesh axis."""
+        if self.steps_axis:  # [K, examples, ...]: the steps' axis whole on every device
+            return NamedSharding(self.mesh, P(None, batch_axes(self.mesh)))
         return NamedSharding(self.mesh, P(batch_axes(self.mesh)))
 
     @functools.cached_property
@@ -102,9 +107,20 @@ class Plan:
         self.check_batch_size(batch_size // k)
         return batch_size // k
 
+    def with_steps_axis(self) -> Plan:
+        """This plan for batches stacked on a leading axis of steps (``steps_axis``)."""
+        return dataclasses.replace(self, steps_axis=True)
+
+    def steps_of(self, batches: Mapping) -> int:
+        """K, the steps' axis of ``batches`` (arrays or shapes): the same for every array, or a ConfigError."""
+        return _leading(batches, "steps")
+
     def shard(self, batch: Mapping) -> dict:
-        """A global batch (numpy: this process's rows; or jax arrays), checked, as arrays on the mesh."""
-        local = _examples(batch)
+        """A global batch (numpy: this process's rows; or jax arrays), checked, as arrays on the mesh (with
+        ``steps_axis``: K of them stacked, checked alike)."""
+        if self.steps_axis:
+            self.steps_of(batch)
+        local = _examples(batch, self.steps_axis)
         is_global = all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
         self.check_batch_size(local * (1 if is_global else jax.process_count()))
         return jax.tree.map(self._put, batch)
@@ -114,13 +130,22 @@ class Plan:
         the GLOBAL batch, compile-only devices), the shapes checked and given the batch's sharding."""
         if not sharding.is_abstract(batch):
             return self.shard(batch)
-        self.check_batch_size(_examples(batch))
+        if self.steps_axis:
+            self.steps_of(batch)
+        self.check_batch_size(_examples(batch, self.steps_axis))
         return sharding.abstract(batch, self.batch)
 
     def per_device(self, batch):
-        """A global batch as ``jax.pmap`` takes it, [devices, per device, ...] (users never reshape)."""
+        """A global batch as ``jax.pmap`` takes it, [devices, per device, ...] (users never reshape); with
+        ``steps_axis``, [devices, K, per device, ...]: the devices' axis first, where pmap maps."""
         n = self.num_devices
-        return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
+        def split(x):
+            if not self.steps_axis:
+                return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+            return x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:]).swapaxes(0, 1)
+
+        return jax.tree.map(split, batch)
 
     def _put(self, x):
         if isinstance(x, jax.Array):
@@ -149,9 +174,20 @@ class Plan:
         return sharding.describe(self.specs.params)
 
 
-def _examples(batch: Mapping) -> int:
-    """The batch's leading (examples) axis: the same for every array, or a ConfigError."""
-    sizes = {int((x.shape if hasattr(x, "shape") else np.shape(x))[0]) for x in jax.tree.leaves(batch)}
+def _examples(batch: Mapping, after_steps: bool = False) -> int:
+    """The batch's examples axis (its leading one, or the one after the steps'): the same for every array, or a
+    ConfigError."""
+    return _leading(batch, "examples", int(after_steps))
+
+
+def _leading(batch: Mapping, what: str, axis: int = 0) -> int:
+    """The size of ``batch``'s axis ``axis`` (``what`` it counts): the same for every array, or a ConfigError."""
+    shapes = [tuple(x.shape if hasattr(x, "shape") else np.shape(x)) for x in jax.tree.leaves(batch)]
+    where = "leading" if axis == 0 else "second"
+    if any(len(s) <= axis for s in shapes):
+        hint = ": stack the steps' batches on a new leading axis" if what == "steps" else ""
+        raise ConfigError(f"every array in the batch needs a {where} ({what}) axis, got shapes {shapes}{hint}")
+    sizes = {s[axis] for s in shapes}
     if len(sizes) != 1:
-        raise ConfigError(f"every array in the batch needs the same leading (examples) axis, got sizes {sorted(sizes)}")
-    return sizes.pop()
+        raise ConfigError(f"every array in the batch needs the same {where} ({what}) axis, got sizes {sorted(sizes)}")
+    return int(sizes.pop())

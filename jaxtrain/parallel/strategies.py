@@ -86,6 +86,7 @@ class Strategy:
 
     ``reduced(local, state_specs, per_device)``: ``local`` on every shard, reduced over the shards;
     ``compile(step, plan)``: the whole step, compiled with the plan's shardings (the state donated);
+    ``carried(step, plan)``: the step as a loop of K steps per call runs it (its new state typed as the one it took);
     ``evaluate(sums, plan, mspecs)``: an eval step's sums over every device's examples."""
 
     name = ""
@@ -105,6 +106,11 @@ class Strategy:
         """``step(state, batch)`` over global arrays, the state donated and kept in its shardings."""
         return Compiled(jax.jit(step, in_shardings=(plan.state, plan.batch),
                                 out_shardings=(plan.state, plan.replicated), donate_argnums=(0,)))
+
+    def carried(self, step: Callable, plan) -> Callable:
+        """``step`` as ``lax.scan`` carries its state (``step.scanned``): the state it returns has the type of the
+        one it took (here already; ``explicit`` types shardings)."""
+        return step
 
     def evaluate(self, local_sums: Callable, plan, mspecs=P()) -> Compiled:
         """``local_sums(params, model_state, batch) -> sums`` over the examples given, summed over the devices;
@@ -192,6 +198,16 @@ class Explicit(Jit):
 
     def compile(self, step, plan):
         return UnderMesh(super().compile(step, plan), self.mesh, self.model_axes)
+
+    def carried(self, step, plan):
+        """The new state resharded to the state's own placement: its type is the carry's (ZeRO-1's update leaves the
+        parameters sharded where a single step's ``out_shardings`` gathers them)."""
+
+        def kept(state, batch):
+            new_state, metrics = step(state, batch)
+            return self._constrain(new_state, plan.state), metrics
+
+        return kept
 
     def evaluate(self, local_sums, plan, mspecs=P()):
         gathered, gathered_state, sums = self._whole(self.pspecs), self._whole(mspecs), self.model(local_sums)

@@ -20,13 +20,6 @@ from jaxtrain.parallel.devices import make_mesh, typed
 from jaxtrain.parallel.placement import Plan
 
 
-def _check_not_donated(state) -> None:
-    """A donated state's buffers are gone; reusing it segfaulted jaxlib 0.10.2 on 2+ CPU devices."""
-    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-        raise ConfigError("this TrainState was donated to an earlier step and its buffers are gone: "
-                          "pass the state the previous call returned (state, metrics = trainer(state, batch))")
-
-
 class Trainer:
     """A compiled train step: ``state, metrics = trainer(state, batch)``; the state placed by ``param_sharding``.
 
@@ -50,8 +43,9 @@ class Trainer:
         self.scan_steps = accumulate.scan_steps(accum_steps, self.accum)
         calls = accum_steps // self.scan_steps
         self.batch_plan = Plan(mesh, micro_batches or self.scan_steps, calls)
-        self._plans, self._steps = {}, {}  # state tree structure -> Plan, compiled step
-        self._last_batch = None  # the signature of the last batch a checked call ran (call_checks.untraceable)
+        self.steps_plan = self.batch_plan.with_steps_axis()  # batches of K steps per call (``steps``)
+        self._plans, self._steps = {}, {}  # state tree structure -> Plan; (structure, K, unroll) -> compiled
+        self._last_batch = {}  # steps_axis -> the signature of the last batch a checked call ran (untraceable)
         self._labels = call_checks.PendingLabels()  # each call's labels, checked as check_labels says
         self._axes_said = False  # the warning about mesh axes nothing uses: once
 
@@ -135,13 +129,16 @@ class Trainer:
         shapes = jax.eval_shape(make, params, model_state, jax.random.key(0) if rng is None else rng)
         return sharding.abstract(shapes, self.plan(shapes).state)
 
-    def _compiled(self, state) -> strategies.Compiled:
-        key = jax.tree.structure(state)
+    def _compiled(self, state, steps: int | None = None, unroll: bool = False) -> strategies.Compiled:
+        """The step for this state's structure; ``steps=K``: K of them in one program (``step.scanned``)."""
+        key = (jax.tree.structure(state), steps, unroll)
         if key not in self._steps:
             call_checks.structure(state, lambda: jax.eval_shape(self._fresh, state.params, state.model_state,
                                                                 state.rng))
             plan = self.plan(state)
             step = step_lib.make_step(self.loss_fn, self.tx, self.policy, self.scan_steps, plan.strategy, plan.specs)
+            if steps is not None:
+                step, plan = step_lib.scanned(plan.strategy.carried(step, plan), unroll), plan.with_steps_axis()
             self._steps[key] = plan.strategy.compile(step, plan)
         return self._steps[key]
 
@@ -149,18 +146,37 @@ class Trainer:
         """One step on a global batch (numpy or jax arrays): the state (its tree, its placement) and the batch
         checked and the batch sharded first; a step that cannot be traced for the batch is one line naming its
         arrays; labels outside the classes are checked as ``check_labels`` says (``jaxtrain.parallel.call_checks``)."""
-        _check_not_donated(state)
-        compiled = self._compiled(state)
+        return self._checked(state, batch, self.batch_plan)
+
+    def steps(self, state: TrainState, batches: Mapping, *, unroll: bool = False) -> tuple[TrainState, dict]:
+        """K steps in one compiled call: ``batches`` holds K global batches, every array stacked on a leading
+        axis of K (``[K, batch, ...]``, numpy or jax arrays); returns the state after the K steps and each
+        metric stacked ``[K]``, step by step. Checked and placed as ``trainer(state, batch)`` (the examples
+        sharded over "data", the K axis not); one program in flight for K steps (XLA:CPU's all-reduce can
+        deadlock with many calls sent without waiting). Compiled once per state structure, K and ``unroll``.
+
+        The K steps equal K calls of ``trainer(state, batch)``, bit for bit where XLA compiles the loop's body
+        as it compiles one step (LeNet with oneDNN's fp32 convolutions); XLA's convolutions (bf16, fp16,
+        ``conv="xla"``) sum in another order inside a loop: ``unroll=True`` lays the K steps out straight, bit
+        for bit again, its compile time growing with K. Other fusions may round an ulp apart, looped or
+        unrolled (``step.scanned``; docs/train-step.md, "Many steps per call")."""
+        return self._checked(state, batches, self.steps_plan, unroll)
+
+    def _checked(self, state, batch, batch_plan: Plan, unroll: bool = False) -> tuple[TrainState, dict]:
+        """``__call__`` (``batch_plan``: the trainer's) or ``steps`` (``steps_plan``), with every check."""
+        call_checks.not_donated(state)
+        steps = batch_plan.steps_of(batch) if batch_plan.steps_axis else None
+        compiled = self._compiled(state, steps, unroll)
         self.plan(state).check_placed(state)
-        batch = self.shard(batch)
+        batch = batch_plan.shard(batch)
         self._labels.read()
         try:
             out = compiled(state, batch)
         except call_checks.TRACE_ERRORS as e:
             if isinstance(e, (ConfigError, jax.errors.JAXTypeError)):  # already said, or about the code
                 raise
-            raise call_checks.untraceable(e, batch, self._last_batch) from e
-        self._last_batch = call_checks.signature(batch)
+            raise call_checks.untraceable(e, batch, self._last_batch.get(batch_plan.steps_axis)) from e
+        self._last_batch[batch_plan.steps_axis] = call_checks.signature(batch)
         return self._labels.held(out, state, batch)
 
     def step(self, state: TrainState, batch: Mapping) -> tuple[TrainState, dict]:
@@ -172,6 +188,18 @@ class Trainer:
         compiled = self._compiled(state)
         self._labels.read()
         return self._labels.held(compiled(state, batch), state, batch)
+
+    def placed_steps(self, state: TrainState, batches: Mapping, *, unroll: bool = False) -> tuple[TrainState, dict]:
+        """``steps`` on batches ALREADY on the mesh (``shard_steps``), without its checks and copies (but the
+        labels'): the hot-loop entry for K steps per call, as ``step`` is for one."""
+        compiled = self._compiled(state, self.steps_plan.steps_of(batches), unroll)
+        self._labels.read()
+        return self._labels.held(compiled(state, batches), state, batches)
+
+    def shard_steps(self, batches: Mapping) -> dict:
+        """K global batches stacked ``[K, batch, ...]`` (numpy or jax arrays), checked and placed on the mesh:
+        the examples sharded over "data", the K axis not (what ``placed_steps`` takes)."""
+        return self.steps_plan.shard(batches)
 
     def check_labels(self) -> None:
         """Wait for every call whose labels were not checked yet and check them, in order: a ConfigError for the
@@ -194,6 +222,12 @@ class Trainer:
         instead of the mesh's devices, e.g. ``("cuda",)`` to see on a CPU host what a GPU would compile.
         """
         return self._compiled(state).lower(state, self.batch_plan.lowered(batch), platforms)
+
+    def lower_steps(self, state: TrainState, batches: Mapping, platforms: tuple[str, ...] | None = None, *,
+                    unroll: bool = False):
+        """The lowered K-step call of ``steps``, as ``lower`` (arrays or shapes, ``[K, batch, ...]``)."""
+        steps = self.steps_plan.steps_of(batches)
+        return self._compiled(state, steps, unroll).lower(state, self.steps_plan.lowered(batches), platforms)
 
 
 def make_train_step(
@@ -282,7 +316,7 @@ class Evaluator:
         return self._steps[key]
 
     def __call__(self, state: TrainState, batch: Mapping) -> dict:
-        _check_not_donated(state)
+        call_checks.not_donated(state)
         return self._compiled(state)(state, self.batch_plan.shard(batch))
 
     def step(self, state: TrainState, batch: Mapping) -> dict:
