@@ -1,0 +1,173 @@
+"""Keeping the device busy, measured: steps per call and the data on the device, the step alone and end to end.
+
+    python -m experiments.bench_busy steps [--model lenet] [--ks 1,8,64,auto] [--devices 1]
+    python -m experiments.bench_busy e2e [--model lenet] [--epochs 3] [--configs 1:off,8:off,8:on] [--repeats 2]
+
+``steps``: the step's time per step in calls of K steps (K = 1, 8, 64, and ``auto`` as the run would pick it),
+against the device's work alone: what one more step adds to a call (``jaxtrain.driver.busy.per_step_in_call``:
+the host's part, paid once a call, cancels out). ``e2e``: the experiment itself (``python -m
+experiments.MODEL``, Fashion-MNIST) once per config ``K:DATA`` (``--steps-per-call K --data-on-device
+DATA``), configs interleaved ``--repeats`` times: seconds per epoch (epochs after the first, which compiles;
+median), beside the first config's, the test accuracy, the data wait, and the device's busy share: steps x the
+device's work per step (``steps``, measured first in its own process) over the epoch's wall time. Each run is a
+child process (a GPU is held by one process at a time). Extra flags after ``--`` go to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from jaxtrain.cli import one_line_errors, positive_int
+from jaxtrain.errors import ConfigError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_busy", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("what", choices=("steps", "e2e"), help="the step alone, or the experiment end to end")
+    p.add_argument("--model", default="lenet", choices=("lenet", "resnet18"))
+    p.add_argument("--devices", type=positive_int, default=None, help="devices (default: steps 1, e2e all)")
+    p.add_argument("--ks", default="1,8,64,auto", help="steps: the calls' steps to time, comma-separated")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="steps: the global batch (the recipe's)")
+    p.add_argument("--calls", type=positive_int, default=20, help="steps: calls per timed block")
+    p.add_argument("--epochs", type=positive_int, default=3, help="e2e: epochs per run (the first is not timed)")
+    p.add_argument("--configs", default="1:off,8:off,8:on", help="e2e: K:DATA per run, comma-separated (the first "
+                                                                 "is the baseline)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="e2e: runs per config, interleaved")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("extra", nargs="*", help="e2e: flags for every run (after --)")
+    return p
+
+
+def step_times(model_name: str, devices: int, ks: list[str], batch_size: int | None, calls: int) -> dict:
+    """Seconds per step in calls of each K, and the device's work per step (``per_step_in_call``)."""
+    import jax
+    import optax
+
+    import jaxtrain as jt
+    from jaxtrain import models
+    from jaxtrain.driver import busy
+
+    mesh = jt.make_mesh(jt.setup_devices(devices))
+    platform = mesh.devices.flat[0].platform
+    model = models.get(model_name)
+    batch_size = batch_size or models.MODELS[model_name].batch_size
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.01), mesh=mesh)
+    state = trainer.init(*jax.jit(model.init)(jax.random.key(0)))
+    batch = model.example_batch(batch_size)
+    work = busy.per_step_in_call(trainer, state, batch)
+    rows = []
+    for k in ks:
+        n = busy.steps_per_call("auto", platform, lambda: work)[0] if k == "auto" else int(k)
+        placed = trainer.shard_steps(jax.tree.map(lambda x: x[None].repeat(n, 0), batch)) if n > 1 else \
+            trainer.shard(batch)
+        call = trainer.placed_steps if n > 1 else trainer.step
+        state, metrics = call(state, placed)  # compiled, warm
+        jax.block_until_ready(metrics)
+        start = time.perf_counter()
+        for _ in range(calls):
+            state, metrics = call(state, placed)  # one call in flight: its result awaited before the next
+            jax.block_until_ready(metrics)
+        per_step = (time.perf_counter() - start) / (calls * n)
+        rows.append({"k": k, "steps_per_call": n, "ms_per_step": 1e3 * per_step, "over_work": per_step / work})
+    return {"model": model_name, "devices": devices, "batch_size": batch_size, "platform": platform,
+            "device_kind": mesh.devices.flat[0].device_kind, "work_ms_per_step": 1e3 * work, "rows": rows}
+
+
+def steps_table(result: dict) -> str:
+    lines = [f"{result['model']}, batch {result['batch_size']} on {result['devices']} {result['platform']} "
+             f"device(s) ({result['device_kind']}): the device's work {result['work_ms_per_step']:.3f} ms a step",
+             f"{'K':>6} {'steps/call':>10} {'ms/step':>9} {'x work':>7}"]
+    lines += [f"{r['k']:>6} {r['steps_per_call']:>10} {r['ms_per_step']:>9.3f} {r['over_work']:>7.2f}"
+              for r in result["rows"]]
+    return "\n".join(lines)
+
+
+def _child(args: list[str]) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
+        raise ConfigError(f"{' '.join(args[:3])} failed: {last}")
+    return out
+
+
+def end_to_end(model: str, devices: int | None, epochs: int, configs: list[str], repeats: int,
+               extra: list[str], say) -> dict:
+    """Each config's runs (interleaved), and the device's work per step measured first in a child process."""
+    if epochs < 2:
+        raise ConfigError("--epochs must be at least 2: the first epoch compiles and is not timed")
+    parsed = []
+    for config in configs:
+        k, _, data = config.partition(":")
+        if not (k == "auto" or k.isdigit()) or data not in ("on", "off", "auto"):
+            raise ConfigError(f"--configs {config!r}: expected K:DATA, K a number or auto, DATA on, off or auto")
+        parsed.append((k, data))
+    with tempfile.TemporaryDirectory() as tmp:
+        work_json = Path(tmp) / "work.json"
+        _child(["-m", "experiments.bench_busy", "steps", "--model", model, "--ks", "1",
+                *(["--devices", str(devices)] if devices else []), "--json", str(work_json)])
+        work_ms = json.loads(work_json.read_text())["work_ms_per_step"]
+        runs = {config: [] for config in configs}
+        for repeat in range(repeats):
+            for config, (k, data) in zip(configs, parsed):
+                out = Path(tmp) / f"{len(runs[config])}-{config.replace(':', '-')}"
+                say(f"run {repeat + 1}/{repeats}: {config}")
+                _child(["-m", f"experiments.{model}", "--epochs", str(epochs), "--steps-per-call", k,
+                        "--data-on-device", data, "--no-progress", "--out", str(out),
+                        *(["--devices", str(devices)] if devices else []), *extra])
+                epochs_rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+                summary = json.loads((out / "summary.json").read_text())
+                runs[config].append({"epochs": epochs_rows, "summary": summary})
+    rows = []
+    for config in configs:
+        timed = [e for run in runs[config] for e in run["epochs"][1:] if "train_sec" in e]
+        sec = statistics.median(e["train_sec"] for e in timed)
+        steps = timed[0]["steps"]
+        rows.append({"config": config, "sec_per_epoch": sec, "steps_per_epoch": steps,
+                     "test_acc": statistics.median(r["summary"]["test_acc"] for r in runs[config]),
+                     "data_wait_fraction": statistics.median(e["data_wait_fraction"] for e in timed),
+                     "busy_share": steps * work_ms / 1e3 / sec,
+                     "params_digest": sorted({r["summary"]["params_digest"] for r in runs[config]})})
+    for row in rows:
+        row["vs_first"] = row["sec_per_epoch"] / rows[0]["sec_per_epoch"]
+    return {"model": model, "devices": devices, "epochs": epochs, "extra": extra, "work_ms_per_step": work_ms,
+            "rows": rows}
+
+
+def e2e_table(result: dict) -> str:
+    lines = [f"{result['model']}, {result['epochs']} epochs ({' '.join(result['extra']) or 'the recipe'}); the "
+             f"device's work {result['work_ms_per_step']:.3f} ms a step",
+             f"{'K:data':>10} {'s/epoch':>8} {'vs first':>8} {'test acc':>8} {'data wait':>9} {'busy':>6}"]
+    lines += [f"{r['config']:>10} {r['sec_per_epoch']:>8.2f} {r['vs_first']:>8.3f} {r['test_acc']:>8.3f} "
+              f"{100 * r['data_wait_fraction']:>8.1f}% {100 * r['busy_share']:>5.0f}%" for r in result["rows"]]
+    return "\n".join(lines)
+
+
+@one_line_errors("bench_busy")
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+
+    def say(text):
+        print(text, file=sys.stderr, flush=True)
+
+    if args.what == "steps":
+        result = step_times(args.model, args.devices or 1, args.ks.split(","), args.batch_size, args.calls)
+        print(steps_table(result))
+    else:
+        result = end_to_end(args.model, args.devices, args.epochs, args.configs.split(","), args.repeats,
+                            args.extra, say)
+        print(e2e_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
