@@ -28,21 +28,40 @@ from jaxtrain.cli import one_line_errors, positive_int
 from jaxtrain.errors import ConfigError
 
 
+def steps_list(text: str) -> list[str]:
+    """``--ks``: whole numbers >= 1 or ``auto``, comma-separated."""
+    ks = text.split(",")
+    if not all(k == "auto" or k.isdigit() and int(k) >= 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected whole numbers >= 1 or auto, comma-separated (1,8,auto)")
+    return ks
+
+
+def configs_list(text: str) -> list[str]:
+    """``--configs``: K:DATA, comma-separated; K a whole number >= 1 or auto, DATA on, off or auto."""
+    configs = text.split(",")
+    for config in configs:
+        k, _, data = config.partition(":")
+        if not (k == "auto" or k.isdigit() and int(k) >= 1) or data not in ("on", "off", "auto"):
+            raise argparse.ArgumentTypeError(f"{config!r}: expected K:DATA, K a whole number >= 1 or auto, DATA "
+                                             "on, off or auto (1:off,8:on)")
+    return configs
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_busy", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
     p.add_argument("what", choices=("steps", "e2e"), help="the step alone, or the experiment end to end")
     p.add_argument("--model", default="lenet", choices=("lenet", "resnet18"))
     p.add_argument("--devices", type=positive_int, default=None, help="devices (default: steps 1, e2e all)")
-    p.add_argument("--ks", default="1,8,64,auto", help="steps: the calls' steps to time, comma-separated")
+    p.add_argument("--ks", type=steps_list, default="1,8,64,auto",
+                   help="steps: the calls' steps to time, comma-separated")
     p.add_argument("--batch-size", type=positive_int, default=None, help="steps: the global batch (the recipe's)")
     p.add_argument("--calls", type=positive_int, default=20, help="steps: calls per timed block")
     p.add_argument("--epochs", type=positive_int, default=3, help="e2e: epochs per run (the first is not timed)")
-    p.add_argument("--configs", default="1:off,8:off,8:on", help="e2e: K:DATA per run, comma-separated (the first "
-                                                                 "is the baseline)")
+    p.add_argument("--configs", type=configs_list, default="1:off,8:off,8:on",
+                   help="e2e: K:DATA per run, comma-separated (the first is the baseline)")
     p.add_argument("--repeats", type=positive_int, default=2, help="e2e: runs per config, interleaved")
     p.add_argument("--json", help="also write the results here")
-    p.add_argument("extra", nargs="*", help="e2e: flags for every run (after --)")
     return p
 
 
@@ -103,12 +122,7 @@ def end_to_end(model: str, devices: int | None, epochs: int, configs: list[str],
     """Each config's runs (interleaved), and the device's work per step measured first in a child process."""
     if epochs < 2:
         raise ConfigError("--epochs must be at least 2: the first epoch compiles and is not timed")
-    parsed = []
-    for config in configs:
-        k, _, data = config.partition(":")
-        if not (k == "auto" or k.isdigit()) or data not in ("on", "off", "auto"):
-            raise ConfigError(f"--configs {config!r}: expected K:DATA, K a number or auto, DATA on, off or auto")
-        parsed.append((k, data))
+    parsed = [tuple(config.split(":")) for config in configs]
     with tempfile.TemporaryDirectory() as tmp:
         work_json = Path(tmp) / "work.json"
         _child(["-m", "experiments.bench_busy", "steps", "--model", model, "--ks", "1",
@@ -152,17 +166,19 @@ def e2e_table(result: dict) -> str:
 
 @one_line_errors("bench_busy")
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, extra = parser().parse_args(argv[:cut]), argv[cut + 1:]  # e2e: the runs' own flags after --
 
     def say(text):
         print(text, file=sys.stderr, flush=True)
 
     if args.what == "steps":
-        result = step_times(args.model, args.devices or 1, args.ks.split(","), args.batch_size, args.calls)
+        result = step_times(args.model, args.devices or 1, args.ks, args.batch_size, args.calls)
         print(steps_table(result))
     else:
-        result = end_to_end(args.model, args.devices, args.epochs, args.configs.split(","), args.repeats,
-                            args.extra, say)
+        result = end_to_end(args.model, args.devices, args.epochs, args.configs, args.repeats,
+                            extra, say)
         print(e2e_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -14,7 +14,12 @@ goes on where the last one stopped (``--again`` measures them anew):
   same kind;
 - ``remat``: the remat policies with host offload (``experiments.gpu_offload``'s table; ResNet-50's none and
   full), measured;
-- ``kernels``: the Pallas kernels against XLA's jnp versions (``experiments.bench_kernels``).
+- ``kernels``: the Pallas kernels against XLA's jnp versions (``experiments.bench_kernels``);
+- ``e2e``: what users run (``experiments.bench_busy``): LeNet's step at 1, 8, 64 and ``auto`` steps per call
+  against its device work alone, and the d2l LeNet (10 epochs) and ResNet-18 (``E2E_EPOCHS``) from the command
+  line on Fashion-MNIST (the bundle's copy: ``make gpu-bundle``), today's path (host data, one step a call)
+  beside the new one (the data on the device, ``auto`` steps a call): seconds per epoch, test accuracy, data wait,
+  the GPU's busy share.
 
 Writes ``OUT/report.json`` and ``OUT/report.md`` (default OUT: ``gpu-check/``) and prints where; ``--keep DIR``
 (``make gpu-check``: docs/gpu-runs) also writes them as ``DIR/DATE-GPU.json`` and ``.md``, the run's record to
@@ -31,6 +36,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +45,7 @@ from jaxtrain.cli import one_line_errors, positive_int
 from jaxtrain.errors import ConfigError
 from jaxtrain.io.files import atomic_write
 
-PARTS = ("env", "tests", "steps", "remat", "kernels")
+PARTS = ("env", "e2e", "tests", "steps", "remat", "kernels")
 RESNET50 = {"input_shape": (224, 224, 3), "num_classes": 1000}  # ImageNet's images, gpu_validate's network
 STEPS = [  # (settings, per-GPU batch or None for the recipe's)
     ({"model": "lenet", "precision": "fp32"}, None), ({"model": "lenet", "precision": "bf16"}, None),
@@ -148,9 +154,11 @@ def _step_rows(args, settings_list, say) -> list[dict]:
                  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
         first = subprocess.run([sys.executable, "-c", ROW, json.dumps(kw)], capture_output=True, text=True, env=cache)
         # Again, from the cache: the peak memory of a process that runs the step and never compiled it (a compile's
-        # autotuning takes device memory of its own); the times of the two agree or the report shows both.
-        out = first if first.returncode else subprocess.run([sys.executable, "-c", ROW, json.dumps(kw)],
-                                                             capture_output=True, text=True, env=cache)
+        # autotuning takes device memory of its own); the times of the two agree or the report shows both. Not in a
+        # rehearsal: a CPU reports no device memory, and the second process would only double CI's leg.
+        again = not (first.returncode or args.dry_run)
+        out = subprocess.run([sys.executable, "-c", ROW, json.dumps(kw)], capture_output=True, text=True,
+                             env=cache) if again else first
         shutil.rmtree(kw["dump_dir"], ignore_errors=True)
         if out.returncode == 0:
             row = json.loads(out.stdout.strip().splitlines()[-1])
@@ -204,6 +212,39 @@ def predict(gpu: str, out: Path, say) -> None:
     print(report.prediction_table(gpu, rows))
 
 
+E2E_EPOCHS = {"lenet": 10, "resnet18": 10}  # d2l's LeNet recipe; ResNet-18's own recipe (d2l trains it 10 too)
+E2E_CONFIGS = "1:off,auto:on"  # today's path, then steps per call and the data on the device
+
+
+def fashion_mnist_dir() -> list[str]:
+    """``--data-dir`` for the runs: the bundle's copy of the Debian files where it is (a GPU machine has no
+    Debian dataset package), else the runs' default."""
+    bundled = Path(".gpu-bundle") / "fashion-mnist"
+    return ["--data-dir", str(bundled)] if bundled.is_dir() else []
+
+
+def part_e2e(args, say) -> dict:
+    """LeNet's step per K, then each model end to end per config: ``experiments.bench_busy``, in children."""
+    dry = ["--train-subset", "512", "--test-subset", "256"] if args.dry_run else []
+    env = {**os.environ, **on_gpu(args)}
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [("steps", ["steps", "--model", "lenet", "--ks", "1,8,64,auto",
+                           *(["--calls", "2"] if args.dry_run else [])])]
+        runs += [(model, ["e2e", "--model", model, "--devices", "1", "--repeats", "1", "--configs", E2E_CONFIGS,
+                          "--epochs", str(2 if args.dry_run else epochs), "--", *fashion_mnist_dir(), *dry])
+                 for model, epochs in E2E_EPOCHS.items()]
+        for name, argv in runs:
+            say(f"  {name}")
+            path = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, "-m", "experiments.bench_busy", *argv[:1], "--json", str(path), *argv[1:]]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            result[name] = ({"table": out.stdout, **json.loads(path.read_text())} if out.returncode == 0 else
+                            {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:500],
+                             "stderr_tail": out.stderr[-2000:]})
+    return result
+
+
 def part_kernels(args) -> dict:
     json_path = Path(args.out) / "kernels.json"
     cmd = [sys.executable, "-m", "experiments.bench_kernels", "--devices", "1", "--json", str(json_path),
@@ -234,7 +275,8 @@ def main(argv=None) -> int:
     start, out = time.perf_counter(), Path(args.out)
     (out / "parts").mkdir(parents=True, exist_ok=True)
     runs = {"env": part_env, "tests": part_tests, "kernels": part_kernels,
-            "steps": lambda a: part_steps(a, say), "remat": lambda a: part_remat(a, say)}
+            "steps": lambda a: part_steps(a, say), "remat": lambda a: part_remat(a, say),
+            "e2e": lambda a: part_e2e(a, say)}
     left = []
     for name in args.part or PARTS:
         cached = out / "parts" / f"{name}.json"

@@ -111,6 +111,18 @@ def markdown(parts: dict) -> str:
                     "dense peak; "
                     "HFU: the compiled program's FLOPs instead (XLA counts a loop's body once: the ViT's is low).", "",
                     step_table(parts[name]["rows"]), ""]
+    e2e = parts.get("e2e")
+    if e2e:
+        out += ["## What users run: steps per call and the data on the device", "",
+                "`experiments.bench_busy`: LeNet's step per K against the device's work alone (what one more step "
+                "adds to a call), then each experiment from the command line, one step a call with host data beside "
+                "auto steps a call with the data on the device (epochs after the first; busy: steps x the device's "
+                "work per step over the epoch's wall time).", ""]
+        for name, result in e2e.items():
+            if isinstance(result, dict):
+                out += [f"### {name}", ""]
+                out += ([f"FAILED: {result['error']}"] if "error" in result else
+                        ["```", result["table"].strip(), "```"]) + [""]
     kernels = parts.get("kernels")
     if kernels:
         out += ["## Pallas kernels against XLA's jnp versions", ""]

@@ -1,13 +1,20 @@
 """Calls of several steps in ``fit`` (jaxtrain.train.calls, feeds): where calls are cut, what hooks see, the data
 on the device, the dispatches an epoch makes. The K-step call itself is tests/test_steps_per_call.py's."""
 
+import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import ROOT, cached_compiles, needs_fashion_mnist, run_cli, unavailable
 
 import jaxtrain as jt
 from jaxtrain.data import loader, sources
@@ -144,3 +151,40 @@ def test_a_non_finite_loss_names_its_step_inside_a_call():
     from jaxtrain.errors import Diverged
     with pytest.raises(Diverged, match="the loss became nan at step 7"):
         fit(trainer, state, train, evaluator, test, epochs=1, progress=False, steps_per_call=4)
+
+
+@pytest.mark.slow
+@needs_fashion_mnist
+def test_a_run_stopped_in_a_call_resumes_to_the_uninterrupted_runs_digest(tmp_path):
+    """SIGTERM while calls of 4 steps run, with a checkpoint every 3 steps (not a multiple of 4): the run stops at
+    the end of the call in flight, saves, and resumed ends with the digest of the run never stopped, which is
+    also the digest of one step a call with host data (oneDNN's fp32 convolutions: the same bits)."""
+    from jaxtrain.kernels import onednn
+
+    if not onednn.available():
+        unavailable(f"oneDNN's convolutions: {onednn.reason()}")
+    run = ["-m", "experiments.lenet", "--devices", "2", "--train-subset", "2560", "--test-subset", "256",
+           "--epochs", "2", "--augment", "crop+flip", "--no-progress"]  # 10 steps an epoch
+    busy = [*run, "--steps-per-call", "4", "--data-on-device", "on"]
+    for name, args in (("today", [*run, "--steps-per-call", "1", "--data-on-device", "off"]), ("full", busy)):
+        done = run_cli(*args, "--out", str(tmp_path / name))
+        assert done.returncode == 0, done.stderr[-3000:]
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    env = {k: v for k, v in cached_compiles(os.environ).items() if k != "JAX_NUM_CPU_DEVICES"}
+    proc = subprocess.Popen([sys.executable, *busy, "--checkpoint-every", "3", "--checkpoint-dir", str(ck),
+                             "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    while not (ck.is_dir() and any(p.name.isdigit() for p in ck.iterdir())):  # the first checkpoint: step 3
+        assert proc.poll() is None, "the run ended before its first checkpoint"
+        time.sleep(0.01)  # how often the folder is looked at, not a deadline
+    assert proc.poll() is None, "the run ended before the signal"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode in (128 + signal.SIGTERM, -signal.SIGTERM), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    resumed = run_cli(*busy, "--checkpoint-every", "3", "--checkpoint-dir", str(ck), "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from step" in resumed.stdout
+    digests = {name: json.loads((tmp_path / name / "summary.json").read_text())["params_digest"]
+               for name in ("today", "full", "out")}
+    assert len(set(digests.values())) == 1, digests

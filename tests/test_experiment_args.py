@@ -11,6 +11,8 @@ from conftest import ROOT
 BAD = {
     "batch_size": [["--devices", "x"], ["--devices", "0"], ["--accum-steps", "0"], ["--max-batch", "-1"]],
     "bench": [["--devices", "0"]],
+    "bench_busy": [["steps", "--ks", "1,0"], ["steps", "--calls", "0"], ["e2e", "--epochs", "x"],
+                   ["e2e", "--configs", "8:maybe"], ["e2e", "--configs", "0:on"], ["nope"]],
     "bench_gpu_plans": [["--gpu", "nope"], ["--gpus", "1,0"], ["--gpus", "x"]],
     "bench_hybrid": [["--replicas", "0"]],
     "bench_int8": [["--repeats", "0"]],
