@@ -96,3 +96,19 @@ class DeviceFeed(HostFeed):
         if size not in self._programs:
             self._programs[size] = self._gathers[size > 1].lower(self.data, rows, epoch_number).compile()
         return self._programs[size]
+
+
+class DeviceEval:
+    """The test split on the devices; an evaluation's batches gathered there in one call (padded and masked as
+    the loader pads them: ``on_device.eval_batch``), then evaluated one by one: nothing copied from the host.
+    Stands where ``evaluate`` takes a loader (``epoch(epoch)``)."""
+
+    def __init__(self, evaluator, loader):
+        plan = evaluator.batch_plan
+        self.data = on_device.place(loader.split, plan.replicated)
+        count, size = len(loader), loader.batch_size
+        self._gather = jax.jit(lambda data: [on_device.eval_batch(data, b, size) for b in range(count)],
+                               out_shardings=plan.batch)  # a list of batches: no index crosses from the host
+
+    def epoch(self, epoch: int):
+        return iter(self._gather(self.data))

@@ -230,9 +230,10 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
     up to this many steps in one compiled call (``trainer.placed_steps``),
     calls cut where a hook is due (``jaxtrain.train.calls``); a hook that
     does not cut, e.g. a stop request, runs after the call. ``data_on_device``:
-    the train split is placed on the devices once and each call gathers its
-    batches there (``jaxtrain.train.feeds``: the loader's batches, bit for
-    bit; an in-memory split only). ``position`` resumes
+    the train and test splits are placed on the devices once; each call
+    gathers its batches there, and each evaluation all of its batches at
+    once (``jaxtrain.train.feeds``: the loaders' batches, bit for bit; an
+    in-memory split only). ``position`` resumes
     a run where a checkpoint left it. A NaN or infinite loss, evaluation loss,
     or parameters at an epoch's end raise ``Diverged``; labels outside the
     model's classes a ``ConfigError`` first (each step's read one step late
@@ -243,7 +244,9 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
     per epoch, and the loss of the very first step.
     """
     pos = position or Position()
-    hooks = [*([evaluation(evaluator, test_loader, eval_every, prefetch=prefetch)] if evaluator else []),
+    tests = feeds.DeviceEval(evaluator, test_loader) if data_on_device and evaluator else test_loader
+    hooks = [*([evaluation(evaluator, tests, eval_every, prefetch=0 if data_on_device else prefetch)]
+               if evaluator else []),
              *([Hook(lambda loop: on_epoch(loop.stats), unit="epoch")] if on_epoch else []), *hooks]
 
     def bar(epoch, batch):
