@@ -130,8 +130,8 @@ def test_with_the_data_on_the_device_nothing_crosses_from_the_host_in_an_epoch(m
     one fails, so a run that finishes copied none."""
     trainer, state, train, evaluator, test = setup()
     fit(trainer, state, train, evaluator, test, epochs=1, progress=False, steps_per_call=4, data_on_device=True)
-    run = feeds.DeviceFeed.run
-    monkeypatch.setattr(feeds.DeviceFeed, "run", lambda self, s, k, b: run(self, s, k, {
+    run = feeds.HostFeed.run  # what the device feed calls with the batches it gathered
+    monkeypatch.setattr(feeds.HostFeed, "run", lambda self, s, k, b: run(self, s, k, {
         **b, "label": jax.device_put(np.asarray(b["label"]))}))
     trainer, state, train, evaluator, test = setup()
     with pytest.raises(Exception, match="host-to-device transfer"):

@@ -9,12 +9,14 @@ gathers its k batches on the devices: inside the epoch nothing is copied
 from the host. Both give the same batches, bit for bit.
 
 ``feed.epoch(epoch, start, sizes)`` yields ``(k, batches)`` per call, placed
-as ``feed.run(state, k, batches)`` takes them.
+as ``feed.run(state, k, batches)`` takes them (the device feed's: a call
+that gathers them, so that fetching one waits for nothing).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import jax
@@ -89,8 +91,12 @@ class DeviceFeed(HostFeed):
         placed = [(size, on_device.put(rows[0] if size == 1 else rows, self._plan(size).batch))
                   for size, rows in zip(sizes, np.split(index, np.cumsum(sizes)[:-1]))]
         epoch_number = on_device.put(np.int32(epoch), self.trainer.batch_plan.replicated)
-        gathers = {size: self._compiled(size, rows, epoch_number) for size, rows in placed}  # not in data wait
-        return ((size, gathers[size](self.data, rows, epoch_number)) for size, rows in placed)
+        gathers = {size: self._compiled(size, rows, epoch_number) for size, rows in placed}  # compiled now
+        return ((size, functools.partial(gathers[size], self.data, rows, epoch_number)) for size, rows in placed)
+
+    def run(self, state, size: int, gather):
+        """The call's batches gathered, then its steps: both the devices' work, none of it data wait."""
+        return super().run(state, size, gather())
 
     def _compiled(self, size: int, rows: jax.Array, epoch_number: jax.Array):
         if size not in self._programs:
