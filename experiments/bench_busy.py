@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
     p.add_argument("what", choices=("steps", "e2e"), help="the step alone, or the experiment end to end")
     p.add_argument("--model", default="lenet", choices=("lenet", "resnet18"))
-    p.add_argument("--devices", type=positive_int, default=None, help="devices (default: steps 1, e2e all)")
+    p.add_argument("--devices", type=positive_int, default=None, help="devices (default: all)")
     p.add_argument("--ks", type=steps_list, default="1,8,64,auto",
                    help="steps: the calls' steps to time, comma-separated")
     p.add_argument("--batch-size", type=positive_int, default=None, help="steps: the global batch (the recipe's)")
@@ -65,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def step_times(model_name: str, devices: int, ks: list[str], batch_size: int | None, calls: int) -> dict:
+def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: int | None, calls: int) -> dict:
     """Seconds per step in calls of each K, and the device's work per step (``per_step_in_call``)."""
     import jax
     import optax
@@ -96,7 +96,7 @@ def step_times(model_name: str, devices: int, ks: list[str], batch_size: int | N
             jax.block_until_ready(metrics)
         per_step = (time.perf_counter() - start) / (calls * n)
         rows.append({"k": k, "steps_per_call": n, "ms_per_step": 1e3 * per_step, "over_work": per_step / work})
-    return {"model": model_name, "devices": devices, "batch_size": batch_size, "platform": platform,
+    return {"model": model_name, "devices": mesh.devices.size, "batch_size": batch_size, "platform": platform,
             "device_kind": mesh.devices.flat[0].device_kind, "work_ms_per_step": 1e3 * work, "rows": rows}
 
 
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         print(text, file=sys.stderr, flush=True)
 
     if args.what == "steps":
-        result = step_times(args.model, args.devices or 1, args.ks, args.batch_size, args.calls)
+        result = step_times(args.model, args.devices, args.ks, args.batch_size, args.calls)
         print(steps_table(result))
     else:
         result = end_to_end(args.model, args.devices, args.epochs, args.configs, args.repeats,

@@ -36,6 +36,11 @@ def test_calls_are_cut_where_a_hook_is_due_and_at_multiples_of_k(start, done, ep
     assert calls.call_sizes(start, done, epoch_steps, max_steps, periods, k) == want
 
 
+def test_calls_end_after_a_profiles_start_and_stop():
+    assert calls.call_sizes(0, 0, 20, None, [], 8, points=[9, 14]) == [8, 1, 5, 2, 4]  # 8, 9, 14, 16, 20
+    assert calls.call_sizes(0, 10, 10, None, [], 8, points=[9, 14]) == [4, 4, 2]  # 14 (batch 4), 18, 20
+
+
 def test_a_resumed_epoch_makes_the_uninterrupted_calls_from_any_boundary():
     whole = calls.call_sizes(0, 20, 10, None, [3, 5], 4)
     ends = np.cumsum(whole)

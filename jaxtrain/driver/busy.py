@@ -4,22 +4,21 @@
 step adds to a call of ``PROBE`` steps is the device's work per step
 (the host's part is paid once a call), and a call gets enough steps for
 ``TARGET_SEC`` of it. On CPUs the device is the host: ``auto`` is 1 there
-(docs/gpu-busy.md measures what K and device data do on a CPU).
+(docs/gpu-busy.md has what K and device data do on a CPU, measured).
 ``--data-on-device auto`` holds an in-memory split on a GPU when it takes
-at most ``DEVICE_SHARE`` of the device's memory.
+at most ``DEVICE_SHARE`` of the device's memory. A multi-process run takes process
+0's choices (``agreed``): every process must make the same calls.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 
 import jax
+import numpy as np
 
 from jaxtrain.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 TARGET_SEC = 0.010  # device work per call: enough that a call's host part (dispatch, read, hooks) hides behind it
 PROBE = 8  # the steps of the call measured against a single step
@@ -42,7 +41,7 @@ def steps_per_call(setting: str, platform: str, measure=None) -> tuple[int, str]
 def per_step_in_call(trainer, state, batch: dict, repeats: int = 3) -> float:
     """Seconds one more step adds to a call: (a call of PROBE steps - a call of one) / (PROBE - 1), each the
     median of ``repeats`` after a warm-up, on a copy of ``state`` (the run's own is not advanced)."""
-    stacked = jax.tree.map(lambda x: jax.numpy.stack([x] * PROBE), batch)
+    stacked = jax.tree.map(lambda x: np.stack([x] * PROBE), batch)  # this process's rows, as ``batch``
     one, many = trainer.shard(batch), trainer.shard_steps(stacked)
     state = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
 
@@ -75,7 +74,18 @@ def data_on_device(setting: str, platform: str, split, device) -> tuple[bool, st
     if platform != "gpu":
         return False, f"auto: off on a {platform.upper()}"
     size = split.images.nbytes + split.labels.nbytes
-    limit = (device.memory_stats() or {}).get("bytes_limit", 0)
+    limit = (device.memory_stats() or {}).get("bytes_limit", 0)  # a device of this process's
     if size > DEVICE_SHARE * limit:
         return False, f"auto: the split ({size / 2**20:.0f} MiB) is over a quarter of the GPU's memory"
     return True, f"auto: the split ({size / 2**20:.0f} MiB) fits in a quarter of the GPU's memory"
+
+
+def agreed(k: int, on_device: bool) -> tuple[int, bool]:
+    """Process 0's steps per call and data placement, on every process (one process: as given): a measured K
+    or a memory limit may differ between processes, and their calls must not."""
+    if jax.process_count() == 1:
+        return k, on_device
+    from jax.experimental import multihost_utils
+
+    k, on_device = multihost_utils.broadcast_one_to_all(np.array([k, int(on_device)], np.int32))
+    return int(k), bool(on_device)

@@ -223,9 +223,13 @@ class RunConfig:
                 raise ConfigError(f"{f.name}={value}: expected a number >= {meta['minimum']}")
             if meta["above"] is not None and not value > meta["above"]:
                 raise ConfigError(f"{f.name}={value}: expected a number > {meta['above']}")
-        object.__setattr__(self, "steps_per_call", str(self.steps_per_call))  # RunConfig(steps_per_call=8) too
-        if self.steps_per_call != "auto" and not (self.steps_per_call.isdigit() and int(self.steps_per_call) >= 1):
-            raise ConfigError(f"steps_per_call={self.steps_per_call!r}: expected a whole number >= 1, or auto")
+        steps = str(self.steps_per_call)  # RunConfig(steps_per_call=8) too
+        if steps != "auto" and not (steps.isascii() and steps.isdecimal() and int(steps) >= 1):
+            raise ConfigError(f"steps_per_call={steps!r}: expected a whole number >= 1, or auto")
+        object.__setattr__(self, "steps_per_call", steps if steps == "auto" else str(int(steps)))
+        if self.data_on_device == "on" and self.dataset.startswith(FOLDER_PREFIX):
+            raise ConfigError("data_on_device=on: an image folder is streamed from its files, decoded on the host; "
+                              "use data_on_device=auto or off for a folder")
         if self.profile is not None:
             start, _ = parse_steps(self.profile)
             if self.max_steps is not None and start > self.max_steps:

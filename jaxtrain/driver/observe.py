@@ -99,14 +99,14 @@ def step_log(every: int, say, views: Views | None) -> Hook:
                   "data_wait_fraction": (wait - last["wait"]) / dt,
                   **({"lr": float(loop.recent["lr"])} if "lr" in loop.recent else {})}
         last.update(sec=sec, examples=examples, wait=wait)
-        step = loop.total_steps - 1  # the step these metrics are of
+        step = loop.total_steps - loop.call_size  # the step these metrics are of: the previous call's last
         lr = f", lr {values['lr']:.4g}" if "lr" in values else ""
         say(f"step {step}: loss {values['loss']:.4f}{lr}, {values['examples_per_sec']:,.0f} examples/s, data wait "
             f"{100 * values['data_wait_fraction']:.0f}%", flush=True)
         if views is not None:
             views.scalars(step, values, "train_step")
 
-    return Hook(log, every)
+    return Hook(log, every, cuts=False)  # a call of several steps is not cut for a line: it comes after it
 
 
 def eval_line(say, views: Views | None):
@@ -139,15 +139,14 @@ class Profile:
         self.log_dir, self.start, self.stop, self.active = log_dir, start, stop, False
 
     def hook(self) -> Hook:
-        return Hook(self._on_step, cuts=False)
+        return Hook(self._on_step, cuts=False, at=(self.start - 1, self.stop - 1))  # calls end there
 
     def _on_step(self, loop: Loop) -> None:
-        # Called after the call that ran steps (before, N] was dispatched: starting here traces the calls after
-        # it (START 1: begin() before the loop); the calls of several steps that hold START..STOP-1 are traced.
-        before = loop.total_steps - loop.call_size
-        if before < self.start - 1 <= loop.total_steps:
+        # Called after step N was dispatched (a call of several steps ends after START-1 and STOP-1): starting
+        # here traces steps N+1 ...
+        if loop.total_steps == self.start - 1:  # (START 1: begin() before the loop)
             self.begin()
-        elif before < self.stop - 1 <= loop.total_steps and self.active:
+        elif loop.total_steps == self.stop - 1 and self.active:
             loop.sync()  # the traced steps have run
             self.end()
 

@@ -158,7 +158,7 @@ def initial_state(s: Setup, settings: dict):
         s.checkpointer.close()
         raise Finished({"already_finished": True, "steps": steps, "test_acc": r["test_acc"]}, restored.state)
     changed = [f"{k} {restored.settings.get(k)!r} -> {settings[k]!r}" for k in FREE_SETTINGS
-               if restored.settings.get(k) != settings[k]]
+               if k in restored.settings and restored.settings[k] != settings[k]]  # a newer setting: not a change
     s.say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})"
           + (f"; changed since: {', '.join(changed)}" if changed else ""))
     return restored.state, position

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxtrain.analysis import diagnostics
 from jaxtrain.data import loader
-from jaxtrain.errors import ConfigError, Diverged
+from jaxtrain.errors import Diverged
 from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import hosts
 from jaxtrain.settings import slurm_job
@@ -120,12 +120,11 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
 
 def keep_busy(s: Setup, state, split, train_data) -> tuple[int, bool]:
     """Steps per call and the data's place (``jaxtrain.driver.busy``), said in one line."""
-    c, device = s.config, s.devices[0]
+    c, device = s.config, jax.local_devices()[0]
     on_device, where = busy.data_on_device(c.data_on_device, device.platform, split, device)
     k, why = busy.steps_per_call(c.steps_per_call, device.platform,
                                  lambda: busy.per_step_in_call(s.trainer, state, train_data.batch_at(0, 0)))
-    if k > 1 and not hasattr(s.trainer, "placed_steps"):
-        raise ConfigError(f"steps_per_call={k}: a pipelined step runs one step a call; use steps_per_call=1")
+    k, on_device = busy.agreed(k, on_device)  # process 0's: every process makes the same calls
     s.say(f"steps per call: {k} ({why}); training data on the {'devices' if on_device else 'host'} ({where})")
     return k, on_device
 

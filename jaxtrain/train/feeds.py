@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 
 import jax
 import numpy as np
@@ -26,8 +25,6 @@ from jaxtrain.data import on_device
 from jaxtrain.data.prefetch import prefetch_to_device
 from jaxtrain.errors import ConfigError
 from jaxtrain.train import calls
-
-log = logging.getLogger(__name__)
 
 
 class HostFeed:

@@ -120,12 +120,14 @@ class Hook:
     """``fn(loop)`` every ``every`` steps (``unit="step"``, after the call that ran the step was dispatched) or
     epochs (``"epoch"``, after the evaluation, ``loop.stats`` set). A step hook that needs the newest step's
     metrics calls ``loop.sync()``. A step hook ``cuts`` calls where it is due (``jaxtrain.train.calls``: a
-    call of several steps ends there); one that does not runs after each call that passed a due step."""
+    call of several steps ends there), and after each step of ``at``; one that does not runs after each call
+    that passed a due step."""
 
     fn: Callable[[Loop], None]
     every: int = 1
     unit: str = "step"
     cuts: bool = True
+    at: tuple[int, ...] = ()  # steps after which a call ends as well (a profile's start and stop)
 
     def due(self, unit: str, count: int, before: int | None = None) -> bool:
         """Whether a multiple of ``every`` lies in (``before``, ``count``]: the steps (or epochs) since the last
@@ -258,12 +260,14 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
     feed = feeds.DeviceFeed(trainer, train_loader) if data_on_device else feeds.HostFeed(trainer, train_loader,
                                                                                           prefetch)
     cuts = [hook.every for hook in hooks if hook.unit == "step" and hook.cuts]
+    points = sorted({step for hook in hooks for step in hook.at})
     for epoch in range(pos.epoch, epochs + 1):
         if max_steps is not None and loop.total_steps >= max_steps:
             break
         resuming = epoch == pos.epoch and pos.batch > 0
         loop.start_epoch(epoch, pos.batch if resuming else 0, pos.partial if resuming else None)
-        sizes = calls.call_sizes(loop.batch, loop.total_steps, len(train_loader), max_steps, cuts, steps_per_call)
+        sizes = calls.call_sizes(loop.batch, loop.total_steps, len(train_loader), max_steps, cuts, steps_per_call,
+                                 points)
         batches = feed.epoch(epoch, loop.batch, sizes)
         with contextlib.closing(loop.bar), contextlib.closing(batches), jax.transfer_guard("disallow"):
             while not loop.last_of_epoch:
