@@ -72,16 +72,16 @@ def mlp_eval(params, model_state, batch):
     return {"loss": loss, "accuracy": (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)}
 
 
-def setup(n_train=1024, batch=64, augment="crop+flip"):
+def setup(n_train=1024, batch=64, augment="crop+flip", strategy="jit"):
     rng = np.random.default_rng(0)
     split = sources.Split(rng.integers(0, 256, (n_train, 12, 12, 1), dtype=np.uint8),
                           rng.integers(0, 10, n_train).astype(np.int32))
     params = {"w1": jax.random.normal(jax.random.key(1), (144, 32)) * 0.1,
               "w2": jax.random.normal(jax.random.key(2), (32, 10)) * 0.1}
-    trainer = jt.make_train_step(mlp_loss, optax.sgd(0.1, momentum=0.9), mesh=2)
+    trainer = jt.make_train_step(mlp_loss, optax.sgd(0.1, momentum=0.9), mesh=2, strategy=strategy)
     state = trainer.init(params)
     return (trainer, state, loader.Loader(split, batch, train=True, augment=augment, seed=3),
-            jt.make_eval_step(mlp_eval, mesh=2), loader.Loader(split.head(200), 64, train=False))
+            jt.make_eval_step(mlp_eval, trainer=trainer), loader.Loader(split.head(200), 64, train=False))
 
 
 def digest(state):
@@ -98,6 +98,17 @@ def test_k_steps_a_call_and_the_data_on_the_device_give_one_step_a_calls_state_b
     assert digest(got) == digest(want)
     assert [(h.steps, h.train_loss, h.test_acc) for h in history] == [
         (h.steps, h.train_loss, h.test_acc) for h in want_history]
+
+
+@pytest.mark.parametrize("strategy", jt.STRATEGIES)
+def test_every_strategy_trains_on_the_data_on_the_device_as_on_the_hosts(strategy):
+    trainer, state, train, evaluator, test = setup(n_train=512, strategy=strategy)
+    want, want_history, _ = fit(trainer, state, train, evaluator, test, epochs=1, progress=False)
+    trainer, state, train, evaluator, test = setup(n_train=512, strategy=strategy)
+    got, history, _ = fit(trainer, state, train, evaluator, test, epochs=1, progress=False, steps_per_call=3,
+                          data_on_device=True)
+    assert digest(got) == digest(want)
+    assert history[0].test_acc == want_history[0].test_acc
 
 
 def test_hooks_see_the_steps_they_name_with_several_steps_a_call():

@@ -20,10 +20,12 @@ import functools
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxtrain.data import on_device
 from jaxtrain.data.prefetch import prefetch_to_device
 from jaxtrain.errors import ConfigError
+from jaxtrain.parallel import devices
 from jaxtrain.train import calls
 
 
@@ -67,11 +69,11 @@ class DeviceFeed(HostFeed):
                               "train with the data on the host")
         super().__init__(trainer, loader, prefetch=0)
         self.augment = loader.augment or "none"
-        self.data = on_device.place(loader.split, trainer.batch_plan.replicated)
+        self.data = on_device.place(loader.split, _untyped(trainer.batch_plan.replicated))
         seed = loader.seed
         self._gathers = {
             plan.steps_axis: jax.jit(lambda data, index, epoch: on_device.train_batch(
-                data, index, seed, epoch, self.augment), out_shardings=plan.batch)
+                data, index, seed, epoch, self.augment), out_shardings=_untyped(plan.batch))
             for plan in (trainer.batch_plan, trainer.steps_plan)}
         self._programs = {}  # calls' steps -> the compiled gather
 
@@ -85,15 +87,16 @@ class DeviceFeed(HostFeed):
         if not sizes:
             return (call for call in ())
         index = on_device.train_indices(self.loader, epoch, start, sum(sizes))
-        placed = [(size, on_device.put(rows[0] if size == 1 else rows, self._plan(size).batch))
+        placed = [(size, on_device.put(rows[0] if size == 1 else rows, _untyped(self._plan(size).batch)))
                   for size, rows in zip(sizes, np.split(index, np.cumsum(sizes)[:-1]))]
-        epoch_number = on_device.put(np.int32(epoch), self.trainer.batch_plan.replicated)
+        epoch_number = on_device.put(np.int32(epoch), _untyped(self.trainer.batch_plan.replicated))
         gathers = {size: self._compiled(size, rows, epoch_number) for size, rows in placed}  # compiled now
         return ((size, functools.partial(gathers[size], self.data, rows, epoch_number)) for size, rows in placed)
 
     def run(self, state, size: int, gather):
-        """The call's batches gathered, then its steps: both the devices' work, none of it data wait."""
-        return super().run(state, size, gather())
+        """The call's batches gathered, then its steps: both the devices' work, none of it data wait (typed as
+        the step takes them: ``explicit``'s mesh, where the gather ran on the same mesh untyped)."""
+        return super().run(state, size, jax.device_put(gather(), self._plan(size).batch))
 
     def _compiled(self, size: int, rows: jax.Array, epoch_number: jax.Array):
         if size not in self._programs:
@@ -107,11 +110,17 @@ class DeviceEval:
     Stands where ``evaluate`` takes a loader (``epoch(epoch)``)."""
 
     def __init__(self, evaluator, loader):
-        plan = evaluator.batch_plan
-        self.data = on_device.place(loader.split, plan.replicated)
+        self.plan = evaluator.batch_plan
+        self.data = on_device.place(loader.split, _untyped(self.plan.replicated))
         count, size = len(loader), loader.batch_size
         self._gather = jax.jit(lambda data: [on_device.eval_batch(data, b, size) for b in range(count)],
-                               out_shardings=plan.batch)  # a list of batches: no index crosses from the host
+                               out_shardings=_untyped(self.plan.batch))  # a list: no index crosses from the host
 
     def epoch(self, epoch: int):
-        return iter(self._gather(self.data))
+        return iter(jax.device_put(self._gather(self.data), self.plan.batch))
+
+
+def _untyped(sharding: NamedSharding) -> NamedSharding:
+    """``sharding`` on its mesh with Auto axes: the gathers index across the sharded batch axis, which an
+    Explicit mesh (``strategy="explicit"``) would make a sharding type error; same devices, same layout."""
+    return NamedSharding(devices.typed(sharding.mesh, explicit=False), sharding.spec)
