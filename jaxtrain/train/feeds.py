@@ -96,7 +96,8 @@ class DeviceFeed(HostFeed):
     def run(self, state, size: int, gather):
         """The call's batches gathered, then its steps: both the devices' work, none of it data wait (typed as
         the step takes them: ``explicit``'s mesh, where the gather ran on the same mesh untyped)."""
-        return super().run(state, size, jax.device_put(gather(), self._plan(size).batch))
+        batches, typed = gather(), self._plan(size).batch
+        return super().run(state, size, batches if typed == _untyped(typed) else jax.device_put(batches, typed))
 
     def _compiled(self, size: int, rows: jax.Array, epoch_number: jax.Array):
         if size not in self._programs:
@@ -117,7 +118,8 @@ class DeviceEval:
                                out_shardings=_untyped(self.plan.batch))  # a list: no index crosses from the host
 
     def epoch(self, epoch: int):
-        return iter(jax.device_put(self._gather(self.data), self.plan.batch))
+        batches, typed = self._gather(self.data), self.plan.batch
+        return iter(batches if typed == _untyped(typed) else jax.device_put(batches, typed))
 
 
 def _untyped(sharding: NamedSharding) -> NamedSharding:
