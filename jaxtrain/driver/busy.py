@@ -13,12 +13,12 @@ at most ``DEVICE_SHARE`` of the device's memory. A multi-process run takes proce
 from __future__ import annotations
 
 import math
-import time
 
 import jax
 import numpy as np
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.train.timing import median_seconds
 
 TARGET_SEC = 0.010  # device work per call: enough that a call's host part (dispatch, read, hooks) hides behind it
 PROBE = 8  # the steps of the call measured against a single step
@@ -46,14 +46,11 @@ def per_step_in_call(trainer, state, batch: dict, repeats: int = 3) -> float:
     state = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
 
     def timed(call, batches):
-        nonlocal state
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
+        def once():
+            nonlocal state
             state, metrics = call(state, batches)
             jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
-        return sorted(times[1:])[len(times[1:]) // 2]
+        return median_seconds(once, repeats)
 
     single, call = timed(trainer.step, one), timed(trainer.placed_steps, many)
     return max(call - single, 0.0) / (PROBE - 1)
