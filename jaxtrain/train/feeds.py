@@ -76,6 +76,8 @@ class DeviceFeed(HostFeed):
                 data, index, seed, epoch, self.augment), out_shardings=_untyped(plan.batch))
             for plan in (trainer.batch_plan, trainer.steps_plan)}
         self._programs = {}  # calls' steps -> the compiled gather
+        self._typed = {plan.steps_axis: None if plan.batch == _untyped(plan.batch) else plan.batch
+                       for plan in (trainer.batch_plan, trainer.steps_plan)}  # an Explicit mesh's: retype to it
 
     def guard(self):
         """Nothing: the split and the epoch's indices are on the devices already, so even an explicit copy from
@@ -96,8 +98,8 @@ class DeviceFeed(HostFeed):
     def run(self, state, size: int, gather):
         """The call's batches gathered, then its steps: both the devices' work, none of it data wait (typed as
         the step takes them: ``explicit``'s mesh, where the gather ran on the same mesh untyped)."""
-        batches, typed = gather(), self._plan(size).batch
-        return super().run(state, size, batches if typed == _untyped(typed) else jax.device_put(batches, typed))
+        batches, typed = gather(), self._typed[size > 1]
+        return super().run(state, size, batches if typed is None else jax.device_put(batches, typed))
 
     def _compiled(self, size: int, rows: jax.Array, epoch_number: jax.Array):
         if size not in self._programs:
