@@ -55,8 +55,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=positive_int, default=None, help="devices (default: all)")
     p.add_argument("--ks", type=steps_list, default="1,8,64,auto",
                    help="steps: the calls' steps to time, comma-separated")
-    p.add_argument("--batch-size", type=positive_int, default=None, help="steps: the global batch (the recipe's)")
-    p.add_argument("--calls", type=positive_int, default=20, help="steps: calls per timed block")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="the global batch (default: the recipe's); e2e: the runs' and their work measurement's")
+    p.add_argument("--calls", type=positive_int, default=20,
+                   help="steps: calls per timed block (e2e: its work measurement's)")
     p.add_argument("--epochs", type=positive_int, default=3, help="e2e: epochs per run (the first is not timed)")
     p.add_argument("--configs", type=configs_list, default="1:off,8:off,8:on",
                    help="e2e: K:DATA per run, comma-separated (the first is the baseline)")
@@ -118,15 +120,18 @@ def _child(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def end_to_end(model: str, devices: int | None, epochs: int, configs: list[str], repeats: int,
-               extra: list[str], say) -> dict:
-    """Each config's runs (interleaved), and the device's work per step measured first in a child process."""
+               extra: list[str], say, batch_size: int | None = None, calls: int = 20) -> dict:
+    """Each config's runs (interleaved), and the device's work per step measured first in a child process, at the
+    runs' batch (``batch_size``, default the recipe's) over ``calls`` calls."""
     if epochs < 2:
         raise ConfigError("--epochs must be at least 2: the first epoch compiles and is not timed")
     parsed = [tuple(config.split(":")) for config in configs]
     with tempfile.TemporaryDirectory() as tmp:
         work_json = Path(tmp) / "work.json"
-        _child(["-m", "experiments.bench_busy", "steps", "--model", model, "--ks", "1",
-                *(["--devices", str(devices)] if devices else []), "--json", str(work_json)])
+        batch = ["--batch-size", str(batch_size)] if batch_size else []
+        devices_flag = ["--devices", str(devices)] if devices else []
+        _child(["-m", "experiments.bench_busy", "steps", "--model", model, "--ks", "1", "--calls", str(calls),
+                *batch, *devices_flag, "--json", str(work_json)])
         work_ms = json.loads(work_json.read_text())["work_ms_per_step"]
         runs = {config: [] for config in configs}
         for repeat in range(repeats):
@@ -135,7 +140,7 @@ def end_to_end(model: str, devices: int | None, epochs: int, configs: list[str],
                 say(f"run {repeat + 1}/{repeats}: {config}")
                 _child(["-m", f"experiments.{model}", "--epochs", str(epochs), "--steps-per-call", k,
                         "--data-on-device", data, "--no-progress", "--out", str(out),
-                        *(["--devices", str(devices)] if devices else []), *extra])
+                        *batch, *devices_flag, *extra])
                 epochs_rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
                 summary = json.loads((out / "summary.json").read_text())
                 runs[config].append({"epochs": epochs_rows, "summary": summary})
@@ -151,7 +156,8 @@ def end_to_end(model: str, devices: int | None, epochs: int, configs: list[str],
                      "params_digest": sorted({r["summary"]["params_digest"] for r in runs[config]})})
     for row in rows:
         row["vs_first"] = row["sec_per_epoch"] / rows[0]["sec_per_epoch"]
-    return {"model": model, "devices": devices, "epochs": epochs, "extra": extra, "work_ms_per_step": work_ms,
+    return {"model": model, "devices": devices, "epochs": epochs, "batch_size": batch_size, "extra": extra,
+            "work_ms_per_step": work_ms,
             "rows": rows}
 
 
@@ -178,7 +184,7 @@ def main(argv=None) -> int:
         print(steps_table(result))
     else:
         result = end_to_end(args.model, args.devices, args.epochs, args.configs, args.repeats,
-                            extra, say)
+                            extra, say, args.batch_size, args.calls)
         print(e2e_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -225,14 +225,17 @@ def fashion_mnist_dir() -> list[str]:
 
 def part_e2e(args, say) -> dict:
     """LeNet's step per K, then each model end to end per config: ``experiments.bench_busy``, in children."""
+    # A rehearsal on a CPU: small batches and few calls (ResNet-18's recipe batch takes seconds a step there, and
+    # its work measurement alone runs ~60 steps); subsets of the data.
     dry = ["--train-subset", "512", "--test-subset", "256"] if args.dry_run else []
+    small = ["--batch-size", "32", "--calls", "2"] if args.dry_run else []
     env = {**os.environ, **on_gpu(args)}
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         runs = [("steps", ["steps", "--model", "lenet", "--ks", "1,8,64,auto",
                            *(["--calls", "2"] if args.dry_run else [])])]
         runs += [(model, ["e2e", "--model", model, "--devices", "1", "--repeats", "1", "--configs", E2E_CONFIGS,
-                          "--epochs", str(2 if args.dry_run else epochs), "--", *fashion_mnist_dir(), *dry])
+                          "--epochs", str(2 if args.dry_run else epochs), *small, "--", *fashion_mnist_dir(), *dry])
                  for model, epochs in E2E_EPOCHS.items()]
         for name, argv in runs:
             say(f"  {name}")
