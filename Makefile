@@ -98,7 +98,16 @@ cluster: onednn jpeg setup data
 	status=0; env $$(tools/cluster env) $(PY) -m pytest -m cluster $(CLUSTER_PYTEST_ARGS) tests/test_cluster.py \
 		|| status=$$?; tools/cluster down; exit $$status
 
-# The newest-JAX leg (docs/getting-started.md, "Tested versions"): LATEST_PYTEST_ARGS picks the tests.
+# The newest-JAX leg (docs/getting-started.md, "Tested versions"): LATEST_PYTEST_ARGS picks the tests; .ci/run gives
+# it LATEST_TESTS, the files whose subject is JAX's own behaviour (every strategy, sharding, precision,
+# accumulation, K steps a call and the data on the device against the reference; what differs between versions;
+# checkpoints, kernels, the loop), not slow. The whole suite on it, not slow, took 24 min cold here.
+LATEST_TESTS := tests/test_compat.py tests/test_step.py tests/test_sharding.py tests/test_explicit.py \
+	tests/test_hybrid.py tests/test_accumulate.py tests/test_precision.py tests/test_remat.py \
+	tests/test_pipeline_parallel.py tests/test_steps_per_call.py tests/test_calls.py tests/test_on_device.py \
+	tests/test_batch_stats.py tests/test_nnx.py tests/test_random.py tests/test_checkpoint.py tests/test_kernels.py \
+	tests/test_kernels_mosaic.py tests/test_onednn.py tests/test_tolerance.py tests/test_resnet.py \
+	tests/test_reference.py tests/test_devices.py tests/test_loop.py
 LATEST_PYTEST_ARGS ?= -n 2 --dist worksteal
 test-latest: data
 	bash tools/test-latest $(LATEST_PYTEST_ARGS)
