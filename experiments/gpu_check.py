@@ -86,6 +86,15 @@ def on_gpu(args) -> dict:
 DEVICES = "import jax, json; print(json.dumps([jax.default_backend(), [d.device_kind for d in jax.devices()]]))"
 
 
+def xla_flags_help(pattern: str = "command_buffer", env: dict | None = None) -> list[str]:
+    """The lines of ``XLA_FLAGS=--help`` (as this jaxlib and its GPU plugin print them, defaults included) that name
+    ``pattern``: the command-buffer (CUDA graph) flags' names and defaults move between jaxlib versions
+    (docs/gpu-busy.md), so the GPU's own list is recorded before any is set."""
+    env = {**(os.environ if env is None else env), "XLA_FLAGS": "--help"}
+    out = subprocess.run([sys.executable, "-c", DEVICES], capture_output=True, text=True, env=env)
+    return [" ".join(line.split()) for line in (out.stdout + out.stderr).splitlines() if pattern in line]
+
+
 @functools.cache  # one child process per check, not one per row
 def devices_seen() -> tuple[str, list[str]]:
     """The backend and the device kinds JAX finds, asked in a child process: this one never touches a GPU, since
@@ -115,7 +124,8 @@ def part_env(args) -> dict:
     return {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "cores": os.cpu_count(),
             "backend": backend,
             "devices": kinds, "packages": {n: version(n) for n in names},
-            "nvidia_smi": (smi.stdout.strip() if smi and smi.returncode == 0 else None)}
+            "nvidia_smi": (smi.stdout.strip() if smi and smi.returncode == 0 else None),
+            "xla_command_buffer_flags": xla_flags_help("command_buffer", {**os.environ, **on_gpu(args)})}
 
 
 def part_tests(args) -> dict:

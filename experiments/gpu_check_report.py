@@ -96,7 +96,8 @@ def markdown(parts: dict) -> str:
     if env:
         out += ["## Machine", "", f"- devices: {', '.join(env['devices'])} ({env['backend']})",
                 f"- nvidia-smi: {env['nvidia_smi']}", f"- Python {env['python']}, {env['cores']} cores",
-                "- packages: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v), ""]
+                "- packages: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v),
+                *[f"- XLA: `{line}`" for line in env.get("xla_command_buffer_flags", [])], ""]
     tests = parts.get("tests")
     if tests:
         out += ["## pytest -m gpu", "", f"`{tests['command']}`: {tests['passed']} passed, {tests['failed']} failed, "

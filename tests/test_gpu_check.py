@@ -28,6 +28,9 @@ def test_a_part_is_cached_until_asked_again_and_the_report_is_rewritten(tmp_path
     cached = tmp_path / "parts" / "env.json"
     env = json.loads(cached.read_text())
     assert env["dry_run"] is True and env["backend"] == "cpu" and env["packages"]["jax"]
+    # XLA's command-buffer flags as this jaxlib prints them (a GPU's plugin adds its own): names, types, defaults
+    assert env["xla_command_buffer_flags"] and all(
+        line.startswith("--xla_") and "command_buffer" in line for line in env["xla_command_buffer_flags"])
     assert "**DRY RUN**" in (tmp_path / "report.md").read_text()
     # A mark in the cached part (no clock): kept, and the report rewritten from it, until --again measures anew.
     cached.write_text(json.dumps({**env, "planted": True}))
