@@ -7,6 +7,8 @@ experiments take SIGINT / SIGTERM over before anything heavy is imported.
 
 import importlib
 
+__version__ = "0.2.0"  # CHANGELOG.md; pyproject.toml reads it
+
 _EXPORTS = {
     "DATA_AXIS": "jaxtrain.parallel.devices",
     "STRATEGIES": "jaxtrain.parallel.strategies",
