@@ -7,7 +7,7 @@ experiments take SIGINT / SIGTERM over before anything heavy is imported.
 
 import importlib
 
-__version__ = "0.2.0"  # CHANGELOG.md; pyproject.toml reads it
+from jaxtrain.version import __version__  # noqa: F401  (CHANGELOG.md)
 
 _EXPORTS = {
     "DATA_AXIS": "jaxtrain.parallel.devices",

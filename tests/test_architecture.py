@@ -44,7 +44,7 @@ GRAPH = {name: imports_in(path.read_text(), name, path.name == "__init__.py") fo
 
 # The floors, bottom to top (docs/architecture.md): a module imports from its own floor or the floors below it.
 FLOORS = [
-    ("ground", ["jaxtrain.errors", "jaxtrain.choices", "jaxtrain.settings"]),
+    ("ground", ["jaxtrain.errors", "jaxtrain.choices", "jaxtrain.settings", "jaxtrain.version"]),
     ("io", ["jaxtrain.io", "jaxtrain.io.*"]),
     ("core", ["jaxtrain.core", "jaxtrain.core.*"]),
     ("parallel", ["jaxtrain.parallel", "jaxtrain.parallel.*"]),
@@ -61,10 +61,11 @@ FLOORS = [
     ("sweep", ["jaxtrain.sweep", "jaxtrain.sweep.*"]),
     ("slurm", ["jaxtrain.slurm", "jaxtrain.slurm.*"]),
     ("launch", ["jaxtrain.launch"]),
+    ("commands", ["jaxtrain.__main__"]),  # the jaxtrain command: each subcommand one of the command lines below
 ]
 FACE = "jaxtrain"  # the public names, imported lazily: for users, never for the library itself
 # Command lines of their own: their messages are about their flags (the sweep's trials are runs' command lines).
-COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch",
+COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch", "jaxtrain.__main__",
                  *(m for m in MODULES if m.startswith(("jaxtrain.sweep", "jaxtrain.slurm")))}
 
 
@@ -132,8 +133,9 @@ def test_a_planted_import_is_caught(monkeypatch):
 
 
 def test_the_folders_are_the_layers():
-    """At most 6 modules directly in jaxtrain/; every module on one floor; the floors' folders all there."""
-    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    """At most 6 modules directly in jaxtrain/ (besides Python's own __init__ and __main__); every module on one
+    floor; the floors' folders all there."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert len(top) <= 6, top
     for name in set(MODULES) - {FACE}:
         floor(name)
@@ -176,7 +178,7 @@ def private_names_across_modules(path: Path) -> list[str]:
             for a in node.names:
                 if f"{node.module}.{a.name}" in MODULES:
                     modules.add(a.asname or a.name)
-                elif a.name.startswith("_"):
+                elif a.name.startswith("_") and not (a.name.startswith("__") and a.name.endswith("__")):
                     found.append(f"{path.name}:{node.lineno}: {node.module}.{a.name}")
         elif isinstance(node, ast.Import):
             modules.update(a.asname for a in node.names if a.asname and a.name in MODULES)

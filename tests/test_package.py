@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import needs_fashion_mnist, run_cli
 
 import jaxtrain
 
@@ -53,3 +54,32 @@ def test_the_wheel_says_its_version_and_license(wheel):
 
 def test_the_changelog_names_this_version():
     assert f"## {jaxtrain.__version__}" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_the_wheel_installs_the_jaxtrain_command(wheel):
+    (entry_points,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    assert "[console_scripts]\njaxtrain = jaxtrain.__main__:main" in wheel.read(entry_points).decode()
+
+
+def test_the_command_says_its_version_and_its_commands():
+    version = run_cli("-m", "jaxtrain", "--version")
+    assert version.returncode == 0 and version.stdout == f"jaxtrain {jaxtrain.__version__}\n", version.stderr
+    helped = run_cli("-m", "jaxtrain", "--help")
+    assert helped.returncode == 0 and all(f"  {c}" in helped.stdout for c in ("lenet", "resnet18", "vit", "train",
+                                                                              "sweep", "slurm"))
+    bare = run_cli("-m", "jaxtrain")
+    assert bare.returncode == 2 and bare.stderr.startswith("usage: jaxtrain COMMAND")
+    unknown = run_cli("-m", "jaxtrain", "lenett")
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1 and "unknown command 'lenett'" in unknown.stderr
+    flags = run_cli("-m", "jaxtrain", "lenet", "--devices", "0")  # the run's own parser, named as the command
+    assert flags.returncode == 2 and "jaxtrain lenet: error:" in flags.stderr, flags.stderr
+    assert run_cli("-m", "jaxtrain", "sweep", "--help").returncode == 0
+    assert run_cli("-m", "jaxtrain", "slurm", "--help").returncode == 0
+
+
+@needs_fashion_mnist
+def test_jaxtrain_lenet_trains_as_the_experiment_does(tmp_path):
+    run = run_cli("-m", "jaxtrain", "lenet", "--devices", "2", "--max-steps", "2", "--epochs", "1",
+                  "--train-subset", "512", "--test-subset", "256", "--no-progress", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "summary.json").is_file()
