@@ -57,6 +57,8 @@ def parser() -> argparse.ArgumentParser:
                    help="steps: the calls' steps to time, comma-separated")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="the global batch (default: the recipe's); e2e: the runs' and their work measurement's")
+    p.add_argument("--conv", default="auto", choices=("auto", "onednn", "xla"),
+                   help="steps: whose convolutions (auto: oneDNN's on a CPU where they build)")
     p.add_argument("--calls", type=positive_int, default=20,
                    help="steps: calls per timed block (e2e: its work measurement's)")
     p.add_argument("--epochs", type=positive_int, default=3, help="e2e: epochs per run (the first is not timed)")
@@ -67,7 +69,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: int | None, calls: int) -> dict:
+def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: int | None, calls: int,
+               conv: str = "auto") -> dict:
     """Seconds per step in calls of each K, and the device's work per step (``per_step_in_call``)."""
     import jax
     import optax
@@ -78,7 +81,7 @@ def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: 
 
     mesh = jt.make_mesh(jt.setup_devices(devices))
     platform = mesh.devices.flat[0].platform
-    model = models.get(model_name)
+    model = models.get(model_name, conv=conv)
     batch_size = batch_size or models.MODELS[model_name].batch_size
     trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.01), mesh=mesh)
     state = trainer.init(*jax.jit(model.init)(jax.random.key(0)))
@@ -98,12 +101,14 @@ def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: 
             jax.block_until_ready(metrics)
         per_step = (time.perf_counter() - start) / (calls * n)
         rows.append({"k": k, "steps_per_call": n, "ms_per_step": 1e3 * per_step, "over_work": per_step / work})
-    return {"model": model_name, "devices": mesh.devices.size, "batch_size": batch_size, "platform": platform,
+    return {"model": model_name, "conv": conv, "devices": mesh.devices.size, "batch_size": batch_size,
+            "platform": platform,
             "device_kind": mesh.devices.flat[0].device_kind, "work_ms_per_step": 1e3 * work, "rows": rows}
 
 
 def steps_table(result: dict) -> str:
-    lines = [f"{result['model']}, batch {result['batch_size']} on {result['devices']} {result['platform']} "
+    lines = [f"{result['model']} ({result['conv']} convolutions), batch {result['batch_size']} on "
+             f"{result['devices']} {result['platform']} "
              f"device(s) ({result['device_kind']}): the device's work {result['work_ms_per_step']:.3f} ms a step",
              f"{'K':>6} {'steps/call':>10} {'ms/step':>9} {'x work':>7}"]
     lines += [f"{r['k']:>6} {r['steps_per_call']:>10} {r['ms_per_step']:>9.3f} {r['over_work']:>7.2f}"
@@ -180,7 +185,7 @@ def main(argv=None) -> int:
         print(text, file=sys.stderr, flush=True)
 
     if args.what == "steps":
-        result = step_times(args.model, args.devices, args.ks, args.batch_size, args.calls)
+        result = step_times(args.model, args.devices, args.ks, args.batch_size, args.calls, args.conv)
         print(steps_table(result))
     else:
         result = end_to_end(args.model, args.devices, args.epochs, args.configs, args.repeats,
