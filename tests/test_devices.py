@@ -16,7 +16,8 @@ def test_setup_devices_matches_running_backend():
 
 
 def test_setup_devices_after_start_with_other_count_says_what_to_do():
-    with pytest.raises(jt.ConfigError, match=r"already started with 4 CPU devices.*JAX_NUM_CPU_DEVICES=2"):
+    with pytest.raises(jt.ConfigError, match=r"already started with 4 CPU devices.*in a notebook: restart the "
+                                             r"kernel.*JAX_NUM_CPU_DEVICES=2"):
         jt.setup_devices(2)
 
 

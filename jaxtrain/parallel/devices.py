@@ -103,7 +103,8 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
     if platform == "cpu" and len(devices) != n:
         raise ConfigError(
             f"JAX already started with {len(devices)} CPU devices, so {n} cannot be set up now: "
-            f"call jt.setup_devices({n}) before any other JAX call, or set JAX_NUM_CPU_DEVICES={n}"
+            f"call jt.setup_devices({n}) before any other JAX call (in a notebook: restart the kernel, then call "
+            f"it first), or set JAX_NUM_CPU_DEVICES={n}"
         )
     if n > len(devices):
         raise ConfigError(
