@@ -101,14 +101,17 @@ cluster: onednn jpeg setup data
 # The newest-JAX leg (docs/getting-started.md, "Tested versions"): LATEST_PYTEST_ARGS picks the tests; .ci/run gives
 # it LATEST_TESTS, the files whose subject is JAX's own behaviour (every strategy, sharding, precision,
 # accumulation, K steps a call and the data on the device against the reference; what differs between versions;
-# checkpoints, kernels, the loop), not slow: 17 min with a cold compile cache, where the whole suite, not slow, took
-# 24 (Intel Xeon with AVX-512, 2 cores, 2026-11-29).
+# checkpoints, kernels, the loop) and those of the other ranged dependencies (optax, grain, TFDS, qwix, optuna, the
+# trackers), not slow: 17 min with a cold compile cache before the second group was added, where the whole suite,
+# not slow, took 24 (Intel Xeon with AVX-512, 2 cores, 2026-11-29).
 LATEST_TESTS := tests/test_compat.py tests/test_step.py tests/test_sharding.py tests/test_explicit.py \
 	tests/test_hybrid.py tests/test_accumulate.py tests/test_precision.py tests/test_remat.py \
 	tests/test_pipeline_parallel.py tests/test_steps_per_call.py tests/test_calls.py tests/test_on_device.py \
 	tests/test_batch_stats.py tests/test_nnx.py tests/test_random.py tests/test_checkpoint.py tests/test_kernels.py \
 	tests/test_kernels_mosaic.py tests/test_onednn.py tests/test_tolerance.py tests/test_resnet.py \
-	tests/test_reference.py tests/test_devices.py tests/test_loop.py
+	tests/test_reference.py tests/test_devices.py tests/test_loop.py \
+	tests/test_optim.py tests/test_data.py tests/test_datasets.py tests/test_feeding.py tests/test_quantize.py \
+	tests/test_sweep.py tests/test_track.py
 LATEST_PYTEST_ARGS ?= -n 2 --dist worksteal
 test-latest: data
 	bash tools/test-latest $(LATEST_PYTEST_ARGS)
