@@ -16,6 +16,7 @@ child process (a GPU is held by one process at a time). Extra flags after ``--``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -59,6 +60,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the global batch (default: the recipe's); e2e: the runs' and their work measurement's")
     p.add_argument("--conv", default="auto", choices=("auto", "onednn", "xla"),
                    help="steps: whose convolutions (auto: oneDNN's on a CPU where they build)")
+    p.add_argument("--unroll", action="store_true",
+                   help="steps: lay a call's steps out straight (trainer.steps(..., unroll=True)), not in a loop")
     p.add_argument("--calls", type=positive_int, default=20,
                    help="steps: calls per timed block (e2e: its work measurement's)")
     p.add_argument("--epochs", type=positive_int, default=3, help="e2e: epochs per run (the first is not timed)")
@@ -70,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: int | None, calls: int,
-               conv: str = "auto") -> dict:
+               conv: str = "auto", unroll: bool = False) -> dict:
     """Seconds per step in calls of each K, and the device's work per step (``per_step_in_call``)."""
     import jax
     import optax
@@ -92,7 +95,7 @@ def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: 
         n = busy.steps_per_call("auto", platform, lambda: work)[0] if k == "auto" else int(k)
         placed = trainer.shard_steps(jax.tree.map(lambda x: x[None].repeat(n, 0), batch)) if n > 1 else \
             trainer.shard(batch)
-        call = trainer.placed_steps if n > 1 else trainer.step
+        call = functools.partial(trainer.placed_steps, unroll=unroll) if n > 1 else trainer.step
         state, metrics = call(state, placed)  # compiled, warm
         jax.block_until_ready(metrics)
         start = time.perf_counter()
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
         print(text, file=sys.stderr, flush=True)
 
     if args.what == "steps":
-        result = step_times(args.model, args.devices, args.ks, args.batch_size, args.calls, args.conv)
+        result = step_times(args.model, args.devices, args.ks, args.batch_size, args.calls, args.conv, args.unroll)
         print(steps_table(result))
     else:
         result = end_to_end(args.model, args.devices, args.epochs, args.configs, args.repeats,

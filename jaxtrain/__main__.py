@@ -14,9 +14,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from jaxtrain.cli import RUNS  # light: JAX is imported inside a run's main()
 from jaxtrain.version import __version__
 
-RECIPES = ("lenet", "resnet18", "vit")  # cli.RUNS' models: the recipes an experiments/ module runs
+RECIPES = tuple(model for model in RUNS.values() if model)  # the recipes an experiments/ module runs
 TOOLS = {"train": "any registered model (--model NAME)", "sweep": "a hyperparameter sweep (optuna)",
          "slurm": "a SLURM job script for a run"}
 
