@@ -123,10 +123,13 @@ CTRL_C_WHILE_A_WORKER_STARTS = '''import os, signal, sys
 from jaxtrain.cli import main
 
 if __name__ == "__mp_main__":  # a grain worker process, importing this module as it starts
-    n = 0  # this worker's number in the order they started: the first whose file is new
-    while os.path.exists(os.path.join(os.environ["STARTED"], str(n))):
-        n += 1
-    open(os.path.join(os.environ["STARTED"], str(n)), "x").close()
+    n = 0  # this worker's number in the order they started: the first file it creates (two start at once: "x" is
+    while True:  # atomic, so the one that loses a number takes the next)
+        try:
+            open(os.path.join(os.environ["STARTED"], str(n)), "x").close()
+            break
+        except FileExistsError:
+            n += 1
     if n == int(os.environ["CTRL_C_AT"]):
         os.killpg(0, signal.SIGINT)  # as a terminal's Ctrl-C: to every process of the group
 if __name__ == "__main__":
