@@ -8,7 +8,7 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 # (17:37 against 20:17 with the default scheduling, one run each here); --durations names the slowest tests.
 PYTEST_ARGS ?= -n 2 --dist worksteal --durations=20
 
-.PHONY: setup data onednn jpeg torch-venv demo test cluster test-latest test-gpu-compile gpu-bundle gpu-rehearse gpu-check docs clean help
+.PHONY: setup data onednn jpeg torch-venv demo test cluster test-latest test-gpu-compile gpu-bundle gpu-rehearse gpu-check wheel-check docs clean help
 
 help:
 	@echo "make demo   set up, then train the d2l LeNet on Fashion-MNIST on 2 devices (10 epochs)"
@@ -17,6 +17,7 @@ help:
 	@echo "make test-latest  the suite again on the newest Python >= 3.12 here with the newest JAX (.venv-latest)"
 	@echo "make test-gpu-compile  the gpu_compile tests: steps compiled for 8 H100s on this host (a cached ~5.6 GB venv)"
 	@echo "make gpu-bundle  fetch the wheels a GPU machine without a registry lacks (.gpu-bundle, ~16 MiB)"
+	@echo "make wheel-check  the wheel as users install it: built, installed alone (core, then [all]) and run outside the checkout"
 	@echo "make gpu-rehearse  gpu-check rehearsed here: the GPU image's versions, the bundle alone, the CPU backend"
 	@echo "make gpu-check   on a GPU machine: every GPU figure measured, beside the estimate (kept as docs/gpu-runs/DATE-GPU.json, .md)"
 	@echo "make docs   set up, then build the documentation site into docs/_build/html (warnings are errors)"
@@ -137,6 +138,10 @@ clean:
 	rm -rf $(VENV) .venv-latest runs .pytest_cache build *.egg-info docs/_build .gpu-bundle .gpu-site gpu-check-rehearsal
 
 # The day a GPU is available (docs/gpu.md): the wheels its image lacks, fetched here; the check, run there.
+# The wheel and the sdist built, the wheel installed alone into fresh venvs (core, then [all]; in
+# ~/.cache/jaxtrain/wheel-check) and used from outside the checkout (tools/wheel-check says what it checks).
+wheel-check: data jpeg onednn
+	bash tools/wheel-check
 gpu-bundle:
 	bash tools/gpu-bundle
 GPU_PYTHON ?= python3

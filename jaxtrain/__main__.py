@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from jaxtrain.cli import RUNS  # light: JAX is imported inside a run's main()
+from jaxtrain.errors import ConfigError
 from jaxtrain.version import __version__
 
 RECIPES = tuple(model for model in RUNS.values() if model)  # the recipes an experiments/ module runs
@@ -43,8 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(name if name in RECIPES else None, rest, prog=f"jaxtrain {name}")
     if name == "sweep":
-        from jaxtrain.sweep.command import main as sweep
-
+        try:
+            from jaxtrain.sweep.command import main as sweep
+        except ConfigError as e:  # its extra is not installed
+            print(f"jaxtrain sweep: error: {e}", file=sys.stderr)
+            return e.EXIT_CODE
         return sweep(rest)
     if name == "slurm":
         from jaxtrain.slurm.__main__ import main as slurm

@@ -1,4 +1,6 @@
-"""The one exception type for bad user input: the CLI prints it as one line."""
+"""The exception types for bad user input (the CLI prints each as one line), and the line for a missing extra."""
+
+import importlib
 
 
 class ConfigError(ValueError):
@@ -25,3 +27,41 @@ class Diverged(ConfigError):
         super().__init__(f"{what} at step {step}: training diverged (a learning rate too high for this model? "
                          "lower lr=; or labels outside the model's classes); stopped, nothing past the previous "
                          "checkpoint was saved" + (f"; {note}" if note else ""))
+
+
+# The optional packages (pyproject.toml's optional-dependencies): the module a feature imports -> the distribution
+# and the extra that installs it. `pip install jaxtrain` is the core: training, the built-in datasets, checkpoints.
+EXTRAS = {"PIL": ("Pillow", "images"), "matplotlib": ("matplotlib", "plots"),
+          "tensorboard": ("tensorboard", "tensorboard"), "qwix": ("qwix", "quantize"), "optuna": ("optuna", "sweep"),
+          "safetensors": ("safetensors", "pretrained"), "wandb": ("wandb", "wandb"),
+          "mlflow": ("mlflow-skinny", "mlflow")}
+
+
+class MissingExtra(ConfigError):
+    """A feature's optional package is not installed: the message says which extra installs it (exit 2)."""
+
+    def __init__(self, module: str, what: str):
+        self.package, self.extra = EXTRAS[module.split(".")[0]]
+        super().__init__(f"{what} needs {self.package}, which is not installed: pip install 'jaxtrain[{self.extra}]'")
+
+
+def need(module: str, what: str):
+    """``module`` imported (``"optuna"``, ``"PIL.Image"``), or a MissingExtra saying that ``what`` (the feature, as
+    the user asked for it) needs it. A package that is there but fails to import for another reason raises its own
+    error."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if e.name is not None and e.name.split(".")[0] != module.split(".")[0]:
+            raise
+        raise MissingExtra(module, what) from None
+
+
+def missing(module: str, what: str) -> str | None:
+    """None when ``module`` imports; else the line a run says as it goes on without ``what`` (a view of the run:
+    its curves, its TensorBoard events)."""
+    try:
+        need(module, what)
+    except MissingExtra as e:
+        return f"{what} left out: {e.package} is not installed (pip install 'jaxtrain[{e.extra}]')"
+    return None

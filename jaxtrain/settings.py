@@ -211,6 +211,11 @@ def cxx() -> str:
     return os.environ.get("CXX") or "g++"
 
 
+def include_path() -> list[str]:
+    """``$CPATH`` and ``$CPLUS_INCLUDE_PATH``: where else that compiler looks for headers."""
+    return [p for var in ("CPATH", "CPLUS_INCLUDE_PATH") for p in os.environ.get(var, "").split(":") if p]
+
+
 # What JAX's own cluster detection needs (jax._src.clusters: OmpiCluster, then SlurmCluster).
 OMPI_VARIABLES = ("OMPI_MCA_orte_hnp_uri",)  # Open MPI 4's ORTE; Open MPI 5 (PRRTE) sets none
 SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")  # srun's

@@ -9,6 +9,7 @@ onednn``: apt-get where it runs as root) and jaxtrain with its requirements, one
 FAIL where the library is not usable, and skip elsewhere (a machine may lack g++: conv=auto then says so)."""
 
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -292,6 +293,36 @@ def test_a_machine_without_a_compiler_is_told_what_to_install(monkeypatch, use_s
     with pytest.raises(onednn_build.Unusable, match="build failed: .*false exited 1: install g\\+\\+"):
         onednn.build()
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".build")] == []
+
+
+def test_a_machine_without_onednn_is_told_its_extra(monkeypatch, use_settings, tmp_path):
+    """Issue 68: oneDNN is the cpu-conv extra, not the core: a build that cannot find its header names it."""
+    use_settings(onednn_cache=tmp_path)
+    compiler = tmp_path / "no-dnnl-g++"
+    compiler.write_text("#!/bin/sh\necho 'fatal error: oneapi/dnnl/dnnl.hpp: No such file or directory' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    with pytest.raises(onednn_build.Unusable, match=r"dnnl\.hpp.*install oneDNN \(pip install 'jaxtrain\[cpu-conv\]'"):
+        onednn.build()
+
+
+def test_a_machine_without_onednn_installed_is_told_before_any_build(monkeypatch, use_settings, tmp_path):
+    """The core wheel without the cpu-conv extra: no header anywhere, so no compiler is run to find that out."""
+    use_settings(onednn_cache=tmp_path / "cache")
+    compiler, runs = _fake_compiler(tmp_path, "a library")
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(onednn_build, "SYSTEM_INCLUDES", (str(tmp_path / "usr"),))
+    monkeypatch.delenv("CPATH", raising=False)
+    monkeypatch.delenv("CPLUS_INCLUDE_PATH", raising=False)
+    with pytest.raises(onednn_build.Unusable) as e:
+        onednn.build()
+    assert e.value.cause == "oneDNN is not installed" and "pip install 'jaxtrain[cpu-conv]'" in e.value.fix
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "usr" / "oneapi" / "dnnl").mkdir(parents=True)  # where a system install puts it: a build is tried
+    (tmp_path / "usr" / "oneapi" / "dnnl" / "dnnl.hpp").touch()
+    onednn.build()
+    assert runs() == 1
 
 
 def _fake_compiler(tmp_path, output: str):

@@ -52,6 +52,18 @@ def test_the_wheel_says_its_version_and_license(wheel):
     assert re.fullmatch(r"\d+\.\d+\.\d+", jaxtrain.__version__)
 
 
+def test_the_core_requires_no_extra_and_every_extra_is_declared(wheel):
+    """Issue 68: `pip install jaxtrain` is the core; each optional feature's packages come with its extra."""
+    (metadata,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    lines = wheel.read(metadata).decode().splitlines()
+    core = {re.split(r"[<>=!~; \[]", line.split(": ", 1)[1])[0].lower().replace("_", "-") for line in lines
+            if line.startswith("Requires-Dist:") and "extra ==" not in line}
+    assert core == {"jax", "flax", "optax", "chex", "numpy", "tensorflow-datasets", "importlib-resources", "grain",
+                    "orbax-checkpoint", "tqdm"}, core
+    extras = {line.split(": ", 1)[1] for line in lines if line.startswith("Provides-Extra:")}
+    assert {"images", "plots", "tensorboard", "quantize", "sweep", "pretrained", "cpu-conv", "track", "all"} <= extras
+
+
 def test_the_changelog_names_this_version():
     assert f"## {jaxtrain.__version__}" in (ROOT / "CHANGELOG.md").read_text()
 

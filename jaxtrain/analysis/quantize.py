@@ -26,11 +26,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import qwix
-
 from jaxtrain.core import compat
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, need
 from jaxtrain.nn.int8 import INT8_OPS, int8_weight
+
+qwix = need("qwix", "int8 quantisation")
 
 MODELS = ("lenet", "resnet18")  # what ``quantize`` handles
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxtrain import settings
 from jaxtrain.data import jpeg
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, need
 
 JPEG_SUFFIXES = (".jpg", ".jpeg")
 EXTENSIONS = (*JPEG_SUFFIXES, ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm")
@@ -207,6 +207,7 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
     files left out of the index are said (one line per split)."""
     if on_bad not in ON_BAD:
         raise ConfigError(f"on_bad_image={on_bad!r}: use one of {', '.join(ON_BAD)}")
+    need("PIL.Image", "image folders (dataset=folder:PATH)")
     if not 1 <= size <= 4096:
         raise ConfigError(f"image_size={size}: give a side length in pixels, 1 to 4096")
     base = check_dir(root)

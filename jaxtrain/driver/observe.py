@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 
 from jaxtrain.driver.config import RunConfig, parse_steps
+from jaxtrain.errors import missing
 from jaxtrain.train.loop import Hook, Loop, evaluation
 
 
@@ -165,7 +166,11 @@ def watchers(config: RunConfig, out_dir: Path | None, say, evaluator=None, test_
              ) -> tuple[list[Hook], Profile | None, Events | None]:
     """The hooks that --log-every, --eval-every-steps, --profile, the TensorBoard events and ``tracker``
     (--track: jaxtrain.driver.track) ask for (files on process 0 only). The caller closes the events and the tracker."""
-    events = Events(out_dir, dataclasses.asdict(config)) if out_dir is not None else None
+    events = None
+    if out_dir is not None and (gone := missing("tensorboard", "TensorBoard events")):
+        say(f"note: {gone}")
+    elif out_dir is not None:
+        events = Events(out_dir, dataclasses.asdict(config))
     views = Views(v for v in (events, tracker) if v is not None) or None
     hooks = [epoch_scalars(views)] if views else []
     if config.log_every:

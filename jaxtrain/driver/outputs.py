@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, missing
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.io.files import atomic_write, ensure_room, ensure_writable, out_of_space, remove_stale_temps
 
@@ -77,6 +78,7 @@ class RunWriter:
         remove_stale_temps(out_dir)
         self.job = job and {"id": job["job_id"], "restart_count": job["restart_count"]}
         self.rows: list[dict] = self._carried(history) if resumed else [dict(h) for h in history]
+        self.no_plot, self._told = missing("matplotlib", "curves.png"), False  # said once, at the first epoch's end
         self._write(self.metrics_path, self._metrics_text())
 
     @property
@@ -131,6 +133,11 @@ class RunWriter:
 
     def plot(self) -> Path | None:
         if not self.epochs:
+            return None
+        if self.no_plot:
+            if not self._told:
+                print(f"note: {self.no_plot}", file=sys.stderr, flush=True)
+                self._told = True
             return None
         import matplotlib
 

@@ -149,7 +149,7 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
           f"{not_learning(history, first_loss, s.model.num_classes)}", flush=True)
     if writer is not None:
         writer.summary(summary)
-        s.say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl, curves.png")
+        s.say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl{'' if writer.no_plot else ', curves.png'}")
     if jax.process_count() > 1:  # every process vouches for the same result
         print(f"process {jax.process_index()}: params_digest {summary['params_digest']}", flush=True)
     return summary

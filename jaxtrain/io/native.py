@@ -51,7 +51,8 @@ class Native:
     """A library compiled from ``source``: ``short`` and ``what`` name it in messages; ``command(compiler, out)``
     is the build line; ``key()`` what else picks the build (versions, layout); ``cache`` the setting naming the
     cache directory; ``fix(first_error_line)`` what to install when the build fails; ``rebuild`` the command
-    that builds it by hand."""
+    that builds it by hand; ``absent()``: an Unusable before any compiler is tried (a library it links against is
+    not installed), or None."""
 
     short: str
     what: str
@@ -62,6 +63,7 @@ class Native:
     cache: str
     fix: Callable[[str], str]
     rebuild: str
+    absent: Callable[[], Unusable | None] = lambda: None
 
     def cache_dir(self) -> Path:
         return getattr(settings.current(), self.cache)
@@ -80,6 +82,8 @@ class Native:
         lib = self.cache_dir() / self.name()
         if rebuild is None and intact(lib):
             return lib
+        if (why := self.absent()) is not None:
+            raise why
         compiler = shutil.which(settings.cxx())
         if compiler is None:
             raise Unusable(f"no C++ compiler found ({settings.cxx()})", INSTALL_CXX)

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import jax
 
+from jaxtrain import settings
 from jaxtrain.io import native
 from jaxtrain.io.native import INSTALL_CXX, Unusable, intact, note  # noqa: F401  (the names they were here)
 
 SOURCE = Path(__file__).with_name("onednn_conv.cc")
 _LAYOUT = "2"  # in the key: libraries with a digest file beside them (older ones are left alone)
-INSTALL_DNNL = ("install oneDNN (pip install onednn-cpu-gomp onednn-devel-cpu-gomp, as jaxtrain's requirements do "
-                "on x86-64 Linux; or apt-get install libdnnl-dev)")
+INSTALL_DNNL = ("install oneDNN (pip install 'jaxtrain[cpu-conv]', on x86-64 Linux; or apt-get install "
+                "libdnnl-dev)")
 
 
 def expected() -> bool:
@@ -42,11 +43,23 @@ def _command(compiler: str, out: Path) -> list[str]:
             *flags, str(SOURCE), "-ldnnl", "-o", str(out)]
 
 
+SYSTEM_INCLUDES = ("/usr/include", "/usr/local/include")  # Debian's libdnnl-dev; a build from source
+
+
+def _not_installed() -> Unusable | None:
+    """oneDNN's header nowhere a compiler looks by default, nor where the cpu-conv extra puts it: not installed."""
+    places = [Path(sys.prefix) / "include", *map(Path, SYSTEM_INCLUDES),
+              *map(Path, settings.include_path())]
+    if any((place / "oneapi" / "dnnl" / "dnnl.hpp").exists() for place in places):
+        return None
+    return Unusable("oneDNN is not installed", INSTALL_DNNL)
+
+
 LIBRARY = native.Native(
     short="oneDNN", what="oneDNN's convolutions", prefix="conv", source=SOURCE, command=_command,
     key=lambda: f"{jax.__version__} {_LAYOUT}", cache="onednn_cache",
     fix=lambda error: INSTALL_DNNL if "dnnl" in error else f"{INSTALL_CXX}; {INSTALL_DNNL}",
-    rebuild="python -m jaxtrain.kernels.onednn")
+    rebuild="python -m jaxtrain.kernels.onednn", absent=_not_installed)
 build, load = LIBRARY.build, LIBRARY.load
 
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import qwix
+
+from jaxtrain.errors import need
+
+qwix = need("qwix", "int8 quantisation (quantize=int8)")
 
 
 def int8_weight(w: jax.Array) -> qwix.QArray:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, need
 
 TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 SUFFIXES = (".safetensors", *TORCH_SUFFIXES)
@@ -35,11 +35,12 @@ class Mismatch(Exception):
 def _need(package: str, why: str):
     import importlib
 
+    if package.startswith("safetensors"):
+        return need(package, why)
     try:
         return importlib.import_module(package)
     except ImportError:
-        raise ConfigError(f"{why} needs the {package.split('.')[0]} package: pip install "
-                          f"{'torch' if package == 'torch' else 'safetensors'}") from None
+        raise ConfigError(f"{why} needs the {package} package: pip install {package}") from None
 
 
 def _dtypes() -> dict:

@@ -28,9 +28,11 @@ import warnings
 from pathlib import Path
 
 from jaxtrain import settings
-from jaxtrain.errors import ConfigError
-from jaxtrain.sweep import study as S, trial_run as R, trials as T
-from jaxtrain.sweep.workers import Signals, Workers
+from jaxtrain.errors import ConfigError, need
+
+need("optuna", "jaxtrain sweep")  # before the modules that import it: one line, not a traceback
+from jaxtrain.sweep import study as S, trial_run as R, trials as T  # noqa: E402
+from jaxtrain.sweep.workers import Signals, Workers  # noqa: E402
 
 
 def slots(parallel: int) -> list[dict]:
