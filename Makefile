@@ -52,7 +52,7 @@ data:
 	fi
 
 # oneDNN's convolutions for CPUs (jaxtrain.kernels.onednn; conv="auto" uses them where they build): oneDNN comes
-# with jaxtrain (pip: onednn-cpu-gomp); they are compiled on first use with g++. Without g++ the models keep
+# with jaxtrain's cpu-conv extra (pip: onednn-cpu-gomp; make setup installs it); they are compiled on first use with g++. Without g++ the models keep
 # XLA's convolutions.
 onednn:
 	@if command -v g++ >/dev/null; then \

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from jaxtrain.cli import make_parser, one_line_errors, positive_int, whole_numbers
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, need
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,6 +84,8 @@ def _check(args: dict, settings: dict) -> None:
     RunConfig(devices=args["gpus"] * args["hosts"], **settings)  # each setting's own check (--batch-size 0, ...)
     if args["plot"] and not args["scaling"]:
         raise ConfigError("--plot draws a --scaling run: add --scaling 1,2,4,8")
+    if args["plot"]:
+        need("matplotlib.pyplot", "--plot")
     if args["json"]:
         path = Path(args["json"])
         folder = path.absolute().parent

@@ -51,8 +51,8 @@ def need(module: str, what: str):
     error."""
     try:
         return importlib.import_module(module)
-    except ImportError as e:
-        if e.name is not None and e.name.split(".")[0] != module.split(".")[0]:
+    except ModuleNotFoundError as e:
+        if e.name != module.split(".")[0]:  # a module of the package, or one it needs: a broken install
             raise
         raise MissingExtra(module, what) from None
 

@@ -15,10 +15,16 @@ def test_setup_devices_matches_running_backend():
     assert len(jt.setup_devices()) == 4
 
 
-def test_setup_devices_after_start_with_other_count_says_what_to_do():
+def test_setup_devices_after_start_with_fewer_says_what_to_do():
     with pytest.raises(jt.ConfigError, match=r"already started with 4 CPU devices.*in a notebook: restart the "
-                                             r"kernel.*JAX_NUM_CPU_DEVICES=2"):
-        jt.setup_devices(2)
+                                             r"kernel.*JAX_NUM_CPU_DEVICES=8"):
+        jt.setup_devices(8)
+
+
+def test_setup_devices_after_start_with_more_takes_the_first_saying_so(caplog):
+    """A notebook's d2l lesson: 2 devices set up, then a 1-device run beside a 2-device one, as on GPUs."""
+    assert jt.setup_devices(2) == jax.devices()[:2]
+    assert "using the first 2 of the 4 CPU devices JAX started with" in caplog.text
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5])

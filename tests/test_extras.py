@@ -53,7 +53,8 @@ def test_every_extra_named_in_the_messages_is_one_pyproject_declares():
     (everything,) = extras["all"]  # jaxtrain[images,plots,...]: every extra but the GPUs', the tests' and the docs'
     assert everything.startswith("jaxtrain[") and everything.endswith("]")
     named = set(everything[len("jaxtrain["):-1].split(","))
-    assert {"images", "plots", "tensorboard", "quantize", "sweep", "pretrained", "cpu-conv", "track"} == named
+    assert {"images", "plots", "tensorboard", "quantize", "sweep", "pretrained", "cpu-conv", "track",
+            "notebook"} == named
     assert {extra for _, extra in EXTRAS.values()} <= named | set(extras["track"][0][len("jaxtrain["):-1].split(","))
     assert "jaxtrain[all]" in extras["test"]  # make test installs everything
 
@@ -70,14 +71,18 @@ def test_need_says_the_feature_the_package_and_its_extra(monkeypatch):
     assert missing("json", "anything") is None
 
 
-def test_a_package_there_but_broken_raises_its_own_error(monkeypatch):
-    """Only the package's own absence is a missing extra: one of its dependencies missing is its own error."""
-    monkeypatch.setitem(sys.modules, "kiwisolver", None)
-    monkeypatch.delitem(sys.modules, "matplotlib.pyplot", raising=False)
-    monkeypatch.delitem(sys.modules, "matplotlib", raising=False)
-    with pytest.raises(ImportError) as e:
-        need("matplotlib.pyplot", "curves.png")
-    assert not isinstance(e.value, MissingExtra)
+def test_a_package_there_but_broken_raises_its_own_error(monkeypatch, tmp_path):
+    """Only the package's own absence is a missing extra: a module it needs, or one of its own, missing is a
+    broken install, said as itself."""
+    for name, body in (("optuna", "import no_such_dependency\n"), ("wandb", "import wandb._no_such_part\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for module in ("optuna", "wandb"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+        with pytest.raises(ImportError) as e:
+            need(module, "the feature")
+        assert not isinstance(e.value, MissingExtra) and e.value.name not in (None, module), e.value
 
 
 @needs_fashion_mnist
@@ -101,7 +106,7 @@ def test_a_run_with_the_core_alone_trains_and_says_what_it_left_out(without, tmp
         f == "curves.png" or f.startswith("events.out.tfevents") for f in files), files
 
 
-@pytest.mark.parametrize("extra, hidden, args, line", [
+@pytest.mark.parametrize("extra, hidden, args, line", [  # each command's error: exit 2
     ("images", "PIL", ["-m", "jaxtrain", "lenet", "--dataset", "folder:."],
      "jaxtrain lenet: error: image folders (--dataset folder:PATH) needs Pillow, which is not installed: pip "
      "install 'jaxtrain[images]'"),
@@ -119,6 +124,8 @@ def test_a_run_with_the_core_alone_trains_and_says_what_it_left_out(without, tmp
      "error: writing w.safetensors needs safetensors, which is not installed: pip install 'jaxtrain[pretrained]'"),
 ])
 def test_a_feature_whose_extra_is_missing_says_what_to_install(without, extra, hidden, args, line):
+    """Its error is the last line (a note may come before it: e.g. oneDNN's convolutions left out on a machine
+    without them), and no traceback."""
     run = without(hidden, *args)
-    assert run.returncode in (1, 2), (run.returncode, run.stderr[-3000:])
-    assert run.stderr.strip().splitlines() == [line], run.stderr[-3000:]
+    assert run.returncode == (1 if args[0] == "-c" else 2), (run.returncode, run.stderr[-3000:])  # -c: SystemExit
+    assert run.stderr.strip().splitlines()[-1] == line and "Traceback" not in run.stderr, run.stderr[-3000:]

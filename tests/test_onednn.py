@@ -4,7 +4,7 @@ every strategy equal to the independent 1-device reference step with XLA's convo
 compiler, a damaged or unwritable cache) said in one line, never a silent fallback.
 
 The tests marked ``usable`` need the library. CI's ``.ci/run`` runs ``make test``, which installs g++ (``make
-onednn``: apt-get where it runs as root) and jaxtrain with its requirements, oneDNN 3.2 from pip among them
+onednn``: apt-get where it runs as root) and jaxtrain with all its extras, oneDNN 3.2 from pip among them (cpu-conv)
 (``onednn-cpu-gomp``, ``onednn-devel-cpu-gomp``, on x86-64 Linux); so under ``CI=true`` on x86-64 Linux those tests
 FAIL where the library is not usable, and skip elsewhere (a machine may lack g++: conv=auto then says so)."""
 
@@ -35,6 +35,16 @@ from jaxtrain.driver.config import RunConfig
 from jaxtrain.driver.report import conv_path
 
 NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+NOT_INSTALLED = onednn_build._not_installed  # the pre-check a machine's headers decide
+
+
+@pytest.fixture(autouse=True)
+def headers_anywhere(monkeypatch):
+    """The tests of builds (a fake compiler, a missing one) mean the build itself: not the pre-check that a
+    machine without oneDNN's headers would stop them at (tested on its own below)."""
+    monkeypatch.setattr(onednn_build, "_not_installed", lambda: None)
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +321,7 @@ def test_a_machine_without_onednn_installed_is_told_before_any_build(monkeypatch
     use_settings(onednn_cache=tmp_path / "cache")
     compiler, runs = _fake_compiler(tmp_path, "a library")
     monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setattr(onednn_build, "_not_installed", NOT_INSTALLED)
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
     monkeypatch.setattr(onednn_build, "SYSTEM_INCLUDES", (str(tmp_path / "usr"),))
     monkeypatch.delenv("CPATH", raising=False)

@@ -61,7 +61,8 @@ def test_the_core_requires_no_extra_and_every_extra_is_declared(wheel):
     assert core == {"jax", "flax", "optax", "chex", "numpy", "tensorflow-datasets", "importlib-resources", "grain",
                     "orbax-checkpoint", "tqdm"}, core
     extras = {line.split(": ", 1)[1] for line in lines if line.startswith("Provides-Extra:")}
-    assert {"images", "plots", "tensorboard", "quantize", "sweep", "pretrained", "cpu-conv", "track", "all"} <= extras
+    assert {"images", "plots", "tensorboard", "quantize", "sweep", "pretrained", "cpu-conv", "track", "notebook",
+            "all"} <= extras
 
 
 def test_the_changelog_names_this_version():

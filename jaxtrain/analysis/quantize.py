@@ -28,9 +28,8 @@ import jax
 import jax.numpy as jnp
 from jaxtrain.core import compat
 from jaxtrain.errors import ConfigError, need
-from jaxtrain.nn.int8 import INT8_OPS, int8_weight
-
-qwix = need("qwix", "int8 quantisation")
+qwix = need("qwix", "int8 quantisation")  # before jaxtrain.nn.int8, which needs it too
+from jaxtrain.nn.int8 import INT8_OPS, int8_weight  # noqa: E402
 
 MODELS = ("lenet", "resnet18")  # what ``quantize`` handles
 

@@ -139,7 +139,7 @@ def _opens(path: Path) -> str | None:
 
 def _index(root: Path, listing) -> dict:
     """Open each listed file's header; the index as JSON-able lists."""
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
 
     good, bad = [], []
     bar = tqdm(listing, desc=f"indexing {root.name}", unit="file", disable=None, leave=False)

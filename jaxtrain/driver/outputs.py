@@ -139,30 +139,34 @@ class RunWriter:
                 print(f"note: {self.no_plot}", file=sys.stderr, flush=True)
                 self._told = True
             return None
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        ep = [r["epoch"] for r in self.epochs]
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-        ax1.plot(ep, [r["train_loss"] for r in self.epochs], "o-", label="train loss")
-        ax1.plot(ep, [r["test_loss"] for r in self.epochs], "s--", label="test loss")
-        ax2.plot(ep, [r["train_acc"] for r in self.epochs], "o-", label="train acc")
-        ax2.plot(ep, [r["test_acc"] for r in self.epochs], "s--", label="test acc")
-        for ax, title in ((ax1, "loss"), (ax2, "accuracy")):
-            ax.set_xlabel("epoch")
-            ax.set_title(title)
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.tight_layout()
-        import io
-
-        path, png = self.out_dir / "curves.png", io.BytesIO()
-        fig.savefig(png, dpi=100, format="png")
-        plt.close(fig)
-        self._write(path, png.getvalue())
+        path = self.out_dir / "curves.png"
+        self._write(path, curves_png(self.epochs))
         return path
+
+
+def curves_png(epochs: list[dict]) -> bytes:
+    """The loss and accuracy curves of ``epochs`` (metrics.jsonl's rows) as a PNG. Drawn on a Figure of its own,
+    not through pyplot: a notebook's backend and figures are left as they were."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    ep = [r["epoch"] for r in epochs]
+    fig = Figure(figsize=(9, 3.5))
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.plot(ep, [r["train_loss"] for r in epochs], "o-", label="train loss")
+    ax1.plot(ep, [r["test_loss"] for r in epochs], "s--", label="test loss")
+    ax2.plot(ep, [r["train_acc"] for r in epochs], "o-", label="train acc")
+    ax2.plot(ep, [r["test_acc"] for r in epochs], "s--", label="test acc")
+    for ax, title in ((ax1, "loss"), (ax2, "accuracy")):
+        ax.set_xlabel("epoch")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, dpi=100, format="png")
+    return png.getvalue()
 
 
 def _rows(path: Path) -> list[dict]:

@@ -24,12 +24,12 @@ from jaxtrain.errors import Diverged
 from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import hosts
 from jaxtrain.settings import slurm_job
-from jaxtrain.driver import busy, distill, export, observe, requeue, track
+from jaxtrain.driver import busy, distill, export, notebook, observe, requeue, track
 from jaxtrain.driver.config import RunConfig
 from jaxtrain.driver.outputs import RunWriter, claim_out_dir
 from jaxtrain.driver.report import (conv_path, describe, not_learning, run_summary, utilisation_words,
                                     wait_words)
-from jaxtrain.driver.signals import StopOnSignal, StopVote
+from jaxtrain.driver.signals import Exit, StopOnSignal, StopVote
 from jaxtrain.driver.prepare import (Finished, Setup, build, initial_state, load_data, open_checkpoints, run_settings,
                                     setup_devices, validate)
 from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
@@ -80,7 +80,9 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
 
     steps_per_call, on_device = keep_busy(s, state, data["train"], train_data)
     watching, profile, events = observe.watchers(c, writer and writer.out_dir, say, s.evaluator, test_data, tracker)
-    hooks = [*watching, *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
+    live = notebook.live_curves() if writer is not None else None  # process 0's, in a notebook
+    hooks = [*watching, *([live] if live else []),
+             *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
              Hook(lambda loop: s.last.update(loop.recent), unit="epoch"),  # the last step's metrics
              *([Hook(memory_after_first_step, cuts=False)] if c.memory_report else [])]
     try:
@@ -89,7 +91,8 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
             profile.begin()
         state, history, first_loss = fit(
             s.trainer, state, train_data, s.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,
-            hooks=hooks, on_epoch=on_epoch, progress=False if c.no_progress or writer is None else None,
+            hooks=hooks, on_epoch=on_epoch,
+            progress=False if c.no_progress or writer is None else True if notebook.active() else None,
             prefetch=c.prefetch, position=position, eval_every=c.eval_every, pause=stop.busy,
             steps_per_call=steps_per_call, data_on_device=on_device)
     except Interrupted as e:
@@ -157,9 +160,20 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
 
 def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = str) -> dict:
     """Train as ``config`` says; print progress; write the run's files; return the summary. ``words``: how the
-    printed lines say a parameter (the command line: as its flag)."""
+    printed lines say a parameter (the command line: as its flag). ``stop``: the command's signal handling; without
+    it (the Python API, a notebook) a Ctrl-C during training checkpoints and stops, says where its checkpoint is,
+    and raises KeyboardInterrupt."""
+    if stop is not None:
+        return _run(config, stop, words)
+    with StopOnSignal().interrupts() as stop:
+        try:
+            return _run(config, stop, words)
+        except Exit:
+            raise KeyboardInterrupt("training stopped (the line above says what was saved)") from None
+
+
+def _run(config: RunConfig, stop: StopOnSignal, words: Callable) -> dict:
     s, c = setup_devices(config, words), config  # first: the device count is set before anything starts JAX's backend
-    stop = stop or StopOnSignal()
     stop.vote = StopVote(s.devices) if jax.process_count() > 1 else None
     if stop.vote and c.stall_timeout:
         stop.watch_stalls(c.stall_timeout, f"process {jax.process_index()} on {hosts.host_of(jax.process_index())}")

@@ -199,6 +199,26 @@ class StopOnSignal:
         threading.Thread(target=self._watch, args=(read_fd,), daemon=True, name="jaxtrain-signals").start()
         return self
 
+    @contextlib.contextmanager
+    def interrupts(self):
+        """The Python API (a script's or a notebook cell's ``jt.run``): during training a first Ctrl-C (a kernel's
+        interrupt) asks the loop to checkpoint and stop as a signal does; a second, or one outside training,
+        is Python's KeyboardInterrupt. Never an exit: the interpreter (a notebook's kernel) lives on."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+
+        def on_sigint(signum, frame):
+            if not self._training or self.signum:
+                raise KeyboardInterrupt
+            self.signum = signum
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
     def reinstall(self) -> None:
         """Take SIGTERM / SIGINT back (jax.distributed's preemption notifier takes SIGTERM when it starts)."""
         if self._pipe is not None:

@@ -11,7 +11,7 @@ unchanged on a GPU (``lax.platform_dependent``: GPU lowering never sees the CPU 
 The library is compiled on first use (g++, seconds; ``onednn_build``: the cache, its digests, what goes wrong);
 ``python -m jaxtrain.kernels.onednn`` builds it and says whether it is usable (exit 1 and why where it is not).
 Without a compiler or oneDNN, ``available()`` is False and ``reason()`` says why: ``conv="auto"`` then keeps XLA's
-convolutions, with one warning line on x86-64 Linux (where jaxtrain's requirements bring oneDNN); ``path`` says
+convolutions, with one warning line on x86-64 Linux (where jaxtrain's cpu-conv extra brings oneDNN); ``path`` says
 which convolutions a run takes, and why, for its first line and summary.json.
 """
 

@@ -2,7 +2,7 @@
 
 One library per source, jaxlib and oneDNN: ``$JAXTRAIN_ONEDNN_CACHE/conv-KEY.so`` (default
 ``~/.cache/jaxtrain/onednn``), compiled with g++ (``$CXX``) against the pip-installed oneDNN 3.2
-(``onednn-cpu-gomp``, a requirement on x86-64 Linux) or else the system's (Debian's ``libdnnl-dev``, 2.6); the
+(``onednn-cpu-gomp``, the ``cpu-conv`` extra on x86-64 Linux) or else the system's (Debian's ``libdnnl-dev``, 2.6); the
 cache, its digests and what goes wrong are ``jaxtrain.io.native``'s.
 """
 
@@ -25,7 +25,7 @@ INSTALL_DNNL = ("install oneDNN (pip install 'jaxtrain[cpu-conv]', on x86-64 Lin
 
 
 def expected() -> bool:
-    """Whether oneDNN's convolutions are expected to build here: x86-64 Linux, where jaxtrain's requirements
+    """Whether oneDNN's convolutions are expected to build here: x86-64 Linux, where jaxtrain's cpu-conv extra
     bring oneDNN (elsewhere the system's oneDNN may still do)."""
     return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
@@ -59,7 +59,7 @@ LIBRARY = native.Native(
     short="oneDNN", what="oneDNN's convolutions", prefix="conv", source=SOURCE, command=_command,
     key=lambda: f"{jax.__version__} {_LAYOUT}", cache="onednn_cache",
     fix=lambda error: INSTALL_DNNL if "dnnl" in error else f"{INSTALL_CXX}; {INSTALL_DNNL}",
-    rebuild="python -m jaxtrain.kernels.onednn", absent=_not_installed)
+    rebuild="python -m jaxtrain.kernels.onednn", absent=lambda: _not_installed())
 build, load = LIBRARY.build, LIBRARY.load
 
 

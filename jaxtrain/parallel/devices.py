@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -12,6 +13,8 @@ from jaxtrain import settings
 from jaxtrain.core import compat
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import host_memory, hosts, processes
+
+log = logging.getLogger(__name__)
 
 # The mesh axis names; every module imports them from here.
 DATA_AXIS = "data"  # the batch is sharded over it (and replicated over every other axis)
@@ -100,12 +103,15 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
     platform = devices[0].platform
     if n is None:
         return devices
-    if platform == "cpu" and len(devices) != n:
+    if platform == "cpu" and len(devices) < n:
         raise ConfigError(
             f"JAX already started with {len(devices)} CPU devices, so {n} cannot be set up now: "
             f"call jt.setup_devices({n}) before any other JAX call (in a notebook: restart the kernel, then call "
             f"it first), or set JAX_NUM_CPU_DEVICES={n}"
         )
+    if platform == "cpu" and len(devices) > n:  # a notebook's 1-device run after its 2-device set-up, as on GPUs
+        log.warning("using the first %d of the %d CPU devices JAX started with (they share the cores: a step's time "
+                    "is not that of a %d-device start)", n, len(devices), n)
     if n > len(devices):
         raise ConfigError(
             f"devices={n} asked for, but only {len(devices)} {platform.upper()} device(s) exist; "

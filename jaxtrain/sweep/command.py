@@ -31,6 +31,7 @@ from jaxtrain import settings
 from jaxtrain.errors import ConfigError, need
 
 need("optuna", "jaxtrain sweep")  # before the modules that import it: one line, not a traceback
+need("matplotlib.pyplot", "jaxtrain sweep's report")  # in the same extra: only a hand-made install lacks it
 from jaxtrain.sweep import study as S, trial_run as R, trials as T  # noqa: E402
 from jaxtrain.sweep.workers import Signals, Workers  # noqa: E402
 

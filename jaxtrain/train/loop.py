@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
-from tqdm import tqdm
+from tqdm.auto import tqdm  # a notebook's widget where ipywidgets is installed, else text
 
 from jaxtrain.choices import LABELS_OUT_OF_RANGE
 from jaxtrain.core.precision import all_finite
