@@ -3,6 +3,7 @@
     jaxtrain lenet --devices 2       # the d2l LeNet on Fashion-MNIST (as python -m experiments.lenet)
     jaxtrain resnet18 | vit ...      # the other recipes; jaxtrain train --model NAME: any registered model
     jaxtrain sweep ... | slurm ...   # python -m jaxtrain.sweep / jaxtrain.slurm
+    jaxtrain gpu-plan ...            # python -m jaxtrain.gpu (experiments.gpu_plan)
     jaxtrain --version
 
 Each command's own ``--help`` lists its flags. Nothing heavy is imported before the command is known: a
@@ -20,7 +21,8 @@ from jaxtrain.version import __version__
 
 RECIPES = tuple(model for model in RUNS.values() if model)  # the recipes an experiments/ module runs
 TOOLS = {"train": "any registered model (--model NAME)", "sweep": "a hyperparameter sweep (optuna)",
-         "slurm": "a SLURM job script for a run"}
+         "slurm": "a SLURM job script for a run",
+         "gpu-plan": "a run's memory, fit and step time on GPUs, compiled here (the gpu-compile extra)"}
 
 
 def usage() -> str:
@@ -49,11 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:  # its extra is not installed
             print(f"jaxtrain sweep: error: {e}", file=sys.stderr)
             return e.EXIT_CODE
-        return sweep(rest)
+        return sweep(rest, prog="jaxtrain sweep")
     if name == "slurm":
         from jaxtrain.slurm.__main__ import main as slurm
 
-        return slurm(rest)
+        return slurm(rest, prog="jaxtrain slurm")
+    if name == "gpu-plan":
+        from jaxtrain.gpu.__main__ import main as plan
+
+        return plan(rest, prog="jaxtrain gpu-plan")
     print(f"jaxtrain: error: unknown command {name!r}: give one of {', '.join([*RECIPES, *TOOLS])} "
           "(jaxtrain --help)", file=sys.stderr)
     return 2

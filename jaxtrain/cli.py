@@ -124,7 +124,8 @@ def library_log(flags: dict[str, str] | None = None):
 
 
 def one_line_errors(prog: str, flags: dict[str, str] | None = None):
-    """Decorator of a command's ``main(argv)``: a ConfigError becomes ``prog: error: ...`` on stderr (its
+    """Decorator of a command's ``main(argv)``: a ConfigError becomes ``prog: error: ...`` on stderr (``prog``: or
+    the one ``main`` is called with; its
     parameters said as flags: ``as_flags``), exit with its ``EXIT_CODE`` (2; a Diverged run: 3); the library's
     log lines are said as flags too (``library_log``)."""
 
@@ -135,7 +136,7 @@ def one_line_errors(prog: str, flags: dict[str, str] | None = None):
                 with library_log(flags):
                     return main(argv, **kwargs)
             except ConfigError as e:
-                print(f"{prog}: error: {as_flags(str(e), flags)}", file=sys.stderr)
+                print(f"{kwargs.get('prog') or prog}: error: {as_flags(str(e), flags)}", file=sys.stderr)
                 return e.EXIT_CODE
 
         return run

@@ -62,10 +62,10 @@ FLOORS = [
     ("slurm", ["jaxtrain.slurm", "jaxtrain.slurm.*"]),
     ("launch", ["jaxtrain.launch"]),
     ("commands", ["jaxtrain.__main__"]),  # the jaxtrain command: each subcommand one of the command lines below
-]
+]  # and every package's __main__ (python -m jaxtrain.gpu: jaxtrain gpu-plan) is a command line on the top floor
 FACE = "jaxtrain"  # the public names, imported lazily: for users, never for the library itself
 # Command lines of their own: their messages are about their flags (the sweep's trials are runs' command lines).
-COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch", "jaxtrain.__main__",
+COMMAND_LINES = {"jaxtrain.cli", "jaxtrain.launch", *(m for m in MODULES if m.endswith(".__main__")),
                  *(m for m in MODULES if m.startswith(("jaxtrain.sweep", "jaxtrain.slurm")))}
 
 
@@ -74,6 +74,8 @@ def matches(name: str, patterns) -> bool:
 
 
 def floor(name: str) -> int:
+    if name.endswith(".__main__"):  # run, never imported by the library: a command line on the top floor
+        return len(FLOORS) - 1
     found = [i for i, (_, patterns) in enumerate(FLOORS) if matches(name, patterns)]
     assert len(found) == 1, f"{name} is on {len(found)} floors: put it in one folder of FLOORS"
     return found[0]
@@ -275,7 +277,7 @@ def test_every_public_name_and_command_still_answers():
         assert not missing, (face.__name__, missing)
     shadowed = [n for n, home in jt._EXPORTS.items() if getattr(jt, n) is not getattr(importlib.import_module(home), n)]
     assert not shadowed, shadowed  # e.g. jt.run, the function, not a subpackage called run
-    for command in ("jaxtrain.cli", "jaxtrain.launch", "jaxtrain.sweep", "jaxtrain.slurm"):
+    for command in ("jaxtrain", "jaxtrain.cli", "jaxtrain.launch", "jaxtrain.sweep", "jaxtrain.slurm", "jaxtrain.gpu"):
         out = subprocess.run([sys.executable, "-m", command, "--help"], capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0 and "usage:" in out.stdout, (command, out.stderr[-500:])
     for path in sorted((ROOT / "experiments").glob("*.py")):

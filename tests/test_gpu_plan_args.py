@@ -1,17 +1,20 @@
-"""experiments.gpu_plan checks its arguments before anything else, the CUDA plugin included: a mistake is said as
-itself whether or not the gpu-compile extra is installed (here it is not, in the suite's main venv)."""
+"""jaxtrain gpu-plan (python -m experiments.gpu_plan) checks its arguments before anything else, the CUDA plugin
+included: a mistake is said as itself whether or not the gpu-compile extra is installed (here it is not, in the
+suite's main venv)."""
 
 import pytest
 
-from experiments import gpu_plan
+from conftest import run_cli
+
+from jaxtrain.gpu import __main__ as gpu_plan
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--batch-size", "0"], "gpu_plan: error: --batch-size 0: expected a number >= 1"),
-    (["--plot", "x.png"], "gpu_plan: error: --plot draws a --scaling run: add --scaling 1,2,4,8"),
-    (["--json", "/nonexistent-folder/plan.json"], "gpu_plan: error: --json /nonexistent-folder/plan.json: cannot "
-                                                   "write in /nonexistent-folder (no such directory)"),
-    (["--json", "."], "gpu_plan: error: --json . is a directory"),
+    (["--batch-size", "0"], "jaxtrain gpu-plan: error: --batch-size 0: expected a number >= 1"),
+    (["--plot", "x.png"], "jaxtrain gpu-plan: error: --plot draws a --scaling run: add --scaling 1,2,4,8"),
+    (["--json", "/nonexistent-folder/plan.json"], "jaxtrain gpu-plan: error: --json /nonexistent-folder/plan.json: "
+                                                   "cannot write in /nonexistent-folder (no such directory)"),
+    (["--json", "."], "jaxtrain gpu-plan: error: --json . is a directory"),
 ])
 def test_bad_arguments_are_said_before_the_plugin_check(capsys, argv, says):
     assert gpu_plan.main(["--model", "lenet", *argv]) == 2
@@ -33,3 +36,11 @@ def test_help_says_each_default_once(capsys):
         gpu_plan.main(["--help"])
     out = capsys.readouterr().out
     assert out.count("(default: weak)") == 1, out
+
+
+@pytest.mark.parametrize("command", [["-m", "jaxtrain", "gpu-plan"], ["-m", "jaxtrain.gpu"],
+                                     ["-m", "experiments.gpu_plan"]])
+def test_each_name_of_the_command_says_its_own(command):
+    out = run_cli(*command, "--model", "lenet", "--batch-size", "0")
+    prog = {"jaxtrain": "jaxtrain gpu-plan"}.get(command[1], f"python -m {command[1]}")
+    assert out.returncode == 2 and out.stderr.startswith(f"{prog}: error: --batch-size 0"), out.stderr

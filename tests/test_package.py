@@ -79,15 +79,16 @@ def test_the_command_says_its_version_and_its_commands():
     assert version.returncode == 0 and version.stdout == f"jaxtrain {jaxtrain.__version__}\n", version.stderr
     helped = run_cli("-m", "jaxtrain", "--help")
     assert helped.returncode == 0 and all(f"  {c}" in helped.stdout for c in ("lenet", "resnet18", "vit", "train",
-                                                                              "sweep", "slurm"))
+                                                                              "sweep", "slurm", "gpu-plan"))
     bare = run_cli("-m", "jaxtrain")
     assert bare.returncode == 2 and bare.stderr.startswith("usage: jaxtrain COMMAND")
     unknown = run_cli("-m", "jaxtrain", "lenett")
     assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1 and "unknown command 'lenett'" in unknown.stderr
     flags = run_cli("-m", "jaxtrain", "lenet", "--devices", "0")  # the run's own parser, named as the command
     assert flags.returncode == 2 and "jaxtrain lenet: error:" in flags.stderr, flags.stderr
-    assert run_cli("-m", "jaxtrain", "sweep", "--help").returncode == 0
-    assert run_cli("-m", "jaxtrain", "slurm", "--help").returncode == 0
+    for tool in ("sweep", "slurm", "gpu-plan"):  # each says its usage as the command the user typed
+        helped = run_cli("-m", "jaxtrain", tool, "--help")
+        assert helped.returncode == 0 and helped.stdout.startswith(f"usage: jaxtrain {tool} "), helped.stdout[:300]
 
 
 @needs_fashion_mnist

@@ -12,12 +12,12 @@ from pathlib import Path
 from jaxtrain.cli import one_line_errors, run_config
 from jaxtrain.slurm import Job, script
 
-USAGE = ("python -m jaxtrain.slurm --checkpoint-dir DIR [--nodes N] [--tasks-per-node T] [--gpus-per-task G] "
+USAGE = ("%(prog)s --checkpoint-dir DIR [--nodes N] [--tasks-per-node T] [--gpus-per-task G] "
          "[--time HH:MM:SS] [--dry-run | --submit] -- python -m experiments.NAME ...")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxtrain.slurm", usage=USAGE, description=(
+def parser(prog: str = "python -m jaxtrain.slurm") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, usage=USAGE, description=(
         "Write an sbatch script that runs COMMAND with srun on every task, checkpoints to --checkpoint-dir, resumes "
         "on every start, and requeues its own job when warned before its time limit (or preempted)."))
     p.add_argument("--checkpoint-dir", required=True, help="where the run checkpoints (shared by every node)")
@@ -44,10 +44,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 @one_line_errors("python -m jaxtrain.slurm")
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m jaxtrain.slurm") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    p = parser()
+    p = parser(prog)
     args, command = p.parse_args(argv[:split]), argv[split + 1:]
     if not command:
         p.error("give the run's command after --, e.g. -- python -m experiments.resnet18 --epochs 90")

@@ -152,9 +152,9 @@ def _default_dir(storage: str, study: str) -> Path:
     return Path("runs") / "sweeps" / study
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(prog: str = "python -m jaxtrain.sweep") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jaxtrain.sweep", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Hyperparameter sweep on Optuna: each trial a normal run (its own --out), the study in a "
                     "database; run it again to go on (nothing finished is re-run).",
         epilog="example:\n  python -m jaxtrain.sweep --study lenet-lr --storage sqlite:///runs/sweeps.db --trials 20 "
@@ -181,8 +181,8 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    parser = make_parser()
+def main(argv=None, prog: str = "python -m jaxtrain.sweep") -> int:
+    parser = make_parser(prog)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.trials < 1 or args.parallel < 1:
