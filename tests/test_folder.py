@@ -298,3 +298,20 @@ def test_rrc_flip_is_for_folders_and_the_folder_settings_for_folders_only():
     assert parse_param("image_size=choice:64,128").values == (64, 128)  # a sweep over a folder's settings
     with pytest.raises(ConfigError, match="image_size=0"):
         parse_param("image_size=choice:0,128")
+
+
+def test_workers_from_a_script_read_on_stdin_are_one_line_before_any_starts(tmp_path):
+    """Issue 68: ``python - <<EOF`` with workers: each worker died importing the script from "<stdin>", and grain
+    said so in a long traceback. Now the loader says why and what to do, before any worker starts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = make_folder(tmp_path / "d", {"train": 4, "val": 1})
+    script = (f"from jaxtrain.data import folder\nfrom jaxtrain.data.loader import Loader\nfrom jaxtrain.errors import "
+              f"ConfigError\nsplits = folder.load({str(root)!r}, 16)\ntry:\n    Loader(splits['train'], 2, train=True, "
+              "workers=1, process_index=0, process_count=1)\nexcept ConfigError as e:\n    print(e)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, env=env, timeout=300)
+    assert run.stdout == ("workers=1: worker processes start from the main script's file, and this script has none "
+                          "(<stdin>): save it as a file and run that, or use workers=0\n"), run.stderr[-2000:]

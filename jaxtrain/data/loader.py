@@ -21,7 +21,9 @@ import contextlib
 import functools
 import gc
 import logging
+import os
 import signal
+import sys
 
 import grain
 import numpy as np
@@ -125,6 +127,16 @@ _order = functools.lru_cache(maxsize=2)(epoch_order)  # a worker's: one permutat
 _EPOCHS_AHEAD = 1 << 20  # the stream's length in epochs: more than any run
 
 
+def _check_spawnable(workers: int) -> None:
+    """Worker processes start by spawning: each imports the main script again, from its file. A script read from
+    stdin (``python - <<EOF``) has none, and every worker died with grain's long traceback."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is not None and not os.path.isfile(path):
+        raise ConfigError(f"workers={workers}: worker processes start from the main script's file, and this script "
+                          f"has none ({path}): save it as a file and run that, or use workers=0")
+
+
 class Loader:
     """This process's share of each global batch, as dicts of numpy arrays.
 
@@ -158,6 +170,8 @@ class Loader:
             raise ConfigError(f"workers={workers}: must be >= 0")
         if train and len(split) < batch_size:
             raise ConfigError(f"batch size {batch_size} is larger than the {len(split)} training examples")
+        if split.raw and workers:
+            _check_spawnable(workers)
         self.split, self.batch_size, self.train, self.seed = split, batch_size, train, seed
         self.workers, self.transform = workers, transform
         self._stream, self._next = None, 0  # the worker processes' batches, and the global batch they give next
