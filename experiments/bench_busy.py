@@ -60,8 +60,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the global batch (default: the recipe's); e2e: the runs' and their work measurement's")
     p.add_argument("--conv", default="auto", choices=("auto", "onednn", "xla"),
                    help="steps: whose convolutions (auto: oneDNN's on a CPU where they build)")
-    p.add_argument("--unroll", action="store_true",
-                   help="steps: lay a call's steps out straight (trainer.steps(..., unroll=True)), not in a loop")
+    p.add_argument("--unroll", default="off", choices=("auto", "on", "off"),
+                   help="steps: a call's steps in a loop (off: the runs'), laid out straight (on: "
+                        "trainer.steps(..., unroll=True)), or auto (unroll=None: straight where compiled for a CPU)")
     p.add_argument("--calls", type=positive_int, default=20,
                    help="steps: calls per timed block (e2e: its work measurement's)")
     p.add_argument("--epochs", type=positive_int, default=3, help="e2e: epochs per run (the first is not timed)")
@@ -73,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: int | None, calls: int,
-               conv: str = "auto", unroll: bool = False) -> dict:
+               conv: str = "auto", unroll: str = "off") -> dict:
     """Seconds per step in calls of each K, and the device's work per step (``per_step_in_call``)."""
     import jax
     import optax
@@ -95,7 +96,8 @@ def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: 
         n = busy.steps_per_call("auto", platform, lambda: work)[0] if k == "auto" else int(k)
         placed = trainer.shard_steps(jax.tree.map(lambda x: x[None].repeat(n, 0), batch)) if n > 1 else \
             trainer.shard(batch)
-        call = functools.partial(trainer.placed_steps, unroll=unroll) if n > 1 else trainer.step
+        call = functools.partial(trainer.placed_steps, unroll={"auto": None, "on": True, "off": False}[unroll]) \
+            if n > 1 else trainer.step
         state, metrics = call(state, placed)  # compiled, warm
         jax.block_until_ready(metrics)
         start = time.perf_counter()

@@ -140,6 +140,7 @@ def test_xla_convolutions_are_bit_for_bit_unrolled_and_within_the_policy_in_a_lo
                                  min_size=16, **kw)
     theirs = single_calls(trainer, trainer.init(lenet_params()), BATCHES)
     assert_bit_for_bit(one_call(trainer, trainer.init(lenet_params()), BATCHES, unroll=True), theirs)
+    assert_bit_for_bit(one_call(trainer, trainer.init(lenet_params()), BATCHES, unroll=None), theirs)  # auto
     ours = one_call(trainer, trainer.init(lenet_params()), BATCHES)
     if precision == "fp32":
         exact = float64_steps(model.loss_fn, optax.sgd(0.2), lenet_params(), BATCHES)  # any sharding's
@@ -275,7 +276,8 @@ def test_lower_steps_from_shapes_lays_the_steps_out_straight_when_unrolled(strat
     trainer = jt.make_train_step(lenet.loss_fn, optax.sgd(0.1), mesh=2, strategy=strategy)
     state = trainer.abstract_state(lenet_params())
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), stacked(BATCHES))
-    looped = trainer.lower_steps(state, shapes).as_text()
+    looped = trainer.lower_steps(state, shapes, unroll=False).as_text()
     straight = trainer.lower_steps(state, shapes, unroll=True).as_text()
     assert "stablehlo.while" in looped and "stablehlo.while" not in straight
     assert trainer.lower_steps(state, shapes).compile() is not None
+    assert "stablehlo.while" not in trainer.lower_steps(state, shapes, unroll=None).as_text()  # auto: a CPU's

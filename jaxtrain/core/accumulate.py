@@ -67,12 +67,14 @@ def split_micro_batches(batch, k: int):
     return jax.tree.map(split, batch)
 
 
-def _platform_scan(step, carry, xs, k: int):
+def platform_scan(step, carry, xs, k: int):
     """``lax.scan(step, carry, xs)``, fully unrolled when compiled for a CPU.
 
     XLA:CPU runs convolutions inside a ``while`` body many times slower than
-    the same ops outside one (jax-ml/jax#12868). So on CPU no loop is left (compile time grows
-    with k); GPUs and TPUs keep the loop. ``lax.platform_dependent`` chooses
+    the same ops outside one (jax-ml/jax#12868; LeNet's K-step call 11x, docs/gpu-busy.md), and in another
+    summation order (it canonicalizes convolutions in the entry computation only). So on CPU no loop is left
+    (compile time grows with k); GPUs and TPUs keep the loop. The micro-batches here, and K steps a call
+    (``step.scanned``). ``lax.platform_dependent`` chooses
     when the step is lowered, for the platform it is compiled FOR, not the
     host's (a CUDA lowering on a CPU host keeps the loop; the compiler never
     sees a conditional).
@@ -108,8 +110,8 @@ def microbatched(grads, k: int):
             acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), (g_sum, loss_sum, m_sum), (g, loss, metrics))
             return (acc, ms), None
 
-        ((g_sum, loss_sum, m_sum), model_state), _ = _platform_scan(step, (ctx.vary(zeros), model_state),
-                                                                    (micro, keys), k)
+        ((g_sum, loss_sum, m_sum), model_state), _ = platform_scan(step, (ctx.vary(zeros), model_state),
+                                                                   (micro, keys), k)
 
         def mean(t):
             return jax.tree.map(lambda x: x / k, t)

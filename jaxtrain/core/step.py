@@ -258,16 +258,21 @@ def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Pr
     return step
 
 
-def scanned(step: Callable, unroll: bool = False) -> Callable:
+def scanned(step: Callable, unroll: bool | None = False) -> Callable:
     """``(state, batches) -> (state, metrics)``: ``step`` once per batch of ``batches`` (every array stacked on a
     leading axis of K, one batch per step), in one program (``lax.scan``); each metric comes back stacked [K].
 
     The same K steps as K calls of ``step``; bit for bit where XLA compiles the loop's body as it compiles a
     single step. XLA:CPU canonicalizes convolutions in the entry computation only, so in a loop's body XLA's
-    convolutions (not oneDNN's) sum in another order: ``unroll=True`` lays the K steps out straight (no loop),
-    bit for bit again, its compile time growing with K (docs/train-step.md, "Many steps per call")."""
+    convolutions (not oneDNN's) sum in another order, and run ~11x slower: ``unroll=True`` lays the K steps out
+    straight (no loop), bit for bit again, its compile time growing with K; ``None`` does so where the program is
+    compiled for a CPU and keeps the loop elsewhere (``accumulate.platform_scan``, as the micro-batches);
+    ``False`` keeps the loop everywhere: the runs' choice, since unrolled the ring strategy's sums round another
+    way than one step's (docs/train-step.md, "Many steps per call")."""
 
     def steps(state, batches):
+        if unroll is None:
+            return accumulate.platform_scan(step, state, batches, jax.tree.leaves(batches)[0].shape[0])
         return lax.scan(step, state, batches, unroll=unroll)
 
     return steps

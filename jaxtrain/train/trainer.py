@@ -129,7 +129,7 @@ class Trainer:
         shapes = jax.eval_shape(make, params, model_state, jax.random.key(0) if rng is None else rng)
         return sharding.abstract(shapes, self.plan(shapes).state)
 
-    def _compiled(self, state, steps: int | None = None, unroll: bool = False) -> strategies.Compiled:
+    def _compiled(self, state, steps: int | None = None, unroll: bool | None = False) -> strategies.Compiled:
         """The step for this state's structure; ``steps=K``: K of them in one program (``step.scanned``)."""
         key = (jax.tree.structure(state), steps, unroll)
         if key not in self._steps:
@@ -148,7 +148,7 @@ class Trainer:
         arrays; labels outside the classes are checked as ``check_labels`` says (``jaxtrain.parallel.call_checks``)."""
         return self._checked(state, batch, self.batch_plan)
 
-    def steps(self, state: TrainState, batches: Mapping, *, unroll: bool = False) -> tuple[TrainState, dict]:
+    def steps(self, state: TrainState, batches: Mapping, *, unroll: bool | None = False) -> tuple[TrainState, dict]:
         """K steps in one compiled call: ``batches`` holds K global batches, every array stacked on a leading
         axis of K (``[K, batch, ...]``, numpy or jax arrays); returns the state after the K steps and each
         metric stacked ``[K]``, step by step. Checked and placed as ``trainer(state, batch)`` (the examples
@@ -158,11 +158,13 @@ class Trainer:
         The K steps equal K calls of ``trainer(state, batch)``, bit for bit where XLA compiles the loop's body
         as it compiles one step (LeNet with oneDNN's fp32 convolutions); XLA's convolutions (bf16, fp16,
         ``conv="xla"``) sum in another order inside a loop: ``unroll=True`` lays the K steps out straight, bit
-        for bit again, its compile time growing with K. Other fusions may round an ulp apart, looped or
-        unrolled (``step.scanned``; docs/train-step.md, "Many steps per call")."""
+        for bit again, its compile time growing with K. ``unroll=None``: laid out straight where compiled
+        for a CPU, a loop elsewhere; ``False`` (default): a loop everywhere (the runs': unrolled, the ring
+        strategy's sums round another way). Other fusions may round an ulp
+        apart, looped or unrolled (``step.scanned``; docs/train-step.md, "Many steps per call")."""
         return self._checked(state, batches, self.steps_plan, unroll)
 
-    def _checked(self, state, batch, batch_plan: Plan, unroll: bool = False) -> tuple[TrainState, dict]:
+    def _checked(self, state, batch, batch_plan: Plan, unroll: bool | None = False) -> tuple[TrainState, dict]:
         """``__call__`` (``batch_plan``: the trainer's) or ``steps`` (``steps_plan``), with every check."""
         call_checks.not_donated(state)
         steps = batch_plan.steps_of(batch) if batch_plan.steps_axis else None
@@ -189,7 +191,8 @@ class Trainer:
         self._labels.read()
         return self._labels.held(compiled(state, batch), state, batch)
 
-    def placed_steps(self, state: TrainState, batches: Mapping, *, unroll: bool = False) -> tuple[TrainState, dict]:
+    def placed_steps(self, state: TrainState, batches: Mapping, *,
+                     unroll: bool | None = False) -> tuple[TrainState, dict]:
         """``steps`` on batches ALREADY on the mesh (``shard_steps``), without its checks and copies (but the
         labels'): the hot-loop entry for K steps per call, as ``step`` is for one."""
         compiled = self._compiled(state, self.steps_plan.steps_of(batches), unroll)
@@ -224,7 +227,7 @@ class Trainer:
         return self._compiled(state).lower(state, self.batch_plan.lowered(batch), platforms)
 
     def lower_steps(self, state: TrainState, batches: Mapping, platforms: tuple[str, ...] | None = None, *,
-                    unroll: bool = False):
+                    unroll: bool | None = False):
         """The lowered K-step call of ``steps``, as ``lower`` (arrays or shapes, ``[K, batch, ...]``)."""
         steps = self.steps_plan.steps_of(batches)
         return self._compiled(state, steps, unroll).lower(state, self.steps_plan.lowered(batches), platforms)
