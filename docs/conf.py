@@ -13,8 +13,11 @@ project = "jaxtrain"
 author = "the jaxtrain authors"
 copyright = "2026, the jaxtrain authors"
 
-extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"]
-source_suffix = {".md": "markdown"}
+# myst_nb: MyST Markdown (myst_parser's) and the notebook, rendered with the outputs it was saved with
+# (d2l-multi-device.ipynb: tools/notebook-outputs executes examples/d2l_multi_device.ipynb into it)
+extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"]
+source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
+nb_execution_mode = "off"
 exclude_patterns = ["_build", "README.md", "gpu-runs"]  # gpu-runs: the GPU runs' reports, data
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]

@@ -90,14 +90,20 @@ def test_a_bad_first_batch_raises_on_its_own_call_saying_its_state_is_gone(entry
 @pytest.mark.parametrize("last", [2, 1])
 def test_bad_labels_in_a_loops_last_call_are_reported_by_check_labels(last):
     """A loop's last calls have no later call to check them: ``check_labels`` waits for them and does (they went
-    unreported: the loop ended, exit 0)."""
+    unreported: the loop ended, exit 0). The next-to-last call's labels are checked by the last call only if its
+    step is already done (a call never waits for one): then they are reported there, once, and not again."""
     trainer = lenet_trainer()
     state = lenet_state(trainer)
-    for call in range(1, 6):
-        batch = random_batch(8, seed=call)
-        state, _ = trainer(state, with_label(batch, -1) if call == 6 - last else batch)
-    with pytest.raises(ConfigError, match=rf"^12\.5% of the labels of the batch of call {6 - last} are outside "):
-        trainer.check_labels()
+    says = rf"^12\.5% of the labels of the batch of call {6 - last} are outside "
+    try:
+        for call in range(1, 6):
+            batch = random_batch(8, seed=call)
+            state, _ = trainer(state, with_label(batch, -1) if call == 6 - last else batch)
+    except ConfigError as e:  # call 5 found call 4's step done (a busy machine's timing): reported by the loop
+        assert last == 2 and call == 5 and re.match(says, str(e)), (call, e)
+    else:
+        with pytest.raises(ConfigError, match=says):
+            trainer.check_labels()
     trainer.check_labels()  # said once
 
 

@@ -28,7 +28,6 @@ BAD = {
     "export_weights": [["run", "w.safetensors", "--names", "nope"]],
     "gpu_check": [["--budget", "0"]],
     "gpu_offload": [["--gpus", "x"], ["--gpus", "0"]],
-    "gpu_plan": [["--gpus", "0"], ["--scaling", "1,0"], ["--scaling", "1,x"]],
     "gpu_validate": [["--gpu", "nope"]],
     "input_pipeline": [["--workers=-1,x"], ["--workers", "-1"], ["--batches", "0"]],
     "quantize": [["--run", "r", "--repeats", "x"], ["--run", "r", "--repeats", "0"],

@@ -44,3 +44,13 @@ def test_each_name_of_the_command_says_its_own(command):
     out = run_cli(*command, "--model", "lenet", "--batch-size", "0")
     prog = {"jaxtrain": "jaxtrain gpu-plan"}.get(command[1], f"python -m {command[1]}")
     assert out.returncode == 2 and out.stderr.startswith(f"{prog}: error: --batch-size 0"), out.stderr
+
+
+@pytest.mark.parametrize("argv", [["--gpus", "0"], ["--scaling", "1,0"], ["--scaling", "1,x"]])
+def test_a_malformed_argument_is_one_line_with_exit_2(capsys, argv):
+    """argparse's own errors, said as the command (experiments/gpu_plan.py, now an alias, was checked with the
+    other experiments in test_experiment_args)."""
+    with pytest.raises(SystemExit) as e:
+        gpu_plan.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().splitlines()[-1].startswith("jaxtrain gpu-plan: error: argument "), err

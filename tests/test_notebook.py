@@ -42,6 +42,20 @@ def test_the_notebook_runs_top_to_bottom_and_redraws_its_curves(tmp_path, monkey
     assert table.count("test acc") == 3, table
 
 
+def test_the_docs_copy_is_the_example_run_whole():
+    """docs/d2l-multi-device.ipynb (tools/notebook-outputs; the site renders it, executing nothing): the example's
+    cells, and the outputs of a whole run, its three runs' curves and its table among them."""
+    example = nbformat.read(NOTEBOOK, as_version=4)
+    copy = nbformat.read(ROOT / "docs" / "d2l-multi-device.ipynb", as_version=4)
+    assert [(c.cell_type, c.source) for c in copy.cells] == [(c.cell_type, c.source) for c in example.cells]
+    runs = [c for c in copy.cells if c.cell_type == "code" and "jt.run(" in c.source]
+    for cell in runs:
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        assert "epoch 10/10:" in text and any(o.output_type == "display_data" and "image/png" in o.data
+                                              for o in cell.outputs), text[-1000:]
+    assert "".join(o.get("text", "") for o in copy.cells[-1].outputs).count("test acc") == 3
+
+
 class Kernel:
     """A Jupyter kernel and its client: ``run(code, interrupt_on=TEXT)`` executes a cell, interrupting the kernel
     the first time TEXT appears in its output; returns the cell's text and its error (ename, evalue) or None."""
