@@ -96,9 +96,10 @@ def test_mpirun_gives_the_one_process_result_unbound_and_says_why_not_when_bound
         assert "mpirun --bind-to none (srun --cpu-bind=none) keeps them equal" in bound.stderr
 
 
-# Preemption and time limits. A run of this length takes ~65 s here (2 processes x 1 device): longer than the
-# time-limit test's minute.
-LONG = ["--max-steps", "600", "--checkpoint-every", "100"]
+# Preemption and time limits. A run of this length takes ~70-100 s on our machines (2 processes x 1 device): past
+# the time-limit test's warning (~49 s in) on any of them. 600 steps once finished in ~48 s on an idle Xeon, before
+# SLURM's warning: never requeued, that test failed.
+LONG = ["--max-steps", "1000", "--checkpoint-every", "100"]
 
 
 @pytest.fixture(scope="module")
@@ -161,10 +162,11 @@ def test_scontrol_requeue_mid_run_resumes_to_the_uninterrupted_result(tmp_path, 
 
 
 def test_a_job_past_its_time_limit_checkpoints_requeues_itself_and_finishes(tmp_path, uninterrupted):
-    """--time=00:01:00 --signal=B:USR1@5, a run of ~65 s: warned, it checkpoints, requeues its job, and the next
-    start goes on. SLURM checks time limits every 30 s and warns at the first check with at most signal + 30 s
-    left: @30 or @15 warned each start ~19 s in (~7 s of training after its start-up; a start-up slowed by a busy
-    machine would never reach a step), @5 ~49 s in, with 11 s left for the checkpoint and the requeue."""
+    """--time=00:01:00 --signal=B:USR1@5, a run of ~70-100 s: warned, it checkpoints, requeues its job, and the next
+    start goes on (warned again on a slow machine, requeued again). SLURM checks time limits every 30 s and warns
+    at the first check with at most signal + 30 s left: @30 or @15 warned each start ~19 s in (~7 s of training
+    after its start-up; a start-up slowed by a busy machine would never reach a step), @5 ~49 s in, with 11 s left
+    for the checkpoint and the requeue."""
     job = submit(tmp_path, "--time", "00:01:00", "--signal-seconds", "5")
     state = finished(tmp_path, job)
     log = (tmp_path / "job.out").read_text()
