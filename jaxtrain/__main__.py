@@ -16,7 +16,6 @@ import sys
 from collections.abc import Sequence
 
 from jaxtrain.cli import RUNS  # light: JAX is imported inside a run's main()
-from jaxtrain.errors import ConfigError
 from jaxtrain.version import __version__
 
 RECIPES = tuple(model for model in RUNS.values() if model)  # the recipes an experiments/ module runs
@@ -46,12 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(name if name in RECIPES else None, rest, prog=f"jaxtrain {name}")
     if name == "sweep":
-        try:
-            from jaxtrain.sweep.command import main as sweep
-        except ConfigError as e:  # its extra is not installed
-            print(f"jaxtrain sweep: error: {e}", file=sys.stderr)
-            return e.EXIT_CODE
-        return sweep(rest, prog="jaxtrain sweep")
+        from jaxtrain.sweep import run_command
+
+        return run_command(rest, "jaxtrain sweep")
     if name == "slurm":
         from jaxtrain.slurm.__main__ import main as slurm
 

@@ -97,7 +97,7 @@ def test_a_run_with_the_core_alone_trains_and_says_what_it_left_out(without, tmp
     assert "Traceback" not in said, said[-3000:]
     for line in ("note: TensorBoard events left out: tensorboard is not installed (pip install "
                  "'jaxtrain[tensorboard]')",
-                 "note: curves.png left out: matplotlib is not installed (pip install 'jaxtrain[plots]')"):
+                 "warning: curves.png left out: matplotlib is not installed (pip install 'jaxtrain[plots]')"):
         assert said.count(line) == 1, said[-3000:]
     assert "pip install 'jaxtrain[wandb]'" in said, said[-3000:]
     assert "metrics.jsonl\n" in run.stdout and "curves.png" not in run.stdout.split("wrote ")[-1]

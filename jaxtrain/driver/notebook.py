@@ -4,8 +4,8 @@ happens outside a notebook, nor without matplotlib (the run says once that its c
 
 from __future__ import annotations
 
-import dataclasses
 import sys
+from collections.abc import Callable
 
 from jaxtrain.errors import missing
 from jaxtrain.train.loop import Hook, Loop
@@ -18,20 +18,19 @@ def active() -> bool:
     return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
-def live_curves() -> Hook | None:
-    """An epoch hook that draws the run's curves below the cell, then redraws them in place; None outside a
-    notebook or without matplotlib."""
+def live_curves(epochs: Callable[[], list[dict]]) -> Hook | None:
+    """An epoch hook that draws the run's curves (``epochs()``: the run's rows so far, a resumed run's earlier ones
+    too) below the cell, then redraws them in place; None outside a notebook or without matplotlib."""
     if not active() or missing("matplotlib", "curves"):
         return None
     from IPython.display import Image, display
 
     from jaxtrain.driver.outputs import curves_png
 
-    rows, shown = [], {}
+    shown = {}
 
     def redraw(loop: Loop) -> None:
-        rows.append(dataclasses.asdict(loop.stats))
-        image = Image(data=curves_png(rows), format="png")
+        image = Image(data=curves_png(epochs()), format="png")
         if "handle" in shown:
             shown["handle"].update(image)
         else:

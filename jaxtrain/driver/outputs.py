@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
-import sys
 import time
 from pathlib import Path
 
 from jaxtrain.errors import ConfigError, missing
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.io.files import atomic_write, ensure_room, ensure_writable, out_of_space, remove_stale_temps
+
+log = logging.getLogger(__name__)
 
 
 def make_out_dir(out: str | None, name: str) -> Path:
@@ -136,7 +138,7 @@ class RunWriter:
             return None
         if self.no_plot:
             if not self._told:
-                print(f"note: {self.no_plot}", file=sys.stderr, flush=True)
+                log.warning(self.no_plot)
                 self._told = True
             return None
         path = self.out_dir / "curves.png"

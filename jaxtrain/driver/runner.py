@@ -80,7 +80,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
 
     steps_per_call, on_device = keep_busy(s, state, data["train"], train_data)
     watching, profile, events = observe.watchers(c, writer and writer.out_dir, say, s.evaluator, test_data, tracker)
-    live = notebook.live_curves() if writer is not None else None  # process 0's, in a notebook
+    live = notebook.live_curves(lambda: writer.epochs) if writer is not None else None  # after writer.epoch
     hooks = [*watching, *([live] if live else []),
              *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
              Hook(lambda loop: s.last.update(loop.recent), unit="epoch"),  # the last step's metrics

@@ -2,11 +2,6 @@
 
 import sys
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.sweep import run_command
 
-try:
-    from jaxtrain.sweep.command import main
-except ConfigError as e:  # its extra is not installed
-    print(f"python -m jaxtrain.sweep: error: {e}", file=sys.stderr)
-    sys.exit(e.EXIT_CODE)
-sys.exit(main())
+sys.exit(run_command(None, "python -m jaxtrain.sweep"))
