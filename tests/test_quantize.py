@@ -76,6 +76,26 @@ def test_a_bad_run_directory_is_one_line(tmp_path, damage, says):
         assert "cannot be read" in out.stdout and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
+def test_a_late_closed_loop_report_during_the_read_prints_nothing(tmp_path):
+    """tensorstore's late callbacks can report "Event loop is closed" while orbax is still unwinding the failed
+    read, before its error reaches us (seen under load on Python 3.13): the report is dropped there too."""
+    run = tmp_path / "run"
+    run.mkdir()
+    export.save(run, *models.get("lenet").init(jax.random.key(0)), _info())
+    code = ("import sys, orbax.checkpoint as ocp\n"
+            "class Late:\n"
+            "    def __del__(self): raise RuntimeError('Event loop is closed')\n"
+            "def restore(self, *a, **k):\n"
+            "    Late()\n"  # collected at once: Python reports its __del__'s error as unraisable, here and now
+            "    raise ValueError('truncated')\n"
+            "ocp.StandardCheckpointer.restore = restore\n"
+            "from jaxtrain.driver import export\n"
+            f"try: export.load({str(run)!r})\nexcept Exception as e: print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "cannot be read (truncated)" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "Event loop is closed" not in out.stderr, out.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def trained_lenet():
     """LeNet after 300 Adam steps on Fashion-MNIST (test acc ~0.8), and 512 test images."""

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.io.files import atomic_write, out_of_space, params_digest
+from jaxtrain.io.files import atomic_write, drop_closed_loop_reports, out_of_space, params_digest
 
 ARRAYS, INFO = "model", "model.json"
 
@@ -92,19 +91,6 @@ def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
     return meta
 
 
-def _quiet_closed_loop() -> None:
-    """After a failed orbax read, tensorstore's reads still in flight call back into the asyncio loop orbax has
-    closed, and Python prints each RuntimeError('Event loop is closed') as a stray traceback after our one-line
-    error. Drop those (and only those) from then on."""
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-
-
 def model_of(meta: dict):
     """The registry Model a saved run's ``info`` describes (its name, init, image shape and classes)."""
     from jaxtrain import models
@@ -121,11 +107,11 @@ def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
     meta = info(run_dir, expect, param)
     shapes = jax.eval_shape(model_of(meta).init, jax.random.key(0))
     target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), {"params": shapes[0], "model_state": shapes[1]})
+    drop_closed_loop_reports()
     try:
         with ocp.StandardCheckpointer() as reader:
             tree = reader.restore(Path(run_dir).absolute() / ARRAYS, target)
     except Exception as e:  # orbax raises many types for damaged files
-        _quiet_closed_loop()
         raise ConfigError(f"{param}{run_dir}: its saved model cannot be read "
                           f"({str(e).splitlines()[0][:120] or type(e).__name__}); train it again") from None
     tree = jax.tree.map(np.asarray, tree)

@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -47,6 +48,27 @@ def out_of_space(e: BaseException) -> bool:
     text = str(e)
     return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
         s in text for s in ("No space left", "ENOSPC", "RESOURCE_EXHAUSTED", "Disk quota exceeded"))
+
+
+def drop_closed_loop_reports() -> None:
+    """From now on, drop the reports of ``RuntimeError('Event loop is closed')`` (and only those).
+
+    When an orbax read or write fails, tensorstore's operations still in flight
+    call back into the asyncio loop orbax has already closed, and Python prints
+    each as an unraisable traceback with no header, after our one-line error.
+    They can come before the failure reaches us, so install this before any
+    orbax call, not in its ``except``. Installing it twice is installing it once.
+    """
+    if getattr(sys.unraisablehook, "drops_closed_loop", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.drops_closed_loop = True
+    sys.unraisablehook = hook
 
 
 def ensure_room(path: Path, needed: int, what: str, param: str) -> None:

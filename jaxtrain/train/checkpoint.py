@@ -34,7 +34,7 @@ import jax
 from jaxtrain.core.state import TrainState
 from jaxtrain.errors import ConfigError
 from jaxtrain.io.dirlock import DirLock
-from jaxtrain.io.files import ensure_room, ensure_writable, out_of_space
+from jaxtrain.io.files import drop_closed_loop_reports, ensure_room, ensure_writable, out_of_space
 from jaxtrain.train import integrity
 from jaxtrain.train.loop import Position, check_finite
 
@@ -87,13 +87,7 @@ def _quiet_orbax_errors() -> None:
     logger.addFilter(drop)
     logging.getLogger("asyncio").addFilter(  # the same failure, found again when its future is collected
         lambda r: not (r.exc_info and r.exc_info[1] is not None and out_of_space(r.exc_info[1])))
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
-            previous(unraisable)
-
-    sys.unraisablehook = hook
+    drop_closed_loop_reports()
 
 
 @dataclasses.dataclass
