@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(name if name in RECIPES else None, rest, prog=f"jaxtrain {name}")
     if name == "sweep":
-        from jaxtrain.sweep import run_command
+        from jaxtrain.sweep.__main__ import run_command
 
         return run_command(rest, "jaxtrain sweep")
     if name == "slurm":

@@ -11,10 +11,8 @@ as a Python user calls them; ``as_flags`` says them as flags here.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
-import logging
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from jaxtrain.choices import MESH_AXES
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
+from jaxtrain.driver import console
 from jaxtrain.driver.config import DATASET_FIELDS, RECIPE_FIELDS, RunConfig, flag
 
 
@@ -92,35 +91,12 @@ def as_flags(message: str, flags: dict[str, str] | None = None) -> str:
     return _PARAM.sub(say, message)
 
 
-class _AsFlags(logging.Formatter):
-    """A library log record as a command line says it: ``warning: ...``, its parameters as flags."""
-
-    def __init__(self, flags: dict[str, str] | None = None):
-        super().__init__()
-        self.flags = flags
-
-    def format(self, record: logging.LogRecord) -> str:
-        return f"{record.levelname.lower()}: {as_flags(record.getMessage(), self.flags)}"
-
-
-@contextlib.contextmanager
 def library_log(flags: dict[str, str] | None = None):
-    """While a command runs: the library's log lines (logger "jaxtrain", warnings and up) on stderr, its
-    parameters said as flags (``on_bad_image=error`` -> ``--on-bad-image error``; ``flags``: as ``as_flags``).
-    Nested (a command's ``one_line_errors`` around ``main``, which says them too), the outer one says them: once."""
-    logger = logging.getLogger("jaxtrain")
-    if any(isinstance(h.formatter, _AsFlags) for h in logger.handlers):
-        yield
-        return
-    handler, propagate = logging.StreamHandler(), logger.propagate
-    handler.setFormatter(_AsFlags(flags))
-    logger.addHandler(handler)
-    logger.propagate = False  # said once: not again by a handler on the root logger (absl's, tfds')
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
+    """While a command runs: the library's log lines (``driver.console.lines``: progress on stdout, ``warning: ...``
+    on stderr), its parameters said as flags (``on_bad_image=error`` -> ``--on-bad-image error``; ``flags``: as
+    ``as_flags``). Nested (a command's ``one_line_errors`` around ``main``, which says them too), the outer one
+    says them: once."""
+    return console.lines(functools.partial(as_flags, flags=flags))
 
 
 def one_line_errors(prog: str, flags: dict[str, str] | None = None):
@@ -277,7 +253,7 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
             config = RunConfig(**vars(args))
             from jaxtrain.driver.runner import run
 
-            run(config, stop, words=as_flags)
+            run(config, stop)
         except ConfigError as e:
             print(f"{parser.prog}: error: {as_flags(str(e))}", file=sys.stderr)
             return e.EXIT_CODE

@@ -245,6 +245,33 @@ def test_no_context_variable_outside_the_step_and_no_batch_sharding_outside_the_
     assert placing == {"jaxtrain.parallel.placement"}, placing
 
 
+# Where the library may write to the terminal itself: the command lines that are only that (their usage and
+# errors are their interface), and a module's ``if __name__ == "__main__":`` block.
+PRINTERS = {"jaxtrain.cli", "jaxtrain.launch", *(m for m in MODULES if m.endswith("__main__"))}
+
+
+def writes_to_the_terminal(source: str) -> list[int]:
+    """The lines of ``print(...)``, ``sys.stdout.write`` / ``sys.stderr.write`` in ``source`` outside its
+    ``if __name__ == "__main__":`` block."""
+    tree = ast.parse(source)
+    main_blocks = [node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
+    skip = {id(n) for block in main_blocks for n in ast.walk(block)}
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and id(node) not in skip
+            and (getattr(node.func, "id", None) == "print"
+                 or ast.unparse(node.func) in ("sys.stdout.write", "sys.stderr.write"))]
+
+
+def test_the_library_logs_and_never_prints():
+    """What the library says goes through ``logging`` (a sweep, a notebook or a job routes or silences it;
+    ``jaxtrain.driver.console`` shows it as lines); only the command lines print."""
+    printing = {name: lines for name, path in MODULES.items() if name not in PRINTERS
+                if (lines := writes_to_the_terminal(path.read_text()))}
+    assert not printing, printing
+    assert writes_to_the_terminal("import sys\nprint(1)\nif __name__ == '__main__':\n    print(2)\n") == [2]
+    assert writes_to_the_terminal("import sys\ndef f():\n    sys.stderr.write('x')\n") == [3]
+    assert writes_to_the_terminal(MODULES["jaxtrain.cli"].read_text())  # the check sees prints where they are
+
+
 def test_the_environment_is_read_in_settings():
     """Every JAXTRAIN_* variable is a field of jaxtrain.settings, read there once (not while a step is traced)."""
     from jaxtrain import settings

@@ -37,7 +37,7 @@ def restore(directory, like):
         ck.close()
 
 
-def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_previous_one_restored(saved, capsys):
+def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_previous_one_restored(saved, caplog):
     directory, like = saved
     zero_biggest_file(directory / "10")
     got = restore(directory, like)
@@ -45,7 +45,9 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_previous_one_restore
     expected = lenet.init_params(jax.random.key(5))
     np.testing.assert_array_equal(got.state.params["dense1"]["w"], expected["dense1"]["w"])
     assert [p.name.split("-")[0] for p in (directory / UNREADABLE).iterdir()] == ["10"]
-    assert "checkpoint at step 10" in capsys.readouterr().err
+    said = [r for r in caplog.records if r.name == "jaxtrain.train.checkpoint"]
+    assert len(said) == 1 and said[0].levelname == "WARNING", said
+    assert said[0].getMessage().startswith(f"checkpoint at step 10 in {directory}"), said
 
 
 def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(saved):

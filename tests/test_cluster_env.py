@@ -73,7 +73,7 @@ def test_a_run_in_an_allocation_but_outside_srun_runs_as_one_process(tmp_path):
     out = run_cli("-m", "experiments.lenet", "--devices", "2", "--max-steps", "1", "--test-subset", "256",
                   "--no-progress", "--out", str(tmp_path / "o"), env=ALLOCATION)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "note: in a SLURM allocation of 2 tasks but not in an srun step: running as one process" in out.stderr
+    assert "note: in a SLURM allocation of 2 tasks but not in an srun step: running as one process" in out.stdout
 
 
 @pytest.mark.parametrize("given, gpus, expected", [

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_data import as_sorted_pairs
 
-from jaxtrain import ConfigError
+from jaxtrain import ConfigError, cli
 from jaxtrain.data import cifar, sources
 
 
@@ -153,7 +153,8 @@ def test_a_damaged_conversion_is_converted_again_with_a_warning(tmp_path, capsys
     first = sources.load_split("fashion_mnist", "train", data_dir=tmp_path / "d", tfds_dir=tmp_path / "tfds")
     _damage(next((tmp_path / "tfds").rglob("1.0.0")), how)
     capsys.readouterr()
-    again = sources.load_split("fashion_mnist", "train", data_dir=tmp_path / "d", tfds_dir=tmp_path / "tfds")
+    with cli.library_log():  # a log warning, as a command line says it
+        again = sources.load_split("fashion_mnist", "train", data_dir=tmp_path / "d", tfds_dir=tmp_path / "tfds")
     err = capsys.readouterr().err
     assert "is damaged" in err and "converting again" in err, err
     assert as_sorted_pairs(again.images, again.labels) == as_sorted_pairs(*arrays["train"])
@@ -181,8 +182,9 @@ def test_runs_converting_the_same_files_at_once_take_turns(tmp_path):
 
     make_idx_dir(tmp_path / "d", n_train=64, n_test=16)
     config = f"fashion_mnist_{sources.files_digest(idx.paths(tmp_path / 'd'))[:12]}"
-    code = (f"from jaxtrain.data import sources; s = sources.load_split('fashion_mnist', 'train', "
-            f"data_dir={str(tmp_path / 'd')!r}, tfds_dir={str(tmp_path / 'tfds')!r}); print(len(s), s.labels.sum())")
+    code = (f"from jaxtrain.data import sources; from jaxtrain.driver import console\nwith console.lines(): s = "
+            f"sources.load_split('fashion_mnist', 'train', data_dir={str(tmp_path / 'd')!r}, "
+            f"tfds_dir={str(tmp_path / 'tfds')!r})\nprint(len(s), s.labels.sum())")
     holder = tmp_path / "tfds" / "jaxtrain_idx_images"
     holder.mkdir(parents=True)
     with DirLock(holder, "--tfds-dir", name=f".{config}.lock"):  # another run converting: both must wait
@@ -190,15 +192,15 @@ def test_runs_converting_the_same_files_at_once_take_turns(tmp_path):
                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
         for p in procs:  # reads until each says it waits (no sleep); '' if it ended instead
             line = "-"
-            while line and "waiting for another run converting" not in line:
-                line = p.stderr.readline()
+            while line and "waiting for another run converting" not in line:  # a progress line, on stdout
+                line = p.stdout.readline()
             assert line, p.communicate()[1][-2000:]
         assert all(p.poll() is None for p in procs)
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     results = [out.strip().splitlines()[-1] for out, _ in outs]  # TFDS prints its progress on stdout
     assert results[0] == results[1] and results[0].startswith("64 "), results
-    assert sum("to array_record (once)" in err for _, err in outs) == 1, [err[-2000:] for _, err in outs]
+    assert sum("to array_record (once)" in out for out, _ in outs) == 1, [out[-2000:] for out, _ in outs]
 
 
 @pytest.mark.parametrize("terminal, progress", [(False, None), (True, False)])
@@ -210,8 +212,9 @@ def test_tfds_progress_bars_show_only_where_the_runs_would(tmp_path, capsys, mon
     tfds.enable_progress_bar()  # TFDS's default: its switch is process-wide
     monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
     make_idx_dir(tmp_path / "d", n_train=64, n_test=16)
-    sources.load_split("fashion_mnist", "train", data_dir=tmp_path / "d", tfds_dir=tmp_path / "tfds",
-                       progress=progress)
-    err = capsys.readouterr().err
-    assert "converting the files" in err  # it did convert here
+    with cli.library_log():
+        sources.load_split("fashion_mnist", "train", data_dir=tmp_path / "d", tfds_dir=tmp_path / "tfds",
+                           progress=progress)
+    out, err = capsys.readouterr()
+    assert "converting the files" in out  # it did convert here
     assert "\r" not in err and "\x1b[" not in err and "examples/s" not in err, err

@@ -129,7 +129,7 @@ def test_a_step_larger_than_free_host_memory_is_warned_before_it_runs(monkeypatc
     devices = jax.devices()[:2]
     monkeypatch.setattr(diagnostics, "_host_memory", lambda: (20 * 2**30, 24 * 2**30))  # 4 GiB free
     warning = diagnostics.host_memory_warning(stats, devices)
-    assert warning.startswith("warning: one step needs ~6.0 GiB more host memory (2 devices x 3.00 GiB) and 4.0 GiB")
+    assert warning.startswith("one step needs ~6.0 GiB more host memory (2 devices x 3.00 GiB) and 4.0 GiB")
     assert "smaller batch_size=" in warning
     monkeypatch.setattr(diagnostics, "_host_memory", lambda: (4 * 2**30, 24 * 2**30))  # 20 GiB free
     assert diagnostics.host_memory_warning(stats, devices) is None

@@ -126,7 +126,8 @@ def test_a_resumed_run_whose_tracked_run_was_not_kept_says_it_opens_a_new_one(tm
 
 
 def test_a_failing_tracker_warns_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys, caplog):
-    """One log line (logger jaxtrain.driver), as a command line says it (``cli.library_log``: ``warning: ...``)."""
+    """One log line (logger jaxtrain.driver.track), as a command line says it (``cli.library_log``: ``warning:
+    ...``)."""
     from jaxtrain import cli
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # importing it raises ImportError, as where it is not installed
@@ -145,7 +146,7 @@ def test_a_failing_tracker_warns_once_and_the_run_goes_on(tmp_path, monkeypatch,
         for step in range(3):
             broken.scalars(step, {"loss": 1.0}, "train_step")
         broken.close("failed")
-    said = [r for r in caplog.records if r.name == "jaxtrain.driver"]
+    said = [r for r in caplog.records if r.name == "jaxtrain.driver.track"]
     assert broken.broken and len(said) == 1 and said[0].levelname == "WARNING", said
     assert said[0].getMessage().startswith("--track mlflow: not logging from here on (FileExistsError"), said
     kept = json.loads((tmp_path / "track.json").read_text())  # for a sweep to say (it read only the exit code)
@@ -190,9 +191,9 @@ def test_an_mlflow_server_that_does_not_answer_is_waited_for_boundedly_and_said(
 
     with cli.library_log():  # the warning is a log line; a command line says it so
         tracker = track.start("mlflow", tmp_path, {}, None)
-    err = capsys.readouterr().err
-    assert tracker.broken and err.startswith("--track mlflow: connecting to http://127.0.0.1:9 (up to 36 s if it "
-                                             "does not answer)\nwarning: --track mlflow: not logging"), err
+    out, err = capsys.readouterr()  # what it waits for (a progress line), then the warning
+    assert out == "--track mlflow: connecting to http://127.0.0.1:9 (up to 36 s if it does not answer)\n", out
+    assert tracker.broken and err.startswith("warning: --track mlflow: not logging"), err
     assert {k: os.environ[k] for k in track.HTTP_WAIT} == track.HTTP_WAIT
 
 

@@ -101,7 +101,7 @@ def _host_memory() -> tuple[int, int] | None:
 
 def host_memory_warning(stats: dict, devices) -> str | None:
     """On CPU every device's buffers live in host RAM, and a step that needs more than is free gets the process
-    killed (exit 137) with no message: a warning to print before the first step, when one step's temps and
+    killed (exit 137) with no message: a warning to log before the first step, when one step's temps and
     outputs on this process's devices exceed 90% of the available memory (the state and the batch are already
     resident); None when it fits."""
     host = _host_memory()
@@ -112,7 +112,7 @@ def host_memory_warning(stats: dict, devices) -> str | None:
     available = host[1] - host[0]
     if per_device * len(local) <= 0.9 * available:
         return None
-    return (f"warning: one step needs ~{per_device * len(local) / 2**30:.1f} GiB more host memory ({len(local)} "
+    return (f"one step needs ~{per_device * len(local) / 2**30:.1f} GiB more host memory ({len(local)} "
                f"devices x {per_device / 2**30:.2f} GiB) and {available / 2**30:.1f} GiB is available: the run may be "
                "killed; use a smaller batch_size= (or fewer devices=)")
 

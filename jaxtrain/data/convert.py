@@ -4,7 +4,7 @@ files, keyed by their sha256), under a lock; process 0 converts, the others wait
 from __future__ import annotations
 
 import functools
-import sys
+import logging
 import time
 from pathlib import Path
 from types import ModuleType
@@ -15,6 +15,8 @@ from jaxtrain.data import cifar, idx
 from jaxtrain.data.split import Split, files_digest
 from jaxtrain.errors import ConfigError
 from jaxtrain.io.dirlock import DirLock
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -108,7 +110,7 @@ def converted(fmt: ModuleType, name: str, split: str, local: Path, tfds_dir):
         if not builder.is_prepared():
             for s in fmt.FILES:  # validate before writing anything
                 fmt.read_split(local, s)
-            print(f"converting the files in {local} to array_record (once) ...", file=sys.stderr, flush=True)
+            log.info(f"converting the files in {local} to array_record (once) ...")
             builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
                 manual_dir=str(cifar.directory_of(local) if fmt is cifar else local)), file_format="array_record")
         return builder.as_data_source(split=split)

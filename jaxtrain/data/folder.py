@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ JPEG_SUFFIXES = (".jpg", ".jpeg")
 EXTENSIONS = (*JPEG_SUFFIXES, ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm")
 EVAL_FOLDERS = ("val", "test")
 ON_BAD = ("skip", "error")
+log = logging.getLogger(__name__)
 _ORDER_SEED = 20261127  # the fixed order files are kept in: ``head(n)`` is a random subset, not the first classes
 
 
@@ -162,8 +163,7 @@ def _cached_index(root: Path) -> tuple[list[str], dict]:
     except FileNotFoundError:  # not indexed in this state yet
         pass
     except (OSError, ValueError) as e:
-        print(f"warning: the index of {root} in {cache} cannot be read ({type(e).__name__}): indexing the folder "
-              "again", file=sys.stderr, flush=True)
+        log.warning(f"the index of {root} in {cache} cannot be read ({type(e).__name__}): indexing the folder again")
     content = hashlib.sha256(json.dumps([classes, [(rel, size) for rel, size, _ in listing]]).encode()).hexdigest()
     index = {"digest": digest, "content": content, "root": str(root), **_index(root, listing), "problems": problems}
     try:
@@ -172,15 +172,15 @@ def _cached_index(root: Path) -> tuple[list[str], dict]:
         tmp.write_text(json.dumps(index))
         os.replace(tmp, cache)
     except OSError as e:
-        print(f"warning: the index of {root} cannot be kept in {cache.parent} ({e.strerror}): the next run indexes "
-              "it again (set JAXTRAIN_INDEX_CACHE to a writable directory)", file=sys.stderr, flush=True)
+        log.warning(f"the index of {root} cannot be kept in {cache.parent} ({e.strerror}): the next run indexes it "
+                    "again (set JAXTRAIN_INDEX_CACHE to a writable directory)")
     return classes, index
 
 
 def _say_left_out(where: Path, index: dict, warn) -> None:
     left_out = index["bad"] + index["problems"]
     if left_out:
-        warn(f"warning: {where}: {len(left_out)} file(s) left out of the index, e.g. {left_out[0]}"
+        warn(f"{where}: {len(left_out)} file(s) left out of the index, e.g. {left_out[0]}"
              + (f" ({len(left_out) - 1} more)" if len(left_out) > 1 else ""))
 
 
@@ -197,14 +197,10 @@ def _labelled(root: Path, classes: list[str], index: dict, every_class: bool = T
     return files, labels
 
 
-def _stderr(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = None, on_bad: str = "skip",
-         crop_fraction: float = 1.0, warn=_stderr) -> dict[str, FolderSplit]:
+         crop_fraction: float = 1.0, warn=log.warning) -> dict[str, FolderSplit]:
     """``{"train": FolderSplit, "test": FolderSplit}`` of the folder ``root`` (layouts above); ``warn``: how the
-    files left out of the index are said (one line per split)."""
+    files left out of the index are said (one line per split; a run: by its first process only)."""
     if on_bad not in ON_BAD:
         raise ConfigError(f"on_bad_image={on_bad!r}: use one of {', '.join(ON_BAD)}")
     need("PIL.Image", "image folders (dataset=folder:PATH)")

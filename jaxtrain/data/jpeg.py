@@ -154,17 +154,10 @@ def decode(data: bytes, w: int, h: int, size: int, box: tuple[float, float, floa
     return img.resize((size, size), Image.BILINEAR, box=(left - x.value, top - y0, right - x.value, bottom - y0))
 
 
-def main() -> int:
-    """``python -m jaxtrain.data.jpeg``: build the region decoder and say whether it is usable (exit 1 if not)."""
+if __name__ == "__main__":  # python -m jaxtrain.data.jpeg: build the region decoder, say if usable (exit 1 if not)
     import sys
 
-    why = unusable()
-    if why is not None:
+    if (why := unusable()) is not None:
         print(f"JPEG region decoder: not usable: {why}", file=sys.stderr)
-        return 1
+        sys.exit(1)
     print(f"JPEG region decoder: {LIBRARY.build()}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

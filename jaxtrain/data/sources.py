@@ -19,6 +19,7 @@ No TensorFlow is needed: our images are stored as uint8 tensors, not PNGs.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -32,6 +33,8 @@ from jaxtrain.choices import DATASETS, DEFAULT_DATA_DIRS, FOLDER_PREFIX, TFDS_PR
 from jaxtrain.data import cifar, convert, idx
 from jaxtrain.data.split import Split, files_digest, split_digest  # noqa: F401 - Split: the public home
 from jaxtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 LOCAL = {"fashion_mnist": idx, "mnist": idx, "cifar10": cifar}  # name -> the module reading its local files
 assert tuple(LOCAL) == DATASETS
@@ -182,8 +185,7 @@ def load_split(name: str, split: str, *, data_dir=None, tfds_dir=None, progress:
                               f"directory there and prepare it again") from None
         where = convert.conversion_dir(LOCAL[name], name, local, tfds_dir)
         with convert.conversion_lock(where, local):
-            print(f"warning: the converted copy of {local} in {where} is damaged ({reason}); converting again",
-                  file=sys.stderr, flush=True)
+            log.warning(f"the converted copy of {local} in {where} is damaged ({reason}); converting again")
             shutil.rmtree(where, ignore_errors=True)
     return _load_split(name, split, data_dir=data_dir, tfds_dir=tfds_dir, **kwargs)
 

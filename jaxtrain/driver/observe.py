@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +20,8 @@ import jax
 from jaxtrain.driver.config import RunConfig, parse_steps
 from jaxtrain.errors import missing
 from jaxtrain.train.loop import Hook, Loop, evaluation
+
+log = logging.getLogger(__name__)
 
 
 class Events:
@@ -57,8 +59,7 @@ class Events:
             fn(*args)
         except OSError as e:
             self.broken = True
-            print(f"warning: TensorBoard events not written from here on ({e.strerror or e})", file=sys.stderr,
-                  flush=True)
+            log.warning(f"TensorBoard events not written from here on ({e.strerror or e})")
 
     def scalars(self, step: int, values: dict, prefix: str) -> None:
         from tensorboard.plugins.scalar.summary_v2 import scalar_pb
@@ -103,7 +104,7 @@ def step_log(every: int, say, views: Views | None) -> Hook:
         step = loop.total_steps - loop.call_size  # the step these metrics are of: the previous call's last
         lr = f", lr {values['lr']:.4g}" if "lr" in values else ""
         say(f"step {step}: loss {values['loss']:.4f}{lr}, {values['examples_per_sec']:,.0f} examples/s, data wait "
-            f"{100 * values['data_wait_fraction']:.0f}%", flush=True)
+            f"{100 * values['data_wait_fraction']:.0f}%")
         if views is not None:
             views.scalars(step, values, "train_step")
 
@@ -114,7 +115,7 @@ def eval_line(say, views: Views | None):
     """``on_result`` of a step-period ``evaluation``: one line and ``test_step/`` scalars."""
     def show(loop: Loop, result: dict) -> None:
         say(f"step {result['step']}: test loss {result['loss']:.4f}, test acc {result['accuracy']:.3f} "
-            f"({result['count']} examples, {result['sec']:.1f} s)", flush=True)
+            f"({result['count']} examples, {result['sec']:.1f} s)")
         if views is not None:
             views.scalars(result["step"], {"loss": result["loss"], "accuracy": result["accuracy"]}, "test_step")
 

@@ -6,7 +6,7 @@ newest checkpoint's). ``runner`` trains what they make.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 from collections.abc import Callable
 
 import jax
@@ -25,6 +25,20 @@ from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, OPTIONAL_SETTI
 from jaxtrain.train.checkpoint import Checkpointer
 from jaxtrain.train.trainer import Evaluator, Trainer
 
+log = logging.getLogger(__name__)
+
+
+def say(text: str) -> None:
+    """A line of the run's progress, logged by process 0 (every process trains; one speaks)."""
+    if jax.process_index() == 0:
+        log.info(text)
+
+
+def warn(text: str) -> None:
+    """A warning about the run as a whole (not this process's own), logged by process 0."""
+    if jax.process_index() == 0:
+        log.warning(text)
+
 
 @dataclasses.dataclass
 class Setup:
@@ -33,8 +47,7 @@ class Setup:
     config: RunConfig
     devices: list[jax.Device]
     mesh: jax.sharding.Mesh
-    say: Callable  # print on process 0 (parameters said as ``words`` says them), nothing elsewhere
-    words: Callable = str  # the CLI's: parameters as flags (cli.as_flags)
+    say: Callable = say  # a progress line, said by process 0
     model: models.Model | None = None
     trainer: Trainer | None = None  # a PipelineTrainer where the mesh has a "stage" axis
     evaluator: Evaluator | None = None
@@ -47,20 +60,16 @@ class Setup:
     requeue_job: dict | None = None  # --requeue-on-signal: the SLURM job to requeue after a signal's checkpoint
 
 
-def setup_devices(c: RunConfig, words: Callable = str) -> Setup:
+def setup_devices(c: RunConfig) -> Setup:
     devices = devices_lib.setup_devices(c.devices, devices_per_process=c.devices_per_process,
                                         coordinator=c.coordinator, num_processes=c.num_processes,
                                         process_id=c.process_id)
 
-    def say(*text, **kw):
-        if jax.process_index() == 0:
-            print(*(words(str(t)) for t in text), **kw)
-
     if note := remat.offload_note(c.remat, devices[0].platform):  # a bad name fails here, before the data is read
         say(note)
     if jax.process_count() > 1:
-        say(preflight.run(devices), flush=True)
-    return Setup(c, devices, devices_lib.make_mesh(devices, axes=c.mesh), say, words)
+        say(preflight.run(devices))
+    return Setup(c, devices, devices_lib.make_mesh(devices, axes=c.mesh))
 
 
 def validate(s: Setup) -> None:
@@ -109,7 +118,7 @@ def load_data(s: Setup) -> tuple[dict, str]:
     if c.dataset.startswith(FOLDER_PREFIX):  # streamed from disk: only the index is read now
         data = folder.load(c.dataset[len(FOLDER_PREFIX):], c.image_size, val_fraction=c.val_fraction,
                            on_bad=c.on_bad_image, crop_fraction=0.875 if c.augment == "rrc+flip" else 1.0,
-                           warn=lambda text: s.say(text, file=sys.stderr, flush=True))
+                           warn=warn)
         digest = folder.digest(*data.values())
     else:
         data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir,
@@ -141,7 +150,7 @@ def initial_state(s: Setup, settings: dict):
     init = s.model.init
     if c.init_from and not (c.resume and s.checkpointer.latest() is not None):
         loaded = pretrained.load(c.init_from, into=s.model, seed=c.seed)
-        s.say(loaded.summary(c.init_from), flush=True)
+        s.say(loaded.summary(c.init_from))
         init = lambda rng: loaded.variables  # noqa: E731 - every device takes its shards of the file's weights
     state = s.trainer.init(init_fn=init, rng=jax.random.key(c.seed))  # each device makes its shards
     if not c.resume:

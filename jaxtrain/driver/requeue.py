@@ -10,12 +10,15 @@ before training starts, so a run never ends silently instead.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import subprocess
 
 from jaxtrain import settings
 from jaxtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def check(config) -> dict | None:
@@ -46,8 +49,8 @@ def requeue(job: dict, say) -> None:
     process of the job at once: whatever must be written is written before."""
     done = subprocess.run(command(job), capture_output=True, text=True)
     if done.returncode:
-        say(f"error: {' '.join(command(job))} failed: {(done.stderr or done.stdout).strip()}: requeue the job by "
-            "hand (its checkpoint is saved)")
+        log.error(f"{' '.join(command(job))} failed: {(done.stderr or done.stdout).strip()}: requeue the job by "
+                  "hand (its checkpoint is saved)")
     else:
         say(f"requeued the job: {' '.join(command(job))} (it goes on from the checkpoint when it starts again)")
 

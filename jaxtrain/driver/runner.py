@@ -3,16 +3,15 @@
     devices, mesh -> validate -> checkpoints -> data -> build -> state (or resume)   (``prepare``)
     -> outputs -> train -> summary                                                    (here)
 
-Only process 0 prints and writes files; every process trains.
+Only process 0 says the run's progress (logging, ``driver.console``) and writes files; every process trains.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import signal
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -24,7 +23,7 @@ from jaxtrain.errors import Diverged
 from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import hosts
 from jaxtrain.settings import slurm_job
-from jaxtrain.driver import busy, distill, export, notebook, observe, requeue, track
+from jaxtrain.driver import busy, console, distill, export, notebook, observe, requeue, track
 from jaxtrain.driver.config import RunConfig
 from jaxtrain.driver.outputs import RunWriter, claim_out_dir
 from jaxtrain.driver.report import (conv_path, describe, not_learning, run_summary, utilisation_words,
@@ -33,6 +32,8 @@ from jaxtrain.driver.signals import Exit, StopOnSignal, StopVote
 from jaxtrain.driver.prepare import (Finished, Setup, build, initial_state, load_data, open_checkpoints, run_settings,
                                     setup_devices, validate)
 from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
+
+log = logging.getLogger(__name__)
 
 
 def open_outputs(s: Setup, state, position) -> RunWriter | None:
@@ -60,7 +61,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     stats = diagnostics.compiled_stats(s.trainer, state, train_data.batch_at(0, 0))
     if warning := diagnostics.host_memory_warning(stats, s.devices):
-        print(s.words(warning), file=sys.stderr, flush=True)
+        log.warning(warning)
 
     def memory_after_first_step(loop):
         if loop.total_steps == loop.call_size:  # the run's first call (after it: its steps)
@@ -72,7 +73,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
             writer.epoch(e)
         test = f"test acc {e.test_acc:.3f}" if e.test_examples else "not evaluated"
         say(f"epoch {e.epoch}/{c.epochs}: train loss {e.train_loss:.4f}, train acc {e.train_acc:.3f}, {test}, "
-            f"{e.train_sec:.1f} sec, {wait_words(e.data_wait_fraction, c.workers)}", flush=True)
+            f"{e.train_sec:.1f} sec, {wait_words(e.data_wait_fraction, c.workers)}")
 
     def save(state, position):
         with stop.busy():
@@ -149,31 +150,32 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
     plural = "s" * (len(s.devices) != 1)
     s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
           f"device{plural} ({platform}){utilisation_words(summary)}"
-          f"{not_learning(history, first_loss, s.model.num_classes)}", flush=True)
+          f"{not_learning(history, first_loss, s.model.num_classes)}")
     if writer is not None:
         writer.summary(summary)
         s.say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl{'' if writer.no_plot else ', curves.png'}")
     if jax.process_count() > 1:  # every process vouches for the same result
-        print(f"process {jax.process_index()}: params_digest {summary['params_digest']}", flush=True)
+        log.info(f"process {jax.process_index()}: params_digest {summary['params_digest']}")
     return summary
 
 
-def run(config: RunConfig, stop: StopOnSignal | None = None, words: Callable = str) -> dict:
-    """Train as ``config`` says; print progress; write the run's files; return the summary. ``words``: how the
-    printed lines say a parameter (the command line: as its flag). ``stop``: the command's signal handling; without
-    it (the Python API, a notebook) a Ctrl-C during training checkpoints and stops, says where its checkpoint is,
-    and raises KeyboardInterrupt."""
-    if stop is not None:
-        return _run(config, stop, words)
-    with StopOnSignal().interrupts() as stop:
-        try:
-            return _run(config, stop, words)
-        except Exit:
-            raise KeyboardInterrupt("training stopped (the line above says what was saved)") from None
+def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
+    """Train as ``config`` says; say its progress (``driver.console``: logged, shown unless the caller routes the
+    ``jaxtrain`` logger); write the run's files; return the summary. ``stop``: the command's signal handling;
+    without it (the Python API, a notebook) a Ctrl-C during training checkpoints and stops, says where its
+    checkpoint is, and raises KeyboardInterrupt."""
+    with console.lines():
+        if stop is not None:
+            return _run(config, stop)
+        with StopOnSignal().interrupts() as stop:
+            try:
+                return _run(config, stop)
+            except Exit:
+                raise KeyboardInterrupt("training stopped (the line above says what was saved)") from None
 
 
-def _run(config: RunConfig, stop: StopOnSignal, words: Callable) -> dict:
-    s, c = setup_devices(config, words), config  # first: the device count is set before anything starts JAX's backend
+def _run(config: RunConfig, stop: StopOnSignal) -> dict:
+    s, c = setup_devices(config), config  # first: the device count is set before anything starts JAX's backend
     stop.vote = StopVote(s.devices) if jax.process_count() > 1 else None
     if stop.vote and c.stall_timeout:
         stop.watch_stalls(c.stall_timeout, f"process {jax.process_index()} on {hosts.host_of(jax.process_index())}")
@@ -200,7 +202,7 @@ def _run(config: RunConfig, stop: StopOnSignal, words: Callable) -> dict:
         with track.view(c.track, out_dir, {**dataclasses.asdict(c), **settings}, c.track_group,
                         resumed=bool(position)) as tracker:
             pipeline = s.trainer.describe() if s.trainer.pipeline_layout else None
-            s.say(describe(c, s.model, s.devices, s.mesh, s.layout, pipeline, data, out_dir), flush=True)
+            s.say(describe(c, s.model, s.devices, s.mesh, s.layout, pipeline, data, out_dir))
             state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop, tracker)
             summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
             if tracker is not None:

@@ -26,12 +26,15 @@ handlers do nothing but keep the default actions away.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 # SIGUSR1: what SLURM's --signal=B:USR1@SECONDS sends before a time limit (srun passes it on to the tasks).
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -53,9 +56,9 @@ def _ignore(*_):
 
 def _exit_now(signum: int, why: str) -> None:
     name = signal.Signals(signum).name
-    try:
+    try:  # written straight to stderr: a signal handler must not take logging's locks (a record may hold them)
         sys.stdout.flush()
-        print(f"{name}: {why}", file=sys.stderr, flush=True)
+        os.write(2, f"{name}: {why}\n".encode())
     finally:
         os._exit(128 + signum)
 
@@ -94,9 +97,8 @@ class StopOnSignal:
                 time.sleep(min(1.0, seconds / 4))
                 quiet = time.monotonic() - self._last
                 if self._training and self._step >= 2 and not self._busy and not self.signum and quiet > seconds:
-                    print(f"error: {who}: no train step finished for {quiet:.0f} s (stall_timeout={seconds:g}): a "
-                          "collective is waiting on a process that is stuck or gone; exiting", file=sys.stderr,
-                          flush=True)
+                    log.error(f"{who}: no train step finished for {quiet:.0f} s (stall_timeout={seconds:g}): a "
+                              "collective is waiting on a process that is stuck or gone; exiting")
                     os._exit(STALLED_EXIT)
 
         threading.Thread(target=watch, daemon=True, name="jaxtrain-stall-watch").start()

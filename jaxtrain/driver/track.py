@@ -27,16 +27,15 @@ import contextlib
 import json
 import logging
 import netrc
-import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
 from jaxtrain import settings
+from jaxtrain.driver.signals import Exit
 from jaxtrain.io.dirlock import taking_turns
 from jaxtrain.io.files import atomic_write
-from jaxtrain.driver.signals import Exit
 
-log = logging.getLogger("jaxtrain.driver")
+log = logging.getLogger(__name__)
 
 
 class Tracker:
@@ -210,8 +209,7 @@ def mlflow_experiment(uri: str, name: str):
     if uri.startswith(("http://", "https://")):
         for var, value in HTTP_WAIT.items():
             settings.default_tracker(var, value)
-        print(f"--track mlflow: connecting to {uri} (up to {_http_wait_sec()} s if it does not answer)",
-              file=sys.stderr, flush=True)
+        log.info(f"--track mlflow: connecting to {uri} (up to {_http_wait_sec()} s if it does not answer)")
     sqlite = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
     with taking_turns(sqlite) if sqlite else contextlib.nullcontext():  # the client's first use makes its tables
         client = MlflowClient(uri)

@@ -11,13 +11,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
 from jaxtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class DirLock:
@@ -40,7 +42,7 @@ class DirLock:
         except BlockingIOError:
             owner = _read_owner(fd)
             if self.waiting is not None:
-                print(f"{self.waiting} ({owner}) ...", file=sys.stderr, flush=True)
+                log.info(f"{self.waiting} ({owner}) ...")
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 return self._own(fd)
             os.close(fd)

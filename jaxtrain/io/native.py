@@ -14,16 +14,18 @@ import atexit
 import ctypes
 import dataclasses
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from jaxtrain import settings
 from jaxtrain.io.files import atomic_write
+
+log = logging.getLogger(__name__)
 
 BUILD_TIMEOUT_S = 600  # g++ takes ~5 s here; a machine 100x busier still finishes
 INSTALL_CXX = "install g++ (make onednn; Debian: apt-get install g++)"
@@ -39,11 +41,11 @@ class Unusable(OSError):
 
 
 def note(text: str) -> None:
-    """One line on stderr, on process 0 only (every process of a run would say the same)."""
+    """A warning, logged by process 0 only (every process of a run would say the same)."""
     import jax
 
     if jax.process_index() == 0:
-        print(f"warning: {text}", file=sys.stderr, flush=True)
+        log.warning(text)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -195,13 +195,8 @@ def hlo_flops(hlo_text: str) -> float:
     return total
 
 
-def main() -> int:
-    """``python -m jaxtrain.kernels.onednn``: build the library; exit 0 if usable, else 1 with why (one line)."""
+if __name__ == "__main__":  # python -m jaxtrain.kernels.onednn: build the library; exit 0 if usable, else 1 and why
     why = reason()
     print(f"oneDNN convolutions: {'not usable: ' + why if why else 'usable (' + _library()._name + ')'}",
           file=sys.stderr if why else sys.stdout)
-    return 1 if why else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(1 if why else 0)

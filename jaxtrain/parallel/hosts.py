@@ -13,13 +13,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import socket
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from jaxtrain import settings
+
+log = logging.getLogger(__name__)
 
 MAX_CPUS = 4096  # the affinity bitmask's width: CPUs numbered beyond it are not counted
 NAME_BYTES = 64  # a hostname's first bytes, sent along for messages that name a process's host
@@ -94,10 +96,10 @@ def learn() -> Share:
     bound = [p for p, s in enumerate(shares) if s.bound]
     if bound and jax.process_index() == 0 and jax.local_devices()[0].platform == "cpu":
         s = shares[bound[0]]
-        print(f"note: process {bound[0]} may run on {s.own_cores} of the {s.cores} cores its host's processes use "
-              "(its launcher binds it: mpirun by default, srun with --cpu-bind): XLA:CPU sizes its threads by "
-              "them, so parameters may differ in the last bits from a 1-process run on as many devices; "
-              "mpirun --bind-to none (srun --cpu-bind=none) keeps them equal", file=sys.stderr, flush=True)
+        log.info(f"note: process {bound[0]} may run on {s.own_cores} of the {s.cores} cores its host's processes "
+                 "use (its launcher binds it: mpirun by default, srun with --cpu-bind): XLA:CPU sizes its threads by "
+                 "them, so parameters may differ in the last bits from a 1-process run on as many devices; "
+                 "mpirun --bind-to none (srun --cpu-bind=none) keeps them equal")
     return _learned
 
 
@@ -114,8 +116,8 @@ def current() -> Share:
 
 @functools.cache
 def _say_unknown() -> None:
-    print("note: jax.distributed was started outside jt.setup_devices, so the processes sharing this host are "
-          "unknown: thread counts assume this process is alone on its cores", file=sys.stderr, flush=True)
+    log.info("note: jax.distributed was started outside jt.setup_devices, so the processes sharing this host are "
+             "unknown: thread counts assume this process is alone on its cores")
 
 
 def host_of(process: int) -> str:

@@ -4,15 +4,17 @@ given."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-import sys
 from pathlib import Path
 
 import jax
 
 from jaxtrain import settings
 from jaxtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # A dead peer must end the run within a minute, not after JAX's default 100 s.
 HEARTBEAT_TIMEOUT_SECONDS = 30
@@ -28,8 +30,8 @@ def _in_cluster() -> bool:
             settings.check_job(job)
         return job.tasks > 1
     if job.launcher == "SLURM" and "SLURM_STEP_NODELIST" in job.missing:
-        print(f"note: in a SLURM allocation of {job.tasks} tasks but not in an srun step: running as one process "
-              f"(srun python ... starts {job.tasks})", file=sys.stderr, flush=True)
+        log.info(f"note: in a SLURM allocation of {job.tasks} tasks but not in an srun step: running as one "
+                 f"process (srun python ... starts {job.tasks})")
         return False
     how = ("start the tasks with srun" if job.launcher == "SLURM" else
            "JAX finds Open MPI 4's coordinator only (Open MPI 5 sets none)")
@@ -72,13 +74,12 @@ def _join(coordinator, num_processes, process_id) -> None:
     where = f" at {coordinator}" if coordinator else ""
 
     def waiting():
-        print(f"{who}: waiting for the other processes to join{where} (up to {timeout:.0f} s; "
-              f"${settings.VARIABLES['join_timeout']} sets it) ...", file=sys.stderr, flush=True)
+        log.info(f"{who}: waiting for the other processes to join{where} (up to {timeout:.0f} s; "
+                 f"${settings.VARIABLES['join_timeout']} sets it) ...")
 
     def give_up():
-        print(f"error: {who}: the other processes did not join{where} within {timeout:.0f} s: start all of them "
-              "(python -m jaxtrain.launch starts them together) with the same --coordinator", file=sys.stderr,
-              flush=True)
+        log.error(f"{who}: the other processes did not join{where} within {timeout:.0f} s: start all of them "
+                  "(python -m jaxtrain.launch starts them together) with the same --coordinator")
         os._exit(2)
 
     joined = threading.Event()

@@ -2,26 +2,11 @@
 trial a run in a subprocess, and the sweep's report.
 """
 
-__all__ = ["main", "sweep"]
-
-
-def run_command(argv, prog: str) -> int:
-    """The sweep's command line as ``prog`` (``jaxtrain sweep``, ``python -m jaxtrain.sweep``): its extra missing
-    is one line, exit 2 (``jaxtrain.sweep.command`` needs optuna to import)."""
-    import sys
-
-    from jaxtrain.errors import ConfigError
-
-    try:
-        from jaxtrain.sweep.command import main
-    except ConfigError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return e.EXIT_CODE
-    return main(argv, prog=prog)
+__all__ = ["sweep"]
 
 
 def __getattr__(name: str):
-    """``from jaxtrain.sweep import sweep`` (the Python API) and ``main`` (the command), imported on first use."""
+    """``from jaxtrain.sweep import sweep`` (the Python API), imported on first use (it needs optuna)."""
     if name in __all__:
         from jaxtrain.sweep import command
 

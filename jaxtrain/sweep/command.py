@@ -1,4 +1,4 @@
-"""Hyperparameter sweeps on Optuna, with a real study database: ``python -m jaxtrain.sweep``.
+"""Hyperparameter sweeps on Optuna, with a real study database (the command: ``python -m jaxtrain.sweep``).
 
     python -m jaxtrain.sweep --study lenet-lr --storage sqlite:///runs/sweeps.db --trials 20 \\
         --param lr=log:1e-3:1 --param batch_size=choice:128,256,512 --param optimizer=choice:sgd,momentum,adamw \\
@@ -18,7 +18,7 @@ are tried once more. From Python: ``sweep(study, storage, params, base=RunConfig
 
 from __future__ import annotations
 
-import argparse
+import logging
 import os
 import shutil
 import subprocess
@@ -34,6 +34,8 @@ need("optuna", "jaxtrain sweep")  # before the modules that import it: one line,
 need("matplotlib.pyplot", "jaxtrain sweep's report")  # in the same extra: only a hand-made install lacks it
 from jaxtrain.sweep import study as S, trial_run as R, trials as T  # noqa: E402
 from jaxtrain.sweep.workers import Signals, Workers  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 
 def slots(parallel: int) -> list[dict]:
@@ -59,11 +61,21 @@ def _gpu_count() -> int:
 
 def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, base=None, objective: str = "test_acc",
           direction: str = "maximize", prune: bool = False, parallel: int = 1, out_dir: str | None = None,
-          seed: int | None = None, say=print):
+          seed: int | None = None):
     """Run ``study`` on to ``trials`` finished trials; the Optuna study. ``params``: ``--param`` specs (or
     trials.Param); the runs: ``command`` (argv) or ``base`` (a RunConfig, run as ``python -m jaxtrain.cli``);
     ``seed``: the sampler's (None: the study's own; a new study's is 0). A signal (SIGINT, SIGTERM) stops the
-    running trials and raises ``trial_run.Interrupted``."""
+    running trials and raises ``trial_run.Interrupted``. Its lines (a trial each, the report) are logged
+    (``jaxtrain.driver.console``: shown unless the caller routes the ``jaxtrain`` logger)."""
+    from jaxtrain.driver import console
+
+    with console.lines():
+        return _sweep(study, storage, params, trials, command, base, objective, direction, prune, parallel, out_dir,
+                      seed)
+
+
+def _sweep(study, storage, params, trials, command, base, objective, direction, prune, parallel, out_dir, seed):
+    say = log.info
     import optuna
     import sqlalchemy.exc
 
@@ -98,7 +110,7 @@ def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, b
             done = S.counts(s, ("COMPLETE", "PRUNED"))
             say(f"study {study!r} in {storage}: {done} of {trials} trials finished; runs in {folder}")
             env = cmd.trial_env(folder)
-            _prepare_tracking(cmd, env, study, say)
+            _prepare_tracking(cmd, env, study)
             workers = Workers(s, rdb, cmd, params, folder, objective, prune, env, trials, stop, say)
             workers.run(slots(parallel))
         if stop.signum:
@@ -127,7 +139,7 @@ def writable(folder: Path, what: str) -> None:
         raise ConfigError(f"{what}: cannot write in {folder} ({e.strerror}); choose another --dir") from None
 
 
-def _prepare_tracking(cmd, env: dict, study: str, say) -> None:
+def _prepare_tracking(cmd, env: dict, study: str) -> None:
     """A tracked study's MLflow store and experiment, made once before the trials (parallel trials raced)."""
     if cmd.model is None or cmd.config({}).track != "mlflow":
         return
@@ -137,8 +149,8 @@ def _prepare_tracking(cmd, env: dict, study: str, say) -> None:
     try:
         track.mlflow_experiment(uri, cmd.config({}).track_group or study)
     except Exception as e:  # noqa: BLE001 - a view: the trials go on, each saying so in its log
-        say(f"warning: --track mlflow: cannot prepare {uri} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-            "each trial will try on its own")
+        log.warning(f"--track mlflow: cannot prepare {uri} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                    "each trial will try on its own")
 
 
 def _model_of(command) -> str:
@@ -150,68 +162,3 @@ def _default_dir(storage: str, study: str) -> Path:
     if storage.startswith("sqlite:///"):
         return Path(storage.removeprefix("sqlite:///")).expanduser().parent / study
     return Path("runs") / "sweeps" / study
-
-
-def make_parser(prog: str = "python -m jaxtrain.sweep") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Hyperparameter sweep on Optuna: each trial a normal run (its own --out), the study in a "
-                    "database; run it again to go on (nothing finished is re-run).",
-        epilog="example:\n  python -m jaxtrain.sweep --study lenet-lr --storage sqlite:///runs/sweeps.db --trials 20 "
-               "\\\n      --param lr=log:1e-3:1 --param batch_size=choice:128,256,512 \\\n"
-               "      --param optimizer=choice:sgd,momentum,adamw -- python -m experiments.lenet --epochs 3\n\n"
-               "--param NAME=KIND:VALUES, NAME a run's setting (lr, batch_size, ...), KIND one of:\n"
-               + "".join(f"  {k:7s} {v}\n" for k, v in T.KINDS.items())
-               + "\nTracking: add --track wandb|mlflow to the command; each trial is logged, grouped by study.")
-    p.add_argument("--study", required=True, help="the study's name (in the storage)")
-    p.add_argument("--storage", default="sqlite:///runs/sweeps.db", help="Optuna storage URL (default: %(default)s)")
-    p.add_argument("--trials", type=int, default=20, help="finished trials to reach (complete or pruned; default 20)")
-    p.add_argument("--param", action="append", default=[], metavar="NAME=KIND:VALUES", help="a swept setting (repeat)")
-    p.add_argument("--objective", default="test_acc", help="summary.json number to optimise (default: test_acc)")
-    p.add_argument("--direction", choices=("maximize", "minimize"), default="maximize")
-    p.add_argument("--prune", action="store_true", help="stop hopeless trials early (median of the trials so far, "
-                                                        "per epoch of the objective)")
-    p.add_argument("--parallel", type=int, default=1, help="trials at once, each on its share of the GPUs (or CPU "
-                   "cores); on a CPU-only box 1 is right: one run already uses every core (default 1)")
-    p.add_argument("--dir", help="the study's folder of trial runs (default: next to a SQLite storage: DIR/STUDY)")
-    p.add_argument("--seed", type=int, help="the sampler's seed: trial N's settings are drawn from (seed, N), so a "
-                   "sweep continued in chunks or by several workers draws as one sweep would (default: the study's "
-                   "own; a new study's is 0)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the run's command")
-    return p
-
-
-def main(argv=None, prog: str = "python -m jaxtrain.sweep") -> int:
-    parser = make_parser(prog)
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if args.trials < 1 or args.parallel < 1:
-        parser.error("--trials and --parallel take numbers >= 1")
-    try:
-        study = sweep(args.study, args.storage, args.param, args.trials, command=command, objective=args.objective,
-                      direction=args.direction, prune=args.prune, parallel=args.parallel, out_dir=args.dir,
-                      seed=args.seed)
-    except ConfigError as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return e.EXIT_CODE
-    except Interrupted as e:
-        stopped = (f"; trial(s) {', '.join(map(str, e.stopped))} stopped, marked failed, their settings queued "
-                   "again" if e.stopped else "")
-        print(f"{parser.prog}: {e} received: stopped{stopped}; run the same command to go on", file=sys.stderr)
-        return 128 + e.signum
-    except KeyboardInterrupt:  # before the sweep's own handling began
-        print(f"{parser.prog}: interrupted; run the same command to go on", file=sys.stderr)
-        return 130
-    import optuna
-
-    state = optuna.trial.TrialState
-    finished = study.get_trials(deepcopy=False, states=(state.COMPLETE, state.PRUNED))
-    running = S.running_elsewhere(study)
-    if running and len(finished) < args.trials:  # another worker of the study (a job array's task) has the rest
-        print(f"{parser.prog}: {running} trial(s) still running in other sweeps of study {args.study!r}: it "
-              "finishes when they do", file=sys.stderr)
-    return 0 if len(finished) + running >= args.trials else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -135,7 +135,7 @@ class Workers:
             self._fail(trial)
             raise
         self.running.discard(trial.number)
-        self.say(self.line(ended), flush=True)
+        self.say(self.line(ended))
 
     def _fail(self, trial) -> None:
         """Mark ``trial`` failed if the database still lets us (a full disk may not)."""

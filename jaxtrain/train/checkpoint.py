@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,6 +37,8 @@ from jaxtrain.io.dirlock import DirLock
 from jaxtrain.io.files import drop_closed_loop_reports, ensure_room, ensure_writable, out_of_space
 from jaxtrain.train import integrity
 from jaxtrain.train.loop import Position, check_finite
+
+log = logging.getLogger(__name__)
 
 UNREADABLE = "unreadable"
 # What orbax and tensorstore say when a checkpoint's bytes are damaged (seen with files truncated, zeroed,
@@ -223,8 +225,7 @@ class Checkpointer:
 
             multihost_utils.sync_global_devices(f"jaxtrain checkpoint {step} moved aside")
         self.manager.reload()
-        print(f"warning: checkpoint at step {step} in {self.directory} {problem}: moved it to {where}",
-              file=sys.stderr, flush=True)
+        log.warning(f"checkpoint at step {step} in {self.directory} {problem}: moved it to {where}")
 
     def close(self) -> None:
         with self._io(self._saving):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Mapping
 
 import jax
@@ -18,6 +18,8 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import call_checks, rules, sharding, strategies
 from jaxtrain.parallel.devices import make_mesh, typed
 from jaxtrain.parallel.placement import Plan
+
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -78,9 +80,9 @@ class Trainer:
         if idle and not self._axes_said and self.model_axes != "explicit" and jax.process_index() == 0:
             self._axes_said = True
             axis, size = idle[0], self.mesh.shape[idle[0]]
-            print(f"warning: mesh axis {axis!r} ({size} devices) is used by no parameter rule: those devices "
-                  f"compute the same thing; give them to 'data' (mesh data=N) or use a param_sharding that "
-                  f"splits over {axis!r}", file=sys.stderr, flush=True)
+            log.warning(f"mesh axis {axis!r} ({size} devices) is used by no parameter rule: those devices compute "
+                        f"the same thing; give them to 'data' (mesh data=N) or use a param_sharding that splits over "
+                        f"{axis!r}")
 
     def layout(self, params) -> dict:
         """Where each parameter goes (``params``: arrays or shapes):
