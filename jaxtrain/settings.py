@@ -188,6 +188,18 @@ def xla_flags() -> str:
     return os.environ.get("XLA_FLAGS", "")
 
 
+# The settings read while a step is traced or compiled: they change the program a run compiles, so a run records
+# them (jaxtrain.driver.prepare.run_settings), and a resume under other values says which.
+PROGRAM = ("xla_defaults", "no_materialize", "onednn_threads", "onednn_blocked", "pallas_gpu", "pallas_interpret")
+
+
+def program() -> dict:
+    """What changes the compiled program outside a run's config, by the variable that sets it: the ``PROGRAM``
+    settings and ``$XLA_FLAGS`` as it is now (jaxtrain's flags added)."""
+    s = current()
+    return {**{VARIABLES[name]: getattr(s, name) for name in PROGRAM}, "XLA_FLAGS": xla_flags()}
+
+
 # Other programs' variables that jaxtrain follows, read here too (when asked: JAX reads them when it starts).
 
 def jax_platforms() -> str:

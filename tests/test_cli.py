@@ -309,6 +309,30 @@ def test_launcher_exits_128_plus_signal_when_a_worker_is_killed():
     assert "was killed by SIGKILL; stopping the others" in out.stderr
 
 
+@needs_fashion_mnist
+def test_a_resume_under_other_program_settings_says_which_in_its_line(tmp_path):
+    """The variables read while the step is traced (and $XLA_FLAGS) change the compiled program: they were in
+    neither the config nor the checkpoint, so a resume under others compiled another program without a word."""
+    def lenet(max_steps, **env):
+        return run_cli(*LENET, "--devices", "1", "--max-steps", str(max_steps), "--batch-size", "64",
+                       "--train-subset", "256", "--test-subset", "64", "--checkpoint-every", "2", "--no-progress",
+                       "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / f"o{max_steps}"),
+                       *(["--resume"] if max_steps > 2 else []), env=env)
+
+    first = lenet(2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    recorded = json.loads((tmp_path / "o2" / "model.json").read_text())["settings"]
+    assert recorded["JAXTRAIN_NO_MATERIALIZE"] is False and recorded["JAXTRAIN_PALLAS_GPU"] == "auto"
+    assert "XLA_FLAGS" in recorded
+    same = lenet(3)
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert "resuming from step 2 (epoch 1, batch 2); changed since: max_steps 2 -> 3\n" in same.stdout, same.stdout
+    other = lenet(4, JAXTRAIN_NO_MATERIALIZE="1", JAXTRAIN_PALLAS_GPU="triton")
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert ("resuming from step 3 (epoch 1, batch 3); changed since: max_steps 3 -> 4, JAXTRAIN_NO_MATERIALIZE "
+            "False -> True, JAXTRAIN_PALLAS_GPU 'auto' -> 'triton'\n") in other.stdout, other.stdout
+
+
 @pytest.mark.slow
 @needs_fashion_mnist
 def test_resume_under_another_mesh_and_sharding_goes_on_where_the_run_stopped(tmp_path):

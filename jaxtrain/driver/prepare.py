@@ -20,6 +20,7 @@ from jaxtrain.io.dirlock import DirLock
 from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.parallel import hosts
 from jaxtrain.parallel import preflight
+from jaxtrain.settings import program
 from jaxtrain.driver import assemble, distill
 from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, OPTIONAL_SETTINGS, RunConfig
 from jaxtrain.train.checkpoint import Checkpointer
@@ -131,11 +132,13 @@ def load_data(s: Setup) -> tuple[dict, str]:
 
 
 def run_settings(s: Setup, data_sha256: str, class_names: tuple[str, ...] | None = None) -> dict:
-    """What a checkpoint records of the run (and ``--resume`` compares); an image folder's class names too."""
+    """What a checkpoint records of the run (and ``--resume`` compares): its config's settings, and what else
+    changes the program it compiles (``settings.program``: the variables read at trace time, ``$XLA_FLAGS``); an
+    image folder's class names too."""
     c = s.config
     settings = {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS)  # mesh: the flag
                    if hasattr(c, k) and (k not in OPTIONAL_SETTINGS or getattr(c, k))},
-                **models.revision_settings(c.model),
+                **models.revision_settings(c.model), **program(),
                 "data_sha256": data_sha256, "experiment": c.model, "devices": len(s.devices),
                 "processes": jax.process_count(), "pipeline_layout": s.trainer.pipeline_layout,
                 **({"class_names": list(class_names)} if class_names else {})}
@@ -166,7 +169,7 @@ def initial_state(s: Setup, settings: dict):
               f"test loss {r['test_loss']:.4f}; nothing to do (raise epochs= or max_steps= to train on)")
         s.checkpointer.close()
         raise Finished({"already_finished": True, "steps": steps, "test_acc": r["test_acc"]}, restored.state)
-    changed = [f"{k} {restored.settings.get(k)!r} -> {settings[k]!r}" for k in FREE_SETTINGS
+    changed = [f"{k} {restored.settings.get(k)!r} -> {settings[k]!r}" for k in (*FREE_SETTINGS, *program())
                if k in restored.settings and restored.settings[k] != settings[k]]  # a newer setting: not a change
     s.say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})"
           + (f"; changed since: {', '.join(changed)}" if changed else ""))
