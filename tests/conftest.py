@@ -103,6 +103,16 @@ def random_batch(size: int, seed: int = 0) -> dict:
     }
 
 
+@pytest.fixture
+def command_line():
+    """The library's log lines as a command line shows them while the test runs (``cli.library_log``: progress on
+    stdout, ``warning: ...`` on stderr, parameters as flags)."""
+    from jaxtrain import cli
+
+    with cli.library_log():
+        yield
+
+
 def cached_compiles(env) -> dict:
     """``env`` plus JAX's persistent compilation cache (_jit_cache_dir), shared with the run's subprocesses (~3 s less
     per LeNet start here). Not for tests of start-up timing or of kills (test_faults.start leaves it out)."""

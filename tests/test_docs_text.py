@@ -27,7 +27,7 @@ def _help(module: str) -> str:
     """What ``python -m MODULE --help`` prints, in-process."""
     from jaxtrain import cli
 
-    mod = importlib.import_module(module)
+    mod = importlib.import_module(f"{module}.__main__" if module == "jaxtrain.sweep" else module)
     entry = getattr(mod, "run", None) or mod.main  # experiments.distill: run() checks --teacher and --student
     if entry is cli.main:  # experiments.lenet, resnet18, vit: RunConfig's flags
         return cli.make_parser(module.split(".")[-1]).format_help()

@@ -314,6 +314,6 @@ def test_a_tracked_sweep_makes_its_mlflow_store_before_its_trials(tmp_path, monk
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cmd = T.Command.parse(["python", "-m", "experiments.lenet", "--track", "mlflow"], ["lr"])
     env = cmd.trial_env(tmp_path)
-    _prepare_tracking(cmd, env, "study", quiet)
+    _prepare_tracking(cmd, env, "study")
     experiment = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("study")
     assert experiment is not None and experiment.artifact_location == (tmp_path / "mlartifacts").as_uri()

@@ -61,21 +61,20 @@ def _gpu_count() -> int:
 
 def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, base=None, objective: str = "test_acc",
           direction: str = "maximize", prune: bool = False, parallel: int = 1, out_dir: str | None = None,
-          seed: int | None = None):
+          seed: int | None = None, say=None):
     """Run ``study`` on to ``trials`` finished trials; the Optuna study. ``params``: ``--param`` specs (or
     trials.Param); the runs: ``command`` (argv) or ``base`` (a RunConfig, run as ``python -m jaxtrain.cli``);
     ``seed``: the sampler's (None: the study's own; a new study's is 0). A signal (SIGINT, SIGTERM) stops the
     running trials and raises ``trial_run.Interrupted``. Its lines (a trial each, the report) are logged
-    (``jaxtrain.driver.console``: shown unless the caller routes the ``jaxtrain`` logger)."""
+    (``jaxtrain.driver.console``: shown unless the caller routes the ``jaxtrain`` logger), or given to ``say``."""
     from jaxtrain.driver import console
 
     with console.lines():
         return _sweep(study, storage, params, trials, command, base, objective, direction, prune, parallel, out_dir,
-                      seed)
+                      seed, say or log.info)
 
 
-def _sweep(study, storage, params, trials, command, base, objective, direction, prune, parallel, out_dir, seed):
-    say = log.info
+def _sweep(study, storage, params, trials, command, base, objective, direction, prune, parallel, out_dir, seed, say):
     import optuna
     import sqlalchemy.exc
 
