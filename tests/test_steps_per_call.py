@@ -281,3 +281,40 @@ def test_lower_steps_from_shapes_lays_the_steps_out_straight_when_unrolled(strat
     assert "stablehlo.while" in looped and "stablehlo.while" not in straight
     assert trainer.lower_steps(state, shapes).compile() is not None
     assert "stablehlo.while" not in trainer.lower_steps(state, shapes, unroll=None).as_text()  # auto: a CPU's
+
+
+FMA_PROBE = """
+import jaxtrain as jt
+jt.setup_devices(2)
+import jax, jax.numpy as jnp, numpy as np, optax
+def mlp_loss(params, model_state, batch, rng):  # test_calls' MLP: dense layers, no convolution
+    logits = jnp.tanh(batch["image"].reshape(len(batch["image"]), -1) @ params["w1"]) @ params["w2"]
+    return optax.softmax_cross_entropy(logits, jax.nn.one_hot(batch["label"], 10)).mean(), (model_state, {})
+rng = np.random.default_rng(0)
+batches = [{"image": rng.random((64, 12, 12, 1), dtype=np.float32),
+            "label": rng.integers(0, 10, 64).astype(np.int32)} for _ in range(2)]
+params = {"w1": jax.random.normal(jax.random.key(1), (144, 32)) * 0.1,
+          "w2": jax.random.normal(jax.random.key(2), (32, 10)) * 0.1}
+for name, tx, strategy in (("momentum", optax.sgd(0.1, momentum=0.9), "ring"), ("adam", optax.adam(1e-3), "shard_map")):
+    trainer = jt.make_train_step(mlp_loss, tx, mesh=2, strategy=strategy)
+    single = trainer.init(params)
+    for b in batches:
+        single, _ = trainer.step(single, b)
+    straight, _ = trainer.steps(trainer.init(params), jax.tree.map(lambda *xs: np.stack(xs), *batches), unroll=True)
+    leaves = [jax.tree.leaves(jax.device_get((s.params, s.opt_state))) for s in (single, straight)]
+    same = all(np.array_equal(a, b) for a, b in zip(*leaves))
+    print(name, strategy, same)
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="--xla_cpu_max_isa names x86-64 instruction sets")
+def test_without_fma_instructions_the_optimizers_update_is_bit_for_bit_laid_out_straight():
+    """Why the ring's momentum and shard_map's Adam end an ulp apart laid out straight (docs/train-step.md): LLVM
+    contracts another set of multiply-adds into FMAs where XLA fuses the update's expression otherwise. Without
+    FMA instructions every one is the single steps' state, bit for bit."""
+    from conftest import run_cli
+
+    out = run_cli("-c", FMA_PROBE, env={"XLA_FLAGS": "--xla_cpu_max_isa=AVX"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = out.stdout.splitlines()[-2:]
+    assert said == ["momentum ring True", "adam shard_map True"], out.stdout + out.stderr[-2000:]
