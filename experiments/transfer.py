@@ -79,4 +79,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxtrain.cli import library_log
+
+    with library_log():  # the library's log lines, as a command line says them
+        sys.exit(main())

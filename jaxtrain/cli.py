@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from jaxtrain.choices import MESH_AXES
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
-from jaxtrain.driver import console
+from jaxtrain.io import console
 from jaxtrain.driver.config import DATASET_FIELDS, RECIPE_FIELDS, RunConfig, flag
 
 
@@ -92,8 +92,8 @@ def as_flags(message: str, flags: dict[str, str] | None = None) -> str:
 
 
 def library_log(flags: dict[str, str] | None = None):
-    """While a command runs: the library's log lines (``driver.console.lines``: progress on stdout, ``warning: ...``
-    on stderr), its parameters said as flags (``on_bad_image=error`` -> ``--on-bad-image error``; ``flags``: as
+    """While a command runs: the library's log lines (``io.console.lines``: progress on stdout, ``warning: ...`` on
+    stderr), its parameters said as flags (``on_bad_image=error`` -> ``--on-bad-image error``; ``flags``: as
     ``as_flags``). Nested (a command's ``one_line_errors`` around ``main``, which says them too), the outer one
     says them: once."""
     return console.lines(functools.partial(as_flags, flags=flags))

@@ -263,7 +263,7 @@ def writes_to_the_terminal(source: str) -> list[int]:
 
 def test_the_library_logs_and_never_prints():
     """What the library says goes through ``logging`` (a sweep, a notebook or a job routes or silences it;
-    ``jaxtrain.driver.console`` shows it as lines); only the command lines print."""
+    ``jaxtrain.io.console`` shows it as lines); only the command lines print."""
     printing = {name: lines for name, path in MODULES.items() if name not in PRINTERS
                 if (lines := writes_to_the_terminal(path.read_text()))}
     assert not printing, printing

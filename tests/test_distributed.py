@@ -225,7 +225,7 @@ def test_a_worker_stuck_on_a_dead_peer_stops_by_itself_on_sigterm(tmp_path):
     os.kill(kids[1], signal.SIGSTOP)  # alive but silent: process 0's next all-reduce waits forever
     os.kill(kids[0], signal.SIGTERM)
     output, _ = launcher.communicate(timeout=HANG_SECONDS)
-    stuck = [line for line in output.splitlines() if line.startswith("[rank 0] SIGTERM: no step finished for ")]
+    stuck = [line for line in output.splitlines() if line.startswith("[rank 0] error: SIGTERM: no step finished for ")]
     assert len(stuck) == 1, output[-3000:]
     assert int(stuck[0].split("no step finished for ")[1].split()[0]) >= StopOnSignal.STALL  # its stall watch
     assert "process 0 exited with code 143; stopping the others" in output  # then the launcher kills the stopped one

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain import settings
+from jaxtrain.io import console
 from jaxtrain.data import jpeg
 from jaxtrain.errors import ConfigError, need
 
@@ -197,6 +198,7 @@ def _labelled(root: Path, classes: list[str], index: dict, every_class: bool = T
     return files, labels
 
 
+@console.shown
 def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = None, on_bad: str = "skip",
          crop_fraction: float = 1.0, warn=log.warning) -> dict[str, FolderSplit]:
     """``{"train": FolderSplit, "test": FolderSplit}`` of the folder ``root`` (layouts above); ``warn``: how the

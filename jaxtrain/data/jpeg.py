@@ -157,7 +157,11 @@ def decode(data: bytes, w: int, h: int, size: int, box: tuple[float, float, floa
 if __name__ == "__main__":  # python -m jaxtrain.data.jpeg: build the region decoder, say if usable (exit 1 if not)
     import sys
 
-    if (why := unusable()) is not None:
+    from jaxtrain.io import console
+
+    with console.lines():  # the build's warnings, as a command line says them
+        why = unusable()
+    if why is not None:
         print(f"JPEG region decoder: not usable: {why}", file=sys.stderr)
         sys.exit(1)
     print(f"JPEG region decoder: {LIBRARY.build()}")

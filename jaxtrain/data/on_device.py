@@ -68,7 +68,7 @@ def place(split: Split, sharding: jax.sharding.Sharding) -> DeviceSplit:
                           "split replicated, or use a number of examples the data shards divide") from None
     images = put(np.asarray(split.images, np.uint8), sharding)
     labels = put(np.asarray(split.labels, np.int32), sharding)
-    log.info("%d examples %s placed on %d devices (%.1f MB of images on each)", len(split), split.image_shape,
+    log.debug("%d examples %s placed on %d devices (%.1f MB of images on each)", len(split), split.image_shape,
              len(sharding.device_set), images.addressable_shards[0].data.nbytes / 1e6)
     return DeviceSplit(images, labels)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain import settings
+from jaxtrain.io import console
 from jaxtrain.choices import DATASETS, DEFAULT_DATA_DIRS, FOLDER_PREFIX, TFDS_PREFIX, check_dataset
 from jaxtrain.data import cifar, convert, idx
 from jaxtrain.data.split import Split, files_digest, split_digest  # noqa: F401 - Split: the public home
@@ -157,6 +158,7 @@ def _tfds_progress(progress: bool | None) -> None:
         tfds.disable_progress_bar()
 
 
+@console.shown
 def load_split(name: str, split: str, *, data_dir=None, tfds_dir=None, progress: bool | None = None,
                **kwargs) -> Split:
     """The whole split in memory (47 MB for Fashion-MNIST train: cheap to keep).

@@ -3,7 +3,7 @@
     devices, mesh -> validate -> checkpoints -> data -> build -> state (or resume)   (``prepare``)
     -> outputs -> train -> summary                                                    (here)
 
-Only process 0 says the run's progress (logging, ``driver.console``) and writes files; every process trains.
+Only process 0 says the run's progress (logging, ``jaxtrain.io.console``) and writes files; every process trains.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from jaxtrain.errors import Diverged
 from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import hosts
 from jaxtrain.settings import slurm_job
-from jaxtrain.driver import busy, console, distill, export, notebook, observe, requeue, track
+from jaxtrain.io import console
+from jaxtrain.driver import busy, distill, export, notebook, observe, requeue, track
 from jaxtrain.driver.config import RunConfig
 from jaxtrain.driver.outputs import RunWriter, claim_out_dir
 from jaxtrain.driver.report import (conv_path, describe, not_learning, run_summary, utilisation_words,
@@ -160,7 +161,7 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
 
 
 def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
-    """Train as ``config`` says; say its progress (``driver.console``: logged, shown unless the caller routes the
+    """Train as ``config`` says; say its progress (``jaxtrain.io.console``: logged, shown unless the caller routes the
     ``jaxtrain`` logger); write the run's files; return the summary. ``stop``: the command's signal handling;
     without it (the Python API, a notebook) a Ctrl-C during training checkpoints and stops, says where its
     checkpoint is, and raises KeyboardInterrupt."""

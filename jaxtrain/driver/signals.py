@@ -29,10 +29,11 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
+
+from jaxtrain.io import console
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +56,10 @@ def _ignore(*_):
 
 
 def _exit_now(signum: int, why: str) -> None:
-    name = signal.Signals(signum).name
-    try:  # written straight to stderr: a signal handler must not take logging's locks (a record may hold them)
-        sys.stdout.flush()
-        os.write(2, f"{name}: {why}\n".encode())
+    try:  # on the watcher thread, not in a signal handler: logging's locks are free to take
+        log.error(f"{signal.Signals(signum).name}: {why}")
     finally:
-        os._exit(128 + signum)
+        console.exit_now(128 + signum)
 
 
 class StopOnSignal:
@@ -99,7 +98,7 @@ class StopOnSignal:
                 if self._training and self._step >= 2 and not self._busy and not self.signum and quiet > seconds:
                     log.error(f"{who}: no train step finished for {quiet:.0f} s (stall_timeout={seconds:g}): a "
                               "collective is waiting on a process that is stuck or gone; exiting")
-                    os._exit(STALLED_EXIT)
+                    console.exit_now(STALLED_EXIT)
 
         threading.Thread(target=watch, daemon=True, name="jaxtrain-stall-watch").start()
 

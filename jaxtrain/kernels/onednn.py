@@ -196,7 +196,10 @@ def hlo_flops(hlo_text: str) -> float:
 
 
 if __name__ == "__main__":  # python -m jaxtrain.kernels.onednn: build the library; exit 0 if usable, else 1 and why
-    why = reason()
+    from jaxtrain.io import console
+
+    with console.lines():  # the build's warnings, as a command line says them
+        why = reason()
     print(f"oneDNN convolutions: {'not usable: ' + why if why else 'usable (' + _library()._name + ')'}",
           file=sys.stderr if why else sys.stdout)
     sys.exit(1 if why else 0)

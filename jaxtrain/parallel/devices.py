@@ -10,6 +10,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from jaxtrain import settings
+from jaxtrain.io import console
 from jaxtrain.core import compat
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import host_memory, hosts, processes
@@ -54,6 +55,7 @@ def _check_count(n: int | None) -> None:
         raise ConfigError(f"devices={n!r}: must be a positive whole number")
 
 
+@console.shown
 def setup_devices(n: int | None = None, *, devices_per_process: int | None = None, coordinator: str | None = None,
                   num_processes: int | None = None, process_id: int | None = None) -> list[jax.Device]:
     """Return the ``n`` devices of this run; call before any other JAX call.

@@ -5,13 +5,13 @@ given."""
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 
 import jax
 
 from jaxtrain import settings
+from jaxtrain.io import console
 from jaxtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def _join(coordinator, num_processes, process_id) -> None:
     def give_up():
         log.error(f"{who}: the other processes did not join{where} within {timeout:.0f} s: start all of them "
                   "(python -m jaxtrain.launch starts them together) with the same --coordinator")
-        os._exit(2)
+        console.exit_now(2)
 
     joined = threading.Event()
 

@@ -66,8 +66,8 @@ def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, b
     trials.Param); the runs: ``command`` (argv) or ``base`` (a RunConfig, run as ``python -m jaxtrain.cli``);
     ``seed``: the sampler's (None: the study's own; a new study's is 0). A signal (SIGINT, SIGTERM) stops the
     running trials and raises ``trial_run.Interrupted``. Its lines (a trial each, the report) are logged
-    (``jaxtrain.driver.console``: shown unless the caller routes the ``jaxtrain`` logger), or given to ``say``."""
-    from jaxtrain.driver import console
+    (``jaxtrain.io.console``: shown unless the caller routes the ``jaxtrain`` logger), or given to ``say``."""
+    from jaxtrain.io import console
 
     with console.lines():
         return _sweep(study, storage, params, trials, command, base, objective, direction, prune, parallel, out_dir,

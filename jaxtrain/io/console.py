@@ -12,14 +12,18 @@ them while a run or a command is going on, as they always looked:
 A caller routes or silences them with ``logging`` as usual: a handler of its
 own on the ``jaxtrain`` logger (then ``lines()`` adds none), or that logger's
 level (``logging.getLogger("jaxtrain").setLevel(logging.WARNING)``: no
-progress lines).
+progress lines). While ``lines()`` shows them they do not also reach the root
+logger's handlers (absl and tfds install some, which would say each twice).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import sys
+import threading
 from collections.abc import Callable
 
 ROOT = "jaxtrain"
@@ -48,24 +52,55 @@ class Lines(logging.Handler):
             self.handleError(record)
 
 
+_lock = threading.Lock()
+_shown: list = []  # while ``lines`` shows the records: [handler, propagate, level, how many lines() are open]
+
+
 @contextlib.contextmanager
 def lines(words: Callable[[str], str] = str):
     """While it lasts, the ``jaxtrain`` logger's records are shown as ``Lines``, INFO and up, and only there (not
-    again by a handler on the root logger: absl's, tfds', a test runner's). Unless the logger has a handler
-    already (a caller's own, or an outer command's ``lines``): then nothing changes. A level the caller set is
-    kept."""
+    again by a handler on the root logger: absl's, tfds', a test runner's). Unless the logger has a handler of
+    someone else's (a caller's own): then nothing changes. Nested or in threads at once, the first one's handler
+    serves all, until the last ends. A level the caller set is kept."""
     logger = logging.getLogger(ROOT)
-    if logger.handlers:
-        yield
-        return
-    handler, propagate, level = Lines(words), logger.propagate, logger.level
-    logger.addHandler(handler)
-    logger.propagate = False
-    if level == logging.NOTSET:  # else the root logger's WARNING would hide the progress
-        logger.setLevel(logging.INFO)
+    with _lock:
+        ours = bool(_shown) or not logger.handlers
+        if _shown:
+            _shown[3] += 1
+        elif ours:
+            handler = Lines(words)
+            _shown[:] = [handler, logger.propagate, logger.level, 1]
+            logger.addHandler(handler)
+            logger.propagate = False
+            if logger.level == logging.NOTSET:  # else the root logger's WARNING would hide the progress
+                logger.setLevel(logging.INFO)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.propagate, logger.level = propagate, level
-        logger.setLevel(level)
+        if ours:
+            with _lock:
+                _shown[3] -= 1
+                if not _shown[3]:
+                    handler, logger.propagate, level, _ = _shown
+                    logger.removeHandler(handler)
+                    logger.setLevel(level)
+                    _shown.clear()
+
+
+def shown(fn: Callable) -> Callable:
+    """``fn`` under ``lines()``: a library call a user makes alone, outside a run (``jt.setup_devices``, a
+    dataset's load), says its lines too (waiting for peers, converting a dataset once, ...)."""
+
+    @functools.wraps(fn)
+    def said(*args, **kwargs):
+        with lines():
+            return fn(*args, **kwargs)
+
+    return said
+
+
+def exit_now(code: int) -> None:
+    """End the process at once (``os._exit``: no clean-up, no thread waited for), once every log handler has
+    written what it holds (a caller's may buffer): the last line before the exit is not lost."""
+    logging.shutdown()
+    os._exit(code)
