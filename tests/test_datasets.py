@@ -182,9 +182,8 @@ def test_runs_converting_the_same_files_at_once_take_turns(tmp_path):
 
     make_idx_dir(tmp_path / "d", n_train=64, n_test=16)
     config = f"fashion_mnist_{sources.files_digest(idx.paths(tmp_path / 'd'))[:12]}"
-    code = (f"from jaxtrain.data import sources; from jaxtrain import console\nwith console.lines(): s = "
-            f"sources.load_split('fashion_mnist', 'train', data_dir={str(tmp_path / 'd')!r}, "
-            f"tfds_dir={str(tmp_path / 'tfds')!r})\nprint(len(s), s.labels.sum())")
+    code = (f"from jaxtrain.data import sources; s = sources.load_split('fashion_mnist', 'train', "
+            f"data_dir={str(tmp_path / 'd')!r}, tfds_dir={str(tmp_path / 'tfds')!r}); print(len(s), s.labels.sum())")
     holder = tmp_path / "tfds" / "jaxtrain_idx_images"
     holder.mkdir(parents=True)
     with DirLock(holder, "--tfds-dir", name=f".{config}.lock"):  # another run converting: both must wait

@@ -234,8 +234,8 @@ def test_without_a_compiler_jpegs_are_pillows_and_one_line_says_why(tmp_path):
     out = _python(code, **env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["(1,", "16,", "16,", "3)"]
-    assert out.stderr.splitlines() == [  # a log warning; Python shows it as it is where nobody configured logging
-        "JPEGs are decoded whole by Pillow, slower: the region decoder is not usable: no C++ compiler "
+    assert out.stderr.splitlines() == [  # a log warning, said by folder.load as a command line would
+        "warning: JPEGs are decoded whole by Pillow, slower: the region decoder is not usable: no C++ compiler "
         "found (/nonexistent): install g++ (make onednn; Debian: apt-get install g++)"], out.stderr
     quiet = _python(code, JAXTRAIN_JPEG_DECODER="pillow", **env)  # Pillow's, asked for: nothing to say
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
