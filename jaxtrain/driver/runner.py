@@ -160,19 +160,19 @@ def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data
     return summary
 
 
+@console.shown
 def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
     """Train as ``config`` says; say its progress (``jaxtrain.io.console``: logged, shown unless the caller routes the
     ``jaxtrain`` logger); write the run's files; return the summary. ``stop``: the command's signal handling;
     without it (the Python API, a notebook) a Ctrl-C during training checkpoints and stops, says where its
     checkpoint is, and raises KeyboardInterrupt."""
-    with console.lines():
-        if stop is not None:
+    if stop is not None:
+        return _run(config, stop)
+    with StopOnSignal().interrupts() as stop:
+        try:
             return _run(config, stop)
-        with StopOnSignal().interrupts() as stop:
-            try:
-                return _run(config, stop)
-            except Exit:
-                raise KeyboardInterrupt("training stopped (the line above says what was saved)") from None
+        except Exit:
+            raise KeyboardInterrupt("training stopped (the line above says what was saved)") from None
 
 
 def _run(config: RunConfig, stop: StopOnSignal) -> dict:

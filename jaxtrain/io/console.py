@@ -53,7 +53,7 @@ class Lines(logging.Handler):
 
 
 _lock = threading.Lock()
-_shown: list = []  # while ``lines`` shows the records: [handler, propagate, level, how many lines() are open]
+_shown: dict = {}  # while ``lines`` shows the records: its handler, the logger's propagate and level before, users
 
 
 @contextlib.contextmanager
@@ -66,11 +66,10 @@ def lines(words: Callable[[str], str] = str):
     with _lock:
         ours = bool(_shown) or not logger.handlers
         if _shown:
-            _shown[3] += 1
+            _shown["users"] += 1
         elif ours:
-            handler = Lines(words)
-            _shown[:] = [handler, logger.propagate, logger.level, 1]
-            logger.addHandler(handler)
+            _shown.update(handler=Lines(words), propagate=logger.propagate, level=logger.level, users=1)
+            logger.addHandler(_shown["handler"])
             logger.propagate = False
             if logger.level == logging.NOTSET:  # else the root logger's WARNING would hide the progress
                 logger.setLevel(logging.INFO)
@@ -79,11 +78,11 @@ def lines(words: Callable[[str], str] = str):
     finally:
         if ours:
             with _lock:
-                _shown[3] -= 1
-                if not _shown[3]:
-                    handler, logger.propagate, level, _ = _shown
-                    logger.removeHandler(handler)
-                    logger.setLevel(level)
+                _shown["users"] -= 1
+                if not _shown["users"]:
+                    logger.removeHandler(_shown["handler"])
+                    logger.propagate = _shown["propagate"]
+                    logger.setLevel(_shown["level"])
                     _shown.clear()
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from jaxtrain import settings
 from jaxtrain.errors import ConfigError, need
+from jaxtrain.io import console
 
 need("optuna", "jaxtrain sweep")  # before the modules that import it: one line, not a traceback
 need("matplotlib.pyplot", "jaxtrain sweep's report")  # in the same extra: only a hand-made install lacks it
@@ -59,6 +60,7 @@ def _gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in listed.splitlines())
 
 
+@console.shown
 def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, base=None, objective: str = "test_acc",
           direction: str = "maximize", prune: bool = False, parallel: int = 1, out_dir: str | None = None,
           seed: int | None = None, say=None):
@@ -67,20 +69,13 @@ def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, b
     ``seed``: the sampler's (None: the study's own; a new study's is 0). A signal (SIGINT, SIGTERM) stops the
     running trials and raises ``trial_run.Interrupted``. Its lines (a trial each, the report) are logged
     (``jaxtrain.io.console``: shown unless the caller routes the ``jaxtrain`` logger), or given to ``say``."""
-    from jaxtrain.io import console
-
-    with console.lines():
-        return _sweep(study, storage, params, trials, command, base, objective, direction, prune, parallel, out_dir,
-                      seed, say or log.info)
-
-
-def _sweep(study, storage, params, trials, command, base, objective, direction, prune, parallel, out_dir, seed, say):
     import optuna
     import sqlalchemy.exc
 
     from jaxtrain import cli
     from jaxtrain.sweep import report as sweep_report
 
+    say = say or log.info
     if (command is None) == (base is None):
         raise ConfigError("give the trials' command= (argv) or base= (a RunConfig), not both")
     if base is not None:
