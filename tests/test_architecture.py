@@ -20,8 +20,10 @@ def module_name(path: Path) -> str:
 
 def imports_in(source: str, here: str, is_package: bool = False) -> set[str]:
     """The jaxtrain modules a module named ``here`` imports in ``source``, at the top or inside functions
-    (``from jaxtrain.models import lenet``: jaxtrain.models.lenet; ``import jaxtrain as jt``, or a name of the
-    face like ``from jaxtrain import Trainer``: "jaxtrain", the face)."""
+    (``from jaxtrain.models import lenet``: jaxtrain.models.lenet; ``from jaxtrain.models import get``: the package's
+    ``__init__``; ``import jaxtrain as jt``, or a name of the face like ``from jaxtrain import Trainer``:
+    "jaxtrain", the face). Python runs a package's ``__init__`` before any of its modules: that is no import of
+    the ``__init__``'s names, and an ``__init__`` that only re-exports its modules' names closes no circle."""
     found = set()
     package = here if is_package else here.rpartition(".")[0]
     for node in ast.walk(ast.parse(source)):
@@ -34,7 +36,7 @@ def imports_in(source: str, here: str, is_package: bool = False) -> set[str]:
                                 + ([base] if base else []))
             subs = {f"{base}.{a.name}" for a in node.names} & set(MODULES)
             found.update(subs)
-            if base != "jaxtrain" or len(subs) < len(node.names):  # a name of a module, not a module of a package
+            if len(subs) < len(node.names):  # a name the package's __init__ holds, not one of its modules
                 found.add(base)
     return {name for name in found if name in MODULES and name != here}
 
@@ -145,28 +147,54 @@ def test_the_folders_are_the_layers():
     assert folders == {f for f, patterns in FLOORS if any(p.endswith(".*") for p in patterns)}
 
 
-def test_the_modules_import_each_other_in_no_circle():
-    """Following imports never comes back to where it started."""
+def circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import circle in ``graph`` (its modules, the first one again at the end), or None."""
     done, path = set(), []
 
     def visit(name):
         if name in path:
-            raise AssertionError("import circle: " + " -> ".join(path[path.index(name):] + [name]))
+            return path[path.index(name):] + [name]
         if name in done:
-            return
+            return None
         path.append(name)
-        for target in sorted(GRAPH[name]):
-            if not name.startswith(target + "."):  # a package's own __init__
-                visit(target)
+        for target in sorted(graph[name]):
+            if found := visit(target):
+                return found
         path.pop()
         done.add(name)
+        return None
 
-    for name in MODULES:
-        visit(name)
+    return next(filter(None, map(visit, sorted(graph))), None)
+
+
+def test_the_modules_import_each_other_in_no_circle():
+    """Following imports never comes back to where it started, a package's own ``__init__`` included."""
+    assert circle(GRAPH) is None, "import circle: " + " -> ".join(circle(GRAPH))
+
+
+def test_a_package_init_only_says_and_re_exports():
+    """A registry or any other logic lives in a module of its own: an ``__init__`` is a docstring, imports and
+    ``__all__`` (the face and the sweep add a ``__getattr__`` that imports their names on first use)."""
+    for name, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            lazy = isinstance(node, ast.FunctionDef) and node.name in ("__getattr__", "__dir__")
+            said = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+            exports = isinstance(node, ast.Assign) and [t.id for t in node.targets] in (["__all__"], ["_EXPORTS"])
+            assert isinstance(node, (ast.Import, ast.ImportFrom)) or lazy or said or exports, \
+                f"{path.relative_to(ROOT)}:{node.lineno}: move it to a module of the package, re-export it here"
+
+
+def test_a_module_importing_its_own_packages_init_is_a_circle_the_checker_sees():
+    planted = "from jaxtrain.models import get\n"  # the registry asking its package's __init__ for a name of its own
+    graph = {**GRAPH, "jaxtrain.models.registry": GRAPH["jaxtrain.models.registry"]
+             | imports_in(planted, "jaxtrain.models.registry")}
+    assert circle(graph) == ["jaxtrain.models", "jaxtrain.models.registry", "jaxtrain.models"]
 
 
 def test_the_checker_sees_function_level_imports():
-    assert "jaxtrain.nn.int8" in GRAPH["jaxtrain.models"]  # imported inside a builder function
+    assert "jaxtrain.nn.int8" in GRAPH["jaxtrain.models.registry"]  # imported inside a builder function
     assert "jaxtrain.models.lenet" in GRAPH["jaxtrain.analysis.quantize"]  # idem
     assert "jaxtrain.io.files" in GRAPH["jaxtrain.train.checkpoint"]
     assert len(MODULES) > 40 and all(GRAPH[m] <= set(MODULES) for m in GRAPH)

@@ -71,9 +71,9 @@ def forward(name: str, input_shape: tuple, num_classes: int) -> float:
     (its plain version: XLA's convolutions, jnp kernels, no remat, which do not change what it computes)."""
     import jax
 
-    from jaxtrain import models
+    from jaxtrain.models import registry
 
-    model = models.get(name, input_shape=tuple(input_shape), num_classes=num_classes, conv="xla")
+    model = registry.get(name, input_shape=tuple(input_shape), num_classes=num_classes, conv="xla")
     params, model_state = jax.eval_shape(model.init, jax.random.key(0))
     batch = 2  # divided out below; 2, not 1, so that nothing specialises a batch of one away
     images = jax.ShapeDtypeStruct((batch, *model.input_shape), jax.numpy.float32)
