@@ -189,7 +189,7 @@ def xla_flags() -> str:
 
 
 # The settings read while a step is traced or compiled: they change the program a run compiles, so a run records
-# them (jaxtrain.driver.prepare.run_settings), and a resume under other values says which.
+# them (jaxtrain.driver.build.run_settings), and a resume under other values says which.
 PROGRAM = ("xla_defaults", "no_materialize", "onednn_threads", "onednn_blocked", "pallas_gpu", "pallas_interpret")
 
 

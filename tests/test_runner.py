@@ -15,6 +15,8 @@ from jaxtrain.driver.config import RunConfig
 from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
 from jaxtrain.train.timing import Chrono, OneStepLate, time_steps
 
+from conftest import needs_fashion_mnist
+
 
 def test_the_choices_are_the_librarys_own():
     assert choices.STRATEGIES == strategies.STRATEGIES == jt.STRATEGIES
@@ -230,3 +232,29 @@ def test_the_stop_vote_answers_one_call_late_with_the_largest_request():
     stop = StopOnSignal(vote=StopVote(jax.devices()))
     stop.signum = 15  # as the signal thread sets it
     assert [stop.requested(), stop.requested()] == [False, True]  # the vote's answer comes one step late
+
+
+@needs_fashion_mnist
+def test_a_run_is_a_value_built_once(monkeypatch, tmp_path):
+    """build(config) makes the model and the steps once each (the model before the data is read) and hands back
+    a frozen Run; its recorded settings are what its checkpoints hold."""
+    import dataclasses
+
+    from jaxtrain.driver import assemble, build as build_lib
+
+    made, read = [], []
+    for name in ("model", "steps"):
+        real = getattr(assemble, name)
+        monkeypatch.setattr(assemble, name, lambda *a, real=real, name=name, **k: made.append(name) or real(*a, **k))
+    real_load = build_lib.load_data
+    monkeypatch.setattr(build_lib, "load_data", lambda c: read.append(list(made)) or real_load(c))
+    run = build_lib.build(RunConfig(devices=2, epochs=2, batch_size=64, train_subset=256, test_subset=64,
+                                    schedule="cosine", checkpoint_dir=str(tmp_path / "ck"), no_progress=True))
+    assert made == ["model", "steps"] and read == [["model"]]
+    assert (len(run.devices), run.call_batch, len(run.data["train"])) == (2, 64, 256)
+    assert run.model.input_shape == (28, 28, 1)
+    assert run.checkpointer.settings == run.settings and run.settings["data_sha256"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.model = None
+    run.checkpointer.close()
+    run.loaders["train"].close(), run.loaders["test"].close()

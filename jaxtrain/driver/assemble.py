@@ -1,7 +1,7 @@
 """What a run trains, made from its RunConfig: the model, the optimizer, the train and eval steps.
 
-``prepare.validate`` calls these on the dataset's usual image shape before the data is read (a bad setting
-fails in seconds, not after a conversion), ``prepare.build`` once more for the data.
+``jaxtrain.driver.build`` makes each once: the model for the shape the dataset is known to have (before the
+data is read), the steps for the data read (the learning rate scheduled over its updates).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``run(config)``: a whole training run in small phases, each readable alone.
 
-    devices, mesh -> validate -> checkpoints -> data -> build -> state (or resume)   (``prepare``)
-    -> outputs -> train -> summary                                                    (here)
+    build(config) -> Run (``jaxtrain.driver.build``: devices, model, checkpoints, data, steps; made once)
+    -> state (fresh, or resumed) -> outputs -> train -> summary                         (here)
 
 Only process 0 says the run's progress (logging, ``jaxtrain.io.console``) and writes files; every process trains.
 """
@@ -30,30 +30,42 @@ from jaxtrain.driver.outputs import RunWriter, claim_out_dir
 from jaxtrain.driver.report import (conv_path, describe, not_learning, run_summary, utilisation_words,
                                     wait_words)
 from jaxtrain.driver.signals import Exit, StopOnSignal, StopVote
-from jaxtrain.driver.prepare import (Finished, Setup, build, initial_state, load_data, open_checkpoints, run_settings,
-                                    setup_devices, validate)
+from jaxtrain.driver.build import Finished, Run, build, initial_state, say
 from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
 
 log = logging.getLogger(__name__)
 
 
-def open_outputs(s: Setup, state, position) -> RunWriter | None:
-    """The run directory (process 0), checked for room for the files and the checkpoints to come."""
-    c = s.config
+def open_outputs(run: Run, state, position) -> tuple[RunWriter | None, object]:
+    """(the run directory's writer, its lock): process 0's, checked for room for the files and the checkpoints to
+    come; (None, None) on the other processes."""
+    c = run.config
     if jax.process_index() != 0:
-        return None
-    out_dir, s.out_lock = claim_out_dir(c.out, c.model, c.resume)
-    if s.checkpointer is not None:
-        s.checkpointer.ensure_room(state)
-    return RunWriter(out_dir, position.history if position else (), slurm_job(), resumed=bool(position))
+        return None, None
+    out_dir, lock = claim_out_dir(c.out, c.model, c.resume)
+    if run.checkpointer is not None:
+        run.checkpointer.ensure_room(state)
+    return RunWriter(out_dir, position.history if position else (), slurm_job(), resumed=bool(position)), lock
 
 
-def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tracker=None):
-    """fit with the run's outputs, tracker, checkpoints and signal handling; (state, history, first_loss, stats)."""
-    c, say = s.config, s.say
-    train_data = loader.Loader(data["train"], s.call_batch, train=True, seed=c.seed, workers=c.workers,
-                               augment=c.augment)
-    test_data = loader.Loader(data["test"], c.batch_size, train=False, workers=c.workers)
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """What ``train`` leaves: the state, the epochs' history and what the summary reads of the training."""
+
+    state: object
+    history: list
+    first_loss: float | None
+    stats: dict  # the compiled step's (``diagnostics.compiled_stats``)
+    steps_per_epoch: int
+    last: dict  # the last step's metrics
+
+
+def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: dict | None = None,
+          tracker=None) -> Trained:
+    """fit with the run's outputs, tracker, checkpoints and signal handling."""
+    c, s, data = run.config, run, run.data
+    train_data, test_data = run.loaders["train"], run.loaders["test"]
+    last = {}
     if c.summary:
         images = loader.normalise(data["test"].examples(np.arange(min(8, len(data["test"]))), None, c.seed, 0)[0])
         say(diagnostics.format_summary(diagnostics.summarize(
@@ -85,7 +97,7 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
     live = notebook.live_curves(lambda: writer.epochs) if writer is not None else None  # after writer.epoch
     hooks = [*watching, *([live] if live else []),
              *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
-             Hook(lambda loop: s.last.update(loop.recent), unit="epoch"),  # the last step's metrics
+             Hook(lambda loop: last.update(loop.recent), unit="epoch"),  # the last step's metrics
              *([Hook(memory_after_first_step, cuts=False)] if c.memory_report else [])]
     try:
         stop.training()
@@ -100,8 +112,8 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
     except Interrupted as e:
         stop.done()
         step = e.position.total_steps
-        stop.stopped(step, s.checkpointer, s.say, then=functools.partial(
-            requeue.after_stop, s.requeue_job, writer, step, signal.Signals(stop.signum).name, s.say))
+        stop.stopped(step, s.checkpointer, say, then=functools.partial(
+            requeue.after_stop, requeue_job, writer, step, signal.Signals(stop.signum).name, say))
     except Diverged as e:
         stop.done()
         if s.checkpointer is None:
@@ -111,7 +123,6 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
         raise Diverged(e.what, e.step, f"the newest checkpoint is step {s.checkpointer.latest()} in "
                        f"{s.checkpointer.directory}") from None
     finally:
-        train_data.close(), test_data.close()  # their worker processes, if any
         if profile:
             profile.end()
         if events:
@@ -120,41 +131,42 @@ def train(s: Setup, state, position, data: dict, writer, stop: StopOnSignal, tra
     if s.checkpointer is not None:
         with stop.busy():
             s.checkpointer.close()
-    return state, history, first_loss, stats, len(train_data)
+    return Trained(state, history, first_loss, stats, len(train_data), last)
 
 
-def keep_busy(s: Setup, state, split, train_data) -> tuple[int, bool]:
+def keep_busy(s: Run, state, split, train_data) -> tuple[int, bool]:
     """Steps per call and the data's place (``jaxtrain.driver.busy``), said in one line."""
     c, device = s.config, jax.local_devices()[0]
     on_device, where = busy.data_on_device(c.data_on_device, device.platform, split, device)
     k, why = busy.steps_per_call(c.steps_per_call, device.platform,
                                  lambda: busy.per_step_in_call(s.trainer, state, train_data.batch_at(0, 0)))
     k, on_device = busy.agreed(k, on_device)  # process 0's: every process makes the same calls
-    s.say(f"steps per call: {k} ({why}); training data on the {'devices' if on_device else 'host'} ({where})")
+    say(f"steps per call: {k} ({why}); training data on the {'devices' if on_device else 'host'} ({where})")
     return k, on_device
 
 
-def summarise(s: Setup, state, history, first_loss, stats, steps_per_epoch, data, settings, writer) -> dict:
+def summarise(s: Run, trained: Trained, writer) -> dict:
     """summary.json: the result first on stdout (if the files fail, the user still has it), then the files."""
-    c, platform = s.config, s.devices[0].platform
+    c, platform, data, settings = s.config, s.devices[0].platform, s.data, s.settings
+    state, history, first_loss, stats = trained.state, trained.history, trained.first_loss, trained.stats
     peak = diagnostics.devices_peak(s.devices, c.precision, measure=c.measure_peak)
-    summary = run_summary(c, s.model, history, first_loss, stats, peak, s.devices, s.call_batch, steps_per_epoch,
-                          {k: len(v) for k, v in data.items()}, settings["data_sha256"])
+    summary = run_summary(c, s.model, history, first_loss, stats, peak, s.devices, s.call_batch,
+                          trained.steps_per_epoch, {k: len(v) for k, v in data.items()}, settings["data_sha256"])
     summary.update(slurm_job=slurm_job(), stops=writer.stops if writer else [])
     if "class_names" in settings:  # an image folder's: label i is class_names[i]
         summary["class_names"] = settings["class_names"]
     summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
                    sharded_params=s.layout["sharded"], collectives=stats["collectives"],
                    conv=conv_path(c, s.model, platform),
-                   pipeline={**s.trainer.describe(), "counted_bubble": float(s.last["pipeline_bubble"])}
+                   pipeline={**s.trainer.describe(), "counted_bubble": float(trained.last["pipeline_bubble"])}
                    if s.trainer.pipeline_layout else None)
     plural = "s" * (len(s.devices) != 1)
-    s.say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
+    say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
           f"device{plural} ({platform}){utilisation_words(summary)}"
           f"{not_learning(history, first_loss, s.model.num_classes)}")
     if writer is not None:
         writer.summary(summary)
-        s.say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl{'' if writer.no_plot else ', curves.png'}")
+        say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl{'' if writer.no_plot else ', curves.png'}")
     if jax.process_count() > 1:  # every process vouches for the same result
         log.info(f"process {jax.process_index()}: params_digest {summary['params_digest']}")
     return summary
@@ -176,47 +188,54 @@ def run(config: RunConfig, stop: StopOnSignal | None = None) -> dict:
 
 
 def _run(config: RunConfig, stop: StopOnSignal) -> dict:
-    s, c = setup_devices(config), config  # first: the device count is set before anything starts JAX's backend
-    stop.vote = StopVote(s.devices) if jax.process_count() > 1 else None
-    if stop.vote and c.stall_timeout:
-        stop.watch_stalls(c.stall_timeout, f"process {jax.process_index()} on {hosts.host_of(jax.process_index())}")
-    stop.reinstall()
-    s.requeue_job = requeue.check(c)  # a run that could not requeue fails now, not after its warning
-    if s.requeue_job and jax.process_index() == 0:  # warned before training starts: requeued all the same
-        stop.at_start_up = functools.partial(requeue.at_start_up, s.requeue_job, s.say)
-    validate(s)
-    open_checkpoints(s)
-    data, data_sha256 = load_data(s)
-    build(s, data["train"])
-    settings = run_settings(s, data_sha256, getattr(data["train"], "class_names", None))
+    c, requeue_job = config, requeue.check(config)  # a run that could not requeue fails now, not after its warning
+
+    def joined(devices):  # the signal handling joins the devices before the data is read
+        stop.vote = StopVote(devices) if jax.process_count() > 1 else None
+        if stop.vote and c.stall_timeout:
+            stop.watch_stalls(c.stall_timeout, f"process {jax.process_index()} on {hosts.host_of(jax.process_index())}")
+        stop.reinstall()
+        if requeue_job and jax.process_index() == 0:  # warned before training starts: requeued all the same
+            stop.at_start_up = functools.partial(requeue.at_start_up, requeue_job, say)
+
+    run = build(config, on_devices=joined)
     try:
-        state, position = initial_state(s, settings)
+        return _train(run, stop, requeue_job)
+    finally:
+        run.loaders["train"].close(), run.loaders["test"].close()  # their worker processes, if any
+
+
+def _train(run: Run, stop: StopOnSignal, requeue_job: dict | None) -> dict:
+    c, settings = run.config, run.settings
+    try:
+        state, position = initial_state(run)
     except Finished as f:
         summary, state = f.args
         if c.out is not None and not export.saved(c.out):  # killed between its last checkpoint and its export
-            s.say(f"its model was never written to {c.out}: writing it now")
-            save_model(s, Path(c.out), state, summary, settings)
+            say(f"its model was never written to {c.out}: writing it now")
+            save_model(run, Path(c.out), state, summary)
         return summary
+    writer, out_lock = open_outputs(run, state, position)
     try:
-        writer = open_outputs(s, state, position)
         out_dir = writer and writer.out_dir
         with track.view(c.track, out_dir, {**dataclasses.asdict(c), **settings}, c.track_group,
                         resumed=bool(position)) as tracker:
-            pipeline = s.trainer.describe() if s.trainer.pipeline_layout else None
-            s.say(describe(c, s.model, s.devices, s.mesh, s.layout, pipeline, data, out_dir))
-            state, history, first_loss, stats, steps_per_epoch = train(s, state, position, data, writer, stop, tracker)
-            summary = summarise(s, state, history, first_loss, stats, steps_per_epoch, data, settings, writer)
+            pipeline = run.trainer.describe() if run.trainer.pipeline_layout else None
+            say(describe(c, run.model, run.devices, run.mesh, run.layout, pipeline, run.data, out_dir))
+            trained = train(run, state, position, writer, stop, requeue_job, tracker)
+            summary = summarise(run, trained, writer)
             if tracker is not None:
                 tracker.finish(summary, [out_dir / "curves.png"])
-        save_model(s, out_dir, state, summary, settings)
+        save_model(run, out_dir, trained.state, summary)
     finally:
-        if s.out_lock is not None:
-            s.out_lock.release()
+        if out_lock is not None:
+            out_lock.release()
     return summary
 
 
-def save_model(s: Setup, out_dir, state, summary: dict, settings: dict) -> None:
+def save_model(s: Run, out_dir, state, summary: dict) -> None:
     """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.driver.export)."""
+    settings = s.settings
     export.save(out_dir, state.params, distill.own_state(state.model_state), {
         **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": s.config.model, "init": s.model.init_name,
         "input_shape": s.model.input_shape, "num_classes": s.model.num_classes, "settings": settings,

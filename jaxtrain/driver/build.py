@@ -1,0 +1,199 @@
+"""``build(config) -> Run``: a run made ready, once, before its first step.
+
+    devices, mesh -> the model (on the data's shape) -> checkpoints opened -> the data -> the steps -> Run
+
+Every part is made once. What can fail fails before the data is read (which may take minutes: a conversion, a
+large folder's index): the model is made for the shape the dataset is known to have (a folder's and a TFDS
+dataset's are known once read: they are read first), its weights and groups checked with ``jax.eval_shape``.
+The steps come after the data, since the learning rate is scheduled over the run's updates. ``runner`` trains
+the Run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import jax
+
+from jaxtrain import models, pretrained
+from jaxtrain.core import optim, remat
+from jaxtrain.choices import FOLDER_PREFIX, TFDS_PREFIX, lr_groups
+from jaxtrain.data import classes, folder, loader, sources
+from jaxtrain.errors import ConfigError
+from jaxtrain.parallel import devices as devices_lib
+from jaxtrain.parallel import hosts
+from jaxtrain.parallel import preflight
+from jaxtrain.settings import program
+from jaxtrain.driver import assemble, distill
+from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, OPTIONAL_SETTINGS, RunConfig
+from jaxtrain.train.checkpoint import Checkpointer
+from jaxtrain.train.trainer import Evaluator, Trainer
+
+log = logging.getLogger(__name__)
+
+
+def say(text: str) -> None:
+    """A line of the run's progress, logged by process 0 (every process trains; one speaks)."""
+    if jax.process_index() == 0:
+        log.info(text)
+
+
+def warn(text: str) -> None:
+    """A warning about the run as a whole (not this process's own), logged by process 0."""
+    if jax.process_index() == 0:
+        log.warning(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A run ready to train, made once from its config by ``build``: nothing in it changes as it trains."""
+
+    config: RunConfig
+    devices: tuple[jax.Device, ...]
+    mesh: jax.sharding.Mesh
+    model: models.Model
+    trainer: Trainer  # a PipelineTrainer where the mesh has a "stage" axis
+    evaluator: Evaluator
+    layout: dict  # where each parameter lives (trainer.layout)
+    call_batch: int  # one call's global batch (multisteps: a micro-batch)
+    data: dict  # "train", "test": the splits, classes and subsets applied
+    loaders: dict  # "train", "test": their batches (``jaxtrain.data.loader``; workers start when read)
+    settings: dict  # what its checkpoints and model.json record, and a resume compares (``run_settings``)
+    checkpointer: Checkpointer | None
+
+
+def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
+    """The run ``config`` describes, made once; ``on_devices(devices)``: called as soon as the devices are up
+    (the command's signal handling joins them before the data is read)."""
+    c = config
+    devices = devices_lib.setup_devices(c.devices, devices_per_process=c.devices_per_process,
+                                        coordinator=c.coordinator, num_processes=c.num_processes,
+                                        process_id=c.process_id)  # first: nothing has started JAX's backend
+    if note := remat.offload_note(c.remat, devices[0].platform):  # a bad name fails here, before the data is read
+        say(note)
+    if jax.process_count() > 1:
+        say(preflight.run(devices))
+    mesh = devices_lib.make_mesh(devices, axes=c.mesh)
+    if on_devices is not None:
+        on_devices(devices)
+    teacher = distill.teacher_from_run(c.teacher) if c.teacher else None
+    read_first = c.dataset.startswith((FOLDER_PREFIX, TFDS_PREFIX))  # their shape is known once read
+    data = load_data(c) if read_first else None
+    shape = sources.shape_of(c.dataset, data[0]["train"]) if read_first else known_shape(c)
+    model = assemble.model(c, shape, teacher)
+    check_model(c, model)
+    checkpointer = open_checkpoints(c)
+    data, data_sha256 = data or load_data(c)
+    if (found := sources.shape_of(c.dataset, data["train"])) != shape:
+        raise ConfigError(f"dataset {c.dataset}: its files hold images {found['input_shape']} of "
+                          f"{found['num_classes']} classes, not {shape['input_shape']} of {shape['num_classes']}: "
+                          "check data_dir=")
+    trainer, evaluator = assemble.steps(c, mesh, model, c.epochs * (len(data["train"]) // c.batch_size))
+    layout, call_batch = assemble.placed(c, model, trainer)
+    settings = run_settings(c, data_sha256, len(devices), trainer.pipeline_layout,
+                            getattr(data["train"], "class_names", None))
+    if checkpointer is not None:
+        checkpointer.settings = settings  # what each checkpoint records, and a restore holds it to
+    loaders = {"train": loader.Loader(data["train"], call_batch, train=True, seed=c.seed, workers=c.workers,
+                                      augment=c.augment),
+               "test": loader.Loader(data["test"], c.batch_size, train=False, workers=c.workers)}
+    return Run(c, tuple(devices), mesh, model, trainer, evaluator, layout, call_batch, data, loaders, settings,
+               checkpointer)
+
+
+def known_shape(c: RunConfig) -> dict:
+    """The images and classes a local dataset is known to have before it is read (``classes=``: that many)."""
+    shape = sources.shape_of(c.dataset)
+    if c.classes:
+        shape["num_classes"] = len(classes.pick(c.classes, classes.NAMES[c.dataset]))
+    return shape
+
+
+def check_model(c: RunConfig, model: models.Model) -> None:
+    """What can fail of the model's weights before the data is read, from shapes alone: a pretrained file that
+    does not fit, frozen parameters or learning-rate groups that name none."""
+    if c.init_from and not c.resume:  # the file read and fitted now (a resumed run may never need it)
+        pretrained.load(c.init_from, into=model)
+    if c.freeze or c.lr_groups or c.linear_probe:
+        params = jax.eval_shape(model.init, jax.random.key(0))[0]
+        if problems := optim.check_groups(params, assemble.frozen(c, model), lr_groups(c.lr_groups)):
+            raise ConfigError(problems[0])
+
+
+def open_checkpoints(c: RunConfig) -> Checkpointer | None:
+    """Writable and ours (locked) before the data is read; refuses to mix with another run's checkpoints."""
+    if (c.resume or c.checkpoint_every) and not c.checkpoint_dir:
+        raise ConfigError("resume=True and checkpoint_every= need checkpoint_dir=")
+    if not c.checkpoint_dir:
+        return None
+    checkpointer = Checkpointer(c.checkpoint_dir, c.keep_checkpoints, fixed=FIXED_SETTINGS)
+    if not c.resume and (newest := checkpointer.latest()) is not None:
+        raise ConfigError(f"{checkpointer.directory} already holds checkpoints (newest: step {newest}): pass "
+                          "resume=True to continue that run, or another checkpoint_dir= to start afresh")
+    return checkpointer
+
+
+def load_data(c: RunConfig) -> tuple[dict, str]:
+    """The splits (classes and subsets applied) and the digest of the whole dataset (a folder's: of its index;
+    its images are read as the run streams them)."""
+    if c.dataset.startswith(FOLDER_PREFIX):
+        data = folder.load(c.dataset[len(FOLDER_PREFIX):], c.image_size, val_fraction=c.val_fraction,
+                           on_bad=c.on_bad_image, crop_fraction=0.875 if c.augment == "rrc+flip" else 1.0,
+                           warn=warn)
+        digest = folder.digest(*data.values())
+    else:
+        data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir,
+                                      progress=False if c.no_progress else None) for k in ("train", "test")}
+        digest = sources.split_digest(*data.values())
+    hosts.agree(digest, "data", "every process must read the same dataset (a folder copied whole to each node, or "
+                "one shared folder)")
+    data = classes.restricted(c.dataset, data, c.classes)
+    return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, digest
+
+
+def run_settings(c: RunConfig, data_sha256: str, devices: int, pipeline_layout,
+                 class_names: tuple[str, ...] | None = None) -> dict:
+    """What a checkpoint records of the run (and ``--resume`` compares): its config's settings, and what else
+    changes the program it compiles (``settings.program``: the variables read at trace time, ``$XLA_FLAGS``); an
+    image folder's class names too."""
+    return {**{k: getattr(c, k) for k in (*FIXED_SETTINGS, *FREE_SETTINGS)  # mesh: the flag
+               if hasattr(c, k) and (k not in OPTIONAL_SETTINGS or getattr(c, k))},
+            **models.revision_settings(c.model), **program(),
+            "data_sha256": data_sha256, "experiment": c.model, "devices": devices,
+            "processes": jax.process_count(), "pipeline_layout": pipeline_layout,
+            **({"class_names": list(class_names)} if class_names else {})}
+
+
+def initial_state(run: Run):
+    """(state, position): fresh, or the newest checkpoint's; position None when fresh; raises Finished."""
+    c, checkpointer = run.config, run.checkpointer
+    init = run.model.init
+    if c.init_from and not (c.resume and checkpointer.latest() is not None):
+        loaded = pretrained.load(c.init_from, into=run.model, seed=c.seed)
+        say(loaded.summary(c.init_from))
+        init = lambda rng: loaded.variables  # noqa: E731 - every device takes its shards of the file's weights
+    state = run.trainer.init(init_fn=init, rng=jax.random.key(c.seed))  # each device makes its shards
+    if not c.resume:
+        return state, None
+    restored = checkpointer.restore(state)
+    if restored is None:
+        say(f"no checkpoint in {c.checkpoint_dir} yet: starting from scratch")
+        return state, None
+    position = restored.position
+    steps, r = position.total_steps, position.result
+    if r and (position.epoch > c.epochs or c.max_steps is not None and steps >= c.max_steps):
+        say(f"already finished at step {steps} (checkpoint in {c.checkpoint_dir}): test acc {r['test_acc']:.3f}, "
+            f"test loss {r['test_loss']:.4f}; nothing to do (raise epochs= or max_steps= to train on)")
+        checkpointer.close()
+        raise Finished({"already_finished": True, "steps": steps, "test_acc": r["test_acc"]}, restored.state)
+    changed = [f"{k} {restored.settings.get(k)!r} -> {run.settings[k]!r}" for k in (*FREE_SETTINGS, *program())
+               if k in restored.settings and restored.settings[k] != run.settings[k]]  # a newer setting: no change
+    say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})"
+        + (f"; changed since: {', '.join(changed)}" if changed else ""))
+    return restored.state, position
+
+
+class Finished(Exception):
+    """A resumed run that had already finished: ``args[0]``, its summary, says where."""
