@@ -4,15 +4,25 @@
     on each shard of the batch (``local``):
         cast params and batch to the compute dtype
         loss, grads = value_and_grad(loss_fn)       per micro-batch, summed (``accumulate.microbatched``)
-    reduce grads, loss and metrics over the shards  (the strategy: ``jaxtrain.parallel.strategies``)
+    reduce grads, loss and metrics over the shards  (``reduced``: below, for every strategy)
     grads /= loss scale; skip the update if any is not finite (fp16)
     params, opt_state = tx.update(...)
     metrics: loss, the loss_fn's own, lr, loss scale
 
-``make_step`` is that story as code. The strategies differ only in how they
-wrap ``local`` and reduce what it returns; the update runs on global arrays
-after the reduction. ``trainer.py``
-compiles this for a mesh and places the state (``placement.py``).
+``make_step`` is that story as code, the reduction included. The strategies differ in one place only: where
+the gradients are reduced, and how (``reduced`` in ``make_step``)::
+
+    jit        one program on global arrays: XLA (GSPMD) inserts the all-reduce (FSDP: a reduce-scatter)
+    explicit   the same, the shardings in the arrays' types (``jax.sharding.reshard`` where they are pinned)
+    shard_map  per device (``jax.shard_map`` over "data"): psum / n; FSDP: params all_gather'ed, grads psum_scatter'ed
+    ring       per device, as shard_map, with our ring's all-reduce (``lax.ppermute``: ``parallel/collectives.py``)
+    pmap       per device, the whole step inside ``jax.pmap`` (replicated state only)
+    jit and explicit accumulating micro-batches: per device (a shard_map), one reduction per update, not k
+
+A strategy hands the step a ``Reduction``, a value saying which (its collectives, its wrapping);
+``jaxtrain.parallel.strategies`` makes it, and compiles the step with the state's shardings. The update runs
+on global arrays after the reduction: an optimizer that looks across parameters (a global-norm clip) sees
+the whole gradient under every sharding.
 
 What the loss_fn may ask of the step: ``step_context()`` while it is traced
 (a ``StepContext``): the axis the batch is split over where the loss runs
@@ -48,7 +58,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.core import accumulate, optim, precision as prec
-from jaxtrain.core.state import TrainState, keep_frozen
+from jaxtrain.core.state import TrainState, keep_frozen, map_unfrozen
 from jaxtrain.errors import ConfigError
 
 LossFn = Callable  # (params, model_state, batch, key) -> (loss, (model_state, metrics))
@@ -211,14 +221,32 @@ def gradients(loss_fn: LossFn, policy: prec.Precision):
     return grads
 
 
-def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, micro_batches: int,
-              strategy, state_specs) -> Callable:
-    """The train step ``(state, batch) -> (state, metrics)`` on global arrays, every stage in order.
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """Where and how a strategy reduces the shards' gradients (``jaxtrain.parallel.strategies`` makes it).
 
-    ``strategy`` (``jaxtrain.parallel.strategies``) supplies only how the per-shard half is traced
-    (``strategy.model``), wrapped and reduced over the shards (``strategy.reduced``, with the state's
-    ``state_specs``); the update runs after the reduction, on global arrays."""
-    grads_of = gradients(strategy.model(loss_fn), policy)  # cast, loss, value_and_grad (under the shard's context)
+    ``comm`` None: one program on global arrays (``jit``, ``explicit``), XLA inserting the collectives;
+    ``place(tree, what)`` pins ``what`` ("params", "model_state": gathered where the loss reads them; "grads":
+    placed as the update takes them). Else per device: ``wrap(fn)`` runs ``fn`` on every device's shard
+    (``shard_map`` over the batch axes ``axes``, or ``pmap``), ``comm`` its collectives (``lax``'s or our ring's:
+    ``jaxtrain.parallel.collectives.Comm``), ``state_dims`` the FSDP dimension of each model-state leaf (None:
+    none sharded). ``model(fn)``: the loss_fn as the strategy traces it (``explicit``: under ``auto_axes``)."""
+
+    mesh: jax.sharding.Mesh
+    model: Callable = lambda fn: fn
+    place: Callable | None = None
+    wrap: Callable | None = None
+    comm: object = None
+    axes: object = None
+    state_dims: object = None
+
+
+def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Precision, micro_batches: int,
+              reduction: Reduction) -> Callable:
+    """The train step ``(state, batch) -> (state, metrics)`` on global arrays, every stage in order; the
+    gradients reduced over the shards as ``reduction`` says."""
+    r = reduction
+    grads_of = gradients(r.model(loss_fn), policy)  # cast, loss, value_and_grad (under the shard's context)
     if micro_batches > 1:
         grads_of = accumulate.microbatched(grads_of, micro_batches)  # ... the means over k micro-batches (scan)
 
@@ -227,7 +255,28 @@ def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, policy: prec.Pr
         g, loss, model_state, metrics = grads_of(params, model_state, batch, ctx, prec.current_scale(loss_scale))
         return prec.cast_floats(g, policy.reduce_dtype), loss, model_state, metrics
 
-    reduced = strategy.reduced(local, state_specs, per_device=micro_batches > 1)
+    if r.comm is None:  # jit, explicit: one program sees the global batch; XLA reduces where the shards' grads meet
+        def reduced(params, model_state, loss_scale, batch, step_key):
+            # Gathered params at the loss, grads sharded like their params: without the first pin GSPMD gathered
+            # activations instead. (XLA:CPU still reduces FSDP grads as all-reduce + slice: docs/sharding.md.)
+            params = r.place(params, "params")
+            model_state = r.place(model_state, "model_state")  # an FSDP teacher: gathered
+            grads, *rest = local(params, model_state, loss_scale, batch, shard_context(step_key, batch, r.mesh))
+            return r.place(grads, "grads"), *rest
+    else:  # per device (shard_map, ring, pmap; jit and explicit accumulating): the step calls the collectives
+        comm = r.comm
+
+        def per_device(params, model_state, loss_scale, batch, step_key):
+            d = lax.axis_index(r.axes)  # on a hybrid mesh: replica-major, as the batch is split
+            ctx = shard_context(step_key, batch, r.mesh, d, r.axes, comm.vary)
+            whole_state = model_state if r.state_dims is None else comm.gather_like(model_state, r.state_dims)
+            # FSDP: the parameters all-gathered before the loss
+            grads, loss, new_state, metrics = local(comm.gather(params), whole_state, loss_scale, batch, ctx)
+            loss, metrics = comm.mean((loss, metrics))  # psum / n (the ring: ours)
+            grads = comm.scatter_mean(grads)  # the same; FSDP: reduce-scattered to this device's shard
+            return grads, loss, map_unfrozen(comm.mean, keep_frozen(new_state, model_state)), metrics  # BatchNorm
+
+        reduced = r.wrap(per_device)
 
     def step(state: TrainState, batch):
         step_key = jax.random.fold_in(state.rng, state.step)

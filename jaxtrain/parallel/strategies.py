@@ -1,36 +1,21 @@
-"""Parallel strategies: the step's per-shard half, wrapped four ways; each strategy one small object.
+"""Parallel strategies: where the step's gradients are reduced, and how; each strategy one small object.
 
-The step (``step.py``) hands a strategy ``local(params, model_state, loss_scale, batch, ctx) -> (grads,
-loss, model_state, metrics)``: gradients and means over the examples it is given, NOT reduced across
-devices. A strategy runs ``local`` on each shard of the batch with that shard's ``StepContext`` (its key,
-its examples' rows, the axis its batch is split over), reduces what it returns across the ``"data"`` axis
-with its own collectives (``Comm``), and compiles the whole step with the state's shardings
-(``placement.py``):
+The step (``jaxtrain.core.step``) reduces the gradients itself, the code for every strategy in that file. A
+strategy hands it a ``Reduction``: a value saying whether one program sees the global batch (XLA inserting
+the collectives) or each device its shard, with which collectives (``Comm``: ``lax``'s or our ring's) and
+which wrapping. It compiles the whole step with the state's shardings (``placement.py``), and makes the eval
+step:
 
-- ``jit``: ``local`` sees the GLOBAL batch and XLA (GSPMD) inserts every
-  collective, for any parameter sharding (FSDP, tensor parallelism). With
-  micro-batch accumulation the scan runs per device (as under ``shard_map``)
-  so that gradients are reduced once per update, not once per micro-batch.
-- ``shard_map``: ``jax.shard_map`` over ``"data"``; explicit ``lax``
-  collectives: FSDP parameters are all-gathered before use, their gradients
-  reduce-scattered (``psum_scatter``) to the local shard; the rest ``pmean``.
-- ``explicit``: ``jit`` with the shardings in the arrays' types (the mesh's
-  axes Explicit, the step traced under ``jax.set_mesh``): the parameters are
-  resharded to their gathered specs before the loss (FSDP's all-gather), the
-  gradients to the update's specs after it (FSDP, ZeRO-1: each device's
-  shard), with ``jax.sharding.reshard``. A model that knows no mesh runs
-  under ``auto_axes`` (``model_axes="auto"``); ``model_axes="explicit"``
-  hands it the typed arrays (its layers may ``reshard``).
-- ``ring``: as ``shard_map``, with our ring collectives (``collectives.py``).
+- ``jit`` and ``explicit``: one program; ``explicit`` types the shardings (the mesh's axes Explicit, the step
+  traced under ``jax.set_mesh``) and ``reshard``s where ``jit`` constrains. A model that knows no mesh runs under
+  ``auto_axes`` (``model_axes="auto"``); ``model_axes="explicit"`` hands it the typed arrays.
+- ``shard_map`` and ``ring``: ``jax.shard_map`` over the batch axes, ``lax``'s collectives or the ring's.
 - ``pmap``: the legacy API, replicated state only; the update runs inside.
-
-The optimizer update runs outside the per-device function on global arrays,
-so an optimizer that looks across parameters (a global-norm clip) sees the
-whole gradient under every sharding; element-wise ones stay shard-local.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -39,8 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.choices import MODEL_AXES, STRATEGIES
 from jaxtrain.core import step as step_lib
-from jaxtrain.core.state import keep_frozen, map_unfrozen
-from jaxtrain.core.step import shard_context
+from jaxtrain.core.step import Reduction
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import sharding
 from jaxtrain.parallel.collectives import Comm, make_comm
@@ -63,28 +47,11 @@ def _comm(strategy, ring: bool = False) -> Comm:
                      batch=batch_axes(strategy.mesh), shard=sharding.fsdp_axes((strategy.pspecs, strategy.gspecs)))
 
 
-def _per_device(local: Callable, comm: Comm, mesh, state_dims=None) -> Callable:
-    """(params, model_state, loss_scale, batch, step_key) -> reduced (grads, loss, model_state, metrics), per
-    device. ``state_dims``: per model-state leaf, its FSDP dimension (Frozen parts placed like params) or None."""
-
-    axes = batch_axes(mesh)
-
-    def run(params, model_state, loss_scale, batch, step_key):
-        d = lax.axis_index(axes)  # on a hybrid mesh: replica-major, as the batch is split
-        ctx = shard_context(step_key, batch, mesh, d, axes, comm.vary)
-        whole_state = model_state if state_dims is None else comm.gather_like(model_state, state_dims)
-        grads, loss, new_state, metrics = local(comm.gather(params), whole_state, loss_scale, batch, ctx)
-        loss, metrics = comm.mean((loss, metrics))
-        return comm.scatter_mean(grads), loss, map_unfrozen(comm.mean, keep_frozen(new_state, model_state)), metrics
-
-    return run
-
-
 class Strategy:
     """One strategy's collectives and wrapping over ``mesh``, for the parameter specs ``pspecs`` and the specs
     ``gspecs`` of the gradients it hands the update (the optimizer state's: ZeRO-1's differ from ``pspecs``).
 
-    ``reduced(local, state_specs, per_device)``: ``local`` on every shard, reduced over the shards;
+    ``reduction(state_specs, per_device)``: where and how the step reduces its gradients (``Reduction``);
     ``compile(step, plan)``: the whole step, compiled with the plan's shardings (the state donated);
     ``carried(step, plan)``: the step as a loop of K steps per call runs it (its new state typed as the one it took);
     ``evaluate(sums, plan, mspecs)``: an eval step's sums over every device's examples."""
@@ -99,8 +66,14 @@ class Strategy:
         """The loss_fn or eval_fn as this strategy traces it (``explicit``: under ``auto_axes``, knowing no mesh)."""
         return fn
 
-    def reduced(self, local: Callable, state_specs, per_device: bool) -> Callable:
+    def reduction(self, state_specs, per_device: bool) -> Reduction:
+        """How the step reduces its gradients: per device, or (``jit``, ``explicit`` unless ``per_device``) in one
+        program on global arrays; ``state_specs``: the state's placement."""
         raise NotImplementedError
+
+    def _per_device(self, wrap: Callable, state_dims=None, ring: bool = False) -> Reduction:
+        return Reduction(self.mesh, model=self.model, wrap=wrap, comm=_comm(self, ring), axes=batch_axes(self.mesh),
+                         state_dims=state_dims)
 
     def compile(self, step: Callable, plan) -> Compiled:
         """``step(state, batch)`` over global arrays, the state donated and kept in its shardings."""
@@ -144,25 +117,15 @@ class Jit(Strategy):
         """Shardings of ``specs`` gathered over the batch axes (other axes, e.g. "model", kept)."""
         return sharding.named(self.mesh, jax.tree.map(sharding.without_data, specs, is_leaf=sharding.is_spec))
 
-    def reduced(self, local, state_specs, per_device):
+    def reduction(self, state_specs, per_device):
         mspecs = state_specs.model_state
         if per_device:  # left to GSPMD, every micro-batch's gradient would be reduced (k times the bytes)
-            return self._manual(_per_device(local, _comm(self), self.mesh, sharding.data_dims(mspecs)),
-                                (self.pspecs, mspecs, P(), P(batch_axes(self.mesh)), P()),
-                                (self.gspecs, P(), mspecs, P()))
-        grad_shardings = sharding.named(self.mesh, self.gspecs)
-        gathered, gathered_state = self._whole(self.pspecs), self._whole(mspecs)
-
-        def reduced(params, model_state, loss_scale, batch, step_key):
-            params = self._constrain(params, gathered)
-            model_state = self._constrain(model_state, gathered_state)  # an FSDP teacher: gathered
-            ctx = shard_context(step_key, batch, self.mesh)
-            grads, *rest = local(params, model_state, loss_scale, batch, ctx)
-            # Gathered params at the loss, grads sharded like their params: without the first constraint GSPMD
-            # gathered activations instead. (XLA:CPU still reduces FSDP grads as all-reduce + slice: docs/sharding.md.)
-            return self._constrain(grads, grad_shardings), *rest
-
-        return reduced
+            return self._per_device(lambda fn: self._manual(fn, (self.pspecs, mspecs, P(), P(batch_axes(self.mesh)),
+                                                                 P()), (self.gspecs, P(), mspecs, P())),
+                                    sharding.data_dims(mspecs))
+        placed = {"params": self._whole(self.pspecs), "model_state": self._whole(mspecs),
+                  "grads": sharding.named(self.mesh, self.gspecs)}
+        return Reduction(self.mesh, model=self.model, place=lambda tree, what: self._constrain(tree, placed[what]))
 
     def evaluate(self, local_sums, plan, mspecs=P()):
         return Compiled(jax.jit(lambda state, batch: local_sums(state.params, state.model_state, batch),
@@ -186,15 +149,16 @@ class Explicit(Jit):
     def _constrain(self, tree, shardings):
         return jax.sharding.reshard(tree, shardings)
 
-    def reduced(self, local, state_specs, per_device):
-        inner = super().reduced(local, state_specs, per_device)
+    def reduction(self, state_specs, per_device):
+        inner = super().reduction(state_specs, per_device)
         others = tuple(a for a in self.mesh.axis_names if a not in sharding.BATCH_AXES)
         if not (per_device and others):
             return inner
         # Accumulation runs per device (shard_map over "data"); jax's psum_scatter cannot type a gradient that is
         # also Explicit over "model" there, so the other axes turn Auto around it, their placement restored after.
         out = (self.gspecs, P(), state_specs.model_state, P())
-        return jax.sharding.auto_axes(inner, axes=others, out_sharding=out)
+        return dataclasses.replace(inner, wrap=lambda fn: jax.sharding.auto_axes(inner.wrap(fn), axes=others,
+                                                                                  out_sharding=out))
 
     def compile(self, step, plan):
         return UnderMesh(super().compile(step, plan), self.mesh, self.model_axes)
@@ -233,11 +197,11 @@ class ShardMap(Strategy):
         # same values, so the ring's outputs cannot be checked as P().
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not self.ring)
 
-    def reduced(self, local, state_specs, per_device):
+    def reduction(self, state_specs, per_device):
         mspecs = state_specs.model_state
-        return self._map(_per_device(local, _comm(self, self.ring), self.mesh, sharding.data_dims(mspecs)),
-                         (self.pspecs, mspecs, P(), P(batch_axes(self.mesh)), P()),
-                         (self.gspecs, P(), mspecs, P()))
+        return self._per_device(lambda fn: self._map(fn, (self.pspecs, mspecs, P(), P(batch_axes(self.mesh)), P()),
+                                                     (self.gspecs, P(), mspecs, P())),
+                                sharding.data_dims(mspecs), self.ring)
 
     def evaluate(self, local_sums, plan, mspecs=P()):
         comm = _comm(self, self.ring)
@@ -276,8 +240,8 @@ class Pmap(Strategy):
                            donate_argnums=donate_argnums)
         return Pmapped(pmapped, plan.per_device, donate_argnums)
 
-    def reduced(self, local, state_specs, per_device):
-        return _per_device(local, _comm(self), self.mesh)
+    def reduction(self, state_specs, per_device):
+        return self._per_device(lambda fn: fn)  # the whole step runs inside the pmap (``compile``)
 
     def compile(self, step, plan):
         return self._pmap(step, plan, donate=True)  # the whole step, the update too, runs inside

@@ -138,7 +138,8 @@ class Trainer:
             call_checks.structure(state, lambda: jax.eval_shape(self._fresh, state.params, state.model_state,
                                                                 state.rng))
             plan = self.plan(state)
-            step = step_lib.make_step(self.loss_fn, self.tx, self.policy, self.scan_steps, plan.strategy, plan.specs)
+            reduction = plan.strategy.reduction(plan.specs, per_device=self.scan_steps > 1)
+            step = step_lib.make_step(self.loss_fn, self.tx, self.policy, self.scan_steps, reduction)
             if steps is not None:
                 step, plan = step_lib.scanned(plan.strategy.carried(step, plan), unroll), plan.with_steps_axis()
             self._steps[key] = plan.strategy.compile(step, plan)
