@@ -157,7 +157,7 @@ def _explicit_batch_axes() -> tuple[str, ...]:
     """The batch's mesh axes where a train step is traced under a mesh context (the explicit strategy's
     ``auto_axes``); else (). There, on jax 0.12, the psum in ``_backward_split``'s per-device program keeps a
     Shardy annotation XLA:CPU cannot run ("Unsupported reduction computation"): a shard_map instead."""
-    from jaxtrain.core.step import step_context
+    from jaxtrain.core.context import step_context
     from jaxtrain.parallel.devices import batch_axes
 
     ctx = step_context()

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain import settings
 from jaxtrain.core import compat
-from jaxtrain.core.step import step_context
+from jaxtrain.core.context import step_context
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.devices import DATA_AXIS, batch_axes
 from jaxtrain.parallel.sharding import axes_of

@@ -1,7 +1,7 @@
 """BatchNorm's statistics over a train step's whole batch: one collective in the forward, none in their backward.
 
 ``moments(x, axes)``: the mean and the (biased) variance of ``x`` over ``axes``, over every device's examples
-where a train step splits the batch, the model not knowing how (``jaxtrain.core.step.step_context``):
+where a train step splits the batch, the model not knowing how (``jaxtrain.core.context.step_context``):
 
 - inside ``shard_map`` / ``pmap`` (``axis_name``: the step's ``batch_axis``): each device's two-pass mean and
   variance, every device's gathered by ONE ``psum`` (each in its own row of zeros: exact) and combined as
@@ -51,7 +51,7 @@ def _over(axis, x, axes):
 def _split(x, axes) -> tuple[str, ...]:
     """Under ``jit``/``explicit`` in a train step: the mesh axes the batch (dim 0, reduced over) is split over,
     where it is split (more than one device, evenly); else ()."""
-    from jaxtrain.core.step import step_context
+    from jaxtrain.core.context import step_context
     from jaxtrain.parallel.devices import batch_axes
     from jaxtrain.parallel.sharding import axes_of
 
@@ -73,7 +73,7 @@ def split(x, axes, axis_name=None) -> bool:
     """Whether BatchNorm should take ``moments`` here: they combine several devices' shares (inside
     ``shard_map``/``pmap``: ``axis_name``; under ``jit``: the step's batch split over the mesh), over at most
     ``MAX_DEVICES``."""
-    from jaxtrain.core.step import step_context
+    from jaxtrain.core.context import step_context
 
     if axis_name is not None:
         return lax.psum(1, axis_name) <= MAX_DEVICES
@@ -87,7 +87,7 @@ def _moments(x, axes, axis):
 
 
 def _forward(x, axes, axis):
-    from jaxtrain.core.step import step_context
+    from jaxtrain.core.context import step_context
 
     if axis is not None:  # inside shard_map / pmap: x is this device's share
         stats = _over(axis, x, axes)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from jaxtrain.core.step import dropout, step_context
+from jaxtrain.core.context import dropout, step_context
 from jaxtrain.parallel.rules import logical_spec
 
 

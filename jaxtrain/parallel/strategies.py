@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.choices import MODEL_AXES, STRATEGIES
-from jaxtrain.core import step as step_lib
+from jaxtrain.core.context import auto_axes
 from jaxtrain.core.step import Reduction
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import sharding
@@ -144,7 +144,7 @@ class Explicit(Jit):
         self.model_axes = model_axes
 
     def model(self, fn):
-        return step_lib.auto_axes(fn) if self.model_axes == "auto" else fn
+        return auto_axes(fn) if self.model_axes == "auto" else fn
 
     def _constrain(self, tree, shardings):
         return jax.sharding.reshard(tree, shardings)
