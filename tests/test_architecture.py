@@ -338,3 +338,12 @@ def test_every_public_name_and_command_still_answers():
         assert out.returncode == 0 and "usage:" in out.stdout, (command, out.stderr[-500:])
     for path in sorted((ROOT / "experiments").glob("*.py")):
         importlib.import_module(f"experiments.{path.stem}")  # each imports what it names
+
+
+def test_a_frozen_value_is_never_changed_after_it_is_made():
+    """No ``object.__setattr__`` in the library: a RunConfig's recipe defaults are resolved before its fields are
+    set (``config.with_recipe``), not written into a frozen object afterwards."""
+    found = [f"{name}:{node.lineno}" for name, path in MODULES.items() for node in calls(path, "__setattr__")
+             if getattr(node.func, "value", None) is not None and getattr(node.func.value, "id", None) == "object"]
+    assert not found, found
+    assert calls(ROOT / "tools" / "same_programs.py", "compile")  # the finder sees calls written as x.name(...)

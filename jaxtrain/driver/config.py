@@ -13,6 +13,7 @@ not imported here.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from pathlib import Path
 
@@ -46,7 +47,9 @@ def _field(default, help: str, *, choices=None, minimum=None, above=None, flag_t
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class Fields:
+    """RunConfig's fields, as given (its recipe's defaults already in: ``RunConfig`` makes it so), checked."""
+
     model: str = _field("lenet", "model to train (jaxtrain.models registry)", choices=tuple(MODELS))
     devices: int | None = _field(None, "devices to train on: on CPU this many virtual devices sharing the cores "
                                        "(default: one per core), on GPU the first N GPUs (default: all)", minimum=1)
@@ -223,10 +226,6 @@ class RunConfig:
                 raise ConfigError(f"{f.name}={value}: expected a number >= {meta['minimum']}")
             if meta["above"] is not None and not value > meta["above"]:
                 raise ConfigError(f"{f.name}={value}: expected a number > {meta['above']}")
-        steps = str(self.steps_per_call)  # RunConfig(steps_per_call=8) too
-        if steps != "auto" and not (steps.isascii() and steps.isdecimal() and int(steps) >= 1):
-            raise ConfigError(f"steps_per_call={steps!r}: expected a whole number >= 1, or auto")
-        object.__setattr__(self, "steps_per_call", steps if steps == "auto" else str(int(steps)))
         if self.data_on_device == "on" and self.dataset.startswith(FOLDER_PREFIX):
             raise ConfigError("data_on_device=on: an image folder is streamed from its files, decoded on the host; "
                               "use data_on_device=auto or off for a folder")
@@ -254,29 +253,58 @@ class RunConfig:
             raise ConfigError(f"alpha={self.alpha}: expected a weight in [0, 1]")
         if self.checkpoint_dir is not None and self.out is not None:
             _check_apart(Path(self.checkpoint_dir), Path(self.out))
-        try:
-            check_dataset(self.dataset)
-        except ConfigError as e:
-            raise ConfigError(f"dataset=: {e}") from None
-        recipe = MODELS[self.model]
-        if self.init is not None and self.init not in recipe.inits:
+        if self.init not in MODELS[self.model].inits:
             raise ConfigError(f"init={self.init}: model {self.model} has no such init; choose one of "
-                              f"{', '.join(recipe.inits)}")
-        for name in RECIPE_FIELDS:  # the recipe fills the rest
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, getattr(recipe, name))
-        if self.init is None:
-            object.__setattr__(self, "init", recipe.inits[0])
-        folder = self.dataset.startswith(FOLDER_PREFIX)
-        if not folder and (self.image_size, self.val_fraction) != (None, None):
-            raise ConfigError("image_size= and val_fraction= are for image folders (dataset=folder:DIR)")
-        if self.augment is None:
-            object.__setattr__(self, "augment", recipe.folder_augment if folder else "none")
-        if folder and self.image_size is None:
-            object.__setattr__(self, "image_size", recipe.image_size)
+                              f"{', '.join(MODELS[self.model].inits)}")
+
+
+class RunConfig(Fields):
+    """Every setting of a training run, frozen; the model's recipe fills what is not given (``epochs``,
+    ``batch_size``, ``lr``, ``optimizer``, ``schedule``, ``warmup_epochs``, ``init``; an image folder's ``augment``
+    and ``image_size``), before the fields are set: a RunConfig never changes itself."""
+
+    def __init__(self, **given):
+        super().__init__(**with_recipe(given))
 
     def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)
+
+
+RunConfig.__signature__ = inspect.signature(Fields)  # help(), IDEs and the docs show the fields
+
+
+def with_recipe(given: dict) -> dict:
+    """``given`` (RunConfig's keyword arguments) with what it leaves to the model's recipe filled in, and
+    ``steps_per_call`` as text (``8`` -> ``"8"``); an unknown model or dataset is a ConfigError here."""
+    unknown = sorted(set(given) - {f.name for f in dataclasses.fields(Fields)})
+    if unknown:
+        raise TypeError(f"RunConfig got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+    given = dict(given)
+    model = given.setdefault("model", "lenet")
+    if model not in MODELS:
+        raise ConfigError(f"model={model!r}: not one of {', '.join(MODELS)}")
+    dataset = given.setdefault("dataset", "fashion_mnist")
+    try:
+        check_dataset(dataset)
+    except ConfigError as e:
+        raise ConfigError(f"dataset=: {e}") from None
+    steps = str(given.get("steps_per_call", "auto"))  # RunConfig(steps_per_call=8) too
+    if steps != "auto" and not (steps.isascii() and steps.isdecimal() and int(steps) >= 1):
+        raise ConfigError(f"steps_per_call={steps!r}: expected a whole number >= 1, or auto")
+    given["steps_per_call"] = steps if steps == "auto" else str(int(steps))
+    recipe, folder = MODELS[model], dataset.startswith(FOLDER_PREFIX)
+    if not folder and (given.get("image_size"), given.get("val_fraction")) != (None, None):
+        raise ConfigError("image_size= and val_fraction= are for image folders (dataset=folder:DIR)")
+    for name in RECIPE_FIELDS:
+        if given.get(name) is None:
+            given[name] = getattr(recipe, name)
+    if given.get("init") is None:
+        given["init"] = recipe.inits[0]
+    if given.get("augment") is None:
+        given["augment"] = recipe.folder_augment if folder else "none"
+    if folder and given.get("image_size") is None:
+        given["image_size"] = recipe.image_size
+    return given
 
 
 def _check_apart(checkpoints: Path, out: Path) -> None:
