@@ -11,25 +11,21 @@ device, read from the compiled step (``jt.compiled_stats``).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
+from experiments import harness
 from jaxtrain.cli import one_line_errors, positive_int, whole_numbers
 from jaxtrain.models import names as model_names
-from jaxtrain.train.timing import time_steps
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_memory", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = harness.parser("bench_memory", __doc__, steps=5, repeats=3)
     p.add_argument("--model", choices=model_names(side=28), default="lenet")
     p.add_argument("--devices", type=positive_int, default=2)
     p.add_argument("--batch-sizes", type=whole_numbers(1, "256,512"), default="256",
                    help="comma-separated global batch sizes")
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated precisions")
     p.add_argument("--remats", default="none,full", help="comma-separated remat policies")
-    p.add_argument("--steps", type=positive_int, default=5, help="steps timed per repeat")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (median reported)")
     return p
 
 
@@ -49,25 +45,20 @@ def main(argv=None) -> int:
     rows = []
     for size in sizes:
         batch = models.get(args.model).example_batch(size)
-        runs = {}
+        runs, stats = {}, {}
         for precision, remat in configs:
             model = models.get(args.model, remat=remat)
             trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices), precision=precision)
             trainer.check_batch_size(size)
             state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
-            stats = jt.compiled_stats(trainer, state, batch)
-            device_batch = trainer.shard(batch)
-            state, _ = time_steps(trainer, state, device_batch, 2)  # compile + warm up
-            runs[(precision, remat)] = [trainer, state, device_batch, stats, []]
-        for _ in range(args.repeats):
-            for run in runs.values():
-                run[1], sec = time_steps(run[0], run[1], run[2], args.steps)
-                run[4].append(1000 * sec)
+            stats[(precision, remat)] = jt.compiled_stats(trainer, state, batch)
+            runs[(precision, remat)] = harness.warm_up(harness.Timed(trainer, state, trainer.shard(batch)), 2)
+        harness.interleave(runs.values(), args.steps, args.repeats)
         for (precision, remat), run in runs.items():
-            stats = run[3]
-            rows.append((size, precision, remat, statistics.median(run[4]), stats["temp_bytes"] / 2**20,
-                         stats["saved_residual_bytes"] / 2**20, stats["flops"] * len(devices) / 1e9))
-        print(f"measured batch {size}", file=sys.stderr, flush=True)
+            s = stats[(precision, remat)]
+            rows.append((size, precision, remat, run.median, s["temp_bytes"] / 2**20, s["saved_residual_bytes"] / 2**20,
+                         s["flops"] * len(devices) / 1e9))
+        harness.progress(f"measured batch {size}")
 
     print(f"\n{args.model} train step on {len(devices)} {devices[0].platform} devices, jax {jax.__version__}; "
           f"memory per device, GFLOP per step (all devices), median of {args.repeats} x {args.steps} steps\n")

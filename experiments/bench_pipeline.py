@@ -17,25 +17,21 @@ per-device temp memory (XLA's memory_analysis) with remat none and full.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
+from experiments import harness
 from jaxtrain.cli import one_line_errors, positive_int
 
 MICROBATCHES = (1, 2, 4, 8, 16)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_pipeline", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = harness.parser("bench_pipeline", __doc__, steps=3, repeats=3, json_out="the rows")
     p.add_argument("--devices", type=positive_int, default=4, help="devices: stage counts 2 and 4 must fit")
     p.add_argument("--micro-batch", type=positive_int, default=8, help="examples per micro-batch")
     p.add_argument("--stages", type=positive_int, nargs="+", default=[2, 4], help="stage counts")
     p.add_argument("--microbatches", type=positive_int, nargs="+", default=list(MICROBATCHES), help="M values")
-    p.add_argument("--steps", type=positive_int, default=3, help="steps timed per repeat")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (median reported)")
-    p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     return p
 
 
@@ -69,11 +65,10 @@ def main(argv=None) -> int:
     import optax
 
     from jaxtrain import models
-    from jaxtrain.train.timing import time_steps
 
     model = models.get("vit")
     embed_fn, stage_fn, head_loss_fn = model.stack.embed_fn, model.stack.stage_fn, model.stack.head_loss_fn
-    runs = {}
+    runs, rows = [], []
     for s, schedule, repeats, m in configs(args.stages, args.microbatches):
         batch = model.example_batch(m * args.micro_batch, seed=m)
         row = {"stages": s, "schedule": schedule, "repeats": repeats, "microbatches": m, "ticks": repeats * m + s - 1}
@@ -86,16 +81,12 @@ def main(argv=None) -> int:
             row[f"temp_mib_{remat}"] = stats["temp_bytes"] / 2**20
         state, metrics = trainer(state, batch)  # compile and warm up; the bubble as the schedule ran
         row["counted_bubble"] = float(metrics["pipeline_bubble"])
-        runs[(s, schedule, m)] = [trainer, state, trainer.shard(batch), [], row]
-        print(f"compiled S={s} {schedule} M={m}", file=sys.stderr, flush=True)
-    for _ in range(args.repeats):  # interleaved: machine noise hits every config alike
-        for run in runs.values():
-            run[1], sec = time_steps(run[0], run[1], run[2], args.steps)
-            run[3].append(1000 * sec)
-    rows = []
-    for run in runs.values():
-        run[4]["ms_per_step"] = statistics.median(run[3])
-        rows.append(run[4])
+        runs.append(harness.Timed(trainer, state, trainer.shard(batch)))
+        rows.append(row)
+        harness.progress(f"compiled S={s} {schedule} M={m}")
+    harness.interleave(runs, args.steps, args.repeats)
+    for run, row in zip(runs, rows):
+        row["ms_per_step"] = run.median
     for s in args.stages:
         for schedule in ("gpipe", "circular"):
             group = [r for r in rows if r["stages"] == s and r["schedule"] == schedule]
@@ -112,9 +103,7 @@ def main(argv=None) -> int:
         print(f"{r['stages']:>2} {r['schedule']:>9} {r['repeats']:>2} {r['microbatches']:>3} {r['ticks']:>5} "
               f"{r['ms_per_step']:>8.1f} {r['tick_ms']:>7.2f} {r['timed_bubble']:>13.1%} "
               f"{r['counted_bubble']:>7.1%} {theory:>6.1%} {r['temp_mib_none']:>13.2f} {r['temp_mib_full']:>6.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    harness.write_json(args.json, rows)
     return 0
 
 

@@ -19,10 +19,9 @@ under jit writes the reduce-scatter as an all-reduce and a slice:
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 
+from experiments import harness
 from jaxtrain.choices import CONVS, STRATEGIES
 from jaxtrain.cli import one_line_errors, positive_int
 
@@ -31,20 +30,16 @@ DATA_ONLY = ("replicated", "fsdp", "zero1")  # a 1-D mesh, any strategy
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_sharding", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = harness.parser("bench_sharding", __doc__, steps=3, repeats=3)
     p.add_argument("--model", choices=("resnet18", "lenet"), default="resnet18", help="the model (both have tp rules)")
     p.add_argument("--devices", type=positive_int, default=4, help="devices (even: tp needs model=2)")
     p.add_argument("--batch-size", type=positive_int, default=64, help="GLOBAL batch size")
     p.add_argument("--strategy", choices=STRATEGIES, default="jit",
                    help="strategy for replicated and fsdp (tp needs jit)")
-    p.add_argument("--steps", type=positive_int, default=3, help="steps timed per repeat")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per setting (median reported)")
     p.add_argument("--conv", choices=CONVS, default="auto",
                    help="convolutions: auto (oneDNN's where they build), onednn or xla (tp: oneDNN's calls take "
                         "whole weights, so GSPMD all-gathers them)")
     p.add_argument("--budget", default="600MiB", help="per-device budget for the batch-size finder (0: skip it)")
-    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     return p
 
 
@@ -65,7 +60,6 @@ def main(argv=None) -> int:
     from jaxtrain import models
     from jaxtrain.analysis.diagnostics import COLLECTIVES
     from jaxtrain.parallel import rules, sharding
-    from jaxtrain.train.timing import time_steps
 
     n = len(devices)
     model = models.get(args.model, conv=args.conv)
@@ -86,30 +80,26 @@ def main(argv=None) -> int:
         trainer = trainer_for(setting)
         state = trainer.init(*variables)
         stats = jt.compiled_stats(trainer, state, batch, residuals=False)
-        state, _ = time_steps(trainer, state, batch, 1)  # compile and warm up
-        runs[setting] = [trainer, state, []]
+        runs[setting] = harness.warm_up(harness.Timed(trainer, state, batch))  # compile and warm up
         rows[setting] = {"state_mib": sharding.device_bytes(state) / 2**20,
                          "argument_mib": stats["argument_bytes"] / 2**20, "temp_mib": stats["temp_bytes"] / 2**20,
                          "collectives": stats["collectives"]}
-        print(f"compiled {setting}", file=sys.stderr, flush=True)
-    for _ in range(args.repeats):  # interleaved
-        for setting, run in runs.items():
-            run[1], sec = time_steps(run[0], run[1], batch, args.steps)
-            run[2].append(1000 * sec)
+        harness.progress(f"compiled {setting}")
+    harness.interleave(runs.values(), args.steps, args.repeats)
     print(f"{args.model} + Adam, batch {args.batch_size}, {n} {devices[0].platform} devices, {model.conv} "
           "convolutions, per device:")
     kinds = [k for k in COLLECTIVES if any(k in r["collectives"] for r in rows.values())]
     print(f"{'setting':>10} {'state MiB':>9} {'args MiB':>8} {'temp MiB':>8} {'ms/step':>8} "
           + " ".join(f"{k + ' MiB':>20}" for k in kinds))
     for setting, row in rows.items():
-        row["ms_per_step"] = statistics.median(runs[setting][2])
-        row["ms_spread"] = [min(runs[setting][2]), max(runs[setting][2])]
+        row["ms_per_step"] = runs[setting].median
+        row["ms_spread"] = [min(runs[setting].ms), max(runs[setting].ms)]
         cells = [f"{row['collectives'][k]['bytes'] / 2**20:>11.2f} ({row['collectives'][k]['ops']:>3} ops)"
                  if k in row["collectives"] else f"{'-':>20}" for k in kinds]
         print(f"{setting:>10} {row['state_mib']:>9.1f} {row['argument_mib']:>8.1f} {row['temp_mib']:>8.1f} "
               f"{row['ms_per_step']:>8.0f} " + " ".join(cells))
     print(f"fsdp / replicated argument bytes: {rows['fsdp']['argument_mib'] / rows['replicated']['argument_mib']:.3f}")
-    fsdp_state = runs["fsdp"][1]
+    fsdp_state = runs["fsdp"].state
     theory = sum(x.nbytes for x in jax.tree.leaves(fsdp_state.params) if not x.sharding.is_fully_replicated) / 2**20
     z = rows["zero1"]["collectives"]
     got = {k: z[k]["bytes"] / 2**20 for k in ("reduce-scatter", "all-gather") if k in z}
@@ -129,9 +119,7 @@ def main(argv=None) -> int:
         print(f"largest batch within {budget / 2**20:,.0f} MiB per device: replicated {found['replicated']}, "
               f"fsdp {found['fsdp']}")
         results["largest_batch"] = {"budget_bytes": budget, **found}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    harness.write_json(args.json, results)
     return 0
 
 

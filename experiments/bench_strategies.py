@@ -10,10 +10,9 @@ the repeats (after warm-up), with the spread (min-max) beside it.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 
+from experiments import harness
 from jaxtrain import models
 from jaxtrain.cli import one_line_errors, positive_int
 
@@ -29,13 +28,9 @@ def parse_devices(text: str) -> list[int]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_strategies", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = harness.parser("bench_strategies", __doc__, steps=20, repeats=7)
     p.add_argument("--devices", type=parse_devices, default=[1, 2, 4], help="device counts to measure")
     p.add_argument("--batch-size", type=positive_int, default=256, help="GLOBAL batch size")
-    p.add_argument("--steps", type=positive_int, default=20, help="steps timed per repeat")
-    p.add_argument("--repeats", type=positive_int, default=7, help="timed repeats per strategy (median reported)")
-    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     return p
 
 
@@ -49,7 +44,6 @@ def main(argv=None) -> int:
     import optax
 
     from jaxtrain.models import lenet
-    from jaxtrain.train.timing import time_steps
 
     host_batch = models.get("lenet").example_batch(args.batch_size)
     results: dict[str, dict[int, list[float]]] = {s: {} for s in jt.STRATEGIES}
@@ -60,13 +54,11 @@ def main(argv=None) -> int:
             trainer.check_batch_size(args.batch_size)
             batch = trainer.shard(host_batch)  # the step alone: batch already on the devices
             state = trainer.init(lenet.init_params(jax.random.key(0)))
-            state, _ = time_steps(trainer, state, batch, 3)  # compile + warm up
-            runs[strategy] = [trainer, state, batch]
-        for _ in range(args.repeats):
-            for strategy, run in runs.items():  # interleaved: noise hits all alike
-                run[1], sec = time_steps(run[0], run[1], run[2], args.steps)
-                results[strategy].setdefault(n, []).append(1000 * sec)
-        print(f"measured {n} device(s)", file=sys.stderr, flush=True)
+            runs[strategy] = harness.warm_up(harness.Timed(trainer, state, batch), 3)  # compile + warm up
+        harness.interleave(runs.values(), args.steps, args.repeats)
+        for strategy, run in runs.items():
+            results[strategy][n] = run.ms
+        harness.progress(f"measured {n} device(s)")
 
     header = "| strategy | " + " | ".join(f"{n} device{'s' * (n > 1)}" for n in args.devices) + " |"
     print(f"\nLeNet train step, global batch {args.batch_size}, median ms/step (min-max of {args.repeats} repeats "
@@ -74,11 +66,8 @@ def main(argv=None) -> int:
     print(header)
     print("|" + "---|" * (len(args.devices) + 1))
     for strategy, by_n in results.items():
-        cells = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for v in by_n.values()]
-        print(f"| {strategy} | " + " | ".join(cells) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"batch_size": args.batch_size, "ms_per_step": results}, f, indent=2)
+        print(f"| {strategy} | " + " | ".join(harness.spread(v) for v in by_n.values()) + " |")
+    harness.write_json(args.json, {"batch_size": args.batch_size, "ms_per_step": results})
     return 0
 
 
