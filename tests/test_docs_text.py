@@ -175,3 +175,17 @@ def test_the_image_sizes_data_md_gives_are_the_recipes():
     assert "224" in said.group(1)
     assert set(re.findall(r"`([a-z0-9_]+)`", said.group(1))) == {m for m, d in MODELS.items() if d.image_size == 224}
     assert {d.image_size for d in MODELS.values()} == {32, 224}
+
+
+def test_docs_architecture_says_where_every_setting_lives_once():
+    """Its table "Where each setting lives" names every RunConfig field once, and nothing else as a setting."""
+    import dataclasses
+
+    from jaxtrain.driver.config import RunConfig
+
+    page = text(ROOT / "docs" / "architecture.md")
+    section = page.split("## Where each setting lives", 1)[1].split("\n## ", 1)[0]
+    named = [n for row in section.splitlines() if row.startswith("| ") and not row.startswith("| concern")
+             for n in re.findall(r"`([a-z_]+)`", row.split(" | ")[1])]
+    fields = [f.name for f in dataclasses.fields(RunConfig)]
+    assert sorted(named) == sorted(fields), (set(fields) ^ set(named), [n for n in named if named.count(n) > 1])
