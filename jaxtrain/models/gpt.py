@@ -1,0 +1,189 @@
+"""A GPT: GPT-2's decoder, as plain functions over a params dict (the language-model issue's first part).
+
+    tokens [B, T] -> token + position embeddings -> L pre-LayerNorm blocks (causal self-attention, GELU MLP,
+    residuals) -> final LayerNorm -> logits [B, T, V] = x @ wte.T (the input embedding, tied)
+
+GPT-2's numbers: LayerNorm eps 1e-5, GELU's tanh approximation ("gelu_new"), weights N(0, 0.02) with the
+residual projections' std divided by sqrt(2 L), biases zero. The attention is ``jax.nn.dot_product_attention``
+(causal): XLA's on CPUs, cuDNN's fused kernel where JAX picks it on GPUs. The vocabulary's embedding is padded
+to a multiple of ``Config.vocab_multiple`` rows (50257 -> 50304: matmuls of aligned shapes); the logits keep the
+real vocabulary's columns only, so a padded row never takes probability.
+
+``params = {"embed": {"wte", "wpe"}, "stages": {...}, "head": {"ln", "ln_b"}}``, each ``"stages"`` leaf the L
+blocks stacked on a leading axis (one block traced, scanned L times). The
+weights are laid out as Hugging Face's GPT-2 holds them (its ``Conv1D``: ``[in, out]``), the fused query, key
+and value split by head (``qkv``: ``[L, D, 3, H, D/H]``) so that tensor parallelism splits heads, not the
+fused matrix (``LOGICAL_AXES``: heads and the MLP's hidden units over "model", Megatron's column / row split).
+A batch is ``{"tokens": int32 [B, T + 1]}``: each position predicts the next token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtrain.core.remat import remat as remat_block
+from jaxtrain.models import classify
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One GPT's shape: ``vocab`` tokens, windows of ``seq_len``, ``layers`` blocks of ``width`` over ``heads``."""
+
+    vocab: int = 50257
+    seq_len: int = 1024
+    layers: int = 12
+    heads: int = 12
+    width: int = 768
+    mlp_ratio: int = 4
+    vocab_multiple: int = 64  # the embedding's rows padded to a multiple of this
+
+    def __post_init__(self):
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} does not split into {self.heads} heads")
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab // self.vocab_multiple) * self.vocab_multiple
+
+
+SIZES = {  # GPT-2's, and a tiny one for tests
+    "tiny": Config(vocab=256, seq_len=64, layers=2, heads=2, width=64),
+    "124m": Config(),
+    "350m": Config(layers=24, heads=16, width=1024),
+    "774m": Config(layers=36, heads=20, width=1280),
+}
+
+# Tensor parallelism (jaxtrain.parallel.rules.LOGICAL_AXES): heads and the MLP's hidden units over "model"; the
+# leading axis of a "stages" leaf is the layer.
+LOGICAL_AXES = (
+    (r"stages/qkv$", (None, "embed", None, "heads", None)),
+    (r"stages/qkv_b$", (None, None, "heads", None)),
+    (r"stages/proj$", (None, "heads", None, "embed")),
+    (r"stages/fc$", (None, "embed", "mlp")),
+    (r"stages/fc_b$", (None, "mlp")),
+    (r"stages/out$", (None, "mlp", "embed")),
+)
+
+
+def init(rng: jax.Array, config: Config = SIZES["tiny"]) -> dict:
+    """GPT-2's initialisation: N(0, 0.02), the residual projections (``proj``, ``out``) N(0, 0.02 / sqrt(2 L)),
+    biases 0, LayerNorms 1 and 0; the padded rows of the embedding too (they never reach a logit)."""
+    c = config
+    L, D, H, F = c.layers, c.width, c.heads, c.mlp_ratio * c.width
+    k = iter(jax.random.split(rng, 6))
+
+    def normal(*shape, std=0.02):
+        return std * jax.random.normal(next(k), shape, jnp.float32)
+
+    def zeros(*shape):
+        return jnp.zeros(shape, jnp.float32)
+
+    def ones(*shape):
+        return jnp.ones(shape, jnp.float32)
+
+    residual = 0.02 / math.sqrt(2 * L)
+    return {
+        "embed": {"wte": normal(c.padded_vocab, D), "wpe": normal(c.seq_len, D, std=0.01)},
+        "stages": {"ln1": ones(L, D), "ln1_b": zeros(L, D), "qkv": normal(L, D, 3, H, D // H),
+                   "qkv_b": zeros(L, 3, H, D // H), "proj": normal(L, H, D // H, D, std=residual),
+                   "proj_b": zeros(L, D), "ln2": ones(L, D), "ln2_b": zeros(L, D), "fc": normal(L, D, F),
+                   "fc_b": zeros(L, F), "out": normal(L, F, D, std=residual), "out_b": zeros(L, D)},
+        "head": {"ln": ones(D), "ln_b": zeros(D)},
+    }
+
+
+def layer_norm(x, scale, bias, eps: float = 1e-5):
+    """LayerNorm in fp32 (GPT-2's eps), back in ``x``'s dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
+
+
+def embed_fn(E, batch, config: Config = SIZES["tiny"]):
+    """The inputs (every token of the window but the last) -> their embeddings [B, T, D]."""
+    tokens = inputs(batch)
+    t = tokens.shape[1]
+    if t > config.seq_len:
+        raise ValueError(f"windows of {t} tokens: the GPT's positions stop at seq_len {config.seq_len}")
+    return jnp.take(E["wte"], tokens, axis=0) + E["wpe"][:t]
+
+
+def block(p, x, config: Config = SIZES["tiny"]):
+    """One pre-LayerNorm block: x + attention(ln1(x)), then x + mlp(ln2(x)). Its values ``qkv``, ``attention``
+    and ``mlp_hidden`` are named for remat policies."""
+    qkv = jnp.einsum("btd,dshc->sbthc", layer_norm(x, p["ln1"], p["ln1_b"]), p["qkv"])  # [3, B, T, H, C]
+    q, k, v = checkpoint_name(qkv + p["qkv_b"][:, None, None], "qkv")
+    att = checkpoint_name(jax.nn.dot_product_attention(q, k, v, is_causal=True), "attention")  # [B, T, H, C]
+    x = x + jnp.einsum("bthc,hcd->btd", att, p["proj"]) + p["proj_b"]
+    h = layer_norm(x, p["ln2"], p["ln2_b"]) @ p["fc"] + p["fc_b"]
+    h = checkpoint_name(jax.nn.gelu(h, approximate=True), "mlp_hidden")
+    return x + h @ p["out"] + p["out_b"]
+
+
+def logits(H, E, x, config: Config = SIZES["tiny"]):
+    """The final LayerNorm, then the tied embedding's transpose: [B, T, vocab] (the padded rows' columns cut)."""
+    x = layer_norm(x, H["ln"], H["ln_b"])
+    return (x @ E["wte"].T)[..., :config.vocab]
+
+
+def inputs(batch) -> jax.Array:
+    return batch["tokens"][:, :-1]
+
+
+def targets(batch) -> jax.Array:
+    return batch["tokens"][:, 1:]
+
+
+def apply(params, tokens, config: Config = SIZES["tiny"]):
+    """Logits [B, T, vocab] of ``tokens`` [B, T] (position t sees tokens 0..t)."""
+    x = embed_fn(params["embed"], {"tokens": jnp.pad(tokens, ((0, 0), (0, 1)))}, config)
+    x = jax.lax.scan(lambda x, p: (block(p, x, config), None), x, params["stages"])[0]
+    return logits(params["head"], params["embed"], x, config)
+
+
+def make_loss_fn(config: Config = SIZES["tiny"], remat: str = "none"):
+    """``loss_fn(params, model_state, batch, key)``: the mean next-token cross-entropy over every position of the
+    batch (fp32), its ``accuracy`` the share of next tokens ranked first; blocks remat'ed by the named policy."""
+    layer = remat_block(lambda p, x: block(p, x, config), remat)
+
+    def loss_fn(params, model_state, batch, key):
+        x = embed_fn(params["embed"], batch, config)
+        x = jax.lax.scan(lambda x, p: (layer(p, x), None), x, params["stages"])[0]
+        out = logits(params["head"], params["embed"], x, config)
+        loss, metrics = classify.mean_loss(out.reshape(-1, out.shape[-1]), targets(batch).reshape(-1))
+        return loss, (model_state, metrics)
+
+    return loss_fn
+
+
+def make_eval_fn(config: Config = SIZES["tiny"]):
+    """``eval_fn(params, model_state, batch)``: per window, its mean next-token loss and accuracy."""
+
+    def eval_fn(params, model_state, batch):
+        out = apply(params, inputs(batch), config)
+        b, t, v = out.shape
+        per_token = classify.per_example(out.reshape(b * t, v), targets(batch).reshape(b * t))
+        return {k: jnp.mean(val.reshape(b, t), axis=1) for k, val in per_token.items()}
+
+    return eval_fn
+
+
+def parameters(config: Config, embeddings: bool = True) -> int:
+    """Trained parameters (the embedding's real rows; ``embeddings=False``: without the position embedding, as
+    nanoGPT counts for its FLOPs)."""
+    c = config
+    D, F = c.width, c.mlp_ratio * c.width
+    per_layer = 2 * D + 3 * D * D + 3 * D + D * D + D + 2 * D + D * F + F + F * D + D
+    return c.vocab * D + (c.seq_len * D if embeddings else 0) + c.layers * per_layer + 2 * D
+
+
+def flops_per_token(config: Config) -> float:
+    """Model FLOPs of one token's forward and backward pass (PaLM's appendix B): 6 N for the weights (N without
+    the position embedding) and 12 L T D for attention's scores and weighted sums."""
+    return 6 * parameters(config, embeddings=False) + 12 * config.layers * config.seq_len * config.width

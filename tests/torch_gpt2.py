@@ -1,0 +1,43 @@
+"""The PyTorch side of tests/test_gpt.py, run in a Python with torch and transformers (``make torch-venv``).
+Never imported by pytest.
+
+    python tests/torch_gpt2.py DIR VOCAB SEQ LAYERS HEADS WIDTH
+
+Hugging Face's ``GPT2LMHeadModel`` for that shape (SEQ + 1 positions: the loss reads a whole window), randomly
+initialised (seed 0; every LayerNorm's scale and bias and every bias drawn at random too, so nothing is the
+identity), dropout off: its ``state_dict`` as
+DIR/state.npz, a random window of SEQ + 1 tokens per example as DIR/tokens.npy, the logits of the first SEQ
+positions as DIR/logits.npy and its loss (``labels=tokens``: each position predicts the next) as DIR/loss.npy.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    out = Path(argv[0])
+    vocab, seq, layers, heads, width = map(int, argv[1:6])
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=vocab, n_positions=seq + 1, n_embd=width, n_layer=layers, n_head=heads,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+    tokens = torch.randint(0, vocab, (3, seq + 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        result = model(tokens, labels=tokens)
+    np.savez(out / "state.npz", **{k: v.numpy() for k, v in model.state_dict().items()})
+    np.save(out / "tokens.npy", tokens.numpy().astype(np.int32))
+    np.save(out / "logits.npy", result.logits[:, :seq].numpy())
+    np.save(out / "loss.npy", result.loss.numpy())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
