@@ -13,6 +13,7 @@ import pytest
 
 import jaxtrain as jt
 from jaxtrain.models import gpt
+from jaxtrain.pretrained import gpt2
 
 TINY = gpt.SIZES["tiny"]
 
@@ -58,40 +59,59 @@ def test_parameters_and_flops_per_token_are_gpt2s():
     assert counted == gpt.parameters(TINY)
 
 
-def from_hf(state: dict, config) -> dict:
-    """Hugging Face GPT-2's state_dict (numpy) in the GPT's layout."""
-    L, D, H = config.layers, config.width, config.heads
-
-    def stacked(name):
-        return np.stack([state[f"transformer.h.{i}.{name}"] for i in range(L)])
-
-    wte = np.zeros((config.padded_vocab, D), np.float32)
-    wte[:config.vocab] = state["transformer.wte.weight"]
-    return {"embed": {"wte": wte, "wpe": state["transformer.wpe.weight"][:config.seq_len]},
-            "stages": {"ln1": stacked("ln_1.weight"), "ln1_b": stacked("ln_1.bias"),
-                       "qkv": stacked("attn.c_attn.weight").reshape(L, D, 3, H, D // H),
-                       "qkv_b": stacked("attn.c_attn.bias").reshape(L, 3, H, D // H),
-                       "proj": stacked("attn.c_proj.weight").reshape(L, H, D // H, D),
-                       "proj_b": stacked("attn.c_proj.bias"), "ln2": stacked("ln_2.weight"),
-                       "ln2_b": stacked("ln_2.bias"), "fc": stacked("mlp.c_fc.weight"),
-                       "fc_b": stacked("mlp.c_fc.bias"), "out": stacked("mlp.c_proj.weight"),
-                       "out_b": stacked("mlp.c_proj.bias")},
-            "head": {"ln": state["transformer.ln_f.weight"], "ln_b": state["transformer.ln_f.bias"]}}
+HF = gpt.Config(vocab=101, seq_len=16, layers=2, heads=4, width=32)
 
 
-def test_logits_and_loss_are_hugging_faces_gpt2s(torch_python, tmp_path):
-    config = gpt.Config(vocab=101, seq_len=16, layers=2, heads=4, width=32)
-    made = subprocess.run([torch_python, str(Path(__file__).parent / "torch_gpt2.py"), str(tmp_path), "101", "16",
-                           "2", "4", "32"], capture_output=True, text=True)
-    assert made.returncode == 0, made.stderr[-3000:]
-    with np.load(tmp_path / "state.npz") as f:
-        params = from_hf(dict(f), config)
-    tokens = np.load(tmp_path / "tokens.npy")
-    logits = gpt.apply(params, tokens[:, :-1], config)
-    want = np.load(tmp_path / "logits.npy")
-    assert np.abs(np.asarray(logits) - want).max() / np.abs(want).max() < 1e-4
-    loss, _ = gpt.make_loss_fn(config)(params, {}, {"tokens": tokens}, None)
-    assert abs(float(loss) - float(np.load(tmp_path / "loss.npy"))) < 1e-4
+def reference(torch_python, *args):
+    """tests/torch_gpt2.py with ``args`` for the HF config's shape, in the torch venv."""
+    shape = [str(x) for x in (HF.vocab, HF.seq_len, HF.layers, HF.heads, HF.width)]
+    done = subprocess.run([torch_python, str(Path(__file__).parent / "torch_gpt2.py"), args[0], str(args[1]), *shape,
+                           *map(str, args[2:])], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def made(torch_python, tmp_path_factory):
+    """A random Hugging Face GPT-2 (tests/torch_gpt2.py make): its files, tokens, logits and loss."""
+    out = tmp_path_factory.mktemp("gpt2")
+    reference(torch_python, "make", out)
+    return out
+
+
+def test_logits_and_loss_are_hugging_faces_gpt2s(made):
+    """Its model.safetensors (save_pretrained's) loaded by jaxtrain.pretrained.gpt2: the same logits and loss."""
+    params = gpt2.load(made / "hf" / "model.safetensors", HF)
+    tokens = np.load(made / "tokens.npy")
+    want = np.load(made / "logits.npy")
+    assert np.abs(np.asarray(gpt.apply(params, tokens[:, :-1], HF)) - want).max() / np.abs(want).max() < 1e-4
+    loss, _ = gpt.make_loss_fn(HF)(params, {}, {"tokens": tokens}, None)
+    assert abs(float(loss) - float(np.load(made / "loss.npy"))) < 1e-4
+
+
+def test_exported_weights_load_into_transformers_strictly_with_the_same_logits(made, torch_python, tmp_path):
+    params = gpt.init(jax.random.key(3), HF)
+    path = gpt2.save(params, HF, tmp_path / "mine.safetensors")
+    reference(torch_python, "check", made, path)
+    tokens = np.load(made / "tokens.npy")
+    want = np.asarray(gpt.apply(params, tokens[:, :-1], HF))
+    assert np.abs(np.load(made / "checked.npy") - want).max() / np.abs(want).max() < 1e-4
+
+
+def test_a_file_of_another_shape_or_model_is_one_line(made, tmp_path):
+    from jaxtrain.errors import ConfigError
+    from jaxtrain.pretrained import tensors
+
+    with pytest.raises(ConfigError, match=r"h\.0\.ln_1\.weight is \[32\], this GPT needs \[64\]"):
+        gpt2.load(made / "hf" / "model.safetensors", gpt.Config(vocab=101, seq_len=16, layers=2, heads=4, width=64))
+    with pytest.raises(ConfigError, match="wpe.weight holds 17 positions, this GPT needs seq_len=32"):
+        gpt2.load(made / "hf" / "model.safetensors", gpt.Config(vocab=101, seq_len=32, layers=2, heads=4, width=32))
+    whole = tensors.read(made / "hf" / "model.safetensors")
+    tensors.write({**whole, "transformer.h.0.attn.q_norm.weight": np.ones(8, np.float32)}, tmp_path / "x.safetensors")
+    with pytest.raises(ConfigError, match="1 tensor\\(s\\) this GPT does not compute: h.0.attn.q_norm.weight"):
+        gpt2.load(tmp_path / "x.safetensors", HF)
+    tensors.write({k: v for k, v in whole.items() if "ln_f" not in k}, tmp_path / "y.safetensors")
+    with pytest.raises(ConfigError, match="no tensor ln_f.weight"):
+        gpt2.load(tmp_path / "y.safetensors", HF)
 
 
 BATCHES = [batch_of(TINY, 8, seed) for seed in range(2)]

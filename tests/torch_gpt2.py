@@ -1,13 +1,17 @@
 """The PyTorch side of tests/test_gpt.py, run in a Python with torch and transformers (``make torch-venv``).
 Never imported by pytest.
 
-    python tests/torch_gpt2.py DIR VOCAB SEQ LAYERS HEADS WIDTH
+    python tests/torch_gpt2.py make DIR VOCAB SEQ LAYERS HEADS WIDTH
+    python tests/torch_gpt2.py check DIR VOCAB SEQ LAYERS HEADS WIDTH FILE
 
 Hugging Face's ``GPT2LMHeadModel`` for that shape (SEQ + 1 positions: the loss reads a whole window), randomly
 initialised (seed 0; every LayerNorm's scale and bias and every bias drawn at random too, so nothing is the
 identity), dropout off: its ``state_dict`` as
 DIR/state.npz, a random window of SEQ + 1 tokens per example as DIR/tokens.npy, the logits of the first SEQ
-positions as DIR/logits.npy and its loss (``labels=tokens``: each position predicts the next) as DIR/loss.npy.
+positions as DIR/logits.npy and its loss (``labels=tokens``: each position predicts the next) as DIR/loss.npy;
+and the model as transformers saves it (``save_pretrained``: DIR/hf/model.safetensors, config.json). ``check``:
+FILE (safetensors) loaded into that model (SEQ positions) with ``load_state_dict(strict=True)``: its logits on the
+first SEQ tokens of DIR/tokens.npy as DIR/checked.npy.
 """
 
 import sys
@@ -20,12 +24,21 @@ def main(argv):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    out = Path(argv[0])
-    vocab, seq, layers, heads, width = map(int, argv[1:6])
+    command, out = argv[0], Path(argv[1])
+    vocab, seq, layers, heads, width = map(int, argv[2:7])
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=vocab, n_positions=seq + 1, n_embd=width, n_layer=layers, n_head=heads,
+    positions = seq if command == "check" else seq + 1  # jaxtrain's GPT holds seq; the loss reads seq + 1 tokens
+    config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers, n_head=heads,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(config).eval()
+    if command == "check":
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(argv[7]), strict=True)
+        with torch.no_grad():
+            logits = model(torch.from_numpy(np.load(out / "tokens.npy")[:, :seq]).long()).logits
+        np.save(out / "checked.npy", logits.numpy())
+        return 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or ".ln_" in name:
@@ -34,9 +47,11 @@ def main(argv):
     with torch.no_grad():
         result = model(tokens, labels=tokens)
     np.savez(out / "state.npz", **{k: v.numpy() for k, v in model.state_dict().items()})
+    model.save_pretrained(out / "hf")
     np.save(out / "tokens.npy", tokens.numpy().astype(np.int32))
     np.save(out / "logits.npy", result.logits[:, :seq].numpy())
     np.save(out / "loss.npy", result.loss.numpy())
+    return 0
 
 
 if __name__ == "__main__":

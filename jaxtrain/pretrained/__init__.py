@@ -12,7 +12,8 @@ Hugging Face's ``ViTModel`` / ``ViTForImageClassification``, ``jaxtrain.pretrain
 file is used or named as unused (one line); a tensor the model needs that the file lacks, or whose shape
 differs, is a one-line error naming it, except the classifier: with another class count (or none in the file)
 it is the model's own fresh one (said as replaced). A ViT's position embedding for another image size is
-resampled as timm resamples it (said too).
+resampled as timm resamples it (said too). Hugging Face's GPT-2 files load into ``jaxtrain.models.gpt``'s params
+through ``jaxtrain.pretrained.gpt2`` (not a registry model yet).
 """
 
 from jaxtrain.pretrained.weights import ARCHITECTURES, Loaded, export, load, save
