@@ -236,8 +236,9 @@ def test_the_stop_vote_answers_one_call_late_with_the_largest_request():
 
 @needs_fashion_mnist
 def test_a_run_is_a_value_built_once(monkeypatch, tmp_path):
-    """build(config) makes the model and the steps once each (the model before the data is read) and hands back
-    a frozen Run; its recorded settings are what its checkpoints hold."""
+    """build(config) makes a local dataset's model once, before the data is read; the steps' settings are checked
+    before it too (a declaration on the known shape, nothing compiled), the Run's steps made after it (the
+    schedule spans its updates). A frozen Run; its recorded settings are what its checkpoints hold."""
     import dataclasses
 
     from jaxtrain.driver import assemble, build as build_lib
@@ -250,7 +251,7 @@ def test_a_run_is_a_value_built_once(monkeypatch, tmp_path):
     monkeypatch.setattr(build_lib, "load_data", lambda c: read.append(list(made)) or real_load(c))
     run = build_lib.build(RunConfig(devices=2, epochs=2, batch_size=64, train_subset=256, test_subset=64,
                                     schedule="cosine", checkpoint_dir=str(tmp_path / "ck"), no_progress=True))
-    assert made == ["model", "steps"] and read == [["model"]]
+    assert made == ["model", "steps", "steps"] and read == [["model", "steps"]]
     assert (len(run.devices), run.call_batch, len(run.data["train"])) == (2, 64, 256)
     assert run.model.input_shape == (28, 28, 1)
     assert run.checkpointer.settings == run.settings and run.settings["data_sha256"]
@@ -258,3 +259,46 @@ def test_a_run_is_a_value_built_once(monkeypatch, tmp_path):
         run.model = None
     run.checkpointer.close()
     run.loaders["train"].close(), run.loaders["test"].close()
+
+
+@needs_fashion_mnist
+def test_a_build_that_fails_after_opening_the_checkpoints_releases_them(monkeypatch, tmp_path):
+    """Through the Python API a failed build is retried in the same process: its checkpoint directory is free."""
+    from jaxtrain.driver import build as build_lib
+
+    config = RunConfig(devices=2, train_subset=256, test_subset=64, checkpoint_dir=str(tmp_path / "ck"))
+    monkeypatch.setattr(build_lib, "load_data", lambda c: (_ for _ in ()).throw(jt.ConfigError("the data is gone")))
+    with pytest.raises(jt.ConfigError, match="the data is gone"):
+        build_lib.build(config)
+    monkeypatch.undo()
+    run = build_lib.build(config)  # was: "... is in use by another run (pid <this one>)"
+    run.checkpointer.close()
+    run.loaders["train"].close(), run.loaders["test"].close()
+
+
+def test_outputs_that_cannot_be_opened_leave_the_run_directory_unclaimed(tmp_path):
+    import types
+
+    from jaxtrain.driver import runner
+    from jaxtrain.driver.outputs import claim_out_dir
+
+    def no_room(state):
+        raise jt.ConfigError("no room")
+
+    run = types.SimpleNamespace(config=RunConfig(out=str(tmp_path / "out")),
+                                checkpointer=types.SimpleNamespace(ensure_room=no_room))
+    with pytest.raises(jt.ConfigError, match="no room"):
+        runner.open_outputs(run, None, None)
+    claim_out_dir(str(tmp_path / "out"), "lenet", False)[1].release()  # was: in use by this very process
+
+
+def test_a_run_config_takes_its_fields_by_name_or_in_order_and_checks_each_first():
+    assert RunConfig("resnet18", 2) == RunConfig(model="resnet18", devices=2)
+    with pytest.raises(TypeError, match="each once"):
+        RunConfig("lenet", model="vit")
+    with pytest.raises(jt.ConfigError, match="lr=-1: expected a number > 0.0"):  # a field's own check first
+        RunConfig(dataset="bogus", lr=-1)
+    with pytest.raises(jt.ConfigError, match="epochs=0"):
+        RunConfig(epochs=0, image_size=32)
+    with pytest.raises(jt.ConfigError, match="model=None: not one of lenet"):
+        RunConfig(model=None)

@@ -1,12 +1,14 @@
 """``build(config) -> Run``: a run made ready, once, before its first step.
 
-    devices, mesh -> the model (on the data's shape) -> checkpoints opened -> the data -> the steps -> Run
+    devices, mesh -> the model, checked (on the shape the dataset is known to have) -> checkpoints opened
+    -> the data -> the steps for it -> Run
 
-Every part is made once. What can fail fails before the data is read (which may take minutes: a conversion, a
-large folder's index): the model is made for the shape the dataset is known to have (a folder's and a TFDS
-dataset's are known once read: they are read first), its weights and groups checked with ``jax.eval_shape``.
-The steps come after the data, since the learning rate is scheduled over the run's updates. ``runner`` trains
-the Run.
+What can fail fails before the data is read (which may take minutes: a conversion, a large folder's index):
+the model is made for the shape the dataset is known to have, its weights and groups checked with
+``jax.eval_shape``, and the steps' settings (the batch's split, where the state goes, a pipeline's layers) are
+checked on it. The Run's steps are made after the data, since the learning rate is scheduled over the run's
+updates (the data's size); a local dataset's model is the one made before, a folder's or a TFDS dataset's is
+made again once their classes and images are known. ``runner`` trains the Run.
 """
 
 from __future__ import annotations
@@ -79,17 +81,29 @@ def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
     if on_devices is not None:
         on_devices(devices)
     teacher = distill.teacher_from_run(c.teacher) if c.teacher else None
-    read_first = c.dataset.startswith((FOLDER_PREFIX, TFDS_PREFIX))  # their shape is known once read
-    data = load_data(c) if read_first else None
-    shape = sources.shape_of(c.dataset, data[0]["train"]) if read_first else known_shape(c)
+    shape = known_shape(c, teacher)
     model = assemble.model(c, shape, teacher)
     check_model(c, model)
+    assemble.placed(c, model, assemble.steps(c, mesh, model, updates=0)[0])  # the steps' settings, nothing compiled
     checkpointer = open_checkpoints(c)
-    data, data_sha256 = data or load_data(c)
+    try:
+        return _for_data(c, devices, mesh, teacher, shape, model, checkpointer)
+    except BaseException:
+        if checkpointer is not None:  # its lock: a run built again in this process may open it
+            checkpointer.close()
+        raise
+
+
+def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpointer) -> Run:
+    """``build``'s second half: the data read, the model again where its shape was known only then (a folder's
+    classes, a TFDS dataset's images), the steps for the data, the loaders."""
+    data, data_sha256 = load_data(c)
     if (found := sources.shape_of(c.dataset, data["train"])) != shape:
-        raise ConfigError(f"dataset {c.dataset}: its files hold images {found['input_shape']} of "
-                          f"{found['num_classes']} classes, not {shape['input_shape']} of {shape['num_classes']}: "
-                          "check data_dir=")
+        if not c.dataset.startswith((FOLDER_PREFIX, TFDS_PREFIX)):
+            raise ConfigError(f"dataset {c.dataset}: its files hold images {found['input_shape']} of "
+                              f"{found['num_classes']} classes, not {shape['input_shape']} of "
+                              f"{shape['num_classes']}: check data_dir=")
+        model = assemble.model(c, found, teacher)
     trainer, evaluator = assemble.steps(c, mesh, model, c.epochs * (len(data["train"]) // c.batch_size))
     layout, call_batch = assemble.placed(c, model, trainer)
     settings = run_settings(c, data_sha256, len(devices), trainer.pipeline_layout,
@@ -103,10 +117,14 @@ def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
                checkpointer)
 
 
-def known_shape(c: RunConfig) -> dict:
-    """The images and classes a local dataset is known to have before it is read (``classes=``: that many)."""
-    shape = sources.shape_of(c.dataset)
-    if c.classes:
+def known_shape(c: RunConfig, teacher: tuple | None = None) -> dict:
+    """The images and classes the dataset is known to have before it is read: a local dataset's (``classes=``:
+    that many); a folder's images are ``image_size`` square RGB, its classes (the teacher's, or 10) and a TFDS
+    dataset's shape assumed until read."""
+    shape = sources.shape_of(c.dataset, image_size=c.image_size)
+    if c.dataset.startswith(FOLDER_PREFIX) and teacher is not None:
+        shape["num_classes"] = teacher[0].num_classes
+    elif c.classes and not c.dataset.startswith((FOLDER_PREFIX, TFDS_PREFIX)):
         shape["num_classes"] = len(classes.pick(c.classes, classes.NAMES[c.dataset]))
     return shape
 

@@ -214,18 +214,7 @@ class Fields:
                                            "gives its study's name)")
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            value, meta = getattr(self, f.name), f.metadata
-            if value is None or isinstance(value, bool):
-                continue
-            if isinstance(value, float) and not math.isfinite(value):  # inf would pass "> 0", then diverge
-                raise ConfigError(f"{f.name}={value}: expected a finite number")
-            if meta["choices"] and value not in meta["choices"]:
-                raise ConfigError(f"{f.name}={value!r}: not one of {', '.join(meta['choices'])}")
-            if meta["minimum"] is not None and not value >= meta["minimum"]:
-                raise ConfigError(f"{f.name}={value}: expected a number >= {meta['minimum']}")
-            if meta["above"] is not None and not value > meta["above"]:
-                raise ConfigError(f"{f.name}={value}: expected a number > {meta['above']}")
+        check_values(dataclasses.asdict(self))
         if self.data_on_device == "on" and self.dataset.startswith(FOLDER_PREFIX):
             raise ConfigError("data_on_device=on: an image folder is streamed from its files, decoded on the host; "
                               "use data_on_device=auto or off for a folder")
@@ -263,8 +252,11 @@ class RunConfig(Fields):
     ``batch_size``, ``lr``, ``optimizer``, ``schedule``, ``warmup_epochs``, ``init``; an image folder's ``augment``
     and ``image_size``), before the fields are set: a RunConfig never changes itself."""
 
-    def __init__(self, **given):
-        super().__init__(**with_recipe(given))
+    def __init__(self, *args, **given):
+        names = [f.name for f in dataclasses.fields(Fields)]
+        if len(args) > len(names) or set(names[:len(args)]) & set(given):
+            raise TypeError(f"RunConfig takes its fields in order ({', '.join(names[:3])}, ...), each once")
+        super().__init__(**with_recipe({**dict(zip(names, args)), **given}))
 
     def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)
@@ -280,8 +272,9 @@ def with_recipe(given: dict) -> dict:
     if unknown:
         raise TypeError(f"RunConfig got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
     given = dict(given)
+    check_values({f.name: given.get(f.name, f.default) for f in dataclasses.fields(Fields)})
     model = given.setdefault("model", "lenet")
-    if model not in MODELS:
+    if model not in MODELS:  # None too
         raise ConfigError(f"model={model!r}: not one of {', '.join(MODELS)}")
     dataset = given.setdefault("dataset", "fashion_mnist")
     try:
@@ -305,6 +298,23 @@ def with_recipe(given: dict) -> dict:
     if folder and given.get("image_size") is None:
         given["image_size"] = recipe.image_size
     return given
+
+
+def check_values(values: dict) -> None:
+    """Each field's own check (its choices, ``>= minimum``, ``> above``, finite): a ConfigError naming the first
+    bad one, in the fields' order."""
+    for f in dataclasses.fields(Fields):
+        value, meta = values[f.name], f.metadata
+        if value is None or isinstance(value, bool):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):  # inf would pass "> 0", then diverge
+            raise ConfigError(f"{f.name}={value}: expected a finite number")
+        if meta["choices"] and value not in meta["choices"]:
+            raise ConfigError(f"{f.name}={value!r}: not one of {', '.join(meta['choices'])}")
+        if meta["minimum"] is not None and not value >= meta["minimum"]:
+            raise ConfigError(f"{f.name}={value}: expected a number >= {meta['minimum']}")
+        if meta["above"] is not None and not value > meta["above"]:
+            raise ConfigError(f"{f.name}={value}: expected a number > {meta['above']}")
 
 
 def _check_apart(checkpoints: Path, out: Path) -> None:

@@ -43,9 +43,13 @@ def open_outputs(run: Run, state, position) -> tuple[RunWriter | None, object]:
     if jax.process_index() != 0:
         return None, None
     out_dir, lock = claim_out_dir(c.out, c.model, c.resume)
-    if run.checkpointer is not None:
-        run.checkpointer.ensure_room(state)
-    return RunWriter(out_dir, position.history if position else (), slurm_job(), resumed=bool(position)), lock
+    try:
+        if run.checkpointer is not None:
+            run.checkpointer.ensure_room(state)
+        return RunWriter(out_dir, position.history if position else (), slurm_job(), resumed=bool(position)), lock
+    except BaseException:  # no room, or the files cannot be written: the directory is not left claimed
+        lock.release()
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +207,8 @@ def _run(config: RunConfig, stop: StopOnSignal) -> dict:
         return _train(run, stop, requeue_job)
     finally:
         run.loaders["train"].close(), run.loaders["test"].close()  # their worker processes, if any
+        if run.checkpointer is not None:  # closed by now unless the run failed before its end: its lock released
+            run.checkpointer.close()
 
 
 def _train(run: Run, stop: StopOnSignal, requeue_job: dict | None) -> dict:

@@ -71,8 +71,9 @@ LOGICAL_AXES = (
 
 
 def init(rng: jax.Array, config: Config = SIZES["tiny"]) -> dict:
-    """GPT-2's initialisation: N(0, 0.02), the residual projections (``proj``, ``out``) N(0, 0.02 / sqrt(2 L)),
-    biases 0, LayerNorms 1 and 0; the padded rows of the embedding too (they never reach a logit)."""
+    """GPT-2's initialisation as Hugging Face's and nanoGPT's: N(0, 0.02) (both embeddings too), the residual
+    projections (``proj``, ``out``) N(0, 0.02 / sqrt(2 L)), biases 0, LayerNorms 1 and 0; the padded rows of the
+    embedding drawn too (they never reach a logit)."""
     c = config
     L, D, H, F = c.layers, c.width, c.heads, c.mlp_ratio * c.width
     k = iter(jax.random.split(rng, 6))
@@ -88,7 +89,7 @@ def init(rng: jax.Array, config: Config = SIZES["tiny"]) -> dict:
 
     residual = 0.02 / math.sqrt(2 * L)
     return {
-        "embed": {"wte": normal(c.padded_vocab, D), "wpe": normal(c.seq_len, D, std=0.01)},
+        "embed": {"wte": normal(c.padded_vocab, D), "wpe": normal(c.seq_len, D)},
         "stages": {"ln1": ones(L, D), "ln1_b": zeros(L, D), "qkv": normal(L, D, 3, H, D // H),
                    "qkv_b": zeros(L, 3, H, D // H), "proj": normal(L, H, D // H, D, std=residual),
                    "proj_b": zeros(L, D), "ln2": ones(L, D), "ln2_b": zeros(L, D), "fc": normal(L, D, F),

@@ -53,11 +53,11 @@ def load(path: str | Path, config) -> dict:
     stages["proj"] = stages["proj"].reshape(L, H, D // H, D)
     wte = np.zeros((config.padded_vocab, D), np.float32)
     wte[:config.vocab] = take("wte.weight", (config.vocab, D))
-    positions = named.get("wpe.weight", np.zeros((0, D)))
-    if positions.shape[0] < config.seq_len:
-        raise ConfigError(f"{path}: wpe.weight holds {positions.shape[0]} positions, this GPT needs "
-                          f"seq_len={config.seq_len}: give a shorter seq_len")
-    wpe = take("wpe.weight", positions.shape)[:config.seq_len]
+    held = named["wpe.weight"].shape[0] if "wpe.weight" in named else config.seq_len  # missing: take says so
+    if held < config.seq_len:
+        raise ConfigError(f"{path}: wpe.weight holds {held} positions, this GPT needs seq_len={config.seq_len}: "
+                          "give a shorter seq_len")
+    wpe = take("wpe.weight", (held, D))[:config.seq_len]
     head = {"ln": take("ln_f.weight", (D,)), "ln_b": take("ln_f.bias", (D,))}
     if "lm_head.weight" in named:  # tied: the same numbers as wte, or a head this GPT does not have
         if not np.array_equal(take("lm_head.weight", (config.vocab, D)), wte[:config.vocab]):

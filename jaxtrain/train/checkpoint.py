@@ -121,6 +121,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True))
         self._saving: int | None = None
+        self._closed = False
 
     def save(self, state: TrainState, position: Position, wait: bool = False) -> None:
         """Save at step ``position.total_steps`` (asynchronously unless ``wait``)."""
@@ -228,6 +229,10 @@ class Checkpointer:
         log.warning(f"checkpoint at step {step} in {self.directory} {problem}: moved it to {where}")
 
     def close(self) -> None:
+        """The saves in flight finished, the directory's lock released; once (a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         with self._io(self._saving):
             self.manager.wait_until_finished()
         self.manager.close()
