@@ -8,6 +8,7 @@ Only process 0 says the run's progress (logging, ``jaxtrain.io.console``) and wr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -205,10 +206,13 @@ def _run(config: RunConfig, stop: StopOnSignal) -> dict:
     run = build(config, on_devices=joined)
     try:
         return _train(run, stop, requeue_job)
+    except BaseException:
+        if run.checkpointer is not None:  # a run that failed before its end: its lock released (the run's own
+            with contextlib.suppress(Exception):  # error is the one said, not a save's that failed with it)
+                run.checkpointer.close()
+        raise
     finally:
         run.loaders["train"].close(), run.loaders["test"].close()  # their worker processes, if any
-        if run.checkpointer is not None:  # closed by now unless the run failed before its end: its lock released
-            run.checkpointer.close()
 
 
 def _train(run: Run, stop: StopOnSignal, requeue_job: dict | None) -> dict:

@@ -233,11 +233,15 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        with self._io(self._saving):
-            self.manager.wait_until_finished()
-        self.manager.close()
-        if self._lock is not None:
-            self._lock.release()
+        try:
+            with self._io(self._saving):
+                self.manager.wait_until_finished()
+        finally:  # a save that failed (a full disk) still leaves the directory unlocked
+            try:
+                self.manager.close()
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
 
     def _io(self, step):
         return _SaveErrors(self, step)
