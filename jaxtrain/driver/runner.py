@@ -68,17 +68,17 @@ class Trained:
 def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: dict | None = None,
           tracker=None) -> Trained:
     """fit with the run's outputs, tracker, checkpoints and signal handling."""
-    c, s, data = run.config, run, run.data
+    c, data = run.config, run.data
     train_data, test_data = run.loaders["train"], run.loaders["test"]
     last = {}
     if c.summary:
         images = loader.normalise(data["test"].examples(np.arange(min(8, len(data["test"]))), None, c.seed, 0)[0])
         say(diagnostics.format_summary(diagnostics.summarize(
-            state.params, lambda params, x: s.model.logits(params, state.model_state, x), images)))
+            state.params, lambda params, x: run.model.logits(params, state.model_state, x), images)))
     if c.memory_report:
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
-    stats = diagnostics.compiled_stats(s.trainer, state, train_data.batch_at(0, 0))
-    if warning := diagnostics.host_memory_warning(stats, s.devices):
+    stats = diagnostics.compiled_stats(run.trainer, state, train_data.batch_at(0, 0))
+    if warning := diagnostics.host_memory_warning(stats, run.devices):
         log.warning(warning)
 
     def memory_after_first_step(loop):
@@ -95,13 +95,13 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
 
     def save(state, position):
         with stop.busy():
-            s.checkpointer.save(state, position)
+            run.checkpointer.save(state, position)
 
-    steps_per_call, on_device = keep_busy(s, state, data["train"], train_data)
-    watching, profile, events = observe.watchers(c, writer and writer.out_dir, say, s.evaluator, test_data, tracker)
+    steps_per_call, on_device = keep_busy(run, state, data["train"], train_data)
+    watching, profile, events = observe.watchers(c, writer and writer.out_dir, say, run.evaluator, test_data, tracker)
     live = notebook.live_curves(lambda: writer.epochs) if writer is not None else None  # after writer.epoch
     hooks = [*watching, *([live] if live else []),
-             *checkpoint_hooks(save if s.checkpointer else None, c.checkpoint_every, stop.requested),
+             *checkpoint_hooks(save if run.checkpointer else None, c.checkpoint_every, stop.requested),
              Hook(lambda loop: last.update(loop.recent), unit="epoch"),  # the last step's metrics
              *([Hook(memory_after_first_step, cuts=False)] if c.memory_report else [])]
     try:
@@ -109,7 +109,7 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
         if profile and profile.start == 1:
             profile.begin()
         state, history, first_loss = fit(
-            s.trainer, state, train_data, s.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,
+            run.trainer, state, train_data, run.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,
             hooks=hooks, on_epoch=on_epoch,
             progress=False if c.no_progress or writer is None else True if notebook.active() else None,
             prefetch=c.prefetch, position=position, eval_every=c.eval_every, pause=stop.busy,
@@ -117,58 +117,59 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
     except Interrupted as e:
         stop.done()
         step = e.position.total_steps
-        stop.stopped(step, s.checkpointer, say, then=functools.partial(
+        stop.stopped(step, run.checkpointer, say, then=functools.partial(
             requeue.after_stop, requeue_job, writer, step, signal.Signals(stop.signum).name, say))
     except Diverged as e:
         stop.done()
-        if s.checkpointer is None:
+        if run.checkpointer is None:
             raise
         with stop.busy():
-            s.checkpointer.close()  # the saves in flight, all of finite states, land
-        raise Diverged(e.what, e.step, f"the newest checkpoint is step {s.checkpointer.latest()} in "
-                       f"{s.checkpointer.directory}") from None
+            run.checkpointer.close()  # the saves in flight, all of finite states, land
+        raise Diverged(e.what, e.step, f"the newest checkpoint is step {run.checkpointer.latest()} in "
+                       f"{run.checkpointer.directory}") from None
     finally:
         if profile:
             profile.end()
         if events:
             events.close()
     stop.done()
-    if s.checkpointer is not None:
+    if run.checkpointer is not None:
         with stop.busy():
-            s.checkpointer.close()
+            run.checkpointer.close()
     return Trained(state, history, first_loss, stats, len(train_data), last)
 
 
-def keep_busy(s: Run, state, split, train_data) -> tuple[int, bool]:
+def keep_busy(run: Run, state, split, train_data) -> tuple[int, bool]:
     """Steps per call and the data's place (``jaxtrain.driver.busy``), said in one line."""
-    c, device = s.config, jax.local_devices()[0]
+    c, device = run.config, jax.local_devices()[0]
     on_device, where = busy.data_on_device(c.data_on_device, device.platform, split, device)
     k, why = busy.steps_per_call(c.steps_per_call, device.platform,
-                                 lambda: busy.per_step_in_call(s.trainer, state, train_data.batch_at(0, 0)))
+                                 lambda: busy.per_step_in_call(run.trainer, state, train_data.batch_at(0, 0)))
     k, on_device = busy.agreed(k, on_device)  # process 0's: every process makes the same calls
     say(f"steps per call: {k} ({why}); training data on the {'devices' if on_device else 'host'} ({where})")
     return k, on_device
 
 
-def summarise(s: Run, trained: Trained, writer) -> dict:
+def summarise(run: Run, trained: Trained, writer) -> dict:
     """summary.json: the result first on stdout (if the files fail, the user still has it), then the files."""
-    c, platform, data, settings = s.config, s.devices[0].platform, s.data, s.settings
+    c, platform, data, settings = run.config, run.devices[0].platform, run.data, run.settings
     state, history, first_loss, stats = trained.state, trained.history, trained.first_loss, trained.stats
-    peak = diagnostics.devices_peak(s.devices, c.precision, measure=c.measure_peak)
-    summary = run_summary(c, s.model, history, first_loss, stats, peak, s.devices, s.call_batch,
+    peak = diagnostics.devices_peak(run.devices, c.precision, measure=c.measure_peak)
+    summary = run_summary(c, run.model, history, first_loss, stats, peak, run.devices, run.call_batch,
                           trained.steps_per_epoch, {k: len(v) for k, v in data.items()}, settings["data_sha256"])
     summary.update(slurm_job=slurm_job(), stops=writer.stops if writer else [])
     if "class_names" in settings:  # an image folder's: label i is class_names[i]
         summary["class_names"] = settings["class_names"]
-    summary.update(params_digest=params_digest(state.params), mesh=dict(s.mesh.shape), param_sharding=c.param_sharding,
-                   sharded_params=s.layout["sharded"], collectives=stats["collectives"],
-                   conv=conv_path(c, s.model, platform),
-                   pipeline={**s.trainer.describe(), "counted_bubble": float(trained.last["pipeline_bubble"])}
-                   if s.trainer.pipeline_layout else None)
-    plural = "s" * (len(s.devices) != 1)
-    say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(s.devices)} "
+    summary.update(params_digest=params_digest(state.params), mesh=dict(run.mesh.shape),
+                   param_sharding=c.param_sharding, sharded_params=run.layout["sharded"],
+                   collectives=stats["collectives"],
+                   conv=conv_path(c, run.model, platform),
+                   pipeline={**run.trainer.describe(), "counted_bubble": float(trained.last["pipeline_bubble"])}
+                   if run.trainer.pipeline_layout else None)
+    plural = "s" * (len(run.devices) != 1)
+    say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(run.devices)} "
           f"device{plural} ({platform}){utilisation_words(summary)}"
-          f"{not_learning(history, first_loss, s.model.num_classes)}")
+          f"{not_learning(history, first_loss, run.model.num_classes)}")
     if writer is not None:
         writer.summary(summary)
         say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl{'' if writer.no_plot else ', curves.png'}")
@@ -243,10 +244,10 @@ def _train(run: Run, stop: StopOnSignal, requeue_job: dict | None) -> dict:
     return summary
 
 
-def save_model(s: Run, out_dir, state, summary: dict) -> None:
+def save_model(run: Run, out_dir, state, summary: dict) -> None:
     """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.driver.export)."""
-    settings = s.settings
+    settings = run.settings
     export.save(out_dir, state.params, distill.own_state(state.model_state), {
-        **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": s.config.model, "init": s.model.init_name,
-        "input_shape": s.model.input_shape, "num_classes": s.model.num_classes, "settings": settings,
+        **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": run.config.model, "init": run.model.init_name,
+        "input_shape": run.model.input_shape, "num_classes": run.model.num_classes, "settings": settings,
         **({"class_names": settings["class_names"]} if "class_names" in settings else {})})
