@@ -4,11 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
+KJV := $(HOME)/.cache/jaxtrain/kjv/kjv.txt
 # Two workers: compiles and subprocess start-ups overlap; worksteal rebalances the tail of long tests
 # (17:37 against 20:17 with the default scheduling, one run each here); --durations names the slowest tests.
 PYTEST_ARGS ?= -n 2 --dist worksteal --durations=20
 
-.PHONY: setup data onednn jpeg torch-venv demo test cluster test-latest test-gpu-compile gpu-bundle gpu-rehearse gpu-check wheel-check docs clean help
+.PHONY: setup data kjv gpt-demo onednn jpeg torch-venv demo test cluster test-latest test-gpu-compile gpu-bundle gpu-rehearse gpu-check wheel-check docs clean help
 
 help:
 	@echo "make demo   set up, then train the d2l LeNet on Fashion-MNIST on 2 devices (10 epochs)"
@@ -22,6 +23,8 @@ help:
 	@echo "make gpu-check   on a GPU machine: every GPU figure measured, beside the estimate (kept as docs/gpu-runs/DATE-GPU.json, .md)"
 	@echo "make docs   set up, then build the documentation site into docs/_build/html (warnings are errors)"
 	@echo "make data   install the Debian package dataset-fashion-mnist if it is missing"
+	@echo "make kjv    write the King James Bible as text ($(KJV)) from Debian's bible-kjv: the language models' corpus"
+	@echo "make gpt-demo  train the mini GPT on it for a few minutes on this CPU, then sample from it"
 	@echo "make onednn install g++ (it compiles oneDNN's convolutions for CPUs) if it is missing"
 	@echo "make jpeg   install libjpeg-turbo's headers (image folders' JPEG region decoder) if they are missing"
 	@echo "make torch-venv  build the PyTorch venv the pretrained-weights tests compare against"
@@ -50,6 +53,26 @@ data:
 		echo "Fashion-MNIST not found in $(FMNIST_DIR) and apt-get is not usable as root:"; \
 		echo "  TFDS will download it on first use (needs internet), or pass --data-dir DIR with the IDX files."; \
 	fi
+
+# The language models' offline corpus (docs/language-models.md): Debian's bible-kjv (its `bible` program and the
+# compressed text) printed whole, Genesis 1:1 to Revelation 22:21, once.
+kjv:
+	@if [ -s $(KJV) ]; then \
+		echo "King James Bible: $(KJV)"; exit 0; \
+	elif ! command -v bible >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian package bible-kjv"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bible-kjv >/dev/null; \
+	fi; \
+	if ! command -v bible >/dev/null; then \
+		echo "kjv: Debian's bible-kjv is missing and apt-get is not usable as root: install it (apt-get install bible-kjv),"; \
+		echo "  or train on any text: --dataset text:PATH"; exit 1; \
+	fi; \
+	mkdir -p $$(dirname $(KJV)) && bible gen1:1-rev22:21 </dev/null > $(KJV).tmp && [ -s $(KJV).tmp ] && \
+		mv $(KJV).tmp $(KJV) && echo "King James Bible: $(KJV) ($$(wc -c < $(KJV)) bytes)"
+
+gpt-demo: setup kjv
+	$(PY) -m experiments.gpt --devices 2 --max-steps 600 --log-every 100
 
 # oneDNN's convolutions for CPUs (jaxtrain.kernels.onednn; conv="auto" uses them where they build): oneDNN comes
 # with jaxtrain's cpu-conv extra (pip: onednn-cpu-gomp; make setup installs it); they are compiled on first use with g++. Without g++ the models keep

@@ -18,6 +18,11 @@ TRACKERS = ("none", "wandb", "mlflow")  # --track: jaxtrain.driver.track
 DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 TFDS_PREFIX = "tfds:"
 FOLDER_PREFIX = "folder:"  # a folder of images, one sub-folder per class (jaxtrain.data.folder)
+TEXT_PREFIX = "text:"  # a text file, or a folder of them, for a language model (jaxtrain.data.text)
+KJV = "~/.cache/jaxtrain/kjv/kjv.txt"  # the language models' offline corpus: `make kjv` writes it (Debian's bible-kjv)
+TOKENIZERS = ("bpe", "bytes")  # jaxtrain.data.text; or the path of a tokenizer.json
+# jaxtrain.models.gpt.SIZES: each size's context (its seq_len unless told)
+GPT_SIZES = {"tiny": 64, "mini": 128, "124m": 1024, "350m": 1024, "774m": 1024}
 MESH_AXES = ("replica", "data", "model", "stage")  # a run's mesh's names (parallel.devices, train.pipeline)
 
 
@@ -25,10 +30,11 @@ def check_dataset(name: str) -> None:
     """A ConfigError unless ``name`` is one of DATASETS or ``tfds:NAME``."""
     from jaxtrain.errors import ConfigError
 
-    if name not in DATASETS and not any(name.startswith(p) and len(name) > len(p) for p in (TFDS_PREFIX,
-                                                                                             FOLDER_PREFIX)):
+    prefixes = (TFDS_PREFIX, FOLDER_PREFIX, TEXT_PREFIX)
+    if name not in DATASETS and not any(name.startswith(p) and len(name) > len(p) for p in prefixes):
         raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}, tfds:NAME for a dataset "
-                          "TFDS has prepared, or folder:DIR for a folder of images (one sub-folder per class)")
+                          "TFDS has prepared, folder:DIR for a folder of images (one sub-folder per class), or "
+                          "text:PATH for a text file or a folder of them (a language model's)")
 
 
 def lr_groups(text: str | None) -> tuple[tuple[str, float], ...]:

@@ -175,7 +175,7 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
         if fields is not None and f.name not in fields:
             continue
         meta, default = f.metadata, getattr(defaults, f.name)
-        if model is None and f.name in (*RECIPE_FIELDS, "init") or f.name in DATASET_FIELDS:
+        if model is None and f.name in (*RECIPE_FIELDS, "init", "dataset") or f.name in DATASET_FIELDS:
             default = None  # the --model (its recipe) or the --dataset given picks them, not lenet's or the default's
         name = renamed.get(f.name, flag(f.name))
         if f.type == "bool":
@@ -216,7 +216,7 @@ def to_argv(config: RunConfig, model_fixed: bool = True) -> list[str]:
 
 # The modules a training run's command runs (python -m MODULE ...): the model each fixes (None: --model says).
 RUNS = {"experiments.lenet": "lenet", "experiments.resnet18": "resnet18", "experiments.vit": "vit",
-        "experiments.distill": None, "jaxtrain.cli": None}
+        "experiments.gpt": "gpt", "experiments.distill": None, "jaxtrain.cli": None}
 
 
 def run_config(command: Sequence[str], more: Sequence[str] = ()) -> RunConfig:

@@ -34,7 +34,7 @@ class Diverged(ConfigError):
 EXTRAS = {"PIL": ("Pillow", "images"), "matplotlib": ("matplotlib", "plots"),
           "tensorboard": ("tensorboard", "tensorboard"), "qwix": ("qwix", "quantize"), "optuna": ("optuna", "sweep"),
           "safetensors": ("safetensors", "pretrained"), "wandb": ("wandb", "wandb"),
-          "mlflow": ("mlflow-skinny", "mlflow")}
+          "mlflow": ("mlflow-skinny", "mlflow"), "tokenizers": ("tokenizers", "text")}
 
 
 class MissingExtra(ConfigError):

@@ -53,7 +53,7 @@ def test_every_extra_named_in_the_messages_is_one_pyproject_declares():
     (everything,) = extras["all"]  # jaxtrain[images,plots,...]: every extra but the GPUs', the tests' and the docs'
     assert everything.startswith("jaxtrain[") and everything.endswith("]")
     named = set(everything[len("jaxtrain["):-1].split(","))
-    assert {"images", "plots", "tensorboard", "quantize", "sweep", "pretrained", "cpu-conv", "track",
+    assert {"images", "text", "plots", "tensorboard", "quantize", "sweep", "pretrained", "cpu-conv", "track",
             "notebook"} == named
     assert {extra for _, extra in EXTRAS.values()} <= named | set(extras["track"][0][len("jaxtrain["):-1].split(","))
     assert "jaxtrain[all]" in extras["test"]  # make test installs everything

@@ -74,6 +74,12 @@ class FolderSplit:
 
         return images.read_batch(self, idx, augment=augment, seed=seed, epoch=epoch)
 
+    def rows(self, idx: np.ndarray, *, train: bool, augment: str | None, seed: int,
+             epoch: int) -> tuple[dict, list, list]:
+        """({"image": uint8, "label"} of files ``idx``, failed files, JPEGs Pillow decoded) (``examples``)."""
+        images, bad, pillow = self.examples(idx, augment if train else None, seed, epoch)
+        return {"image": images, "label": self.labels[idx]}, bad, pillow
+
 
 def digest(*splits: FolderSplit) -> str:
     """sha256 of what a run trains on: each split's files (by the folder's state), labels and classes."""

@@ -32,15 +32,10 @@ from grain.multiprocessing import SharedMemoryArray
 from jaxtrain.choices import AUGMENTATIONS
 from jaxtrain.data import augment as augment_lib
 from jaxtrain.data.folder import FolderSplit
-from jaxtrain.data.split import Split
+from jaxtrain.data.split import Split, normalise  # noqa: F401 - normalise: its public home was here
 from jaxtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-def normalise(images: np.ndarray) -> np.ndarray:
-    """uint8 pixels -> float32 in [0, 1] (d2l's ToTensor)."""
-    return images.astype(np.float32) * np.float32(1 / 255)
 
 
 def _absl_flags_parsed() -> None:
@@ -287,16 +282,13 @@ class Loader:
         lo, hi = (b * bs + self.process_index * self.local_batch_size,
                   b * bs + (self.process_index + 1) * self.local_batch_size)
         if order is not None:
-            idx = order[lo:hi]
-            images, bad, pillow = self.split.examples(idx, self.augment, self.seed, epoch)
-            batch = {"image": images, "label": self.split.labels[idx]}
+            batch, bad, pillow = self.split.rows(order[lo:hi], train=True, augment=self.augment, seed=self.seed,
+                                                 epoch=epoch)
         else:  # eval: in order, padded past the end, masked
             idx = np.arange(lo, hi)
             real = idx < n
-            idx = np.where(real, idx, 0)
-            images, bad, pillow = self.split.examples(idx, None, self.seed, epoch)
-            batch = {"image": images, "label": self.split.labels[idx], "mask": real}
-        if not self.split.raw:
-            batch["image"] = normalise(batch["image"])
+            batch, bad, pillow = self.split.rows(np.where(real, idx, 0), train=False, augment=None, seed=self.seed,
+                                                 epoch=epoch)
+            batch["mask"] = real
         batch = self.transform(batch) if self.transform is not None else batch
         return {**batch, "bad": bad, "pillow": pillow}

@@ -10,6 +10,11 @@ import numpy as np
 from jaxtrain.errors import ConfigError
 
 
+def normalise(images: np.ndarray) -> np.ndarray:
+    """uint8 pixels -> float32 in [0, 1] (d2l's ToTensor)."""
+    return images.astype(np.float32) * np.float32(1 / 255)
+
+
 @dataclasses.dataclass(frozen=True)
 class Split:
     """uint8 images [N, H, W, C] and int32 labels [N] (``num_classes``: from the dataset's metadata)."""
@@ -47,6 +52,12 @@ class Split:
         images = self.images[idx]
         fn = augment_lib.get(augment) if augment else None
         return (images if fn is None else fn(images, seed, epoch, idx)), [], []
+
+    def rows(self, idx: np.ndarray, *, train: bool, augment: str | None, seed: int,
+             epoch: int) -> tuple[dict, list, list]:
+        """({"image": float32 in [0, 1], "label"} of examples ``idx``, [], []): what the loader sends of them."""
+        images = self.examples(idx, augment if train else None, seed, epoch)[0]
+        return {"image": normalise(images), "label": self.labels[idx]}, [], []
 
     def head(self, n: int | None) -> "Split":
         """The first ``n`` examples (all of them for None)."""

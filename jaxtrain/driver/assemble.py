@@ -20,10 +20,10 @@ from jaxtrain.train.trainer import Evaluator, Trainer, make_eval_step, make_trai
 
 
 def model(c: RunConfig, shape: dict, teacher: tuple | None = None) -> models.Model:
-    """The registry model for images of ``shape``; with ``teacher`` ((model, params, model_state) of a
-    finished run) a student that distils from it."""
+    """The registry model for images (or text's windows) of ``shape``; with ``teacher`` ((model, params,
+    model_state) of a finished run) a student that distils from it."""
     m = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize, kernels=c.kernels, conv=c.conv,
-                   **shape)
+                   size=c.model_size, **shape)
     if teacher is not None:  # the teacher's params and state join the model state, Frozen
         m = distill.distilled(m, *teacher, c.temperature, c.alpha, c.kernels)
     if c.linear_probe:  # the model in evaluation mode under the loss; frozen() leaves only its classifier to train

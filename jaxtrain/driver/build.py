@@ -16,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 
 from jaxtrain import models, pretrained
 from jaxtrain.core import optim, remat
-from jaxtrain.choices import FOLDER_PREFIX, TFDS_PREFIX, lr_groups
-from jaxtrain.data import classes, folder, loader, sources
+from jaxtrain.choices import FOLDER_PREFIX, KJV, TEXT_PREFIX, TFDS_PREFIX, lr_groups
+from jaxtrain.data import classes, folder, loader, sources, text
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.parallel import hosts
@@ -64,6 +65,7 @@ class Run:
     loaders: dict  # "train", "test": their batches (``jaxtrain.data.loader``; workers start when read)
     settings: dict  # what its checkpoints and model.json record, and a resume compares (``run_settings``)
     checkpointer: Checkpointer | None
+    tokenizer: text.Tokenizer | None = None  # a language model's (dataset=text:PATH): its tokens' text
 
 
 def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
@@ -97,8 +99,8 @@ def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
 def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpointer) -> Run:
     """``build``'s second half: the data read, the model again where its shape was known only then (a folder's
     classes, a TFDS dataset's images), the steps for the data, the loaders."""
-    data, data_sha256 = load_data(c)
-    if (found := sources.shape_of(c.dataset, data["train"])) != shape:
+    data, data_sha256, tokenizer = load_data(c)
+    if tokenizer is None and (found := sources.shape_of(c.dataset, data["train"])) != shape:
         if not c.dataset.startswith((FOLDER_PREFIX, TFDS_PREFIX)):
             raise ConfigError(f"dataset {c.dataset}: its files hold images {found['input_shape']} of "
                               f"{found['num_classes']} classes, not {shape['input_shape']} of "
@@ -114,13 +116,16 @@ def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpoi
                                       augment=c.augment),
                "test": loader.Loader(data["test"], c.batch_size, train=False, workers=c.workers)}
     return Run(c, tuple(devices), mesh, model, trainer, evaluator, layout, call_batch, data, loaders, settings,
-               checkpointer)
+               checkpointer, tokenizer)
 
 
 def known_shape(c: RunConfig, teacher: tuple | None = None) -> dict:
     """The images and classes the dataset is known to have before it is read: a local dataset's (``classes=``:
-    that many); a folder's images are ``image_size`` square RGB, its classes (the teacher's, or 10) and a TFDS
+    that many); text's windows of ``seq_len`` tokens over its tokenizer's vocabulary; a folder's images are
+    ``image_size`` square RGB, its classes (the teacher's, or 10) and a TFDS
     dataset's shape assumed until read."""
+    if c.dataset.startswith(TEXT_PREFIX):  # windows of seq_len tokens; the tokenizer's vocabulary (its file read)
+        return {"input_shape": (c.seq_len,), "num_classes": text.vocab_size(c.tokenizer, c.vocab_size)}
     shape = sources.shape_of(c.dataset, image_size=c.image_size)
     if c.dataset.startswith(FOLDER_PREFIX) and teacher is not None:
         shape["num_classes"] = teacher[0].num_classes
@@ -153,10 +158,18 @@ def open_checkpoints(c: RunConfig) -> Checkpointer | None:
     return checkpointer
 
 
-def load_data(c: RunConfig) -> tuple[dict, str]:
-    """The splits (classes and subsets applied) and the digest of the whole dataset (a folder's: of its index;
-    its images are read as the run streams them)."""
-    if c.dataset.startswith(FOLDER_PREFIX):
+def load_data(c: RunConfig) -> tuple[dict, str, text.Tokenizer | None]:
+    """The splits (classes and subsets applied), the digest of the whole dataset (a folder's: of its index;
+    its images are read as the run streams them) and text's tokenizer (None for images)."""
+    tokenizer = None
+    if c.dataset.startswith(TEXT_PREFIX):
+        path = c.dataset[len(TEXT_PREFIX):]
+        if path == KJV and not Path(path).expanduser().exists():
+            raise ConfigError(f"dataset {c.dataset}: the King James Bible is not there yet: `make kjv` writes it "
+                              "(Debian's bible-kjv), or give another dataset=text:PATH")
+        data, tokenizer, digest = text.load(Path(path).expanduser(), seq_len=c.seq_len, tokenizer=c.tokenizer,
+                                            bpe_vocab=c.vocab_size, val_fraction=c.val_fraction, warn=warn)
+    elif c.dataset.startswith(FOLDER_PREFIX):
         data = folder.load(c.dataset[len(FOLDER_PREFIX):], c.image_size, val_fraction=c.val_fraction,
                            on_bad=c.on_bad_image, crop_fraction=0.875 if c.augment == "rrc+flip" else 1.0,
                            warn=warn)
@@ -168,7 +181,7 @@ def load_data(c: RunConfig) -> tuple[dict, str]:
     hosts.agree(digest, "data", "every process must read the same dataset (a folder copied whole to each node, or "
                 "one shared folder)")
     data = classes.restricted(c.dataset, data, c.classes)
-    return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, digest
+    return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, digest, tokenizer
 
 
 def run_settings(c: RunConfig, data_sha256: str, devices: int, pipeline_layout,

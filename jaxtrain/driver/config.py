@@ -17,24 +17,28 @@ import inspect
 import math
 from pathlib import Path
 
-from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, CONVS, DATASETS, DEFAULT_DATA_DIRS, FOLDER_PREFIX, KERNELS,
-                              LR_SCHEDULES, OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES,
-                              TRACKERS, check_dataset, lr_groups)
+from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, CONVS, DATASETS, DEFAULT_DATA_DIRS, FOLDER_PREFIX, GPT_SIZES,
+                              KERNELS, LR_SCHEDULES, OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS,
+                              STRATEGIES, TEXT_PREFIX, TOKENIZERS, KJV, TRACKERS, check_dataset, lr_groups)
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
 # Left None, these come from the model's recipe (jaxtrain.models.MODELS).
 RECIPE_FIELDS = ("epochs", "batch_size", "lr", "optimizer", "schedule", "warmup_epochs")
-# Left None, these depend on the dataset too (an image folder's come from the recipe).
-DATASET_FIELDS = ("augment", "image_size")
+# Left None, these depend on the dataset too (an image folder's come from the recipe; text's: TEXT_DEFAULTS).
+DATASET_FIELDS = ("augment", "image_size", "val_fraction", "model_size", "seq_len", "tokenizer", "vocab_size")
+# A language model's text (dataset=text:PATH) unless told; seq_len: the model size's (jaxtrain.models.gpt.SIZES).
+TEXT_DEFAULTS = {"model_size": "mini", "tokenizer": "bpe", "vocab_size": 4096, "val_fraction": 0.1}
+TEXT_FIELDS = ("model_size", "seq_len", "tokenizer", "vocab_size")  # set for text only: None for images
 
 
 # Settings that change what a checkpoint's state means: resume refuses to mix them.
 FIXED_SETTINGS = ("experiment", "model_revision", "dataset", "data_sha256", "classes", "init_from", "freeze",
                   "linear_probe", "lr_groups", "train_subset", "optimizer", "lr", "schedule", "warmup_epochs",
                   "weight_decay", "clip_grad_norm", "augment", "image_size", "batch_size", "seed", "precision",
-                  "accum_steps", "accum", "pipeline_layout", "quantize", "teacher", "temperature", "alpha")
-OPTIONAL_SETTINGS = ("linear_probe",)  # recorded only when set, so that checkpoints older than them still resume
+                  "accum_steps", "accum", "pipeline_layout", "quantize", "teacher", "temperature", "alpha",
+                  *TEXT_FIELDS)
+OPTIONAL_SETTINGS = ("linear_probe", *TEXT_FIELDS)  # recorded only when set: checkpoints older than them still resume
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
                  "microbatches", "kernels", "conv", "test_subset", "steps_per_call", "data_on_device")
@@ -103,9 +107,11 @@ class Fields:
                                          "Hugging Face ViT/16 for vit_tiny, vit_small or vit_base; a classifier of "
                                          "another class count starts afresh (docs/pretrained.md)")
     dataset: str = _field("fashion_mnist", f"dataset to train on: {', '.join(DATASETS)}, tfds:NAME (an image "
-                                           "classification dataset TFDS has prepared in --tfds-dir), or folder:DIR "
+                                           "classification dataset TFDS has prepared in --tfds-dir), folder:DIR "
                                            "(images in DIR/train/CLASS/ and DIR/val/CLASS/, or DIR/CLASS/ with "
-                                           "--val-fraction; streamed from disk, decoded by --workers processes)")
+                                           "--val-fraction; streamed from disk, decoded by --workers processes), or "
+                                           "text:PATH (a text file or a folder of them: a language model's; default "
+                                           f"for gpt: {KJV}, the King James Bible: make kjv)")
     data_dir: str | None = _field(None, "directory of the dataset's files: the four IDX files (train-images-idx3-"
                                         "ubyte[.gz], ...) or CIFAR-10's binary batches (data_batch_1.bin, ..., "
                                         f"test_batch.bin); default for fashion_mnist: "
@@ -118,7 +124,19 @@ class Fields:
     image_size: int | None = _field(None, "folder:DIR: the side images are resized to (default: the model's "
                                           "recipe: 224 for resnet50, 32 otherwise)", minimum=1)
     val_fraction: float | None = _field(None, "folder:DIR without train/ and val/: the share of each class held "
-                                              "out for evaluation (a fixed split)", above=0.0)
+                                              "out for evaluation (a fixed split); text:PATH: the share of the text "
+                                              "held out, its end (default 0.1)", above=0.0)
+    model_size: str | None = _field(None, "a language model's network: tiny (tests), mini (a CPU's few minutes), "
+                                          "124m, 350m, 774m (GPT-2's) (default: mini)", choices=tuple(GPT_SIZES))
+    seq_len: int | None = _field(None, "text:PATH: tokens a language model sees at once; each example is a window "
+                                       "of seq_len + 1 tokens (default: the model size's: 128 for mini, 1024 for "
+                                       "GPT-2's)", minimum=1)
+    tokenizer: str | None = _field(None, "text:PATH: bpe (a byte-level BPE trained on the training text, "
+                                         "--vocab-size tokens), bytes (256), or a tokenizer.json file (e.g. "
+                                         "GPT-2's); tokens cached by a digest of the text and the tokenizer "
+                                         "(default: bpe)")
+    vocab_size: int | None = _field(None, "text:PATH with --tokenizer bpe: the BPE's vocabulary (257..65536; "
+                                          "default: 4096)", minimum=257)
     on_bad_image: str = _field("skip", "folder:DIR: a file that fails to decode is skipped (replaced by the next, "
                                        "counted, one warning line per epoch) or an error", choices=("skip", "error"))
     tfds_dir: str | None = _field(None, "TFDS data dir where the converted dataset is cached (default: "
@@ -276,7 +294,9 @@ def with_recipe(given: dict) -> dict:
     model = given.setdefault("model", "lenet")
     if model not in MODELS:  # None too
         raise ConfigError(f"model={model!r}: not one of {', '.join(MODELS)}")
-    dataset = given.setdefault("dataset", "fashion_mnist")
+    if given.get("dataset") is None:  # the command line's --model without --dataset gives None
+        given["dataset"] = MODELS[model].dataset
+    dataset = given["dataset"]
     try:
         check_dataset(dataset)
     except ConfigError as e:
@@ -285,9 +305,26 @@ def with_recipe(given: dict) -> dict:
     if steps != "auto" and not (steps.isascii() and steps.isdecimal() and int(steps) >= 1):
         raise ConfigError(f"steps_per_call={steps!r}: expected a whole number >= 1, or auto")
     given["steps_per_call"] = steps if steps == "auto" else str(int(steps))
-    recipe, folder = MODELS[model], dataset.startswith(FOLDER_PREFIX)
-    if not folder and (given.get("image_size"), given.get("val_fraction")) != (None, None):
-        raise ConfigError("image_size= and val_fraction= are for image folders (dataset=folder:DIR)")
+    recipe, folder, text = MODELS[model], dataset.startswith(FOLDER_PREFIX), dataset.startswith(TEXT_PREFIX)
+    if recipe.text != text:
+        raise ConfigError(f"model={model} with dataset={dataset}: " + (
+            "a language model trains on text (dataset=text:PATH)" if recipe.text else
+            f"text is a language model's ({', '.join(n for n, d in MODELS.items() if d.text)}); {model} takes images"))
+    if not folder and given.get("image_size") is not None:
+        raise ConfigError("image_size= is for image folders (dataset=folder:DIR)")
+    if not (folder or text) and given.get("val_fraction") is not None:
+        raise ConfigError("val_fraction= is for image folders (dataset=folder:DIR) and text (dataset=text:PATH)")
+    if not text and (named := [k for k in TEXT_FIELDS if given.get(k) is not None]):
+        raise ConfigError(f"{'= and '.join(named)}= {'is' if len(named) == 1 else 'are'} for a language model's "
+                          "text (dataset=text:PATH)")
+    if text:
+        for name, value in TEXT_DEFAULTS.items():
+            if given.get(name) is None:
+                given[name] = value
+        if given.get("seq_len") is None:
+            given["seq_len"] = GPT_SIZES[given["model_size"]]
+        if given.get("augment") not in (None, "none"):
+            raise ConfigError(f"augment={given['augment']}: text has no augmentation")
     for name in RECIPE_FIELDS:
         if given.get(name) is None:
             given[name] = getattr(recipe, name)
@@ -295,6 +332,9 @@ def with_recipe(given: dict) -> dict:
         given["init"] = recipe.inits[0]
     if given.get("augment") is None:
         given["augment"] = recipe.folder_augment if folder else "none"
+    if text and given.get("tokenizer") not in TOKENIZERS and not Path(given["tokenizer"]).expanduser().is_file():
+        raise ConfigError(f"tokenizer={given['tokenizer']}: not {' or '.join(TOKENIZERS)}, and no such file (give "
+                          "the path of a tokenizer.json)")
     if folder and given.get("image_size") is None:
         given["image_size"] = recipe.image_size
     return given

@@ -22,6 +22,7 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.io.files import atomic_write, drop_closed_loop_reports, out_of_space, params_digest
 
 ARRAYS, INFO = "model", "model.json"
+TOKENIZER = "tokenizer.json"  # a language model's (jaxtrain.data.text): its tokens' text
 
 
 def _host(tree):
@@ -76,7 +77,7 @@ def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
     try:
         meta = json.loads((path / INFO).read_text())
         shape, classes = meta["input_shape"], meta["num_classes"]
-        if not (isinstance(meta["model"], str) and isinstance(shape, list) and len(shape) == 3
+        if not (isinstance(meta["model"], str) and isinstance(shape, list) and len(shape) in (1, 3)
                 and all(type(d) is int and d > 0 for d in shape) and type(classes) is int and classes >= 2):
             raise TypeError(f"model {meta['model']!r}, input_shape {shape!r}, num_classes {classes!r}")
     except (ValueError, KeyError, TypeError) as e:
@@ -92,12 +93,13 @@ def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
 
 
 def model_of(meta: dict):
-    """The registry Model a saved run's ``info`` describes (its name, init, image shape and classes)."""
+    """The registry Model a saved run's ``info`` describes (its name, init, image shape and classes; a language
+    model's window, vocabulary and size)."""
     from jaxtrain import models
 
     models.check_revision(meta["model"], meta.get("settings") or {}, "this run's model")
     return models.get(meta["model"], init=meta.get("init"), input_shape=tuple(meta["input_shape"]),
-                      num_classes=meta["num_classes"])
+                      num_classes=meta["num_classes"], size=(meta.get("settings") or {}).get("model_size"))
 
 
 def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param: str = "run_dir="):

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 
 from jaxtrain.driver.config import RunConfig, parse_steps
+from jaxtrain.driver.language import perplexity
 from jaxtrain.errors import missing
 from jaxtrain.train.loop import Hook, Loop, evaluation
 
@@ -86,8 +87,9 @@ class Views(list):
             view.flush()
 
 
-def step_log(every: int, say, views: Views | None) -> Hook:
-    """Every ``every`` steps: one line (loss, examples/s, data wait since the last line) and step scalars."""
+def step_log(every: int, say, views: Views | None, seq_len: int | None = None) -> Hook:
+    """Every ``every`` steps: one line (loss, examples/s, data wait since the last line) and step scalars; a
+    language model's (``seq_len``: its window) with the loss's perplexity and tokens/s."""
     last = {"sec": None, "examples": 0, "wait": 0.0}
 
     def log(loop: Loop) -> None:
@@ -103,8 +105,12 @@ def step_log(every: int, say, views: Views | None) -> Hook:
         last.update(sec=sec, examples=examples, wait=wait)
         step = loop.total_steps - loop.call_size  # the step these metrics are of: the previous call's last
         lr = f", lr {values['lr']:.4g}" if "lr" in values else ""
-        say(f"step {step}: loss {values['loss']:.4f}{lr}, {values['examples_per_sec']:,.0f} examples/s, data wait "
-            f"{100 * values['data_wait_fraction']:.0f}%")
+        if seq_len:
+            values["tokens_per_sec"] = values["examples_per_sec"] * seq_len
+            speed = f" ({perplexity(values['loss'])}){lr}, {values['tokens_per_sec']:,.0f} tokens/s"
+        else:
+            speed = f"{lr}, {values['examples_per_sec']:,.0f} examples/s"
+        say(f"step {step}: loss {values['loss']:.4f}{speed}, data wait {100 * values['data_wait_fraction']:.0f}%")
         if views is not None:
             views.scalars(step, values, "train_step")
 
@@ -175,7 +181,7 @@ def watchers(config: RunConfig, out_dir: Path | None, say, evaluator=None, test_
     views = Views(v for v in (events, tracker) if v is not None) or None
     hooks = [epoch_scalars(views)] if views else []
     if config.log_every:
-        hooks.append(step_log(config.log_every, say, views))
+        hooks.append(step_log(config.log_every, say, views, config.seq_len))
     if config.eval_every_steps:
         hooks.append(evaluation(evaluator, test_loader, config.eval_every_steps, "step", config.prefetch,
                                 eval_line(say, views)))

@@ -10,7 +10,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxtrain.core.compat import cpu_isa
-from jaxtrain.models import VIT_CONFIGS, Model
+from jaxtrain.models import LANGUAGE_MODELS, VIT_CONFIGS, LanguageModel, Model
 from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.driver.config import RunConfig
 
@@ -26,7 +26,7 @@ def run_summary(args, model, history, first_loss, stats, peak, devices, call_bat
     examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
     wait = sum(h.data_wait_sec for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
     achieved_flops = stats["flops"] * len(devices) * examples_per_sec / call_batch
-    model_flops = forward(args.model, model.input_shape, model.num_classes)
+    model_flops = forward(args.model, model.input_shape, model.num_classes, args.model_size)
     use = utilisation(model_flops, stats["flops"] * len(devices), call_batch, call_batch / examples_per_sec, peak)
     last = history[-1]
     return {
@@ -110,8 +110,7 @@ def describe(c: RunConfig, model: Model, devices: list[jax.Device], mesh: Mesh, 
     ``describe()``, or None."""
     sharded = len(layout["sharded"])
     placement = "layers over the stages" if pipeline else c.param_sharding
-    return (f"{c.model}: {len(data['train'])} train / {len(data['test'])} test examples of {c.dataset} "
-            f"({'x'.join(map(str, model.input_shape))}, {model.num_classes} classes), batch "
+    return (f"{c.model}: {len(data['train'])} train / {len(data['test'])} test {shape_words(c, model)}, batch "
             f"{c.batch_size} on {len(devices)} {devices[0].platform} device(s), strategy {c.strategy}, mesh "
             f"{','.join(f'{k}={v}' for k, v in mesh.shape.items())}, {placement} ({sharded} of "
             f"{sharded + len(layout['replicated'])} parameters sharded), {c.precision}, accum {c.accum_steps} "
@@ -127,6 +126,21 @@ def describe(c: RunConfig, model: Model, devices: list[jax.Device], mesh: Mesh, 
             + f"; out: {out_dir}")
 
 
+def shape_words(c: RunConfig, model: Model) -> str:
+    """What a run's examples are: "examples of fashion_mnist (28x28x1, 10 classes)", or a language model's "windows
+    of text:PATH (128 tokens, vocabulary 4096 (bpe), model size mini, attention: XLA's)"."""
+    if isinstance(model, LanguageModel):
+        return (f"windows of {c.dataset} ({model.seq_len} tokens, vocabulary {model.num_classes} ({c.tokenizer}), "
+                f"model size {c.model_size}, attention: {attention_words(jax.devices()[0].platform, c.precision)})")
+    return f"examples of {c.dataset} ({'x'.join(map(str, model.input_shape))}, {model.num_classes} classes)"
+
+
+def attention_words(platform: str, precision: str) -> str:
+    """Whose attention the GPT runs (``gpt.attention_implementation``'s rule): cuDNN's fused kernel on GPUs in
+    bf16 and fp16, XLA's otherwise."""
+    return "cuDNN's fused kernel" if platform == "gpu" and precision in ("bf16", "fp16") else "XLA's"
+
+
 def conv_path(c, model, platform: str) -> str:
     """Which convolutions the run's model takes, and why (``jaxtrain.kernels.onednn.path``): its first line and
     summary.json say it. ``c``: the RunConfig."""
@@ -135,7 +149,7 @@ def conv_path(c, model, platform: str) -> str:
     if model.conv == "xla" and c.conv != "xla" and platform == "cpu":
         if c.quantize != "none":
             return f"xla (quantize={c.quantize}: its layers' own convolutions)"
-        if model.name in VIT_CONFIGS:
+        if model.name in VIT_CONFIGS or model.name in LANGUAGE_MODELS:
             return f"none ({model.name} has no convolutions)"
     return onednn.path(c.conv, model.conv, platform)
 

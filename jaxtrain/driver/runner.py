@@ -16,16 +16,14 @@ import signal
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from jaxtrain.analysis import diagnostics
-from jaxtrain.data import loader
 from jaxtrain.errors import Diverged
 from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import hosts
 from jaxtrain.settings import slurm_job
 from jaxtrain.io import console
-from jaxtrain.driver import busy, distill, export, notebook, observe, requeue, track
+from jaxtrain.driver import busy, distill, export, language, notebook, observe, requeue, track
 from jaxtrain.driver.config import RunConfig
 from jaxtrain.driver.outputs import RunWriter, claim_out_dir
 from jaxtrain.driver.report import (conv_path, describe, not_learning, run_summary, utilisation_words,
@@ -72,9 +70,9 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
     train_data, test_data = run.loaders["train"], run.loaders["test"]
     last = {}
     if c.summary:
-        images = loader.normalise(data["test"].examples(np.arange(min(8, len(data["test"]))), None, c.seed, 0)[0])
+        inputs = run.model.inputs(test_data.batch_at(0, 0))[:8]
         say(diagnostics.format_summary(diagnostics.summarize(
-            state.params, lambda params, x: run.model.logits(params, state.model_state, x), images)))
+            state.params, lambda params, x: run.model.logits(params, state.model_state, x), inputs)))
     if c.memory_report:
         say("memory at start:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
     stats = diagnostics.compiled_stats(run.trainer, state, train_data.batch_at(0, 0))
@@ -90,8 +88,10 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
         if writer is not None:
             writer.epoch(e)
         test = f"test acc {e.test_acc:.3f}" if e.test_examples else "not evaluated"
-        say(f"epoch {e.epoch}/{c.epochs}: train loss {e.train_loss:.4f}, train acc {e.train_acc:.3f}, {test}, "
-            f"{e.train_sec:.1f} sec, {wait_words(e.data_wait_fraction, c.workers)}")
+        words = (language.epoch_words(e, run.model.seq_len) if run.tokenizer else
+                 f"train loss {e.train_loss:.4f}, train acc {e.train_acc:.3f}, {test}")
+        wait = wait_words(e.data_wait_fraction, c.workers)
+        say(f"epoch {e.epoch}/{c.epochs}: {words}, {e.train_sec:.1f} sec, {wait}")
 
     def save(state, position):
         with stop.busy():
@@ -167,9 +167,16 @@ def summarise(run: Run, trained: Trained, writer) -> dict:
                    pipeline={**run.trainer.describe(), "counted_bubble": float(trained.last["pipeline_bubble"])}
                    if run.trainer.pipeline_layout else None)
     plural = "s" * (len(run.devices) != 1)
-    say(f"test acc {history[-1].test_acc:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(run.devices)} "
-          f"device{plural} ({platform}){utilisation_words(summary)}"
-          f"{not_learning(history, first_loss, run.model.num_classes)}")
+    if run.tokenizer is not None:
+        summary.update(language.summary(run.model, data["test"], summary))
+        result = (f"test loss {summary['test_loss']:.4f} ({language.perplexity(summary['test_loss'])}; the "
+                  f"validation tokens' unigram entropy: {summary['unigram_entropy']:.4f}), "
+                  f"{summary['tokens_per_sec']:,.0f} tokens/s")
+    else:
+        result = f"test acc {history[-1].test_acc:.2f}"
+    say(f"{result}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(run.devices)} "
+        f"device{plural} ({platform}){utilisation_words(summary)}"
+        f"{not_learning(history, first_loss, run.model.num_classes)}")
     if writer is not None:
         writer.summary(summary)
         say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl{'' if writer.no_plot else ', curves.png'}")
@@ -235,6 +242,8 @@ def _train(run: Run, stop: StopOnSignal, requeue_job: dict | None) -> dict:
             say(describe(c, run.model, run.devices, run.mesh, run.layout, pipeline, run.data, out_dir))
             trained = train(run, state, position, writer, stop, requeue_job, tracker)
             summary = summarise(run, trained, writer)
+            if run.tokenizer is not None:
+                say_samples(run, trained.state)
             if tracker is not None:
                 tracker.finish(summary, [out_dir / "curves.png"])
         save_model(run, out_dir, trained.state, summary)
@@ -244,9 +253,19 @@ def _train(run: Run, stop: StopOnSignal, requeue_job: dict | None) -> dict:
     return summary
 
 
+def say_samples(run: Run, state) -> None:
+    """A language model's last lines: text it samples, from prompts taken from the validation text."""
+    prompts = language.sample_prompts(run.data["test"], run.tokenizer)
+    for text in language.samples(run.model, state.params, run.tokenizer, prompts, 48, seed=run.config.seed):
+        say("sample: " + " ".join(text.split()))
+
+
 def save_model(run: Run, out_dir, state, summary: dict) -> None:
-    """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.driver.export)."""
+    """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.driver.export); a language model's
+    tokenizer beside them (``tokenizer.json``: experiments.sample reads it)."""
     settings = run.settings
+    if run.tokenizer is not None and out_dir is not None:
+        run.tokenizer.save(Path(out_dir) / export.TOKENIZER)
     export.save(out_dir, state.params, distill.own_state(state.model_state), {
         **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": run.config.model, "init": run.model.init_name,
         "input_shape": run.model.input_shape, "num_classes": run.model.num_classes, "settings": settings,

@@ -4,9 +4,9 @@
 Importing this package does not import JAX (the command line parses flags first); ``get`` does.
 """
 
-from jaxtrain.models.model import IMAGE_SHAPE, Distillable, Model, Pipelinable, Stack, Stacked, Student
-from jaxtrain.models.registry import (MODELS, VIT_CONFIGS, Defaults, check_revision, get, names,
+from jaxtrain.models.model import IMAGE_SHAPE, Distillable, LanguageModel, Model, Pipelinable, Stack, Stacked, Student
+from jaxtrain.models.registry import (LANGUAGE_MODELS, MODELS, VIT_CONFIGS, Defaults, check_revision, get, names,
                                       revision_settings)
 
-__all__ = ["IMAGE_SHAPE", "MODELS", "VIT_CONFIGS", "Defaults", "Distillable", "Model", "Pipelinable", "Stack",
-           "Stacked", "Student", "check_revision", "get", "names", "revision_settings"]
+__all__ = ["IMAGE_SHAPE", "LANGUAGE_MODELS", "LanguageModel", "MODELS", "VIT_CONFIGS", "Defaults", "Distillable",
+           "Model", "Pipelinable", "Stack", "Stacked", "Student", "check_revision", "get", "names", "revision_settings"]

@@ -66,18 +66,18 @@ def count(jaxpr) -> float:
 
 
 @functools.cache
-def forward(name: str, input_shape: tuple, num_classes: int) -> float:
+def forward(name: str, input_shape: tuple, num_classes: int, size: str | None = None) -> float:
     """Forward FLOPs per example of model ``name`` for images of ``input_shape`` and ``num_classes`` classes
+    (a language model's: windows of ``input_shape[0]`` tokens, a vocabulary of ``num_classes``, its ``size``)
     (its plain version: XLA's convolutions, jnp kernels, no remat, which do not change what it computes)."""
     import jax
 
     from jaxtrain.models import registry
 
-    model = registry.get(name, input_shape=tuple(input_shape), num_classes=num_classes, conv="xla")
+    model = registry.get(name, input_shape=tuple(input_shape), num_classes=num_classes, conv="xla", size=size)
     params, model_state = jax.eval_shape(model.init, jax.random.key(0))
     batch = 2  # divided out below; 2, not 1, so that nothing specialises a batch of one away
-    images = jax.ShapeDtypeStruct((batch, *model.input_shape), jax.numpy.float32)
-    return count(jax.make_jaxpr(model.logits)(params, model_state, images)) / batch
+    return count(jax.make_jaxpr(model.logits)(params, model_state, model.input_shapes(batch))) / batch
 
 
 def utilisation(model_flops_per_example: float | None, compiled_flops_per_step: float | None, examples: int,

@@ -5,7 +5,8 @@
 
 GPT-2's numbers: LayerNorm eps 1e-5, GELU's tanh approximation ("gelu_new"), weights N(0, 0.02) with the
 residual projections' std divided by sqrt(2 L), biases zero. The attention is ``jax.nn.dot_product_attention``
-(causal): XLA's on CPUs, cuDNN's fused kernel where JAX picks it on GPUs. The vocabulary's embedding is padded
+(causal): XLA's on CPUs and in fp32, cuDNN's fused kernel on GPUs in bf16 and fp16
+(``attention_implementation``). The vocabulary's embedding is padded
 to a multiple of ``Config.vocab_multiple`` rows (50257 -> 50304: matmuls of aligned shapes); the logits keep the
 real vocabulary's columns only, so a padded row never takes probability.
 
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtrain.choices import GPT_SIZES
 from jaxtrain.core.remat import remat as remat_block
 from jaxtrain.models import classify
 
@@ -41,6 +43,7 @@ class Config:
     width: int = 768
     mlp_ratio: int = 4
     vocab_multiple: int = 64  # the embedding's rows padded to a multiple of this
+    attention: str = "auto"  # whose attention: "xla", "cudnn", or "auto" (``attention_implementation``)
 
     def __post_init__(self):
         if self.width % self.heads:
@@ -51,12 +54,15 @@ class Config:
         return -(-self.vocab // self.vocab_multiple) * self.vocab_multiple
 
 
-SIZES = {  # GPT-2's, and a tiny one for tests
+SIZES = {  # GPT-2's, a CPU-sized one (a few minutes of a 2-core CPU) and a tiny one for tests
     "tiny": Config(vocab=256, seq_len=64, layers=2, heads=2, width=64),
+    "mini": Config(vocab=4096, seq_len=128, layers=4, heads=4, width=256),
     "124m": Config(),
     "350m": Config(layers=24, heads=16, width=1024),
     "774m": Config(layers=36, heads=20, width=1280),
 }
+
+assert {name: c.seq_len for name, c in SIZES.items()} == GPT_SIZES
 
 # Tensor parallelism (jaxtrain.parallel.rules.LOGICAL_AXES): heads and the MLP's hidden units over "model"; the
 # leading axis of a "stages" leaf is the layer.
@@ -120,11 +126,23 @@ def block(p, x, config: Config = SIZES["tiny"]):
     and ``mlp_hidden`` are named for remat policies."""
     qkv = jnp.einsum("btd,dshc->sbthc", layer_norm(x, p["ln1"], p["ln1_b"]), p["qkv"])  # [3, B, T, H, C]
     q, k, v = checkpoint_name(qkv + p["qkv_b"][:, None, None], "qkv")
-    att = checkpoint_name(jax.nn.dot_product_attention(q, k, v, is_causal=True), "attention")  # [B, T, H, C]
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=attention_implementation(config.attention, q.dtype))
+    att = checkpoint_name(att, "attention")  # [B, T, H, C]
     x = x + jnp.einsum("bthc,hcd->btd", att, p["proj"]) + p["proj_b"]
     h = layer_norm(x, p["ln2"], p["ln2_b"]) @ p["fc"] + p["fc_b"]
     h = checkpoint_name(jax.nn.gelu(h, approximate=True), "mlp_hidden")
     return x + h @ p["out"] + p["out_b"]
+
+
+def attention_implementation(choice: str, dtype) -> str:
+    """``jax.nn.dot_product_attention``'s implementation: "auto" is cuDNN's fused kernel on GPUs for bf16 and fp16
+    (its dtypes) and XLA's otherwise. (JAX's own ``implementation=None`` is XLA's everywhere in jax 0.10-0.12: it
+    picks no cuDNN kernel by itself.)"""
+    if choice != "auto":
+        return choice
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
 
 
 def logits(H, E, x, config: Config = SIZES["tiny"]):

@@ -52,6 +52,51 @@ class Model:
         return {"image": rng.random((batch_size, *self.input_shape), dtype=np.float32),
                 "label": rng.integers(0, self.num_classes, batch_size).astype(np.int32)}
 
+    def input_shapes(self, batch_size: int):
+        """The shape of what ``logits`` takes for ``batch_size`` examples (a ``jax.ShapeDtypeStruct``)."""
+        import jax
+        import numpy as np
+
+        return jax.ShapeDtypeStruct((batch_size, *self.input_shape), np.float32)
+
+    def inputs(self, batch: dict):
+        """What ``logits`` takes of a loader's ``batch``: its images."""
+        return batch["image"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LanguageModel(Model):
+    """A next-token predictor: windows of ``input_shape[0]`` (T) tokens, ``num_classes`` the vocabulary (each
+    position's classes are the next token's). Its batches are ``{"tokens": int32 [B, T + 1]}``; its ``logits``
+    take tokens [B, T] and give [B, T, vocabulary]. ``config``: the network's shape (``jaxtrain.models.gpt``)."""
+
+    config: object
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_shape[0]
+
+    def batch_shapes(self, batch_size: int) -> dict:
+        import jax
+        import numpy as np
+
+        return {"tokens": jax.ShapeDtypeStruct((batch_size, self.seq_len + 1), np.int32)}
+
+    def example_batch(self, batch_size: int, seed: int = 0) -> dict:
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        return {"tokens": rng.integers(0, self.num_classes, (batch_size, self.seq_len + 1)).astype(np.int32)}
+
+    def input_shapes(self, batch_size: int):
+        import jax
+        import numpy as np
+
+        return jax.ShapeDtypeStruct((batch_size, self.seq_len), np.int32)
+
+    def inputs(self, batch: dict):
+        return batch["tokens"][:, :-1]
+
 
 @runtime_checkable
 class Distillable(Protocol):

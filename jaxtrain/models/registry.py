@@ -10,7 +10,8 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from jaxtrain.models.model import IMAGE_SHAPE, Model, Stack, Stacked, Student
+from jaxtrain.choices import KJV
+from jaxtrain.models.model import IMAGE_SHAPE, LanguageModel, Model, Stack, Stacked, Student
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,8 @@ class Defaults:
     revision: int = 1  # raised when the same name computes something else: older runs are refused, not misread
     revised: str = ""  # what the newest revision changed (the refusal says it)
     side_multiple: int = 1  # image sides must be multiples of this (a ViT's patch)
+    text: bool = False  # a language model: trains on text:PATH (jaxtrain.data.text), not on images
+    dataset: str = "fashion_mnist"  # what it trains on unless told
 
 
 # name -> the recipe (d2l's "Multiple GPUs" lessons: LeNet lr 0.2, ResNet-18 lr 0.1; 10 epochs, batch 256)
@@ -57,22 +60,31 @@ MODELS = {
                                            f"16x16 patches, width {width}, 12 blocks, a class token, exact GELU; "
                                            "the network of their pretrained weights (--init-from)")
        for size, width in (("tiny", 192), ("small", 384), ("base", 768))},
+    "gpt": Defaults(2, 32, 1e-3, inits=("gpt2",), optimizer="adamw", schedule="warmup_cosine", warmup_epochs=0.1,
+                    text=True, dataset=f"text:{KJV}",
+                    description="a GPT (GPT-2's decoder: pre-LayerNorm blocks, causal attention, GELU MLP, tied "
+                                "embeddings, learned positions) trained on text:PATH; --model-size mini (CPU-sized) "
+                                "to 774m (GPT-2 large)"),
 }
+LANGUAGE_MODELS = tuple(n for n, d in MODELS.items() if d.text)
+DEFAULT_SIZE = "mini"  # a language model's --model-size unless told (jaxtrain.models.gpt.SIZES)
 
 
 def names(side: int | None = None) -> tuple[str, ...]:
     """The registry's models; ``side``: those that take images of that side (28: Fashion-MNIST's)."""
-    return tuple(n for n, d in MODELS.items() if side is None or side % d.side_multiple == 0)
+    return tuple(n for n, d in MODELS.items() if not d.text and (side is None or side % d.side_multiple == 0))
 
 
 def get(name: str, *, remat: str = "none", init: str | None = None, input_shape: tuple = IMAGE_SHAPE,
-        num_classes: int = 10, quantize: str = "none", kernels: str = "jnp", conv: str = "auto") -> Model:
+        num_classes: int = 10, quantize: str = "none", kernels: str = "jnp", conv: str = "auto",
+        size: str | None = None) -> Model:
     """The named model for images of ``input_shape`` (H, W, C) and ``num_classes`` classes (the dataset's), its
     train-mode loss remat'ed per block by the ``remat`` policy; ``quantize="int8"``: quantisation-aware (its
     convs and dense layers see int8-rounded weights and activations, gradients straight through);
     ``kernels="pallas"``: its train loss's cross-entropy (and the ViT's layer norms) are the fused Pallas kernels
     of jaxtrain.kernels (evaluation stays jnp); ``conv``: whose convolutions (``jaxtrain.kernels.onednn.choose``:
-    "auto" is oneDNN's on a CPU where it is usable, else XLA's)."""
+    "auto" is oneDNN's on a CPU where it is usable, else XLA's). A language model (``gpt``) takes windows of
+    ``input_shape[0]`` tokens over a vocabulary of ``num_classes``, its network of ``size`` (``gpt.SIZES``)."""
     from jaxtrain.choices import KERNELS
     from jaxtrain.errors import ConfigError
 
@@ -88,6 +100,11 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
                           f"(model {name}: post-training int8 with python -m experiments.quantize)")
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
+    if name in LANGUAGE_MODELS:
+        return _gpt(remat, shape, kernels, size or DEFAULT_SIZE)
+    if size is not None:
+        raise ConfigError(f"size={size!r}: model {name} has one size (sizes are a language model's: "
+                          f"{', '.join(LANGUAGE_MODELS)})")
     try:
         conv_name, conv_fn = _conv(name, conv, quantize)
         return dataclasses.replace(BUILDERS[name](remat, init, shape, quantize, kernels, conv_fn), init_name=init,
@@ -172,10 +189,27 @@ def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, c
                    classifier="dense/", **shape)
 
 
+def _gpt(remat: str, shape: dict, kernels: str, size: str) -> LanguageModel:
+    """The GPT of ``size`` for windows of ``input_shape[0]`` tokens and a vocabulary of ``num_classes``."""
+    from jaxtrain.errors import ConfigError
+    from jaxtrain.models import gpt
+
+    if size not in gpt.SIZES:
+        raise ConfigError(f"model gpt has no size {size!r}: choose one of {', '.join(gpt.SIZES)}")
+    if kernels != "jnp" or len(shape["input_shape"]) != 1:
+        raise ConfigError("model gpt: " + ("its loss is jnp's (kernels=pallas is the image models')" if
+                                            kernels != "jnp" else "it takes windows of tokens (dataset=text:PATH)"))
+    config = dataclasses.replace(gpt.SIZES[size], seq_len=shape["input_shape"][0], vocab=shape["num_classes"])
+    return LanguageModel(name="gpt", init=lambda rng: (gpt.init(rng, config), {}),
+                         loss_fn=gpt.make_loss_fn(config, remat), eval_fn=gpt.make_eval_fn(config),
+                         logits=lambda params, _, tokens: gpt.apply(params, tokens, config),
+                         logical_axes=gpt.LOGICAL_AXES, init_name="gpt2", conv="xla", config=config, **shape)
+
+
 # name -> its builder (remat, init, shape, quantize, kernels, conv) -> Model
 BUILDERS = {"lenet": _lenet, "resnet18": _resnet18, "resnet18_imagenet": functools.partial(_resnet18, stem="imagenet"),
             "resnet50": _resnet50, **{name: functools.partial(_vit, name=name) for name in VIT_CONFIGS}}
-assert BUILDERS.keys() == MODELS.keys()
+assert BUILDERS.keys() | set(LANGUAGE_MODELS) == MODELS.keys()
 
 
 def revision_settings(name: str) -> dict:

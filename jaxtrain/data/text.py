@@ -1,0 +1,328 @@
+"""Text from disk for a GPT language model: one file or a folder of them, tokenized once and kept as token files.
+
+    PATH         one UTF-8 text file
+    PATH/**      every file under a folder, sorted by relative path (hidden ones left out), joined with blank lines
+
+The joined text's last ``val_fraction`` of characters is the validation split ("test"), the rest the training
+split. The tokenizer is ``bytes`` (UTF-8 bytes, 256 tokens), ``bpe`` (a byte-level BPE trained on the training
+text only, so validation stays unseen) or a Hugging Face ``tokenizer.json``. The tokens and the tokenizer are
+kept in the cache under a digest of the files' names and bytes, the tokenizer and ``val_fraction``: a second run
+maps the token files instead of tokenizing again. Windows of ``seq_len + 1`` tokens are cut when read, so one
+cache serves every ``seq_len``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxtrain import settings
+from jaxtrain.errors import ConfigError, need
+from jaxtrain.io import console
+from jaxtrain.io.dirlock import DirLock
+
+TOKENIZERS = ("bpe", "bytes")  # or a path to a tokenizer.json file
+SPLITS = ("train", "test")
+log = logging.getLogger(__name__)
+_SHIFT_SALT = 0x7E47  # the windows' shift has its own random stream, apart from the loader's shuffle of (seed, epoch)
+_CHUNK = 1 << 15  # characters per piece the BPE encodes (in parallel, a batch of pieces at a time; larger is slower)
+_CUT = re.compile(r"\S(?=[ \n]\S)")  # where a piece may end
+
+
+def _dtype(vocab: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
+
+
+def _tokenizers():
+    return need("tokenizers", "text with tokenizer=bpe or a tokenizer.json")
+
+
+def _pieces(text: str):
+    """``text`` in pieces of about ``_CHUNK`` characters, each cut before a single space or newline between two
+    non-space characters: GPT-2's pattern (the byte-level pre-tokenizer's) splits there anyway, so the pieces give
+    the very tokens of the whole text."""
+    start = 0
+    while start < len(text):
+        cut = _CUT.search(text, start + _CHUNK)
+        end = cut.end() if cut else len(text)
+        yield text[start:end]
+        start = end
+
+
+class Tokenizer:
+    """Text <-> token ids: ``name`` is "bytes", "bpe" or the tokenizer.json's path; ``vocab_size``: its largest
+    token id + 1."""
+
+    def __init__(self, name: str, vocab_size: int, hf=None):
+        self.name, self.vocab_size, self._hf = name, vocab_size, hf  # hf: a tokenizers.Tokenizer (None: bytes)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of ``text`` (uint16, or uint32 past 65536 tokens); no special tokens added."""
+        if self._hf is None:
+            return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint16)
+        pieces, ids = _pieces(text), [np.zeros(0, _dtype(self.vocab_size))]
+        while group := list(itertools.islice(pieces, 256)):  # a batch at a time: their encodings are big
+            ids += [np.array(e.ids, ids[0].dtype) for e in self._hf.encode_batch(group, add_special_tokens=False)]
+        return np.concatenate(ids)
+
+    def decode(self, ids) -> str:
+        """The text of ``ids`` (bytes: invalid UTF-8, as a model may sample, becomes U+FFFD)."""
+        ids = np.asarray(ids).ravel()
+        if self._hf is None:
+            return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        return self._hf.decode(ids.tolist(), skip_special_tokens=False)
+
+    def save(self, path) -> None:
+        """Write a file ``load_tokenizer`` reads back (a tokenizer.json; for bytes ``{"bytes": true}``)."""
+        Path(path).write_text('{"bytes": true}' if self._hf is None else self._hf.to_str())
+
+
+def load_tokenizer(path) -> Tokenizer:
+    """The tokenizer a file holds (``Tokenizer.save``'s, or any Hugging Face tokenizer.json), named by its path."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"tokenizer={path}: cannot be read ({getattr(e, 'strerror', None) or type(e).__name__}): "
+                          f"give {' or '.join(TOKENIZERS)}, or a tokenizer.json file") from None
+    if len(text) < 100 and text.strip().replace(" ", "") == '{"bytes":true}':
+        return Tokenizer("bytes", 256)
+    tokenizers = _tokenizers()
+    try:
+        hf = tokenizers.Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        why = (str(e).splitlines() or [type(e).__name__])[0][:120]
+        raise ConfigError(f"tokenizer={path}: does not load as a Hugging Face tokenizer.json ({why}): give a "
+                          f"tokenizer.json file, or {' or '.join(TOKENIZERS)}") from None
+    # Its largest id + 1, not its count of tokens: some files' added tokens leave gaps in the ids.
+    return Tokenizer(str(path), max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1, hf)
+
+
+def vocab_size(tokenizer: str, bpe_vocab: int) -> int:
+    """The vocabulary a run's model needs, known before any text is read: "bytes" 256; "bpe": ``bpe_vocab`` (the
+    trained BPE has at most that many tokens); a tokenizer.json path: its vocabulary's size (the file read)."""
+    if tokenizer == "bytes":
+        return 256
+    if tokenizer == "bpe":
+        if not 257 <= bpe_vocab <= 65536:
+            raise ConfigError(f"bpe_vocab={bpe_vocab}: use 257 to 65536 (the 256 bytes and at least one merge; at "
+                              "most 65536 so the tokens fit uint16)")
+        return bpe_vocab
+    return load_tokenizer(tokenizer).vocab_size
+
+
+def _train_bpe(text: str, bpe_vocab: int) -> Tokenizer:
+    """A byte-level BPE of at most ``bpe_vocab`` tokens trained on ``text`` (its 256 byte symbols always in, so any
+    text encodes); the same text gives the same tokenizer."""
+    tk = _tokenizers()
+    hf = tk.Tokenizer(tk.models.BPE())
+    hf.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(vocab_size=bpe_vocab, initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+                                     show_progress=False)
+    hf.train_from_iterator(_pieces(text), trainer=trainer)
+    return Tokenizer("bpe", hf.get_vocab_size(), hf)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSplit:
+    """A split's tokens (a map of its cached token file) read as windows of ``seq_len + 1`` tokens: inputs
+    ``tokens[:-1]``, targets ``tokens[1:]``; ``vocab``: the model's vocabulary (``vocab_size``)."""
+
+    tokens: np.ndarray
+    seq_len: int
+    vocab: int
+    raw = False  # small integer batches, cut in the loader's threads (no worker processes)
+
+    @property
+    def num_classes(self) -> int:
+        return self.vocab  # next-token prediction: a class per token
+
+    def __len__(self) -> int:
+        """Windows per epoch: window ``i`` starts at ``i * seq_len + shift``, and fits for every shift < seq_len."""
+        return max(len(self.tokens) // self.seq_len - 1, 0)
+
+    def rows(self, idx: np.ndarray, *, train: bool, augment, seed: int, epoch: int) -> tuple[dict, list, list]:
+        """({"tokens": int32 [len(idx), seq_len + 1]}, [], []): windows ``idx``. Training shifts every window by
+        one offset drawn from (seed, epoch) alone: each token is in exactly one window per epoch, the epochs'
+        windows differ, and a resumed run cuts the same ones. Evaluation: window ``i`` starts at ``i * seq_len``."""
+        if augment not in (None, "none"):
+            raise ConfigError(f"augment={augment}: text has no augmentation: use augment=none")
+        idx = np.asarray(idx, np.int64).ravel()
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"windows {idx.min()}..{idx.max()} asked of a split of {len(self)}")
+        span = self.seq_len + 1
+        shift = int(np.random.default_rng([seed, epoch, _SHIFT_SALT]).integers(self.seq_len)) if train else 0
+        out = np.empty((len(idx), span), np.int32)
+        for row, start in enumerate(idx * self.seq_len + shift):
+            out[row] = self.tokens[start:start + span]
+        return {"tokens": out}, [], []
+
+    def head(self, n: int | None) -> "TextSplit":
+        """The first ``n`` windows' tokens (all for None): ``len`` is ``n``."""
+        if n is None or n >= len(self):
+            return self
+        return dataclasses.replace(self, tokens=self.tokens[:(max(n, 0) + 1) * self.seq_len])
+
+
+def _listing(path: Path) -> list[tuple[str, Path]]:
+    """[(relative name, file)] of the text at ``path``: the file itself, or a folder's files sorted by relative
+    path, hidden files and folders left out; empty files are left out too (they add no text)."""
+    if path.is_file():
+        found = [(path.name, path)]
+    else:
+        found = []
+        for top, dirs, names in os.walk(path):  # links to folders not followed: no loops
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            found += [(Path(top, n).relative_to(path).as_posix(), Path(top, n)) for n in names
+                      if not n.startswith(".") and Path(top, n).is_file()]
+        if not found:
+            raise ConfigError(f"text:{path}: a folder with no files: put text files in it")
+    found = [(rel, file) for rel, file in sorted(found) if file.stat().st_size]
+    if not found:
+        raise ConfigError(f"text:{path}: only empty files: give files with text in them")
+    return found
+
+
+def _digest(files, tokenizer: str, bpe_vocab: int, val_fraction: float) -> str:
+    """sha256 of what the cache holds: the files' names and bytes, the tokenizer (bpe: its size; a tokenizer.json:
+    its bytes, not where it is) and ``val_fraction``."""
+    kind = tokenizer if tokenizer in TOKENIZERS else "file"
+    h = hashlib.sha256(json.dumps(["jaxtrain text 1", kind, bpe_vocab if kind == "bpe" else None,
+                                   val_fraction]).encode())
+    for rel, file in ([("tokenizer.json", Path(tokenizer).expanduser())] if kind == "file" else []) + files:
+        try:
+            h.update(json.dumps([rel, file.stat().st_size]).encode())
+            with open(file, "rb") as f:
+                while block := f.read(1 << 22):
+                    h.update(block)
+        except OSError as e:
+            raise ConfigError(f"{file}: cannot be read ({e.strerror}): make it readable or remove it") from None
+    return h.hexdigest()
+
+
+def _read_text(files) -> str:
+    """The files' text joined with blank lines; a file that is not UTF-8 text is a ConfigError naming it."""
+    documents = []
+    for _, file in files:
+        data = file.read_bytes()
+        try:
+            if b"\0" in data:
+                raise UnicodeError("NUL bytes")
+            documents.append(data.decode("utf-8"))
+        except UnicodeError as e:
+            why = f"byte {e.start} is not UTF-8" if isinstance(e, UnicodeDecodeError) else str(e)
+            raise ConfigError(f"{file}: a binary file, not UTF-8 text ({why}): convert it to UTF-8 or remove it"
+                              ) from None
+    return "\n\n".join(documents)
+
+
+def _check(where: Path) -> tuple[dict | None, str]:
+    """(the cache's record, "") when ``where`` holds a whole cache; (None, "") when not built; (None, why) when
+    damaged."""
+    try:
+        meta = json.loads((where / "meta.json").read_text())
+        sizes = {f"{name}.tokens": meta[name] * np.dtype(meta["dtype"]).itemsize for name in SPLITS}
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"meta.json does not read ({type(e).__name__})"
+    if not (where / "tokenizer.json").is_file():
+        return None, "tokenizer.json is missing"
+    for name, size in sizes.items():
+        if not (where / name).is_file() or (where / name).stat().st_size != size:
+            return None, f"{name} is not {size} bytes"
+    return meta, ""
+
+
+def _written(path: Path, write) -> None:
+    """``write(name)`` to a temporary name beside ``path``, then renamed: a reader sees all of it or nothing."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _build(where: Path, files, tokenizer: str, bpe_vocab: int, val_fraction: float, vocab: int) -> dict:
+    """Read and split the text, make the tokenizer, and keep the tokens and the tokenizer in ``where``."""
+    start = time.perf_counter()
+    text = _read_text(files)
+    cut = round(len(text) * (1 - val_fraction))
+    parts = {"train": text[:cut], "test": text[cut:]}
+    tok = (Tokenizer("bytes", 256) if tokenizer == "bytes" else _train_bpe(parts["train"], bpe_vocab)
+           if tokenizer == "bpe" else load_tokenizer(tokenizer))
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "meta.json").unlink(missing_ok=True)  # the record goes last: a half-made cache is never read
+    meta = {"dtype": _dtype(vocab).name, "vocab": vocab, "files": len(files), "characters": len(text)}
+    for name, part in parts.items():
+        ids = tok.encode(part).astype(_dtype(vocab), copy=False)
+        _written(where / f"{name}.tokens", ids.tofile)
+        meta[name] = len(ids)
+    _written(where / "tokenizer.json", tok.save)
+    _written(where / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta)))
+    log.info(f"tokenized {len(files)} file(s) with {tok.name}: {len(text):,} characters -> "
+             f"{meta['train'] + meta['test']:,} tokens in {time.perf_counter() - start:.1f} s")
+    return meta
+
+
+@console.shown
+def load(path, *, seq_len: int, tokenizer: str = "bpe", bpe_vocab: int = 4096, val_fraction: float = 0.1,
+         cache_dir: Path | None = None, warn=None) -> tuple[dict[str, TextSplit], Tokenizer, str]:
+    """({"train": TextSplit, "test": TextSplit}, the tokenizer, the digest of what they hold) of the text at
+    ``path`` (layout above), tokenized once into ``cache_dir`` (default: beside the folder indexes, in "text").
+
+    Runs that tokenize the same text at once take turns on a lock: the first tokenizes, the others read its
+    files. ``warn``: how a damaged cache, tokenized again, is said (default: a warning in the log)."""
+    if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ConfigError(f"seq_len={seq_len}: give the tokens a window holds, 1 or more (e.g. 256)")
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"val_fraction={val_fraction}: give the share of the text held out for validation, "
+                          "between 0 and 1 (e.g. 0.1)")
+    vocab = vocab_size(tokenizer, bpe_vocab)
+    if tokenizer == "bpe":
+        _tokenizers()
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ConfigError(f"text:{path}: no such file or folder: give a text file, or a folder of them")
+    files = _listing(root.resolve())
+    digest = _digest(files, tokenizer, bpe_vocab, val_fraction)
+    cache = Path(cache_dir) if cache_dir is not None else settings.current().index_cache.parent / "text"
+    where = cache / digest
+    meta, _ = _check(where)
+    if meta is None:
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with DirLock(cache, "cache_dir=", name=f".{digest[:32]}.lock",
+                         waiting=f"waiting for another run tokenizing {root}"):
+                meta, damage = _check(where)  # another run may have made it while this one waited
+                if damage:
+                    (warn or log.warning)(f"the cached tokens of {root} in {where} are damaged ({damage}): "
+                                          "tokenizing again")
+                if meta is None:
+                    meta = _build(where, files, tokenizer, bpe_vocab, val_fraction, vocab)
+        except OSError as e:
+            raise ConfigError(f"{cache}: the tokens cannot be kept there ({e.strerror or type(e).__name__}): pass "
+                              "another cache_dir, or set JAXTRAIN_INDEX_CACHE to a writable directory") from None
+    tok = load_tokenizer(where / "tokenizer.json")
+    tok.name = tokenizer
+    splits = {}
+    for name in SPLITS:
+        n, dtype = meta[name], np.dtype(meta["dtype"])
+        tokens = np.memmap(where / f"{name}.tokens", dtype, mode="r") if n else np.zeros(0, dtype)
+        splits[name] = TextSplit(tokens, seq_len, vocab)
+        if not len(splits[name]):
+            part = "training" if name == "train" else "validation"
+            raise ConfigError(f"text:{path}: its {part} part has {n} tokens, a window of seq_len={seq_len} needs "
+                              f"{2 * seq_len} (seq_len + 1 at any shift): give a smaller seq_len= or more text")
+    return splits, tok, digest

@@ -1,0 +1,65 @@
+"""What a language model's run says that an image model's does not: perplexity and tokens/s in its lines, the
+unigram entropy of its validation tokens (the loss a model that ignores the context cannot beat), and a few lines
+sampled from it when it ends (``jaxtrain.models.generate``)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+
+def perplexity(loss: float) -> str:
+    """``"ppl 61.8"``: exp of a mean next-token loss in nats (``inf`` past exp's range)."""
+    return f"ppl {math.exp(loss):,.1f}" if loss < 700 else "ppl inf"
+
+
+def epoch_words(e, seq_len: int) -> str:
+    """An epoch's line after its number: losses with their perplexities, next-token accuracy and tokens/s."""
+    test = f"test loss {e.test_loss:.4f} ({perplexity(e.test_loss)})" if e.test_examples else "not evaluated"
+    tokens_per_sec = e.examples * seq_len / max(e.train_sec, 1e-9)
+    return (f"train loss {e.train_loss:.4f} ({perplexity(e.train_loss)}), next-token acc {e.train_acc:.3f}, {test}, "
+            f"{tokens_per_sec:,.0f} tokens/s")
+
+
+def unigram_entropy(tokens: np.ndarray, vocab: int) -> float:
+    """The entropy (nats) of the tokens' own frequencies: the mean loss of the best model that ignores the
+    context, measured on these tokens (a lower bound such a model cannot beat on them)."""
+    counts = np.bincount(np.asarray(tokens), minlength=vocab).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def summary(model, test_split, summary: dict) -> dict:
+    """What summary.json adds for a language model: tokens/s, the test perplexity and the validation tokens'
+    unigram entropy (nats) beside the test loss."""
+    return {"tokens_per_sec": summary["examples_per_sec"] * model.seq_len,
+            "test_perplexity": math.exp(min(summary["test_loss"], 700.0)),
+            "unigram_entropy": unigram_entropy(test_split.tokens, model.num_classes),
+            "seq_len": model.seq_len, "vocab": model.num_classes}
+
+
+def samples(model, params, tokenizer, prompts: list[str], new_tokens: int, *, seed: int = 0,
+            temperature: float = 0.8, top_k: int | None = 40) -> list[str]:
+    """Each prompt continued by ``new_tokens`` tokens sampled from ``model`` (a ``LanguageModel``): the text, prompt
+    included; the window is cut to the model's context."""
+    from jaxtrain.models import generate
+
+    config = model.config
+    out = []
+    for i, prompt in enumerate(prompts):
+        ids = np.asarray(tokenizer.encode(prompt), np.int32)[-max(1, config.seq_len - new_tokens):]
+        n = min(new_tokens, config.seq_len - len(ids))
+        tokens = generate.generate(params, config, ids[None], n, key=jax.random.key(seed + i),
+                                   temperature=temperature, top_k=top_k)
+        out.append(tokenizer.decode(np.asarray(tokens[0])))
+    return out
+
+
+def sample_prompts(split, tokenizer, count: int = 3, length: int = 8) -> list[str]:
+    """``count`` prompts from the validation text: the first ``length`` tokens of windows spread over it."""
+    n = len(split)
+    idx = np.linspace(0, n - 1, count).astype(int)
+    windows = split.rows(idx, train=False, augment=None, seed=0, epoch=0)[0]["tokens"]
+    return [tokenizer.decode(w[:length]) for w in windows]
