@@ -43,13 +43,13 @@ def summary(model, test_split, summary: dict) -> dict:
 def samples(model, params, tokenizer, prompts: list[str], new_tokens: int, *, seed: int = 0,
             temperature: float = 0.8, top_k: int | None = 40) -> list[str]:
     """Each prompt continued by ``new_tokens`` tokens sampled from ``model`` (a ``LanguageModel``): the text, prompt
-    included; the window is cut to the model's context."""
+    included; a prompt longer than half the model's context keeps its end, and the text stops at the context."""
     from jaxtrain.models import generate
 
     config = model.config
     out = []
     for i, prompt in enumerate(prompts):
-        ids = np.asarray(tokenizer.encode(prompt), np.int32)[-max(1, config.seq_len - new_tokens):]
+        ids = np.asarray(tokenizer.encode(prompt), np.int32)[-max(1, config.seq_len // 2):]  # room to go on
         n = min(new_tokens, config.seq_len - len(ids))
         tokens = generate.generate(params, config, ids[None], n, key=jax.random.key(seed + i),
                                    temperature=temperature, top_k=top_k)

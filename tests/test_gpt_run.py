@@ -1,0 +1,121 @@
+"""A GPT trained from text as users start it (``python -m experiments.gpt``): it learns (its validation loss falls
+below the unigram entropy of the same tokens) and samples text; a run resumed mid-epoch ends with the
+uninterrupted run's params; 2 processes equal 1 and read each window once; bad settings are one line."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from conftest import reported_digests, run_cli
+
+from jaxtrain.data import loader, text
+from jaxtrain.driver import export
+
+GPT = ["-m", "experiments.gpt", "--no-progress", "--model-size", "tiny", "--seq-len", "16", "--tokenizer", "bytes",
+       "--batch-size", "8"]
+
+
+def sentences(n: int, seed: int) -> str:
+    """``n`` sentences of a small grammar: text with structure a tiny model learns in a few hundred steps."""
+    rng = np.random.default_rng(seed)
+    who, did, what = ["the king", "a shepherd", "the people", "his son"], ["saw", "blessed", "heard", "followed"], [
+        "the city", "the lord", "a great light", "the river"]
+    return " ".join(f"{rng.choice(who).capitalize()} {rng.choice(did)} {rng.choice(what)}." for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_text(sentences(400, 0))  # ~11,000 bytes: ~60 training windows of 16
+    return path
+
+
+def summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_a_gpt_learns_the_text_says_its_perplexity_and_samples_from_it(tmp_path, corpus):
+    out = tmp_path / "run"
+    run = run_cli(*GPT, "--dataset", f"text:{corpus}", "--devices", "2", "--epochs", "6", "--log-every", "20",
+                  "--lr", "3e-3", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    s = summary(out)
+    assert s["test_loss"] < 0.7 * s["unigram_entropy"], (s["test_loss"], s["unigram_entropy"])  # it reads context
+    assert s["tokens_per_sec"] == pytest.approx(16 * s["examples_per_sec"])
+    assert s["test_perplexity"] == pytest.approx(np.exp(s["test_loss"]))
+    said = run.stdout + run.stderr
+    assert "16 tokens, vocabulary 256 (bytes), model size tiny, attention: XLA's" in said, said[-3000:]
+    assert " tokens/s, data wait " in said and "(ppl " in said, said[-3000:]
+    samples = [line.split("sample: ", 1)[1] for line in said.splitlines() if "sample: " in line]
+    assert len(samples) == 3 and all(len(t) >= 12 for t in samples), samples  # a window's bytes, spaces joined
+    tokenizer = text.load_tokenizer(out / export.TOKENIZER)
+    assert tokenizer.vocab_size == 256 and tokenizer.decode(tokenizer.encode("The king saw")) == "The king saw"
+    meta, params, _ = export.load(out)  # the saved model reads back (its digest checked)
+    assert meta["input_shape"] == [16] and meta["num_classes"] == 256 and params["stages"]["qkv"].shape[0] == 2
+
+
+def test_a_run_stopped_mid_epoch_and_resumed_ends_with_the_uninterrupted_digest(tmp_path, corpus):
+    args = [*GPT, "--dataset", f"text:{corpus}", "--devices", "2", "--epochs", "1", "--tokenizer", "bpe",
+            "--vocab-size", "300"]
+    whole = run_cli(*args, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    ck = str(tmp_path / "ck")
+    part = run_cli(*args, "--max-steps", "3", "--checkpoint-dir", ck, "--checkpoint-every", "3",
+                   "--out", str(tmp_path / "part"))
+    assert part.returncode == 0, part.stderr[-3000:]
+    rest = run_cli(*args, "--checkpoint-dir", ck, "--resume", "--out", str(tmp_path / "rest"))
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "resuming from step 3 (epoch 1, batch 3)" in rest.stdout + rest.stderr
+    assert summary(tmp_path / "rest")["params_digest"] == summary(tmp_path / "whole")["params_digest"]
+    other = run_cli(*args[:-2], "--vocab-size", "400", "--checkpoint-dir", ck, "--resume", "--out",
+                    str(tmp_path / "other"))
+    assert other.returncode == 2 and "vocab_size 300 -> 400" in other.stderr, other.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_two_devices(tmp_path, corpus):
+    args = [*GPT, "--dataset", f"text:{corpus}", "--epochs", "1"]
+    multi = run_cli("-m", "jaxtrain.launch", "--processes", "2", "--devices-per-process", "1", "--", sys.executable,
+                    *args, "--out", str(tmp_path / "multi"))
+    assert multi.returncode == 0, multi.stdout[-3000:]
+    single = run_cli(*args, "--devices", "2", "--out", str(tmp_path / "single"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert reported_digests(multi.stdout) == {summary(tmp_path / "single")["params_digest"]}  # bit for bit
+
+
+def test_each_process_reads_its_rows_of_each_window_batch_and_every_window_once_an_epoch(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(sentences(200, 1))
+    splits, _, _ = text.load(corpus, seq_len=16, tokenizer="bytes", cache_dir=tmp_path / "cache")
+    split = splits["train"]
+    whole = loader.Loader(split, 8, train=True, seed=3, process_index=0, process_count=1)
+    halves = [loader.Loader(split, 8, train=True, seed=3, process_index=p, process_count=2) for p in (0, 1)]
+    got = []
+    for b in range(len(whole)):
+        rows = [h.batch_at(1, b)["tokens"] for h in halves]
+        assert all(len(r) == 4 for r in rows)
+        np.testing.assert_array_equal(np.concatenate(rows), whole.batch_at(1, b)["tokens"])
+        got += [w for r in rows for w in r]
+    order = loader.epoch_order(len(split), 3, 1)[:len(got)]  # the epoch's windows, each once (a permutation)
+    shifts = [s for s in range(16) if all(np.array_equal(w, split.tokens[i * 16 + s:i * 16 + s + 17])
+                                          for i, w in zip(order, got))]
+    assert len(shifts) == 1 and len(set(order)) == len(got) == len(whole) * 8, shifts  # one shift: windows tile
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--dataset", "fashion_mnist"], "--model gpt with --dataset fashion_mnist: a language model trains on text"),
+    (["--seq-len", "4000"], "a window of --seq-len 4000 needs 8000 (seq_len + 1 at any shift)"),
+    (["--tokenizer", "missing.json"], "--tokenizer missing.json: not bpe or bytes, and no such file"),
+])
+def test_bad_settings_are_one_line_with_exit_2(tmp_path, corpus, args, says):
+    run = run_cli(*GPT, "--dataset", f"text:{corpus}", *args, "--max-steps", "1", "--out", str(tmp_path / "o"))
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr[-3000:]
+    assert says in run.stderr, run.stderr
+
+
+def test_an_image_model_on_text_and_text_settings_on_images_are_refused(tmp_path, corpus):
+    lenet = run_cli("-m", "experiments.lenet", "--dataset", f"text:{corpus}", "--max-steps", "1")
+    assert lenet.returncode == 2 and "text is a language model's (gpt); lenet takes images" in lenet.stderr
+    seq = run_cli("-m", "experiments.lenet", "--seq-len", "8", "--max-steps", "1")
+    assert seq.returncode == 2 and "--seq-len is for a language model's text" in seq.stderr, seq.stderr
