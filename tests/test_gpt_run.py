@@ -35,11 +35,18 @@ def summary(out):
     return json.loads((out / "summary.json").read_text())
 
 
-def test_a_gpt_learns_the_text_says_its_perplexity_and_samples_from_it(tmp_path, corpus):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    """A finished run: 6 epochs of the tiny GPT on 2 devices (its process's output, its directory)."""
+    out = tmp_path_factory.mktemp("gpt") / "run"
     run = run_cli(*GPT, "--dataset", f"text:{corpus}", "--devices", "2", "--epochs", "6", "--log-every", "20",
                   "--lr", "3e-3", "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
+    return run, out
+
+
+def test_a_gpt_learns_the_text_says_its_perplexity_and_samples_from_it(trained):
+    run, out = trained
     s = summary(out)
     assert s["test_loss"] < 0.7 * s["unigram_entropy"], (s["test_loss"], s["unigram_entropy"])  # it reads context
     assert s["tokens_per_sec"] == pytest.approx(16 * s["examples_per_sec"])
@@ -53,6 +60,28 @@ def test_a_gpt_learns_the_text_says_its_perplexity_and_samples_from_it(tmp_path,
     assert tokenizer.vocab_size == 256 and tokenizer.decode(tokenizer.encode("The king saw")) == "The king saw"
     meta, params, _ = export.load(out)  # the saved model reads back (its digest checked)
     assert meta["input_shape"] == [16] and meta["num_classes"] == 256 and params["stages"]["qkv"].shape[0] == 2
+
+
+def test_sample_goes_on_from_a_prompt_greedy_alike_twice_and_seeded(trained):
+    _, out = trained
+    greedy = [run_cli("-m", "experiments.sample", str(out), "--prompt", "The king", "--temperature", "0",
+                      "--tokens", "8") for _ in range(2)]
+    assert all(g.returncode == 0 for g in greedy), greedy[0].stderr[-3000:]
+    assert greedy[0].stdout == greedy[1].stdout and greedy[0].stdout.startswith("The king")
+    assert len(greedy[0].stdout.rstrip("\n")) == len("The king") + 8  # bytes: a token a character
+    seeded = run_cli("-m", "experiments.sample", str(out), "--prompt", "The king", "--samples", "2", "--tokens", "8",
+                     "--temperature", "2")
+    assert seeded.returncode == 0, seeded.stderr[-3000:]
+    first, second = seeded.stdout.split("-" * 40 + "\n")[:2]
+    assert first.startswith("The king") and second.startswith("The king") and first != second
+
+
+def test_sample_refuses_a_run_that_is_not_a_language_models(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model.json").write_text(json.dumps({"model": "lenet", "input_shape": [28, 28, 1], "num_classes": 10}))
+    run = run_cli("-m", "experiments.sample", str(tmp_path))
+    assert run.returncode == 2 and run.stderr.strip().endswith(
+        "holds a lenet model, not a language model (train one with python -m experiments.gpt)"), run.stderr
 
 
 def test_a_run_stopped_mid_epoch_and_resumed_ends_with_the_uninterrupted_digest(tmp_path, corpus):

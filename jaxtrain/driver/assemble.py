@@ -19,11 +19,12 @@ from jaxtrain.train.pipeline import STAGE_AXIS, make_pipeline_step
 from jaxtrain.train.trainer import Evaluator, Trainer, make_eval_step, make_train_step
 
 
-def model(c: RunConfig, shape: dict, teacher: tuple | None = None) -> models.Model:
+def model(c: RunConfig, shape: dict, teacher: tuple | None = None, platform: str | None = None) -> models.Model:
     """The registry model for images (or text's windows) of ``shape``; with ``teacher`` ((model, params,
-    model_state) of a finished run) a student that distils from it."""
+    model_state) of a finished run) a student that distils from it; ``platform``: its devices' (a GPU's language
+    model takes cuDNN's attention)."""
     m = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize, kernels=c.kernels, conv=c.conv,
-                   size=c.model_size, **shape)
+                   size=c.model_size, platform=platform, **shape)
     if teacher is not None:  # the teacher's params and state join the model state, Frozen
         m = distill.distilled(m, *teacher, c.temperature, c.alpha, c.kernels)
     if c.linear_probe:  # the model in evaluation mode under the loss; frozen() leaves only its classifier to train

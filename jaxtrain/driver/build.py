@@ -84,7 +84,7 @@ def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
         on_devices(devices)
     teacher = distill.teacher_from_run(c.teacher) if c.teacher else None
     shape = known_shape(c, teacher)
-    model = assemble.model(c, shape, teacher)
+    model = assemble.model(c, shape, teacher, devices[0].platform)
     check_model(c, model)
     assemble.placed(c, model, assemble.steps(c, mesh, model, updates=0)[0])  # the steps' settings, nothing compiled
     checkpointer = open_checkpoints(c)
@@ -105,7 +105,7 @@ def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpoi
             raise ConfigError(f"dataset {c.dataset}: its files hold images {found['input_shape']} of "
                               f"{found['num_classes']} classes, not {shape['input_shape']} of "
                               f"{shape['num_classes']}: check data_dir=")
-        model = assemble.model(c, found, teacher)
+        model = assemble.model(c, found, teacher, devices[0].platform)
     trainer, evaluator = assemble.steps(c, mesh, model, c.epochs * (len(data["train"]) // c.batch_size))
     layout, call_batch = assemble.placed(c, model, trainer)
     settings = run_settings(c, data_sha256, len(devices), trainer.pipeline_layout,

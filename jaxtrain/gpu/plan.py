@@ -23,7 +23,8 @@ JAX_MEMORY_FRACTION = 0.75
 # The largest batch is searched to within this fraction (XLA's memory is not monotonic near a GPU's limit).
 SEARCH_TOLERANCE = 0.02
 SETTINGS = ("model", "batch_size", "dataset", "precision", "strategy", "param_sharding", "mesh", "accum_steps",
-            "accum", "remat", "microbatches", "pipeline_schedule", "repeats", "kernels", "optimizer", "seed")
+            "accum", "remat", "microbatches", "pipeline_schedule", "repeats", "kernels", "optimizer", "seed",
+            "model_size", "seq_len", "tokenizer", "vocab_size")  # the last four: a language model's
 
 
 @dataclasses.dataclass
@@ -107,7 +108,7 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     from jaxtrain.gpu.estimate import estimate
     from jaxtrain.models.flops import forward
 
-    model_flops = forward(c.model, shape["input_shape"], shape["num_classes"])  # for the MFU beside the HFU
+    model_flops = forward(c.model, shape["input_shape"], shape["num_classes"], c.model_size)  # the MFU's
     timing = estimate(text, t, gpus, hosts, call, model_flops).summary()
     budget = int(t.memory_bytes * memory_fraction)
     fields = {f.name for f in dataclasses.fields(RunConfig)}
@@ -143,14 +144,14 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
 
 def run_step(c, mesh, input_shape: tuple | None = None, num_classes: int | None = None) -> tuple:
     """``(shape, model, trainer, call batch)``: the step a run ``c`` trains over ``mesh`` (nothing compiled), for
-    images of ``input_shape`` and ``num_classes`` (default: the dataset's); ``gpu.plan``'s and ``gpu.measure``'s."""
-    from jaxtrain.data import sources
-    from jaxtrain.driver import assemble
+    images of ``input_shape`` and ``num_classes`` (default: the dataset's; a language model's ``num_classes``: its
+    vocabulary); ``gpu.plan``'s and ``gpu.measure``'s."""
+    from jaxtrain.driver import assemble, build
 
-    shape = sources.shape_of(c.dataset, image_size=c.image_size)
+    shape = build.known_shape(c)  # a language model's: windows of seq_len tokens, its vocabulary
     shape = {"input_shape": tuple(input_shape or shape["input_shape"]),
              "num_classes": num_classes or shape["num_classes"]}
-    model = assemble.model(c, shape)
+    model = assemble.model(c, shape, platform=mesh.devices.flat[0].platform)
     trainer = assemble.steps(c, mesh, model, updates=0)[0]
     return shape, model, trainer, trainer.batch_plan.call_batch(c.batch_size)
 

@@ -11,7 +11,8 @@ to a multiple of ``Config.vocab_multiple`` rows (50257 -> 50304: matmuls of alig
 real vocabulary's columns only, so a padded row never takes probability.
 
 ``params = {"embed": {"wte", "wpe"}, "stages": {...}, "head": {"ln", "ln_b"}}``, each ``"stages"`` leaf the L
-blocks stacked on a leading axis (one block traced, scanned L times). The
+blocks stacked on a leading axis (one block traced, scanned L times): the shape a pipeline splits (``make_stack``,
+its head reading the embedding). The
 weights are laid out as Hugging Face's GPT-2 holds them (its ``Conv1D``: ``[in, out]``), the fused query, key
 and value split by head (``qkv``: ``[L, D, 3, H, D/H]``) so that tensor parallelism splits heads, not the
 fused matrix (``LOGICAL_AXES``: heads and the MLP's hidden units over "model", Megatron's column / row split).
@@ -30,6 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.choices import GPT_SIZES
 from jaxtrain.core.remat import remat as remat_block
 from jaxtrain.models import classify
+from jaxtrain.models.model import Stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +45,7 @@ class Config:
     width: int = 768
     mlp_ratio: int = 4
     vocab_multiple: int = 64  # the embedding's rows padded to a multiple of this
-    attention: str = "auto"  # whose attention: "xla", "cudnn", or "auto" (``attention_implementation``)
+    attention: str = "xla"  # whose attention: "xla", or "auto" (cuDNN's in bf16/fp16: a GPU's models; the registry)
 
     def __post_init__(self):
         if self.width % self.heads:
@@ -136,13 +138,11 @@ def block(p, x, config: Config = SIZES["tiny"]):
 
 
 def attention_implementation(choice: str, dtype) -> str:
-    """``jax.nn.dot_product_attention``'s implementation: "auto" is cuDNN's fused kernel on GPUs for bf16 and fp16
-    (its dtypes) and XLA's otherwise. (JAX's own ``implementation=None`` is XLA's everywhere in jax 0.10-0.12: it
-    picks no cuDNN kernel by itself.)"""
-    if choice != "auto":
-        return choice
+    """``jax.nn.dot_product_attention``'s implementation: "auto" (a model built for GPUs) is cuDNN's fused kernel
+    for bf16 and fp16 (its dtypes) and XLA's for fp32; "xla" is XLA's. (JAX's own ``implementation=None`` is XLA's
+    everywhere in jax 0.10-0.12: it picks no cuDNN kernel by itself.)"""
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+    return "cudnn" if choice == "auto" and half else "xla"
 
 
 def logits(H, E, x, config: Config = SIZES["tiny"]):
@@ -191,6 +191,32 @@ def make_eval_fn(config: Config = SIZES["tiny"]):
         return {k: jnp.mean(val.reshape(b, t), axis=1) for k, val in per_token.items()}
 
     return eval_fn
+
+
+def make_stack(config: Config = SIZES["tiny"]) -> Stack:
+    """The GPT as a pipeline's ``Stack`` (``jaxtrain.train.pipeline``): ``embed_fn``, one ``block`` a layer, and a head
+    tied to the embedding (``head_reads_embed``: its fns take ``(H, E)``, the logits being ``x @ E["wte"].T``).
+    ``head_loss_fn`` is ``make_loss_fn``'s loss and metrics, ``head_eval_fn`` ``make_eval_fn``'s per-window ones."""
+
+    def stack_embed_fn(E, batch):
+        return embed_fn(E, batch, config)
+
+    def stage_fn(p, x):
+        return block(p, x, config)
+
+    def head_loss_fn(head, x, batch):
+        H, E = head
+        out = logits(H, E, x, config)
+        return classify.mean_loss(out.reshape(-1, out.shape[-1]), targets(batch).reshape(-1))
+
+    def head_eval_fn(head, x, batch):
+        H, E = head
+        out = logits(H, E, x, config)
+        b, t, v = out.shape
+        per_token = classify.per_example(out.reshape(b * t, v), targets(batch).reshape(b * t))
+        return {k: jnp.mean(val.reshape(b, t), axis=1) for k, val in per_token.items()}
+
+    return Stack(stack_embed_fn, stage_fn, head_loss_fn, head_eval_fn, head_reads_embed=True)
 
 
 def parameters(config: Config, embeddings: bool = True) -> int:

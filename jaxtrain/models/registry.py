@@ -77,14 +77,15 @@ def names(side: int | None = None) -> tuple[str, ...]:
 
 def get(name: str, *, remat: str = "none", init: str | None = None, input_shape: tuple = IMAGE_SHAPE,
         num_classes: int = 10, quantize: str = "none", kernels: str = "jnp", conv: str = "auto",
-        size: str | None = None) -> Model:
+        size: str | None = None, platform: str | None = None) -> Model:
     """The named model for images of ``input_shape`` (H, W, C) and ``num_classes`` classes (the dataset's), its
     train-mode loss remat'ed per block by the ``remat`` policy; ``quantize="int8"``: quantisation-aware (its
     convs and dense layers see int8-rounded weights and activations, gradients straight through);
     ``kernels="pallas"``: its train loss's cross-entropy (and the ViT's layer norms) are the fused Pallas kernels
     of jaxtrain.kernels (evaluation stays jnp); ``conv``: whose convolutions (``jaxtrain.kernels.onednn.choose``:
     "auto" is oneDNN's on a CPU where it is usable, else XLA's). A language model (``gpt``) takes windows of
-    ``input_shape[0]`` tokens over a vocabulary of ``num_classes``, its network of ``size`` (``gpt.SIZES``)."""
+    ``input_shape[0]`` tokens over a vocabulary of ``num_classes``, its network of ``size`` (``gpt.SIZES``), its
+    attention cuDNN's fused kernel in bf16 and fp16 when ``platform`` (its devices') is "gpu", else XLA's."""
     from jaxtrain.choices import KERNELS
     from jaxtrain.errors import ConfigError
 
@@ -101,7 +102,7 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
     if name in LANGUAGE_MODELS:
-        return _gpt(remat, shape, kernels, size or DEFAULT_SIZE)
+        return _gpt(remat, shape, kernels, size or DEFAULT_SIZE, platform)
     if size is not None:
         raise ConfigError(f"size={size!r}: model {name} has one size (sizes are a language model's: "
                           f"{', '.join(LANGUAGE_MODELS)})")
@@ -189,7 +190,7 @@ def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, c
                    classifier="dense/", **shape)
 
 
-def _gpt(remat: str, shape: dict, kernels: str, size: str) -> LanguageModel:
+def _gpt(remat: str, shape: dict, kernels: str, size: str, platform: str | None) -> LanguageModel:
     """The GPT of ``size`` for windows of ``input_shape[0]`` tokens and a vocabulary of ``num_classes``."""
     from jaxtrain.errors import ConfigError
     from jaxtrain.models import gpt
@@ -199,7 +200,8 @@ def _gpt(remat: str, shape: dict, kernels: str, size: str) -> LanguageModel:
     if kernels != "jnp" or len(shape["input_shape"]) != 1:
         raise ConfigError("model gpt: " + ("its loss is jnp's (kernels=pallas is the image models')" if
                                             kernels != "jnp" else "it takes windows of tokens (dataset=text:PATH)"))
-    config = dataclasses.replace(gpt.SIZES[size], seq_len=shape["input_shape"][0], vocab=shape["num_classes"])
+    config = dataclasses.replace(gpt.SIZES[size], seq_len=shape["input_shape"][0], vocab=shape["num_classes"],
+                                 attention="auto" if platform == "gpu" else "xla")
     return LanguageModel(name="gpt", init=lambda rng: (gpt.init(rng, config), {}),
                          loss_fn=gpt.make_loss_fn(config, remat), eval_fn=gpt.make_eval_fn(config),
                          logits=lambda params, _, tokens: gpt.apply(params, tokens, config),
