@@ -2,15 +2,19 @@
 below the unigram entropy of the same tokens) and samples text; a run resumed mid-epoch ends with the
 uninterrupted run's params; 2 processes equal 1 and read each window once; bad settings are one line."""
 
+import dataclasses
 import json
+import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import reported_digests, run_cli
+from conftest import ROOT, reported_digests, run_cli
 
 from jaxtrain.data import loader, text
 from jaxtrain.driver import export
+from jaxtrain.models import gpt
+from jaxtrain.pretrained import gpt2
 
 GPT = ["-m", "experiments.gpt", "--no-progress", "--model-size", "tiny", "--seq-len", "16", "--tokenizer", "bytes",
        "--batch-size", "8"]
@@ -82,6 +86,44 @@ def test_sample_refuses_a_run_that_is_not_a_language_models(tmp_path):
     run = run_cli("-m", "experiments.sample", str(tmp_path))
     assert run.returncode == 2 and run.stderr.strip().endswith(
         "holds a lenet model, not a language model (train one with python -m experiments.gpt)"), run.stderr
+
+
+def test_init_from_a_hugging_face_gpt2_starts_from_its_weights_and_exports_them_back(torch_python, tmp_path, corpus):
+    """A random GPT2LMHeadModel of the tiny size (tests/torch_gpt2.py) as --init-from: a step at lr 1e-9 leaves
+    the file's weights (within 1e-6), and export_weights writes them back in transformers' names."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    made = subprocess.run([torch_python, str(ROOT / "tests" / "torch_gpt2.py"), "make", str(hf), "256", "16", "2",
+                           "2", "64"], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr[-3000:]
+    file, out = hf / "hf" / "model.safetensors", tmp_path / "run"
+    run = run_cli(*GPT, "--dataset", f"text:{corpus}", "--init-from", str(file), "--lr", "1e-9", "--max-steps", "1",
+                  "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"{file}: loaded" in run.stdout + run.stderr
+    config = dataclasses.replace(gpt.SIZES["tiny"], seq_len=16, vocab=256)
+    want, (_, params, _) = gpt2.load(file, config), export.load(out)
+    for path, w in jax_leaves(want):
+        assert np.abs(np.asarray(params_at(params, path)) - w).max() < 1e-6, path
+    back = run_cli("-m", "experiments.export_weights", str(out), str(tmp_path / "back.safetensors"))
+    assert back.returncode == 0, back.stderr[-3000:]
+    again = gpt2.load(tmp_path / "back.safetensors", config)
+    for path, w in jax_leaves(again):
+        np.testing.assert_array_equal(w, np.asarray(params_at(params, path)))
+    wrong = run_cli(*GPT, "--dataset", f"text:{corpus}", "--init-from", str(file), "--model-size", "mini",
+                    "--max-steps", "1", "--out", str(tmp_path / "wrong"))
+    assert wrong.returncode == 2 and "this GPT needs" in wrong.stderr, wrong.stderr[-3000:]
+
+
+def jax_leaves(tree, prefix=()):
+    for k, v in tree.items():
+        yield from (jax_leaves(v, (*prefix, k)) if isinstance(v, dict) else [((*prefix, k), v)])
+
+
+def params_at(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
 
 
 def test_a_run_stopped_mid_epoch_and_resumed_ends_with_the_uninterrupted_digest(tmp_path, corpus):

@@ -104,7 +104,8 @@ class Fields:
                                        "relabelled 0..k-1 in the order given (e.g. cat,deer,dog,frog,horse,bird)")
     init_from: str | None = _field(None, "start from another library's weights (.pth or .safetensors): a "
                                          "torchvision or timm ResNet for resnet18_imagenet or resnet50, a timm or "
-                                         "Hugging Face ViT/16 for vit_tiny, vit_small or vit_base; a classifier of "
+                                         "Hugging Face ViT/16 for vit_tiny, vit_small or vit_base, a Hugging Face "
+                                         "GPT-2 of its --model-size for gpt; a classifier of "
                                          "another class count starts afresh (docs/pretrained.md)")
     dataset: str = _field("fashion_mnist", f"dataset to train on: {', '.join(DATASETS)}, tfds:NAME (an image "
                                            "classification dataset TFDS has prepared in --tfds-dir), folder:DIR "

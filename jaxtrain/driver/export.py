@@ -132,8 +132,13 @@ def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
 def save_pretrained(run_dir: str | Path, path: str | Path, names: str | None = None) -> Path:
     """A finished run's model (``RUN_DIR/model``) as a file torchvision, timm or transformers load
     (``jaxtrain.pretrained.save``: ``.safetensors``, or PyTorch's ``.pth``; ``names``: ``"hf"`` for a ViT in
-    Hugging Face's names)."""
-    from jaxtrain import pretrained
+    Hugging Face's names; a GPT: ``GPT2LMHeadModel``'s safetensors)."""
+    from jaxtrain import models, pretrained
 
     meta, params, model_state = load(run_dir)
+    model = model_of(meta)
+    if isinstance(model, models.LanguageModel):  # GPT2LMHeadModel's names (transformers)
+        from jaxtrain.pretrained import gpt2
+
+        return gpt2.save(params, model.config, path)
     return pretrained.save(meta["model"], (params, model_state), path, names=names)

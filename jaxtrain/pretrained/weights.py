@@ -82,11 +82,16 @@ def load(path: str | Path, into, *, num_classes: int | None = None, input_shape:
          seed: int = 0) -> Loaded:
     """``path``'s weights in the registry model ``into`` (a name, or a ``jaxtrain.models.Model``; by name,
     made for ``input_shape`` (default 224x224x3) and ``num_classes`` (default: the file's)); a classifier of
-    another class count, or none in the file, is the model's fresh one (``seed``)."""
+    another class count, or none in the file, is the model's fresh one (``seed``). A GPT (a ``LanguageModel``)
+    takes a GPT-2 file of its own shape whole (``jaxtrain.pretrained.gpt2``)."""
     import jax
 
     from jaxtrain import models
 
+    if isinstance(into, models.LanguageModel):  # GPT-2's files: read whole (jaxtrain.pretrained.gpt2)
+        from jaxtrain.pretrained import gpt2
+
+        return Loaded(gpt2.load(path, into.config), {}, (), ())
     stored = tensors.read(path, stored=True)
     source = tensors.as_float32(stored)
     arch = _architecture(into if isinstance(into, str) else into.name)
