@@ -155,6 +155,16 @@ def test_two_processes_equal_one_process_with_two_devices(tmp_path, corpus):
     assert reported_digests(multi.stdout) == {summary(tmp_path / "single")["params_digest"]}  # bit for bit
 
 
+def test_a_pipelined_gpt_trains_from_the_command_line_and_samples_in_layer_order(tmp_path, corpus):
+    """Its blocks over 2 stages (the head tied to the embedding across them: tests/test_gpt_pipeline.py holds
+    the steps to the unpipelined ones); sampling reads its per-stage blocks in layer order."""
+    run = run_cli(*GPT, "--dataset", f"text:{corpus}", "--devices", "4", "--mesh", "data=2,stage=2",
+                  "--microbatches", "2", "--max-steps", "3", "--out", str(tmp_path / "o"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = run.stdout + run.stderr
+    assert "pipeline 2 stages x 2 micro-batches (gpipe" in said and said.count("sample: ") == 3, said[-3000:]
+
+
 def test_each_process_reads_its_rows_of_each_window_batch_and_every_window_once_an_epoch(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text(sentences(200, 1))

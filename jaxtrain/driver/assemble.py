@@ -62,7 +62,7 @@ def steps(c: RunConfig, mesh, m: models.Model, updates: int) -> tuple[Trainer, E
     stack = m.stack
     trainer = make_pipeline_step(stack.embed_fn, stack.stage_fn, stack.head_loss_fn, tx, mesh=mesh,
                                  microbatches=c.microbatches, schedule=c.pipeline_schedule, repeats=c.repeats,
-                                 precision=c.precision, remat=c.remat)
+                                 precision=c.precision, remat=c.remat, head_reads_embed=stack.head_reads_embed)
     return trainer, make_eval_step(trainer.eval_fn(stack.head_eval_fn), mesh=mesh)
 
 

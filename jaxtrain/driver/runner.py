@@ -255,8 +255,13 @@ def _train(run: Run, stop: StopOnSignal, requeue_job: dict | None) -> dict:
 
 def say_samples(run: Run, state) -> None:
     """A language model's last lines: text it samples, from prompts taken from the validation text."""
+    params = state.params
+    if run.trainer.pipeline_layout:  # its blocks stored per stage: in layer order again
+        from jaxtrain.train.pipeline import layers
+
+        params = {**params, "stages": layers(params["stages"])}
     prompts = language.sample_prompts(run.data["test"], run.tokenizer)
-    for text in language.samples(run.model, state.params, run.tokenizer, prompts, 48, seed=run.config.seed):
+    for text in language.samples(run.model, params, run.tokenizer, prompts, 48, seed=run.config.seed):
         say("sample: " + " ".join(text.split()))
 
 

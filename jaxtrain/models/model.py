@@ -71,6 +71,7 @@ class LanguageModel(Model):
     take tokens [B, T] and give [B, T, vocabulary]. ``config``: the network's shape (``jaxtrain.models.gpt``)."""
 
     config: object
+    stack: Stack  # its blocks, for a pipeline (``Pipelinable``; the head reads the tied embedding)
 
     @property
     def seq_len(self) -> int:
@@ -108,12 +109,15 @@ class Distillable(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
-    """A model as ``embed -> identical layers -> head``: what a pipeline splits (``jaxtrain.train.pipeline``)."""
+    """A model as ``embed -> identical layers -> head``: what a pipeline splits (``jaxtrain.train.pipeline``).
+    ``head_reads_embed``: the head is tied to the embedding (the GPT's logits), its fns take ``(H, E)`` for H
+    (``make_pipeline_step(..., head_reads_embed=)``, ``sequential_loss(..., head_reads_embed=)``)."""
 
     embed_fn: Callable  # (E, batch) -> x
     stage_fn: Callable  # (one layer's params, x) -> x
     head_loss_fn: Callable  # (H, x, batch) -> (loss, metrics)
     head_eval_fn: Callable  # (H, x, batch) -> per-example metrics
+    head_reads_embed: bool = False  # the head fns take (H, E) where they take H
 
 
 @runtime_checkable

@@ -205,7 +205,8 @@ def _gpt(remat: str, shape: dict, kernels: str, size: str, platform: str | None)
     return LanguageModel(name="gpt", init=lambda rng: (gpt.init(rng, config), {}),
                          loss_fn=gpt.make_loss_fn(config, remat), eval_fn=gpt.make_eval_fn(config),
                          logits=lambda params, _, tokens: gpt.apply(params, tokens, config),
-                         logical_axes=gpt.LOGICAL_AXES, init_name="gpt2", conv="xla", config=config, **shape)
+                         logical_axes=gpt.LOGICAL_AXES, init_name="gpt2", conv="xla", config=config,
+                         stack=gpt.make_stack(config), **shape)
 
 
 # name -> its builder (remat, init, shape, quantize, kernels, conv) -> Model

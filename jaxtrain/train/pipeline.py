@@ -6,11 +6,18 @@ A pipelined model is three functions and ``params = {"embed": E, "stages": S, "h
 - ``stage_fn(layer_params, x) -> x``: ONE layer (every layer the same shapes, as transformer blocks are),
 - ``head_loss_fn(H, x, batch) -> (loss, metrics)``: means over the examples given.
 
-The reference is the sequential loop ``x = embed_fn(E, b); for i in range(L): x = stage_fn(S[i], x)``
-(``jaxtrain.models.sequential.sequential_loss``). Placement: the L layers form ``stages x repeats`` chunks of K
-consecutive layers; chunk c runs on stage ``c % stages`` (its repeat is ``c // stages``). The stored
-``"stages"`` leaves are ``[repeats, stages, K, ...]``, sharded over ``"stage"`` on their second axis, so each
-stage's layers live on its devices only, and a row-major reshape gives ``[L, ...]`` in layer order (``layers``).
+A head tied to the embedding (a language model's logits ``x @ E["wte"].T``): with ``head_reads_embed=True`` the
+head fns take ``(H, E)`` where they took ``H``: ``head_loss_fn((H, E), x, batch)``, and ``eval_fn``'s
+``head_eval_fn((H, E), x, batch)``. E is then used twice, by the first stage's embedding and the last stage's
+head; its gradient is the sum of the two uses, as the unpipelined model's autodiff gives (both are replicated
+inputs of the ``shard_map``, whose transpose sums their gradients over the stages). There is one E, stored once.
+
+The reference is the sequential loop ``x = embed_fn(E, b); for i in range(L): x = stage_fn(S[i], x)``, then the
+head (``jaxtrain.models.sequential.sequential_loss``, which takes ``head_reads_embed`` too). Placement: the L
+layers form ``stages x repeats`` chunks of K consecutive layers; chunk c runs on stage ``c % stages`` (its repeat
+is ``c // stages``). The stored ``"stages"`` leaves are ``[repeats, stages, K, ...]``, sharded over ``"stage"`` on
+their second axis, so each stage's layers live on its devices only, and a row-major reshape gives ``[L, ...]`` in
+layer order (``layers``).
 
 The embedding and the head are replicated: every stage device computes them, the first stage uses the
 embedding and the last the head (their gradients are summed over the stages by the transpose of
@@ -142,7 +149,7 @@ class PipelineTrainer(Trainer):
     """A ``Trainer`` whose loss runs the pipeline schedule: same TrainState, loop, checkpoints and evaluator."""
 
     def __init__(self, embed_fn, stage_fn, head_loss_fn, tx, mesh, microbatches: int, schedule: str, repeats: int,
-                 precision, remat: str):
+                 precision, remat: str, head_reads_embed: bool = False):
         if STAGE_AXIS not in mesh.axis_names:
             raise ConfigError(f"pipelining needs a mesh axis {STAGE_AXIS!r}, e.g. jt.make_mesh(devices, "
                               f"axes={{'data': 1, 'stage': 4}}); this mesh has {', '.join(mesh.axis_names)}")
@@ -161,6 +168,7 @@ class PipelineTrainer(Trainer):
             raise ConfigError(f"the circular schedule needs microbatches >= stages ({microbatches} < "
                               f"{self.num_stages}): a micro-batch must leave the last stage before it re-enters")
         self.microbatches, self.schedule, self.repeats, self.remat = microbatches, schedule, repeats, remat
+        self.head_reads_embed = head_reads_embed
         # The params reach the loss in fp32 and are cast where used: the gradients of the stage params then
         # add up over the ticks in fp32 (cast before the loss, they would add up in bf16 / fp16).
         mixed = prec.get_policy(precision)
@@ -181,10 +189,14 @@ class PipelineTrainer(Trainer):
         specs = (P(), P(None, STAGE_AXIS), P(), self.batch_plan.batch.spec)
         return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=out_specs)
 
+    def _head(self, head, embed):
+        """What the head fns take: H, or ``(H, E)`` for a head that reads the embedding (``head_reads_embed``)."""
+        return (head, embed) if self.head_reads_embed else head
+
     def _loss(self, head_loss_fn):
         def per_device(embed, stored, head, batch):
             x, idle = self._forward(embed, stored, batch)
-            low = prec.cast_floats((head, batch), self.compute_dtype)
+            low = prec.cast_floats((self._head(head, embed), batch), self.compute_dtype)
             loss, metrics = _on_last_stage(head_loss_fn(*low[:1], x, *low[1:]), self.num_stages)
             return lax.pmean((loss, {**metrics, "pipeline_bubble": idle}), DATA_AXIS)
 
@@ -195,10 +207,11 @@ class PipelineTrainer(Trainer):
         return loss_fn
 
     def eval_fn(self, head_eval_fn: Callable):
-        """An ``eval_fn`` for ``make_eval_step`` from ``head_eval_fn(H, x, batch) -> {name: [B] values}``."""
+        """An ``eval_fn`` for ``make_eval_step`` from ``head_eval_fn(H, x, batch) -> {name: [B] values}``
+        (``(H, E)`` for H with ``head_reads_embed``)."""
         def per_device(embed, stored, head, batch):
             x = self._forward32(embed, stored, batch)[0]  # fp32, as make_eval_step evaluates any model
-            return _on_last_stage(head_eval_fn(head, x, batch), self.num_stages)
+            return _on_last_stage(head_eval_fn(self._head(head, embed), x, batch), self.num_stages)
 
         def eval_fn(params, model_state, batch):
             return self._mapped(per_device, P(DATA_AXIS))(params["embed"], params["stages"], params["head"], batch)
@@ -238,7 +251,8 @@ class PipelineTrainer(Trainer):
 
 def make_pipeline_step(embed_fn, stage_fn, head_loss_fn, tx: optax.GradientTransformation, *, mesh,
                        microbatches: int = 1, schedule: str = "gpipe", repeats: int = 1, precision="fp32",
-                       remat: str = "none") -> PipelineTrainer:
-    """A pipelined train step on ``mesh``'s ``"stage"`` axis (and data parallel over ``"data"``); see the module."""
+                       remat: str = "none", head_reads_embed: bool = False) -> PipelineTrainer:
+    """A pipelined train step on ``mesh``'s ``"stage"`` axis (and data parallel over ``"data"``); see the module
+    (``head_reads_embed``: the head fns take ``(H, E)``, a head tied to the embedding)."""
     return PipelineTrainer(embed_fn, stage_fn, head_loss_fn, tx, make_mesh(mesh), microbatches, schedule, repeats,
-                           precision, remat)
+                           precision, remat, head_reads_embed)
