@@ -1,6 +1,7 @@
 """jaxtrain's train step vs a hand-written jax.jit step vs PyTorch, interleaved in one run.
 
-    python -m experiments.bench [--model lenet|resnet18] [--precision fp32|bf16|int8] [--json F]
+    python -m experiments.bench [--model lenet|resnet18|gpt] [--precision fp32|bf16|int8] [--json F]
+    python -m experiments.bench --model gpt [--model-size mini] [--seq-len 128] [--vocab 4096]
 
 (a) jaxtrain's step with the defaults a user gets (make_train_step, default
 strategy and devices); (b) a minimal hand-written ``jax.jit`` SGD step of the
@@ -9,7 +10,13 @@ CPU with ``torch.set_num_threads(cores)``, in its own process, when torch is
 importable (``pip install torch==2.13.0``), and again with the malloc settings
 jaxtrain's CPU runs use (``torch_same_malloc``; ``jaxtrain.parallel.host_memory``); (d) an epoch through the real input
 pipeline: wall time vs steps x step time. A B C, B C A, C A B ... (rotated), warm-up excluded,
-median and spread of the repeats. Batch 256 for LeNet, 64 for ResNet-18.
+median and spread of the repeats. Batch 256 for LeNet, 64 for ResNet-18, 32 windows for the GPT.
+
+``--model gpt`` times jaxtrain's GPT (``jaxtrain.models.gpt``: size "mini", 4 layers of width 256, 4 heads;
+windows of 128 tokens, a vocabulary of 4096) against the same network in PyTorch (``bench_torch.gpt``: pre-LN
+blocks, ``scaled_dot_product_attention(is_causal=True)``, GELU tanh, tied embedding padded to a multiple of 64),
+every side SGD on one batch of random tokens; the table adds tokens/s (examples/s x window). No pipeline epoch (d)
+for it (that one reads Fashion-MNIST).
 
 ``--precision bf16`` trains in mixed precision: jaxtrain's ``precision="bf16"``,
 the hand-written step casting params and images to bf16 inside its loss,
@@ -30,8 +37,9 @@ import statistics
 import sys
 import time
 
-from jaxtrain.choices import CONVS
+from jaxtrain.choices import CONVS, GPT_SIZES
 from jaxtrain.cli import one_line_errors, positive_int
+from jaxtrain.models import LANGUAGE_MODELS
 from jaxtrain.models import names as model_names
 
 # Worker threads (XLA's, PyTorch's OpenMP) keep spinning for a while after a
@@ -49,18 +57,25 @@ H100_BF16_FLOPS, H100_BYTES_PER_S = 790e12, 3.0e12
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=model_names(side=28), default="lenet")
+    p.add_argument("--model", choices=(*model_names(side=28), *LANGUAGE_MODELS), default="lenet")
     p.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32",
                    help="fp32 or bf16 (mixed precision) train steps, or int8 inference (one device)")
     p.add_argument("--devices", type=positive_int, default=None,
                    help="virtual CPU devices for jaxtrain and the hand-written step (default: one per core; "
                         "PyTorch always gets every core as threads)")
     p.add_argument("--batch-size", type=positive_int, default=None,
-                   help="global batch (default: 256 LeNet, 64 ResNet-18)")
+                   help="global batch (default: 256 LeNet, 64 ResNet-18, 32 windows GPT)")
     p.add_argument("--steps", type=positive_int, default=None,
-                   help="steps per timed block (default: 10 LeNet, 3 ResNet-18)")
+                   help="steps per timed block (default: 10 LeNet, 3 ResNet-18 and GPT)")
     p.add_argument("--repeats", type=positive_int, default=None,
-                   help="timed blocks per variant (default: 40 LeNet, 10 ResNet-18; noisy machines: more)")
+                   help="timed blocks per variant (default: 40 LeNet, 10 ResNet-18 and GPT; noisy machines: more)")
+    p.add_argument("--model-size", choices=GPT_SIZES, default=None,
+                   help="--model gpt: its network (jaxtrain.models.gpt.SIZES; default: mini, 4 layers of width 256)")
+    p.add_argument("--seq-len", type=positive_int, default=None,
+                   help="--model gpt: tokens per window (default: the size's, 128 for mini)")
+    p.add_argument("--vocab", type=positive_int, default=None,
+                   help="--model gpt: vocabulary (default: the size's, 4096 for mini, GPT-2's 50257 for 124m up; "
+                        "the embedding padded to a multiple of 64 on every side)")
     p.add_argument("--epoch-steps", type=positive_int, default=None,
                    help="steps of the pipeline epoch (default: a full epoch for LeNet, 30 for ResNet-18)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
@@ -82,11 +97,17 @@ def parser() -> argparse.ArgumentParser:
 @one_line_errors("bench")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    lenet_model, infer = args.model == "lenet", args.precision == "int8"
+    lenet_model, infer, lm = args.model == "lenet", args.precision == "int8", args.model in LANGUAGE_MODELS
     if infer and args.devices not in (None, 1):
         print("bench: error: --precision int8 times inference on one device: drop --devices", file=sys.stderr)
         return 2
-    args.batch_size = args.batch_size or (256 if lenet_model else 64)
+    lm_flags = [f for f, v in (("--model-size", args.model_size), ("--seq-len", args.seq_len),
+                               ("--vocab", args.vocab)) if v is not None]
+    if lm_flags and not lm:
+        print(f"bench: error: {', '.join(lm_flags)}: a language model's ({', '.join(LANGUAGE_MODELS)}), not "
+              f"{args.model}'s", file=sys.stderr)
+        return 2
+    args.batch_size = args.batch_size or (256 if lenet_model else 32 if lm else 64)
     args.steps = args.steps or (10 if lenet_model else 3)
     args.repeats = args.repeats or (40 if lenet_model else 10)
     args.epoch_steps = args.epoch_steps or (None if lenet_model else 30)
@@ -116,14 +137,13 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from experiments.bench_torch import TorchWorker
-    from jaxtrain import models
     from jaxtrain.analysis import diagnostics
     from jaxtrain.core import compat
     from jaxtrain.parallel import host_memory
     from jaxtrain.train.timing import time_steps
 
     mesh = jt.make_mesh(devices)
-    model = models.get(args.model, conv="xla" if infer else args.conv)  # int8: jaxtrain.analysis.quantize's programs
+    model = bench_variants.get_model(args, conv="xla" if infer else args.conv)  # int8: quantize's programs
     if infer:
         calls, flops = bench_variants.int8_timers(args, model)
         runs, batch, bytes_accessed = {}, None, None
@@ -138,7 +158,8 @@ def main(argv=None) -> int:
     modes = {"torch": "int8" if infer else args.precision, **({"torch_fp32": "fp32-infer"} if infer else {}),
              **({"torch_same_malloc": args.precision} if same_malloc else {})}
     workers = {name: TorchWorker(args.model, args.batch_size, python=args.torch_python, mode=mode,
-                                 env=host_memory.ENV_SETTINGS if name == "torch_same_malloc" else None)
+                                 env=host_memory.ENV_SETTINGS if name == "torch_same_malloc" else None,
+                                 shape=bench_variants.torch_shape(model))
                for name, mode in modes.items()} if use_torch else {}
     times: dict[str, list[float]] = {k: [] for k in [*runs, *calls, *workers]}
     for worker in workers.values():
@@ -169,12 +190,13 @@ def main(argv=None) -> int:
             times[name].append(block(name))
     for worker in workers.values():
         worker.close()
-    epoch = None if infer else _epoch(args, jt, mesh, runs, model.eval_fn, block)
+    epoch = None if infer or lm else _epoch(args, jt, mesh, runs, model.eval_fn, block)
     peak = diagnostics.devices_peak(devices, args.precision, measure=True)  # GPUs' add up; CPU devices share cores
     from jaxtrain.models.flops import TRAIN_FACTOR, forward
 
     # the model's FLOPs per example: 3 x forward for a train step, the forward for inference (jaxtrain.models.flops)
-    model_flops = forward(args.model, model.input_shape, model.num_classes) * (1 if infer else TRAIN_FACTOR)
+    model_flops = (forward(args.model, model.input_shape, model.num_classes, size=args.model_size)
+                   * (1 if infer else TRAIN_FACTOR))
     med = {k: statistics.median(v) for k, v in times.items()}
 
     def paired(a: str, b: str) -> float | None:
@@ -182,27 +204,36 @@ def main(argv=None) -> int:
         return statistics.median(x / y for x, y in zip(times[a], times[b])) if a in times and b in times else None
 
     what = "int8 inference" if infer else f"{args.precision} train step"
-    print(f"\n{'LeNet' if lenet_model else 'ResNet-18'} {what}, batch {args.batch_size}, {len(devices)} "
+    tokens = model.input_shape[0] if lm else None  # a language model's examples are windows of this many tokens
+    convs = "" if lm else f"{model.conv} convolutions, "
+    print(f"\n{bench_variants.title(args, model)} {what}, batch {args.batch_size}, {len(devices)} "
           f"{devices[0].platform} devices ({compat.cpu_isa() or 'ISA unknown'}), jax {jax.__version__}, "
-          f"{model.conv} convolutions, malloc {'keeping freed memory' if host_memory.applied() else 'as is'}"
+          f"{convs}malloc {'keeping freed memory' if host_memory.applied() else 'as is'}"
           f"{', materialize off' if args.no_materialize else ''}; median (min-max) of {args.repeats} x {args.steps} "
           f"{'calls' if infer else 'steps'}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s (of all the devices: "
           "MFU and HFU are over it, whatever the precision)\n")
-    print("| variant | ms/step | examples/s | GFLOP/s (compiled) | MFU | HFU |\n|---|---|---|---|---|---|")
+    columns = ["ms/step", "examples/s", *(["tokens/s"] if lm else []), "GFLOP/s (compiled)", "MFU", "HFU"]
+    print(f"| variant | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
     for name, v in times.items():
         ms = med[name]
-        print(f"| {name} | {ms:.1f} ({min(v):.1f}-{max(v):.1f}) | {args.batch_size / ms * 1000:,.0f} | "
-              f"{flops / ms / 1e6:.0f} | {model_flops * args.batch_size / ms / 1e-3 / peak:.0%} | "
-              f"{flops / ms / 1e-3 / peak:.0%} |")
+        per_s = args.batch_size / ms * 1000
+        cells = [f"{ms:.1f} ({min(v):.1f}-{max(v):.1f})", f"{per_s:,.0f}", *([f"{per_s * tokens:,.0f}"] if lm else []),
+                 f"{flops / ms / 1e6:.0f}", f"{model_flops * args.batch_size / ms / 1e-3 / peak:.0%}",
+                 f"{flops / ms / 1e-3 / peak:.0%}"]
+        print(f"| {name} | {' | '.join(cells)} |")
     ratios = {"torch/jaxtrain": paired("torch", "jaxtrain"), "jaxtrain/handwritten": paired("jaxtrain", "handwritten"),
               "torch_same_malloc/jaxtrain": paired("torch_same_malloc", "jaxtrain"),
               "jaxtrain int8/fp32": paired("jaxtrain", "jaxtrain_fp32"),
               "torch int8/fp32": paired("torch", "torch_fp32"),
               "fp32 torch/jaxtrain": paired("torch_fp32", "jaxtrain_fp32")}
-    print("\npaired ratios (median of per-repeat ratios): " +
+    print("\npaired ratios (median of per-repeat ratios of ms/step: above 1, the second is faster): " +
           ", ".join(f"{k} {'n/a' if v is None else f'{v:.3f}'}" for k, v in ratios.items() if k in RATIOS[infer]))
     if epoch:
         print(epoch["line"])
+    if flops < model_flops * args.batch_size:  # XLA's cost analysis counts a while loop's body once
+        print(f"note: the compiled program's FLOPs ({flops / 1e9:.2f} G) are below the model's "
+              f"({model_flops * args.batch_size / 1e9:.2f} G): XLA counts a loop's body once (a scan over layers): "
+              "its GFLOP/s, HFU and floor undercount")
     print(f"compile-time cost per {'call' if infer else 'step'}: {flops / 1e9:.2f} GFLOP "
           f"({flops / args.batch_size / 1e6:.1f} MFLOP/example)"
           + ("" if infer else f", {bytes_accessed / 1e6:.0f} MB accessed")
@@ -214,6 +245,7 @@ def main(argv=None) -> int:
             json.dump({"model": args.model, "precision": args.precision, "batch_size": args.batch_size,
                        "devices": len(devices), "cpu_isa": compat.cpu_isa(), "jax": jax.__version__,
                        "conv": model.conv, "malloc_kept": host_memory.applied(),
+                       **(bench_variants.lm_fields(args, model, med) if lm else {}),
                        "xla_flags": os.environ.get("XLA_FLAGS", ""), "materialize": not args.no_materialize,
                        **{f"{k}_ms": med.get(k) for k in ("jaxtrain", "handwritten", "torch", "jaxtrain_fp32",
                                                           "torch_fp32", "torch_same_malloc")},

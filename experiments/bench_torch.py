@@ -1,4 +1,4 @@
-"""The d2l LeNet / ResNet-18 train step in PyTorch, timed in its own process for experiments.bench.
+"""The d2l LeNet / ResNet-18 and the GPT's train step in PyTorch, timed in its own process for experiments.bench.
 
 Its own process so that PyTorch's OpenMP threads and XLA's thread pools never
 share an address space (the two runtimes' spinning worker threads slowed each
@@ -7,13 +7,14 @@ stdin and reads back seconds per step, so the blocks still interleave. The
 child may be another Python (``python``): PyTorch's CPU build exists for fewer
 Python versions than JAX supports, and its speed does not depend on which.
 
-    python -m experiments.bench_torch MODEL BATCH_SIZE LR [MODE]    (driven by TorchWorker)
+    python -m experiments.bench_torch MODEL BATCH_SIZE LR [MODE [SHAPE]]    (driven by TorchWorker)
 
 MODE: ``fp32`` or ``bf16`` train steps (bf16: ``torch.autocast`` around the
 forward and loss, PyTorch's mixed precision on CPU), or ``int8`` / ``fp32-infer``
 inference of the model in eval mode (int8: ``quantize_dynamic``, PyTorch's
 dynamic quantisation, which covers its ``nn.Linear`` layers only: the
-convolutions stay fp32).
+convolutions stay fp32). SHAPE: the GPT's ``VOCAB,SEQ_LEN,LAYERS,HEADS,WIDTH`` (``gpt``: jaxtrain.models.gpt's
+network in PyTorch, a batch of windows of SEQ_LEN + 1 random tokens, the mean next-token cross-entropy).
 """
 
 from __future__ import annotations
@@ -67,20 +68,113 @@ def _resnet18():
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10))
 
 
-MODELS = {"lenet": _lenet, "resnet18": _resnet18}
+def gpt(vocab: int, seq_len: int, layers: int, heads: int, width: int, vocab_multiple: int = 64):
+    """jaxtrain.models.gpt's network in PyTorch (GPT-2's decoder, fp32): learned positions, pre-LayerNorm blocks
+    (eps 1e-5) of causal ``scaled_dot_product_attention`` and a GELU (tanh) MLP of 4 x width, a final LayerNorm,
+    logits from the tied token embedding, its rows padded to a multiple of ``vocab_multiple`` (the padded rows'
+    logits cut). GPT-2's initialisation: N(0, 0.02), the residual projections' std / sqrt(2 layers), biases 0.
+    ``net(tokens [B, T]) -> logits [B, T, vocab]``; ``load_jaxtrain`` takes jaxtrain's params."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    padded = -(-vocab // vocab_multiple) * vocab_multiple
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(width, eps=1e-5), nn.LayerNorm(width, eps=1e-5)
+            self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)  # qkv's out: (3, heads, C)
+            self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)  # [B, H, T, C]
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+            return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Parameter(torch.empty(padded, width))
+            self.wpe = nn.Parameter(torch.empty(seq_len, width))
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(width, eps=1e-5)
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    if name.endswith("bias"):
+                        p.zero_()
+                    elif p.dim() > 1:  # the embeddings and the linear layers' weights
+                        std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                        p.normal_(0.0, std)
+
+        def forward(self, tokens):
+            x = F.embedding(tokens, self.wte) + self.wpe[:tokens.shape[1]]
+            for block in self.blocks:
+                x = block(x)
+            logits = F.linear(self.ln_f(x), self.wte)
+            return logits if padded == vocab else logits[..., :vocab]
+
+        def load_jaxtrain(self, params: dict) -> None:
+            """Copy jaxtrain.models.gpt's params (``{"embed/wte": array, "stages/qkv": ..., "head/ln": ...}``,
+            its nested dict flattened with "/") into this network."""
+            def t(name, layer=None):
+                a = torch.as_tensor(params[name], dtype=torch.float32)
+                return a if layer is None else a[layer]
+
+            with torch.no_grad():
+                self.wte.copy_(t("embed/wte"))
+                self.wpe.copy_(t("embed/wpe"))
+                self.ln_f.weight.copy_(t("head/ln"))
+                self.ln_f.bias.copy_(t("head/ln_b"))
+                for i, blk in enumerate(self.blocks):
+                    for ln, name in ((blk.ln1, "ln1"), (blk.ln2, "ln2")):
+                        ln.weight.copy_(t(f"stages/{name}", i))
+                        ln.bias.copy_(t(f"stages/{name}_b", i))
+                    # jaxtrain's [in, out] matrices (qkv [D, 3, H, C], proj [H, C, D]) -> nn.Linear's [out, in]
+                    blk.qkv.weight.copy_(t("stages/qkv", i).reshape(width, 3 * width).T)
+                    blk.qkv.bias.copy_(t("stages/qkv_b", i).reshape(3 * width))
+                    blk.proj.weight.copy_(t("stages/proj", i).reshape(width, width).T)
+                    blk.proj.bias.copy_(t("stages/proj_b", i))
+                    blk.fc.weight.copy_(t("stages/fc", i).T)
+                    blk.fc.bias.copy_(t("stages/fc_b", i))
+                    blk.out.weight.copy_(t("stages/out", i).T)
+                    blk.out.bias.copy_(t("stages/out_b", i))
+
+    return GPT()
+
+
+def next_token_loss(net, tokens):
+    """The mean next-token cross-entropy of ``tokens`` [B, T + 1] (jaxtrain.models.gpt.make_loss_fn's loss)."""
+    import torch.nn.functional as F
+
+    logits = net(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+MODELS = {"lenet": _lenet, "resnet18": _resnet18, "gpt": gpt}
+LANGUAGE_MODELS = ("gpt",)  # built from a SHAPE, trained on windows of tokens
 
 
 MODES = ("fp32", "bf16", "int8", "fp32-infer")
 
 
-def _make_step(model: str, batch_size: int, lr: float, mode: str = "fp32"):
+def _make_step(model: str, batch_size: int, lr: float, mode: str = "fp32", shape: tuple[int, ...] = ()):
+    """A call that runs one train step (and returns its loss) or one inference of ``model`` on a fixed batch."""
     import torch
     from torch import nn
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     torch.manual_seed(0)
-    net = MODELS[model]()
-    x, y = torch.rand(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
+    net = MODELS[model](*shape)
+    if model in LANGUAGE_MODELS:
+        vocab, seq_len = shape[:2]
+        x = torch.randint(0, vocab, (batch_size, seq_len + 1))
+    else:
+        x, y = torch.rand(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
     if mode in ("int8", "fp32-infer"):
         net.eval()
         if mode == "int8":
@@ -92,7 +186,7 @@ def _make_step(model: str, batch_size: int, lr: float, mode: str = "fp32"):
 
         def infer():
             with torch.no_grad():
-                net(x)
+                net(x[:, :-1] if model in LANGUAGE_MODELS else x)
 
         return infer
     opt = torch.optim.SGD(net.parameters(), lr=lr)
@@ -101,15 +195,16 @@ def _make_step(model: str, batch_size: int, lr: float, mode: str = "fp32"):
     def step():
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16"):
-            loss = loss_fn(net(x), y)
+            loss = next_token_loss(net, x) if model in LANGUAGE_MODELS else loss_fn(net(x), y)
         loss.backward()
         opt.step()
+        return loss.detach()
 
     return step
 
 
-def _serve(model: str, batch_size: int, lr: float, mode: str = "fp32") -> None:
-    step = _make_step(model, batch_size, lr, mode)
+def _serve(model: str, batch_size: int, lr: float, mode: str = "fp32", shape: str = "") -> None:
+    step = _make_step(model, batch_size, lr, mode, tuple(int(n) for n in shape.split(",") if n))
     print("ready", flush=True)
     for line in sys.stdin:  # one block per line; EOF ends
         steps = int(line)
@@ -120,17 +215,20 @@ def _serve(model: str, batch_size: int, lr: float, mode: str = "fp32") -> None:
 
 
 class TorchWorker:
-    """A PyTorch train step or inference (``model``: lenet | resnet18; ``mode``: one of ``MODES``) in a child
-    process: ``worker.time(steps)`` -> s/step."""
+    """A PyTorch train step or inference (``model``: lenet | resnet18 | gpt; ``mode``: one of ``MODES``) in a child
+    process: ``worker.time(steps)`` -> s/step. ``shape``: the GPT's (vocab, seq_len, layers, heads, width)."""
 
     def __init__(self, model: str, batch_size: int, lr: float = 0.2, python: str | None = None, mode: str = "fp32",
-                 env: dict[str, str] | None = None):
-        if model not in MODELS or mode not in MODES:  # said here, not as a child that never says "ready"
-            raise ValueError(f"TorchWorker({model!r}, mode={mode!r}): models {', '.join(MODELS)}; "
-                             f"modes {', '.join(MODES)}")
+                 env: dict[str, str] | None = None, shape: tuple[int, ...] = ()):
+        if model not in MODELS or mode not in MODES or (model in LANGUAGE_MODELS) != (len(shape) == 5):
+            # said here, not as a child that never says "ready"
+            raise ValueError(f"TorchWorker({model!r}, mode={mode!r}, shape={shape!r}): models {', '.join(MODELS)} "
+                             f"(a shape (vocab, seq_len, layers, heads, width) for {', '.join(LANGUAGE_MODELS)} "
+                             f"only); modes {', '.join(MODES)}")
         self._proc = subprocess.Popen([python or sys.executable, "-m", "experiments.bench_torch", model,
-                                       str(batch_size), str(lr), mode], cwd=ROOT, stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+                                       str(batch_size), str(lr), mode, ",".join(map(str, shape))], cwd=ROOT,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env={**os.environ, **(env or {})})
         if self._proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the PyTorch worker did not start")
 
@@ -145,4 +243,4 @@ class TorchWorker:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:5])
+    _serve(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:6])

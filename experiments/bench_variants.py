@@ -1,8 +1,50 @@
 """experiments.bench's variants, each a step to time: (a) jaxtrain's step with a user's defaults, (b) the
 hand-written ``jax.jit`` SGD step of the same model (the overhead reference), and jaxtrain's int8 and fp32
-inference (``--precision int8``)."""
+inference (``--precision int8``); the model itself (a GPT of ``--model-size``, ``--seq-len`` and ``--vocab``) and
+what its lines and JSON say of it."""
 
 from __future__ import annotations
+
+TITLES = {"lenet": "LeNet", "resnet18": "ResNet-18", "resnet18_imagenet": "ResNet-18 (ImageNet's)",
+          "resnet50": "ResNet-50", "vit": "ViT", "gpt": "GPT"}
+
+
+def get_model(args, conv: str):
+    """The registry's ``args.model``; a language model's of ``args.model_size`` for windows of ``args.seq_len``
+    tokens over ``args.vocab`` (each filled in with the size's own where not given)."""
+    from jaxtrain import models
+
+    if args.model not in models.LANGUAGE_MODELS:
+        return models.get(args.model, conv=conv)
+    from jaxtrain.models import gpt
+
+    args.model_size = args.model_size or models.registry.DEFAULT_SIZE
+    config = gpt.SIZES[args.model_size]
+    args.seq_len, args.vocab = args.seq_len or config.seq_len, args.vocab or config.vocab
+    return models.get(args.model, input_shape=(args.seq_len,), num_classes=args.vocab, size=args.model_size)
+
+
+def torch_shape(model) -> tuple[int, ...]:
+    """What bench_torch's GPT is built of (vocab, seq_len, layers, heads, width); () for the image models."""
+    c = getattr(model, "config", None)
+    return () if c is None else (c.vocab, c.seq_len, c.layers, c.heads, c.width)
+
+
+def title(args, model) -> str:
+    """The model as the bench's heading says it."""
+    c = getattr(model, "config", None)
+    if c is None:
+        return TITLES.get(args.model, args.model)
+    return (f"{TITLES.get(args.model, args.model)} {args.model_size} ({c.layers} layers of width {c.width}, "
+            f"{c.heads} heads; windows of {c.seq_len} tokens, vocabulary {c.vocab} padded to {c.padded_vocab})")
+
+
+def lm_fields(args, model, med: dict) -> dict:
+    """A language model's shape and each variant's tokens/s, for the JSON."""
+    c = model.config
+    return {"model_size": args.model_size, "seq_len": c.seq_len, "vocab": c.vocab, "padded_vocab": c.padded_vocab,
+            "layers": c.layers, "heads": c.heads, "width": c.width,
+            **{f"{k}_tokens_per_s": args.batch_size * c.seq_len / (ms * 1e-3) for k, ms in med.items()}}
 
 
 def train_timers(args, jt, mesh, model):

@@ -10,7 +10,8 @@ from conftest import ROOT
 # The commands' own parsers (``parser()``), or ``main(argv)`` where the parser is built inside it: bad values each.
 BAD = {
     "batch_size": [["--devices", "x"], ["--devices", "0"], ["--accum-steps", "0"], ["--max-batch", "-1"]],
-    "bench": [["--devices", "0"]],
+    "bench": [["--devices", "0"], ["--model", "gpt", "--seq-len", "0"], ["--model", "gpt", "--vocab", "x"],
+              ["--model", "gpt", "--model-size", "huge"]],
     "bench_busy": [["steps", "--ks", "1,0"], ["steps", "--calls", "0"], ["e2e", "--epochs", "x"],
                    ["e2e", "--configs", "8:maybe"], ["e2e", "--configs", "0:on"], ["nope"]],
     "bench_gpu_plans": [["--gpu", "nope"], ["--gpus", "1,0"], ["--gpus", "x"]],
@@ -32,6 +33,7 @@ BAD = {
     "input_pipeline": [["--workers=-1,x"], ["--workers", "-1"], ["--batches", "0"]],
     "quantize": [["--run", "r", "--repeats", "x"], ["--run", "r", "--repeats", "0"],
                  ["--run", "r", "--test-subset", "0"], ["--run", "r", "--batch-sizes", "1,0"]],
+    "sample": [["run", "--tokens", "0"], ["run", "--temperature", "-1"], ["run", "--top-k", "x"]],
     "transfer": [["--repeats", "x"], ["--repeats", "0"], ["--sizes", "200,-1"]],
 }
 # Not commands of their own: run by other commands with positional arguments (decode_bench, bench_torch's server),
