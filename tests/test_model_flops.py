@@ -78,3 +78,24 @@ def test_remat_full_raises_the_hfu_and_not_the_mfu(tmp_path):
     compiled = {k: s["hfu"] / s["mfu"] * 3 * s["model_flops_per_example"] for k, s in runs.items()}
     assert compiled["full"] > 1.1 * compiled["none"], compiled
     assert runs["full"]["model_flops_per_example"] == runs["none"]["model_flops_per_example"]
+
+
+@pytest.mark.parametrize("name, shape, classes, size", [("gpt", (32,), 256, "tiny"), ("vit", (28, 28, 1), 10, None)])
+def test_the_compiled_step_counts_every_trip_of_its_scan_over_the_blocks(name, shape, classes, size):
+    """XLA's cost analysis counts a while loop's body once (a scan over 2 GPT or 8 ViT blocks: one block);
+    ``diagnostics.program_flops`` adds the later trips' matmuls, so a step's FLOPs are at least the model's
+    3 x forward and not far above them (elementwise work, the ViT's head)."""
+    import optax
+
+    import jaxtrain as jt
+    from jaxtrain.analysis import diagnostics, hlo
+
+    model = models.get(name, input_shape=shape, num_classes=classes, size=size, conv="xla")
+    trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=1)
+    state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+    compiled = trainer.lower(state, model.example_batch(8)).compile()
+    text = compiled.as_text()
+    once, every = hlo.matmul_flops(text, trips=False), hlo.matmul_flops(text)
+    assert every > 1.5 * once  # the blocks are most of the model's matmuls
+    want = flops.TRAIN_FACTOR * flops.forward(name, shape, classes, size) * 8
+    assert want <= diagnostics.program_flops(compiled) <= 1.15 * want

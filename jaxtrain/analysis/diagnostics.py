@@ -22,11 +22,15 @@ def _first(analysis):
 
 
 def program_flops(compiled) -> float:
-    """XLA's FLOPs of a compiled program, plus its oneDNN convolutions' (XLA counts nothing in a custom call)."""
+    """XLA's FLOPs of a compiled program, plus its oneDNN convolutions' (XLA counts nothing in a custom call),
+    plus the matmuls and convolutions of a while loop's later trips (XLA's cost analysis counts a loop's body
+    once: a scan over a GPT's or a ViT's blocks, the micro-batches of ``accum="scan"``)."""
+    from jaxtrain.analysis import hlo
     from jaxtrain.kernels import onednn
 
     counted = float(_first(compiled.cost_analysis()).get("flops", float("nan")))
-    extra = onednn.hlo_flops(compiled.as_text())
+    text = compiled.as_text()
+    extra = onednn.hlo_flops(text) + hlo.matmul_flops(text) - hlo.matmul_flops(text, trips=False)
     return max(counted, 0.0) + extra if extra else counted
 
 

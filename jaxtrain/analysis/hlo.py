@@ -116,6 +116,37 @@ def gemm_flops(instr: Instr, shapes: dict[str, str]) -> float:
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
 
 
+def matmul_flops(hlo_text: str, trips: bool = True) -> float:
+    """The FLOPs of a program's dots and convolutions (HLO ``dot`` and ``convolution``, in fusions too; a GPU's
+    cuBLAS gemms and cuDNN convolutions), a
+    while loop's body counted its known trip count times (``trips=False``: once, as XLA's cost analysis counts
+    it: a scan over a model's layers would be one layer)."""
+    comps = computations(hlo_text)
+    shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}
+
+    def walk(name: str) -> float:
+        total = 0.0
+        for instr in comps.get(name, ()):
+            if instr.opcode == "dot":
+                total += dot_flops(instr, shapes)
+            elif instr.opcode == "convolution":
+                total += conv_flops(instr, shapes)
+            elif instr.opcode == "custom-call" and (target := re.search(r'custom_call_target="([^"]+)"',
+                                                                         instr.attrs)):
+                kind = target.group(1)  # a GPU's cuBLAS gemm or cuDNN convolution
+                total += gemm_flops(instr, shapes) if "gemm" in kind else conv_flops(
+                    instr, shapes) if "cudnn$conv" in kind else 0.0
+            elif instr.opcode == "while":
+                n = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+                body = re.search(r"body=%([^,\s]+)", instr.attrs).group(1)
+                total += walk(body) * (int(n.group(1)) if n and trips else 1)
+            else:
+                total += sum(walk(c) for c in instr.calls())
+        return total
+
+    return walk(entry_name(hlo_text))
+
+
 def conv_flops(instr: Instr, shapes: dict[str, str]) -> float:
     """A convolution (HLO or cuDNN): 2 x the forward output's elements x (kernel elements / output features).
     Forward: (input, kernel) -> output; backward input: (d_output, kernel) -> d_input; backward filter:

@@ -44,7 +44,8 @@ def _cost(module) -> dict:
 
 def compile_lowered(lowered, dump_dir: str | None = None) -> tuple:
     """``(compiled, seconds, per-GPU FLOPs, bytes accessed)``: one compile, whose module after SPMD
-    partitioning XLA dumps to a temporary directory for its FLOPs (``dump_dir``: to this one, emptied first: the
+    partitioning XLA dumps to a temporary directory for its FLOPs (a while loop's later trips' matmuls added:
+    ``hlo.matmul_flops``; ``dump_dir``: to this one, emptied first: the
     same options every time, so that JAX's persistent compilation cache can serve the next process; FLOPs are
     None where it did, since nothing compiled)."""
     from jaxlib import _hlo  # parses HLO text (jax 0.12: no public API)
@@ -61,6 +62,9 @@ def compile_lowered(lowered, dump_dir: str | None = None) -> tuple:
                  sorted(glob.glob(os.path.join(dump, "*before_optimizations.txt"))))
         flops = _cost(_hlo.hlo_module_from_text(open(found[-1]).read())).get("flops") if found else None
     optimised = compiled.runtime_executable().hlo_modules()[0]
+    if flops is not None:  # XLA counts a while loop's body once: its later trips' matmuls added
+        text = compiled.as_text()
+        flops += hlo.matmul_flops(text) - hlo.matmul_flops(text, trips=False)
     return compiled, seconds, flops, _cost(optimised).get("bytes accessed")
 
 
