@@ -1,12 +1,14 @@
 """The GPT (jaxtrain.models.gpt): its shapes, causality and FLOPs, its logits and loss held to Hugging Face's
-GPT-2 in PyTorch (tests/torch_gpt2.py), and its train step equal on 1 and 2 devices."""
+GPT-2 in PyTorch (tests/torch_gpt2.py), and its train step held to the independent reference step
+(tests/reference.py) as LeNet's is: every strategy on 2 and 4 devices, FSDP, ZeRO-1, tensor parallelism and
+both, bf16 (and fp16), accumulation (scan, multisteps) and remat."""
 
 import functools
-import math
 import subprocess
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -114,44 +116,305 @@ def test_a_file_of_another_shape_or_model_is_one_line(made, tmp_path):
         gpt2.load(tmp_path / "y.safetensors", HF)
 
 
-BATCHES = [batch_of(TINY, 8, seed) for seed in range(2)]
+# The train steps' GPT: every equivalence test below compiles a step of it, so it is as small as a GPT gets with
+# every part kept (2 blocks of 2 heads; a vocabulary of 100 padded to 128, whose padded rows must stay put).
+SMALL = gpt.Config(vocab=100, seq_len=16, layers=2, heads=2, width=32)
+BATCHES = [batch_of(SMALL, 8, seed) for seed in range(4)]  # 2 steps; multisteps: 4 calls, 2 updates of k=2
+STEPS = 2
+MODES = {"fp32": {}, "bf16": {"precision": "bf16"}, "fp16": {"precision": "fp16"}, "scan2": {"accum_steps": 2},
+         "scan4": {"accum_steps": 4}, "multisteps2": {"accum_steps": 2, "accum": "multisteps"}}
+# bf16/fp16 runs against the same-precision reference (fp32 ones: the policy of tests/tolerance.py), as LeNet's
+# (test_sharding.LOW_PRECISION_TOL): 1e-5 is 15x (the LayerNorms' scales) to 6000x below how far each leaf moves
+# in the 2 steps (1.5e-4 to 6e-2).
+LOW_PRECISION_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def train(mesh, strategy="jit", sharding="replicated"):
-    from jaxtrain.parallel import rules
+def optimizer():
+    """SGD + momentum: an update proportional to the gradient, so a gradient off by a factor (a device's share
+    lost, a mean taken twice) fails, which Adam's would not (it divides each element by its own size; it also
+    turned the float noise that is the key bias's whole gradient, q . b_k being the same for every key, into
+    moves of ~lr in bf16); and an optimizer state that follows its parameter's sharding."""
+    return optax.sgd(0.2, momentum=0.9)
 
-    trainer = jt.make_train_step(gpt.make_loss_fn(TINY), optax.adam(1e-3), mesh=mesh, strategy=strategy,
-                                 param_sharding=rules.preset(sharding, gpt.LOGICAL_AXES))
-    state, history = trainer.init(gpt.init(jax.random.key(0), TINY)), []
-    for batch in BATCHES:
-        state, metrics = trainer(state, batch)
-        history.append(jax.device_get(metrics))
-    return jax.device_get(state), history
+
+def init_params():
+    return gpt.init(jax.random.key(0), SMALL)
+
+
+def batches_for(mode: str) -> list:
+    return BATCHES if MODES[mode].get("accum") == "multisteps" else BATCHES[:STEPS]
+
+
+def mesh_of(devices):
+    """1, 2 or 4 devices on the "data" axis, or "2x2": data=2, model=2."""
+    return jt.make_mesh(4, axes={"data": 2, "model": 2}) if devices == "2x2" else jt.make_mesh(devices)
 
 
 @functools.cache
-def one_device():
-    """The 1-device run, held to the independent reference step (tests/reference.py), and its float64 run."""
+def train(devices=1, strategy="jit", sharding="replicated", mode="fp32", remat="none"):
+    """(trainer, final state, metrics of each step) of jaxtrain's step on ``batches_for(mode)``."""
+    from jaxtrain.parallel import rules
+
+    trainer = jt.make_train_step(gpt.make_loss_fn(SMALL, remat), optimizer(), mesh=mesh_of(devices),
+                                 strategy=strategy, param_sharding=rules.preset(sharding, gpt.LOGICAL_AXES),
+                                 **MODES[mode])
+    state, history = trainer.init(init_params()), []
+    for batch in batches_for(mode):
+        state, metrics = trainer(state, batch)
+        history.append(jax.device_get(metrics))
+    return trainer, state, history
+
+
+@functools.cache
+def one_device(mode="fp32"):
+    """The 1-device run held to the independent reference step (tests/reference.py) in the same mode: (state,
+    history, float64 run) in fp32 (the tolerance policy); (state, history) in bf16/fp16 (LOW_PRECISION_TOL).
+
+    The GPT's float64 run is not all float64: gpt.layer_norm computes in float32 whatever its input, and so does
+    jax.nn.dot_product_attention's softmax (XLA's). Each leaves it off by up to ~30% of the 1-device fp32 run's
+    own distance from float64 (seen per leaf: the LayerNorm's, as a float64 one moves it; the attention's, as the
+    float64 runs with and without micro-batches differ), so the policy's bound (MARGIN x that distance) is up to
+    ~1.3x looser than it would be for LeNet; a learning rate 1% off still misses it 650x (the position embedding's
+    first case)."""
     from reference import assert_matches
 
-    state, history = train(jt.make_mesh(1))
-    exact = assert_matches(state, history, gpt.make_loss_fn(TINY), optax.adam(1e-3), gpt.init(jax.random.key(0), TINY),
-                           BATCHES)
-    return state, history, exact
+    _, state, history = train(1, mode=mode)
+    exact = assert_matches(state, history, gpt.make_loss_fn(SMALL), optimizer(), init_params(), batches_for(mode),
+                           tol=LOW_PRECISION_TOL if mode in ("bf16", "fp16") else None, **MODES[mode])
+    return (state, history) if exact is None else (state, history, exact)
 
 
-@pytest.mark.parametrize("strategy, axes, sharding", [
-    ("jit", {"data": 2}, "replicated"),
-    ("shard_map", {"data": 2}, "fsdp"),
-    ("ring", {"data": 2}, "replicated"),
-    ("jit", {"data": 2, "model": 2}, "tp"),
-])
-def test_a_train_step_on_more_devices_is_the_one_device_step(strategy, axes, sharding):
-    """By the tolerance policy (tests/tolerance.py): N devices re-associate the 1-device step's sums."""
+@functools.cache
+def per_device_reference(precision: str, devices: int, steps: int = STEPS):
+    """What ``devices`` data-parallel devices compute by definition in a precision, ``steps`` steps
+    (tests/reference.py, devices=): each device's gradient computed in bf16/fp16, their mean in fp32 (the 1-device
+    run rounds the whole batch's gradient instead: no tight reference for more devices)."""
+    from reference import Reference
+
+    ref = Reference(gpt.make_loss_fn(SMALL), optimizer(), init_params(), precision=precision, devices=devices)
+    history = [ref.step(batch) for batch in BATCHES[:steps]]
+    scale = None if ref.loss_scale is None else {"scale": ref.loss_scale.scale, "good_steps": ref.loss_scale.good}
+    return jt.TrainState(step=ref.step_count, params=ref.params, opt_state=ref.opt_state, model_state={},
+                         rng=None, loss_scale=scale), history
+
+
+def inner(state):
+    """optax.MultiSteps' state as the reference holds it: the optimizer's own (its accumulator aside)."""
+    multisteps = hasattr(state.opt_state, "inner_opt_state")
+    return state.replace(opt_state=state.opt_state.inner_opt_state) if multisteps else state
+
+
+def assert_equal_to(reference, state, history, tol=LOW_PRECISION_TOL):
+    """By the tolerance policy where ``reference`` carries its float64 run; else within ``tol``."""
+    import chex
     from tolerance import assert_state_reassociated
 
-    state, history = train(jt.make_mesh(math.prod(axes.values()), axes=axes), strategy, sharding)
-    assert_state_reassociated(state, history, *one_device())
+    ref_state, ref_history, *exact = reference
+    host, ref_host = (inner(s) for s in jax.device_get((state, ref_state)))
+    start = jax.device_get(init_params())
+    assert int(host.step) == int(ref_host.step) == len(history)
+    assert np.abs(host.params["stages"]["fc"] - start["stages"]["fc"]).max() > 1e-4  # it trained
+    padded = slice(SMALL.vocab, None)  # the embedding's padded rows reach no logit: no gradient, never moved
+    np.testing.assert_array_equal(host.params["embed"]["wte"][padded], start["embed"]["wte"][padded])
+    if exact:
+        assert_state_reassociated(host, history, ref_host, ref_history, *exact)
+        return
+    chex.assert_trees_all_close(host.params, ref_host.params, **tol)
+    chex.assert_trees_all_close(host.opt_state, ref_host.opt_state, **tol)
+    chex.assert_trees_all_close(host.loss_scale, ref_host.loss_scale, **tol)
+    chex.assert_trees_all_close([{k: m[k] for k in r} for m, r in zip(history, ref_history)], ref_history, **tol)
+
+
+def shard_fraction(x) -> float:
+    return x.addressable_shards[0].data.size / x.size
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("strategy", jt.STRATEGIES)
+def test_every_strategy_on_more_devices_is_the_one_device_step(strategy, devices):
+    """Replicated state, 2 steps; by the tolerance policy (tests/tolerance.py): N devices re-associate the
+    1-device step's sums."""
+    _, state, history = train(devices, strategy)
+    assert_equal_to(one_device(), state, history)
+
+
+SHARDED = [("shard_map", 2, "fsdp")] + [(s, 4, "fsdp") for s in ("jit", "explicit", "shard_map", "ring")] + [
+    (s, devices, r) for devices, r in ((4, "zero1"), ("2x2", "tp"), ("2x2", "fsdp+tp")) for s in ("jit", "explicit")]
+
+
+@pytest.mark.parametrize("strategy, devices, sharding", SHARDED)
+def test_sharded_state_is_the_one_device_step(strategy, devices, sharding):
+    """FSDP, ZeRO-1, tensor parallelism (Megatron's split of heads and MLP units) and both on a 2x2 mesh: the
+    1-device step by the tolerance policy, each really sharded (the MLP's first matrix, [2, 32, 128], and its
+    momentum split as the sharding says)."""
+    trainer, state, history = train(devices, strategy, sharding)
+    assert_equal_to(one_device(), state, history)
+    n = 4 if devices == "2x2" else devices
+    params, moment = {"fsdp": (1 / n, 1 / n), "zero1": (1, 1 / n), "tp": (1 / 2, 1 / 2),
+                      "fsdp+tp": (1 / 4, 1 / 4)}[sharding]
+    assert shard_fraction(state.params["stages"]["fc"]) == params
+    assert shard_fraction(state.opt_state[0].trace["stages"]["fc"]) == moment
+    if sharding == "zero1":
+        assert trainer.layout(state.params)["sharded"] == {}
+
+
+@pytest.mark.parametrize(("strategy", "devices", "sharding", "says"), [
+    ("pmap", 4, "fsdp", "'pmap' keeps the whole state.*use strategy='jit'"),
+    ("pmap", 4, "zero1", "'pmap' keeps the whole state.*use strategy='jit'"),
+    ("pmap", "2x2", "tp", "'pmap' keeps the whole state.*or a 2-D mesh"),
+    ("shard_map", "2x2", "tp", "'shard_map' shards parameters over 'data' only.*use strategy='jit'"),
+    ("ring", "2x2", "fsdp+tp", "'ring' shards parameters over 'data' only.*use strategy='jit'"),
+    ("jit", 4, "tp", r"stages/\w+: PartitionSpec .* names axis 'model' but the mesh has only data"),
+])
+def test_a_sharding_a_strategy_cannot_hold_is_a_one_line_error_before_compiling(strategy, devices, sharding, says,
+                                                                               caplog):
+    from jaxtrain.parallel import rules
+
+    params = init_params()
+    with jax.log_compiles(), pytest.raises(jt.ConfigError, match=says) as err:
+        jt.make_train_step(gpt.make_loss_fn(SMALL), optimizer(), mesh=mesh_of(devices), strategy=strategy,
+                           param_sharding=rules.preset(sharding, gpt.LOGICAL_AXES)).init(params)
+    assert "\n" not in str(err.value)
+    assert not [r for r in caplog.records if "Compiling" in r.getMessage()]
+
+
+def relative_change(got, want) -> float:
+    """||got's change - want's|| / ||want's change|| over params and optimizer state (from the initial params, and
+    from 0): norm-wise, as one rounding of each gradient element moves them."""
+    start = (init_params(), jax.tree.map(np.zeros_like, want.opt_state))
+
+    def change(state):
+        ends = jax.tree.leaves((state.params, state.opt_state))
+        return np.concatenate([(np.asarray(a, np.float64) - np.asarray(s, np.float64)).ravel()
+                               for a, s in zip(ends, jax.tree.leaves(start), strict=True)])
+
+    got, want = (change(jax.device_get(s)) for s in (got, want))
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+# A loss is a mean over 8 x 16 tokens: the same per-token losses (the same ops on the same rows in the same dtype)
+# summed in another order are at most 127 roundings of 2^-24 apart. A precision ignored moves it 3.7x more here.
+LOSS_RTOL = 127 * 2.0**-24
+
+
+@pytest.mark.parametrize("devices, strategy", [(1, "jit"), (2, "jit"), (2, "explicit"), (2, "shard_map"),
+                                               (2, "ring"), (2, "pmap")])
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_low_precision_equals_the_same_precision_reference(mode, devices, strategy, request):
+    """bf16/fp16 with fp32 masters against tests/reference.py's step in the same precision (on 1 device, or with
+    the batch split the same way over 2: each device's gradient in bf16, their mean in fp32).
+
+    1 device, shard_map, ring and pmap: within LOW_PRECISION_TOL (seen: bit for bit on 1 device, 3e-8 of the
+    change on 2). jit and explicit: XLA places the devices' reduction itself (Precision's reduce_dtype is for the
+    explicit collectives) and sums their bf16 gradients in bf16, one rounding more than the reference: each
+    gradient element off by at most u (2^-8 in bf16), so the first step's change by at most u of it, norm-wise
+    (seen: 0.47 u jit, 0.54 u explicit, LeNet's 0.25 ulp); the second step's gradient is taken where the first
+    left the parameters, so 2 u after two (seen: 0.95 u, 0.97 u); the first loss, before any reduction, within
+    LOSS_RTOL (seen: equal). The fp32 step's first change misses the reference's by 2.2 u and its loss by 3.7
+    LOSS_RTOL: a step that ignored the precision fails both.
+    """
+    if (mode, devices, strategy) == ("fp16", 2, "shard_map"):  # a known gap, said in issue 67's note
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "fp16 under shard_map on 2 devices: one element 1.5e-5 from the per-device reference (2 fp16 ulps of "
+            "it), over LOW_PRECISION_TOL; ring and pmap, the same reduction by hand, match: not explained yet")))
+    _, state, history = train(devices, strategy, mode=mode)
+    want = one_device(mode) if devices == 1 else per_device_reference(mode, devices)
+    u = float(jnp.finfo({"bf16": jnp.bfloat16, "fp16": jnp.float16}[mode]).eps) / 2
+    first, first_history = per_device_reference(mode, devices, steps=1)
+    if strategy in ("jit", "explicit") and devices > 1:
+        trainer = train(devices, strategy, mode=mode)[0]
+        one_step, metrics = trainer(trainer.init(init_params()), BATCHES[0])
+        assert abs(float(metrics["loss"]) / float(first_history[0]["loss"]) - 1) <= LOSS_RTOL
+        assert relative_change(one_step, first) <= u
+        assert relative_change(state, want[0]) <= 2 * u
+    else:
+        assert_equal_to(want, state, history)
+    fp32, fp32_history = per_device_reference("fp32", devices, steps=1)
+    assert relative_change(fp32, first) > u
+    if mode == "bf16":  # fp16's 10-bit mantissa leaves the first loss within LOSS_RTOL of fp32's (seen: 1.4e-6
+        # apart): there the state's change is what tells a step that ignored the precision
+        assert abs(float(fp32_history[0]["loss"]) / float(first_history[0]["loss"]) - 1) > LOSS_RTOL
+    if mode == "fp16":  # the loss scale was exercised: overflow skips, then updates
+        assert 1.0 in [float(m["grads_finite"]) for m in history]
+
+
+@pytest.mark.parametrize("mode", ["scan2", "scan4", "multisteps2"])
+def test_accumulation_on_one_device_is_the_reference_and_the_big_batch_step(mode):
+    """The 1-device run equals tests/reference.py's step with k micro-batches (scan: one update of their mean
+    gradient per call; multisteps: optax.MultiSteps, one call per micro-batch, an update every k-th), and, by the
+    tolerance policy, the big-batch step without micro-batches (multisteps: on the k calls' union; its metrics are
+    the micro-batches')."""
+    from reference import reference_runs
+    from tolerance import assert_state_reassociated
+
+    state, history, _ = one_device(mode)
+    if MODES[mode].get("accum") == "multisteps":
+        k, batches = MODES[mode]["accum_steps"], batches_for(mode)
+        union = [jax.tree.map(lambda *xs: np.concatenate(xs), *batches[i:i + k]) for i in range(0, len(batches), k)]
+        big, _, exact = reference_runs(gpt.make_loss_fn(SMALL), optimizer, init_params(), union)
+        assert int(state.step) == k * big.step
+        assert_state_reassociated(inner(jax.device_get(state)), [], big, [], exact._replace(history=[]))
+    else:
+        assert_equal_to(one_device(), state, history)
+
+
+ACCUMULATED = [("scan2", 2, "jit", "replicated"), ("scan2", 2, "shard_map", "replicated"),
+               ("scan2", 2, "pmap", "replicated"), ("scan2", 4, "ring", "replicated"),
+               ("scan4", 2, "explicit", "replicated"), ("scan2", 4, "shard_map", "fsdp"),
+               ("scan2", "2x2", "jit", "fsdp+tp"), ("multisteps2", 2, "jit", "replicated"),
+               ("multisteps2", 4, "ring", "fsdp")]
+
+
+@pytest.mark.parametrize("mode, devices, strategy, sharding", ACCUMULATED)
+def test_accumulation_on_more_devices_is_the_one_device_step(mode, devices, strategy, sharding):
+    """k micro-batches per device, by the tolerance policy against the 1-device run with k (itself the
+    reference's: the test above)."""
+    _, state, history = train(devices, strategy, sharding, mode)
+    assert_equal_to(one_device(mode), state, history)
+
+
+# The GPT names its blocks' values (gpt.block's checkpoint_name: qkv, attention, mlp_hidden); jaxtrain.core.remat
+# makes a policy over names only as "offload_names:", which on a CPU (one memory) saves them where they are.
+NAMES = "offload_names:qkv,attention,mlp_hidden"
+
+
+def saved_bytes(remat: str) -> int:
+    """Bytes the loss's VJP saves for the backward pass (jax.ad_checkpoint.print_saved_residuals' list)."""
+    from jaxtrain.core.compat import saved_residuals
+
+    loss = gpt.make_loss_fn(SMALL, remat)
+    listed = saved_residuals(lambda p: loss(p, {}, BATCHES[0], None)[0], init_params())
+    return sum(aval.size * aval.dtype.itemsize for aval, _ in listed)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", NAMES])
+def test_remat_gives_the_numbers_without_it_bit_for_bit_on_one_device(remat):
+    """A remat'ed block is recomputed in the backward pass: on 1 device, the same bits as without remat; and it
+    saves less (a policy that was ignored fails)."""
+    import chex
+
+    _, state, history = train(1, remat=remat)
+    _, want, want_history = train(1)
+    chex.assert_trees_all_equal(jax.device_get((state.params, state.opt_state)),
+                                jax.device_get((want.params, want.opt_state)))
+    chex.assert_trees_all_equal(history, want_history)
+    assert saved_bytes(remat) < saved_bytes("none")
+
+
+@pytest.mark.parametrize("remat, devices, strategy, sharding, mode", [
+    ("full", 4, "shard_map", "fsdp", "fp32"), ("dots", "2x2", "explicit", "fsdp+tp", "fp32"),
+    (NAMES, 2, "jit", "replicated", "scan2")])
+def test_remat_gives_the_numbers_without_it_on_more_devices(remat, devices, strategy, sharding, mode):
+    """On more devices, or with micro-batches, the recomputed block is partitioned or fused otherwise than the
+    saved one: ~1 ulp apart (seen: at most 9e-9 of a parameter, 1.5e-6 of a leaf's move), not bit for bit; by
+    the tolerance policy against the run without remat."""
+    from tolerance import assert_state_reassociated
+
+    _, state, history = train(devices, strategy, sharding, mode, remat)
+    _, want, want_history = train(devices, strategy, sharding, mode)
+    assert_equal_to(one_device(mode), state, history)
+    *_, exact = one_device(mode)
+    assert_state_reassociated(jax.device_get(state), history, jax.device_get(want), want_history, exact)
 
 
 def test_tensor_parallel_rules_split_heads_and_the_mlp():

@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain import settings
+from jaxtrain.choices import TOKENIZERS
 from jaxtrain.errors import ConfigError, need
 from jaxtrain.io import console
 from jaxtrain.io.dirlock import DirLock
 
-TOKENIZERS = ("bpe", "bytes")  # or a path to a tokenizer.json file
 SPLITS = ("train", "test")
 log = logging.getLogger(__name__)
 _SHIFT_SALT = 0x7E47  # the windows' shift has its own random stream, apart from the loader's shuffle of (seed, epoch)

@@ -108,7 +108,7 @@ def init(rng: jax.Array, config: Config = SIZES["tiny"]) -> dict:
 
 def layer_norm(x, scale, bias, eps: float = 1e-5):
     """LayerNorm in fp32 (GPT-2's eps), back in ``x``'s dtype."""
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # float64 stays float64 (the tests' exact runs)
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
     return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
@@ -128,8 +128,12 @@ def block(p, x, config: Config = SIZES["tiny"]):
     and ``mlp_hidden`` are named for remat policies."""
     qkv = jnp.einsum("btd,dshc->sbthc", layer_norm(x, p["ln1"], p["ln1_b"]), p["qkv"])  # [3, B, T, H, C]
     q, k, v = checkpoint_name(qkv + p["qkv_b"][:, None, None], "qkv")
-    att = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                       implementation=attention_implementation(config.attention, q.dtype))
+    how = attention_implementation(config.attention, q.dtype)
+    if how == "xla" and q.dtype == jnp.float16:  # XLA:CPU has no fp16 dots accumulating in fp32: attend in fp32
+        att = jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v)), is_causal=True,
+                                           implementation=how).astype(q.dtype)
+    else:
+        att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=how)
     att = checkpoint_name(att, "attention")  # [B, T, H, C]
     x = x + jnp.einsum("bthc,hcd->btd", att, p["proj"]) + p["proj_b"]
     h = layer_norm(x, p["ln2"], p["ln2_b"]) @ p["fc"] + p["fc_b"]
