@@ -72,7 +72,7 @@ kjv:
 		mv $(KJV).tmp $(KJV) && echo "King James Bible: $(KJV) ($$(wc -c < $(KJV)) bytes)"
 
 gpt-demo: setup kjv
-	$(PY) -m experiments.gpt --devices 2 --max-steps 600 --log-every 100
+	$(PY) -m experiments.gpt --devices 2 --log-every 50
 
 # oneDNN's convolutions for CPUs (jaxtrain.kernels.onednn; conv="auto" uses them where they build): oneDNN comes
 # with jaxtrain's cpu-conv extra (pip: onednn-cpu-gomp; make setup installs it); they are compiled on first use with g++. Without g++ the models keep

@@ -1,12 +1,12 @@
 """A GPT trained on text from disk, over N devices, with every strategy and sharding the image models have.
 
     make kjv                                   # the King James Bible as text (Debian's bible-kjv), once
-    python -m experiments.gpt --devices 2 --max-steps 600 --log-every 100
+    python -m experiments.gpt --devices 2 --log-every 50
 
 Defaults: the mini GPT (4 blocks of width 256, windows of 128 tokens) on the King James Bible, a byte-level BPE
 of 4096 tokens trained on its first 90% (the last 10% is the validation text), AdamW lr 1e-3 with warm-up and
-cosine decay, global batch 32. Each log line says the loss, its perplexity and tokens/s; the run ends with its
-validation loss beside the validation tokens' unigram entropy and a few lines sampled from the model
+cosine decay, global batch 32, one epoch. Each log line says the loss, its perplexity and tokens/s; the run ends
+with its validation loss beside the validation tokens' unigram entropy and a few lines sampled from the model
 (python -m experiments.sample RUN_DIR samples again). docs/language-models.md.
 """
 

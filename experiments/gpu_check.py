@@ -47,13 +47,17 @@ from jaxtrain.io.files import atomic_write
 
 PARTS = ("env", "e2e", "tests", "steps", "remat", "kernels")
 RESNET50 = {"input_shape": (224, 224, 3), "num_classes": 1000}  # ImageNet's images, gpu_validate's network
+GPT2 = {"model_size": "124m", "vocab_size": 50257}  # GPT-2's tokenizer's vocabulary (a BPE of that size)
 STEPS = [  # (settings, per-GPU batch or None for the recipe's)
     ({"model": "lenet", "precision": "fp32"}, None), ({"model": "lenet", "precision": "bf16"}, None),
     ({"model": "resnet18", "precision": "fp32"}, None), ({"model": "resnet18", "precision": "bf16"}, None),
     ({"model": "resnet50", "precision": "bf16", **RESNET50}, 256), ({"model": "vit", "precision": "bf16"}, None),
     ({"model": "resnet50", "precision": "bf16", **RESNET50}, 400),  # MLPerf Training's 400 per GPU (v3.0, v4.0)
+    ({"model": "gpt", "precision": "bf16", **GPT2}, 16),  # GPT-2 124M, windows of 1024: issue 67's 450K tokens/s
+    ({"model": "gpt", "precision": "bf16", **GPT2}, 32),
 ]
 DRY = {"input_shape": (32, 32, 3), "num_classes": 10}  # ResNet-50 on the CPU: tiny images
+DRY_GPT = {"model_size": "tiny", "vocab_size": 512}  # the GPT on the CPU: a tiny one
 
 
 def parser() -> argparse.ArgumentParser:
@@ -149,7 +153,7 @@ def _step_rows(args, settings_list, say) -> list[dict]:
     for settings, per_gpu in settings_list:
         settings = dict(settings)
         if args.dry_run:
-            settings.update(batch_size=8, **({**DRY} if settings["model"] == "resnet50" else {}))
+            settings.update(batch_size=8, **({"resnet50": DRY, "gpt": DRY_GPT}.get(settings["model"], {})))
         elif per_gpu:
             settings["batch_size"] = per_gpu * len(devices_seen()[1])
         say(f"  {settings['model']} {settings['precision']} remat {settings.get('remat', 'none')}")

@@ -60,6 +60,17 @@ def _num(x, fmt) -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def _model(r: dict) -> str:
+    """The row's model: a language model with its size."""
+    return f"{r['model']} {r['model_size']}" if r.get("model_size") else r["model"]
+
+
+def _speed(r: dict) -> str:
+    """examples/s; a language model's tokens/s beside them."""
+    tokens = f" ({r['tokens_per_second']:,.0f} tokens/s)" if r.get("tokens_per_second") else ""
+    return f"{r['examples_per_second']:,.0f}{tokens}"
+
+
 def step_table(rows: list[dict]) -> str:
     lines = ["| model | precision | remat | batch | ms/step | examples/s | ESTIMATE ms | measured/estimate | "
              "MFU | HFU | peak memory | memory_analysis | measured/analysis | compile s |",
@@ -70,8 +81,8 @@ def step_table(rows: list[dict]) -> str:
                          f"{r['error'].replace('|', '/')} ||||||||||")
             continue
         lines.append(
-            f"| {r['model']} | {r['precision']} | {r['remat']} | {r['batch']} | {r['ms']:.2f} | "
-            f"{r['examples_per_second']:,.0f} | {_num(r.get('estimate_ms'), '.2f')} | "
+            f"| {_model(r)} | {r['precision']} | {r['remat']} | {r['batch']} | {r['ms']:.2f} | "
+            f"{_speed(r)} | {_num(r.get('estimate_ms'), '.2f')} | "
             f"{_num(r.get('time_ratio'), '.2f')} | {_num(r.get('mfu'), '.1%')} | {_num(r.get('hfu'), '.1%')} | "
             f"{_mib(r.get('peak_bytes'))} | {_mib(r['memory_analysis']['total'])} | "
             f"{_num(r.get('memory_ratio'), '.2f')} | {r['compile_s']:.1f} |")
@@ -110,7 +121,9 @@ def markdown(parts: dict) -> str:
                     "the device. ESTIMATE: `jaxtrain.gpu.estimate` of the same compiled program for this GPU kind. "
                     "MFU: 3 x the model's forward FLOPs (`jaxtrain.models.flops`) per example x examples/s over the "
                     "dense peak; "
-                    "HFU: the compiled program's FLOPs instead (XLA counts a loop's body once: the ViT's is low).", "",
+                    "HFU: the compiled program's FLOPs instead (every trip of a loop counted; a cuDNN attention's "
+                    "FLOPs are not). A GPT's row: GPT-2 124M's target is 450K tokens/s and 40% MFU on one H100 "
+                    "(modded-nanogpt's and llm.c's per-GPU rate).", "",
                     step_table(parts[name]["rows"]), ""]
     e2e = parts.get("e2e")
     if e2e:

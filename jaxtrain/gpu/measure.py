@@ -65,12 +65,13 @@ def step(*, steps: int = 20, repeats: int = 5, input_shape: tuple | None = None,
            "devices": len(devices), "device_kind": kind, "batch": call, "input_shape": list(shape["input_shape"]),
            "num_classes": shape["num_classes"], "ms": seconds * 1e3, "spread_ms": [min(times) * 1e3, max(times) * 1e3],
            "examples_per_second": call / seconds, "compile_s": compile_s, "flops": flops,
+           **({"model_size": c.model_size, "tokens_per_second": call * c.seq_len / seconds} if c.seq_len else {}),
            "bytes_accessed": bytes_accessed, "loss": [first_loss, loss], "peak_bytes": _peak_bytes(devices),
            "memory_analysis": analysis.memory(compiled), "target": t.key if t else None}
     if t is not None:
         from jaxtrain.models.flops import forward, utilisation
 
-        model_flops = forward(c.model, shape["input_shape"], shape["num_classes"])
+        model_flops = forward(c.model, shape["input_shape"], shape["num_classes"], c.model_size)
         e = estimate(compiled.as_text(), t, len(devices), 1, call, model_flops).summary()
         peak = t.peak_flops(c.precision) * len(devices)
         row.update(estimate_ms=e["seconds"] * 1e3, estimate_bottleneck=e["bottleneck"], peak_flops=peak,

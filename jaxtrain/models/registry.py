@@ -60,7 +60,7 @@ MODELS = {
                                            f"16x16 patches, width {width}, 12 blocks, a class token, exact GELU; "
                                            "the network of their pretrained weights (--init-from)")
        for size, width in (("tiny", 192), ("small", 384), ("base", 768))},
-    "gpt": Defaults(2, 32, 1e-3, inits=("gpt2",), optimizer="adamw", schedule="warmup_cosine", warmup_epochs=0.1,
+    "gpt": Defaults(1, 32, 1e-3, inits=("gpt2",), optimizer="adamw", schedule="warmup_cosine", warmup_epochs=0.1,
                     text=True, dataset=f"text:{KJV}",
                     description="a GPT (GPT-2's decoder: pre-LayerNorm blocks, causal attention, GELU MLP, tied "
                                 "embeddings, learned positions) trained on text:PATH; --model-size mini (CPU-sized) "
