@@ -135,7 +135,8 @@ LATEST_TESTS := tests/test_compat.py tests/test_step.py tests/test_sharding.py t
 	tests/test_kernels_mosaic.py tests/test_onednn.py tests/test_tolerance.py tests/test_resnet.py \
 	tests/test_reference.py tests/test_devices.py tests/test_loop.py \
 	tests/test_optim.py tests/test_data.py tests/test_datasets.py tests/test_feeding.py tests/test_quantize.py \
-	tests/test_sweep.py tests/test_track.py tests/test_gpt.py
+	tests/test_sweep.py tests/test_track.py tests/test_gpt.py tests/test_gpt_pipeline.py tests/test_generate.py \
+	tests/test_text.py
 LATEST_PYTEST_ARGS ?= -n 2 --dist worksteal
 test-latest: data
 	bash tools/test-latest $(LATEST_PYTEST_ARGS)
