@@ -199,11 +199,14 @@ def to_argv(config: RunConfig, model_fixed: bool = True) -> list[str]:
     """Flags that give ``config`` back from ``parse(..., model=config.model)`` (defaults left out)."""
     argv = [] if model_fixed else ["--model", config.model]
     # the dataset against the default; the rest against the defaults for its dataset (a folder's augment and
-    # image_size are not the others')
-    plain, base = RunConfig(model=config.model), RunConfig(model=config.model, dataset=config.dataset)
+    # image_size are not the others'), text's against those of its model size and tokenizer (seq_len, vocab_size)
+    text = {k: getattr(config, k) for k in ("model_size", "tokenizer") if getattr(config, k) is not None}
+    plain, bare = RunConfig(model=config.model), RunConfig(model=config.model, dataset=config.dataset)
+    base = RunConfig(model=config.model, dataset=config.dataset, **text) if text else bare
     for f in dataclasses.fields(RunConfig):
         value = getattr(config, f.name)
-        if f.name == "model" or value == getattr(plain if f.name == "dataset" else base, f.name):
+        against = plain if f.name == "dataset" else bare if f.name in text else base
+        if f.name == "model" or value == getattr(against, f.name):
             continue
         if f.type == "bool":
             argv.append(flag(f.name))

@@ -200,3 +200,47 @@ def test_an_image_model_on_text_and_text_settings_on_images_are_refused(tmp_path
     assert lenet.returncode == 2 and "text is a language model's (gpt); lenet takes images" in lenet.stderr
     seq = run_cli("-m", "experiments.lenet", "--seq-len", "8", "--max-steps", "1")
     assert seq.returncode == 2 and "--seq-len is for a language model's text" in seq.stderr, seq.stderr
+
+
+def test_text_stays_on_the_host_and_its_settings_refuse_what_text_has_not(corpus):
+    """data_on_device auto keeps text's windows on the host even on a GPU (on: refused); classes=, data_dir=
+    and a vocab_size for a tokenizer that has its own are one line; to_argv gives text runs back."""
+    from jaxtrain import cli
+    from jaxtrain.driver import busy
+    from jaxtrain.driver.config import RunConfig
+    from jaxtrain.errors import ConfigError
+
+    split = text.TextSplit(np.zeros(100, np.uint16), 8, 256)
+    assert busy.data_on_device("auto", "gpu", split, None) == (False, "auto: text's windows are cut on the host")
+    with pytest.raises(ConfigError, match="text's windows are cut on the host"):
+        busy.data_on_device("on", "gpu", split, None)
+    dataset = f"text:{corpus}"
+    for given, says in ((dict(classes="1,2"), "classes= is for image datasets"),
+                        (dict(data_dir="/tmp"), "data_dir= is for image datasets"),
+                        (dict(tokenizer="bytes", vocab_size=300), "vocab_size= is the BPE's"),
+                        (dict(data_on_device="on"), "text's windows are cut on the host")):
+        with pytest.raises(ConfigError, match=says):
+            RunConfig(model="gpt", dataset=dataset, **given)
+    assert RunConfig(model="gpt", dataset=dataset, tokenizer="bytes").vocab_size is None
+    for given in (dict(model_size="124m", seq_len=128), dict(tokenizer="bytes"), dict(model_size="tiny"), {}):
+        config = RunConfig(model="gpt", dataset=dataset, **given)
+        assert cli.parse(cli.to_argv(config), model="gpt") == config, given
+
+
+def test_a_tokenizer_files_own_truncation_and_padding_never_cut_the_token_stream(tmp_path, corpus):
+    splits, bpe, _ = text.load(corpus, seq_len=16, tokenizer="bpe", bpe_vocab=300, cache_dir=tmp_path / "c")
+    sample = sentences(200, 2)
+    want = bpe.encode(sample)
+    hf = bpe._hf
+    hf.enable_truncation(64), hf.enable_padding(length=80)  # as many saved tokenizer.json files carry
+    hf.save(str(tmp_path / "tokenizer.json"))
+    np.testing.assert_array_equal(text.load_tokenizer(tmp_path / "tokenizer.json").encode(sample), want)
+    assert len(want) > 80
+
+
+def test_the_unigram_entropy_is_of_the_tokens_the_test_loss_predicts():
+    from jaxtrain.driver import language
+
+    split = text.TextSplit(np.arange(50, dtype=np.uint16) % 7, 8, 16)  # 50 tokens: 5 windows of 8 (+1)
+    np.testing.assert_array_equal(language.targets(split), split.tokens[1:41])
+    assert language.unigram_entropy(np.array([1, 1, 2, 2]), 4) == pytest.approx(np.log(2))

@@ -106,6 +106,7 @@ def load_tokenizer(path) -> Tokenizer:
         why = (str(e).splitlines() or [type(e).__name__])[0][:120]
         raise ConfigError(f"tokenizer={path}: does not load as a Hugging Face tokenizer.json ({why}): give a "
                           f"tokenizer.json file, or {' or '.join(TOKENIZERS)}") from None
+    hf.no_truncation(), hf.no_padding()  # a file's own settings would cut or pad each piece of the token stream
     # Its largest id + 1, not its count of tokens: some files' added tokens leave gaps in the ids.
     return Tokenizer(str(path), max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1, hf)
 

@@ -61,6 +61,11 @@ def data_on_device(setting: str, platform: str, split, device) -> tuple[bool, st
     holds an in-memory split on a GPU when it fits in ``DEVICE_SHARE`` of the device's memory."""
     if setting == "off":
         return False, "as given"
+    if not hasattr(split, "images"):  # text: windows cut from the token file on the host
+        if setting == "on":
+            raise ConfigError("data_on_device=on: text's windows are cut on the host (the device-resident path "
+                              "holds image splits); use data_on_device=auto or off for text")
+        return False, "auto: text's windows are cut on the host"
     if split.raw:
         if setting == "on":
             raise ConfigError("data_on_device=on: an image folder is streamed from its files, decoded on the host; "

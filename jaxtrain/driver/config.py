@@ -28,7 +28,8 @@ RECIPE_FIELDS = ("epochs", "batch_size", "lr", "optimizer", "schedule", "warmup_
 # Left None, these depend on the dataset too (an image folder's come from the recipe; text's: TEXT_DEFAULTS).
 DATASET_FIELDS = ("augment", "image_size", "val_fraction", "model_size", "seq_len", "tokenizer", "vocab_size")
 # A language model's text (dataset=text:PATH) unless told; seq_len: the model size's (jaxtrain.models.gpt.SIZES).
-TEXT_DEFAULTS = {"model_size": "mini", "tokenizer": "bpe", "vocab_size": 4096, "val_fraction": 0.1}
+TEXT_DEFAULTS = {"model_size": "mini", "tokenizer": "bpe", "val_fraction": 0.1}
+BPE_VOCAB = 4096  # vocab_size unless told, with tokenizer=bpe (other tokenizers have their own: None)
 TEXT_FIELDS = ("model_size", "seq_len", "tokenizer", "vocab_size")  # set for text only: None for images
 
 
@@ -326,6 +327,19 @@ def with_recipe(given: dict) -> dict:
             given["seq_len"] = GPT_SIZES[given["model_size"]]
         if given.get("augment") not in (None, "none"):
             raise ConfigError(f"augment={given['augment']}: text has no augmentation")
+        for name in ("classes", "data_dir"):
+            if given.get(name) is not None:
+                raise ConfigError(f"{name}= is for image datasets; text:PATH has no classes and names its files "
+                                  "itself")
+        if given.get("data_on_device") == "on":
+            raise ConfigError("data_on_device=on: text's windows are cut on the host (the device-resident path "
+                              "holds image splits); use data_on_device=auto or off for text")
+        if given["tokenizer"] != "bpe":
+            if given.get("vocab_size") is not None:
+                raise ConfigError(f"vocab_size= is the BPE's (tokenizer=bpe); tokenizer={given['tokenizer']} has "
+                                  "its own vocabulary")
+        elif given.get("vocab_size") is None:
+            given["vocab_size"] = BPE_VOCAB
     for name in RECIPE_FIELDS:
         if given.get(name) is None:
             given[name] = getattr(recipe, name)

@@ -23,6 +23,11 @@ def epoch_words(e, seq_len: int) -> str:
             f"{tokens_per_sec:,.0f} tokens/s")
 
 
+def targets(split) -> np.ndarray:
+    """The tokens an evaluation of ``split`` predicts: each window's (starting at i * seq_len) but its first."""
+    return np.asarray(split.tokens[1:len(split) * split.seq_len + 1])
+
+
 def unigram_entropy(tokens: np.ndarray, vocab: int) -> float:
     """The entropy (nats) of the tokens' own frequencies: the mean loss of the best model that ignores the
     context, measured on these tokens (a lower bound such a model cannot beat on them)."""
@@ -36,7 +41,7 @@ def summary(model, test_split, summary: dict) -> dict:
     unigram entropy (nats) beside the test loss."""
     return {"tokens_per_sec": summary["examples_per_sec"] * model.seq_len,
             "test_perplexity": math.exp(min(summary["test_loss"], 700.0)),
-            "unigram_entropy": unigram_entropy(test_split.tokens, model.num_classes),
+            "unigram_entropy": unigram_entropy(targets(test_split), model.num_classes),
             "seq_len": model.seq_len, "vocab": model.num_classes}
 
 
@@ -52,7 +57,7 @@ def samples(model, params, tokenizer, prompts: list[str], new_tokens: int, *, se
         ids = np.asarray(tokenizer.encode(prompt), np.int32)[-max(1, config.seq_len // 2):]  # room to go on
         n = min(new_tokens, config.seq_len - len(ids))
         tokens = generate.generate(params, config, ids[None], n, key=jax.random.key(seed + i),
-                                   temperature=temperature, top_k=top_k)
+                                   temperature=temperature, top_k=top_k and min(top_k, config.vocab))
         out.append(tokenizer.decode(np.asarray(tokens[0])))
     return out
 

@@ -242,11 +242,11 @@ def _train(run: Run, stop: StopOnSignal, requeue_job: dict | None) -> dict:
             say(describe(c, run.model, run.devices, run.mesh, run.layout, pipeline, run.data, out_dir))
             trained = train(run, state, position, writer, stop, requeue_job, tracker)
             summary = summarise(run, trained, writer)
-            if run.tokenizer is not None:
-                say_samples(run, trained.state)
             if tracker is not None:
                 tracker.finish(summary, [out_dir / "curves.png"])
         save_model(run, out_dir, trained.state, summary)
+        if run.tokenizer is not None:  # after the model is saved: nothing of the run hangs on its samples
+            say_samples(run, trained.state)
     finally:
         if out_lock is not None:
             out_lock.release()
