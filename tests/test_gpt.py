@@ -17,6 +17,22 @@ import jaxtrain as jt
 from jaxtrain.models import gpt
 from jaxtrain.pretrained import gpt2
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_persistent_cache():
+    """This file's programs compile afresh in each process: twice in full suites (jax 0.10.2, 2 xdist workers),
+    reading the accumulation reference's executable back from the persistent cache crashed a worker with a
+    segmentation fault in XLA:CPU's deserialize_executable (jax's compilation_cache.get_executable_and_time),
+    though the same test passed alone; issue 67's note says what is known."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
+
 TINY = gpt.SIZES["tiny"]
 
 
