@@ -60,6 +60,31 @@ jax.config.update("jax_compilation_cache_max_size", JIT_CACHE_BYTES)  # least re
 if find_spec("jax_cuda12_plugin"):  # the gpu_compile leg: compile-only GPU programs cannot be read back (no GPU client)
     jax.config.update("jax_enable_compilation_cache", False)
 
+
+def _mappings() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return f.read().count(b"\n")
+
+
+_MAX_MAPPINGS = int(Path("/proc/sys/vm/max_map_count").read_text()) if os.path.exists("/proc/self/maps") else 0
+
+
+@pytest.fixture(autouse=True)
+def _compiled_programs_freed_before_the_kernel_limit():
+    """A test process keeps every program it compiled (JAX's jit caches; the test modules' functools caches hold
+    trainers), and XLA:CPU maps each one's machine code (~6 memory mappings for the smallest program; the process
+    running tests/test_gpt.py alone passed 35,000). Past the kernel's vm.max_map_count (65530 by default) LLVM cannot
+    allocate (``LLVM compilation error: Cannot allocate memory``) and jaxlib 0.10 crashes with a segmentation fault
+    instead of raising: a full suite's worker reached it. So past half the limit the caches are cleared (a later
+    call compiles again, from the disk cache)."""
+    yield
+    if _MAX_MAPPINGS and _mappings() > _MAX_MAPPINGS // 2:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
+
+
 ROOT = Path(__file__).resolve().parents[1]
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion_mnist = pytest.mark.skipif(

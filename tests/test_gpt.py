@@ -341,9 +341,7 @@ def test_low_precision_equals_the_same_precision_reference(mode, devices, strate
         assert 1.0 in [float(m["grads_finite"]) for m in history]
 
 
-@pytest.mark.parametrize("mode", ["scan2", pytest.param("scan4", marks=pytest.mark.skipif(
-    jax.__version__.startswith("0.10."), reason="jax 0.10.2's XLA:CPU crashed (a segmentation fault compiling the "
-    "reference's 4-micro-batch step) in 3 of 3 full suites, never alone: issue 67's note")), "multisteps2"])
+@pytest.mark.parametrize("mode", ["scan2", "scan4", "multisteps2"])
 def test_accumulation_on_one_device_is_the_reference_and_the_big_batch_step(mode):
     """The 1-device run equals tests/reference.py's step with k micro-batches (scan: one update of their mean
     gradient per call; multisteps: optax.MultiSteps, one call per micro-batch, an update every k-th), and, by the
