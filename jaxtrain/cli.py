@@ -22,6 +22,7 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 from jaxtrain.io import console
 from jaxtrain.driver.config import DATASET_FIELDS, RECIPE_FIELDS, RunConfig, flag
+from jaxtrain.driver.sections import FIELDS, SECTIONS
 
 
 def whole_number(minimum: int):
@@ -75,7 +76,7 @@ def as_flags(message: str, flags: dict[str, str] | None = None) -> str:
     """``message`` with the RunConfig parameters it names as command-line flags: ``workers=-1`` -> ``--workers
     -1``, ``pass checkpoint_dir= elsewhere`` -> ``pass --checkpoint-dir elsewhere``, ``resume=True`` ->
     ``--resume``; ``flags``: more names a command spells its own way (``{"budget_bytes": "--memory-budget"}``)."""
-    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    fields = {name: f for name, (_, f) in FIELDS.items()}
     flags = {**{name: flag(name) for name in fields}, **(flags or {})}
 
     def say(m: re.Match) -> str:
@@ -169,7 +170,8 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
     defaults = RunConfig(model=model or "lenet")
     p = argparse.ArgumentParser(prog=prog, description=description or (MODELS[model].description if model else None),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(RunConfig):
+    groups = {attr: p.add_argument_group(attr, section.__doc__) for attr, section in SECTIONS.items()}  # --help's
+    for section, f in FIELDS.values():
         if model and (f.name == "model" or f.name == "init" and len(MODELS[model].inits) == 1):
             continue
         if fields is not None and f.name not in fields:
@@ -179,12 +181,12 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
             default = None  # the --model (its recipe) or the --dataset given picks them, not lenet's or the default's
         name = renamed.get(f.name, flag(f.name))
         if f.type == "bool":
-            p.add_argument(name, dest=f.name, action="store_true", help=meta["help"])
+            groups[section].add_argument(name, dest=f.name, action="store_true", help=meta["help"])
             continue
         metavar = {"mesh": "data=N[,model=M]", "steps": "START:STOP"}.get(meta["flag_type"])
         choices = meta["choices"] or (MODELS[model].inits if model and f.name == "init" else None)
-        p.add_argument(name, dest=f.name, type=_flag_type(f), default=default, choices=choices, metavar=metavar,
-                       help=meta["help"])
+        groups[section].add_argument(name, dest=f.name, type=_flag_type(f), default=default, choices=choices,
+                                     metavar=metavar, help=meta["help"])
     if model:
         p.set_defaults(model=model)
     return p
@@ -203,7 +205,7 @@ def to_argv(config: RunConfig, model_fixed: bool = True) -> list[str]:
     text = {k: getattr(config, k) for k in ("model_size", "tokenizer") if getattr(config, k) is not None}
     plain, bare = RunConfig(model=config.model), RunConfig(model=config.model, dataset=config.dataset)
     base = RunConfig(model=config.model, dataset=config.dataset, **text) if text else bare
-    for f in dataclasses.fields(RunConfig):
+    for _, f in FIELDS.values():
         value = getattr(config, f.name)
         against = plain if f.name == "dataset" else bare if f.name in text else base
         if f.name == "model" or value == getattr(against, f.name):

@@ -347,3 +347,11 @@ def test_a_frozen_value_is_never_changed_after_it_is_made():
              if getattr(node.func, "value", None) is not None and getattr(node.func.value, "id", None) == "object"]
     assert not found, found
     assert calls(ROOT / "tools" / "same_programs.py", "compile")  # the finder sees calls written as x.name(...)
+
+
+def test_the_subsystems_a_run_is_assembled_from_take_their_sections_not_the_whole_config():
+    """``assemble`` (model, optimizer, steps) and ``observe`` (the watching hooks) are handed sections of a RunConfig
+    (``config.network``, ``config.optim``, ...): their signatures say what they depend on."""
+    for name in ("jaxtrain.driver.assemble", "jaxtrain.driver.observe"):
+        source = MODULES[name].read_text()
+        assert "RunConfig" not in source and "config.py" not in source, name

@@ -33,8 +33,8 @@ def _compiled(gpu, mesh_axes=None, batch=256, **settings):
 
     c = RunConfig(devices=8, mesh=mesh_axes, **settings)
     mesh = gpu.mesh_for("h100", 8, axes=c.mesh)
-    model = assemble.model(c, sources.shape_of(c.dataset))
-    trainer = assemble.steps(c, mesh, model, updates=0)[0]
+    model = assemble.model(c.network, c.compute, sources.shape_of(c.dataset))
+    trainer = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates=0)[0]
     state = trainer.abstract_state(init_fn=model.init)
     compiled = trainer.lower(state, model.batch_shapes(batch)).compile(compiler_options=analysis.AUTOTUNER_OFF)
     return trainer, state, compiled, compiled.as_text()
@@ -103,8 +103,8 @@ def test_hsdp_across_two_hosts_sends_only_an_eighth_of_the_sharded_gradients_ove
     assert replica_hosts(mesh) == [0] * 8 + [1] * 8
     c = RunConfig(devices=16, mesh={"replica": 2, "data": 8}, model="resnet18", optimizer="adam",
                   param_sharding="hsdp", strategy=strategy)
-    model = assemble.model(c, sources.shape_of(c.dataset))
-    trainer = assemble.steps(c, mesh, model, updates=0)[0]
+    model = assemble.model(c.network, c.compute, sources.shape_of(c.dataset))
+    trainer = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates=0)[0]
     state = trainer.abstract_state(init_fn=model.init)
     text = trainer.lower(state, model.batch_shapes(256)).compile(compiler_options=analysis.AUTOTUNER_OFF).as_text()
     across = crossing_bytes(text, replica_hosts(mesh))

@@ -248,7 +248,7 @@ def test_a_run_is_a_value_built_once(monkeypatch, tmp_path):
         real = getattr(assemble, name)
         monkeypatch.setattr(assemble, name, lambda *a, real=real, name=name, **k: made.append(name) or real(*a, **k))
     real_load = build_lib.load_data
-    monkeypatch.setattr(build_lib, "load_data", lambda c: read.append(list(made)) or real_load(c))
+    monkeypatch.setattr(build_lib, "load_data", lambda c, **kw: read.append(list(made)) or real_load(c, **kw))
     run = build_lib.build(RunConfig(devices=2, epochs=2, batch_size=64, train_subset=256, test_subset=64,
                                     schedule="cosine", checkpoint_dir=str(tmp_path / "ck"), no_progress=True))
     assert made == ["model", "steps", "steps"] and read == [["model", "steps"]]
@@ -267,7 +267,8 @@ def test_a_build_that_fails_after_opening_the_checkpoints_releases_them(monkeypa
     from jaxtrain.driver import build as build_lib
 
     config = RunConfig(devices=2, train_subset=256, test_subset=64, checkpoint_dir=str(tmp_path / "ck"))
-    monkeypatch.setattr(build_lib, "load_data", lambda c: (_ for _ in ()).throw(jt.ConfigError("the data is gone")))
+    gone = jt.ConfigError("the data is gone")
+    monkeypatch.setattr(build_lib, "load_data", lambda c, **kw: (_ for _ in ()).throw(gone))
     with pytest.raises(jt.ConfigError, match="the data is gone"):
         build_lib.build(config)
     monkeypatch.undo()
@@ -290,6 +291,46 @@ def test_outputs_that_cannot_be_opened_leave_the_run_directory_unclaimed(tmp_pat
     with pytest.raises(jt.ConfigError, match="no room"):
         runner.open_outputs(run, None, None)
     claim_out_dir(str(tmp_path / "out"), "lenet", False)[1].release()  # was: in use by this very process
+
+
+def test_a_run_config_is_one_frozen_section_per_concern():
+    """Made from the settings by name, held in sections (the recipe's defaults filled in first); each section is
+    what its subsystem takes; ``config.lr`` reads ``config.optim.lr``; ``replace`` makes a new one, checked."""
+    import dataclasses
+
+    from jaxtrain.driver import sections
+
+    c = RunConfig(model="vit", devices=2, strategy="ring", lr=0.01, checkpoint_dir="ck", log_every=5)
+    assert c.parallel == sections.Parallel(devices=2, strategy="ring")
+    assert c.optim.lr == c.lr == 0.01 and c.optim.optimizer == models.MODELS["vit"].optimizer
+    assert (c.network.model, c.checkpoint.checkpoint_dir, c.observe.log_every) == ("vit", "ck", 5)
+    assert [type(getattr(c, name)) for name in sections.SECTIONS] == list(sections.SECTIONS.values())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.parallel.devices = 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.optim = sections.Optim()
+    four = c.replace(devices=4)
+    assert (four.parallel.devices, c.parallel.devices, four.optim) == (4, 2, c.optim)
+    with pytest.raises(jt.ConfigError, match="devices=0"):
+        c.replace(devices=0)
+    assert list(c.flat()) == list(sections.FIELDS) and c.flat()["strategy"] == "ring"
+    with pytest.raises(AttributeError, match="no attribute 'strategyy'"):
+        c.strategyy
+
+
+def test_help_lists_the_flags_by_section():
+    import re
+
+    from jaxtrain.driver.config import flag
+    from jaxtrain.driver.sections import FIELDS, SECTIONS
+
+    text = cli.make_parser().format_help()
+    heads = {name: text.index(f"\n{name}:\n") for name in SECTIONS}
+    assert list(heads.values()) == sorted(heads.values())  # in the sections' order
+    ends = dict(zip(SECTIONS, [*list(heads.values())[1:], len(text)]))
+    for name, (section, _) in FIELDS.items():
+        at = re.search(rf"\n  {flag(name)}[ \n]", text).start()  # where its flag is listed
+        assert heads[section] < at < ends[section], name
 
 
 def test_a_run_config_takes_its_fields_by_name_or_in_order_and_checks_each_first():

@@ -1,4 +1,5 @@
-"""What a run trains, made from its RunConfig: the model, the optimizer, the train and eval steps.
+"""What a run trains, made from its config's sections: the model (``network``, ``compute``), the optimizer
+(``optim``), the train and eval steps (``parallel``).
 
 ``jaxtrain.driver.build`` makes each once: the model for the shape the dataset is known to have (before the
 data is read), the steps for the data read (the learning rate scheduled over its updates).
@@ -14,60 +15,63 @@ from jaxtrain.core import optim
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import rules
 from jaxtrain.driver import distill
-from jaxtrain.driver.config import RunConfig
+from jaxtrain.driver.sections import Compute, Network, Optim, Parallel
 from jaxtrain.train.pipeline import STAGE_AXIS, make_pipeline_step
 from jaxtrain.train.trainer import Evaluator, Trainer, make_eval_step, make_train_step
 
 
-def model(c: RunConfig, shape: dict, teacher: tuple | None = None, platform: str | None = None) -> models.Model:
+def model(net: Network, compute: Compute, shape: dict, teacher: tuple | None = None,
+          platform: str | None = None) -> models.Model:
     """The registry model for images (or text's windows) of ``shape``; with ``teacher`` ((model, params,
     model_state) of a finished run) a student that distils from it; ``platform``: its devices' (a GPU's language
     model takes cuDNN's attention)."""
-    m = models.get(c.model, remat=c.remat, init=c.init, quantize=c.quantize, kernels=c.kernels, conv=c.conv,
-                   size=c.model_size, platform=platform, **shape)
+    m = models.get(net.model, remat=net.remat, init=net.init, quantize=net.quantize, kernels=compute.kernels,
+                   conv=compute.conv, size=net.model_size, platform=platform, **shape)
     if teacher is not None:  # the teacher's params and state join the model state, Frozen
-        m = distill.distilled(m, *teacher, c.temperature, c.alpha, c.kernels)
-    if c.linear_probe:  # the model in evaluation mode under the loss; frozen() leaves only its classifier to train
+        m = distill.distilled(m, *teacher, net.temperature, net.alpha, compute.kernels)
+    if net.linear_probe:  # the model in evaluation mode under the loss; frozen() leaves only its classifier to train
         from jaxtrain.models import classify
 
-        m = classify.linear_probe(m, classify.loss_head(c.kernels))
+        m = classify.linear_probe(m, classify.loss_head(compute.kernels))
     return m
 
 
-def frozen(c: RunConfig, m: models.Model) -> str | None:
+def frozen(net: Network, opt: Optim, m: models.Model) -> str | None:
     """The regex of the parameters that never train: ``freeze=``'s, or a linear probe's all-but-the-classifier."""
-    if c.linear_probe and not m.classifier:
+    if net.linear_probe and not m.classifier:
         raise ConfigError(f"linear_probe=: model {m.name} names no classifier to train alone")
-    return f"^(?!{m.classifier})" if c.linear_probe else c.freeze
+    return f"^(?!{m.classifier})" if net.linear_probe else opt.freeze
 
 
-def steps(c: RunConfig, mesh, m: models.Model, updates: int) -> tuple[Trainer, Evaluator]:
+def steps(net: Network, opt: Optim, par: Parallel, mesh, m: models.Model, updates: int
+          ) -> tuple[Trainer, Evaluator]:
     """The train and eval steps (nothing compiles yet), the learning rate scheduled over ``updates`` (0: a
     constant one); a "stage" axis in the mesh pipelines the model."""
-    tx = optim.make_optimizer(c.optimizer, c.lr, schedule=c.schedule if updates else "constant",
-                              total_steps=updates, warmup_steps=round(c.warmup_epochs * updates / c.epochs),
-                              weight_decay=c.weight_decay, clip_grad_norm=c.clip_grad_norm, freeze=frozen(c, m),
-                              lr_groups=lr_groups(c.lr_groups))
+    tx = optim.make_optimizer(opt.optimizer, opt.lr, schedule=opt.schedule if updates else "constant",
+                              total_steps=updates, warmup_steps=round(opt.warmup_epochs * updates / opt.epochs),
+                              weight_decay=opt.weight_decay, clip_grad_norm=opt.clip_grad_norm,
+                              freeze=frozen(net, opt, m), lr_groups=lr_groups(opt.lr_groups))
     if STAGE_AXIS not in mesh.axis_names:
-        param_rules = rules.ParamSharding.of(c.param_sharding, logical_axes=m.logical_axes)
-        trainer = make_train_step(m.loss_fn, tx, mesh=mesh, strategy=c.strategy, precision=c.precision,
-                                  accum_steps=c.accum_steps, accum=c.accum, param_sharding=param_rules)
+        param_rules = rules.ParamSharding.of(par.param_sharding, logical_axes=m.logical_axes)
+        trainer = make_train_step(m.loss_fn, tx, mesh=mesh, strategy=par.strategy, precision=par.precision,
+                                  accum_steps=par.accum_steps, accum=par.accum, param_sharding=param_rules)
         return trainer, make_eval_step(m.eval_fn, trainer=trainer)
     if not isinstance(m, models.Pipelinable):
-        raise ConfigError(f"a mesh with a {STAGE_AXIS!r} axis: model {c.model} has no stack of identical layers to "
+        raise ConfigError(f"a mesh with a {STAGE_AXIS!r} axis: model {net.model} has no stack of identical layers to "
                           "pipeline: use experiments.vit, or a mesh without a 'stage' axis")
-    if (c.strategy, c.param_sharding, c.accum_steps) != ("jit", "replicated", 1):
+    if (par.strategy, par.param_sharding, par.accum_steps) != ("jit", "replicated", 1):
         raise ConfigError("pipelined runs use strategy=jit, param_sharding=replicated and accum_steps=1 "
                           "(micro-batches are the pipeline's: microbatches=)")
     stack = m.stack
     trainer = make_pipeline_step(stack.embed_fn, stack.stage_fn, stack.head_loss_fn, tx, mesh=mesh,
-                                 microbatches=c.microbatches, schedule=c.pipeline_schedule, repeats=c.repeats,
-                                 precision=c.precision, remat=c.remat, head_reads_embed=stack.head_reads_embed)
+                                 microbatches=par.microbatches, schedule=par.pipeline_schedule,
+                                 repeats=par.repeats, precision=par.precision, remat=net.remat,
+                                 head_reads_embed=stack.head_reads_embed)
     return trainer, make_eval_step(trainer.eval_fn(stack.head_eval_fn), mesh=mesh)
 
 
-def placed(c: RunConfig, m: models.Model, trainer: Trainer) -> tuple[dict, int]:
+def placed(opt: Optim, m: models.Model, trainer: Trainer) -> tuple[dict, int]:
     """(where each parameter goes, a call's global batch): a ConfigError if the sharding or the batch size does
     not fit."""
-    layout = trainer.layout(jax.eval_shape(m.init, jax.random.key(c.seed))[0])
-    return layout, trainer.batch_plan.call_batch(c.batch_size)  # multisteps: one call per micro-batch
+    layout = trainer.layout(jax.eval_shape(m.init, jax.random.key(opt.seed))[0])
+    return layout, trainer.batch_plan.call_batch(opt.batch_size)  # multisteps: one call per micro-batch

@@ -31,6 +31,7 @@ from jaxtrain.parallel import preflight
 from jaxtrain.settings import program
 from jaxtrain.driver import assemble, distill
 from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, OPTIONAL_SETTINGS, RunConfig
+from jaxtrain.driver.sections import Checkpoints, Data
 from jaxtrain.train.checkpoint import Checkpointer
 from jaxtrain.train.trainer import Evaluator, Trainer
 
@@ -72,22 +73,24 @@ def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
     """The run ``config`` describes, made once; ``on_devices(devices)``: called as soon as the devices are up
     (the command's signal handling joins them before the data is read)."""
     c = config
-    devices = devices_lib.setup_devices(c.devices, devices_per_process=c.devices_per_process,
-                                        coordinator=c.coordinator, num_processes=c.num_processes,
-                                        process_id=c.process_id)  # first: nothing has started JAX's backend
+    par, cluster = c.parallel, c.cluster
+    devices = devices_lib.setup_devices(par.devices, devices_per_process=cluster.devices_per_process,
+                                        coordinator=cluster.coordinator, num_processes=cluster.num_processes,
+                                        process_id=cluster.process_id)  # first: nothing has started JAX's backend
     if note := remat.offload_note(c.remat, devices[0].platform):  # a bad name fails here, before the data is read
         say(note)
     if jax.process_count() > 1:
         say(preflight.run(devices))
-    mesh = devices_lib.make_mesh(devices, axes=c.mesh)
+    mesh = devices_lib.make_mesh(devices, axes=par.mesh)
     if on_devices is not None:
         on_devices(devices)
     teacher = distill.teacher_from_run(c.teacher) if c.teacher else None
-    shape = known_shape(c, teacher)
-    model = assemble.model(c, shape, teacher, devices[0].platform)
+    shape = known_shape(c.data, teacher)
+    model = assemble.model(c.network, c.compute, shape, teacher, devices[0].platform)
     check_model(c, model)
-    assemble.placed(c, model, assemble.steps(c, mesh, model, updates=0)[0])  # the steps' settings, nothing compiled
-    checkpointer = open_checkpoints(c)
+    checked = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates=0)[0]  # nothing compiled
+    assemble.placed(c.optim, model, checked)  # the steps' settings
+    checkpointer = open_checkpoints(c.checkpoint)
     try:
         return _for_data(c, devices, mesh, teacher, shape, model, checkpointer)
     except BaseException:
@@ -99,15 +102,16 @@ def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
 def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpointer) -> Run:
     """``build``'s second half: the data read, the model again where its shape was known only then (a folder's
     classes, a TFDS dataset's images), the steps for the data, the loaders."""
-    data, data_sha256, tokenizer = load_data(c)
+    data, data_sha256, tokenizer = load_data(c.data, progress=False if c.no_progress else None)
     if tokenizer is None and (found := sources.shape_of(c.dataset, data["train"])) != shape:
         if not c.dataset.startswith((FOLDER_PREFIX, TFDS_PREFIX)):
             raise ConfigError(f"dataset {c.dataset}: its files hold images {found['input_shape']} of "
                               f"{found['num_classes']} classes, not {shape['input_shape']} of "
                               f"{shape['num_classes']}: check data_dir=")
-        model = assemble.model(c, found, teacher, devices[0].platform)
-    trainer, evaluator = assemble.steps(c, mesh, model, c.epochs * (len(data["train"]) // c.batch_size))
-    layout, call_batch = assemble.placed(c, model, trainer)
+        model = assemble.model(c.network, c.compute, found, teacher, devices[0].platform)
+    updates = c.epochs * (len(data["train"]) // c.batch_size)
+    trainer, evaluator = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates)
+    layout, call_batch = assemble.placed(c.optim, model, trainer)
     settings = run_settings(c, data_sha256, len(devices), trainer.pipeline_layout,
                             getattr(data["train"], "class_names", None))
     if checkpointer is not None:
@@ -119,7 +123,7 @@ def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpoi
                checkpointer, tokenizer)
 
 
-def known_shape(c: RunConfig, teacher: tuple | None = None) -> dict:
+def known_shape(c: Data, teacher: tuple | None = None) -> dict:
     """The images and classes the dataset is known to have before it is read: a local dataset's (``classes=``:
     that many); text's windows of ``seq_len`` tokens over its tokenizer's vocabulary; a folder's images are
     ``image_size`` square RGB, its classes (the teacher's, or 10) and a TFDS
@@ -141,11 +145,12 @@ def check_model(c: RunConfig, model: models.Model) -> None:
         pretrained.load(c.init_from, into=model)
     if c.freeze or c.lr_groups or c.linear_probe:
         params = jax.eval_shape(model.init, jax.random.key(0))[0]
-        if problems := optim.check_groups(params, assemble.frozen(c, model), lr_groups(c.lr_groups)):
+        if problems := optim.check_groups(params, assemble.frozen(c.network, c.optim, model),
+                                          lr_groups(c.lr_groups)):
             raise ConfigError(problems[0])
 
 
-def open_checkpoints(c: RunConfig) -> Checkpointer | None:
+def open_checkpoints(c: Checkpoints) -> Checkpointer | None:
     """Writable and ours (locked) before the data is read; refuses to mix with another run's checkpoints."""
     if (c.resume or c.checkpoint_every) and not c.checkpoint_dir:
         raise ConfigError("resume=True and checkpoint_every= need checkpoint_dir=")
@@ -158,9 +163,10 @@ def open_checkpoints(c: RunConfig) -> Checkpointer | None:
     return checkpointer
 
 
-def load_data(c: RunConfig) -> tuple[dict, str, text.Tokenizer | None]:
+def load_data(c: Data, progress: bool | None = None) -> tuple[dict, str, text.Tokenizer | None]:
     """The splits (classes and subsets applied), the digest of the whole dataset (a folder's: of its index;
-    its images are read as the run streams them) and text's tokenizer (None for images)."""
+    its images are read as the run streams them) and text's tokenizer (None for images); ``progress``: a
+    conversion's bar (None: on a terminal)."""
     tokenizer = None
     if c.dataset.startswith(TEXT_PREFIX):
         path = c.dataset[len(TEXT_PREFIX):]
@@ -176,7 +182,7 @@ def load_data(c: RunConfig) -> tuple[dict, str, text.Tokenizer | None]:
         digest = folder.digest(*data.values())
     else:
         data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir,
-                                      progress=False if c.no_progress else None) for k in ("train", "test")}
+                                      progress=progress) for k in ("train", "test")}
         digest = sources.split_digest(*data.values())
     hosts.agree(digest, "data", "every process must read the same dataset (a folder copied whole to each node, or "
                 "one shared folder)")

@@ -7,7 +7,6 @@ TensorFlow); ``tensorboard --logdir RUN_DIR`` shows them.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -17,7 +16,8 @@ from pathlib import Path
 
 import jax
 
-from jaxtrain.driver.config import RunConfig, parse_steps
+from jaxtrain.driver.config import parse_steps
+from jaxtrain.driver.sections import Observe
 from jaxtrain.driver.language import perplexity
 from jaxtrain.errors import missing
 from jaxtrain.train.loop import Hook, Loop, evaluation
@@ -169,24 +169,26 @@ class Profile:
             self.active = False
 
 
-def watchers(config: RunConfig, out_dir: Path | None, say, evaluator=None, test_loader=None, tracker=None
+def watchers(o: Observe, out_dir: Path | None, say, evaluator=None, test_loader=None, tracker=None, *,
+             hparams: dict, prefetch: int = 2, seq_len: int | None = None
              ) -> tuple[list[Hook], Profile | None, Events | None]:
-    """The hooks that --log-every, --eval-every-steps, --profile, the TensorBoard events and ``tracker``
-    (--track: jaxtrain.driver.track) ask for (files on process 0 only). The caller closes the events and the tracker."""
+    """The hooks that --log-every, --eval-every-steps, --profile, the TensorBoard events (``hparams``: the run's
+    settings) and ``tracker`` (--track: jaxtrain.driver.track) ask for (files on process 0 only); ``prefetch``:
+    the step evaluation's batches ahead; ``seq_len``: a language model's (tokens/s). The caller closes the events
+    and the tracker."""
     events = None
     if out_dir is not None and (gone := missing("tensorboard", "TensorBoard events")):
         say(f"note: {gone}")
     elif out_dir is not None:
-        events = Events(out_dir, dataclasses.asdict(config))
+        events = Events(out_dir, hparams)
     views = Views(v for v in (events, tracker) if v is not None) or None
     hooks = [epoch_scalars(views)] if views else []
-    if config.log_every:
-        hooks.append(step_log(config.log_every, say, views, config.seq_len))
-    if config.eval_every_steps:
-        hooks.append(evaluation(evaluator, test_loader, config.eval_every_steps, "step", config.prefetch,
-                                eval_line(say, views)))
+    if o.log_every:
+        hooks.append(step_log(o.log_every, say, views, seq_len))
+    if o.eval_every_steps:
+        hooks.append(evaluation(evaluator, test_loader, o.eval_every_steps, "step", prefetch, eval_line(say, views)))
     profile = None
-    if config.profile:
-        profile = Profile((out_dir or Path("profile")) / "profile", *parse_steps(config.profile))
+    if o.profile:
+        profile = Profile((out_dir or Path("profile")) / "profile", *parse_steps(o.profile))
         hooks.append(profile.hook())
     return hooks, profile, events

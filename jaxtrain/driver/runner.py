@@ -98,7 +98,8 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
             run.checkpointer.save(state, position)
 
     steps_per_call, on_device = keep_busy(run, state, data["train"], train_data)
-    watching, profile, events = observe.watchers(c, writer and writer.out_dir, say, run.evaluator, test_data, tracker)
+    watching, profile, events = observe.watchers(c.observe, writer and writer.out_dir, say, run.evaluator, test_data,
+                                                 tracker, hparams=c.flat(), prefetch=c.prefetch, seq_len=c.seq_len)
     live = notebook.live_curves(lambda: writer.epochs) if writer is not None else None  # after writer.epoch
     hooks = [*watching, *([live] if live else []),
              *checkpoint_hooks(save if run.checkpointer else None, c.checkpoint_every, stop.requested),
@@ -236,7 +237,7 @@ def _train(run: Run, stop: StopOnSignal, requeue_job: dict | None) -> dict:
     writer, out_lock = open_outputs(run, state, position)
     try:
         out_dir = writer and writer.out_dir
-        with track.view(c.track, out_dir, {**dataclasses.asdict(c), **settings}, c.track_group,
+        with track.view(c.track, out_dir, {**c.flat(), **settings}, c.track_group,
                         resumed=bool(position)) as tracker:
             pipeline = run.trainer.describe() if run.trainer.pipeline_layout else None
             say(describe(c, run.model, run.devices, run.mesh, run.layout, pipeline, run.data, out_dir))

@@ -90,6 +90,7 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
 
     from jaxtrain.errors import ConfigError
     from jaxtrain.driver.config import RunConfig
+    from jaxtrain.driver.sections import FIELDS
 
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
@@ -111,9 +112,8 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     model_flops = forward(c.model, shape["input_shape"], shape["num_classes"], c.model_size)  # the MFU's
     timing = estimate(text, t, gpus, hosts, call, model_flops).summary()
     budget = int(t.memory_bytes * memory_fraction)
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
     result = GpuPlan(
-        gpu=t.key, gpus=gpus, hosts=hosts, settings={k: getattr(c, k) for k in SETTINGS if k in fields},
+        gpu=t.key, gpus=gpus, hosts=hosts, settings={k: getattr(c, k) for k in SETTINGS if k in FIELDS},
         call_batch=call, per_gpu_batch=call // trainer.batch_plan.data_shards,
         memory={**_state_bytes(state, batch), **analysis.memory(compiled)}, budget_bytes=budget,
         memory_fraction=memory_fraction, flops=flops, bytes_accessed=bytes_accessed,
@@ -148,11 +148,11 @@ def run_step(c, mesh, input_shape: tuple | None = None, num_classes: int | None 
     vocabulary); ``gpu.plan``'s and ``gpu.measure``'s."""
     from jaxtrain.driver import assemble, build
 
-    shape = build.known_shape(c)  # a language model's: windows of seq_len tokens, its vocabulary
+    shape = build.known_shape(c.data)  # a language model's: windows of seq_len tokens, its vocabulary
     shape = {"input_shape": tuple(input_shape or shape["input_shape"]),
              "num_classes": num_classes or shape["num_classes"]}
-    model = assemble.model(c, shape, platform=mesh.devices.flat[0].platform)
-    trainer = assemble.steps(c, mesh, model, updates=0)[0]
+    model = assemble.model(c.network, c.compute, shape, platform=mesh.devices.flat[0].platform)
+    trainer = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates=0)[0]
     return shape, model, trainer, trainer.batch_plan.call_batch(c.batch_size)
 
 

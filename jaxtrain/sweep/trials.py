@@ -19,6 +19,7 @@ from jaxtrain import cli, settings
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 from jaxtrain.driver.config import RunConfig, flag
+from jaxtrain.driver.sections import FIELDS as CONFIG_FIELDS
 
 # The numbers in a jaxtrain run's summary.json (report.run_summary; tests/test_sweep.py keeps the two alike)
 SUMMARY_NUMBERS = ("test_acc", "test_loss", "train_loss", "train_acc", "initial_loss", "sec_per_epoch",
@@ -29,7 +30,7 @@ SUMMARY_NUMBERS = ("test_acc", "test_loss", "train_loss", "train_acc", "initial_
                    "train_examples", "test_examples")
 KINDS = {"log": "log-uniform float LO:HI", "float": "uniform float LO:HI", "int": "whole number LO:HI",
          "choice": "one of A,B,C"}
-FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+FIELDS = {name: f for name, (_, f) in CONFIG_FIELDS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
