@@ -13,6 +13,7 @@ from conftest import ROOT, reported_digests, run_cli
 
 from jaxtrain.data import loader, text
 from jaxtrain.driver import export
+from jaxtrain.errors import ConfigError
 from jaxtrain.models import gpt
 from jaxtrain.pretrained import gpt2
 
@@ -157,12 +158,22 @@ def test_two_processes_equal_one_process_with_two_devices(tmp_path, corpus):
 
 def test_a_pipelined_gpt_trains_from_the_command_line_and_samples_in_layer_order(tmp_path, corpus):
     """Its blocks over 2 stages (the head tied to the embedding across them: tests/test_gpt_pipeline.py holds
-    the steps to the unpipelined ones); sampling reads its per-stage blocks in layer order."""
+    the steps to the unpipelined ones); sampling reads its per-stage blocks in layer order, and so does its saved
+    model: experiments.sample and the export read it as an unpipelined run's. One saved per stage (before) is
+    refused in one line."""
+    out = tmp_path / "o"
     run = run_cli(*GPT, "--dataset", f"text:{corpus}", "--devices", "4", "--mesh", "data=2,stage=2",
-                  "--microbatches", "2", "--max-steps", "3", "--out", str(tmp_path / "o"))
+                  "--microbatches", "2", "--max-steps", "3", "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
     said = run.stdout + run.stderr
     assert "pipeline 2 stages x 2 micro-batches (gpipe" in said and said.count("sample: ") == 3, said[-3000:]
+    meta, params, _ = export.load(out)  # the unpipelined model's shapes, checked against its digest
+    assert params["stages"]["fc"].shape[0] == gpt.SIZES["tiny"].layers
+    sampled = run_cli("-m", "experiments.sample", str(out), "--prompt", "the", "--tokens", "8", "--temperature", "0")
+    assert sampled.returncode == 0 and len(sampled.stdout.strip()) > len("the"), sampled.stderr[-2000:]
+    (out / export.INFO).write_text(json.dumps({k: v for k, v in meta.items() if k != export.LAYER_ORDER}))
+    with pytest.raises(ConfigError, match="a pipelined run saved before its layers were put back in order"):
+        export.info(out)
 
 
 def test_each_process_reads_its_rows_of_each_window_batch_and_every_window_once_an_epoch(tmp_path):

@@ -23,6 +23,7 @@ from jaxtrain.io.files import atomic_write, drop_closed_loop_reports, out_of_spa
 
 ARRAYS, INFO = "model", "model.json"
 TOKENIZER = "tokenizer.json"  # a language model's (jaxtrain.data.text): its tokens' text
+LAYER_ORDER = "pipelined_layers_in_order"  # model.json of a pipelined run whose blocks were saved in layer order
 
 
 def _host(tree):
@@ -86,9 +87,9 @@ def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
     wanted = (expect,) if isinstance(expect, str) else expect
     if wanted and meta["model"] not in wanted:
         raise ConfigError(f"{param}{run_dir}: holds a {meta['model']} model, not {' or '.join(wanted)}")
-    if (meta.get("settings") or {}).get("pipeline_layout"):
-        raise ConfigError(f"{param}{run_dir}: a pipelined run (its layers are stored per stage); use an "
-                          "unpipelined run")
+    if (meta.get("settings") or {}).get("pipeline_layout") and not meta.get(LAYER_ORDER):
+        raise ConfigError(f"{param}{run_dir}: a pipelined run saved before its layers were put back in order (they "
+                          "are stored per stage); train it again, or use an unpipelined run")
     return meta
 
 

@@ -256,23 +256,31 @@ def _train(run: Run, stop: StopOnSignal, requeue_job: dict | None) -> dict:
 
 def say_samples(run: Run, state) -> None:
     """A language model's last lines: text it samples, from prompts taken from the validation text."""
-    params = state.params
-    if run.trainer.pipeline_layout:  # its blocks stored per stage: in layer order again
-        from jaxtrain.train.pipeline import layers
-
-        params = {**params, "stages": layers(params["stages"])}
     prompts = language.sample_prompts(run.data["test"], run.tokenizer)
-    for text in language.samples(run.model, params, run.tokenizer, prompts, 48, seed=run.config.seed):
+    for text in language.samples(run.model, in_layer_order(run, state.params), run.tokenizer, prompts, 48,
+                                 seed=run.config.seed):
         say("sample: " + " ".join(text.split()))
 
 
+def in_layer_order(run: Run, params: dict) -> dict:
+    """A pipelined run's params as the unpipelined model holds them (its blocks stored per stage, ``[repeats,
+    stages, K, ...]``, in layer order again: ``[L, ...]``); another run's as they are."""
+    if not run.trainer.pipeline_layout:
+        return params
+    from jaxtrain.train.pipeline import layers
+
+    return {**params, "stages": layers(params["stages"])}
+
+
 def save_model(run: Run, out_dir, state, summary: dict) -> None:
-    """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.driver.export); a language model's
+    """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.driver.export), as the unpipelined model
+    holds it (a pipelined run's blocks in layer order: every reader of a run takes it); a language model's
     tokenizer beside them (``tokenizer.json``: experiments.sample reads it)."""
     settings = run.settings
     if run.tokenizer is not None and out_dir is not None:
         run.tokenizer.save(Path(out_dir) / export.TOKENIZER)
-    export.save(out_dir, state.params, distill.own_state(state.model_state), {
+    layer_order = {export.LAYER_ORDER: True} if run.trainer.pipeline_layout else {}
+    export.save(out_dir, in_layer_order(run, state.params), distill.own_state(state.model_state), {**layer_order,
         **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": run.config.model, "init": run.model.init_name,
         "input_shape": run.model.input_shape, "num_classes": run.model.num_classes, "settings": settings,
         **({"class_names": settings["class_names"]} if "class_names" in settings else {})})
