@@ -255,3 +255,23 @@ def test_the_unigram_entropy_is_of_the_tokens_the_test_loss_predicts():
     split = text.TextSplit(np.arange(50, dtype=np.uint16) % 7, 8, 16)  # 50 tokens: 5 windows of 8 (+1)
     np.testing.assert_array_equal(language.targets(split), split.tokens[1:41])
     assert language.unigram_entropy(np.array([1, 1, 2, 2]), 4) == pytest.approx(np.log(2))
+
+
+def test_a_log_line_says_the_mfu_where_the_devices_peak_is_known():
+    """``step_log``: tokens/s from the examples' rate and the window; the MFU (3 x forward FLOPs per example x
+    examples/s over the peak) beside it, only with a known peak (GPUs' datasheets, --measure-peak)."""
+    import types
+
+    from jaxtrain.driver import observe
+
+    def line(peak):
+        said = []
+        loop = types.SimpleNamespace(recent={"loss": np.float32(2.0)}, total_steps=10, call_size=1,
+                                     sums={"examples": 400}, chrono=types.SimpleNamespace(train_sec=2.0, wait=0.0,
+                                                                                          start_up=0.0))
+        observe.step_log(10, said.append, None, seq_len=16, flops_per_example=1e6, peak=peak).fn(loop)
+        return said[0]
+
+    assert line(6e8) == "step 9: loss 2.0000 (ppl 7.4), 3,200 tokens/s, MFU 100.0%, data wait 0%"  # 3e6 x 200/s
+    assert line(1.2e9).endswith("3,200 tokens/s, MFU 50.0%, data wait 0%")
+    assert "MFU" not in line(None)

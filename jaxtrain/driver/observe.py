@@ -20,6 +20,7 @@ from jaxtrain.driver.config import parse_steps
 from jaxtrain.driver.sections import Observe
 from jaxtrain.driver.language import perplexity
 from jaxtrain.errors import missing
+from jaxtrain.models.flops import utilisation
 from jaxtrain.train.loop import Hook, Loop, evaluation
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,11 @@ class Views(list):
             view.flush()
 
 
-def step_log(every: int, say, views: Views | None, seq_len: int | None = None) -> Hook:
+def step_log(every: int, say, views: Views | None, seq_len: int | None = None,
+             flops_per_example: float | None = None, peak: float | None = None) -> Hook:
     """Every ``every`` steps: one line (loss, examples/s, data wait since the last line) and step scalars; a
-    language model's (``seq_len``: its window) with the loss's perplexity and tokens/s."""
+    language model's (``seq_len``: its window) with the loss's perplexity and tokens/s; the MFU where the
+    devices' ``peak`` FLOP/s is known (GPUs, --measure-peak), from the model's forward ``flops_per_example``."""
     last = {"sec": None, "examples": 0, "wait": 0.0}
 
     def log(loop: Loop) -> None:
@@ -110,6 +113,9 @@ def step_log(every: int, say, views: Views | None, seq_len: int | None = None) -
             speed = f" ({perplexity(values['loss'])}){lr}, {values['tokens_per_sec']:,.0f} tokens/s"
         else:
             speed = f"{lr}, {values['examples_per_sec']:,.0f} examples/s"
+        if (mfu := utilisation(flops_per_example, None, 1, 1 / values["examples_per_sec"], peak)["mfu"]) is not None:
+            values["mfu"] = mfu
+            speed += f", MFU {mfu:.1%}"
         say(f"step {step}: loss {values['loss']:.4f}{speed}, data wait {100 * values['data_wait_fraction']:.0f}%")
         if views is not None:
             views.scalars(step, values, "train_step")
@@ -170,12 +176,12 @@ class Profile:
 
 
 def watchers(o: Observe, out_dir: Path | None, say, evaluator=None, test_loader=None, tracker=None, *,
-             hparams: dict, prefetch: int = 2, seq_len: int | None = None
-             ) -> tuple[list[Hook], Profile | None, Events | None]:
+             hparams: dict, prefetch: int = 2, seq_len: int | None = None, flops_per_example: float | None = None,
+             peak: float | None = None) -> tuple[list[Hook], Profile | None, Events | None]:
     """The hooks that --log-every, --eval-every-steps, --profile, the TensorBoard events (``hparams``: the run's
     settings) and ``tracker`` (--track: jaxtrain.driver.track) ask for (files on process 0 only); ``prefetch``:
-    the step evaluation's batches ahead; ``seq_len``: a language model's (tokens/s). The caller closes the events
-    and the tracker."""
+    the step evaluation's batches ahead; ``seq_len``: a language model's (tokens/s); ``flops_per_example`` and
+    ``peak``: the log lines' MFU (``step_log``). The caller closes the events and the tracker."""
     events = None
     if out_dir is not None and (gone := missing("tensorboard", "TensorBoard events")):
         say(f"note: {gone}")
@@ -184,7 +190,7 @@ def watchers(o: Observe, out_dir: Path | None, say, evaluator=None, test_loader=
     views = Views(v for v in (events, tracker) if v is not None) or None
     hooks = [epoch_scalars(views)] if views else []
     if o.log_every:
-        hooks.append(step_log(o.log_every, say, views, seq_len))
+        hooks.append(step_log(o.log_every, say, views, seq_len, flops_per_example, peak))
     if o.eval_every_steps:
         hooks.append(evaluation(evaluator, test_loader, o.eval_every_steps, "step", prefetch, eval_line(say, views)))
     profile = None

@@ -19,14 +19,14 @@ def run_summary(args, model, history, first_loss, stats, peak, devices, call_bat
                 examples: dict, data_sha256: str) -> dict:
     """summary.json of a finished run: results, steady-state speed, compiled costs, settings; the MFU from
     ``model``'s forward FLOPs per example (``jaxtrain.models.flops``), the HFU from the compiled FLOPs."""
-    from jaxtrain.models.flops import forward, utilisation
+    from jaxtrain.models.flops import utilisation
 
     # Steady-state speed: leave out the first epoch (it compiles) when there are others.
     timed = history[1:] if len(history) > 1 else history
     examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
     wait = sum(h.data_wait_sec for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
     achieved_flops = stats["flops"] * len(devices) * examples_per_sec / call_batch
-    model_flops = forward(args.model, model.input_shape, model.num_classes, args.model_size)
+    model_flops = forward_flops(args, model)
     use = utilisation(model_flops, stats["flops"] * len(devices), call_batch, call_batch / examples_per_sec, peak)
     last = history[-1]
     return {
@@ -96,6 +96,13 @@ def wait_words(wait_fraction: float, workers: int) -> str:
         return words
     return (f"{words} (the input pipeline is the bottleneck, not the step: {workers} worker(s); more --workers, up "
             f"to the cores, or --prefetch; experiments.input_pipeline measures the loader alone)")
+
+
+def forward_flops(c: RunConfig, model: Model) -> float | None:
+    """The model's forward FLOPs per example, from its layers' shapes (``jaxtrain.models.flops``): the MFU's."""
+    from jaxtrain.models.flops import forward
+
+    return forward(c.model, model.input_shape, model.num_classes, c.model_size)
 
 
 def utilisation_words(summary: dict) -> str:

@@ -26,7 +26,7 @@ from jaxtrain.io import console
 from jaxtrain.driver import busy, distill, export, language, notebook, observe, requeue, track
 from jaxtrain.driver.config import RunConfig
 from jaxtrain.driver.outputs import RunWriter, claim_out_dir
-from jaxtrain.driver.report import (conv_path, describe, not_learning, run_summary, utilisation_words,
+from jaxtrain.driver.report import (conv_path, describe, forward_flops, not_learning, run_summary, utilisation_words,
                                     wait_words)
 from jaxtrain.driver.signals import Exit, StopOnSignal, StopVote
 from jaxtrain.driver.build import Finished, Run, build, initial_state, say
@@ -61,6 +61,7 @@ class Trained:
     stats: dict  # the compiled step's (``diagnostics.compiled_stats``)
     steps_per_epoch: int
     last: dict  # the last step's metrics
+    peak: float | None  # the devices' dense FLOP/s, for the MFU (``diagnostics.devices_peak``; None: unknown)
 
 
 def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: dict | None = None,
@@ -78,6 +79,7 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
     stats = diagnostics.compiled_stats(run.trainer, state, train_data.batch_at(0, 0))
     if warning := diagnostics.host_memory_warning(stats, run.devices):
         log.warning(warning)
+    peak = diagnostics.devices_peak(run.devices, c.precision, measure=c.measure_peak)
 
     def memory_after_first_step(loop):
         if loop.total_steps == loop.call_size:  # the run's first call (after it: its steps)
@@ -99,7 +101,8 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
 
     steps_per_call, on_device = keep_busy(run, state, data["train"], train_data)
     watching, profile, events = observe.watchers(c.observe, writer and writer.out_dir, say, run.evaluator, test_data,
-                                                 tracker, hparams=c.flat(), prefetch=c.prefetch, seq_len=c.seq_len)
+                                                 tracker, hparams=c.flat(), prefetch=c.prefetch, seq_len=c.seq_len,
+                                                 flops_per_example=forward_flops(c, run.model), peak=peak)
     live = notebook.live_curves(lambda: writer.epochs) if writer is not None else None  # after writer.epoch
     hooks = [*watching, *([live] if live else []),
              *checkpoint_hooks(save if run.checkpointer else None, c.checkpoint_every, stop.requested),
@@ -137,7 +140,7 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
     if run.checkpointer is not None:
         with stop.busy():
             run.checkpointer.close()
-    return Trained(state, history, first_loss, stats, len(train_data), last)
+    return Trained(state, history, first_loss, stats, len(train_data), last, peak)
 
 
 def keep_busy(run: Run, state, split, train_data) -> tuple[int, bool]:
@@ -155,8 +158,7 @@ def summarise(run: Run, trained: Trained, writer) -> dict:
     """summary.json: the result first on stdout (if the files fail, the user still has it), then the files."""
     c, platform, data, settings = run.config, run.devices[0].platform, run.data, run.settings
     state, history, first_loss, stats = trained.state, trained.history, trained.first_loss, trained.stats
-    peak = diagnostics.devices_peak(run.devices, c.precision, measure=c.measure_peak)
-    summary = run_summary(c, run.model, history, first_loss, stats, peak, run.devices, run.call_batch,
+    summary = run_summary(c, run.model, history, first_loss, stats, trained.peak, run.devices, run.call_batch,
                           trained.steps_per_epoch, {k: len(v) for k, v in data.items()}, settings["data_sha256"])
     summary.update(slurm_job=slurm_job(), stops=writer.stops if writer else [])
     if "class_names" in settings:  # an image folder's: label i is class_names[i]

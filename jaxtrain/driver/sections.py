@@ -227,8 +227,9 @@ class Observe:
     out: str | None = _field(None, "output directory for metrics.jsonl, summary.json, curves.png and the "
                                    "TensorBoard events (default: a fresh runs/NAME-DATE-TIME)")
     no_progress: bool = _field(False, "no progress bars (they show only on a terminal anyway)")
-    log_every: int | None = _field(None, "print a line every N steps (loss, examples/s, data wait; read one step "
-                                         "late, never waiting for the device) and log them to TensorBoard",
+    log_every: int | None = _field(None, "print a line every N steps (loss, examples/s or tokens/s, the MFU where "
+                                         "the peak is known, data wait; read one step late, never waiting for the "
+                                         "device) and log them to TensorBoard",
                                    minimum=1)
     eval_every: int = _field(1, "evaluate on the test set every N epochs (and after the last)", minimum=1)
     eval_every_steps: int | None = _field(None, "also evaluate every N train steps (a line, and TensorBoard's "
