@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import errors
-from jaxtrain.data import text
+from jaxtrain.data import text, tokenizer
 from jaxtrain.errors import ConfigError
 
 WORDS = ("the", "a", "river", "stone", "light", "cat", "sat", "under", "naïve", "café", "über", "quickly", "of",
@@ -75,10 +75,10 @@ def test_bpe_training_is_deterministic(tmp_path, corpus):
 
 def test_pieces_encode_as_the_whole_text(corpus, monkeypatch):
     whole = corpus.read_text() + "\n  indented\n\nx\ny don't  two  spaces\t tab 12 345 ,. 'quoted' end"
-    tok = text._train_bpe(whole, 400)
+    tok = tokenizer.train_bpe(whole, 400)
     reference = tok._hf.encode(whole, add_special_tokens=False).ids
-    monkeypatch.setattr(text, "_CHUNK", 50)
-    assert len(list(text._pieces(whole))) > 10 and "".join(text._pieces(whole)) == whole
+    monkeypatch.setattr(tokenizer, "_CHUNK", 50)
+    assert len(list(tokenizer._pieces(whole))) > 10 and "".join(tokenizer._pieces(whole)) == whole
     assert tok.encode(whole).tolist() == reference
 
 
@@ -204,6 +204,8 @@ def test_a_folder_is_its_files_in_sorted_order_without_hidden_ones(tmp_path):
     ("bpe_vocab", "bpe_vocab=70000: use 257 to 65536"),
     ("tokenizer file", "not-a-tokenizer.json: does not load"),
     ("tokenizer missing", "tokenizer=.*absent.json: cannot be read"),
+    ("tokenizer without [UNK]", "words.json: cannot encode the text \\(WordLevel error: Missing \\[UNK\\] token"),
+    ("empty vocabulary", "empty.json: its vocabulary holds 0 token\\(s\\)"),
 ])
 def test_bad_input_is_one_line_that_names_it(tmp_path, corpus, case, match):
     kwargs = {}
@@ -232,6 +234,14 @@ def test_bad_input_is_one_line_that_names_it(tmp_path, corpus, case, match):
     elif case == "tokenizer file":
         (tmp_path / "not-a-tokenizer.json").write_text('{"model": 3}')
         kwargs["tokenizer"] = str(tmp_path / "not-a-tokenizer.json")
+    elif case in ("tokenizer without [UNK]", "empty vocabulary"):  # a word-level tokenizer knowing 2 words, or none
+        import tokenizers
+
+        words = {"the": 0, "king": 1} if case == "tokenizer without [UNK]" else {}
+        made = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+        made.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+        kwargs["tokenizer"] = str(tmp_path / ("words.json" if words else "empty.json"))
+        made.save(kwargs["tokenizer"])
     else:
         kwargs["tokenizer"] = str(tmp_path / "absent.json")
     with pytest.raises(ConfigError, match=match) as caught:

@@ -4,8 +4,9 @@
     PATH/**      every file under a folder, sorted by relative path (hidden ones left out), joined with blank lines
 
 The joined text's last ``val_fraction`` of characters is the validation split ("test"), the rest the training
-split. The tokenizer is ``bytes`` (UTF-8 bytes, 256 tokens), ``bpe`` (a byte-level BPE trained on the training
-text only, so validation stays unseen) or a Hugging Face ``tokenizer.json``. The tokens and the tokenizer are
+split. The tokenizer (``jaxtrain.data.tokenizer``) is ``bytes`` (UTF-8 bytes, 256 tokens), ``bpe`` (a
+byte-level BPE trained on the training text only, so validation stays unseen) or a Hugging Face
+``tokenizer.json``. The tokens and the tokenizer are
 kept in the cache under a digest of the files' names and bytes, the tokenizer and ``val_fraction``: a second run
 maps the token files instead of tokenizing again. Windows of ``seq_len + 1`` tokens are cut when read, so one
 cache serves every ``seq_len``.
@@ -15,11 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import logging
 import os
-import re
 import time
 from pathlib import Path
 
@@ -27,116 +26,15 @@ import numpy as np
 
 from jaxtrain import settings
 from jaxtrain.choices import TOKENIZERS
-from jaxtrain.errors import ConfigError, need
+from jaxtrain.errors import ConfigError
 from jaxtrain.io import console
 from jaxtrain.io.dirlock import DirLock
+from jaxtrain.data import tokenizer as tokenizer_lib
+from jaxtrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe, vocab_size  # noqa: F401 (text's API)
 
 SPLITS = ("train", "test")
 log = logging.getLogger(__name__)
 _SHIFT_SALT = 0x7E47  # the windows' shift has its own random stream, apart from the loader's shuffle of (seed, epoch)
-_CHUNK = 1 << 15  # characters per piece the BPE encodes (in parallel, a batch of pieces at a time; larger is slower)
-_CUT = re.compile(r"\S(?=[ \n]\S)")  # where a piece may end
-
-
-def _dtype(vocab: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
-
-
-def _tokenizers():
-    return need("tokenizers", "text with tokenizer=bpe or a tokenizer.json")
-
-
-def _pieces(text: str):
-    """``text`` in pieces of about ``_CHUNK`` characters, each cut before a single space or newline between two
-    non-space characters: GPT-2's pattern (the byte-level pre-tokenizer's) splits there anyway, so the pieces give
-    the very tokens of the whole text."""
-    start = 0
-    while start < len(text):
-        cut = _CUT.search(text, start + _CHUNK)
-        end = cut.end() if cut else len(text)
-        yield text[start:end]
-        start = end
-
-
-class Tokenizer:
-    """Text <-> token ids: ``name`` is "bytes", "bpe" or the tokenizer.json's path; ``vocab_size``: its largest
-    token id + 1."""
-
-    def __init__(self, name: str, vocab_size: int, hf=None):
-        self.name, self.vocab_size, self._hf = name, vocab_size, hf  # hf: a tokenizers.Tokenizer (None: bytes)
-
-    def __repr__(self) -> str:
-        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
-
-    def encode(self, text: str) -> np.ndarray:
-        """Token ids of ``text`` (uint16, or uint32 past 65536 tokens); no special tokens added."""
-        if self._hf is None:
-            return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint16)
-        pieces, ids = _pieces(text), [np.zeros(0, _dtype(self.vocab_size))]
-        while group := list(itertools.islice(pieces, 256)):  # a batch at a time: their encodings are big
-            ids += [np.array(e.ids, ids[0].dtype) for e in self._hf.encode_batch(group, add_special_tokens=False)]
-        return np.concatenate(ids)
-
-    def decode(self, ids) -> str:
-        """The text of ``ids`` (bytes: invalid UTF-8, as a model may sample, becomes U+FFFD)."""
-        ids = np.asarray(ids).ravel()
-        if self._hf is None:
-            return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-        return self._hf.decode(ids.tolist(), skip_special_tokens=False)
-
-    def save(self, path) -> None:
-        """Write a file ``load_tokenizer`` reads back (a tokenizer.json; for bytes ``{"bytes": true}``)."""
-        Path(path).write_text('{"bytes": true}' if self._hf is None else self._hf.to_str())
-
-
-def load_tokenizer(path) -> Tokenizer:
-    """The tokenizer a file holds (``Tokenizer.save``'s, or any Hugging Face tokenizer.json), named by its path."""
-    path = Path(path).expanduser()
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"tokenizer={path}: cannot be read ({getattr(e, 'strerror', None) or type(e).__name__}): "
-                          f"give {' or '.join(TOKENIZERS)}, or a tokenizer.json file") from None
-    if len(text) < 100 and text.strip().replace(" ", "") == '{"bytes":true}':
-        return Tokenizer("bytes", 256)
-    tokenizers = _tokenizers()
-    try:
-        hf = tokenizers.Tokenizer.from_str(text)
-    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-        why = (str(e).splitlines() or [type(e).__name__])[0][:120]
-        raise ConfigError(f"tokenizer={path}: does not load as a Hugging Face tokenizer.json ({why}): give a "
-                          f"tokenizer.json file, or {' or '.join(TOKENIZERS)}") from None
-    hf.no_truncation(), hf.no_padding()  # a file's own settings would cut or pad each piece of the token stream
-    # Its largest id + 1, not its count of tokens: some files' added tokens leave gaps in the ids.
-    return Tokenizer(str(path), max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1, hf)
-
-
-def vocab_size(tokenizer: str, bpe_vocab: int) -> int:
-    """The vocabulary a run's model needs, known before any text is read: "bytes" 256; "bpe": ``bpe_vocab`` (the
-    trained BPE has at most that many tokens); a tokenizer.json path: its vocabulary's size (the file read)."""
-    if tokenizer == "bytes":
-        return 256
-    if tokenizer == "bpe":
-        if not 257 <= bpe_vocab <= 65536:
-            raise ConfigError(f"bpe_vocab={bpe_vocab}: use 257 to 65536 (the 256 bytes and at least one merge; at "
-                              "most 65536 so the tokens fit uint16)")
-        return bpe_vocab
-    return load_tokenizer(tokenizer).vocab_size
-
-
-def _train_bpe(text: str, bpe_vocab: int) -> Tokenizer:
-    """A byte-level BPE of at most ``bpe_vocab`` tokens trained on ``text`` (its 256 byte symbols always in, so any
-    text encodes); the same text gives the same tokenizer."""
-    tk = _tokenizers()
-    hf = tk.Tokenizer(tk.models.BPE())
-    hf.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = tk.decoders.ByteLevel()
-    trainer = tk.trainers.BpeTrainer(vocab_size=bpe_vocab, initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
-                                     show_progress=False)
-    hf.train_from_iterator(_pieces(text), trainer=trainer)
-    return Tokenizer("bpe", hf.get_vocab_size(), hf)
-
-
 @dataclasses.dataclass(frozen=True)
 class TextSplit:
     """A split's tokens (a map of its cached token file) read as windows of ``seq_len + 1`` tokens: inputs
@@ -261,13 +159,13 @@ def _build(where: Path, files, tokenizer: str, bpe_vocab: int, val_fraction: flo
     text = _read_text(files)
     cut = round(len(text) * (1 - val_fraction))
     parts = {"train": text[:cut], "test": text[cut:]}
-    tok = (Tokenizer("bytes", 256) if tokenizer == "bytes" else _train_bpe(parts["train"], bpe_vocab)
+    tok = (Tokenizer("bytes", 256) if tokenizer == "bytes" else train_bpe(parts["train"], bpe_vocab)
            if tokenizer == "bpe" else load_tokenizer(tokenizer))
     where.mkdir(parents=True, exist_ok=True)
     (where / "meta.json").unlink(missing_ok=True)  # the record goes last: a half-made cache is never read
-    meta = {"dtype": _dtype(vocab).name, "vocab": vocab, "files": len(files), "characters": len(text)}
+    meta = {"dtype": tokenizer_lib.dtype(vocab).name, "vocab": vocab, "files": len(files), "characters": len(text)}
     for name, part in parts.items():
-        ids = tok.encode(part).astype(_dtype(vocab), copy=False)
+        ids = tok.encode(part).astype(tokenizer_lib.dtype(vocab), copy=False)
         _written(where / f"{name}.tokens", ids.tofile)
         meta[name] = len(ids)
     _written(where / "tokenizer.json", tok.save)
@@ -292,7 +190,7 @@ def load(path, *, seq_len: int, tokenizer: str = "bpe", bpe_vocab: int = 4096, v
                           "between 0 and 1 (e.g. 0.1)")
     vocab = vocab_size(tokenizer, bpe_vocab)
     if tokenizer == "bpe":
-        _tokenizers()
+        tokenizer_lib.need_tokenizers()
     root = Path(path).expanduser()
     if not root.exists():
         raise ConfigError(f"text:{path}: no such file or folder: give a text file, or a folder of them")
