@@ -22,7 +22,7 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 from jaxtrain.io import console
 from jaxtrain.driver.config import DATASET_FIELDS, RECIPE_FIELDS, RunConfig, flag
-from jaxtrain.driver.sections import FIELDS, SECTIONS
+from jaxtrain.driver.sections import FIELDS, ORDER, SECTIONS
 
 
 def whole_number(minimum: int):
@@ -170,7 +170,13 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
     defaults = RunConfig(model=model or "lenet")
     p = argparse.ArgumentParser(prog=prog, description=description or (MODELS[model].description if model else None),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    groups = {attr: p.add_argument_group(attr, section.__doc__) for attr, section in SECTIONS.items()}  # --help's
+    groups = {}
+
+    def group(attr: str) -> argparse._ArgumentGroup:  # --help's: the flags by section, one made with its first flag
+        if attr not in groups:
+            groups[attr] = p.add_argument_group(attr, SECTIONS[attr].__doc__)
+        return groups[attr]
+
     for section, f in FIELDS.values():
         if model and (f.name == "model" or f.name == "init" and len(MODELS[model].inits) == 1):
             continue
@@ -181,12 +187,12 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
             default = None  # the --model (its recipe) or the --dataset given picks them, not lenet's or the default's
         name = renamed.get(f.name, flag(f.name))
         if f.type == "bool":
-            groups[section].add_argument(name, dest=f.name, action="store_true", help=meta["help"])
+            group(section).add_argument(name, dest=f.name, action="store_true", help=meta["help"])
             continue
         metavar = {"mesh": "data=N[,model=M]", "steps": "START:STOP"}.get(meta["flag_type"])
         choices = meta["choices"] or (MODELS[model].inits if model and f.name == "init" else None)
-        groups[section].add_argument(name, dest=f.name, type=_flag_type(f), default=default, choices=choices,
-                                     metavar=metavar, help=meta["help"])
+        group(section).add_argument(name, dest=f.name, type=_flag_type(f), default=default, choices=choices,
+                                    metavar=metavar, help=meta["help"])
     if model:
         p.set_defaults(model=model)
     return p
@@ -205,7 +211,7 @@ def to_argv(config: RunConfig, model_fixed: bool = True) -> list[str]:
     text = {k: getattr(config, k) for k in ("model_size", "tokenizer") if getattr(config, k) is not None}
     plain, bare = RunConfig(model=config.model), RunConfig(model=config.model, dataset=config.dataset)
     base = RunConfig(model=config.model, dataset=config.dataset, **text) if text else bare
-    for _, f in FIELDS.values():
+    for f in (FIELDS[name][1] for name in ORDER):  # in the order a sweep's stored command has them
         value = getattr(config, f.name)
         against = plain if f.name == "dataset" else bare if f.name in text else base
         if f.name == "model" or value == getattr(against, f.name):

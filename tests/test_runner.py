@@ -297,6 +297,7 @@ def test_a_run_config_is_one_frozen_section_per_concern():
     """Made from the settings by name, held in sections (the recipe's defaults filled in first); each section is
     what its subsystem takes; ``config.lr`` reads ``config.optim.lr``; ``replace`` makes a new one, checked."""
     import dataclasses
+    import inspect
 
     from jaxtrain.driver import sections
 
@@ -314,6 +315,10 @@ def test_a_run_config_is_one_frozen_section_per_concern():
     with pytest.raises(jt.ConfigError, match="devices=0"):
         c.replace(devices=0)
     assert list(c.flat()) == list(sections.FIELDS) and c.flat()["strategy"] == "ring"
+    assert dataclasses.replace(c, lr=0.1) == c.replace(lr=0.1)  # whole sections given, the named setting wins
+    assert RunConfig(model="vit", parallel=c.parallel, optim=c.optim, lr=0.5).parallel.strategy == "ring"
+    assert sorted(sections.ORDER) == sorted(sections.FIELDS)  # the command line's order holds every setting once
+    inspect.signature(RunConfig).bind("resnet18", 2)  # as RunConfig("resnet18", 2) takes them
     with pytest.raises(AttributeError, match="no attribute 'strategyy'"):
         c.strategyy
 

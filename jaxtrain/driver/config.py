@@ -18,8 +18,8 @@ import math
 from pathlib import Path
 
 from jaxtrain.choices import FOLDER_PREFIX, GPT_SIZES, TEXT_PREFIX, TOKENIZERS, check_dataset, lr_groups
-from jaxtrain.driver.sections import (FIELDS, SECTIONS, Checkpoints, Cluster, Compute, Data, Network, Observe, Optim,
-                                      Parallel)
+from jaxtrain.driver.sections import (FIELDS, ORDER, SECTIONS, Checkpoints, Cluster, Compute, Data, Network,
+                                      Observe, Optim, Parallel)
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 
@@ -105,14 +105,18 @@ class RunConfig(_Sections):
     """Every setting of a training run, frozen, in sections (``config.network``, ``.data``, ``.optim``,
     ``.parallel``, ...; ``config.lr`` reads ``config.optim.lr``). Made from the settings by name, as the command
     line's flags name them (``RunConfig(model="lenet", devices=2)``; ``model`` and ``devices`` may come first,
-    without their names); the model's recipe fills what is not given (``epochs``, ``batch_size``, ``lr``,
+    without their names; a whole section too, ``parallel=Parallel(...)``, the settings named beside it winning);
+    the model's recipe fills what is not given (``epochs``, ``batch_size``, ``lr``,
     ``optimizer``, ``schedule``, ``warmup_epochs``, ``init``; an image folder's ``augment`` and ``image_size``;
     text's sizes) before the sections are made: a RunConfig never changes itself."""
 
     def __init__(self, *args, **given):
         if len(args) > len(POSITIONAL) or set(POSITIONAL[:len(args)]) & set(given):
             raise TypeError(f"RunConfig takes {' and '.join(POSITIONAL)} first, then settings by name, each once")
-        given = with_recipe({**dict(zip(POSITIONAL, args)), **given})
+        sections = {}  # whole sections given (dataclasses.replace gives every one): their settings, the named win
+        for attr in [k for k in given if k in SECTIONS and isinstance(given[k], SECTIONS[k])]:
+            sections.update(dataclasses.asdict(given.pop(attr)))
+        given = with_recipe({**sections, **dict(zip(POSITIONAL, args)), **given})
         super().__init__(**{attr: section(**{f.name: given[f.name] for f in dataclasses.fields(section)
                                               if f.name in given})
                             for attr, section in SECTIONS.items()})
@@ -124,8 +128,9 @@ class RunConfig(_Sections):
 
 POSITIONAL = ("model", "devices")  # RunConfig("resnet18", 2)
 RunConfig.__signature__ = inspect.Signature(  # help(), IDEs and the docs show the settings
-    [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-     for name, (_, f) in FIELDS.items()])
+    [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD if name in POSITIONAL else
+                       inspect.Parameter.KEYWORD_ONLY, default=FIELDS[name][1].default, annotation=FIELDS[name][1].type)
+     for name in ORDER])
 
 
 def with_recipe(given: dict) -> dict:
@@ -201,8 +206,8 @@ def with_recipe(given: dict) -> dict:
 def check_values(values: dict) -> None:
     """Each field's own check (its choices, ``>= minimum``, ``> above``, finite): a ConfigError naming the first
     bad one, in the fields' order."""
-    for name, (_, f) in FIELDS.items():
-        value, meta = values[name], f.metadata
+    for name in ORDER:
+        value, meta = values[name], FIELDS[name][1].metadata
         if value is None or isinstance(value, bool):
             continue
         if isinstance(value, float) and not math.isfinite(value):  # inf would pass "> 0", then diverge

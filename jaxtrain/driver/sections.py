@@ -256,3 +256,15 @@ SECTIONS = {"network": Network, "compute": Compute, "data": Data, "optim": Optim
             "cluster": Cluster, "checkpoint": Checkpoints, "observe": Observe}
 # Every setting: name -> (its section's attribute, its dataclasses.Field), in the sections' order.
 FIELDS = {f.name: (attr, f) for attr, section in SECTIONS.items() for f in dataclasses.fields(section)}
+# The settings in the order a command line writes them (``cli.to_argv``: a sweep's stored command, compared when it
+# resumes) and their checks run (the first bad one is said): the order they had before the sections.
+ORDER = ("model", "devices", "devices_per_process", "coordinator", "num_processes", "process_id", "strategy",
+         "param_sharding", "mesh", "precision", "accum_steps", "accum", "remat", "epochs", "batch_size", "lr",
+         "init", "seed", "freeze", "linear_probe", "lr_groups", "classes", "init_from", "dataset", "data_dir",
+         "augment", "image_size", "val_fraction", "model_size", "seq_len", "tokenizer", "vocab_size", "on_bad_image",
+         "tfds_dir", "out", "workers", "prefetch", "steps_per_call", "data_on_device", "max_steps", "memory_report",
+         "summary", "measure_peak", "train_subset", "test_subset", "checkpoint_dir", "checkpoint_every",
+         "keep_checkpoints", "resume", "requeue_on_signal", "stall_timeout", "no_progress", "log_every", "optimizer",
+         "schedule", "warmup_epochs", "weight_decay", "clip_grad_norm", "microbatches", "pipeline_schedule",
+         "repeats", "quantize", "kernels", "conv", "teacher", "temperature", "alpha", "eval_every",
+         "eval_every_steps", "profile", "track", "track_group")
