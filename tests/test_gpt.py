@@ -434,3 +434,25 @@ def test_tensor_parallel_rules_split_heads_and_the_mlp():
                                  "stages/proj": "P(None, 'model', None, None)",
                                  "stages/fc": "P(None, None, 'model')", "stages/fc_b": "P(None, 'model')",
                                  "stages/out": "P(None, 'model', None)"}
+
+
+def test_cudnn_attention_only_on_a_gpu_that_runs_it():
+    """cuDNN's fused attention needs compute capability 8.0 or more: on an older GPU (a T4's 7.5) the GPT takes
+    XLA's, and the run's first line says why; a compile-only target (no capability said) is taken as able."""
+    import types
+
+    from jaxtrain import models
+    from jaxtrain.driver import report
+
+    def gpu(capability=None):
+        return types.SimpleNamespace(platform="gpu", **({"compute_capability": capability} if capability else {}))
+
+    assert gpt.fused_attention(gpu("9.0")) is None and gpt.fused_attention(gpu("8.0")) is None
+    assert gpt.fused_attention(gpu()) is None and gpt.fused_attention(jax.devices()[0]) == "not a GPU"
+    attention = {name: models.get("gpt", input_shape=(16,), num_classes=100, size="tiny", device=d).config.attention
+                 for name, d in {"h100": gpu("9.0"), "t4": gpu("7.5"), "cpu": jax.devices()[0]}.items()}
+    assert attention == {"h100": "auto", "t4": "xla", "cpu": "xla"}
+    assert report.attention_words(gpu("7.5"), "bf16") == ("XLA's (compute capability 7.5: cuDNN's fused attention "
+                                                          "needs 8.0 or more)")
+    assert report.attention_words(gpu("9.0"), "bf16") == "cuDNN's fused kernel"
+    assert report.attention_words(gpu("9.0"), "fp32") == report.attention_words(jax.devices()[0], "bf16") == "XLA's"

@@ -27,13 +27,14 @@ def gpu():
     return jaxtrain.gpu
 
 
-def _compiled(gpu, mesh_axes=None, batch=256, **settings):
-    """(trainer, abstract state, compiled step, HLO text) of a run's step for 8 H100s."""
+def _compiled(gpu, mesh_axes=None, batch=256, shape=None, **settings):
+    """(trainer, abstract state, compiled step, HLO text) of a run's step for 8 H100s (``shape``: its data's, for
+    text)."""
     from jaxtrain.gpu import analysis
 
     c = RunConfig(devices=8, mesh=mesh_axes, **settings)
     mesh = gpu.mesh_for("h100", 8, axes=c.mesh)
-    model = assemble.model(c.network, c.compute, sources.shape_of(c.dataset))
+    model = assemble.model(c.network, c.compute, shape or sources.shape_of(c.dataset), device=mesh.devices.flat[0])
     trainer = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates=0)[0]
     state = trainer.abstract_state(init_fn=model.init)
     compiled = trainer.lower(state, model.batch_shapes(batch)).compile(compiler_options=analysis.AUTOTUNER_OFF)
@@ -130,6 +131,16 @@ def test_tensor_parallelism_all_reduces_over_the_model_axis(gpu):
 def test_the_pipeline_passes_activations_between_stages(gpu):
     _, _, _, text = _compiled(gpu, mesh_axes={"data": 2, "stage": 4}, model="vit", microbatches=4, batch=64)
     assert any(c["kind"] == "collective-permute" and c["in_loop"] for c in gpu.analysis.collectives(text))
+
+
+def test_the_gpt_attends_with_cudnns_fused_kernel_in_bf16_and_xlas_in_fp32(gpu):
+    """The GPT built for an H100 (compute capability 9.0) takes cuDNN's fused attention in bf16, forward and
+    backward (``gpt.fused_attention``; JAX's own default is XLA's); in fp32, XLA's."""
+    text_run = dict(model="gpt", dataset="text:README.md", tokenizer="bytes", model_size="tiny", seq_len=64,
+                    shape={"input_shape": (64,), "num_classes": 256}, batch=64)
+    fused = gpu.analysis.kernels(_compiled(gpu, precision="bf16", **text_run)[3])["cudnn"]
+    assert {"fmhaSoftmax", "fmhaSoftmaxBackward"} <= set(fused), fused
+    assert not any("fmha" in k for k in gpu.analysis.kernels(_compiled(gpu, **text_run)[3])["cudnn"])
 
 
 def test_bf16_convolutions_go_to_cudnn_in_bf16(gpu):

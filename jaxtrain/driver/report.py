@@ -138,14 +138,19 @@ def shape_words(c: RunConfig, model: Model) -> str:
     of text:PATH (128 tokens, vocabulary 4096 (bpe), model size mini, attention: XLA's)"."""
     if isinstance(model, LanguageModel):
         return (f"windows of {c.dataset} ({model.seq_len} tokens, vocabulary {model.num_classes} ({c.tokenizer}), "
-                f"model size {c.model_size}, attention: {attention_words(jax.devices()[0].platform, c.precision)})")
+                f"model size {c.model_size}, attention: {attention_words(jax.devices()[0], c.precision)})")
     return f"examples of {c.dataset} ({'x'.join(map(str, model.input_shape))}, {model.num_classes} classes)"
 
 
-def attention_words(platform: str, precision: str) -> str:
-    """Whose attention the GPT runs (``gpt.attention_implementation``'s rule): cuDNN's fused kernel on GPUs in
-    bf16 and fp16, XLA's otherwise."""
-    return "cuDNN's fused kernel" if platform == "gpu" and precision in ("bf16", "fp16") else "XLA's"
+def attention_words(device, precision: str) -> str:
+    """Whose attention the GPT runs (``gpt.attention_implementation``'s rule): cuDNN's fused kernel in bf16 and
+    fp16 on a GPU that runs it (``gpt.fused_attention``), XLA's otherwise (and why, on a GPU that does not)."""
+    from jaxtrain.models.gpt import fused_attention
+
+    if precision not in ("bf16", "fp16"):
+        return "XLA's"
+    why = fused_attention(device)
+    return "cuDNN's fused kernel" if why is None else "XLA's" + (f" ({why})" if device.platform == "gpu" else "")
 
 
 def conv_path(c, model, platform: str) -> str:

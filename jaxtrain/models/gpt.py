@@ -141,6 +141,21 @@ def block(p, x, config: Config = SIZES["tiny"]):
     return x + h @ p["out"] + p["out_b"]
 
 
+FUSED_ATTENTION_CAPABILITY = (8, 0)  # cuDNN's fused (flash) attention: NVIDIA GPUs from Ampere on
+
+
+def fused_attention(device) -> str | None:
+    """Why cuDNN's fused attention does not run on ``device`` (a ``jax.Device``), or None where it does: a CUDA
+    GPU of compute capability 8.0 or more (A100, H100, ...). A device that does not say its capability (a
+    compile-only GPU target of ``jaxtrain.gpu``, all of them 8.0 or more) is taken as able."""
+    if device is None or device.platform != "gpu":
+        return "not a GPU"
+    capability = getattr(device, "compute_capability", None)
+    if capability and tuple(int(x) for x in str(capability).split(".")) < FUSED_ATTENTION_CAPABILITY:
+        return f"compute capability {capability}: cuDNN's fused attention needs 8.0 or more"
+    return None
+
+
 def attention_implementation(choice: str, dtype) -> str:
     """``jax.nn.dot_product_attention``'s implementation: "auto" (a model built for GPUs) is cuDNN's fused kernel
     for bf16 and fp16 (its dtypes) and XLA's for fp32; "xla" is XLA's. (JAX's own ``implementation=None`` is XLA's

@@ -77,7 +77,7 @@ def names(side: int | None = None) -> tuple[str, ...]:
 
 def get(name: str, *, remat: str = "none", init: str | None = None, input_shape: tuple = IMAGE_SHAPE,
         num_classes: int = 10, quantize: str = "none", kernels: str = "jnp", conv: str = "auto",
-        size: str | None = None, platform: str | None = None) -> Model:
+        size: str | None = None, device=None) -> Model:
     """The named model for images of ``input_shape`` (H, W, C) and ``num_classes`` classes (the dataset's), its
     train-mode loss remat'ed per block by the ``remat`` policy; ``quantize="int8"``: quantisation-aware (its
     convs and dense layers see int8-rounded weights and activations, gradients straight through);
@@ -85,7 +85,8 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     of jaxtrain.kernels (evaluation stays jnp); ``conv``: whose convolutions (``jaxtrain.kernels.onednn.choose``:
     "auto" is oneDNN's on a CPU where it is usable, else XLA's). A language model (``gpt``) takes windows of
     ``input_shape[0]`` tokens over a vocabulary of ``num_classes``, its network of ``size`` (``gpt.SIZES``), its
-    attention cuDNN's fused kernel in bf16 and fp16 when ``platform`` (its devices') is "gpu", else XLA's."""
+    attention cuDNN's fused kernel in bf16 and fp16 where ``device`` (one of its devices: a ``jax.Device``) runs it
+    (``gpt.fused_attention``), else XLA's."""
     from jaxtrain.choices import KERNELS
     from jaxtrain.errors import ConfigError
 
@@ -102,7 +103,7 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
     if name in LANGUAGE_MODELS:
-        return _gpt(remat, shape, kernels, size or DEFAULT_SIZE, platform)
+        return _gpt(remat, shape, kernels, size or DEFAULT_SIZE, device)
     if size is not None:
         raise ConfigError(f"size={size!r}: model {name} has one size (sizes are a language model's: "
                           f"{', '.join(LANGUAGE_MODELS)})")
@@ -190,7 +191,7 @@ def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, c
                    classifier="dense/", **shape)
 
 
-def _gpt(remat: str, shape: dict, kernels: str, size: str, platform: str | None) -> LanguageModel:
+def _gpt(remat: str, shape: dict, kernels: str, size: str, device) -> LanguageModel:
     """The GPT of ``size`` for windows of ``input_shape[0]`` tokens and a vocabulary of ``num_classes``."""
     from jaxtrain.errors import ConfigError
     from jaxtrain.models import gpt
@@ -201,7 +202,7 @@ def _gpt(remat: str, shape: dict, kernels: str, size: str, platform: str | None)
         raise ConfigError("model gpt: " + ("its loss is jnp's (kernels=pallas is the image models')" if
                                             kernels != "jnp" else "it takes windows of tokens (dataset=text:PATH)"))
     config = dataclasses.replace(gpt.SIZES[size], seq_len=shape["input_shape"][0], vocab=shape["num_classes"],
-                                 attention="auto" if platform == "gpu" else "xla")
+                                 attention="xla" if gpt.fused_attention(device) else "auto")
     return LanguageModel(name="gpt", init=lambda rng: (gpt.init(rng, config), {}),
                          loss_fn=gpt.make_loss_fn(config, remat), eval_fn=gpt.make_eval_fn(config),
                          logits=lambda params, _, tokens: gpt.apply(params, tokens, config),
