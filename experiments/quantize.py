@@ -111,19 +111,17 @@ def table(r: dict) -> str:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    from jaxtrain.cli import as_flags
+    from jaxtrain.cli import library_log
     from jaxtrain.errors import ConfigError
 
     try:
-        result = measure(args)
+        with library_log({"run_dir": "--run"}):  # the library's lines and errors, as this command line says them
+            result = measure(args)
     except ConfigError as e:
-        print(f"quantize: error: {as_flags(str(e), {'run_dir': '--run'})}", file=sys.stderr)
+        print(f"quantize: error: {e}", file=sys.stderr)
         return 2
     return print_and_save(table(result), result, args.json)
 
 
 if __name__ == "__main__":
-    from jaxtrain.cli import library_log
-
-    with library_log():  # the library's log lines, as a command line says them
-        sys.exit(main())
+    sys.exit(main())

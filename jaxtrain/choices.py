@@ -40,7 +40,7 @@ def check_dataset(name: str) -> None:
 def lr_groups(text: str | None) -> tuple[tuple[str, float], ...]:
     """'REGEX=LR,...' -> ((regex, lr), ...): items split at ",", each at its last "="; a one-line ConfigError
     for an item without a finite positive number after its "="."""
-    from jaxtrain.errors import ConfigError
+    from jaxtrain.errors import ConfigError, named
 
     groups = []
     for item in text.split(",") if text else ():
@@ -50,8 +50,8 @@ def lr_groups(text: str | None) -> tuple[tuple[str, float], ...]:
         except ValueError:
             lr = 0.0
         if not pattern or not 0 < lr < math.inf:
-            raise ConfigError(f"lr_groups={text!r}: give REGEX=LR items separated by commas, each LR a finite "
-                              f"number > 0 (e.g. 'dense/=1e-2,blocks/7/=1e-3'); {item.strip()!r} is not one")
+            raise ConfigError(f"{named('lr_groups', repr(text))}: give REGEX=LR items separated by commas, each LR "
+                              f"a finite number > 0 (e.g. 'dense/=1e-2,blocks/7/=1e-3'); {item.strip()!r} is not one")
         groups.append((pattern, lr))
     return tuple(groups)
 

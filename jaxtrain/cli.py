@@ -4,20 +4,21 @@
 
 Every flag is a RunConfig field (its help and check come from there);
 ``to_argv`` writes a config back as flags (``parse(to_argv(c)) == c``).
-The library's errors name parameters (``workers=0``, ``pass checkpoint_dir=``),
-as a Python user calls them; ``as_flags`` says them as flags here.
+The library's messages name parameters with ``errors.named`` (``workers=0``, ``pass checkpoint_dir=``, as a
+Python user calls them); while a command runs (``library_log``) they name its flags instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
-import re
 import sys
 from collections.abc import Mapping, Sequence
 
 from jaxtrain.choices import MESH_AXES
+from jaxtrain import errors
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 from jaxtrain.io import console
@@ -68,43 +69,25 @@ def executable(text: str) -> str:
     return text
 
 
-# A parameter in a library message: ``name=VALUE`` or ``name=`` (at the start, after a space, "(" or a quote).
-_PARAM = re.compile(r"(?<![^\s(`'\"])([a-z][a-z0-9_]*)=([^\s,;)]*)")
+def setting_flags(flags: dict[str, str] | None = None) -> dict[str, str]:
+    """Every RunConfig setting's flag by its name (``batch_size`` -> ``--batch-size``), and ``flags``: more names a
+    command spells its own way (``{"budget_bytes": "--memory-budget"}``)."""
+    return {**{name: flag(name) for name in FIELDS}, **(flags or {})}
 
 
-def as_flags(message: str, flags: dict[str, str] | None = None) -> str:
-    """``message`` with the RunConfig parameters it names as command-line flags: ``workers=-1`` -> ``--workers
-    -1``, ``pass checkpoint_dir= elsewhere`` -> ``pass --checkpoint-dir elsewhere``, ``resume=True`` ->
-    ``--resume``; ``flags``: more names a command spells its own way (``{"budget_bytes": "--memory-budget"}``)."""
-    fields = {name: f for name, (_, f) in FIELDS.items()}
-    flags = {**{name: flag(name) for name in fields}, **(flags or {})}
-
-    def say(m: re.Match) -> str:
-        name, value = m.groups()
-        if name not in flags:
-            return m.group(0)
-        tail = value[-1] if value[-1:] in (":", ".") else ""
-        value = value[:len(value) - len(tail)]
-        if name in fields and fields[name].type == "bool" and value == "True":
-            value = ""
-        return flags[name] + (f" {value}" if value else "") + tail
-
-    return _PARAM.sub(say, message)
-
-
+@contextlib.contextmanager
 def library_log(flags: dict[str, str] | None = None):
     """While a command runs: the library's log lines (``io.console.lines``: progress on stdout, ``warning: ...`` on
-    stderr), its parameters said as flags (``on_bad_image=error`` -> ``--on-bad-image error``; ``flags``: as
-    ``as_flags``). Nested (a command's ``one_line_errors`` around ``main``, which says them too), the outer one
-    says them: once."""
-    return console.lines(functools.partial(as_flags, flags=flags))
+    stderr), and its messages naming parameters as flags (``errors.named``: ``--on-bad-image error``, not
+    ``on_bad_image=error``; ``flags``: as ``setting_flags``)."""
+    with errors.flags_spoken(setting_flags(flags)), console.lines():
+        yield
 
 
 def one_line_errors(prog: str, flags: dict[str, str] | None = None):
     """Decorator of a command's ``main(argv)``: a ConfigError becomes ``prog: error: ...`` on stderr (``prog``: or
-    the one ``main`` is called with; its
-    parameters said as flags: ``as_flags``), exit with its ``EXIT_CODE`` (2; a Diverged run: 3); the library's
-    log lines are said as flags too (``library_log``)."""
+    the one ``main`` is called with; its parameters named as flags: ``library_log``), exit with its ``EXIT_CODE``
+    (2; a Diverged run: 3)."""
 
     def wrap(main):
         @functools.wraps(main)
@@ -113,7 +96,7 @@ def one_line_errors(prog: str, flags: dict[str, str] | None = None):
                 with library_log(flags):
                     return main(argv, **kwargs)
             except ConfigError as e:
-                print(f"{kwargs.get('prog') or prog}: error: {as_flags(str(e), flags)}", file=sys.stderr)
+                print(f"{kwargs.get('prog') or prog}: error: {e}", file=sys.stderr)
                 return e.EXIT_CODE
 
         return run
@@ -266,7 +249,7 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
 
             run(config, stop)
         except ConfigError as e:
-            print(f"{parser.prog}: error: {as_flags(str(e))}", file=sys.stderr)
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
             return e.EXIT_CODE
         except Exit as e:
             return e.code

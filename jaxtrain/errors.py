@@ -1,5 +1,8 @@
-"""The exception types for bad user input (the CLI prints each as one line), and the line for a missing extra."""
+"""The exception types for bad user input (the CLI prints each as one line), the line for a missing extra, and
+how a message names a parameter (``named``: ``workers=-1`` to a Python caller, ``--workers -1`` on a command
+line)."""
 
+import contextlib
 import importlib
 
 
@@ -25,8 +28,8 @@ class Diverged(ConfigError):
     def __init__(self, what: str, step: int, note: str = ""):
         self.what, self.step = what, step
         super().__init__(f"{what} at step {step}: training diverged (a learning rate too high for this model? "
-                         "lower lr=; or labels outside the model's classes); stopped, nothing past the previous "
-                         "checkpoint was saved" + (f"; {note}" if note else ""))
+                         f"lower {named('lr')}; or labels outside the model's classes); stopped, nothing past the "
+                         "previous checkpoint was saved" + (f"; {note}" if note else ""))
 
 
 # The optional packages (pyproject.toml's optional-dependencies): the module a feature imports -> the distribution
@@ -65,3 +68,31 @@ def missing(module: str, what: str) -> str | None:
     except MissingExtra as e:
         return f"{what} left out: {e.package} is not installed (pip install 'jaxtrain[{e.extra}]')"
     return None
+
+
+# name -> flag while a command line speaks (``flags_spoken``); None: a Python caller's names. Set by the command's
+# entry point around the whole command (its errors and log lines are made in any thread), so a module's.
+_FLAGS: dict[str, str] | None = None
+
+
+def named(name: str, *value) -> str:
+    """A parameter as a message names it: ``named("workers", -1)`` is ``workers=-1`` to a Python caller and
+    ``--workers -1`` on a command line (``flags_spoken``); ``named("out")`` is ``out=`` or ``--out``; a switch's
+    ``named("resume", True)`` is ``resume=True`` or ``--resume``. A name the command has no flag for stays as
+    Python says it."""
+    flag = (_FLAGS or {}).get(name)
+    if flag is None:
+        return f"{name}={value[0]}" if value else f"{name}="
+    return flag if not value or value[0] is True else f"{flag} {value[0]}"
+
+
+@contextlib.contextmanager
+def flags_spoken(flags: dict[str, str]):
+    """While a command runs: ``named`` says the parameters in ``flags`` (name -> its flag) as flags (nested: the
+    outer command's and these)."""
+    global _FLAGS
+    before, _FLAGS = _FLAGS, {**(_FLAGS or {}), **flags}
+    try:
+        yield
+    finally:
+        _FLAGS = before

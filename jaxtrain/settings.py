@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 
 def affinity() -> set[int]:
@@ -80,7 +80,8 @@ def address(name: str, text: str) -> str:
     """``text`` if it is HOST:PORT (a port from 1 to 65535), else a ConfigError naming ``name``."""
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{name}={text}: not HOST:PORT: give process 0's host and a free port (e.g. 10.0.0.1:7777)")
+        raise ConfigError(f"{named(name, text)}: not HOST:PORT: give process 0's host and a free port "
+                          "(e.g. 10.0.0.1:7777)")
     return text
 
 
@@ -267,7 +268,8 @@ def check_job(job: Job) -> None:
     if job.launcher == "Open MPI" and not (uri.split(".", 1)[0].isdigit()
                                            and re.search(r"tcp://(.+?)[,:]|tcp6://\[(.+?)[,\]]", uri)):
         raise ConfigError(f"{OMPI_VARIABLES[0]}={uri}: not Open MPI 4's form (JOBID.RANK;tcp://IP:PORT...): start "
-                          "the tasks with mpirun, or pass coordinator=HOST:PORT, num_processes= and process_id=")
+                          f"the tasks with mpirun, or pass {named('coordinator', 'HOST:PORT')}, "
+                          f"{named('num_processes')} and {named('process_id')}")
 
 
 def tasks_on_node() -> tuple[int, int] | None:

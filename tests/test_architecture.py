@@ -238,18 +238,48 @@ def flags_in_errors(path: Path) -> list[str]:
     return found
 
 
-def test_library_errors_name_parameters_and_the_command_line_says_them_as_flags():
-    """A Python user reads ``workers=``, not ``--workers`` (16 modules said flags); the CLI translates."""
-    from jaxtrain.cli import as_flags
+# Parameters a command spells its own way (its one_line_errors' flags=), beside every RunConfig setting.
+COMMAND_NAMES = ("gpus", "hosts", "memory_fraction", "budget_bytes", "run_dir")
+
+
+def named_by_hand(path: Path) -> list[str]:
+    """Where ``path``'s strings write a parameter as ``name=`` themselves (a setting's or a command's name before
+    "=", at the start or after a space, "(" or a quote), not ``errors.named(name, ...)``; docstrings aside. (A name
+    made at run time, ``f"{name}={value}"``, is not seen: there are few, and each names an environment variable
+    or goes through ``named``.)"""
+    from jaxtrain.driver.sections import FIELDS
+
+    names = "|".join(sorted([*FIELDS, *COMMAND_NAMES], key=len, reverse=True))
+    said = re.compile(r"(?<![^\s(`'\"])(" + names + ")=")
+    tree = ast.parse(path.read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [f"{path.name}:{node.lineno}: {m.group(0)}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+            for m in said.finditer(node.value)]
+
+
+def test_library_messages_name_parameters_through_errors_named_and_a_command_line_says_its_flags():
+    """A Python user reads ``workers=-1``, a command line ``--workers -1``: each message names a parameter with
+    ``errors.named``, which a command's ``library_log`` makes say flags (no message is rewritten after it is
+    made); and no library message writes a flag itself (16 modules once did)."""
+    from jaxtrain import cli, errors
 
     leaks = [hit for name, path in MODULES.items() if name not in COMMAND_LINES for hit in flags_in_errors(path)]
     assert not leaks, leaks
     assert flags_in_errors(MODULES["jaxtrain.cli"])  # the check sees flags where they are
-    assert as_flags("workers=-1: must be >= 0") == "--workers -1: must be >= 0"
-    assert as_flags("pass checkpoint_dir= elsewhere, or resume=True.") == (
-        "pass --checkpoint-dir elsewhere, or --resume.")
-    assert as_flags("(e.g. data=2,model=2); budget_bytes=", {"budget_bytes": "--memory-budget"}) == (
-        "(e.g. data=2,model=2); --memory-budget")
+    by_hand = [hit for name, path in MODULES.items() if name not in COMMAND_LINES for hit in named_by_hand(path)]
+    assert not by_hand, by_hand
+    assert named_by_hand(ROOT / "tests" / "test_architecture.py")  # the check sees them where they are: "workers=-1"
+    said = ("workers=-1", "checkpoint_dir=", "resume=True", "budget_bytes=", "bogus=1")
+    assert (errors.named("workers", -1), errors.named("checkpoint_dir"), errors.named("resume", True),
+            errors.named("budget_bytes"), errors.named("bogus", 1)) == said
+    with cli.library_log({"budget_bytes": "--memory-budget"}):
+        assert (errors.named("workers", -1), errors.named("checkpoint_dir"), errors.named("resume", True),
+                errors.named("budget_bytes"), errors.named("bogus", 1)) == (
+            "--workers -1", "--checkpoint-dir", "--resume", "--memory-budget", "bogus=1")
+    assert errors.named("workers", -1) == "workers=-1"  # after the command: a Python caller's names again
 
 
 def calls(path: Path, name: str):

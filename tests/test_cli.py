@@ -393,11 +393,11 @@ def test_runs_lists_every_experiment_that_is_a_training_run_and_the_model_it_fix
 
 @pytest.mark.parametrize("propagating", [True, False])
 def test_a_library_line_is_said_once_when_library_log_is_nested_and_propagate_is_given_back(capsys, propagating):
-    """A command's ``one_line_errors`` around a main that says the library's lines too (``cli.main``): said once, as
-    flags of the outer one; the logger's ``propagate`` is what it was before, not always True."""
+    """A command's ``one_line_errors`` around a main that says the library's lines too (``cli.main``): said once,
+    naming the outer one's flags; the logger's ``propagate`` is what it was before, not always True."""
     import logging
 
-    from jaxtrain import cli
+    from jaxtrain import cli, errors
 
     logger = logging.getLogger("jaxtrain")
     before, handlers, logger.propagate = logger.propagate, list(logger.handlers), propagating
@@ -405,7 +405,7 @@ def test_a_library_line_is_said_once_when_library_log_is_nested_and_propagate_is
     @cli.one_line_errors("prog", {"budget_bytes": "--memory-budget"})
     def command(argv):
         with cli.library_log():  # as cli.main does
-            logging.getLogger("jaxtrain.test").warning("budget_bytes=%d is small", 3)
+            logging.getLogger("jaxtrain.test").warning("%s is small", errors.named("budget_bytes", 3))
         return 0
 
     try:

@@ -231,7 +231,7 @@ def test_choose_names_the_convolution_and_refuses_what_is_unusable(monkeypatch, 
         onednn.choose("cudnn")
     _unusable(monkeypatch, expected=True)
     assert onednn.choose("auto")[0] == "xla" and onednn.choose("auto")[0] == "xla"
-    with pytest.raises(ConfigError, match="conv=onednn: no C\\+\\+ compiler found.*conv=xla"):
+    with pytest.raises(ConfigError, match="--conv onednn: no C\\+\\+ compiler found.*--conv xla"):
         models.get("resnet18", conv="onednn")
     said = capsys.readouterr().err.splitlines()  # auto fell back on x86-64 Linux: one line, why and the fix
     assert said == [("warning: oneDNN's convolutions are not usable (no C++ compiler found (g++): install g++ (make "

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxtrain.analysis.diagnostics import compiled_stats, step_bytes
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel.sharding import device_bytes
 
 UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
@@ -78,7 +78,7 @@ def find_batch_size(trainer, state, make_batch: Callable[[int], dict], budget_by
         budget_bytes = device_budget()
         if budget_bytes is None:
             raise ConfigError(f"{jax.local_devices()[0].platform} devices report no memory limit: "
-                              "pass budget_bytes=")
+                              f"pass {named('budget_bytes')}")
     unit = trainer.batch_plan.unit
     measured: dict[int, int] = dict(known or {})
 

@@ -12,6 +12,7 @@ from jaxtrain.analysis.peaks import peak_flops
 from jaxtrain.analysis.traffic import (  # noqa: F401 (their home)
     COLLECTIVES, collective_bytes, collective_op, crossing_bytes, replica_hosts)
 from jaxtrain.core import compat, step
+from jaxtrain.errors import named
 
 
 def _first(analysis):
@@ -118,7 +119,7 @@ def host_memory_warning(stats: dict, devices) -> str | None:
         return None
     return (f"one step needs ~{per_device * len(local) / 2**30:.1f} GiB more host memory ({len(local)} "
                f"devices x {per_device / 2**30:.2f} GiB) and {available / 2**30:.1f} GiB is available: the run may be "
-               "killed; use a smaller batch_size= (or fewer devices=)")
+               f"killed; use a smaller {named('batch_size')} (or fewer {named('devices')})")
 
 
 NOT_REPORTED = "not reported"

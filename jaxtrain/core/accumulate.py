@@ -18,7 +18,7 @@ import optax
 from jax import lax
 
 from jaxtrain.choices import ACCUM_MODES
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 class Accum(str, enum.Enum):
     """How k micro-batches make one update: ``SCAN`` inside one call, ``MULTISTEPS`` one call each."""
@@ -34,11 +34,11 @@ assert tuple(m.value for m in Accum) == MODES
 def check(accum_steps: int, accum: str | Accum) -> Accum:
     """``accum`` as an ``Accum``; a ConfigError for a bad count or mode."""
     if not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ConfigError(f"accum_steps={accum_steps!r}: must be a whole number >= 1")
+        raise ConfigError(f"{named('accum_steps', repr(accum_steps))}: must be a whole number >= 1")
     try:
         return Accum(accum)
     except ValueError:
-        raise ConfigError(f"unknown accum={accum!r}: use one of {', '.join(MODES)}") from None
+        raise ConfigError(f"unknown {named('accum', repr(accum))}: use one of {', '.join(MODES)}") from None
 
 
 def wrap_optimizer(tx: optax.GradientTransformation, accum_steps: int, accum: Accum):

@@ -20,7 +20,7 @@ import jax
 import optax
 
 from jaxtrain.choices import LR_SCHEDULES, OPTIMIZERS
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 MOMENTUM = 0.9
 
@@ -42,7 +42,7 @@ def make_schedule(name: str, lr: float, total_steps: int | None = None, warmup_s
         raise ConfigError(f"schedule {name!r} needs the run's length: total_steps >= 1, got {total_steps}")
     if not 0 <= warmup_steps < total_steps:
         raise ConfigError(f"warm-up of {warmup_steps} steps does not fit a run of {total_steps} steps: use fewer "
-                          "warmup_epochs= or more epochs=")
+                          f"{named('warmup_epochs')} or more {named('epochs')}")
     if name == "cosine":
         return optax.cosine_decay_schedule(lr, total_steps)
     if name == "warmup_cosine":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxtrain.choices import AUGMENTATIONS
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 PAD = 4
 # splitmix64's constants (``on_device`` computes the same hash on the devices)
@@ -53,6 +53,6 @@ def get(name: str):
     if name not in AUGMENTATIONS:
         raise ConfigError(f"unknown augmentation {name!r}: use one of {', '.join(AUGMENTATIONS)}")
     if name == "rrc+flip":
-        raise ConfigError("augment=rrc+flip crops each image before it is decoded: it is for image folders "
-                          "(dataset=folder:DIR); use crop+flip for a dataset held in memory")
+        raise ConfigError(f"{named('augment', 'rrc+flip')} crops each image before it is decoded: it is for image "
+                          f"folders ({named('dataset', 'folder:DIR')}); use crop+flip for a dataset held in memory")
     return {"none": None, "crop+flip": crop_flip}[name]

@@ -11,14 +11,18 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain.data.split import Split
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 FILES = {"train": tuple(f"data_batch_{i}.bin" for i in range(1, 6)), "test": ("test_batch.bin",)}
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 RECORD = 1 + 32 * 32 * 3
-HOW_TO_GET = ("pass data_dir= holding CIFAR-10's binary version (data_batch_1.bin ... data_batch_5.bin, "
-              "test_batch.bin: the files of cifar-10-binary.tar.gz)")
+
+
+def how_to_get() -> str:
+    """How to get the files (said when they are missing), naming the parameter as the caller spells it."""
+    return (f"pass {named('data_dir')} holding CIFAR-10's binary version (data_batch_1.bin ... data_batch_5.bin, "
+            "test_batch.bin: the files of cifar-10-binary.tar.gz)")
 
 
 def directory_of(directory: Path) -> Path:
@@ -33,7 +37,7 @@ def paths(directory: Path) -> list[Path]:
     found = [directory / name for names in FILES.values() for name in names]
     for path in found:
         if not path.is_file():
-            raise ConfigError(f"{directory}: {path.name} is missing; {HOW_TO_GET}")
+            raise ConfigError(f"{directory}: {path.name} is missing; {how_to_get()}")
     return found
 
 
@@ -64,6 +68,6 @@ def read_split(directory: Path, split: str) -> Split:
     parts = []
     for name in FILES[split]:
         if not (directory / name).is_file():
-            raise ConfigError(f"{directory}: {name} is missing; {HOW_TO_GET}")
+            raise ConfigError(f"{directory}: {name} is missing; {how_to_get()}")
         parts.append(read_file(directory / name))
     return Split(np.concatenate([p.images for p in parts]), np.concatenate([p.labels for p in parts]))

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 # The local datasets' class names, in label order (a folder's are its sub-folders).
 NAMES = {
@@ -30,13 +30,13 @@ def pick(spec: str, names: tuple[str, ...]) -> list[int]:
     for item in (s.strip() for s in spec.split(",")):
         label = names.index(item) if item in names else int(item) if item.isdigit() else -1
         if not 0 <= label < len(names):
-            raise ConfigError(f"classes={spec!r}: {item!r} is not a class of this dataset (its classes: "
+            raise ConfigError(f"{named('classes', repr(spec))}: {item!r} is not a class of this dataset (its classes: "
                               f"{', '.join(names[:12])}{', ...' if len(names) > 12 else ''}; or give label numbers)")
         if label in keep:
-            raise ConfigError(f"classes={spec!r}: {item!r} is named twice")
+            raise ConfigError(f"{named('classes', repr(spec))}: {item!r} is named twice")
         keep.append(label)
     if len(keep) < 2:
-        raise ConfigError(f"classes={spec!r}: name at least two classes to train a classifier on")
+        raise ConfigError(f"{named('classes', repr(spec))}: name at least two classes to train a classifier on")
     return keep
 
 
@@ -54,7 +54,7 @@ def select(split, keep: list[int], names: tuple[str, ...]):
                                    labels=remap[labels[mask]], class_names=tuple(names[k] for k in keep))
     if isinstance(split, Split):
         return dataclasses.replace(split, images=split.images[mask], labels=remap[labels[mask]], num_classes=len(keep))
-    raise ConfigError(f"classes=: works on image folders and the local datasets ({', '.join(NAMES)}), not on "
+    raise ConfigError(f"{named('classes')}: works on image folders and the local datasets ({', '.join(NAMES)}), not on "
                       f"{type(split).__name__}")
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxtrain.data import cifar, idx
 from jaxtrain.data.split import Split, files_digest
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.io.dirlock import DirLock
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def conversion_dir(fmt: ModuleType, name: str, local: Path, tfds_dir) -> Path:
 
 def conversion_lock(where: Path, local: Path) -> DirLock:
     """The lock of one conversion (``where``), beside it: runs converting the same files take turns."""
-    return DirLock(where.parent, "tfds_dir=", name=f".{where.name}.lock",
+    return DirLock(where.parent, named("tfds_dir"), name=f".{where.name}.lock",
                    waiting=f"waiting for another run converting the files in {local}")
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from jaxtrain import settings
 from jaxtrain.io import console
 from jaxtrain.data import jpeg
-from jaxtrain.errors import ConfigError, need
+from jaxtrain.errors import ConfigError, named, need
 
 JPEG_SUFFIXES = (".jpg", ".jpeg")
 EXTENSIONS = (*JPEG_SUFFIXES, ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm")
@@ -95,7 +95,7 @@ def check_dir(root: str | os.PathLike) -> Path:
     path = Path(root).expanduser()
     if not path.is_dir():
         raise ConfigError(f"folder:{root}: not a directory (give DIR with DIR/train/CLASS/* and DIR/val/CLASS/*, "
-                          "or DIR/CLASS/* with val_fraction=)")
+                          f"or DIR/CLASS/* with {named('val_fraction')})")
     return path.resolve()
 
 
@@ -210,10 +210,10 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
     """``{"train": FolderSplit, "test": FolderSplit}`` of the folder ``root`` (layouts above); ``warn``: how the
     files left out of the index are said (one line per split; a run: by its first process only)."""
     if on_bad not in ON_BAD:
-        raise ConfigError(f"on_bad_image={on_bad!r}: use one of {', '.join(ON_BAD)}")
-    need("PIL.Image", "image folders (dataset=folder:PATH)")
+        raise ConfigError(f"{named('on_bad_image', repr(on_bad))}: use one of {', '.join(ON_BAD)}")
+    need("PIL.Image", f"image folders ({named('dataset', 'folder:PATH')})")
     if not 1 <= size <= 4096:
-        raise ConfigError(f"image_size={size}: give a side length in pixels, 1 to 4096")
+        raise ConfigError(f"{named('image_size', size)}: give a side length in pixels, 1 to 4096")
     base = check_dir(root)
     train_dir, test_dir = base / "train", next((base / d for d in EVAL_FOLDERS if (base / d).is_dir()), None)
 
@@ -231,8 +231,8 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
         if test_dir is None:
             raise ConfigError(f"{base} has train/ but no val/ or test/ beside it: add one (one sub-folder per class)")
         if val_fraction is not None:
-            raise ConfigError(f"{base} has train/ and {test_dir.name}/: val_fraction= is for a folder with one "
-                              "sub-folder per class and no split")
+            raise ConfigError(f"{base} has train/ and {test_dir.name}/: {named('val_fraction')} is for a folder "
+                              "with one sub-folder per class and no split")
         classes, index = _cached_index(train_dir)
         if not classes:
             raise ConfigError(f"{train_dir} has no class folders: put each class's images in train/CLASS/")
@@ -246,13 +246,13 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
                 "test": make(test_dir, test_index, *_labelled(test_dir, classes, test_index, False), classes)}
     classes, index = _cached_index(base)
     if not classes:
-        raise ConfigError(f"folder:{root} has no class folders: give DIR/CLASS/*.jpg (with val_fraction=) or "
+        raise ConfigError(f"folder:{root} has no class folders: give DIR/CLASS/*.jpg (with {named('val_fraction')}) or "
                           "DIR/train/CLASS/* and DIR/val/CLASS/*")
     if val_fraction is None:
-        raise ConfigError(f"{base} has no train/ and val/ folders: pass val_fraction= (e.g. 0.1) to hold out a "
-                          "share of each class for evaluation")
+        raise ConfigError(f"{base} has no train/ and val/ folders: pass {named('val_fraction')} (e.g. 0.1) to hold "
+                          "out a share of each class for evaluation")
     if not 0 < val_fraction < 1:
-        raise ConfigError(f"val_fraction={val_fraction}: give a share between 0 and 1 (e.g. 0.1)")
+        raise ConfigError(f"{named('val_fraction', val_fraction)}: give a share between 0 and 1 (e.g. 0.1)")
     _say_left_out(base, index, warn)
     files, labels = _labelled(base, classes, index)
     rng, held = np.random.default_rng(_ORDER_SEED), np.zeros(len(files), bool)
@@ -260,10 +260,10 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
         members = np.flatnonzero(labels == c)
         held[rng.permutation(members)[:round(val_fraction * len(members))]] = True
     if held.all():
-        raise ConfigError(f"val_fraction={val_fraction} holds out every image of {base}, leaving none to train on: "
-                          "lower val_fraction= (e.g. 0.1), or add images")
+        raise ConfigError(f"{named('val_fraction', val_fraction)} holds out every image of {base}, leaving none to "
+                          f"train on: lower {named('val_fraction')} (e.g. 0.1), or add images")
     if not held.any():
-        raise ConfigError(f"val_fraction={val_fraction} holds out no image of {base} (each class's share rounds to "
-                          "0): raise val_fraction=, or add images")
+        raise ConfigError(f"{named('val_fraction', val_fraction)} holds out no image of {base} (each class's share "
+                          f"rounds to 0): raise {named('val_fraction')}, or add images")
     return {name: make(base, index, [files[i] for i in pick], labels[pick], classes)
             for name, pick in (("train", np.flatnonzero(~held)), ("test", np.flatnonzero(held)))}

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain.data.split import Split
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -17,8 +17,12 @@ FILES = {
 }
 IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
-HOW_TO_GET = ("get it with `make data` (Debian package dataset-fashion-mnist), or pass data_dir= holding the "
-              "four IDX files (train-images-idx3-ubyte[.gz], ...), or let TFDS download it (needs internet)")
+
+
+def how_to_get() -> str:
+    """How to get the files (said when they are missing), naming the parameter as the caller spells it."""
+    return (f"get it with `make data` (Debian package dataset-fashion-mnist), or pass {named('data_dir')} holding "
+            "the four IDX files (train-images-idx3-ubyte[.gz], ...), or let TFDS download it (needs internet)")
 
 
 def find(directory: Path, stem: str) -> Path | None:
@@ -34,7 +38,7 @@ def paths(directory: Path) -> list[Path]:
     for stem in (stem for pair in FILES.values() for stem in pair):
         path = find(directory, stem)
         if path is None:
-            raise ConfigError(f"{directory}: {stem}[.gz] is missing; {HOW_TO_GET}")
+            raise ConfigError(f"{directory}: {stem}[.gz] is missing; {how_to_get()}")
         found.append(path)
     return found
 
@@ -72,7 +76,7 @@ def read_split(directory: Path, split: str) -> Split:
     image_path, label_path = find(directory, image_stem), find(directory, label_stem)
     for stem, path in ((image_stem, image_path), (label_stem, label_path)):
         if path is None:
-            raise ConfigError(f"{directory}: {stem}[.gz] is missing; {HOW_TO_GET}")
+            raise ConfigError(f"{directory}: {stem}[.gz] is missing; {how_to_get()}")
     images, labels = read_idx(image_path, 3), read_idx(label_path, 1)
     if images.shape[1:] != IMAGE_SHAPE[:2]:
         raise ConfigError(f"{image_path}: images are {images.shape[1]}x{images.shape[2]}, expected 28x28")

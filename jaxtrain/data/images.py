@@ -27,7 +27,7 @@ import numpy as np
 from jaxtrain import settings
 from jaxtrain.data import augment as augment_lib
 from jaxtrain.data import jpeg
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
 TRIES = 16  # a damaged file is replaced by the next that decodes, among the next TRIES files
@@ -141,7 +141,8 @@ def read_batch(split, idx: np.ndarray, *, augment: str | None, seed: int, epoch:
                                       "mount") from None
                 if split.on_bad == "error":
                     raise ConfigError(f"{path} cannot be decoded ({type(e).__name__}: {str(e)[:120]}): replace or "
-                                      "remove it, or pass on_bad_image=skip to skip damaged files") from None
+                                      f"remove it, or pass {named('on_bad_image', 'skip')} to skip damaged "
+                                      "files") from None
                 bad.append(f"{path} ({type(e).__name__})")
             else:
                 out[row] = image

@@ -33,7 +33,7 @@ from jaxtrain.choices import AUGMENTATIONS
 from jaxtrain.data import augment as augment_lib
 from jaxtrain.data.folder import FolderSplit
 from jaxtrain.data.split import Split, normalise  # noqa: F401 - normalise: its public home was here
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,9 @@ def _check_spawnable(workers: int) -> None:
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if path is not None and not os.path.isfile(path):
-        raise ConfigError(f"workers={workers}: worker processes start from the main script's file, and this script "
-                          f"has none ({path}): save it as a file and run that, or use workers=0")
+        raise ConfigError(f"{named('workers', workers)}: worker processes start from the main script's file, and "
+                          f"this script has none ({path}): save it as a file and run that, or use "
+                          f"{named('workers', 0)}")
 
 
 class Loader:
@@ -162,7 +163,7 @@ class Loader:
             raise ConfigError(f"batch size {batch_size} does not split over {self.process_count} processes: "
                               f"use a multiple of {self.process_count}")
         if workers < 0:
-            raise ConfigError(f"workers={workers}: must be >= 0")
+            raise ConfigError(f"{named('workers', workers)}: must be >= 0")
         if train and len(split) < batch_size:
             raise ConfigError(f"batch size {batch_size} is larger than the {len(split)} training examples")
         if split.raw and workers:
@@ -271,7 +272,8 @@ class Loader:
                     first.setdefault(key, noted[0])
             if i == count - 1 and counts["bad"]:
                 log.warning("epoch %d: %d image file(s) could not be decoded and were replaced by the next file of "
-                            "the split, e.g. %s (on_bad_image=error stops instead)", epoch, counts["bad"], first["bad"])
+                            f"the split, e.g. %s ({named('on_bad_image', 'error')} stops instead)", epoch,
+                            counts["bad"], first["bad"])
             if i == count - 1 and counts["pillow"]:
                 log.warning("epoch %d: %d JPEG file(s) decoded by Pillow, slower: the region decoder refused them "
                             "(the first: %s)", epoch, counts["pillow"], first["pillow"])

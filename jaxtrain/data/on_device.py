@@ -23,7 +23,7 @@ import numpy as np
 from jaxtrain.data import augment as augment_lib
 from jaxtrain.data.loader import Loader, epoch_order
 from jaxtrain.data.split import Split
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ def train_indices(loader: Loader, epoch: int, start: int, count: int) -> np.ndar
     rows of the loader's own ``epoch_order`` (B: its global batch size), all that a call copies to the devices.
     Row b's slice of process p is what ``loader`` with that process's index builds for batch b."""
     if not loader.train:
-        raise ConfigError("train_indices is for a training loader (train=True); evaluation batches are in order: "
-                          "eval_batch needs no indices")
+        raise ConfigError(f"train_indices is for a training loader ({named('train', True)}); evaluation batches are "
+                          "in order: eval_batch needs no indices")
     if start < 0 or count < 1 or start + count > len(loader):
         raise ConfigError(f"batches {start}..{start + count - 1} asked for, but an epoch has {len(loader)} "
                           f"(0..{len(loader) - 1})")

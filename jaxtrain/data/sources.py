@@ -33,7 +33,7 @@ from jaxtrain.io import console
 from jaxtrain.choices import DATASETS, DEFAULT_DATA_DIRS, FOLDER_PREFIX, TFDS_PREFIX, check_dataset
 from jaxtrain.data import cifar, convert, idx
 from jaxtrain.data.split import Split, files_digest, split_digest  # noqa: F401 - Split: the public home
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,10 @@ def _prepared_tfds(name: str, split: str, tfds_dir):
         builder = tfds.builder(name, data_dir=tfds_dir)
     except Exception as e:  # noqa: BLE001 - any failure here means "not there"
         raise ConfigError(f"tfds:{name}: no such dataset prepared in {where} ({type(e).__name__}): prepare it with "
-                          f"`tfds build {name} --file_format=array_record`, or pass tfds_dir=") from None
+                          f"`tfds build {name} --file_format=array_record`, or pass {named('tfds_dir')}") from None
     if not builder.is_prepared():
         raise ConfigError(f"tfds:{name} is not prepared in {where}: prepare it with `tfds build {name} "
-                          "--file_format=array_record`, or pass tfds_dir=")
+                          f"--file_format=array_record`, or pass {named('tfds_dir')}")
     if split not in builder.info.splits:
         raise ConfigError(f"tfds:{name} has no {split!r} split (it has {', '.join(builder.info.splits)})")
     _keys(builder.info)
@@ -122,13 +122,13 @@ def data_source(name: str, split: str, *, data_dir: str | os.PathLike | None = N
     if not builder.is_prepared():
         if not download:
             raise ConfigError(f"dataset {name} not found (no files in {DEFAULT_DATA_DIRS.get(name)}, no prepared "
-                              f"TFDS copy); {fmt.HOW_TO_GET}")
+                              f"TFDS copy); {fmt.how_to_get()}")
         try:
             builder.download_and_prepare(file_format="array_record")
         except Exception as e:  # noqa: BLE001 - any failure here means "no data"
             raise ConfigError(f"dataset {name} not found (no files in {DEFAULT_DATA_DIRS.get(name)}) and TFDS could "
                               f"not download it "
-                              f"({type(e).__name__}); {fmt.HOW_TO_GET}") from None
+                              f"({type(e).__name__}); {fmt.how_to_get()}") from None
     return builder.as_data_source(split=split, file_format="array_record")
 
 
@@ -137,7 +137,7 @@ def _local_files(name: str, data_dir) -> Path | None:
     fmt, explicit = LOCAL[name], data_dir is not None
     local = Path(data_dir if explicit else DEFAULT_DATA_DIRS.get(name, "/nonexistent"))
     if explicit and not local.is_dir():
-        raise ConfigError(f"data_dir={local} is not a directory; {fmt.HOW_TO_GET}")
+        raise ConfigError(f"{named('data_dir', local)} is not a directory; {fmt.how_to_get()}")
     return local if explicit or fmt.present(local) else None
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxtrain import settings
 from jaxtrain.choices import TOKENIZERS
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.io import console
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.data import tokenizer as tokenizer_lib
@@ -58,7 +58,7 @@ class TextSplit:
         one offset drawn from (seed, epoch) alone: each token is in exactly one window per epoch, the epochs'
         windows differ, and a resumed run cuts the same ones. Evaluation: window ``i`` starts at ``i * seq_len``."""
         if augment not in (None, "none"):
-            raise ConfigError(f"augment={augment}: text has no augmentation: use augment=none")
+            raise ConfigError(f"{named('augment', augment)}: text has no augmentation: use {named('augment', 'none')}")
         idx = np.asarray(idx, np.int64).ravel()
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"windows {idx.min()}..{idx.max()} asked of a split of {len(self)}")
@@ -184,9 +184,9 @@ def load(path, *, seq_len: int, tokenizer: str = "bpe", bpe_vocab: int = 4096, v
     Runs that tokenize the same text at once take turns on a lock: the first tokenizes, the others read its
     files. ``warn``: how a damaged cache, tokenized again, is said (default: a warning in the log)."""
     if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-        raise ConfigError(f"seq_len={seq_len}: give the tokens a window holds, 1 or more (e.g. 256)")
+        raise ConfigError(f"{named('seq_len', seq_len)}: give the tokens a window holds, 1 or more (e.g. 256)")
     if not 0 < val_fraction < 1:
-        raise ConfigError(f"val_fraction={val_fraction}: give the share of the text held out for validation, "
+        raise ConfigError(f"{named('val_fraction', val_fraction)}: give the share of the text held out for validation, "
                           "between 0 and 1 (e.g. 0.1)")
     vocab = vocab_size(tokenizer, bpe_vocab)
     if tokenizer == "bpe":
@@ -202,7 +202,7 @@ def load(path, *, seq_len: int, tokenizer: str = "bpe", bpe_vocab: int = 4096, v
     if meta is None:
         try:
             cache.mkdir(parents=True, exist_ok=True)
-            with DirLock(cache, "cache_dir=", name=f".{digest[:32]}.lock",
+            with DirLock(cache, named("cache_dir"), name=f".{digest[:32]}.lock",
                          waiting=f"waiting for another run tokenizing {root}"):
                 meta, damage = _check(where)  # another run may have made it while this one waited
                 if damage:
@@ -222,6 +222,7 @@ def load(path, *, seq_len: int, tokenizer: str = "bpe", bpe_vocab: int = 4096, v
         splits[name] = TextSplit(tokens, seq_len, vocab)
         if not len(splits[name]):
             part = "training" if name == "train" else "validation"
-            raise ConfigError(f"text:{path}: its {part} part has {n} tokens, a window of seq_len={seq_len} needs "
-                              f"{2 * seq_len} (seq_len + 1 at any shift): give a smaller seq_len= or more text")
+            raise ConfigError(f"text:{path}: its {part} part has {n} tokens, a window of "
+                              f"{named('seq_len', seq_len)} needs {2 * seq_len} (seq_len + 1 at any shift): give a "
+                              f"smaller {named('seq_len')} or more text")
     return splits, tok, digest

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain.choices import TOKENIZERS
-from jaxtrain.errors import ConfigError, need
+from jaxtrain.errors import ConfigError, named, need
 
 _CHUNK = 1 << 15  # characters per piece the BPE encodes (in parallel, a batch of pieces at a time; larger is slower)
 _CUT = re.compile(r"\S(?=[ \n]\S)")  # where a piece may end
@@ -24,7 +24,7 @@ def dtype(vocab: int) -> np.dtype:
 
 def need_tokenizers():
     """The ``tokenizers`` package (the ``text`` extra), or a one-line MissingExtra."""
-    return need("tokenizers", "text with tokenizer=bpe or a tokenizer.json")
+    return need("tokenizers", f"text with {named('tokenizer', 'bpe')} or a tokenizer.json")
 
 
 def _pieces(text: str):
@@ -47,7 +47,7 @@ class Tokenizer:
         self.name, self.vocab_size, self._hf = name, vocab_size, hf  # hf: a tokenizers.Tokenizer (None: bytes)
 
     def __repr__(self) -> str:
-        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
+        return f"Tokenizer({self.name!r}, {self.vocab_size} tokens)"
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of ``text`` (uint16, or uint32 past 65536 tokens); no special tokens added."""
@@ -59,9 +59,9 @@ class Tokenizer:
                 encoded = self._hf.encode_batch(group, add_special_tokens=False)
             except Exception as e:  # tokenizers raises a bare Exception (a WordLevel's missing [UNK], ...)
                 why = (str(e).splitlines() or [type(e).__name__])[0][:120]
-                raise ConfigError(f"tokenizer={self.name}: cannot encode the text ({why}): give a tokenizer whose "
-                                  "vocabulary covers every character (a byte-level BPE, like GPT-2's), or "
-                                  f"{' or '.join(TOKENIZERS)}") from None
+                raise ConfigError(f"{named('tokenizer', self.name)}: cannot encode the text ({why}): give a "
+                                  "tokenizer whose vocabulary covers every character (a byte-level BPE, like "
+                                  f"GPT-2's), or {' or '.join(TOKENIZERS)}") from None
             ids += [np.array(e.ids, ids[0].dtype) for e in encoded]
         return np.concatenate(ids)
 
@@ -83,8 +83,9 @@ def load_tokenizer(path) -> Tokenizer:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"tokenizer={path}: cannot be read ({getattr(e, 'strerror', None) or type(e).__name__}): "
-                          f"give {' or '.join(TOKENIZERS)}, or a tokenizer.json file") from None
+        raise ConfigError(f"{named('tokenizer', path)}: cannot be read "
+                          f"({getattr(e, 'strerror', None) or type(e).__name__}): give {' or '.join(TOKENIZERS)}, "
+                          "or a tokenizer.json file") from None
     if len(text) < 100 and text.strip().replace(" ", "") == '{"bytes":true}':
         return Tokenizer("bytes", 256)
     tokenizers = need_tokenizers()
@@ -92,14 +93,14 @@ def load_tokenizer(path) -> Tokenizer:
         hf = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
         why = (str(e).splitlines() or [type(e).__name__])[0][:120]
-        raise ConfigError(f"tokenizer={path}: does not load as a Hugging Face tokenizer.json ({why}): give a "
-                          f"tokenizer.json file, or {' or '.join(TOKENIZERS)}") from None
+        raise ConfigError(f"{named('tokenizer', path)}: does not load as a Hugging Face tokenizer.json ({why}): "
+                          f"give a tokenizer.json file, or {' or '.join(TOKENIZERS)}") from None
     hf.no_truncation(), hf.no_padding()  # a file's own settings would cut or pad each piece of the token stream
     # Its largest id + 1, not its count of tokens: some files' added tokens leave gaps in the ids.
     size = max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     if size < 2:
-        raise ConfigError(f"tokenizer={path}: its vocabulary holds {size} token(s); a language model needs at least "
-                          f"2: give another tokenizer.json, or {' or '.join(TOKENIZERS)}")
+        raise ConfigError(f"{named('tokenizer', path)}: its vocabulary holds {size} token(s); a language model needs "
+                          f"at least 2: give another tokenizer.json, or {' or '.join(TOKENIZERS)}")
     return Tokenizer(str(path), size, hf)
 
 
@@ -110,8 +111,8 @@ def vocab_size(tokenizer: str, bpe_vocab: int) -> int:
         return 256
     if tokenizer == "bpe":
         if not 257 <= bpe_vocab <= 65536:
-            raise ConfigError(f"bpe_vocab={bpe_vocab}: use 257 to 65536 (the 256 bytes and at least one merge; at "
-                              "most 65536 so the tokens fit uint16)")
+            raise ConfigError(f"{named('bpe_vocab', bpe_vocab)}: use 257 to 65536 (the 256 bytes and at least one "
+                              "merge; at most 65536 so the tokens fit uint16)")
         return bpe_vocab
     return load_tokenizer(tokenizer).vocab_size
 

@@ -12,7 +12,7 @@ import jax
 from jaxtrain import models
 from jaxtrain.choices import lr_groups
 from jaxtrain.core import optim
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel import rules
 from jaxtrain.driver import distill
 from jaxtrain.driver.sections import Compute, Network, Optim, Parallel
@@ -38,7 +38,7 @@ def model(net: Network, compute: Compute, shape: dict, teacher: tuple | None = N
 def frozen(net: Network, opt: Optim, m: models.Model) -> str | None:
     """The regex of the parameters that never train: ``freeze=``'s, or a linear probe's all-but-the-classifier."""
     if net.linear_probe and not m.classifier:
-        raise ConfigError(f"linear_probe=: model {m.name} names no classifier to train alone")
+        raise ConfigError(f"{named('linear_probe')}: model {m.name} names no classifier to train alone")
     return f"^(?!{m.classifier})" if net.linear_probe else opt.freeze
 
 
@@ -59,8 +59,8 @@ def steps(net: Network, opt: Optim, par: Parallel, mesh, m: models.Model, update
         raise ConfigError(f"a mesh with a {STAGE_AXIS!r} axis: model {net.model} has no stack of identical layers to "
                           "pipeline: use experiments.vit, or a mesh without a 'stage' axis")
     if (par.strategy, par.param_sharding, par.accum_steps) != ("jit", "replicated", 1):
-        raise ConfigError("pipelined runs use strategy=jit, param_sharding=replicated and accum_steps=1 "
-                          "(micro-batches are the pipeline's: microbatches=)")
+        raise ConfigError(f"pipelined runs use {named('strategy', 'jit')}, {named('param_sharding', 'replicated')} "
+                          f"and {named('accum_steps', 1)} (micro-batches are the pipeline's: {named('microbatches')})")
     stack = m.stack
     trainer = make_pipeline_step(stack.embed_fn, stack.stage_fn, stack.head_loss_fn, tx, mesh=mesh,
                                  microbatches=par.microbatches, schedule=par.pipeline_schedule,

@@ -24,7 +24,7 @@ from jaxtrain import models, pretrained
 from jaxtrain.core import optim, remat
 from jaxtrain.choices import FOLDER_PREFIX, KJV, TEXT_PREFIX, TFDS_PREFIX, lr_groups
 from jaxtrain.data import classes, folder, loader, sources, text
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.parallel import hosts
 from jaxtrain.parallel import preflight
@@ -107,7 +107,7 @@ def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpoi
         if not c.dataset.startswith((FOLDER_PREFIX, TFDS_PREFIX)):
             raise ConfigError(f"dataset {c.dataset}: its files hold images {found['input_shape']} of "
                               f"{found['num_classes']} classes, not {shape['input_shape']} of "
-                              f"{shape['num_classes']}: check data_dir=")
+                              f"{shape['num_classes']}: check {named('data_dir')}")
         model = assemble.model(c.network, c.compute, found, teacher, devices[0])
     updates = c.epochs * (len(data["train"]) // c.batch_size)
     trainer, evaluator = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates)
@@ -153,13 +153,14 @@ def check_model(c: RunConfig, model: models.Model) -> None:
 def open_checkpoints(c: Checkpoints) -> Checkpointer | None:
     """Writable and ours (locked) before the data is read; refuses to mix with another run's checkpoints."""
     if (c.resume or c.checkpoint_every) and not c.checkpoint_dir:
-        raise ConfigError("resume=True and checkpoint_every= need checkpoint_dir=")
+        raise ConfigError(f"{named('resume', True)} and {named('checkpoint_every')} need {named('checkpoint_dir')}")
     if not c.checkpoint_dir:
         return None
     checkpointer = Checkpointer(c.checkpoint_dir, c.keep_checkpoints, fixed=FIXED_SETTINGS)
     if not c.resume and (newest := checkpointer.latest()) is not None:
         raise ConfigError(f"{checkpointer.directory} already holds checkpoints (newest: step {newest}): pass "
-                          "resume=True to continue that run, or another checkpoint_dir= to start afresh")
+                          f"{named('resume', True)} to continue that run, or another {named('checkpoint_dir')} to "
+                          "start afresh")
     return checkpointer
 
 
@@ -172,7 +173,7 @@ def load_data(c: Data, progress: bool | None = None) -> tuple[dict, str, text.To
         path = c.dataset[len(TEXT_PREFIX):]
         if path == KJV and not Path(path).expanduser().exists():
             raise ConfigError(f"dataset {c.dataset}: the King James Bible is not there yet: `make kjv` writes it "
-                              "(Debian's bible-kjv), or give another dataset=text:PATH")
+                              f"(Debian's bible-kjv), or give another {named('dataset', 'text:PATH')}")
         data, tokenizer, digest = text.load(Path(path).expanduser(), seq_len=c.seq_len, tokenizer=c.tokenizer,
                                             bpe_vocab=c.vocab_size, val_fraction=c.val_fraction, warn=warn)
     elif c.dataset.startswith(FOLDER_PREFIX):
@@ -222,7 +223,8 @@ def initial_state(run: Run):
     steps, r = position.total_steps, position.result
     if r and (position.epoch > c.epochs or c.max_steps is not None and steps >= c.max_steps):
         say(f"already finished at step {steps} (checkpoint in {c.checkpoint_dir}): test acc {r['test_acc']:.3f}, "
-            f"test loss {r['test_loss']:.4f}; nothing to do (raise epochs= or max_steps= to train on)")
+            f"test loss {r['test_loss']:.4f}; nothing to do (raise {named('epochs')} or {named('max_steps')} to "
+            "train on)")
         checkpointer.close()
         raise Finished({"already_finished": True, "steps": steps, "test_acc": r["test_acc"]}, restored.state)
     changed = [f"{k} {restored.settings.get(k)!r} -> {run.settings[k]!r}" for k in (*FREE_SETTINGS, *program())

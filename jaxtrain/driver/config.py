@@ -20,7 +20,7 @@ from pathlib import Path
 from jaxtrain.choices import FOLDER_PREFIX, GPT_SIZES, TEXT_PREFIX, TOKENIZERS, check_dataset, lr_groups
 from jaxtrain.driver.sections import (FIELDS, ORDER, SECTIONS, Checkpoints, Cluster, Compute, Data, Network,
                                       Observe, Optim, Parallel)
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.models import MODELS
 
 # Left None, these come from the model's recipe (jaxtrain.models.MODELS).
@@ -61,34 +61,35 @@ class _Sections:
     def __post_init__(self):
         check_values(self.flat())
         if self.data_on_device == "on" and self.dataset.startswith(FOLDER_PREFIX):
-            raise ConfigError("data_on_device=on: an image folder is streamed from its files, decoded on the host; "
-                              "use data_on_device=auto or off for a folder")
+            raise ConfigError(f"{named('data_on_device', 'on')}: an image folder is streamed from its files, decoded "
+                              f"on the host; use {named('data_on_device', 'auto')} or off for a folder")
         if self.profile is not None:
             start, _ = parse_steps(self.profile)
             if self.max_steps is not None and start > self.max_steps:
-                raise ConfigError(f"profile={self.profile}: starts after max_steps={self.max_steps}, so nothing "
-                                  "would be traced; profile steps within the run")
+                raise ConfigError(f"{named('profile', self.profile)}: starts after "
+                                  f"{named('max_steps', self.max_steps)}, so nothing would be traced; profile steps "
+                                  "within the run")
         if self.microbatches > 1 and "stage" not in (self.mesh or {}):
-            raise ConfigError(f"microbatches={self.microbatches}: micro-batches split a pipelined step; give "
-                              "mesh= a 'stage' axis (e.g. data=1,stage=4), or use accum_steps= to "
-                              "accumulate gradients")
+            raise ConfigError(f"{named('microbatches', self.microbatches)}: micro-batches split a pipelined step; "
+                              f"give {named('mesh')} a 'stage' axis (e.g. data=1,stage=4), or use "
+                              f"{named('accum_steps')} to accumulate gradients")
         if self.lr_groups is not None:
             lr_groups(self.lr_groups)  # its one-line error now
         if self.linear_probe and self.freeze:
-            raise ConfigError(f"linear_probe= with freeze={self.freeze!r}: a linear probe freezes all but the "
-                              "classifier itself; give one of them")
+            raise ConfigError(f"{named('linear_probe')} with {named('freeze', repr(self.freeze))}: a linear probe "
+                              "freezes all but the classifier itself; give one of them")
         if self.linear_probe and (self.teacher or "stage" in (self.mesh or {})):
-            raise ConfigError("linear_probe=: a plain run's classifier only (not with teacher= or a pipelined "
-                              "mesh's 'stage' axis)")
+            raise ConfigError(f"{named('linear_probe')}: a plain run's classifier only (not with {named('teacher')} "
+                              "or a pipelined mesh's 'stage' axis)")
         if self.init_from and self.teacher:
-            raise ConfigError("init_from= with teacher=: a distilled student starts from its own init (train the "
-                              "pretrained network first, then distil from that run)")
+            raise ConfigError(f"{named('init_from')} with {named('teacher')}: a distilled student starts from its "
+                              "own init (train the pretrained network first, then distil from that run)")
         if self.alpha > 1:
-            raise ConfigError(f"alpha={self.alpha}: expected a weight in [0, 1]")
+            raise ConfigError(f"{named('alpha', self.alpha)}: expected a weight in [0, 1]")
         if self.checkpoint_dir is not None and self.out is not None:
             _check_apart(Path(self.checkpoint_dir), Path(self.out))
         if self.init not in MODELS[self.model].inits:
-            raise ConfigError(f"init={self.init}: model {self.model} has no such init; choose one of "
+            raise ConfigError(f"{named('init', self.init)}: model {self.model} has no such init; choose one of "
                               f"{', '.join(MODELS[self.model].inits)}")
 
     def flat(self) -> dict:
@@ -143,30 +144,31 @@ def with_recipe(given: dict) -> dict:
     check_values({name: given.get(name, f.default) for name, (_, f) in FIELDS.items()})
     model = given.setdefault("model", "lenet")
     if model not in MODELS:  # None too
-        raise ConfigError(f"model={model!r}: not one of {', '.join(MODELS)}")
+        raise ConfigError(f"{named('model', repr(model))}: not one of {', '.join(MODELS)}")
     if given.get("dataset") is None:  # the command line's --model without --dataset gives None
         given["dataset"] = MODELS[model].dataset
     dataset = given["dataset"]
     try:
         check_dataset(dataset)
     except ConfigError as e:
-        raise ConfigError(f"dataset=: {e}") from None
+        raise ConfigError(f"{named('dataset')}: {e}") from None
     steps = str(given.get("steps_per_call", "auto"))  # RunConfig(steps_per_call=8) too
     if steps != "auto" and not (steps.isascii() and steps.isdecimal() and int(steps) >= 1):
-        raise ConfigError(f"steps_per_call={steps!r}: expected a whole number >= 1, or auto")
+        raise ConfigError(f"{named('steps_per_call', repr(steps))}: expected a whole number >= 1, or auto")
     given["steps_per_call"] = steps if steps == "auto" else str(int(steps))
     recipe, folder, text = MODELS[model], dataset.startswith(FOLDER_PREFIX), dataset.startswith(TEXT_PREFIX)
     if recipe.text != text:
-        raise ConfigError(f"model={model} with dataset={dataset}: " + (
-            "a language model trains on text (dataset=text:PATH)" if recipe.text else
+        raise ConfigError(f"{named('model', model)} with {named('dataset', dataset)}: " + (
+            f"a language model trains on text ({named('dataset', 'text:PATH')})" if recipe.text else
             f"text is a language model's ({', '.join(n for n, d in MODELS.items() if d.text)}); {model} takes images"))
     if not folder and given.get("image_size") is not None:
-        raise ConfigError("image_size= is for image folders (dataset=folder:DIR)")
+        raise ConfigError(f"{named('image_size')} is for image folders ({named('dataset', 'folder:DIR')})")
     if not (folder or text) and given.get("val_fraction") is not None:
-        raise ConfigError("val_fraction= is for image folders (dataset=folder:DIR) and text (dataset=text:PATH)")
-    if not text and (named := [k for k in TEXT_FIELDS if given.get(k) is not None]):
-        raise ConfigError(f"{'= and '.join(named)}= {'is' if len(named) == 1 else 'are'} for a language model's "
-                          "text (dataset=text:PATH)")
+        raise ConfigError(f"{named('val_fraction')} is for image folders ({named('dataset', 'folder:DIR')}) and "
+                          f"text ({named('dataset', 'text:PATH')})")
+    if not text and (given_text := [k for k in TEXT_FIELDS if given.get(k) is not None]):
+        raise ConfigError(f"{' and '.join(map(named, given_text))} {'is' if len(given_text) == 1 else 'are'} for a "
+                          f"language model's text ({named('dataset', 'text:PATH')})")
     if text:
         for name, value in TEXT_DEFAULTS.items():
             if given.get(name) is None:
@@ -174,20 +176,24 @@ def with_recipe(given: dict) -> dict:
         if given.get("seq_len") is None:
             given["seq_len"] = GPT_SIZES[given["model_size"]]
         if given.get("augment") not in (None, "none"):
-            raise ConfigError(f"augment={given['augment']}: text has no augmentation")
+            raise ConfigError(f"{named('augment', given['augment'])}: text has no augmentation")
         for name in ("classes", "data_dir"):
             if given.get(name) is not None:
-                raise ConfigError(f"{name}= is for image datasets; text:PATH has no classes and names its files "
-                                  "itself")
+                raise ConfigError(f"{named(name)} is for image datasets; text:PATH has no classes and names its "
+                                  "files itself")
         if given.get("data_on_device") == "on":
-            raise ConfigError("data_on_device=on: text's windows are cut on the host (the device-resident path "
-                              "holds image splits); use data_on_device=auto or off for text")
+            raise ConfigError(f"{named('data_on_device', 'on')}: text's windows are cut on the host (the "
+                              f"device-resident path holds image splits); use {named('data_on_device', 'auto')} or "
+                              "off for text")
         if given["tokenizer"] != "bpe":
             if given.get("vocab_size") is not None:
-                raise ConfigError(f"vocab_size= is the BPE's (tokenizer=bpe); tokenizer={given['tokenizer']} has "
-                                  "its own vocabulary")
+                raise ConfigError(f"{named('vocab_size')} is the BPE's ({named('tokenizer', 'bpe')}); "
+                                  f"{named('tokenizer', given['tokenizer'])} has its own vocabulary")
         elif given.get("vocab_size") is None:
             given["vocab_size"] = BPE_VOCAB
+        elif given["vocab_size"] > 65536:  # its minimum is its field's check
+            raise ConfigError(f"{named('vocab_size', given['vocab_size'])}: use 257 to 65536 (the tokens are kept as "
+                              "uint16)")
     for name in RECIPE_FIELDS:
         if given.get(name) is None:
             given[name] = getattr(recipe, name)
@@ -196,7 +202,8 @@ def with_recipe(given: dict) -> dict:
     if given.get("augment") is None:
         given["augment"] = recipe.folder_augment if folder else "none"
     if text and given.get("tokenizer") not in TOKENIZERS and not Path(given["tokenizer"]).expanduser().is_file():
-        raise ConfigError(f"tokenizer={given['tokenizer']}: not {' or '.join(TOKENIZERS)}, and no such file (give "
+        raise ConfigError(f"{named('tokenizer', given['tokenizer'])}: not {' or '.join(TOKENIZERS)}, and no such "
+                          "file (give "
                           "the path of a tokenizer.json)")
     if folder and given.get("image_size") is None:
         given["image_size"] = recipe.image_size
@@ -211,13 +218,13 @@ def check_values(values: dict) -> None:
         if value is None or isinstance(value, bool):
             continue
         if isinstance(value, float) and not math.isfinite(value):  # inf would pass "> 0", then diverge
-            raise ConfigError(f"{name}={value}: expected a finite number")
+            raise ConfigError(f"{named(name, value)}: expected a finite number")
         if meta["choices"] and value not in meta["choices"]:
-            raise ConfigError(f"{name}={value!r}: not one of {', '.join(meta['choices'])}")
+            raise ConfigError(f"{named(name, repr(value))}: not one of {', '.join(meta['choices'])}")
         if meta["minimum"] is not None and not value >= meta["minimum"]:
-            raise ConfigError(f"{name}={value}: expected a number >= {meta['minimum']}")
+            raise ConfigError(f"{named(name, value)}: expected a number >= {meta['minimum']}")
         if meta["above"] is not None and not value > meta["above"]:
-            raise ConfigError(f"{name}={value}: expected a number > {meta['above']}")
+            raise ConfigError(f"{named(name, value)}: expected a number > {meta['above']}")
 
 
 def _check_apart(checkpoints: Path, out: Path) -> None:
@@ -225,8 +232,9 @@ def _check_apart(checkpoints: Path, out: Path) -> None:
     checkpoint directory holds checkpoints only. A subdirectory of out other than model/ is fine."""
     ck, out = checkpoints.expanduser().resolve(), out.expanduser().resolve()
     if ck == out or ck.is_relative_to(out / "model") or out.is_relative_to(ck):
-        raise ConfigError(f"checkpoint_dir={checkpoints} and out={out} overlap (the saved model goes to "
-                          f"{out / 'model'}); use separate directories, e.g. checkpoint_dir={out / 'checkpoints'}")
+        raise ConfigError(f"{named('checkpoint_dir', checkpoints)} and {named('out', out)} overlap (the saved model "
+                          f"goes to {out / 'model'}); use separate directories, e.g. "
+                          f"{named('checkpoint_dir', out / 'checkpoints')}")
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -234,9 +242,9 @@ def parse_steps(text: str) -> tuple[int, int]:
     try:
         start, stop = (int(x) for x in text.split(":"))
     except ValueError:
-        raise ConfigError(f"profile={text!r}: expected START:STOP, two step numbers like 10:15") from None
+        raise ConfigError(f"{named('profile', repr(text))}: expected START:STOP, two step numbers like 10:15") from None
     if not 1 <= start < stop:
-        raise ConfigError(f"profile={text}: expected 1 <= START < STOP")
+        raise ConfigError(f"{named('profile', text)}: expected 1 <= START < STOP")
     return start, stop
 
 

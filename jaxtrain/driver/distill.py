@@ -87,7 +87,7 @@ def own_state(model_state):
 def teacher_from_run(run_dir: str) -> tuple[models.Model, dict, dict]:
     """(model, params, model_state) of a finished run (``--teacher RUN_DIR``): one-line errors for a directory that
     is missing, holds no saved model, or holds a model that cannot be a teacher."""
-    meta, params, state = export.load(run_dir, param="teacher=")
+    meta, params, state = export.load(run_dir, param="teacher")
     teacher = export.model_of(meta)
     return teacher, params, state
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.io.files import atomic_write, drop_closed_loop_reports, out_of_space, params_digest
 
 ARRAYS, INFO = "model", "model.json"
@@ -56,7 +56,7 @@ def save(out_dir: Path | None, params, model_state, info: dict) -> None:
         for tmp in path.glob(f"{ARRAYS}*tmp*"):
             shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"writing the model to {path / ARRAYS} failed (the disk is full): make room, then run "
-                          "again with resume=True (a checkpointed run writes its model then)") from None
+                          f"again with {named('resume', True)} (a checkpointed run writes its model then)") from None
     finally:
         writer.close()
     atomic_write(path / INFO, json.dumps({**info, "params_digest": params_digest(tree["params"])}, indent=1) + "\n")
@@ -67,13 +67,14 @@ def saved(run_dir: str | Path) -> bool:
     return (Path(run_dir) / INFO).is_file() and (Path(run_dir) / ARRAYS).is_dir()
 
 
-def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param: str = "run_dir=") -> dict:
-    """``model.json`` of a finished run; one-line errors for a missing directory, no saved model, another model."""
-    path = Path(run_dir)
+def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param: str = "run_dir") -> dict:
+    """``model.json`` of a finished run; one-line errors for a missing directory, no saved model, another model
+    (``param``: the parameter the caller gave the run as, named in them)."""
+    path, who = Path(run_dir), named(param, run_dir)
     if not path.is_dir():
-        raise ConfigError(f"{param}{run_dir}: no such directory; pass the out= directory of a finished run")
+        raise ConfigError(f"{who}: no such directory; pass the {named('out')} directory of a finished run")
     if not (path / INFO).is_file() or not (path / ARRAYS).is_dir():
-        raise ConfigError(f"{param}{run_dir}: holds no saved model ({INFO} and {ARRAYS}/ are written when a run "
+        raise ConfigError(f"{who}: holds no saved model ({INFO} and {ARRAYS}/ are written when a run "
                           "finishes); train one first, e.g. python -m experiments.lenet --out DIR")
     try:
         meta = json.loads((path / INFO).read_text())
@@ -82,13 +83,13 @@ def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
                 and all(type(d) is int and d > 0 for d in shape) and type(classes) is int and classes >= 2):
             raise TypeError(f"model {meta['model']!r}, input_shape {shape!r}, num_classes {classes!r}")
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{param}{run_dir}: {INFO} is unreadable ({type(e).__name__}: {e}): the run's files are "
+        raise ConfigError(f"{who}: {INFO} is unreadable ({type(e).__name__}: {e}): the run's files are "
                           "damaged or were edited; train it again") from None
     wanted = (expect,) if isinstance(expect, str) else expect
     if wanted and meta["model"] not in wanted:
-        raise ConfigError(f"{param}{run_dir}: holds a {meta['model']} model, not {' or '.join(wanted)}")
+        raise ConfigError(f"{who}: holds a {meta['model']} model, not {' or '.join(wanted)}")
     if (meta.get("settings") or {}).get("pipeline_layout") and not meta.get(LAYER_ORDER):
-        raise ConfigError(f"{param}{run_dir}: a pipelined run saved before its layers were put back in order (they "
+        raise ConfigError(f"{who}: a pipelined run saved before its layers were put back in order (they "
                           "are stored per stage); train it again, or use an unpipelined run")
     return meta
 
@@ -103,8 +104,9 @@ def model_of(meta: dict):
                       num_classes=meta["num_classes"], size=(meta.get("settings") or {}).get("model_size"))
 
 
-def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param: str = "run_dir="):
+def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param: str = "run_dir"):
     """(info, params, model_state) of a finished run, as numpy arrays, checked against ``info``'s digest."""
+    who = named(param, run_dir)
     import orbax.checkpoint as ocp
 
     meta = info(run_dir, expect, param)
@@ -115,17 +117,17 @@ def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
         with ocp.StandardCheckpointer() as reader:
             tree = reader.restore(Path(run_dir).absolute() / ARRAYS, target)
     except Exception as e:  # orbax raises many types for damaged files
-        raise ConfigError(f"{param}{run_dir}: its saved model cannot be read "
+        raise ConfigError(f"{who}: its saved model cannot be read "
                           f"({str(e).splitlines()[0][:120] or type(e).__name__}); train it again") from None
     tree = jax.tree.map(np.asarray, tree)
     differ = [f"{jax.tree_util.keystr(path)} {got.shape} vs {want.shape}" for (path, got), want in
               zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(target)) if got.shape != want.shape]
     if differ:
-        raise ConfigError(f"{param}{run_dir}: its saved arrays do not have the shapes {INFO} describes ({differ[0]}"
+        raise ConfigError(f"{who}: its saved arrays do not have the shapes {INFO} describes ({differ[0]}"
                           f"{f' and {len(differ) - 1} more' if len(differ) > 1 else ''}): was {INFO} edited? Train "
                           "it again")
     if params_digest(tree["params"]) != meta.get("params_digest"):
-        raise ConfigError(f"{param}{run_dir}: the saved params do not match the digest in {INFO}: the files are "
+        raise ConfigError(f"{who}: the saved params do not match the digest in {INFO}: the files are "
                           "damaged; train it again")
     return meta, tree["params"], tree["model_state"]
 

@@ -10,7 +10,7 @@ import math
 import time
 from pathlib import Path
 
-from jaxtrain.errors import ConfigError, missing
+from jaxtrain.errors import ConfigError, missing, named
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.io.files import atomic_write, ensure_room, ensure_writable, out_of_space, remove_stale_temps
 
@@ -26,7 +26,7 @@ def make_out_dir(out: str | None, name: str) -> Path:
             path, k = Path(f"{base}-{k}"), k + 1
     else:
         path = Path(out)
-    return ensure_writable(path, "to output directory", "out=")
+    return ensure_writable(path, "to output directory", named("out"))
 
 
 def holds_results(out_dir: Path) -> bool:
@@ -41,10 +41,10 @@ def claim_out_dir(out: str | None, name: str, resume: bool) -> tuple[Path, DirLo
     with room for its files; another run's results there are kept unless the run resumes."""
     out_dir = make_out_dir(out, name)
     if not resume and holds_results(out_dir):
-        raise ConfigError(f"out={out_dir} holds another run's results: pass a new out= (or continue that run "
-                          "with resume=True and its checkpoint_dir=)")
-    lock = DirLock(out_dir, "out=").acquire()
-    ensure_room(out_dir, 2**20, "metrics, summary and curves", "out=")
+        raise ConfigError(f"{named('out', out_dir)} holds another run's results: pass a new {named('out')} (or "
+                          f"continue that run with {named('resume', True)} and its {named('checkpoint_dir')})")
+    lock = DirLock(out_dir, named("out")).acquire()
+    ensure_room(out_dir, 2**20, "metrics, summary and curves", named("out"))
     return out_dir, lock
 
 
@@ -113,7 +113,8 @@ class RunWriter:
         except OSError as e:
             cause = "the disk is full" if out_of_space(e) else e.strerror or str(e)
             raise OutputError(f"cannot write {path} ({cause}); its previous version, if any, is intact: "
-                              "make room (or fix out=), then run again (with resume=True if you checkpoint)") from None
+                              f"make room (or fix {named('out')}), then run again (with {named('resume', True)} if you "
+                              "checkpoint)") from None
 
     def epoch(self, stats) -> None:
         """metrics.jsonl with this epoch's row, and curves.png redrawn (a long run can be watched)."""

@@ -10,6 +10,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxtrain.core.compat import cpu_isa
+from jaxtrain.errors import named
 from jaxtrain.models import LANGUAGE_MODELS, VIT_CONFIGS, LanguageModel, Model
 from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.driver.config import RunConfig
@@ -160,7 +161,7 @@ def conv_path(c, model, platform: str) -> str:
 
     if model.conv == "xla" and c.conv != "xla" and platform == "cpu":
         if c.quantize != "none":
-            return f"xla (quantize={c.quantize}: its layers' own convolutions)"
+            return f"xla ({named('quantize', c.quantize)}: its layers' own convolutions)"
         if model.name in VIT_CONFIGS or model.name in LANGUAGE_MODELS:
             return f"none ({model.name} has no convolutions)"
     return onednn.path(c.conv, model.conv, platform)
@@ -172,4 +173,5 @@ def not_learning(history, first_loss: float, num_classes: int) -> str:
     chance = 1 / num_classes
     if history[-1].test_acc > chance + 0.02 or not history[-1].train_loss >= 0.95 * first_loss:
         return ""
-    return f"; at chance ({chance:.2f}) and the loss did not fall: not learning (more epochs=? another lr=?)"
+    return (f"; at chance ({chance:.2f}) and the loss did not fall: not learning (more {named('epochs', '?')} "
+            f"another {named('lr', '?')})")

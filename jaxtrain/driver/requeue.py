@@ -16,7 +16,7 @@ import signal
 import subprocess
 
 from jaxtrain import settings
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +28,14 @@ def check(config) -> dict | None:
         return None
     job = settings.slurm_job()
     if job is None:
-        raise ConfigError("requeue_on_signal=True needs a SLURM job (SLURM_JOB_ID is not set): run it with sbatch, "
-                          "or drop it")
+        raise ConfigError(f"{named('requeue_on_signal', True)} needs a SLURM job (SLURM_JOB_ID is not set): run it "
+                          "with sbatch, or drop it")
     if not (config.checkpoint_dir and config.resume):
-        raise ConfigError("requeue_on_signal=True needs checkpoint_dir= and resume=True, so the requeued job goes on "
-                          "from the signal's checkpoint")
+        raise ConfigError(f"{named('requeue_on_signal', True)} needs {named('checkpoint_dir')} and "
+                          f"{named('resume', True)}, so the requeued job goes on from the signal's checkpoint")
     if shutil.which("scontrol") is None:
-        raise ConfigError("requeue_on_signal=True needs SLURM's scontrol on PATH (it is not): add SLURM's bin "
-                          "directory to PATH, or drop it")
+        raise ConfigError(f"{named('requeue_on_signal', True)} needs SLURM's scontrol on PATH (it is not): add "
+                          "SLURM's bin directory to PATH, or drop it")
     return job
 
 
@@ -66,7 +66,7 @@ def after_stop(job: dict | None, writer, step: int, signal_name: str, say, saved
     if not job:
         writer.stopped(step, signal_name, saved, None)
     elif signal_name != REQUEUE_SIGNAL:
-        say(f"not requeued: {signal_name} is the scheduler's (requeue_on_signal=True requeues after "
+        say(f"not requeued: {signal_name} is the scheduler's ({named('requeue_on_signal', True)} requeues after "
             f"{REQUEUE_SIGNAL}, the warning before a time limit)")
         writer.stopped(step, signal_name, saved, f"not requeued: {signal_name}")
     elif not saved:

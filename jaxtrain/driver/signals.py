@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from jaxtrain.errors import named
 from jaxtrain.io import console
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ class StopOnSignal:
                 time.sleep(min(1.0, seconds / 4))
                 quiet = time.monotonic() - self._last
                 if self._training and self._step >= 2 and not self._busy and not self.signum and quiet > seconds:
-                    log.error(f"{who}: no train step finished for {quiet:.0f} s (stall_timeout={seconds:g}): a "
+                    log.error(f"{who}: no train step finished for {quiet:.0f} s "
+                              f"({named('stall_timeout', format(seconds, 'g'))}): a "
                               "collective is waiting on a process that is stuck or gone; exiting")
                     console.exit_now(STALLED_EXIT)
 
@@ -160,16 +162,16 @@ class StopOnSignal:
         """Training stopped at ``step`` for the signal: say what was saved (``checkpointer``: the run's, or
         None), ``then(saved)`` (e.g. requeue the job), exit with 128 + the signal."""
         if checkpointer is None:
-            say(f"stopped by signal at step {step}; nothing saved (no checkpoint_dir=)")
+            say(f"stopped by signal at step {step}; nothing saved (no {named('checkpoint_dir')})")
         else:
             with self.busy():
                 checkpointer.close()
             if checkpointer.committed(step):
                 say(f"stopped by signal at step {step}; checkpoint saved in {checkpointer.directory}: continue with "
-                    "resume=True")
+                    f"{named('resume', True)}")
             else:
                 say(f"stopped by signal at step {step}; the checkpoint of step {step} was NOT written; the newest is "
-                    f"step {checkpointer.latest()}: continue from there with resume=True")
+                    f"step {checkpointer.latest()}: continue from there with {named('resume', True)}")
         self._finishing = True  # what was to be saved is saved: a further signal (e.g. the requeue's) is ignored
         if then is not None:
             then(checkpointer is not None and checkpointer.committed(step))

@@ -88,7 +88,7 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     (H, W, C) and ``num_classes``: images other than the dataset's (ResNet-50 on ImageNet's 224x224x3, 1000)."""
     import jax
 
-    from jaxtrain.errors import ConfigError
+    from jaxtrain.errors import ConfigError, named
     from jaxtrain.driver.config import RunConfig
     from jaxtrain.driver.sections import FIELDS
 
@@ -96,7 +96,7 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     if unknown:
         raise ConfigError(f"plan() takes the settings {', '.join(SETTINGS)}; not {', '.join(unknown)}")
     if not 0 < memory_fraction <= 1:
-        raise ConfigError(f"memory_fraction={memory_fraction}: expected a fraction in (0, 1]")
+        raise ConfigError(f"{named('memory_fraction', memory_fraction)}: expected a fraction in (0, 1]")
     t = target(gpu)
     c = RunConfig(devices=gpus * hosts, **settings)
     shape, model, trainer, call = run_step(c, mesh_for(t, gpus, hosts, c.mesh), input_shape, num_classes)

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxtrain.analysis.peaks import board, dense_peak, specs
 from jaxtrain.choices import MESH_AXES
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel.devices import DATA_AXIS, REPLICA_AXIS
 
 # What the GPU leg was tested with (README "Planning for GPUs"): the topology API is experimental.
@@ -166,10 +166,11 @@ def mesh_for(gpu: str | Target = "h100", gpus: int = 8, hosts: int = 1, axes: di
 
     t = target(gpu)
     if gpus < 1 or hosts < 1:
-        raise ConfigError(f"gpus={gpus}, hosts={hosts}: both must be >= 1")
+        raise ConfigError(f"{named('gpus', gpus)}, {named('hosts', hosts)}: both must be >= 1")
     if gpus > t.gpus_per_host:
-        raise ConfigError(f"gpus={gpus}: one {t.name} node holds at most {t.gpus_per_host}: use hosts= for more "
-                          f"(e.g. gpus={t.gpus_per_host}, hosts={-(-gpus // t.gpus_per_host)})")
+        raise ConfigError(f"{named('gpus', gpus)}: one {t.name} node holds at most {t.gpus_per_host}: use "
+                          f"{named('hosts')} for more (e.g. {named('gpus', t.gpus_per_host)}, "
+                          f"{named('hosts', -(-gpus // t.gpus_per_host))})")
     total = gpus * hosts
     axes = dict(axes or {DATA_AXIS: total})
     unknown = [a for a in axes if a not in MESH_AXES]
@@ -177,7 +178,8 @@ def mesh_for(gpu: str | Target = "h100", gpus: int = 8, hosts: int = 1, axes: di
         raise ConfigError(f"mesh axes {axes}: need a {DATA_AXIS!r} axis, names among {', '.join(MESH_AXES)}, and "
                           f"sizes whose product is gpus x hosts = {total}")
     if REPLICA_AXIS in axes and axes[REPLICA_AXIS] != hosts:
-        raise ConfigError(f"mesh axes {axes}: {REPLICA_AXIS}= is the axis across hosts: make it hosts={hosts}")
+        raise ConfigError(f"mesh axes {axes}: {REPLICA_AXIS}= is the axis across hosts: make it "
+                          f"{named('hosts', hosts)}")
     if REPLICA_AXIS in axes:  # the outer axis: one replica per host
         axes = {REPLICA_AXIS: axes.pop(REPLICA_AXIS), **axes}
     check_plugin()

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxtrain import settings
+from jaxtrain.errors import named
 from jaxtrain.kernels import onednn_build
 from jaxtrain.kernels import onednn_calls as calls
 from jaxtrain.kernels.onednn_build import build, expected  # noqa: F401  (the public names they were)
@@ -90,7 +91,7 @@ def choose(conv: str):
     if conv not in CONVS:
         raise ConfigError(f"unknown conv {conv!r}: choose one of {', '.join(CONVS)}")
     if conv == "onednn" and not available():
-        raise ConfigError(f"conv=onednn: {reason()}; or use conv=xla")
+        raise ConfigError(f"{named('conv', 'onednn')}: {reason()}; or use {named('conv', 'xla')}")
     if conv == "onednn" or (conv == "auto" and jax.default_backend() == "cpu" and _usable_or_say()):
         calls.threads()  # a bad $JAXTRAIN_ONEDNN_THREADS fails here, not when the step is traced
         return "onednn", conv_general_dilated
@@ -122,7 +123,7 @@ def path(conv: str, chosen: str, platform: str) -> str:
         n = calls.threads()
         return f"onednn ({n} thread{'s' * (n != 1)})"
     if conv == "xla":
-        return "xla (conv=xla)"
+        return f"xla ({named('conv', 'xla')})"
     if (why := unusable()) is None:
         return "xla (the model's own)"
     return f"xla ({why.cause}{'' if expected() else '; not x86-64 Linux'})"

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.models import gpt
 
 
@@ -110,7 +110,7 @@ def generate(params, config: gpt.Config, prompt: jax.Array | np.ndarray, new_tok
         raise ConfigError(f"a prompt of {prompt.shape[1]} tokens + {new_tokens} new ones: the GPT's positions stop "
                           f"at seq_len {config.seq_len}; shorten the prompt or generate fewer tokens")
     if temperature < 0:
-        raise ConfigError(f"temperature={temperature}: give 0 (greedy) or more")
+        raise ConfigError(f"{named('temperature', temperature)}: give 0 (greedy) or more")
     if top_k is not None and not 1 <= top_k <= config.vocab:
         raise ConfigError(f"top_k={top_k}: give a number of tokens in 1..{config.vocab} (the vocabulary), or None")
     if new_tokens == 0:

@@ -88,7 +88,7 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     attention cuDNN's fused kernel in bf16 and fp16 where ``device`` (one of its devices: a ``jax.Device``) runs it
     (``gpt.fused_attention``), else XLA's."""
     from jaxtrain.choices import KERNELS
-    from jaxtrain.errors import ConfigError
+    from jaxtrain.errors import ConfigError, named
 
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
@@ -98,7 +98,7 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
         raise ConfigError(f"model {name} has no init {init!r}: choose one of {', '.join(inits)}")
     shape = dict(input_shape=tuple(input_shape), num_classes=num_classes)
     if quantize != "none" and (quantize, name) != ("int8", "lenet"):
-        raise ConfigError(f"quantize={quantize}: quantisation-aware training covers int8 for lenet only "
+        raise ConfigError(f"{named('quantize', quantize)}: quantisation-aware training covers int8 for lenet only "
                           f"(model {name}: post-training int8 with python -m experiments.quantize)")
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
@@ -193,14 +193,15 @@ def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, c
 
 def _gpt(remat: str, shape: dict, kernels: str, size: str, device) -> LanguageModel:
     """The GPT of ``size`` for windows of ``input_shape[0]`` tokens and a vocabulary of ``num_classes``."""
-    from jaxtrain.errors import ConfigError
+    from jaxtrain.errors import ConfigError, named
     from jaxtrain.models import gpt
 
     if size not in gpt.SIZES:
         raise ConfigError(f"model gpt has no size {size!r}: choose one of {', '.join(gpt.SIZES)}")
     if kernels != "jnp" or len(shape["input_shape"]) != 1:
-        raise ConfigError("model gpt: " + ("its loss is jnp's (kernels=pallas is the image models')" if
-                                            kernels != "jnp" else "it takes windows of tokens (dataset=text:PATH)"))
+        raise ConfigError("model gpt: " + (f"its loss is jnp's ({named('kernels', 'pallas')} is the image models')"
+                                            if kernels != "jnp" else
+                                            f"it takes windows of tokens ({named('dataset', 'text:PATH')})"))
     config = dataclasses.replace(gpt.SIZES[size], seq_len=shape["input_shape"][0], vocab=shape["num_classes"],
                                  attention="xla" if gpt.fused_attention(device) else "auto")
     return LanguageModel(name="gpt", init=lambda rng: (gpt.init(rng, config), {}),

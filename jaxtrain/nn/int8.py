@@ -13,9 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.errors import need
+from jaxtrain.errors import named, need
 
-qwix = need("qwix", "int8 quantisation (quantize=int8)")
+qwix = need("qwix", f"int8 quantisation ({named('quantize', 'int8')})")
 
 
 def int8_weight(w: jax.Array) -> qwix.QArray:

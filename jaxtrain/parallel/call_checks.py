@@ -43,7 +43,7 @@ import numpy as np
 
 from jaxtrain.choices import LABELS_OUT_OF_RANGE
 from jaxtrain.core.state import TrainState
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel.sharding import path_name
 
 # What tracing a step raises for a batch its loss_fn cannot take (shapes, dtypes, a missing key).
@@ -86,7 +86,8 @@ def structure(state, expected: Callable[[], TrainState]) -> None:
             only = {_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(got)[0]} - {
                 _name(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]}
             detail = f"the state has {min(only)!r}, this trainer does not" if only else "trees differ"
-        why = {"opt_state": " (another optimizer, or accum_steps=)", "loss_scale": " (another precision=)"}
+        why = {"opt_state": f" (another optimizer, or {named('accum_steps')})",
+               "loss_scale": f" (another {named('precision')})"}
         raise ConfigError(f"state does not match this trainer: its {field.name} differs{why.get(field.name, '')}: "
                           f"{detail}; pass a state this trainer made (trainer.init, or a checkpoint restored "
                           "with it)")

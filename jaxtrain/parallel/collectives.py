@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel.devices import DATA_AXIS
 from jaxtrain.parallel.sharding import axes_of
 
@@ -191,8 +191,8 @@ def make_comm(dims, ring: bool = False, grad_dims=None, batch=DATA_AXIS, shard=D
     ``batch`` ("replica", "data")): gradients reduce-scattered within a process, then all-reduced across."""
     across = tuple(a for a in axes_of(batch) if a not in axes_of(shard))
     if ring and batch != DATA_AXIS:
-        raise ConfigError("the ring runs over one axis: a hybrid mesh ('replica') needs strategy='shard_map', 'jit' "
-                          "or 'explicit'")
+        raise ConfigError("the ring runs over one axis: a hybrid mesh ('replica') needs "
+                          f"{named('strategy', repr('shard_map'))}, 'jit' or 'explicit'")
     if ring:
         def total(t):
             return ring_allreduce(t, DATA_AXIS)

@@ -12,7 +12,7 @@ from jax.sharding import AxisType, Mesh
 from jaxtrain import settings
 from jaxtrain.io import console
 from jaxtrain.core import compat
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel import host_memory, hosts, processes
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def max_cpu_devices() -> int:
 
 def _check_count(n: int | None) -> None:
     if n is not None and (not isinstance(n, int) or n < 1):
-        raise ConfigError(f"devices={n!r}: must be a positive whole number")
+        raise ConfigError(f"{named('devices', repr(n))}: must be a positive whole number")
 
 
 @console.shown
@@ -89,15 +89,15 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
         if jax.process_count() > 1:
             hosts.learn()  # which processes share this host's cores: thread counts follow
         if n is not None and n != len(devices):
-            raise ConfigError(f"devices={n} does not match {jax.process_count()} processes x "
-                              f"{jax.local_device_count()} devices per process = {len(devices)}; drop devices= "
-                              "or make them agree")
+            raise ConfigError(f"{named('devices', n)} does not match {jax.process_count()} processes x "
+                              f"{jax.local_device_count()} devices per process = {len(devices)}; drop "
+                              f"{named('devices')} or make them agree")
         return devices
     if not compat.backend_started():
         cpu_n = n if n is not None else settings.jax_cpu_devices() or settings.cores()
         if cpu_n > max_cpu_devices() and _platform_hint() == "cpu":
             raise ConfigError(
-                f"devices={cpu_n} is more than this machine can simulate: at most "
+                f"{named('devices', cpu_n)} is more than this machine can simulate: at most "
                 f"{max_cpu_devices()} virtual CPU devices on {settings.cores()} cores; ask for 1..{max_cpu_devices()}"
             )
         jax.config.update("jax_num_cpu_devices", cpu_n)
@@ -116,8 +116,8 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
                     "is not that of a %d-device start)", n, len(devices), n)
     if n > len(devices):
         raise ConfigError(
-            f"devices={n} asked for, but only {len(devices)} {platform.upper()} device(s) exist; "
-            f"use devices=1..{len(devices)}"
+            f"{named('devices', n)} asked for, but only {len(devices)} {platform.upper()} device(s) exist; "
+            f"use {named('devices', f'1..{len(devices)}')}"
         )
     return devices[:n]
 

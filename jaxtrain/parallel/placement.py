@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.core.state import TrainState
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel import call_checks, rules, sharding, strategies
 from jaxtrain.parallel.devices import batch_axes
 
@@ -102,8 +102,8 @@ class Plan:
         """The global batch of one call for updates of ``batch_size`` examples (checked)."""
         k = self.calls_per_update
         if batch_size % k:
-            raise ConfigError(f"batch_size={batch_size} does not split into accum_steps={k} micro-batches: use a "
-                              f"multiple of {k}")
+            raise ConfigError(f"{named('batch_size', batch_size)} does not split into {named('accum_steps', k)} "
+                              f"micro-batches: use a multiple of {k}")
         self.check_batch_size(batch_size // k)
         return batch_size // k
 

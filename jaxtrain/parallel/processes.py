@@ -12,7 +12,7 @@ import jax
 
 from jaxtrain import settings
 from jaxtrain.io import console
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ def _in_cluster() -> bool:
     how = ("start the tasks with srun" if job.launcher == "SLURM" else
            "JAX finds Open MPI 4's coordinator only (Open MPI 5 sets none)")
     raise ConfigError(f"this process is one of {job.tasks} {job.launcher} tasks, but {', '.join(job.missing)} is not "
-                      f"set, which JAX needs to join them: {how}, or pass coordinator=HOST:PORT, "
-                      f"num_processes={job.tasks} and process_id=RANK")
+                      f"set, which JAX needs to join them: {how}, or pass {named('coordinator', 'HOST:PORT')}, "
+                      f"{named('num_processes', job.tasks)} and {named('process_id', 'RANK')}")
 
 
 def start(coordinator, num_processes, process_id) -> None:
@@ -51,12 +51,13 @@ def start(coordinator, num_processes, process_id) -> None:
     if single or jax.distributed.is_initialized():
         return  # a single-process run stays exactly as it was
     if num_processes is not None and (coordinator is None or process_id is None):
-        raise ConfigError("a multi-process run needs coordinator=HOST:PORT and process_id= too "
-                          "(or start it with python -m jaxtrain.launch)")
+        raise ConfigError(f"a multi-process run needs {named('coordinator', 'HOST:PORT')} and "
+                          f"{named('process_id')} too (or start it with python -m jaxtrain.launch)")
     if num_processes is not None:
         settings.address("coordinator", coordinator)
         if process_id >= num_processes:
-            raise ConfigError(f"process_id={process_id} but num_processes={num_processes}: each process needs its "
+            raise ConfigError(f"{named('process_id', process_id)} but {named('num_processes', num_processes)}: "
+                              "each process needs its "
                               f"own rank from 0 to {num_processes - 1}")
     _join(coordinator, num_processes, process_id)
 

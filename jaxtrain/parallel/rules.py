@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.choices import PARAM_SHARDINGS
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel.devices import MODEL_AXIS, REPLICA_AXIS
 from jaxtrain.parallel.sharding import BATCH_AXES, axes_of, path_name, spec_entry
 
@@ -69,9 +69,10 @@ def preset(name: str, logical_axes=()) -> object:
     if name in ("replicated", "fsdp", ZERO1, HSDP):
         return name
     if name not in PRESETS:
-        raise ConfigError(f"unknown param_sharding={name!r}: use one of {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown {named('param_sharding', repr(name))}: use one of {', '.join(PRESETS)}")
     if not logical_axes:
-        raise ConfigError(f"param_sharding={name}: this model has no tensor-parallel rules; use replicated or fsdp")
+        raise ConfigError(f"{named('param_sharding', name)}: this model has no tensor-parallel rules; use replicated "
+                          "or fsdp")
     tp_rules = [(pattern, logical_spec(names)) for pattern, names in logical_axes]
     if name == "tp":
         return tp_rules
@@ -116,7 +117,8 @@ def _checked(name: str, shape: tuple, spec: P, mesh: Mesh) -> tuple:
         for axis in axes:
             if axis not in mesh.shape:
                 raise ConfigError(f"parameter {name}: PartitionSpec {spec} names axis {axis!r} but the mesh has "
-                                  f"only {', '.join(mesh.axis_names)} (give mesh= that axis, e.g. data=2,{axis}=2)")
+                                  f"only {', '.join(mesh.axis_names)} (give {named('mesh')} that axis, e.g. "
+                                  f"data=2,{axis}=2)")
             if axis in seen:
                 raise ConfigError(f"parameter {name}: PartitionSpec {spec} uses axis {axis!r} twice")
             seen.append(axis)

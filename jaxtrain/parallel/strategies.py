@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.choices import MODEL_AXES, STRATEGIES
 from jaxtrain.core.context import auto_axes
 from jaxtrain.core.step import Reduction
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel import sharding
 from jaxtrain.parallel.collectives import Comm, make_comm
 from jaxtrain.parallel.compiled import Compiled, Pmapped, UnderMesh
@@ -34,12 +34,13 @@ from jaxtrain.parallel.devices import DATA_AXIS, batch_axes
 
 def check_strategy(strategy: str, model_axes: str = "auto") -> None:
     if strategy not in STRATEGIES:
-        raise ConfigError(f"unknown strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
+        raise ConfigError(f"unknown {named('strategy', repr(strategy))}: use one of {', '.join(STRATEGIES)}")
     if model_axes not in MODEL_AXES:
         raise ConfigError(f"unknown model_axes={model_axes!r}: use one of {', '.join(MODEL_AXES)}")
     if model_axes == "explicit" and strategy != "explicit":
         raise ConfigError("model_axes='explicit' hands the model typed (Explicit) shardings, which only "
-                          "strategy='explicit' has: use strategy='explicit', or model_axes='auto'")
+                          f"{named('strategy', repr('explicit'))} has: use {named('strategy', repr('explicit'))}, or "
+                          "model_axes='auto'")
 
 
 def _comm(strategy, ring: bool = False) -> Comm:
@@ -189,8 +190,9 @@ class ShardMap(Strategy):
         used = sharding.mesh_axes_used(pspecs) | sharding.mesh_axes_used(self.gspecs)
         other = sorted(used - set(sharding.BATCH_AXES))
         if other:
-            raise ConfigError(f"strategy={self.name!r} shards parameters over {DATA_AXIS!r} only (fsdp), but the rules "
-                              f"name {', '.join(map(repr, other))}: use strategy='jit' for tensor parallelism")
+            raise ConfigError(f"{named('strategy', repr(self.name))} shards parameters over {DATA_AXIS!r} only "
+                              f"(fsdp), but the rules name {', '.join(map(repr, other))}: use "
+                              f"{named('strategy', repr('jit'))} for tensor parallelism")
 
     def _map(self, fn, in_specs, out_specs):
         # ppermute results are typed "varying" even when all devices hold the
@@ -230,8 +232,9 @@ class Pmap(Strategy):
     def __init__(self, mesh, pspecs, gspecs=None):
         super().__init__(mesh, pspecs, gspecs)
         if sharding.mesh_axes_used(pspecs) or sharding.mesh_axes_used(self.gspecs) or len(mesh.axis_names) > 1:
-            raise ConfigError("strategy='pmap' keeps the whole state on every device of a 1-D mesh: use strategy='jit' "
-                              "(any sharding) or 'shard_map' / 'ring' (fsdp) for sharded state or a 2-D mesh")
+            raise ConfigError(f"{named('strategy', repr('pmap'))} keeps the whole state on every device of a 1-D mesh: "
+                              f"use {named('strategy', repr('jit'))} (any sharding) or 'shard_map' / 'ring' (fsdp) for "
+                              "sharded state or a 2-D mesh")
         self.devices = list(mesh.devices.flat)
 
     def _pmap(self, fn, plan, donate: bool) -> Pmapped:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.pretrained import tensors
 
 _BLOCK = {"ln1": "ln_1.weight", "ln1_b": "ln_1.bias", "qkv": "attn.c_attn.weight", "qkv_b": "attn.c_attn.bias",
@@ -30,14 +30,14 @@ def load(path: str | Path, config) -> dict:
     """The GPT's params (``jaxtrain.models.gpt``'s layout, float32) from a GPT-2 file (safetensors, or PyTorch's
     ``state_dict``) of the shape ``config`` (a ``gpt.Config``) says; the file's position embedding may hold more
     positions than ``config.seq_len`` (the first are kept)."""
-    named = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in tensors.read(path).items()}
+    by_name = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in tensors.read(path).items()}
     L, D, H, F = config.layers, config.width, config.heads, config.mlp_ratio * config.width
     used = set()
 
     def take(name: str, shape: tuple) -> np.ndarray:
-        if name not in named:
+        if name not in by_name:
             raise ConfigError(f"{path}: no tensor {name} (is it a GPT-2 file of {L} layers?)")
-        value = named[name]
+        value = by_name[name]
         if value.shape != shape:
             raise ConfigError(f"{path}: {name} is {list(value.shape)}, this GPT needs {list(shape)} (its vocab, "
                               f"seq_len, layers, heads and width: {config})")
@@ -53,16 +53,16 @@ def load(path: str | Path, config) -> dict:
     stages["proj"] = stages["proj"].reshape(L, H, D // H, D)
     wte = np.zeros((config.padded_vocab, D), np.float32)
     wte[:config.vocab] = take("wte.weight", (config.vocab, D))
-    held = named["wpe.weight"].shape[0] if "wpe.weight" in named else config.seq_len  # missing: take says so
+    held = by_name["wpe.weight"].shape[0] if "wpe.weight" in by_name else config.seq_len  # missing: take says so
     if held < config.seq_len:
-        raise ConfigError(f"{path}: wpe.weight holds {held} positions, this GPT needs seq_len={config.seq_len}: "
-                          "give a shorter seq_len")
+        raise ConfigError(f"{path}: wpe.weight holds {held} positions, this GPT needs "
+                          f"{named('seq_len', config.seq_len)}: give a shorter seq_len")
     wpe = take("wpe.weight", (held, D))[:config.seq_len]
     head = {"ln": take("ln_f.weight", (D,)), "ln_b": take("ln_f.bias", (D,))}
-    if "lm_head.weight" in named:  # tied: the same numbers as wte, or a head this GPT does not have
+    if "lm_head.weight" in by_name:  # tied: the same numbers as wte, or a head this GPT does not have
         if not np.array_equal(take("lm_head.weight", (config.vocab, D)), wte[:config.vocab]):
             raise ConfigError(f"{path}: lm_head.weight differs from wte.weight: jaxtrain's GPT ties them")
-    left = sorted(k for k in named if k not in used and not k.endswith(_BUFFERS))
+    left = sorted(k for k in by_name if k not in used and not k.endswith(_BUFFERS))
     if left:
         raise ConfigError(f"{path}: {len(left)} tensor(s) this GPT does not compute: {', '.join(left[:5])}"
                           f"{', ...' if len(left) > 5 else ''}")

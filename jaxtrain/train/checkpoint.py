@@ -32,7 +32,7 @@ from pathlib import Path
 import jax
 
 from jaxtrain.core.state import TrainState
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.io.dirlock import DirLock
 from jaxtrain.io.files import drop_closed_loop_reports, ensure_room, ensure_writable, out_of_space
 from jaxtrain.train import integrity
@@ -108,9 +108,10 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | Path, keep: int = 3, settings: Mapping | None = None,
-                 fixed: tuple[str, ...] = (), param: str = "checkpoint_dir="):
+                 fixed: tuple[str, ...] = (), param: str | None = None):
         import orbax.checkpoint as ocp
 
+        param = named("checkpoint_dir") if param is None else param
         if keep < 1:
             raise ConfigError(f"keep={keep}: must be >= 1")
         self.directory = ensure_writable(Path(directory).absolute(), "checkpoints to", param)
@@ -267,4 +268,4 @@ class _SaveErrors:
         cause = "the disk is full" if out_of_space(e) else _first_line(e)
         keep = f"the newest good checkpoint is step {good}" if good is not None else "no checkpoint was completed"
         raise ConfigError(f"saving a checkpoint in {c.directory} failed ({cause}); {keep}: "
-                          "make room (or fix the directory), then run again with resume=True") from None
+                          f"make room (or fix the directory), then run again with {named('resume', True)}") from None

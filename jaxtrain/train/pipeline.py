@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.choices import PIPELINE_SCHEDULES
 from jaxtrain.core import precision as prec
 from jaxtrain.core.remat import policy, remat as remat_policy
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel.devices import DATA_AXIS, make_mesh
 from jaxtrain.train.trainer import Trainer
 
@@ -82,10 +82,10 @@ def _splits(layers: int, stages: int, repeats: int) -> str:
     ways = []
     stage_counts = [s for s in range(2, layers + 1) if layers % (s * repeats) == 0]
     if stage_counts:
-        ways.append(f"a 'stage' axis of {either(stage_counts)} (mesh=) with repeats={repeats}")
+        ways.append(f"a 'stage' axis of {either(stage_counts)} ({named('mesh')}) with {named('repeats', repeats)}")
     repeat_counts = [r for r in range(1, layers + 1) if layers % (stages * r) == 0]
     if repeat_counts:
-        ways.append(f"repeats={either(repeat_counts)} with {stages} stages")
+        ways.append(f"{named('repeats', either(repeat_counts))} with {stages} stages")
     ways.append(f"a model whose layer count is a multiple of {stages * repeats}")
     return "stages x repeats must divide the layer count: use " + "; or ".join(ways)
 
@@ -160,7 +160,8 @@ class PipelineTrainer(Trainer):
             raise ConfigError(f"unknown schedule {schedule!r}: use one of {', '.join(PIPELINE_SCHEDULES)}")
         policy(remat)  # an unknown name: a ConfigError now
         if schedule == "gpipe" and repeats != 1:
-            raise ConfigError(f"repeats={repeats} needs schedule='circular' (gpipe has one chunk per stage)")
+            raise ConfigError(f"{named('repeats', repeats)} needs {named('schedule', repr('circular'))} (gpipe has one "
+                              "chunk per stage)")
         if microbatches < 1 or repeats < 1:
             raise ConfigError(f"microbatches and repeats must be >= 1, got {microbatches} and {repeats}")
         self.num_stages = mesh.shape[STAGE_AXIS]
