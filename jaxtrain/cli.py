@@ -240,7 +240,7 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
     """
     from jaxtrain.driver.signals import Exit, StopOnSignal
 
-    with StopOnSignal() as stop, library_log():
+    with StopOnSignal() as stop, library_log(renamed):  # errors name its flags (distill's --student)
         parser = make_parser(model, description, prog, renamed=renamed)
         args = parser.parse_args(argv)
         try:

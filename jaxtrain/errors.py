@@ -75,24 +75,38 @@ def missing(module: str, what: str) -> str | None:
 _FLAGS: dict[str, str] | None = None
 
 
-def named(name: str, *value) -> str:
+def named(name: str, *value, setting: str | None = None) -> str:
     """A parameter as a message names it: ``named("workers", -1)`` is ``workers=-1`` to a Python caller and
     ``--workers -1`` on a command line (``flags_spoken``); ``named("out")`` is ``out=`` or ``--out``; a switch's
-    ``named("resume", True)`` is ``resume=True`` or ``--resume``. A name the command has no flag for stays as
-    Python says it."""
-    flag = (_FLAGS or {}).get(name)
+    ``named("resume", True)`` is ``resume=True`` or ``--resume``. ``setting``: the command line's name for it where
+    the function's parameter has another (``named("schedule", x, setting="pipeline_schedule")``). A name the
+    command has no flag for stays as Python says it."""
+    flag = (_FLAGS or {}).get(setting or name)
     if flag is None:
         return f"{name}={value[0]}" if value else f"{name}="
     return flag if not value or value[0] is True else f"{flag} {value[0]}"
 
 
 @contextlib.contextmanager
-def flags_spoken(flags: dict[str, str]):
-    """While a command runs: ``named`` says the parameters in ``flags`` (name -> its flag) as flags (nested: the
-    outer command's and these)."""
+def flags_spoken(flags: dict[str, str] | None):
+    """While a command runs: ``named`` says the parameters in ``flags`` (name -> its flag) as flags; nested, the
+    outer command's flags win (its own spellings: ``--student``); ``None``: Python's names meanwhile (what a run
+    writes to its files reads the same whoever started it)."""
     global _FLAGS
-    before, _FLAGS = _FLAGS, {**(_FLAGS or {}), **flags}
+    before = _FLAGS
+    _FLAGS = None if flags is None else {**flags, **(_FLAGS or {})}
     try:
         yield
     finally:
         _FLAGS = before
+
+
+def spoken() -> dict[str, str] | None:
+    """The flags ``named`` says now (None: Python's names): for a worker process to speak as its parent does."""
+    return _FLAGS
+
+
+def speak(flags: dict[str, str] | None) -> None:
+    """This whole process names parameters by ``flags`` (a worker process, with its parent's ``spoken()``)."""
+    global _FLAGS
+    _FLAGS = flags

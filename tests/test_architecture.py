@@ -244,7 +244,8 @@ COMMAND_NAMES = ("gpus", "hosts", "memory_fraction", "budget_bytes", "run_dir")
 
 def named_by_hand(path: Path) -> list[str]:
     """Where ``path``'s strings write a parameter as ``name=`` themselves (a setting's or a command's name before
-    "=", at the start or after a space, "(" or a quote), not ``errors.named(name, ...)``; docstrings aside. (A name
+    "=", at the start or after a space, "(" or a quote), not ``errors.named(name, ...)``; docstrings and
+    ``__repr__``s (Python's own syntax) aside. (A name
     made at run time, ``f"{name}={value}"``, is not seen: there are few, and each names an environment variable
     or goes through ``named``.)"""
     from jaxtrain.driver.sections import FIELDS
@@ -255,6 +256,8 @@ def named_by_hand(path: Path) -> list[str]:
     docs = {id(node.body[0].value) for node in ast.walk(tree)
             if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body
             and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    docs |= {id(part) for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "__repr__"
+             for part in ast.walk(node)}
     return [f"{path.name}:{node.lineno}: {m.group(0)}" for node in ast.walk(tree)
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
             for m in said.finditer(node.value)]
@@ -265,6 +268,7 @@ def test_library_messages_name_parameters_through_errors_named_and_a_command_lin
     ``errors.named``, which a command's ``library_log`` makes say flags (no message is rewritten after it is
     made); and no library message writes a flag itself (16 modules once did)."""
     from jaxtrain import cli, errors
+    from jaxtrain.driver import runner
 
     leaks = [hit for name, path in MODULES.items() if name not in COMMAND_LINES for hit in flags_in_errors(path)]
     assert not leaks, leaks
@@ -280,6 +284,11 @@ def test_library_messages_name_parameters_through_errors_named_and_a_command_lin
                 errors.named("budget_bytes"), errors.named("bogus", 1)) == (
             "--workers -1", "--checkpoint-dir", "--resume", "--memory-budget", "bogus=1")
     assert errors.named("workers", -1) == "workers=-1"  # after the command: a Python caller's names again
+    with cli.library_log({"model": "--student"}), cli.library_log():  # nested: the outer command's spelling
+        assert errors.named("model", "x") == "--student x"
+        assert errors.named("schedule", "circular", setting="pipeline_schedule") == "--pipeline-schedule circular"
+        assert runner.recorded(errors.named, "conv", "xla") == "conv=xla"  # a run's files: Python's names
+    assert errors.named("schedule", "circular", setting="pipeline_schedule") == "schedule=circular"
 
 
 def calls(path: Path, name: str):

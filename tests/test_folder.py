@@ -226,6 +226,8 @@ def test_a_file_that_fails_to_decode_is_replaced_and_counted_once_per_epoch_or_i
     strict = folder.load(tmp_path / "d", 8, on_bad="error", warn=lambda text: None)
     with pytest.raises(ConfigError, match=r"truncated.jpg cannot be decoded .*pass on_bad_image=skip"):
         _all(_loader(strict["train"], batch_size=14))
+    with cli.library_log(), pytest.raises(ConfigError, match=r"cannot be decoded .*pass --on-bad-image skip"):
+        _all(_loader(strict["train"], batch_size=14, workers=1))  # made in a worker process, said as its parent does
 
 
 def test_a_programming_error_while_decoding_is_raised_not_counted_as_a_damaged_file(tmp_path, cache, monkeypatch):

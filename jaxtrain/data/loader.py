@@ -33,6 +33,7 @@ from jaxtrain.choices import AUGMENTATIONS
 from jaxtrain.data import augment as augment_lib
 from jaxtrain.data.folder import FolderSplit
 from jaxtrain.data.split import Split, normalise  # noqa: F401 - normalise: its public home was here
+from jaxtrain import errors
 from jaxtrain.errors import ConfigError, named
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,14 @@ def _signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def _worker_started(index: int, count: int) -> None:
+def _worker_started(index: int, count: int, flags: dict | None = None) -> None:
     """A decode worker leaves signals to its parent (which stops it with ``Loader.close``: a Ctrl-C, a SIGTERM or
     a scheduler's SIGUSR1 sent to the process group reaches the run's own handlers, not a traceback per worker),
-    and exits if its parent is gone (killed: nothing else would stop it)."""
+    exits if its parent is gone (killed: nothing else would stop it), and names parameters as its parent does
+    (``flags``: ``errors.spoken()``; a command line's flags in the errors it raises)."""
+    from jaxtrain import errors
+
+    errors.speak(flags)
     import os
     import threading
     import time
@@ -220,7 +225,8 @@ class Loader:
             steps = grain.MapDataset.range(g, g + len(self) * _EPOCHS_AHEAD).map(self._global_batch)
             self._stream = iter(steps.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
                                 .mp_prefetch(grain.MultiprocessingOptions(self.workers, per_worker_buffer_size=2),
-                                             worker_init_fn=_worker_started))
+                                             worker_init_fn=functools.partial(_worker_started,
+                                                                              flags=errors.spoken())))
             self._next = g
         stream = self._stream
         for i in range(len(self) - start):

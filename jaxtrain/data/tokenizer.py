@@ -47,7 +47,7 @@ class Tokenizer:
         self.name, self.vocab_size, self._hf = name, vocab_size, hf  # hf: a tokenizers.Tokenizer (None: bytes)
 
     def __repr__(self) -> str:
-        return f"Tokenizer({self.name!r}, {self.vocab_size} tokens)"
+        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of ``text`` (uint16, or uint32 past 65536 tokens); no special tokens added."""

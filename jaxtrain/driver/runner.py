@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 
 from jaxtrain.analysis import diagnostics
+from jaxtrain import errors
 from jaxtrain.errors import Diverged
 from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import hosts
@@ -154,6 +155,13 @@ def keep_busy(run: Run, state, split, train_data) -> tuple[int, bool]:
     return k, on_device
 
 
+def recorded(words, *args) -> str:
+    """``words(*args)`` as a file records it: naming parameters as Python does (``conv=xla``), whether a command
+    line or a Python caller made the run (its log lines say the command's flags)."""
+    with errors.flags_spoken(None):
+        return words(*args)
+
+
 def summarise(run: Run, trained: Trained, writer) -> dict:
     """summary.json: the result first on stdout (if the files fail, the user still has it), then the files."""
     c, platform, data, settings = run.config, run.devices[0].platform, run.data, run.settings
@@ -166,7 +174,7 @@ def summarise(run: Run, trained: Trained, writer) -> dict:
     summary.update(params_digest=params_digest(state.params), mesh=dict(run.mesh.shape),
                    param_sharding=c.param_sharding, sharded_params=run.layout["sharded"],
                    collectives=stats["collectives"],
-                   conv=conv_path(c, run.model, platform),
+                   conv=recorded(conv_path, c, run.model, platform),
                    pipeline={**run.trainer.describe(), "counted_bubble": float(trained.last["pipeline_bubble"])}
                    if run.trainer.pipeline_layout else None)
     plural = "s" * (len(run.devices) != 1)

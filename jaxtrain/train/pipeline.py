@@ -160,7 +160,8 @@ class PipelineTrainer(Trainer):
             raise ConfigError(f"unknown schedule {schedule!r}: use one of {', '.join(PIPELINE_SCHEDULES)}")
         policy(remat)  # an unknown name: a ConfigError now
         if schedule == "gpipe" and repeats != 1:
-            raise ConfigError(f"{named('repeats', repeats)} needs {named('schedule', repr('circular'))} (gpipe has one "
+            raise ConfigError(f"{named('repeats', repeats)} needs "
+                              f"{named('schedule', repr('circular'), setting='pipeline_schedule')} (gpipe has one "
                               "chunk per stage)")
         if microbatches < 1 or repeats < 1:
             raise ConfigError(f"microbatches and repeats must be >= 1, got {microbatches} and {repeats}")
