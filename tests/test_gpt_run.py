@@ -264,14 +264,15 @@ def test_a_log_line_says_the_mfu_where_the_devices_peak_is_known():
 
     from jaxtrain.driver import observe
 
-    def line(peak):
+    def line(peak, examples=400):
         said = []
         loop = types.SimpleNamespace(recent={"loss": np.float32(2.0)}, total_steps=10, call_size=1,
-                                     sums={"examples": 400}, chrono=types.SimpleNamespace(train_sec=2.0, wait=0.0,
-                                                                                          start_up=0.0))
+                                     sums={"examples": examples}, chrono=types.SimpleNamespace(
+                                         train_sec=2.0, wait=0.0, start_up=0.0))
         observe.step_log(10, said.append, None, seq_len=16, flops_per_example=1e6, peak=peak).fn(loop)
         return said[0]
 
     assert line(6e8) == "step 9: loss 2.0000 (ppl 7.4), 3,200 tokens/s, MFU 100.0%, data wait 0%"  # 3e6 x 200/s
     assert line(1.2e9).endswith("3,200 tokens/s, MFU 50.0%, data wait 0%")
     assert "MFU" not in line(None)
+    assert line(6e8, examples=0).endswith(", 0 tokens/s, data wait 0%")  # none since the last line (a resume's)

@@ -113,7 +113,8 @@ def step_log(every: int, say, views: Views | None, seq_len: int | None = None,
             speed = f" ({perplexity(values['loss'])}){lr}, {values['tokens_per_sec']:,.0f} tokens/s"
         else:
             speed = f"{lr}, {values['examples_per_sec']:,.0f} examples/s"
-        if (mfu := utilisation(flops_per_example, None, 1, 1 / values["examples_per_sec"], peak)["mfu"]) is not None:
+        per_example = 1 / values["examples_per_sec"] if values["examples_per_sec"] else 0.0  # 0: no MFU said
+        if (mfu := utilisation(flops_per_example, None, 1, per_example, peak)["mfu"]) is not None:
             values["mfu"] = mfu
             speed += f", MFU {mfu:.1%}"
         say(f"step {step}: loss {values['loss']:.4f}{speed}, data wait {100 * values['data_wait_fraction']:.0f}%")
