@@ -21,6 +21,7 @@ FOLDER_PREFIX = "folder:"  # a folder of images, one sub-folder per class (jaxtr
 TEXT_PREFIX = "text:"  # a text file, or a folder of them, for a language model (jaxtrain.data.text)
 KJV = "~/.cache/jaxtrain/kjv/kjv.txt"  # the language models' offline corpus: `make kjv` writes it (Debian's bible-kjv)
 TOKENIZERS = ("bpe", "bytes")  # jaxtrain.data.text; or the path of a tokenizer.json
+BPE_VOCAB = 4096  # a run's vocab_size unless told, with tokenizer=bpe (other tokenizers have their own)
 # jaxtrain.models.gpt.SIZES: each size's context (its seq_len unless told)
 GPT_SIZES = {"tiny": 64, "mini": 128, "124m": 1024, "350m": 1024, "774m": 1024}
 MESH_AXES = ("replica", "data", "model", "stage")  # a run's mesh's names (parallel.devices, train.pipeline)

@@ -70,8 +70,6 @@ def _worker_started(index: int, count: int, flags: dict | None = None) -> None:
     a scheduler's SIGUSR1 sent to the process group reaches the run's own handlers, not a traceback per worker),
     exits if its parent is gone (killed: nothing else would stop it), and names parameters as its parent does
     (``flags``: ``errors.spoken()``; a command line's flags in the errors it raises)."""
-    from jaxtrain import errors
-
     errors.speak(flags)
     import os
     import threading

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain import settings
-from jaxtrain.choices import TOKENIZERS
+from jaxtrain.choices import BPE_VOCAB, TOKENIZERS
 from jaxtrain.errors import ConfigError, named
 from jaxtrain.io import console
 from jaxtrain.io.dirlock import DirLock
@@ -176,7 +176,7 @@ def _build(where: Path, files, tokenizer: str, bpe_vocab: int, val_fraction: flo
 
 
 @console.shown
-def load(path, *, seq_len: int, tokenizer: str = "bpe", bpe_vocab: int = 4096, val_fraction: float = 0.1,
+def load(path, *, seq_len: int, tokenizer: str = "bpe", bpe_vocab: int = BPE_VOCAB, val_fraction: float = 0.1,
          cache_dir: Path | None = None, warn=None) -> tuple[dict[str, TextSplit], Tokenizer, str]:
     """({"train": TextSplit, "test": TextSplit}, the tokenizer, the digest of what they hold) of the text at
     ``path`` (layout above), tokenized once into ``cache_dir`` (default: beside the folder indexes, in "text").

@@ -111,8 +111,8 @@ def vocab_size(tokenizer: str, bpe_vocab: int) -> int:
         return 256
     if tokenizer == "bpe":
         if not 257 <= bpe_vocab <= 65536:
-            raise ConfigError(f"{named('bpe_vocab', bpe_vocab)}: use 257 to 65536 (the 256 bytes and at least one "
-                              "merge; at most 65536 so the tokens fit uint16)")
+            raise ConfigError(f"{named('bpe_vocab', bpe_vocab, setting='vocab_size')}: use 257 to 65536 (the 256 "
+                              "bytes and at least one merge; at most 65536 so the tokens fit uint16)")
         return bpe_vocab
     return load_tokenizer(tokenizer).vocab_size
 

@@ -17,7 +17,7 @@ import math
 import jax
 import numpy as np
 
-from jaxtrain.errors import ConfigError, named
+from jaxtrain.driver.config import on_host_only
 from jaxtrain.train.timing import median_seconds
 
 TARGET_SEC = 0.010  # device work per call: enough that a call's host part (dispatch, read, hooks) hides behind it
@@ -63,14 +63,11 @@ def data_on_device(setting: str, platform: str, split, device) -> tuple[bool, st
         return False, "as given"
     if not hasattr(split, "images"):  # text: windows cut from the token file on the host
         if setting == "on":
-            raise ConfigError(f"{named('data_on_device', 'on')}: text's windows are cut on the host (the "
-                              f"device-resident path holds image splits); use {named('data_on_device', 'auto')} or "
-                              "off for text")
+            raise on_host_only(text=True)
         return False, "auto: text's windows are cut on the host"
     if split.raw:
         if setting == "on":
-            raise ConfigError(f"{named('data_on_device', 'on')}: an image folder is streamed from its files, decoded "
-                              f"on the host; use {named('data_on_device', 'auto')} or off for a folder")
+            raise on_host_only(text=False)
         return False, "auto: an image folder stays on the host"
     if setting == "on":
         return True, "as given"

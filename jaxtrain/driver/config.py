@@ -17,7 +17,8 @@ import inspect
 import math
 from pathlib import Path
 
-from jaxtrain.choices import FOLDER_PREFIX, GPT_SIZES, TEXT_PREFIX, TOKENIZERS, check_dataset, lr_groups
+from jaxtrain.choices import (BPE_VOCAB, FOLDER_PREFIX, GPT_SIZES, TEXT_PREFIX, TOKENIZERS, check_dataset,
+                              lr_groups)
 from jaxtrain.driver.sections import (FIELDS, ORDER, SECTIONS, Checkpoints, Cluster, Compute, Data, Network,
                                       Observe, Optim, Parallel)
 from jaxtrain.errors import ConfigError, named
@@ -29,7 +30,6 @@ RECIPE_FIELDS = ("epochs", "batch_size", "lr", "optimizer", "schedule", "warmup_
 DATASET_FIELDS = ("augment", "image_size", "val_fraction", "model_size", "seq_len", "tokenizer", "vocab_size")
 # A language model's text (dataset=text:PATH) unless told; seq_len: the model size's (jaxtrain.models.gpt.SIZES).
 TEXT_DEFAULTS = {"model_size": "mini", "tokenizer": "bpe", "val_fraction": 0.1}
-BPE_VOCAB = 4096  # vocab_size unless told, with tokenizer=bpe (other tokenizers have their own: None)
 TEXT_FIELDS = ("model_size", "seq_len", "tokenizer", "vocab_size")  # set for text only: None for images
 
 
@@ -61,8 +61,7 @@ class _Sections:
     def __post_init__(self):
         check_values(self.flat())
         if self.data_on_device == "on" and self.dataset.startswith(FOLDER_PREFIX):
-            raise ConfigError(f"{named('data_on_device', 'on')}: an image folder is streamed from its files, decoded "
-                              f"on the host; use {named('data_on_device', 'auto')} or off for a folder")
+            raise on_host_only(text=False)
         if self.profile is not None:
             start, _ = parse_steps(self.profile)
             if self.max_steps is not None and start > self.max_steps:
@@ -182,18 +181,13 @@ def with_recipe(given: dict) -> dict:
                 raise ConfigError(f"{named(name)} is for image datasets; text:PATH has no classes and names its "
                                   "files itself")
         if given.get("data_on_device") == "on":
-            raise ConfigError(f"{named('data_on_device', 'on')}: text's windows are cut on the host (the "
-                              f"device-resident path holds image splits); use {named('data_on_device', 'auto')} or "
-                              "off for text")
+            raise on_host_only(text=True)
         if given["tokenizer"] != "bpe":
             if given.get("vocab_size") is not None:
                 raise ConfigError(f"{named('vocab_size')} is the BPE's ({named('tokenizer', 'bpe')}); "
                                   f"{named('tokenizer', given['tokenizer'])} has its own vocabulary")
         elif given.get("vocab_size") is None:
             given["vocab_size"] = BPE_VOCAB
-        elif given["vocab_size"] > 65536:  # its minimum is its field's check
-            raise ConfigError(f"{named('vocab_size', given['vocab_size'])}: use 257 to 65536 (the tokens are kept as "
-                              "uint16)")
     for name in RECIPE_FIELDS:
         if given.get(name) is None:
             given[name] = getattr(recipe, name)
@@ -208,6 +202,15 @@ def with_recipe(given: dict) -> dict:
     if folder and given.get("image_size") is None:
         given["image_size"] = recipe.image_size
     return given
+
+
+def on_host_only(text: bool) -> ConfigError:
+    """``data_on_device=on`` refused for data the host prepares: text's windows (cut there) or an image folder's
+    files (decoded there)."""
+    why, what = (("text's windows are cut on the host (the device-resident path holds image splits)", "text") if text
+                 else ("an image folder is streamed from its files, decoded on the host", "a folder"))
+    return ConfigError(f"{named('data_on_device', 'on')}: {why}; use {named('data_on_device', 'auto')} or off for "
+                       f"{what}")
 
 
 def check_values(values: dict) -> None:

@@ -20,7 +20,7 @@ from jaxtrain.driver.config import parse_steps
 from jaxtrain.driver.sections import Observe
 from jaxtrain.driver.language import perplexity
 from jaxtrain.errors import missing
-from jaxtrain.models.flops import utilisation
+from jaxtrain.models.flops import TRAIN_FACTOR
 from jaxtrain.train.loop import Hook, Loop, evaluation
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ def step_log(every: int, say, views: Views | None, seq_len: int | None = None,
     language model's (``seq_len``: its window) with the loss's perplexity and tokens/s; the MFU where the
     devices' ``peak`` FLOP/s is known (GPUs, --measure-peak), from the model's forward ``flops_per_example``."""
     last = {"sec": None, "examples": 0, "wait": 0.0}
+    mfu_per_example = TRAIN_FACTOR * flops_per_example / peak if flops_per_example and peak else None  # x ex/s
 
     def log(loop: Loop) -> None:
         if not loop.recent:
@@ -113,10 +114,9 @@ def step_log(every: int, say, views: Views | None, seq_len: int | None = None,
             speed = f" ({perplexity(values['loss'])}){lr}, {values['tokens_per_sec']:,.0f} tokens/s"
         else:
             speed = f"{lr}, {values['examples_per_sec']:,.0f} examples/s"
-        per_example = 1 / values["examples_per_sec"] if values["examples_per_sec"] else 0.0  # 0: no MFU said
-        if (mfu := utilisation(flops_per_example, None, 1, per_example, peak)["mfu"]) is not None:
-            values["mfu"] = mfu
-            speed += f", MFU {mfu:.1%}"
+        if mfu_per_example and values["examples_per_sec"]:  # none since the last line (a resume's first): none said
+            values["mfu"] = mfu_per_example * values["examples_per_sec"]
+            speed += f", MFU {values['mfu']:.1%}"
         say(f"step {step}: loss {values['loss']:.4f}{speed}, data wait {100 * values['data_wait_fraction']:.0f}%")
         if views is not None:
             views.scalars(step, values, "train_step")
