@@ -1,7 +1,7 @@
 """jaxtrain's train step vs a hand-written jax.jit step vs PyTorch, interleaved in one run.
 
     python -m experiments.bench [--model lenet|resnet18|gpt] [--precision fp32|bf16|int8] [--json F]
-    python -m experiments.bench --model gpt [--model-size mini] [--seq-len 128] [--vocab 4096]
+    python -m experiments.bench --model gpt [--model-size mini] [--seq-len 128] [--vocab 4096] [--unroll auto]
 
 (a) jaxtrain's step with the defaults a user gets (make_train_step, default
 strategy and devices); (b) a minimal hand-written ``jax.jit`` SGD step of the
@@ -76,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=positive_int, default=None,
                    help="--model gpt: vocabulary (default: the size's, 4096 for mini, GPT-2's 50257 for 124m up; "
                         "the embedding padded to a multiple of 64 on every side)")
+    p.add_argument("--unroll", choices=("auto", "on", "off"), default=None,
+                   help="--model gpt: its blocks laid out one after another (on) or a loop over one (off); default "
+                        "auto, where measured faster (jaxtrain.models.registry.unrolled_where_faster)")
     p.add_argument("--epoch-steps", type=positive_int, default=None,
                    help="steps of the pipeline epoch (default: a full epoch for LeNet, 30 for ResNet-18)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
         print("bench: error: --precision int8 times inference on one device: drop --devices", file=sys.stderr)
         return 2
     lm_flags = [f for f, v in (("--model-size", args.model_size), ("--seq-len", args.seq_len),
-                               ("--vocab", args.vocab)) if v is not None]
+                               ("--vocab", args.vocab), ("--unroll", args.unroll)) if v is not None]
     if lm_flags and not lm:
         print(f"bench: error: {', '.join(lm_flags)}: a language model's ({', '.join(LANGUAGE_MODELS)}), not "
               f"{args.model}'s", file=sys.stderr)

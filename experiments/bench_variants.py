@@ -21,7 +21,8 @@ def get_model(args, conv: str):
     args.model_size = args.model_size or models.registry.DEFAULT_SIZE
     config = gpt.SIZES[args.model_size]
     args.seq_len, args.vocab = args.seq_len or config.seq_len, args.vocab or config.vocab
-    return models.get(args.model, input_shape=(args.seq_len,), num_classes=args.vocab, size=args.model_size)
+    return models.get(args.model, input_shape=(args.seq_len,), num_classes=args.vocab, size=args.model_size,
+                      unroll={"on": True, "off": False}.get(args.unroll))
 
 
 def torch_shape(model) -> tuple[int, ...]:
@@ -36,14 +37,15 @@ def title(args, model) -> str:
     if c is None:
         return TITLES.get(args.model, args.model)
     return (f"{TITLES.get(args.model, args.model)} {args.model_size} ({c.layers} layers of width {c.width}, "
-            f"{c.heads} heads; windows of {c.seq_len} tokens, vocabulary {c.vocab} padded to {c.padded_vocab})")
+            f"{c.heads} heads, {'unrolled' if c.unroll else 'a loop over one'}; windows of {c.seq_len} tokens, "
+            f"vocabulary {c.vocab} padded to {c.padded_vocab})")
 
 
 def lm_fields(args, model, med: dict) -> dict:
     """A language model's shape and each variant's tokens/s, for the JSON."""
     c = model.config
     return {"model_size": args.model_size, "seq_len": c.seq_len, "vocab": c.vocab, "padded_vocab": c.padded_vocab,
-            "layers": c.layers, "heads": c.heads, "width": c.width,
+            "layers": c.layers, "heads": c.heads, "width": c.width, "unroll": c.unroll,
             **{f"{k}_tokens_per_s": args.batch_size * c.seq_len / (ms * 1e-3) for k, ms in med.items()}}
 
 

@@ -436,6 +436,38 @@ def test_tensor_parallel_rules_split_heads_and_the_mlp():
                                  "stages/out": "P(None, 'model', None)"}
 
 
+def test_the_blocks_are_laid_out_where_faster_with_the_loops_numbers(monkeypatch):
+    """The registry's GPT lays its blocks out one after another on a CPU backend of one device in all (every
+    process's: two processes of one device compile what one process of two does; XLA:CPU's faster
+    program there: the bench in docs/language-models.md) and loops over one traced block elsewhere (more CPU
+    devices, a GPU), unless told; in fp32 the two programs give the same loss and gradients bit for bit."""
+    import dataclasses
+    import types
+
+    from jaxtrain import models
+    from jaxtrain.errors import ConfigError
+
+    def built(device, unroll=None):
+        return models.get("gpt", input_shape=(16,), num_classes=100, size="tiny", device=device,
+                          unroll=unroll).config
+
+    for count in (1, 2):  # a CPU backend of one device, of two
+        monkeypatch.setattr(jax, "device_count", lambda backend=None, count=count: count)
+        assert built(jax.devices()[0]).unroll == built(None).unroll == (count == 1)
+        assert built(jax.devices()[0], unroll=count != 1).unroll == (count != 1)
+    assert not built(types.SimpleNamespace(platform="gpu")).unroll
+    with pytest.raises(ConfigError, match="model lenet has no blocks to unroll"):
+        models.get("lenet", unroll=True)
+    params, batch = gpt.init(jax.random.key(0), TINY), batch_of(TINY, 8)
+    grads, programs = {}, {}
+    for unroll in (False, True):
+        loss_fn = gpt.make_loss_fn(dataclasses.replace(TINY, unroll=unroll))
+        step = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, {}, batch, None)[0]))
+        programs[unroll], grads[unroll] = step.lower(params).as_text(), step(params)
+    assert "while" in programs[False] and "while" not in programs[True]
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), grads[False], grads[True]))
+
+
 def test_cudnn_attention_only_on_a_gpu_that_runs_it():
     """cuDNN's fused attention needs compute capability 8.0 or more: on an older GPU (a T4's 7.5) the GPT takes
     XLA's, and the run's first line says why; a compile-only target (no capability said) is taken as able."""

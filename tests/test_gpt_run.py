@@ -57,7 +57,7 @@ def test_a_gpt_learns_the_text_says_its_perplexity_and_samples_from_it(trained):
     assert s["tokens_per_sec"] == pytest.approx(16 * s["examples_per_sec"])
     assert s["test_perplexity"] == pytest.approx(np.exp(s["test_loss"]))
     said = run.stdout + run.stderr
-    assert "16 tokens, vocabulary 256 (bytes), model size tiny, attention: XLA's" in said, said[-3000:]
+    assert "16 tokens, vocabulary 256 (bytes), model size tiny, attention: XLA's, blocks: a loop" in said, said[-3000:]
     assert " tokens/s, data wait " in said and "(ppl " in said, said[-3000:]
     samples = [line.split("sample: ", 1)[1] for line in said.splitlines() if "sample: " in line]
     assert len(samples) == 3 and all(len(t) >= 12 for t in samples), samples  # a window's bytes, spaces joined

@@ -46,6 +46,7 @@ class Config:
     mlp_ratio: int = 4
     vocab_multiple: int = 64  # the embedding's rows padded to a multiple of this
     attention: str = "xla"  # whose attention: "xla", or "auto" (cuDNN's in bf16/fp16: a GPU's models; the registry)
+    unroll: bool = False  # the blocks laid out one after another, not a loop over one traced block (``blocks``)
 
     def __post_init__(self):
         if self.width % self.heads:
@@ -178,10 +179,19 @@ def targets(batch) -> jax.Array:
     return batch["tokens"][:, 1:]
 
 
+def blocks(layer, stages, x, config: Config = SIZES["tiny"]):
+    """``layer(p, x)`` applied for each block's ``p`` of ``stages`` (its leaves' leading axis) in turn: a loop over
+    one traced block, or (``config.unroll``) the blocks laid out one after another, the program growing with the
+    layers. XLA:CPU runs the laid-out step faster (the mini GPT's: docs/language-models.md). The same math either
+    way; XLA fuses the two programs differently, so where it rounds may differ (jax 0.10.2, XLA:CPU: the tiny and
+    mini GPTs' fp32 gradients equal bit for bit, bf16's a few ulps apart)."""
+    return jax.lax.scan(lambda x, p: (layer(p, x), None), x, stages, unroll=config.unroll)[0]
+
+
 def apply(params, tokens, config: Config = SIZES["tiny"]):
     """Logits [B, T, vocab] of ``tokens`` [B, T] (position t sees tokens 0..t)."""
     x = embed_fn(params["embed"], {"tokens": jnp.pad(tokens, ((0, 0), (0, 1)))}, config)
-    x = jax.lax.scan(lambda x, p: (block(p, x, config), None), x, params["stages"])[0]
+    x = blocks(lambda p, x: block(p, x, config), params["stages"], x, config)
     return logits(params["head"], params["embed"], x, config)
 
 
@@ -192,7 +202,7 @@ def make_loss_fn(config: Config = SIZES["tiny"], remat: str = "none"):
 
     def loss_fn(params, model_state, batch, key):
         x = embed_fn(params["embed"], batch, config)
-        x = jax.lax.scan(lambda x, p: (layer(p, x), None), x, params["stages"])[0]
+        x = blocks(layer, params["stages"], x, config)
         out = logits(params["head"], params["embed"], x, config)
         loss, metrics = classify.mean_loss(out.reshape(-1, out.shape[-1]), targets(batch).reshape(-1))
         return loss, (model_state, metrics)

@@ -77,7 +77,7 @@ def names(side: int | None = None) -> tuple[str, ...]:
 
 def get(name: str, *, remat: str = "none", init: str | None = None, input_shape: tuple = IMAGE_SHAPE,
         num_classes: int = 10, quantize: str = "none", kernels: str = "jnp", conv: str = "auto",
-        size: str | None = None, device=None) -> Model:
+        size: str | None = None, device=None, unroll: bool | None = None) -> Model:
     """The named model for images of ``input_shape`` (H, W, C) and ``num_classes`` classes (the dataset's), its
     train-mode loss remat'ed per block by the ``remat`` policy; ``quantize="int8"``: quantisation-aware (its
     convs and dense layers see int8-rounded weights and activations, gradients straight through);
@@ -86,7 +86,8 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     "auto" is oneDNN's on a CPU where it is usable, else XLA's). A language model (``gpt``) takes windows of
     ``input_shape[0]`` tokens over a vocabulary of ``num_classes``, its network of ``size`` (``gpt.SIZES``), its
     attention cuDNN's fused kernel in bf16 and fp16 where ``device`` (one of its devices: a ``jax.Device``) runs it
-    (``gpt.fused_attention``), else XLA's."""
+    (``gpt.fused_attention``), else XLA's; its blocks laid out one after another (``unroll``, ``gpt.blocks``) or a
+    loop over one (None: ``unrolled_where_faster``)."""
     from jaxtrain.choices import KERNELS
     from jaxtrain.errors import ConfigError, named
 
@@ -103,9 +104,12 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
     if name in LANGUAGE_MODELS:
-        return _gpt(remat, shape, kernels, size or DEFAULT_SIZE, device)
+        return _gpt(remat, shape, kernels, size or DEFAULT_SIZE, device, unroll)
     if size is not None:
         raise ConfigError(f"size={size!r}: model {name} has one size (sizes are a language model's: "
+                          f"{', '.join(LANGUAGE_MODELS)})")
+    if unroll is not None:
+        raise ConfigError(f"unroll={unroll!r}: model {name} has no blocks to unroll (a language model's: "
                           f"{', '.join(LANGUAGE_MODELS)})")
     try:
         conv_name, conv_fn = _conv(name, conv, quantize)
@@ -191,7 +195,20 @@ def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, c
                    classifier="dense/", **shape)
 
 
-def _gpt(remat: str, shape: dict, kernels: str, size: str, device) -> LanguageModel:
+def unrolled_where_faster(device=None) -> bool:
+    """Whether the GPT's blocks are laid out one after another on ``device`` (None: the default backend's first):
+    where XLA ran the step faster so, a CPU backend of one device in all processes (the mini GPT's step beside
+    PyTorch's: torch/jaxtrain 0.800 unrolled, 0.584 as a loop). Over two virtual devices the loop is faster (0.686
+    against 0.530 unrolled; docs/language-models.md), and two processes of one device each compile what one
+    process of two does (their results equal bit for bit). GPUs keep the loop: unmeasured there, and it compiles
+    one block, not L."""
+    import jax
+
+    device = device or jax.devices()[0]
+    return device.platform == "cpu" and jax.device_count(device.platform) == 1  # every process's: one program
+
+
+def _gpt(remat: str, shape: dict, kernels: str, size: str, device, unroll: bool | None) -> LanguageModel:
     """The GPT of ``size`` for windows of ``input_shape[0]`` tokens and a vocabulary of ``num_classes``."""
     from jaxtrain.errors import ConfigError, named
     from jaxtrain.models import gpt
@@ -203,7 +220,8 @@ def _gpt(remat: str, shape: dict, kernels: str, size: str, device) -> LanguageMo
                                             if kernels != "jnp" else
                                             f"it takes windows of tokens ({named('dataset', 'text:PATH')})"))
     config = dataclasses.replace(gpt.SIZES[size], seq_len=shape["input_shape"][0], vocab=shape["num_classes"],
-                                 attention="xla" if gpt.fused_attention(device) else "auto")
+                                 attention="xla" if gpt.fused_attention(device) else "auto",
+                                 unroll=unrolled_where_faster(device) if unroll is None else unroll)
     return LanguageModel(name="gpt", init=lambda rng: (gpt.init(rng, config), {}),
                          loss_fn=gpt.make_loss_fn(config, remat), eval_fn=gpt.make_eval_fn(config),
                          logits=lambda params, _, tokens: gpt.apply(params, tokens, config),
