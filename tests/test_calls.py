@@ -130,6 +130,24 @@ def test_a_stop_request_is_read_after_the_call_in_flight():
     assert stopped.value.position.total_steps == 8  # asked during the second call: it ran to its end
 
 
+def test_a_steps_work_is_measured_on_a_call_laid_out_straight_on_a_cpu(monkeypatch):
+    """``busy.per_step_in_call`` (``--steps-per-call auto``, bench_busy's work per step) times its steps laid out
+    straight where compiled for a CPU (``unroll=None``), not in a loop whose convolutions run other, far slower
+    kernels there (ResNet-18's: 7.1 s a step against 0.15)."""
+    from jaxtrain.driver import busy
+
+    trainer, state, train, _, _ = setup()
+    unrolls, placed_steps = [], trainer.placed_steps
+
+    def recorded(state, batches, **kw):
+        unrolls.append(kw.get("unroll", False))
+        return placed_steps(state, batches, **kw)
+
+    monkeypatch.setattr(trainer, "placed_steps", recorded)
+    work = busy.per_step_in_call(trainer, state, train.batch_at(0, 0), repeats=1)
+    assert unrolls and set(unrolls) == {None} and work >= 0.0
+
+
 def test_an_epoch_makes_one_call_per_k_steps(monkeypatch):
     trainer, state, train, evaluator, test = setup()  # 16 steps per epoch
     dispatched = []

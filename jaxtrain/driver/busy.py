@@ -12,6 +12,7 @@ at most ``DEVICE_SHARE`` of the device's memory. A multi-process run takes proce
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -40,7 +41,10 @@ def steps_per_call(setting: str, platform: str, measure=None) -> tuple[int, str]
 
 def per_step_in_call(trainer, state, batch: dict, repeats: int = 3) -> float:
     """Seconds one more step adds to a call: (a call of PROBE steps - a call of one) / (PROBE - 1), each the
-    median of ``repeats`` after a warm-up, on a copy of ``state`` (the run's own is not advanced)."""
+    median of ``repeats`` after a warm-up, on a copy of ``state`` (the run's own is not advanced). The PROBE
+    steps are a loop on a GPU (the runs' K-step call) and laid out straight on a CPU (``unroll=None``): there a
+    loop's convolutions run other, far slower kernels, and a CPU's runs take one step a call (ResNet-18 with
+    XLA's convolutions, batch 8: 7.1 s a step in a loop, 0.15 laid out, 0.14-0.17 one step a call)."""
     stacked = jax.tree.map(lambda x: np.stack([x] * PROBE), batch)  # this process's rows, as ``batch``
     one, many = trainer.shard(batch), trainer.shard_steps(stacked)
     state = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
@@ -52,7 +56,7 @@ def per_step_in_call(trainer, state, batch: dict, repeats: int = 3) -> float:
             jax.block_until_ready(metrics)
         return median_seconds(once, repeats)
 
-    single, call = timed(trainer.step, one), timed(trainer.placed_steps, many)
+    single, call = timed(trainer.step, one), timed(functools.partial(trainer.placed_steps, unroll=None), many)
     return max(call - single, 0.0) / (PROBE - 1)
 
 
