@@ -280,7 +280,7 @@ def test_a_build_that_fails_after_opening_the_checkpoints_releases_them(monkeypa
 def test_outputs_that_cannot_be_opened_leave_the_run_directory_unclaimed(tmp_path):
     import types
 
-    from jaxtrain.driver import runner
+    from jaxtrain.driver import run_outputs
     from jaxtrain.driver.outputs import claim_out_dir
 
     def no_room(state):
@@ -288,8 +288,10 @@ def test_outputs_that_cannot_be_opened_leave_the_run_directory_unclaimed(tmp_pat
 
     run = types.SimpleNamespace(config=RunConfig(out=str(tmp_path / "out")),
                                 checkpointer=types.SimpleNamespace(ensure_room=no_room))
+    files = run_outputs.Files()
     with pytest.raises(jt.ConfigError, match="no room"):
-        runner.open_outputs(run, None, None)
+        files.start(run, None, None)
+    files.close(None)  # as train closes an output whose start failed: nothing left to release
     claim_out_dir(str(tmp_path / "out"), "lenet", False)[1].release()  # was: in use by this very process
 
 
@@ -348,3 +350,47 @@ def test_a_run_config_takes_its_fields_by_name_or_in_order_and_checks_each_first
         RunConfig(epochs=0, image_size=32)
     with pytest.raises(jt.ConfigError, match="model=None: not one of lenet"):
         RunConfig(model=None)
+
+
+@needs_fashion_mnist
+def test_a_run_leaves_what_its_outputs_say_and_with_none_writes_nothing(tmp_path):
+    """``train(build(config), outputs)``: each output is started, its hooks run in the loop, it is finished with
+    the summary and closed last, told the error that ended a run; with no outputs the run writes no file (its
+    ``--out`` is not even made) and returns its summary."""
+    from jaxtrain.driver.build import build
+    from jaxtrain.driver.run_outputs import Output
+    from jaxtrain.driver.runner import train
+
+    calls = []
+
+    class Watch(Output):
+        def __init__(self, fail_at=None):
+            self.fail_at = fail_at
+
+        def start(self, run, state, position):
+            calls.append(("start", position))
+
+        def hooks(self, run, started):
+            def seen(loop):
+                calls.append(("epoch", loop.epoch))
+                if loop.epoch == self.fail_at:
+                    raise RuntimeError("a hook failed")
+            return [Hook(seen, unit="epoch")]
+
+        def finish(self, run, summary, state):
+            calls.append(("finish", summary["steps"]))
+
+        def close(self, error):
+            calls.append(("close", error))
+
+    run = build(RunConfig("lenet", devices=2, epochs=2, train_subset=512, test_subset=256, out=str(tmp_path / "out")))
+    try:
+        summary = train(run, outputs=[Watch()])
+        assert calls == [("start", None), ("epoch", 1), ("epoch", 2), ("finish", summary["steps"]), ("close", None)]
+        assert summary["steps"] == 4 and summary["test_acc"] > 0 and not (tmp_path / "out").exists()
+        calls.clear()
+        with pytest.raises(RuntimeError, match="a hook failed") as failed:
+            train(run, outputs=[Watch(fail_at=1)])
+        assert calls == [("start", None), ("epoch", 1), ("close", failed.value)]
+    finally:
+        run.loaders["train"].close(), run.loaders["test"].close()

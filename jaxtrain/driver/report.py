@@ -131,7 +131,7 @@ def describe(c: RunConfig, model: Model, devices: list[jax.Device], mesh: Mesh, 
             + (f", distilled from {c.teacher} (T {c.temperature:g}, alpha {c.alpha:g})" if c.teacher else "")
             + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "
                "{bubble:.0%})".format(**pipeline) if pipeline else "")
-            + f"; out: {out_dir}")
+            + (f"; out: {out_dir}" if out_dir is not None else "; no files written"))
 
 
 def shape_words(c: RunConfig, model: Model) -> str:

@@ -1,9 +1,11 @@
 """``run(config)``: a whole training run in small phases, each readable alone.
 
     build(config) -> Run (``jaxtrain.driver.build``: devices, model, checkpoints, data, steps; made once)
-    -> state (fresh, or resumed) -> outputs -> train -> summary                         (here)
+    -> train(run, outputs): state (fresh, or resumed) -> each output started -> fit -> summary -> each output
+       finished, then closed                                                                        (here)
 
-Only process 0 says the run's progress (logging, ``jaxtrain.io.console``) and writes files; every process trains.
+What a run leaves (its files, tracker, events, model, samples) are ``run_outputs.Output``s. Only process 0 says
+the run's progress (logging, ``jaxtrain.io.console``) and writes files; every process trains.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 import functools
 import logging
 import signal
-from pathlib import Path
+from collections.abc import Sequence
 
 import jax
 
@@ -24,32 +26,15 @@ from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import hosts
 from jaxtrain.settings import slurm_job
 from jaxtrain.io import console
-from jaxtrain.driver import busy, distill, export, language, notebook, observe, requeue, track
+from jaxtrain.driver import busy, language, notebook, requeue
 from jaxtrain.driver.config import RunConfig
-from jaxtrain.driver.outputs import RunWriter, claim_out_dir
-from jaxtrain.driver.report import (conv_path, describe, forward_flops, not_learning, run_summary, utilisation_words,
-                                    wait_words)
+from jaxtrain.driver.report import conv_path, describe, not_learning, run_summary, utilisation_words, wait_words
+from jaxtrain.driver.run_outputs import Output, Started, command_outputs
 from jaxtrain.driver.signals import Exit, StopOnSignal, StopVote
 from jaxtrain.driver.build import Finished, Run, build, initial_state, say
 from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
 
 log = logging.getLogger(__name__)
-
-
-def open_outputs(run: Run, state, position) -> tuple[RunWriter | None, object]:
-    """(the run directory's writer, its lock): process 0's, checked for room for the files and the checkpoints to
-    come; (None, None) on the other processes."""
-    c = run.config
-    if jax.process_index() != 0:
-        return None, None
-    out_dir, lock = claim_out_dir(c.out, c.model, c.resume)
-    try:
-        if run.checkpointer is not None:
-            run.checkpointer.ensure_room(state)
-        return RunWriter(out_dir, position.history if position else (), slurm_job(), resumed=bool(position)), lock
-    except BaseException:  # no room, or the files cannot be written: the directory is not left claimed
-        lock.release()
-        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +50,8 @@ class Trained:
     peak: float | None  # the devices' dense FLOP/s, for the MFU (``diagnostics.devices_peak``; None: unknown)
 
 
-def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: dict | None = None,
-          tracker=None) -> Trained:
-    """fit with the run's outputs, tracker, checkpoints and signal handling."""
+def fit_run(run: Run, state, position, stop: StopOnSignal, outputs: Sequence[Output]) -> Trained:
+    """``fit`` with the outputs' hooks, the checkpoints and the signal handling."""
     c, data = run.config, run.data
     train_data, test_data = run.loaders["train"], run.loaders["test"]
     last = {}
@@ -88,8 +72,6 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
             say("memory after the first step:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
 
     def on_epoch(e):
-        if writer is not None:
-            writer.epoch(e)
         test = f"test acc {e.test_acc:.3f}" if e.test_examples else "not evaluated"
         words = (language.epoch_words(e, run.model.seq_len) if run.tokenizer else
                  f"train loss {e.train_loss:.4f}, train acc {e.train_acc:.3f}, {test}")
@@ -101,29 +83,28 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
             run.checkpointer.save(state, position)
 
     steps_per_call, on_device = keep_busy(run, state, data["train"], train_data)
-    watching, profile, events = observe.watchers(c.observe, writer and writer.out_dir, say, run.evaluator, test_data,
-                                                 tracker, hparams=c.flat(), prefetch=c.prefetch, seq_len=c.seq_len,
-                                                 flops_per_example=forward_flops(c, run.model), peak=peak)
-    live = notebook.live_curves(lambda: writer.epochs) if writer is not None else None  # after writer.epoch
-    hooks = [*watching, *([live] if live else []),
+    started = Started(state, peak)
+    hooks = [*(hook for output in outputs for hook in output.hooks(run, started)),
              *checkpoint_hooks(save if run.checkpointer else None, c.checkpoint_every, stop.requested),
              Hook(lambda loop: last.update(loop.recent), unit="epoch"),  # the last step's metrics
              *([Hook(memory_after_first_step, cuts=False)] if c.memory_report else [])]
     try:
         stop.training()
-        if profile and profile.start == 1:
-            profile.begin()
         state, history, first_loss = fit(
             run.trainer, state, train_data, run.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,
             hooks=hooks, on_epoch=on_epoch,
-            progress=False if c.no_progress or writer is None else True if notebook.active() else None,
+            progress=False if c.no_progress or jax.process_index() != 0 else True if notebook.active() else None,
             prefetch=c.prefetch, position=position, eval_every=c.eval_every, pause=stop.busy,
             steps_per_call=steps_per_call, data_on_device=on_device)
     except Interrupted as e:
         stop.done()
-        step = e.position.total_steps
-        stop.stopped(step, run.checkpointer, say, then=functools.partial(
-            requeue.after_stop, requeue_job, writer, step, signal.Signals(stop.signum).name, say))
+        step, signal_name = e.position.total_steps, signal.Signals(stop.signum).name
+
+        def then(saved):
+            for output in outputs:
+                output.stopped(step, signal_name, saved)
+
+        stop.stopped(step, run.checkpointer, say, then=then)
     except Diverged as e:
         stop.done()
         if run.checkpointer is None:
@@ -132,11 +113,6 @@ def train(run: Run, state, position, writer, stop: StopOnSignal, requeue_job: di
             run.checkpointer.close()  # the saves in flight, all of finite states, land
         raise Diverged(e.what, e.step, f"the newest checkpoint is step {run.checkpointer.latest()} in "
                        f"{run.checkpointer.directory}") from None
-    finally:
-        if profile:
-            profile.end()
-        if events:
-            events.close()
     stop.done()
     if run.checkpointer is not None:
         with stop.busy():
@@ -162,13 +138,14 @@ def recorded(words, *args) -> str:
         return words(*args)
 
 
-def summarise(run: Run, trained: Trained, writer) -> dict:
-    """summary.json: the result first on stdout (if the files fail, the user still has it), then the files."""
+def summarise(run: Run, trained: Trained) -> dict:
+    """The run's summary (summary.json, written by ``run_outputs.Files``), its result said first (if the files
+    fail, the user still has it)."""
     c, platform, data, settings = run.config, run.devices[0].platform, run.data, run.settings
     state, history, first_loss, stats = trained.state, trained.history, trained.first_loss, trained.stats
     summary = run_summary(c, run.model, history, first_loss, stats, trained.peak, run.devices, run.call_batch,
                           trained.steps_per_epoch, {k: len(v) for k, v in data.items()}, settings["data_sha256"])
-    summary.update(slurm_job=slurm_job(), stops=writer.stops if writer else [])
+    summary.update(slurm_job=slurm_job(), stops=[])  # a stop's record: run_outputs.Files's
     if "class_names" in settings:  # an image folder's: label i is class_names[i]
         summary["class_names"] = settings["class_names"]
     summary.update(params_digest=params_digest(state.params), mesh=dict(run.mesh.shape),
@@ -188,9 +165,6 @@ def summarise(run: Run, trained: Trained, writer) -> dict:
     say(f"{result}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(run.devices)} "
         f"device{plural} ({platform}){utilisation_words(summary)}"
         f"{not_learning(history, first_loss, run.model.num_classes)}")
-    if writer is not None:
-        writer.summary(summary)
-        say(f"wrote {writer.out_dir}/summary.json, metrics.jsonl{'' if writer.no_plot else ', curves.png'}")
     if jax.process_count() > 1:  # every process vouches for the same result
         log.info(f"process {jax.process_index()}: params_digest {summary['params_digest']}")
     return summary
@@ -224,7 +198,7 @@ def _run(config: RunConfig, stop: StopOnSignal) -> dict:
 
     run = build(config, on_devices=joined)
     try:
-        return _train(run, stop, requeue_job)
+        return train(run, command_outputs(requeue_job), stop)
     except BaseException:
         if run.checkpointer is not None:  # a run that failed before its end: its lock released (the run's own
             with contextlib.suppress(Exception):  # error is the one said, not a save's that failed with it)
@@ -234,63 +208,29 @@ def _run(config: RunConfig, stop: StopOnSignal) -> dict:
         run.loaders["train"].close(), run.loaders["test"].close()  # their worker processes, if any
 
 
-def _train(run: Run, stop: StopOnSignal, requeue_job: dict | None) -> dict:
-    c, settings = run.config, run.settings
+def train(run: Run, outputs: Sequence[Output] | None = None, stop: StopOnSignal | None = None) -> dict:
+    """Train ``run`` (``build(config)``) from its start or its newest checkpoint, and return its summary. Each of
+    ``outputs`` (``run_outputs.Output``) is called at its point of the run: None, the command line's
+    (``command_outputs``: files, tracker, events, model, samples); ``[]``, nothing written. ``stop``: the
+    command's signal handling (None: none here; ``run`` stops on Ctrl-C)."""
+    outputs = command_outputs() if outputs is None else list(outputs)
+    stop = stop or StopOnSignal()
     try:
         state, position = initial_state(run)
     except Finished as f:
         summary, state = f.args
-        if c.out is not None and not export.saved(c.out):  # killed between its last checkpoint and its export
-            say(f"its model was never written to {c.out}: writing it now")
-            save_model(run, Path(c.out), state, summary)
+        for output in outputs:
+            output.found_finished(run, summary, state)
         return summary
-    writer, out_lock = open_outputs(run, state, position)
-    try:
-        out_dir = writer and writer.out_dir
-        with track.view(c.track, out_dir, {**c.flat(), **settings}, c.track_group,
-                        resumed=bool(position)) as tracker:
-            pipeline = run.trainer.describe() if run.trainer.pipeline_layout else None
-            say(describe(c, run.model, run.devices, run.mesh, run.layout, pipeline, run.data, out_dir))
-            trained = train(run, state, position, writer, stop, requeue_job, tracker)
-            summary = summarise(run, trained, writer)
-            if tracker is not None:
-                tracker.finish(summary, [out_dir / "curves.png"])
-        save_model(run, out_dir, trained.state, summary)
-        if run.tokenizer is not None:  # after the model is saved: nothing of the run hangs on its samples
-            say_samples(run, trained.state)
-    finally:
-        if out_lock is not None:
-            out_lock.release()
+    with contextlib.ExitStack() as closing:
+        for output in outputs:  # each closed last, whatever happens (in reverse order), told the error if any
+            closing.push(lambda kind, error, trace, output=output: output.close(error))
+            output.start(run, state, position)
+        out_dir = next((o.out_dir for o in outputs if getattr(o, "out_dir", None) is not None), None)
+        pipeline = run.trainer.describe() if run.trainer.pipeline_layout else None
+        say(describe(run.config, run.model, run.devices, run.mesh, run.layout, pipeline, run.data, out_dir))
+        trained = fit_run(run, state, position, stop, outputs)
+        summary = summarise(run, trained)
+        for output in outputs:
+            output.finish(run, summary, trained.state)
     return summary
-
-
-def say_samples(run: Run, state) -> None:
-    """A language model's last lines: text it samples, from prompts taken from the validation text."""
-    prompts = language.sample_prompts(run.data["test"], run.tokenizer)
-    for text in language.samples(run.model, in_layer_order(run, state.params), run.tokenizer, prompts, 48,
-                                 seed=run.config.seed):
-        say("sample: " + " ".join(text.split()))
-
-
-def in_layer_order(run: Run, params: dict) -> dict:
-    """A pipelined run's params as the unpipelined model holds them (its blocks stored per stage, ``[repeats,
-    stages, K, ...]``, in layer order again: ``[L, ...]``); another run's as they are."""
-    if not run.trainer.pipeline_layout:
-        return params
-    from jaxtrain.train.pipeline import layers
-
-    return {**params, "stages": layers(params["stages"])}
-
-
-def save_model(run: Run, out_dir, state, summary: dict) -> None:
-    """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.driver.export), as the unpipelined model
-    holds it (a pipelined run's blocks in layer order: every reader of a run takes it); a language model's
-    tokenizer beside them (``tokenizer.json``: experiments.sample reads it)."""
-    settings = run.settings
-    if run.tokenizer is not None and out_dir is not None:
-        run.tokenizer.save(Path(out_dir) / export.TOKENIZER)
-    layer_order = {export.LAYER_ORDER: True} if run.trainer.pipeline_layout else {}
-    export.save(out_dir, in_layer_order(run, state.params), distill.own_state(state.model_state), {**layer_order,
-        **{k: summary.get(k) for k in ("test_acc", "steps")}, "model": run.config.model, "init": run.model.init_name,
-        "input_shape": run.model.input_shape, "num_classes": run.model.num_classes, "settings": settings,
-        **({"class_names": settings["class_names"]} if "class_names" in settings else {})})

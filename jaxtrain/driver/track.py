@@ -31,7 +31,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from jaxtrain import settings
-from jaxtrain.driver.signals import Exit
 from jaxtrain.io.dirlock import taking_turns
 from jaxtrain.io.files import atomic_write
 
@@ -264,16 +263,3 @@ def start(kind: str, out_dir: Path, config: dict, group: str | None = None, resu
     """The tracker ``--track`` names (``none``: None); ``resumed``: the run goes on from a checkpoint (its tracked
     run, kept in ``out_dir``, goes on)."""
     return None if kind == "none" else TRACKERS[kind](kind, out_dir, config, group, resumed)
-
-
-@contextlib.contextmanager
-def view(kind: str, out_dir: Path | None, config: dict, group: str | None = None, resumed: bool = False):
-    """``start``'s tracker for the run's block (None without ``--track`` or an ``out_dir``); a block that ends in
-    an exception closes it as killed (a signal) or failed."""
-    tracker = start(kind, out_dir, config, group, resumed) if out_dir is not None else None
-    try:
-        yield tracker
-    except BaseException as e:
-        if tracker is not None:
-            tracker.close("killed" if isinstance(e, (Exit, KeyboardInterrupt)) else "failed")
-        raise
