@@ -456,6 +456,8 @@ def test_the_blocks_are_laid_out_where_faster_with_the_loops_numbers(monkeypatch
         assert built(jax.devices()[0]).unroll == built(None).unroll == (count == 1)
         assert built(jax.devices()[0], unroll=count != 1).unroll == (count != 1)
     assert not built(types.SimpleNamespace(platform="gpu")).unroll
+    cpu = jax.devices()[0]  # a run's own count decides (--devices 1 in a process of several devices: laid out)
+    assert models.registry.unrolled_where_faster(cpu, 1) and not models.registry.unrolled_where_faster(cpu, 2)
     with pytest.raises(ConfigError, match="model lenet has no blocks to unroll"):
         models.get("lenet", unroll=True)
     params, batch = gpt.init(jax.random.key(0), TINY), batch_of(TINY, 8)

@@ -20,12 +20,16 @@ from jaxtrain.train.pipeline import STAGE_AXIS, make_pipeline_step
 from jaxtrain.train.trainer import Evaluator, Trainer, make_eval_step, make_train_step
 
 
-def model(net: Network, compute: Compute, shape: dict, teacher: tuple | None = None, device=None) -> models.Model:
+def model(net: Network, compute: Compute, shape: dict, teacher: tuple | None = None, devices: tuple = ()
+          ) -> models.Model:
     """The registry model for images (or text's windows) of ``shape``; with ``teacher`` ((model, params,
-    model_state) of a finished run) a student that distils from it; ``device``: one of its devices (a language
-    model takes cuDNN's attention where that device runs it)."""
+    model_state) of a finished run) a student that distils from it; ``devices``: the run's (a language model takes
+    cuDNN's attention where they run it, and lays its blocks out where that is faster for so many of them)."""
+    device = devices[0] if devices else None
+    unroll = (models.registry.unrolled_where_faster(device, len(devices))
+              if devices and net.model in models.LANGUAGE_MODELS else None)
     m = models.get(net.model, remat=net.remat, init=net.init, quantize=net.quantize, kernels=compute.kernels,
-                   conv=compute.conv, size=net.model_size, device=device, **shape)
+                   conv=compute.conv, size=net.model_size, device=device, unroll=unroll, **shape)
     if teacher is not None:  # the teacher's params and state join the model state, Frozen
         m = distill.distilled(m, *teacher, net.temperature, net.alpha, compute.kernels)
     if net.linear_probe:  # the model in evaluation mode under the loss; frozen() leaves only its classifier to train

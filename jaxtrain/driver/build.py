@@ -86,7 +86,7 @@ def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
         on_devices(devices)
     teacher = distill.teacher_from_run(c.teacher) if c.teacher else None
     shape = known_shape(c.data, teacher)
-    model = assemble.model(c.network, c.compute, shape, teacher, devices[0])
+    model = assemble.model(c.network, c.compute, shape, teacher, devices)
     check_model(c, model)
     checked = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates=0)[0]  # nothing compiled
     assemble.placed(c.optim, model, checked)  # the steps' settings
@@ -108,7 +108,7 @@ def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpoi
             raise ConfigError(f"dataset {c.dataset}: its files hold images {found['input_shape']} of "
                               f"{found['num_classes']} classes, not {shape['input_shape']} of "
                               f"{shape['num_classes']}: check {named('data_dir')}")
-        model = assemble.model(c.network, c.compute, found, teacher, devices[0])
+        model = assemble.model(c.network, c.compute, found, teacher, devices)
     updates = c.epochs * (len(data["train"]) // c.batch_size)
     trainer, evaluator = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates)
     layout, call_batch = assemble.placed(c.optim, model, trainer)

@@ -2,11 +2,14 @@
 summary, curves), its tracker, its TensorBoard events, step log lines and profile, its checkpoints, its model, a
 language model's samples.
 
-    train(run, outputs):  start(run, state, position) -> the loop's hooks (``hooks``) -> fit
+    train(run, outputs):  start(run, state, position) -> the loop's hooks (``hooks``) -> fit -> trained()
                           -> finish(run, summary, state) -> close(error), always
+    a run found finished: found_finished(run, summary, state) alone
 
-``command_outputs`` makes the command line's. A Python caller may pass others, or none at all: a run that writes
-and says nothing but its summary (``train(build(config), outputs=[])``).
+``command_outputs`` makes the command line's. A Python caller may pass others, or none at all
+(``train(build(config), outputs=[])``): a run that writes no file and returns its summary. Its lines are still
+said (the ``jaxtrain`` logger's: route or silence it), and what only an output does is not done (``--log-every``,
+``--eval-every-steps``, ``--profile``, ``--track``: ``Observing``'s and ``Tracking``'s).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jaxtrain.driver import distill, export, language, notebook, observe, requeue, track
 from jaxtrain.driver.build import Run, say
@@ -43,6 +47,9 @@ class Output:
         """The loop's hooks (every N steps or epochs), asked once, as training starts."""
         return []
 
+    def trained(self) -> None:
+        """The loop ended, however (finished, stopped, failed), before the summary's work."""
+
     def stopped(self, step: int, signal_name: str, saved: bool) -> None:
         """A signal stopped training at ``step`` (``saved``: its checkpoint was written)."""
 
@@ -50,10 +57,12 @@ class Output:
         """Training ended: the run's summary and its final state."""
 
     def found_finished(self, run: Run, summary: dict, state) -> None:
-        """The run had ended before (its last checkpoint says so): its summary and state, nothing trained."""
+        """The run had ended before (its last checkpoint says so): its summary and state, nothing trained; no
+        other method is called."""
 
     def close(self, error: BaseException | None) -> None:
-        """Last, always: ``error`` the exception that ended the run, else None."""
+        """Last, always, once started (a start that failed too): ``error`` the exception that ended the run, else
+        None."""
 
 
 class Files(Output):
@@ -147,8 +156,8 @@ class Observing(Output):
             self.profile.begin()
         return hooks
 
-    def finish(self, run, summary, state):
-        self.close(None)  # the trace ends with training (not with the samples after it)
+    def trained(self):
+        self.close(None)  # the trace ends with the loop (not with the summary's work or the samples after it)
 
     def close(self, error):
         if self.profile:
@@ -170,10 +179,15 @@ class Model(Output):
         save_model(run, self.files.out_dir, state, summary)
 
     def found_finished(self, run, summary, state):
-        out = run.config.out
-        if out is not None and not export.saved(out):
+        out, first = run.config.out, jax.process_index() == 0
+        unsaved = out is not None and first and not export.saved(out)
+        if jax.process_count() > 1:  # process 0's finding (the others' disks may hold no run): all join its save
+            from jax.experimental import multihost_utils
+
+            unsaved = bool(multihost_utils.broadcast_one_to_all(np.int32(unsaved)))
+        if unsaved:
             say(f"its model was never written to {out}: writing it now")
-            save_model(run, Path(out), state, summary)
+            save_model(run, Path(out) if first else None, state, summary)
 
 
 class Samples(Output):

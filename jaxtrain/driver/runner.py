@@ -71,7 +71,8 @@ def fit_run(run: Run, state, position, stop: StopOnSignal, outputs: Sequence[Out
             loop.sync()
             say("memory after the first step:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
 
-    def on_epoch(e):
+    def epoch_line(loop):
+        e = loop.stats
         test = f"test acc {e.test_acc:.3f}" if e.test_examples else "not evaluated"
         words = (language.epoch_words(e, run.model.seq_len) if run.tokenizer else
                  f"train loss {e.train_loss:.4f}, train acc {e.train_acc:.3f}, {test}")
@@ -84,18 +85,23 @@ def fit_run(run: Run, state, position, stop: StopOnSignal, outputs: Sequence[Out
 
     steps_per_call, on_device = keep_busy(run, state, data["train"], train_data)
     started = Started(state, peak)
-    hooks = [*(hook for output in outputs for hook in output.hooks(run, started)),
+    hooks = [*(hook for output in outputs for hook in output.hooks(run, started)),  # the epoch's row first
+             Hook(epoch_line, unit="epoch"),
              *checkpoint_hooks(save if run.checkpointer else None, c.checkpoint_every, stop.requested),
              Hook(lambda loop: last.update(loop.recent), unit="epoch"),  # the last step's metrics
              *([Hook(memory_after_first_step, cuts=False)] if c.memory_report else [])]
     try:
         stop.training()
-        state, history, first_loss = fit(
-            run.trainer, state, train_data, run.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,
-            hooks=hooks, on_epoch=on_epoch,
-            progress=False if c.no_progress or jax.process_index() != 0 else True if notebook.active() else None,
-            prefetch=c.prefetch, position=position, eval_every=c.eval_every, pause=stop.busy,
-            steps_per_call=steps_per_call, data_on_device=on_device)
+        try:
+            state, history, first_loss = fit(
+                run.trainer, state, train_data, run.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,
+                hooks=hooks,
+                progress=False if c.no_progress or jax.process_index() != 0 else True if notebook.active() else None,
+                prefetch=c.prefetch, position=position, eval_every=c.eval_every, pause=stop.busy,
+                steps_per_call=steps_per_call, data_on_device=on_device)
+        finally:
+            for output in outputs:  # the loop's end, however it ended (a trace stops with its steps)
+                output.trained()
     except Interrupted as e:
         stop.done()
         step, signal_name = e.position.total_steps, signal.Signals(stop.signum).name
@@ -199,11 +205,6 @@ def _run(config: RunConfig, stop: StopOnSignal) -> dict:
     run = build(config, on_devices=joined)
     try:
         return train(run, command_outputs(requeue_job), stop)
-    except BaseException:
-        if run.checkpointer is not None:  # a run that failed before its end: its lock released (the run's own
-            with contextlib.suppress(Exception):  # error is the one said, not a save's that failed with it)
-                run.checkpointer.close()
-        raise
     finally:
         run.loaders["train"].close(), run.loaders["test"].close()  # their worker processes, if any
 
@@ -215,6 +216,16 @@ def train(run: Run, outputs: Sequence[Output] | None = None, stop: StopOnSignal 
     command's signal handling (None: none here; ``run`` stops on Ctrl-C)."""
     outputs = command_outputs() if outputs is None else list(outputs)
     stop = stop or StopOnSignal()
+    try:
+        return _train(run, outputs, stop)
+    except BaseException:
+        if run.checkpointer is not None:  # a run that failed before its end: its lock released (the run's own
+            with contextlib.suppress(Exception):  # error is the one said, not a save's that failed with it)
+                run.checkpointer.close()
+        raise
+
+
+def _train(run: Run, outputs: list[Output], stop: StopOnSignal) -> dict:
     try:
         state, position = initial_state(run)
     except Finished as f:

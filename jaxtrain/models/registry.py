@@ -195,17 +195,19 @@ def _resnet50(remat: str, init: str, shape: dict, quantize: str, kernels: str, c
                    classifier="dense/", **shape)
 
 
-def unrolled_where_faster(device=None) -> bool:
-    """Whether the GPT's blocks are laid out one after another on ``device`` (None: the default backend's first):
-    where XLA ran the step faster so, a CPU backend of one device in all processes (the mini GPT's step beside
-    PyTorch's: torch/jaxtrain 0.800 unrolled, 0.584 as a loop). Over two virtual devices the loop is faster (0.686
+def unrolled_where_faster(device=None, devices: int | None = None) -> bool:
+    """Whether the GPT's blocks are laid out one after another on ``device`` (None: the default backend's first),
+    one of ``devices`` in all processes (None: every device of its backend): where XLA ran the step faster so, a
+    run of one CPU device in all (the mini GPT's step beside PyTorch's: torch/jaxtrain 0.800 unrolled, 0.584 as a
+    loop). Over two virtual devices the loop is faster (0.686
     against 0.530 unrolled; docs/language-models.md), and two processes of one device each compile what one
     process of two does (their results equal bit for bit). GPUs keep the loop: unmeasured there, and it compiles
     one block, not L."""
     import jax
 
     device = device or jax.devices()[0]
-    return device.platform == "cpu" and jax.device_count(device.platform) == 1  # every process's: one program
+    devices = jax.device_count(device.platform) if devices is None else devices  # every process's: one program
+    return device.platform == "cpu" and devices == 1
 
 
 def _gpt(remat: str, shape: dict, kernels: str, size: str, device, unroll: bool | None) -> LanguageModel:

@@ -162,8 +162,8 @@ class Trainer:
         as it compiles one step (LeNet with oneDNN's fp32 convolutions); XLA's convolutions (bf16, fp16,
         ``conv="xla"``) sum in another order inside a loop: ``unroll=True`` lays the K steps out straight, bit
         for bit again, its compile time growing with K. ``unroll=None``: laid out straight where compiled
-        for a CPU, a loop elsewhere; ``False`` (default): a loop everywhere (the runs' choice: laid out straight,
-        the ring strategy's sums round another way than its single steps'). Other fusions may round an ulp
+        for a CPU, a loop elsewhere; ``False`` (default): a loop everywhere, as the runs call it (laid out
+        straight, the ring strategy's sums would round another way than its single steps'). Other fusions may round an ulp
         apart, looped or unrolled (``step.scanned``; docs/train-step.md, "Many steps per call")."""
         return self._checked(state, batches, self.steps_plan, unroll)
 
