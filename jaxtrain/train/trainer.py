@@ -163,8 +163,8 @@ class Trainer:
         ``conv="xla"``) sum in another order inside a loop: ``unroll=True`` lays the K steps out straight, bit
         for bit again, its compile time growing with K. ``unroll=None``: laid out straight where compiled
         for a CPU, a loop elsewhere; ``False`` (default): a loop everywhere, as the runs call it (laid out
-        straight, the ring strategy's sums would round another way than its single steps'). Other fusions may round an ulp
-        apart, looped or unrolled (``step.scanned``; docs/train-step.md, "Many steps per call")."""
+        straight, the ring strategy's sums would round another way than its single steps'). Other fusions may
+        round an ulp apart, looped or unrolled (``step.scanned``; docs/train-step.md, "Many steps per call")."""
         return self._checked(state, batches, self.steps_plan, unroll)
 
     def _checked(self, state, batch, batch_plan: Plan, unroll: bool | None = False) -> tuple[TrainState, dict]:
