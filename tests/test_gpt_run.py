@@ -56,6 +56,7 @@ def test_a_gpt_learns_the_text_says_its_perplexity_and_samples_from_it(trained):
     assert s["test_loss"] < 0.7 * s["unigram_entropy"], (s["test_loss"], s["unigram_entropy"])  # it reads context
     assert s["tokens_per_sec"] == pytest.approx(16 * s["examples_per_sec"])
     assert s["test_perplexity"] == pytest.approx(np.exp(s["test_loss"]))
+    assert (s["attention"], s["blocks"]) == ("xla", "loop")  # 2 CPU devices: XLA's attention, the blocks a loop
     said = run.stdout + run.stderr
     assert "16 tokens, vocabulary 256 (bytes), model size tiny, attention: XLA's, blocks: a loop" in said, said[-3000:]
     assert " tokens/s, data wait " in said and "(ppl " in said, said[-3000:]
