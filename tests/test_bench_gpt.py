@@ -21,8 +21,9 @@ def bench(tmp_path, *flags):
 
 @pytest.mark.slow
 def test_bench_gpt_reports_tokens_per_second_and_the_paired_ratios(tmp_path):
-    stdout, got = bench(tmp_path, "--no-torch")
+    stdout, got = bench(tmp_path, "--no-torch", "--unroll", "on")
     assert (got["model"], got["model_size"], got["seq_len"], got["vocab"]) == ("gpt", "tiny", 64, 256)
+    assert got["unroll"] is True and "2 heads, unrolled; windows of 64 tokens" in stdout, stdout
     for variant in ("jaxtrain", "handwritten"):
         assert got[f"{variant}_tokens_per_s"] == pytest.approx(8 * 64 / (got[f"{variant}_ms"] / 1000))
     assert got["paired_jaxtrain_over_handwritten"] > 0 and got["paired_torch_over_jaxtrain"] is None
@@ -39,9 +40,9 @@ def test_bench_gpt_against_pytorch(tmp_path, torch_python):
 def test_a_language_models_flag_for_an_image_model_is_a_one_line_error(capsys):
     from experiments import bench
 
-    assert bench.main(["--model", "lenet", "--seq-len", "64", "--vocab", "100"]) == 2
+    assert bench.main(["--model", "lenet", "--seq-len", "64", "--vocab", "100", "--unroll", "on"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "bench: error: --seq-len, --vocab: a language model's (gpt), not lenet's", err
+    assert err.strip() == "bench: error: --seq-len, --vocab, --unroll: a language model's (gpt), not lenet's", err
 
 
 # Run in the PyTorch venv: bench_torch's GPT with jaxtrain's weights (DIR/params.npz), its loss on DIR/tokens.npy

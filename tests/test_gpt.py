@@ -451,11 +451,11 @@ def test_the_blocks_are_laid_out_where_faster_with_the_loops_numbers(monkeypatch
         return models.get("gpt", input_shape=(16,), num_classes=100, size="tiny", device=device,
                           unroll=unroll).config
 
+    assert not built(types.SimpleNamespace(platform="gpu")).unroll  # a compile-only GPU: no backend to count
     for count in (1, 2):  # a CPU backend of one device, of two
         monkeypatch.setattr(jax, "device_count", lambda backend=None, count=count: count)
         assert built(jax.devices()[0]).unroll == built(None).unroll == (count == 1)
         assert built(jax.devices()[0], unroll=count != 1).unroll == (count != 1)
-    assert not built(types.SimpleNamespace(platform="gpu")).unroll
     cpu = jax.devices()[0]  # a run's own count decides (--devices 1 in a process of several devices: laid out)
     assert models.registry.unrolled_where_faster(cpu, 1) and not models.registry.unrolled_where_faster(cpu, 2)
     with pytest.raises(ConfigError, match="model lenet has no blocks to unroll"):

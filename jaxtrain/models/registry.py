@@ -206,8 +206,9 @@ def unrolled_where_faster(device=None, devices: int | None = None) -> bool:
     import jax
 
     device = device or jax.devices()[0]
-    devices = jax.device_count(device.platform) if devices is None else devices  # every process's: one program
-    return device.platform == "cpu" and devices == 1
+    if device.platform != "cpu":  # (a compile-only GPU target's backend is not this process's: not counted)
+        return False
+    return (jax.device_count("cpu") if devices is None else devices) == 1  # every process's: one program
 
 
 def _gpt(remat: str, shape: dict, kernels: str, size: str, device, unroll: bool | None) -> LanguageModel:
