@@ -34,7 +34,7 @@ def _compiled(gpu, mesh_axes=None, batch=256, shape=None, **settings):
 
     c = RunConfig(devices=8, mesh=mesh_axes, **settings)
     mesh = gpu.mesh_for("h100", 8, axes=c.mesh)
-    model = assemble.model(c.network, c.compute, shape or sources.shape_of(c.dataset), device=mesh.devices.flat[0])
+    model = assemble.model(c.network, c.compute, shape or sources.shape_of(c.dataset), devices=tuple(mesh.devices.flat))
     trainer = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates=0)[0]
     state = trainer.abstract_state(init_fn=model.init)
     compiled = trainer.lower(state, model.batch_shapes(batch)).compile(compiler_options=analysis.AUTOTUNER_OFF)

@@ -151,7 +151,7 @@ def run_step(c, mesh, input_shape: tuple | None = None, num_classes: int | None 
     shape = build.known_shape(c.data)  # a language model's: windows of seq_len tokens, its vocabulary
     shape = {"input_shape": tuple(input_shape or shape["input_shape"]),
              "num_classes": num_classes or shape["num_classes"]}
-    model = assemble.model(c.network, c.compute, shape, device=mesh.devices.flat[0])
+    model = assemble.model(c.network, c.compute, shape, devices=tuple(mesh.devices.flat))
     trainer = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates=0)[0]
     return shape, model, trainer, trainer.batch_plan.call_batch(c.batch_size)
 
