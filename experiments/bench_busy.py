@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from experiments.harness import UNROLL
 from jaxtrain.cli import one_line_errors, positive_int
 from jaxtrain.errors import ConfigError
 
@@ -96,7 +97,7 @@ def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: 
         n = busy.steps_per_call("auto", platform, lambda: work)[0] if k == "auto" else int(k)
         placed = trainer.shard_steps(jax.tree.map(lambda x: x[None].repeat(n, 0), batch)) if n > 1 else \
             trainer.shard(batch)
-        call = functools.partial(trainer.placed_steps, unroll={"auto": None, "on": True, "off": False}[unroll]) \
+        call = functools.partial(trainer.placed_steps, unroll=UNROLL[unroll]) \
             if n > 1 else trainer.step
         state, metrics = call(state, placed)  # compiled, warm
         jax.block_until_ready(metrics)

@@ -5,6 +5,8 @@ what its lines and JSON say of it."""
 
 from __future__ import annotations
 
+from experiments.harness import UNROLL
+
 TITLES = {"lenet": "LeNet", "resnet18": "ResNet-18", "resnet18_imagenet": "ResNet-18 (ImageNet's)",
           "resnet50": "ResNet-50", "vit": "ViT", "gpt": "GPT"}
 
@@ -22,7 +24,7 @@ def get_model(args, conv: str):
     config = gpt.SIZES[args.model_size]
     args.seq_len, args.vocab = args.seq_len or config.seq_len, args.vocab or config.vocab
     return models.get(args.model, input_shape=(args.seq_len,), num_classes=args.vocab, size=args.model_size,
-                      unroll={"on": True, "off": False}.get(args.unroll))
+                      unroll=UNROLL.get(args.unroll))
 
 
 def torch_shape(model) -> tuple[int, ...]:

@@ -19,6 +19,9 @@ from collections.abc import Callable, Iterable
 from jaxtrain.cli import positive_int
 
 
+UNROLL = {"auto": None, "on": True, "off": False}  # --unroll -> unroll= (None: each bench says where it applies)
+
+
 def parser(prog: str, doc: str, *, steps: int, repeats: int, json_out: str = "the results") -> argparse.ArgumentParser:
     """``python -m experiments.PROG``'s parser (its description the docstring's first line) with ``--steps``,
     ``--repeats`` and ``--json``; the benchmark adds its own flags."""

@@ -370,7 +370,7 @@ def test_a_run_leaves_what_its_outputs_say_and_with_none_writes_nothing(tmp_path
         def start(self, run, state, position):
             calls.append(("start", position))
 
-        def hooks(self, run, started):
+        def hooks(self, run, peak):
             def seen(loop):
                 calls.append(("epoch", loop.epoch))
                 if loop.epoch == self.fail_at:

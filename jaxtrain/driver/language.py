@@ -38,13 +38,23 @@ def unigram_entropy(tokens: np.ndarray, vocab: int) -> float:
 
 def summary(model, test_split, summary: dict) -> dict:
     """What summary.json adds for a language model: tokens/s, the test perplexity and the validation tokens'
-    unigram entropy (nats) beside the test loss; its program's choices (whose attention, its blocks laid out or
-    a loop: ``models.get``'s for the run's devices)."""
+    unigram entropy (nats) beside the test loss; its program's choices (the attention it runs, its blocks laid out
+    or a loop: ``models.get``'s for the run's devices)."""
     return {"tokens_per_sec": summary["examples_per_sec"] * model.seq_len,
             "test_perplexity": math.exp(min(summary["test_loss"], 700.0)),
             "unigram_entropy": unigram_entropy(targets(test_split), model.num_classes),
             "seq_len": model.seq_len, "vocab": model.num_classes,
-            "attention": model.config.attention, "blocks": "unrolled" if model.config.unroll else "loop"}
+            "attention": attention(model, summary["precision"]),
+            "blocks": "unrolled" if model.config.unroll else "loop"}
+
+
+def attention(model, precision: str) -> str:
+    """The attention ``model``'s program runs in ``precision`` (``gpt.attention_implementation``): "cudnn" or
+    "xla"."""
+    from jaxtrain.core.precision import get_policy
+    from jaxtrain.models.gpt import attention_implementation
+
+    return attention_implementation(model.config.attention, get_policy(precision).compute_dtype)
 
 
 def samples(model, params, tokenizer, prompts: list[str], new_tokens: int, *, seed: int = 0,

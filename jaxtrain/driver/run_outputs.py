@@ -14,7 +14,6 @@ said (the ``jaxtrain`` logger's: route or silence it), and what only an output d
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -29,22 +28,15 @@ from jaxtrain.settings import slurm_job
 from jaxtrain.train.loop import Hook
 
 
-@dataclasses.dataclass(frozen=True)
-class Started:
-    """What the loop's hooks may read once training is about to start."""
-
-    state: object
-    peak: float | None  # the devices' dense FLOP/s (``diagnostics.devices_peak``; None: unknown)
-
-
 class Output:
     """One thing a run leaves; every method is optional (this class's do nothing)."""
 
     def start(self, run: Run, state, position) -> None:
         """Before the run's first line: the state it starts from (``position``: a resumed run's, else None)."""
 
-    def hooks(self, run: Run, started: Started) -> list[Hook]:
-        """The loop's hooks (every N steps or epochs), asked once, as training starts."""
+    def hooks(self, run: Run, peak: float | None) -> list[Hook]:
+        """The loop's hooks (every N steps or epochs), asked once, as training starts (``peak``: the devices'
+        dense FLOP/s, ``diagnostics.devices_peak``; None: unknown)."""
         return []
 
     def trained(self) -> None:
@@ -93,7 +85,7 @@ class Files(Output):
             self._lock = None
             raise
 
-    def hooks(self, run, started):
+    def hooks(self, run, peak):
         if self.writer is None:
             return []
         live = notebook.live_curves(lambda: self.writer.epochs)  # after the epoch's row is written
@@ -146,12 +138,12 @@ class Observing(Output):
         self.files, self.tracking = files, tracking
         self.profile = self.events = None
 
-    def hooks(self, run, started):
+    def hooks(self, run, peak):
         c = run.config
         hooks, self.profile, self.events = observe.watchers(
             c.observe, self.files.out_dir, say, run.evaluator, run.loaders["test"], self.tracking.tracker,
             hparams=c.flat(), prefetch=c.prefetch, seq_len=c.seq_len,
-            flops_per_example=forward_flops(c, run.model), peak=started.peak)
+            flops_per_example=forward_flops(c, run.model), peak=peak)
         if self.profile and self.profile.start == 1:
             self.profile.begin()
         return hooks

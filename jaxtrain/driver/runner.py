@@ -29,7 +29,7 @@ from jaxtrain.io import console
 from jaxtrain.driver import busy, language, notebook, requeue
 from jaxtrain.driver.config import RunConfig
 from jaxtrain.driver.report import conv_path, describe, not_learning, run_summary, utilisation_words, wait_words
-from jaxtrain.driver.run_outputs import Output, Started, command_outputs
+from jaxtrain.driver.run_outputs import Output, command_outputs
 from jaxtrain.driver.signals import Exit, StopOnSignal, StopVote
 from jaxtrain.driver.build import Finished, Run, build, initial_state, say
 from jaxtrain.train.loop import Hook, Interrupted, checkpoint_hooks, fit
@@ -84,8 +84,7 @@ def fit_run(run: Run, state, position, stop: StopOnSignal, outputs: Sequence[Out
             run.checkpointer.save(state, position)
 
     steps_per_call, on_device = keep_busy(run, state, data["train"], train_data)
-    started = Started(state, peak)
-    hooks = [*(hook for output in outputs for hook in output.hooks(run, started)),  # the epoch's row first
+    hooks = [*(hook for output in outputs for hook in output.hooks(run, peak)),  # the epoch's row first
              Hook(epoch_line, unit="epoch"),
              *checkpoint_hooks(save if run.checkpointer else None, c.checkpoint_every, stop.requested),
              Hook(lambda loop: last.update(loop.recent), unit="epoch"),  # the last step's metrics
