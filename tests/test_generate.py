@@ -1,5 +1,9 @@
 """Sampling from the GPT with a KV cache (jaxtrain.models.generate): its greedy tokens and its cached logits held
-to ``gpt.apply`` over the whole sequence, sampling's keys and top-k, and the prompt's checks."""
+to ``gpt.apply`` over the whole sequence (learned and rotary positions), sampling's keys and top-k, and the
+prompt's checks."""
+
+import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -11,14 +15,20 @@ from jaxtrain.models import gpt
 
 # Smaller than gpt.SIZES["tiny"] (fast), a vocabulary that is padded (100 -> 128): the padded columns never sampled
 CONFIG = gpt.Config(vocab=100, seq_len=16, layers=2, heads=2, width=32)
+ROTARY = dataclasses.replace(CONFIG, rotary=True)  # its positions turn the cached keys and the queries
 PROMPT = np.array([[1, 2, 3], [40, 50, 60]], np.int32)
+
+
+@functools.cache
+def params_of(config):
+    """GPT-2's init scaled up 5x: logits far from uniform, so the argmax varies from step to step and stands
+    clear of the runner-up (no near-ties to flip between two summation orders)."""
+    return jax.jit(lambda key: jax.tree.map(lambda x: 5 * x, gpt.init(key, config)))(jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
 def params():
-    """GPT-2's init scaled up 5x: logits far from uniform, so the argmax varies from step to step and stands
-    clear of the runner-up (no near-ties to flip between two summation orders)."""
-    return jax.jit(lambda key: jax.tree.map(lambda x: 5 * x, gpt.init(key, CONFIG)))(jax.random.key(0))
+    return params_of(CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -26,28 +36,32 @@ def apply():
     return jax.jit(gpt.apply, static_argnames="config")
 
 
-def test_greedy_equals_the_naive_loop_over_the_whole_sequence(params, apply):
-    out = np.asarray(gen.generate(params, CONFIG, PROMPT, 10, key=jax.random.key(1), temperature=0))
+@pytest.mark.parametrize("config", [CONFIG, ROTARY], ids=["learned", "rotary"])
+def test_greedy_equals_the_naive_loop_over_the_whole_sequence(config, apply):
+    params = params_of(config)
+    out = np.asarray(gen.generate(params, config, PROMPT, 10, key=jax.random.key(1), temperature=0))
     seq = PROMPT
     for _ in range(10):  # the whole sequence so far through gpt.apply, the last position's argmax appended
         # (padded with zeros to one length, one compile: a position's logits see only the tokens up to it)
-        window = np.pad(seq, ((0, 0), (0, CONFIG.seq_len - seq.shape[1])))
-        nxt = np.asarray(apply(params, window, config=CONFIG))[:, seq.shape[1] - 1].argmax(-1).astype(np.int32)
+        window = np.pad(seq, ((0, 0), (0, config.seq_len - seq.shape[1])))
+        nxt = np.asarray(apply(params, window, config=config))[:, seq.shape[1] - 1].argmax(-1).astype(np.int32)
         seq = np.concatenate([seq, nxt[:, None]], axis=1)
     assert out.dtype == np.int32 and out.shape == (2, 13)
     np.testing.assert_array_equal(out, seq)
     assert len(np.unique(out[:, 3:])) > 2  # not one token repeated
 
 
-def test_the_caches_logits_are_applys_at_each_position(params, apply):
-    tokens = np.random.default_rng(0).integers(0, CONFIG.vocab, (2, CONFIG.seq_len), dtype=np.int32)
-    want = np.asarray(apply(params, tokens, config=CONFIG))
+@pytest.mark.parametrize("config", [CONFIG, ROTARY], ids=["learned", "rotary"])
+def test_the_caches_logits_are_applys_at_each_position(config, apply):
+    params = params_of(config)
+    tokens = np.random.default_rng(0).integers(0, config.vocab, (2, config.seq_len), dtype=np.int32)
+    want = np.asarray(apply(params, tokens, config=config))
     forward = jax.jit(gen._forward, static_argnames="config")
-    logits, cache = forward(params, tokens[:, :3], None, 0, config=CONFIG)  # the prefill
+    logits, cache = forward(params, tokens[:, :3], None, 0, config=config)  # the prefill
     assert logits.dtype == np.float32 and cache[0].shape == (2, 2, 16, 2, 16)  # [L, B, seq_len, H, C]
     np.testing.assert_allclose(logits, want[:, :3], atol=1e-5, rtol=0)
     for pos in range(3, CONFIG.seq_len):  # one token per step, as generate runs them
-        logits, cache = forward(params, tokens[:, pos:pos + 1], cache, pos, config=CONFIG)
+        logits, cache = forward(params, tokens[:, pos:pos + 1], cache, pos, config=config)
         np.testing.assert_allclose(logits[:, 0], want[:, pos], atol=1e-5, rtol=0, err_msg=f"position {pos}")
 
 

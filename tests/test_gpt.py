@@ -3,6 +3,7 @@ GPT-2 in PyTorch (tests/torch_gpt2.py), and its train step held to the independe
 (tests/reference.py) as LeNet's is: every strategy on 2 and 4 devices, FSDP, ZeRO-1, tensor parallelism and
 both, bf16 (and fp16), accumulation (scan, multisteps) and remat."""
 
+import dataclasses
 import functools
 import subprocess
 from pathlib import Path
@@ -139,8 +140,8 @@ def optimizer():
     return optax.sgd(0.2, momentum=0.9)
 
 
-def init_params():
-    return gpt.init(jax.random.key(0), SMALL)
+def init_params(config=SMALL):
+    return gpt.init(jax.random.key(0), config)
 
 
 def batches_for(mode: str) -> list:
@@ -153,14 +154,14 @@ def mesh_of(devices):
 
 
 @functools.cache
-def train(devices=1, strategy="jit", sharding="replicated", mode="fp32", remat="none"):
+def train(devices=1, strategy="jit", sharding="replicated", mode="fp32", remat="none", config=SMALL):
     """(trainer, final state, metrics of each step) of jaxtrain's step on ``batches_for(mode)``."""
     from jaxtrain.parallel import rules
 
-    trainer = jt.make_train_step(gpt.make_loss_fn(SMALL, remat), optimizer(), mesh=mesh_of(devices),
+    trainer = jt.make_train_step(gpt.make_loss_fn(config, remat), optimizer(), mesh=mesh_of(devices),
                                  strategy=strategy, param_sharding=rules.preset(sharding, gpt.LOGICAL_AXES),
                                  **MODES[mode])
-    state, history = trainer.init(init_params()), []
+    state, history = trainer.init(init_params(config)), []
     for batch in batches_for(mode):
         state, metrics = trainer(state, batch)
         history.append(jax.device_get(metrics))
@@ -168,7 +169,7 @@ def train(devices=1, strategy="jit", sharding="replicated", mode="fp32", remat="
 
 
 @functools.cache
-def one_device(mode="fp32"):
+def one_device(mode="fp32", config=SMALL):
     """The 1-device run held to the independent reference step (tests/reference.py) in the same mode: (state,
     history, float64 run) in fp32 (the tolerance policy); (state, history) in bf16/fp16 (LOW_PRECISION_TOL).
 
@@ -180,8 +181,9 @@ def one_device(mode="fp32"):
     first case)."""
     from reference import assert_matches
 
-    _, state, history = train(1, mode=mode)
-    exact = assert_matches(state, history, gpt.make_loss_fn(SMALL), optimizer(), init_params(), batches_for(mode),
+    _, state, history = train(1, mode=mode, config=config)
+    exact = assert_matches(state, history, gpt.make_loss_fn(config), optimizer(), init_params(config),
+                           batches_for(mode),
                            tol=LOW_PRECISION_TOL if mode in ("bf16", "fp16") else None, **MODES[mode])
     return (state, history) if exact is None else (state, history, exact)
 
@@ -206,17 +208,17 @@ def inner(state):
     return state.replace(opt_state=state.opt_state.inner_opt_state) if multisteps else state
 
 
-def assert_equal_to(reference, state, history, tol=LOW_PRECISION_TOL):
+def assert_equal_to(reference, state, history, tol=LOW_PRECISION_TOL, config=SMALL):
     """By the tolerance policy where ``reference`` carries its float64 run; else within ``tol``."""
     import chex
     from tolerance import assert_state_reassociated
 
     ref_state, ref_history, *exact = reference
     host, ref_host = (inner(s) for s in jax.device_get((state, ref_state)))
-    start = jax.device_get(init_params())
+    start = jax.device_get(init_params(config))
     assert int(host.step) == int(ref_host.step) == len(history)
     assert np.abs(host.params["stages"]["fc"] - start["stages"]["fc"]).max() > 1e-4  # it trained
-    padded = slice(SMALL.vocab, None)  # the embedding's padded rows reach no logit: no gradient, never moved
+    padded = slice(config.vocab, None)  # the embedding's padded rows reach no logit: no gradient, never moved
     np.testing.assert_array_equal(host.params["embed"]["wte"][padded], start["embed"]["wte"][padded])
     if exact:
         assert_state_reassociated(host, history, ref_host, ref_history, *exact)
@@ -490,3 +492,64 @@ def test_cudnn_attention_only_on_a_gpu_that_runs_it():
                                                           "needs 8.0 or more)")
     assert report.attention_words(gpu("9.0"), "bf16") == "cuDNN's fused kernel"
     assert report.attention_words(gpu("9.0"), "fp32") == report.attention_words(jax.devices()[0], "bf16") == "XLA's"
+
+
+ROTARY = dataclasses.replace(SMALL, rotary=True)
+
+
+def test_rotary_positions_are_hugging_faces_rope(torch_python, tmp_path):
+    """gpt.rotate against Llama's rotary embedding in transformers (tests/torch_gpt2.py rope), at the positions
+    of a window that starts at 5 (the KV cache's later tokens)."""
+    rng = np.random.default_rng(0)
+    q, k = (rng.normal(size=(2, 16, 2, 16)).astype(np.float32) for _ in range(2))  # [B, T, H, C]
+    positions = np.arange(5, 21)
+    np.savez(tmp_path / "qk.npz", q=q, k=k, positions=positions)
+    done = subprocess.run([torch_python, str(Path(__file__).parent / "torch_gpt2.py"), "rope", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = np.load(tmp_path / "turned.npz")
+    for name, x in (("q", q), ("k", k)):
+        ours = np.asarray(gpt.rotate(jnp.asarray(x), jnp.asarray(positions)))
+        np.testing.assert_allclose(ours, theirs[name], rtol=0, atol=1e-5)
+        assert np.abs(ours - x).max() > 0.1  # turned
+
+
+def test_rotary_scores_depend_on_how_far_apart_the_tokens_are_not_where():
+    """RoPE's point: a query at m and a key at n score q . k as one at m + s and one at n + s do; position 0 is
+    not turned; a rotary GPT holds no position embedding."""
+    rng = np.random.default_rng(1)
+    q, k = (jnp.asarray(rng.normal(size=(1, 8, 2, 16)).astype(np.float32)) for _ in range(2))
+
+    def scores(shift):
+        at = jnp.arange(8) + shift
+        return jnp.einsum("bqhc,bkhc->bhqk", gpt.rotate(q, at), gpt.rotate(k, at))
+
+    np.testing.assert_allclose(scores(0), scores(37), rtol=0, atol=1e-4)
+    assert np.abs(np.asarray(scores(0) - jnp.einsum("bqhc,bkhc->bhqk", q, k))).max() > 0.1
+    np.testing.assert_array_equal(gpt.rotate(q, jnp.zeros(8, jnp.int32)), q)
+    params = gpt.init(jax.random.key(0), ROTARY)
+    assert set(params["embed"]) == {"wte"} and gpt.parameters(ROTARY) == gpt.parameters(SMALL) - 16 * 32
+    with pytest.raises(ValueError, match="heads of an even width"):
+        gpt.Config(vocab=100, seq_len=16, layers=1, heads=4, width=36, rotary=True)
+
+
+@pytest.mark.parametrize("devices, strategy, sharding", [(2, "shard_map", "replicated"), ("2x2", "jit", "tp")])
+def test_a_rotary_gpt_is_the_one_device_step_on_more_devices(devices, strategy, sharding):
+    """The rotary GPT's one-device step held to the independent reference step; 2 data-parallel devices and
+    tensor parallelism (its heads turned on the device that holds them) equal it."""
+    _, state, history = train(devices, strategy, sharding, config=ROTARY)
+    assert_equal_to(one_device(config=ROTARY), state, history, config=ROTARY)
+
+
+def test_a_rotary_gpt_goes_to_and_from_no_gpt2_file(tmp_path):
+    from jaxtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"learned positions \(wpe\), and this GPT's are rotary"):
+        gpt2.save(gpt.init(jax.random.key(0), ROTARY), ROTARY, tmp_path / "x.safetensors")
+    gpt2.save(init_params(), SMALL, tmp_path / "x.safetensors")
+    with pytest.raises(ConfigError, match="only a GPT trained without rotary=True goes to or from GPT-2's files"):
+        gpt2.load(tmp_path / "x.safetensors", ROTARY)
+    from jaxtrain import models
+
+    with pytest.raises(ConfigError, match="rotary=True: model lenet has no positions to turn"):
+        models.get("lenet", rotary=True)

@@ -58,7 +58,8 @@ def test_a_gpt_learns_the_text_says_its_perplexity_and_samples_from_it(trained):
     assert s["test_perplexity"] == pytest.approx(np.exp(s["test_loss"]))
     assert (s["attention"], s["blocks"]) == ("xla", "loop")  # 2 CPU devices: XLA's attention, the blocks a loop
     said = run.stdout + run.stderr
-    assert "16 tokens, vocabulary 256 (bytes), model size tiny, attention: XLA's, blocks: a loop" in said, said[-3000:]
+    assert ("16 tokens, vocabulary 256 (bytes), model size tiny, positions: learned, attention: XLA's, blocks: a "
+            "loop") in said, said[-3000:]
     assert " tokens/s, data wait " in said and "(ppl " in said, said[-3000:]
     samples = [line.split("sample: ", 1)[1] for line in said.splitlines() if "sample: " in line]
     assert len(samples) == 3 and all(len(t) >= 12 for t in samples), samples  # a window's bytes, spaces joined
@@ -115,6 +116,27 @@ def test_init_from_a_hugging_face_gpt2_starts_from_its_weights_and_exports_them_
     wrong = run_cli(*GPT, "--dataset", f"text:{corpus}", "--init-from", str(file), "--model-size", "mini",
                     "--max-steps", "1", "--out", str(tmp_path / "wrong"))
     assert wrong.returncode == 2 and "this GPT needs" in wrong.stderr, wrong.stderr[-3000:]
+
+
+def test_a_rotary_gpt_trains_says_so_samples_and_keeps_its_positions(tmp_path, corpus):
+    """--rotary: the run's first line and its saved settings say so, it samples (the KV cache's keys turned by
+    their positions), resuming without it is refused, and GPT-2's file format (learned positions) is refused."""
+    args, ck, out = [*GPT, "--dataset", f"text:{corpus}", "--max-steps", "4"], str(tmp_path / "ck"), tmp_path / "run"
+    run = run_cli(*args, "--rotary", "--checkpoint-dir", ck, "--checkpoint-every", "2", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "model size tiny, positions: rotary, attention" in run.stdout + run.stderr
+    meta, params, _ = export.load(out)
+    assert meta["settings"]["rotary"] is True and set(params["embed"]) == {"wte"}
+    sample = run_cli("-m", "experiments.sample", str(out), "--prompt", "The king", "--temperature", "0",
+                     "--tokens", "4")
+    assert sample.returncode == 0 and sample.stdout.startswith("The king"), sample.stderr[-3000:]
+    back = run_cli("-m", "experiments.export_weights", str(out), str(tmp_path / "x.safetensors"))
+    assert back.returncode == 2 and len(back.stderr.strip().splitlines()) == 1, back.stderr[-3000:]
+    assert "this GPT's are rotary (--rotary): only a GPT trained without --rotary goes to" in back.stderr
+    learned = run_cli(*args, "--max-steps", "6", "--checkpoint-dir", ck, "--resume", "--out", str(tmp_path / "l"))
+    assert learned.returncode == 2 and "rotary True -> None" in learned.stderr, learned.stderr[-3000:]
+    lenet = run_cli("-m", "experiments.lenet", "--rotary", "--max-steps", "1")
+    assert lenet.returncode == 2 and "--rotary is for a language model's text" in lenet.stderr, lenet.stderr
 
 
 def jax_leaves(tree, prefix=()):

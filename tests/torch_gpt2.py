@@ -3,6 +3,7 @@ Never imported by pytest.
 
     python tests/torch_gpt2.py make DIR VOCAB SEQ LAYERS HEADS WIDTH
     python tests/torch_gpt2.py check DIR VOCAB SEQ LAYERS HEADS WIDTH FILE
+    python tests/torch_gpt2.py rope DIR
 
 Hugging Face's ``GPT2LMHeadModel`` for that shape (SEQ + 1 positions: the loss reads a whole window), randomly
 initialised (seed 0; every LayerNorm's scale and bias and every bias drawn at random too, so nothing is the
@@ -11,7 +12,9 @@ DIR/state.npz, a random window of SEQ + 1 tokens per example as DIR/tokens.npy, 
 positions as DIR/logits.npy and its loss (``labels=tokens``: each position predicts the next) as DIR/loss.npy;
 and the model as transformers saves it (``save_pretrained``: DIR/hf/model.safetensors, config.json). ``check``:
 FILE (safetensors) loaded into that model (SEQ positions) with ``load_state_dict(strict=True)``: its logits on the
-first SEQ tokens of DIR/tokens.npy as DIR/checked.npy.
+first SEQ tokens of DIR/tokens.npy as DIR/checked.npy. ``rope``: the queries and keys of DIR/qk.npz (``q``,
+``k`` [B, T, H, C], ``positions`` [T]) turned by Hugging Face's rotary embedding (Llama's: ``LlamaRotaryEmbedding``,
+base 10000, and ``apply_rotary_pos_emb``) as DIR/turned.npz.
 """
 
 import sys
@@ -25,6 +28,8 @@ def main(argv):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     command, out = argv[0], Path(argv[1])
+    if command == "rope":
+        return rope(out)
     vocab, seq, layers, heads, width = map(int, argv[2:7])
     torch.manual_seed(0)
     positions = seq if command == "check" else seq + 1  # jaxtrain's GPT holds seq; the loss reads seq + 1 tokens
@@ -51,6 +56,23 @@ def main(argv):
     np.save(out / "tokens.npy", tokens.numpy().astype(np.int32))
     np.save(out / "logits.npy", result.logits[:, :seq].numpy())
     np.save(out / "loss.npy", result.loss.numpy())
+    return 0
+
+
+def rope(out: Path) -> int:
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    given = np.load(out / "qk.npz")
+    q, k = (torch.from_numpy(given[name]).transpose(1, 2) for name in ("q", "k"))  # Llama's [B, H, T, C]
+    heads, width = q.shape[1], q.shape[1] * q.shape[3]
+    config = LlamaConfig(hidden_size=width, num_attention_heads=heads, max_position_embeddings=4096,
+                         rope_theta=10000.0)
+    positions = torch.from_numpy(given["positions"]).long()[None].expand(q.shape[0], -1)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions)
+    turned = apply_rotary_pos_emb(q, k, cos, sin)
+    np.savez(out / "turned.npz", **{name: t.transpose(1, 2).numpy() for name, t in zip(("q", "k"), turned)})
     return 0
 
 

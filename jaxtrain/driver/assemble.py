@@ -29,7 +29,7 @@ def model(net: Network, compute: Compute, shape: dict, teacher: tuple | None = N
     unroll = (models.registry.unrolled_where_faster(device, len(devices))
               if devices and net.model in models.LANGUAGE_MODELS else None)
     m = models.get(net.model, remat=net.remat, init=net.init, quantize=net.quantize, kernels=compute.kernels,
-                   conv=compute.conv, size=net.model_size, device=device, unroll=unroll, **shape)
+                   conv=compute.conv, size=net.model_size, device=device, unroll=unroll, rotary=net.rotary, **shape)
     if teacher is not None:  # the teacher's params and state join the model state, Frozen
         m = distill.distilled(m, *teacher, net.temperature, net.alpha, compute.kernels)
     if net.linear_probe:  # the model in evaluation mode under the loss; frozen() leaves only its classifier to train

@@ -38,8 +38,9 @@ FIXED_SETTINGS = ("experiment", "model_revision", "dataset", "data_sha256", "cla
                   "linear_probe", "lr_groups", "train_subset", "optimizer", "lr", "schedule", "warmup_epochs",
                   "weight_decay", "clip_grad_norm", "augment", "image_size", "batch_size", "seed", "precision",
                   "accum_steps", "accum", "pipeline_layout", "quantize", "teacher", "temperature", "alpha",
-                  *TEXT_FIELDS)
-OPTIONAL_SETTINGS = ("linear_probe", *TEXT_FIELDS)  # recorded only when set: checkpoints older than them still resume
+                  "rotary", *TEXT_FIELDS)
+# Recorded only when set: checkpoints older than them still resume.
+OPTIONAL_SETTINGS = ("linear_probe", "rotary", *TEXT_FIELDS)
 # Settings a resumed run may change (reported when they do).
 FREE_SETTINGS = ("devices", "processes", "strategy", "mesh", "param_sharding", "remat", "epochs", "max_steps",
                  "microbatches", "kernels", "conv", "test_subset", "steps_per_call", "data_on_device")
@@ -165,7 +166,8 @@ def with_recipe(given: dict) -> dict:
     if not (folder or text) and given.get("val_fraction") is not None:
         raise ConfigError(f"{named('val_fraction')} is for image folders ({named('dataset', 'folder:DIR')}) and "
                           f"text ({named('dataset', 'text:PATH')})")
-    if not text and (given_text := [k for k in TEXT_FIELDS if given.get(k) is not None]):
+    if not text and (given_text := [k for k in TEXT_FIELDS if given.get(k) is not None]
+                     + ["rotary"] * bool(given.get("rotary"))):
         raise ConfigError(f"{' and '.join(map(named, given_text))} {'is' if len(given_text) == 1 else 'are'} for a "
                           f"language model's text ({named('dataset', 'text:PATH')})")
     if text:

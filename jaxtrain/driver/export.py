@@ -96,12 +96,14 @@ def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
 
 def model_of(meta: dict):
     """The registry Model a saved run's ``info`` describes (its name, init, image shape and classes; a language
-    model's window, vocabulary and size)."""
+    model's window, vocabulary, size and positions)."""
     from jaxtrain import models
 
-    models.check_revision(meta["model"], meta.get("settings") or {}, "this run's model")
+    settings = meta.get("settings") or {}
+    models.check_revision(meta["model"], settings, "this run's model")
     return models.get(meta["model"], init=meta.get("init"), input_shape=tuple(meta["input_shape"]),
-                      num_classes=meta["num_classes"], size=(meta.get("settings") or {}).get("model_size"))
+                      num_classes=meta["num_classes"], size=settings.get("model_size"),
+                      rotary=settings.get("rotary", False))
 
 
 def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param: str = "run_dir"):

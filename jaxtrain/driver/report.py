@@ -136,10 +136,12 @@ def describe(c: RunConfig, model: Model, devices: list[jax.Device], mesh: Mesh, 
 
 def shape_words(c: RunConfig, model: Model) -> str:
     """What a run's examples are: "examples of fashion_mnist (28x28x1, 10 classes)", or a language model's "windows
-    of text:PATH (128 tokens, vocabulary 4096 (bpe), model size mini, attention: XLA's, blocks: unrolled)"."""
+    of text:PATH (128 tokens, vocabulary 4096 (bpe), model size mini, positions: learned, attention: XLA's, blocks:
+    unrolled)"."""
     if isinstance(model, LanguageModel):
         return (f"windows of {c.dataset} ({model.seq_len} tokens, vocabulary {model.num_classes} ({c.tokenizer}), "
-                f"model size {c.model_size}, attention: {attention_words(jax.devices()[0], c.precision)}, blocks: "
+                f"model size {c.model_size}, positions: {'rotary' if model.config.rotary else 'learned'}, "
+                f"attention: {attention_words(jax.devices()[0], c.precision)}, blocks: "
                 f"{'unrolled' if model.config.unroll else 'a loop'})")
     return f"examples of {c.dataset} ({'x'.join(map(str, model.input_shape))}, {model.num_classes} classes)"
 

@@ -32,6 +32,9 @@ class Network:
     model: str = _field("lenet", "model to train (jaxtrain.models registry)", choices=tuple(MODELS))
     model_size: str | None = _field(None, "a language model's network: tiny (tests), mini (a CPU's few minutes), "
                                           "124m, 350m, 774m (GPT-2's) (default: mini)", choices=tuple(GPT_SIZES))
+    rotary: bool = _field(False, "a language model's positions rotary (RoPE: each head's queries and keys turned by "
+                                 "their position) instead of GPT-2's learned embedding; not with a GPT-2 file "
+                                 "(--init-from, export)")
     init: str | None = _field(None, "weight init, where the model offers several (resnet18: d2l or he; "
                                     "default: the first)")
     init_from: str | None = _field(None, "start from another library's weights (.pth or .safetensors): a "
@@ -259,12 +262,12 @@ FIELDS = {f.name: (attr, f) for attr, section in SECTIONS.items() for f in datac
 # The settings in the order a command line writes them (``cli.to_argv``: a sweep's stored command, compared when it
 # resumes) and their checks run (the first bad one is said): the order they had before the sections.
 ORDER = ("model", "devices", "devices_per_process", "coordinator", "num_processes", "process_id", "strategy",
-         "param_sharding", "mesh", "precision", "accum_steps", "accum", "remat", "epochs", "batch_size", "lr",
-         "init", "seed", "freeze", "linear_probe", "lr_groups", "classes", "init_from", "dataset", "data_dir",
-         "augment", "image_size", "val_fraction", "model_size", "seq_len", "tokenizer", "vocab_size", "on_bad_image",
+         "param_sharding", "mesh", "precision", "accum_steps", "accum", "remat", "epochs", "batch_size", "lr", "init",
+         "seed", "freeze", "linear_probe", "lr_groups", "classes", "init_from", "dataset", "data_dir", "augment",
+         "image_size", "val_fraction", "model_size", "seq_len", "tokenizer", "vocab_size", "rotary", "on_bad_image",
          "tfds_dir", "out", "workers", "prefetch", "steps_per_call", "data_on_device", "max_steps", "memory_report",
          "summary", "measure_peak", "train_subset", "test_subset", "checkpoint_dir", "checkpoint_every",
          "keep_checkpoints", "resume", "requeue_on_signal", "stall_timeout", "no_progress", "log_every", "optimizer",
-         "schedule", "warmup_epochs", "weight_decay", "clip_grad_norm", "microbatches", "pipeline_schedule",
-         "repeats", "quantize", "kernels", "conv", "teacher", "temperature", "alpha", "eval_every",
-         "eval_every_steps", "profile", "track", "track_group")
+         "schedule", "warmup_epochs", "weight_decay", "clip_grad_norm", "microbatches", "pipeline_schedule", "repeats",
+         "quantize", "kernels", "conv", "teacher", "temperature", "alpha", "eval_every", "eval_every_steps", "profile",
+         "track", "track_group")

@@ -6,7 +6,8 @@
 
 The cache holds, per layer, the keys and values of every position so far, ``[L, B, seq_len, H, C]``: a fixed
 size, so every step has the same shapes and the loop compiles once; the entries past the current position are
-masked out of the attention (they get no weight), so a step's logits are ``gpt.apply``'s at that position. The
+masked out of the attention (they get no weight), so a step's logits are ``gpt.apply``'s at that position
+(rotary positions: each new key is turned by its position before it is cached, each query by its own). The
 block's math is ``gpt.block``'s (same weights' layout, LayerNorm, GELU tanh approximation); only its attention
 reads its keys and values from the cache, always XLA's (a boolean mask over the cache, one query a step: nothing
 for a fused kernel to win). Logits are fp32; temperature 0 is greedy (argmax), ``top_k`` samples among the k
@@ -29,9 +30,8 @@ def _block(p, x, cache, start, config: gpt.Config):
     """``gpt.block`` for the tokens ``x`` [B, T, D] at positions ``start..start+T-1``: their keys and values
     written into the layer's ``cache`` (k, v ``[B, seq_len, H, C]``; None: a new one, zeros past them), the
     attention over the cache's entries up to each token's position. Returns (x, cache)."""
-    qkv = jnp.einsum("btd,dshc->sbthc", gpt.layer_norm(x, p["ln1"], p["ln1_b"]), p["qkv"])  # [3, B, T, H, C]
-    q, k, v = qkv + p["qkv_b"][:, None, None]
     t = x.shape[1]
+    q, k, v = gpt.attention_inputs(p, x, start + jnp.arange(t), config)  # rotary: turned by their positions
     if cache is None:  # the prefill (start 0): the cache starts as the prompt's keys and values, then zeros
         pad = ((0, 0), (0, config.seq_len - t), (0, 0), (0, 0))
         cache = jnp.pad(k, pad), jnp.pad(v, pad)
@@ -50,7 +50,7 @@ def _forward(params, tokens, cache, start, config: gpt.Config):
     """Tokens [B, T] at positions ``start..start+T-1`` -> (fp32 logits [B, T, vocab], the updated cache: k, v
     ``[L, B, seq_len, H, C]``). ``cache`` None: the prefill (``start`` 0); else one step (T = 1)."""
     E = params["embed"]
-    x = jnp.take(E["wte"], tokens, axis=0) + jax.lax.dynamic_slice_in_dim(E["wpe"], start, tokens.shape[1])
+    x = gpt.embed(E, tokens, start, config)
 
     def layer(x, pc):
         return _block(pc[0], x, pc[1], start, config)

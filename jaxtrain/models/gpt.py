@@ -3,6 +3,10 @@
     tokens [B, T] -> token + position embeddings -> L pre-LayerNorm blocks (causal self-attention, GELU MLP,
     residuals) -> final LayerNorm -> logits [B, T, V] = x @ wte.T (the input embedding, tied)
 
+Positions are GPT-2's learned embedding (``wpe``), or (``Config.rotary``) rotary ones: no ``wpe``, each head's
+queries and keys rotated by their position (RoFormer's RoPE, its halves paired as GPT-NeoX and Llama pair them,
+base 10000; ``rotate``).
+
 GPT-2's numbers: LayerNorm eps 1e-5, GELU's tanh approximation ("gelu_new"), weights N(0, 0.02) with the
 residual projections' std divided by sqrt(2 L), biases zero. The attention is ``jax.nn.dot_product_attention``
 (causal): XLA's on CPUs and in fp32, cuDNN's fused kernel on GPUs in bf16 and fp16
@@ -47,10 +51,14 @@ class Config:
     vocab_multiple: int = 64  # the embedding's rows padded to a multiple of this
     attention: str = "xla"  # whose attention: "xla", or "auto" (cuDNN's in bf16/fp16: a GPU's models; the registry)
     unroll: bool = False  # the blocks laid out one after another, not a loop over one traced block (``blocks``)
+    rotary: bool = False  # rotary positions (``rotate``), not a learned embedding
 
     def __post_init__(self):
         if self.width % self.heads:
             raise ValueError(f"width {self.width} does not split into {self.heads} heads")
+        if self.rotary and (self.width // self.heads) % 2:
+            raise ValueError(f"rotary positions turn pairs of a head's {self.width // self.heads} values: give heads "
+                             "of an even width")
 
     @property
     def padded_vocab(self) -> int:
@@ -82,7 +90,7 @@ LOGICAL_AXES = (
 def init(rng: jax.Array, config: Config = SIZES["tiny"]) -> dict:
     """GPT-2's initialisation as Hugging Face's and nanoGPT's: N(0, 0.02) (both embeddings too), the residual
     projections (``proj``, ``out``) N(0, 0.02 / sqrt(2 L)), biases 0, LayerNorms 1 and 0; the padded rows of the
-    embedding drawn too (they never reach a logit)."""
+    embedding drawn too (they never reach a logit). Rotary positions: no ``wpe``."""
     c = config
     L, D, H, F = c.layers, c.width, c.heads, c.mlp_ratio * c.width
     k = iter(jax.random.split(rng, 6))
@@ -98,7 +106,7 @@ def init(rng: jax.Array, config: Config = SIZES["tiny"]) -> dict:
 
     residual = 0.02 / math.sqrt(2 * L)
     return {
-        "embed": {"wte": normal(c.padded_vocab, D), "wpe": normal(c.seq_len, D)},
+        "embed": {"wte": normal(c.padded_vocab, D), **({} if c.rotary else {"wpe": normal(c.seq_len, D)})},
         "stages": {"ln1": ones(L, D), "ln1_b": zeros(L, D), "qkv": normal(L, D, 3, H, D // H),
                    "qkv_b": zeros(L, 3, H, D // H), "proj": normal(L, H, D // H, D, std=residual),
                    "proj_b": zeros(L, D), "ln2": ones(L, D), "ln2_b": zeros(L, D), "fc": normal(L, D, F),
@@ -121,14 +129,43 @@ def embed_fn(E, batch, config: Config = SIZES["tiny"]):
     t = tokens.shape[1]
     if t > config.seq_len:
         raise ValueError(f"windows of {t} tokens: the GPT's positions stop at seq_len {config.seq_len}")
-    return jnp.take(E["wte"], tokens, axis=0) + E["wpe"][:t]
+    return embed(E, tokens, 0, config)
+
+
+def embed(E, tokens, start, config: Config):
+    """Tokens [B, T] at positions ``start..start+T-1`` -> their embeddings [B, T, D] (rotary positions: the
+    tokens' alone)."""
+    x = jnp.take(E["wte"], tokens, axis=0)
+    return x if config.rotary else x + jax.lax.dynamic_slice_in_dim(E["wpe"], start, tokens.shape[1])
+
+
+def attention_inputs(p, x, positions, config: Config):
+    """A block's queries, keys and values [B, T, H, C] of ``x`` [B, T, D] (tokens at ``positions`` [T]), the
+    queries and keys rotated by their positions where the positions are rotary."""
+    qkv = jnp.einsum("btd,dshc->sbthc", layer_norm(x, p["ln1"], p["ln1_b"]), p["qkv"])  # [3, B, T, H, C]
+    q, k, v = qkv + p["qkv_b"][:, None, None]
+    return (rotate(q, positions), rotate(k, positions), v) if config.rotary else (q, k, v)
+
+
+ROTARY_BASE = 10000.0
+
+
+def rotate(x, positions):
+    """Rotary positions (RoFormer, arXiv 2104.09864) on ``x`` [B, T, H, C] at ``positions`` [T]: the pairs
+    (x[i], x[i + C/2]) turned by the angle position * 10000^(-2i/C), as GPT-NeoX and Llama pair them (computed in
+    fp32 or wider, back in ``x``'s dtype)."""
+    c = x.shape[-1]
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    angle = positions.astype(wide)[:, None] * ROTARY_BASE ** (-jnp.arange(0, c, 2, dtype=wide) / c)  # [T, C/2]
+    cos, sin = (f(angle)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+    a, b = jnp.split(x.astype(wide), 2, axis=-1)
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
 
 
 def block(p, x, config: Config = SIZES["tiny"]):
     """One pre-LayerNorm block: x + attention(ln1(x)), then x + mlp(ln2(x)). Its values ``qkv``, ``attention``
     and ``mlp_hidden`` are named for remat policies."""
-    qkv = jnp.einsum("btd,dshc->sbthc", layer_norm(x, p["ln1"], p["ln1_b"]), p["qkv"])  # [3, B, T, H, C]
-    q, k, v = checkpoint_name(qkv + p["qkv_b"][:, None, None], "qkv")
+    q, k, v = checkpoint_name(attention_inputs(p, x, jnp.arange(x.shape[1]), config), "qkv")
     how = attention_implementation(config.attention, q.dtype)
     if how == "xla" and q.dtype == jnp.float16:  # XLA:CPU has no fp16 dots accumulating in fp32: attend in fp32
         att = jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v)), is_causal=True,
@@ -250,11 +287,11 @@ def make_stack(config: Config = SIZES["tiny"]) -> Stack:
 
 def parameters(config: Config, embeddings: bool = True) -> int:
     """Trained parameters (the embedding's real rows; ``embeddings=False``: without the position embedding, as
-    nanoGPT counts for its FLOPs)."""
+    nanoGPT counts for its FLOPs; rotary positions have none)."""
     c = config
     D, F = c.width, c.mlp_ratio * c.width
     per_layer = 2 * D + 3 * D * D + 3 * D + D * D + D + 2 * D + D * F + F + F * D + D
-    return c.vocab * D + (c.seq_len * D if embeddings else 0) + c.layers * per_layer + 2 * D
+    return c.vocab * D + (c.seq_len * D if embeddings and not c.rotary else 0) + c.layers * per_layer + 2 * D
 
 
 def flops_per_token(config: Config) -> float:

@@ -63,8 +63,8 @@ MODELS = {
     "gpt": Defaults(1, 32, 1e-3, inits=("gpt2",), optimizer="adamw", schedule="warmup_cosine", warmup_epochs=0.1,
                     text=True, dataset=f"text:{KJV}",
                     description="a GPT (GPT-2's decoder: pre-LayerNorm blocks, causal attention, GELU MLP, tied "
-                                "embeddings, learned positions) trained on text:PATH; --model-size mini (CPU-sized) "
-                                "to 774m (GPT-2 large)"),
+                                "embeddings, learned positions or --rotary ones) trained on text:PATH; --model-size "
+                                "mini (CPU-sized) to 774m (GPT-2 large)"),
 }
 LANGUAGE_MODELS = tuple(n for n, d in MODELS.items() if d.text)
 DEFAULT_SIZE = "mini"  # a language model's --model-size unless told (jaxtrain.models.gpt.SIZES)
@@ -77,7 +77,7 @@ def names(side: int | None = None) -> tuple[str, ...]:
 
 def get(name: str, *, remat: str = "none", init: str | None = None, input_shape: tuple = IMAGE_SHAPE,
         num_classes: int = 10, quantize: str = "none", kernels: str = "jnp", conv: str = "auto",
-        size: str | None = None, device=None, unroll: bool | None = None) -> Model:
+        size: str | None = None, device=None, unroll: bool | None = None, rotary: bool = False) -> Model:
     """The named model for images of ``input_shape`` (H, W, C) and ``num_classes`` classes (the dataset's), its
     train-mode loss remat'ed per block by the ``remat`` policy; ``quantize="int8"``: quantisation-aware (its
     convs and dense layers see int8-rounded weights and activations, gradients straight through);
@@ -87,7 +87,7 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     ``input_shape[0]`` tokens over a vocabulary of ``num_classes``, its network of ``size`` (``gpt.SIZES``), its
     attention cuDNN's fused kernel in bf16 and fp16 where ``device`` (one of its devices: a ``jax.Device``) runs it
     (``gpt.fused_attention``), else XLA's; its blocks laid out one after another (``unroll``, ``gpt.blocks``) or a
-    loop over one (None: ``unrolled_where_faster``)."""
+    loop over one (None: ``unrolled_where_faster``); its positions learned (GPT-2's) or ``rotary``."""
     from jaxtrain.choices import KERNELS
     from jaxtrain.errors import ConfigError, named
 
@@ -104,10 +104,13 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
     if name in LANGUAGE_MODELS:
-        return _gpt(remat, shape, kernels, size or DEFAULT_SIZE, device, unroll)
+        return _gpt(remat, shape, kernels, size or DEFAULT_SIZE, device, unroll, rotary)
     if size is not None:
         raise ConfigError(f"size={size!r}: model {name} has one size (sizes are a language model's: "
                           f"{', '.join(LANGUAGE_MODELS)})")
+    if rotary:
+        raise ConfigError(f"{named('rotary', True)}: model {name} has no positions to turn (rotary positions are a "
+                          f"language model's: {', '.join(LANGUAGE_MODELS)})")
     if unroll is not None:
         raise ConfigError(f"unroll={unroll!r}: model {name} has no blocks to unroll (a language model's: "
                           f"{', '.join(LANGUAGE_MODELS)})")
@@ -211,7 +214,8 @@ def unrolled_where_faster(device=None, devices: int | None = None) -> bool:
     return (jax.device_count("cpu") if devices is None else devices) == 1  # every process's: one program
 
 
-def _gpt(remat: str, shape: dict, kernels: str, size: str, device, unroll: bool | None) -> LanguageModel:
+def _gpt(remat: str, shape: dict, kernels: str, size: str, device, unroll: bool | None, rotary: bool
+         ) -> LanguageModel:
     """The GPT of ``size`` for windows of ``input_shape[0]`` tokens and a vocabulary of ``num_classes``."""
     from jaxtrain.errors import ConfigError, named
     from jaxtrain.models import gpt
@@ -224,7 +228,8 @@ def _gpt(remat: str, shape: dict, kernels: str, size: str, device, unroll: bool 
                                             f"it takes windows of tokens ({named('dataset', 'text:PATH')})"))
     config = dataclasses.replace(gpt.SIZES[size], seq_len=shape["input_shape"][0], vocab=shape["num_classes"],
                                  attention="xla" if gpt.fused_attention(device) else "auto",
-                                 unroll=unrolled_where_faster(device) if unroll is None else unroll)
+                                 unroll=unrolled_where_faster(device) if unroll is None else unroll,
+                                 rotary=rotary)
     return LanguageModel(name="gpt", init=lambda rng: (gpt.init(rng, config), {}),
                          loss_fn=gpt.make_loss_fn(config, remat), eval_fn=gpt.make_eval_fn(config),
                          logits=lambda params, _, tokens: gpt.apply(params, tokens, config),

@@ -30,6 +30,7 @@ def load(path: str | Path, config) -> dict:
     """The GPT's params (``jaxtrain.models.gpt``'s layout, float32) from a GPT-2 file (safetensors, or PyTorch's
     ``state_dict``) of the shape ``config`` (a ``gpt.Config``) says; the file's position embedding may hold more
     positions than ``config.seq_len`` (the first are kept)."""
+    learned_positions(config, f"{path}: a Hugging Face GPT-2 file")
     by_name = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in tensors.read(path).items()}
     L, D, H, F = config.layers, config.width, config.heads, config.mlp_ratio * config.width
     used = set()
@@ -71,6 +72,7 @@ def load(path: str | Path, config) -> dict:
 
 def export(params: dict, config) -> dict[str, np.ndarray]:
     """``params`` (the GPT's) as ``GPT2LMHeadModel``'s ``state_dict``: what ``load_state_dict`` takes strictly."""
+    learned_positions(config, "a Hugging Face GPT-2 file")
     L, D = config.layers, config.width
     stages = {k: np.asarray(v, np.float32) for k, v in params["stages"].items()}
     flat = {"qkv": (L, D, 3 * D), "qkv_b": (L, 3 * D), "proj": (L, D, D)}
@@ -83,6 +85,14 @@ def export(params: dict, config) -> dict[str, np.ndarray]:
                 f"{PREFIX}ln_f.weight": np.asarray(params["head"]["ln"], np.float32),
                 f"{PREFIX}ln_f.bias": np.asarray(params["head"]["ln_b"], np.float32), "lm_head.weight": wte})
     return out
+
+
+def learned_positions(config, what: str) -> None:
+    """A ConfigError where ``config`` (a ``gpt.Config``) has rotary positions: GPT-2's are a learned embedding."""
+    if config.rotary:
+        raise ConfigError(f"{what} holds GPT-2's learned positions (wpe), and this GPT's are rotary "
+                          f"({named('rotary', True)}): only a GPT trained without {named('rotary', True)} "
+                          "goes to or from GPT-2's files")
 
 
 def save(params: dict, config, path: str | Path) -> Path:
