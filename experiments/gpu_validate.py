@@ -2,6 +2,8 @@
 
     python -m experiments.gpu_validate              # 14 compiles of ResNet-50, one per row (minutes on 2 cores)
     python -m experiments.gpu_validate --gpu a100   # the A100 rows only
+    python -m experiments.gpu_validate --no-cache   # every row compiled anew (default: unchanged programs' text
+                                                    # read back from ~/.cache/jaxtrain/gpu-compiled)
 
 Exits 1 when a held-out row's ratio leaves the band docs/gpu-estimate.md states (``band``, ``verdict``: 1.5x either
 way; MLPerf's tuned implementations 0.5-1.0, a floor the measured runs set: ``mlperf_floor``).
@@ -137,6 +139,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", choices=names(), action="append",
                    help="only these GPUs' rows (repeatable; default: all; the fit needs a100)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile every row anew (default: a row whose lowered program, GPU target and jax versions "
+                        "match an earlier compile's reads that compile's program text from $JAXTRAIN_GPU_COMPILED, "
+                        "~/.cache/jaxtrain/gpu-compiled: the estimate is computed from it again)")
     return p
 
 
@@ -170,19 +176,23 @@ def format_rows(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def estimate(cells: list[tuple]) -> dict:
-    """Each cell's ``Estimate.summary()``: ResNet-50 compiled for its GPUs (the gpu-compile extra)."""
+def estimate(cells: list[tuple], folder: Path | None = None) -> dict:
+    """Each cell's ``Estimate.summary()``: ResNet-50 compiled for its GPUs (the gpu-compile extra), or its
+    program's text read from ``folder``, where an earlier compile of the same inputs kept it
+    (``jaxtrain.gpu.analysis.compiled_text``: the lowered program, the target, the versions)."""
     from jaxtrain import gpu
+    from jaxtrain.gpu.plan import estimated
 
     gpu.check_plugin()
     estimates = {}
     for key in cells:
         name, gpus, precision, batch, label = key
-        print(f"compiling ResNet-50 for {gpus} x {name.upper()}, {label}, {batch * gpus} images...",
-              file=sys.stderr, flush=True)
-        p = gpu.plan(name, gpus, 1, largest_batch=False, model="resnet50", precision=precision,
-                     batch_size=batch * gpus, input_shape=(224, 224, 3), num_classes=1000)
-        estimates[key] = p.estimate
+        print(f"ResNet-50 for {gpus} x {name.upper()}, {label}, {batch * gpus} images: ", end="", file=sys.stderr,
+              flush=True)
+        estimates[key], kept = estimated(folder, gpu=name, gpus=gpus, hosts=1, model="resnet50",
+                                         precision=precision, batch_size=batch * gpus, input_shape=(224, 224, 3),
+                                         num_classes=1000)
+        print(f"its program read from {folder}" if kept else "compiled", file=sys.stderr, flush=True)
     return estimates
 
 
@@ -204,7 +214,10 @@ def main(argv=None, estimate=estimate, runs: Path = RUNS) -> int:
     if args.gpu and (rowless := sorted(set(args.gpu) - {k[0] for k in cells})):
         p.error(f"argument --gpu: no rows of {', '.join(rowless)} (rows: {', '.join(sorted({k[0] for k in cells}))})")
     print(read, flush=True)
-    estimates = estimate([k for k in cells if args.gpu is None or k[0] in args.gpu])
+    from jaxtrain import settings
+
+    folder = None if args.no_cache else settings.current().gpu_compiled
+    estimates = estimate([k for k in cells if args.gpu is None or k[0] in args.gpu], folder)
     table = rows(estimates, cells)
     print(f"ResNet-50 v1.5 training: the ESTIMATE against measurements ({SOURCE}; MLPerf Training v3.0 and v4.0 "
           "closed-division logs; jaxtrain on one H200 and one H100, experiments.gpu_check)\n")

@@ -45,6 +45,7 @@ class Settings:
     onednn_cache: Path = Path.home() / ".cache" / "jaxtrain" / "onednn"  # where the built library is kept
     index_cache: Path = Path.home() / ".cache" / "jaxtrain" / "folders"  # image folders' indexes (data.folder)
     jpeg_cache: Path = Path.home() / ".cache" / "jaxtrain" / "jpeg"  # where the built JPEG decoder is kept
+    gpu_compiled: Path = Path.home() / ".cache" / "jaxtrain" / "gpu-compiled"  # GPU programs' text (gpu_validate)
     jpeg_decoder: str = "region"  # how image folders' JPEGs are decoded: region (data.jpeg) or pillow (whole)
     pallas_gpu: str = "auto"  # the kernels' GPU backend: auto, mosaic or triton
     pallas_interpret: str = "triton"  # which version of the kernels runs interpreted on CPUs: triton or mosaic
@@ -57,6 +58,7 @@ VARIABLES = {
     "no_materialize": "JAXTRAIN_NO_MATERIALIZE", "onednn_threads": "JAXTRAIN_ONEDNN_THREADS",
     "onednn_blocked": "JAXTRAIN_ONEDNN_BLOCKED", "onednn_cache": "JAXTRAIN_ONEDNN_CACHE",
     "index_cache": "JAXTRAIN_INDEX_CACHE", "jpeg_cache": "JAXTRAIN_JPEG_CACHE", "jpeg_decoder": "JAXTRAIN_JPEG_DECODER",
+    "gpu_compiled": "JAXTRAIN_GPU_COMPILED",
     "pallas_gpu": "JAXTRAIN_PALLAS_GPU", "pallas_interpret": "JAXTRAIN_PALLAS_INTERPRET",
 }
 
@@ -119,6 +121,7 @@ PARSERS = {
     "devices_per_process": _whole, "join_timeout": _seconds, "no_materialize": _flag,
     "onednn_threads": _threads, "onednn_blocked": _flag, "onednn_cache": lambda name, text: Path(text),
     "index_cache": lambda name, text: Path(text), "jpeg_cache": lambda name, text: Path(text),
+    "gpu_compiled": lambda name, text: Path(text),
     "jpeg_decoder": lambda name, text: _choice(name, text, ("region", "pillow")),
     "pallas_gpu": lambda name, text: _choice(name, text, ("auto", "mosaic", "triton")),
     "pallas_interpret": lambda name, text: _choice(name, text, ("triton", "mosaic")),

@@ -213,6 +213,30 @@ def test_a_plan_reports_memory_flops_collectives_and_the_largest_batch(gpu):
     assert p.to_json()["memory"]["params"] == p.memory["params"]
 
 
+def test_a_kept_program_is_read_back_only_for_the_same_inputs_and_gives_the_same_estimate(gpu, tmp_path, caplog):
+    """gpu_validate's folder of compiled programs (analysis.compiled_text): the first compile keeps the text, the
+    same step for the same target reads it back (the same estimate); another target, or a changed step,
+    compiles anew; an unreadable entry is compiled again, saying so."""
+    from jaxtrain.gpu.plan import estimated, lowered_step
+
+    where = dict(gpus=2, hosts=1, model="lenet", precision="bf16", batch_size=64)
+    first, kept = estimated(tmp_path, gpu="h100", **where)
+    assert not kept and len(list(tmp_path.glob("*.hlo.gz"))) == 1
+    again, kept = estimated(tmp_path, gpu="h100", **where)
+    assert kept and again == first
+    compiled = lowered_step(gpu="h100", **where)
+    assert compiled.estimate(compiled.lowered.compile().as_text()) == first  # what a compile gives
+    assert not estimated(tmp_path, gpu="a100", **where)[1]  # another target
+    assert not estimated(tmp_path, gpu="h100", **{**where, "batch_size": 128})[1]  # another program
+    assert len(list(tmp_path.glob("*.hlo.gz"))) == 3
+    for entry in tmp_path.glob("*.hlo.gz"):
+        entry.write_bytes(b"not gzip")
+    with caplog.at_level("WARNING"):
+        assert estimated(tmp_path, gpu="h100", **where) == (first, False)
+    assert "unreadable" in caplog.text and "compiling it again" in caplog.text
+    assert estimated(tmp_path, gpu="h100", **where) == (first, True)
+
+
 def test_the_offload_table_command_prints_a_row_per_policy(capsys, tmp_path):
     from experiments import gpu_offload
 

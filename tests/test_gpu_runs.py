@@ -109,7 +109,7 @@ def test_gpu_validate_reads_the_measured_rows_from_the_kept_runs(tmp_path):
 
 def _estimates(ratios: dict) -> callable:
     """A stand-in for gpu_validate's compiles: each cell's estimate at ``ratios[cell]`` (default 1) of its figure."""
-    def estimate(cells):
+    def estimate(cells, folder=None):
         return {k: {"examples_per_second": ratios.get(k, 1.0) * CELLS[k], "bottleneck": "memory", "exposed": 0.0,
                     "seconds": 1.0, "roofline": 0.06, "launch": 0.001} for k in cells}
     return estimate

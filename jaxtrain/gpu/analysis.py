@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import gzip
+import hashlib
+import logging
 import os
 import re
 import shutil
 import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
 from jaxtrain.analysis import hlo
 from jaxtrain.analysis.diagnostics import collective_op
@@ -66,6 +70,50 @@ def compile_lowered(lowered, dump_dir: str | None = None) -> tuple:
         text = compiled.as_text()
         flops += hlo.matmul_flops(text) - hlo.matmul_flops(text, trips=False)
     return compiled, seconds, flops, _cost(optimised).get("bytes accessed")
+
+
+COMPILED_KEPT = 64  # entries a folder of compiled programs keeps (the least recently used go first)
+
+
+def compiled_text(lowered, target, folder: Path | None) -> tuple[str, bool]:
+    """``(optimised HLO text, whether it was read from folder)``: ``lowered`` (a step lowered for ``target``'s
+    compile-only GPUs) compiled, or its text kept in ``folder`` (None: always compiled) by an earlier compile of
+    the same inputs. An entry is named by the digest of everything the compile reads: the lowered program, the
+    target XLA compiles for (``Target.config_text``) and the versions of jax, jaxlib and the CUDA plugin. (JAX's
+    own persistent cache cannot serve these programs: a GPU executable compiled here cannot be loaded back
+    without a GPU.) An unreadable entry is compiled again, saying so."""
+    from importlib import metadata
+
+    import jax
+
+    versions = {name: _version(metadata, name) for name in ("jax", "jaxlib", "jax-cuda12-plugin",
+                                                              "jax-cuda12-pjrt", "jax-cuda13-plugin")}
+    digest = hashlib.sha256("\0".join([lowered.as_text(), target.config_text(), repr(sorted(versions.items())),
+                                        jax.__version__]).encode()).hexdigest()[:32]
+    entry = folder / f"{digest}.hlo.gz" if folder is not None else None
+    if entry is not None and entry.exists():
+        try:
+            text = gzip.decompress(entry.read_bytes()).decode()
+            os.utime(entry)  # recently used
+            return text, True
+        except (OSError, EOFError, UnicodeDecodeError) as e:
+            logging.getLogger(__name__).warning("%s: unreadable (%s): compiling it again", entry, e)
+    text = lowered.compile().as_text()
+    if entry is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        part = entry.with_suffix(f".part{os.getpid()}")
+        part.write_bytes(gzip.compress(text.encode(), compresslevel=6))
+        os.replace(part, entry)  # whole or absent
+        for old in sorted(folder.glob("*.hlo.gz"), key=lambda f: f.stat().st_mtime)[:-COMPILED_KEPT]:
+            old.unlink(missing_ok=True)
+    return text, False
+
+
+def _version(metadata, name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:

@@ -24,7 +24,7 @@ JAX_MEMORY_FRACTION = 0.75
 SEARCH_TOLERANCE = 0.02
 SETTINGS = ("model", "batch_size", "dataset", "precision", "strategy", "param_sharding", "mesh", "accum_steps",
             "accum", "remat", "microbatches", "pipeline_schedule", "repeats", "kernels", "optimizer", "seed",
-            "model_size", "seq_len", "tokenizer", "vocab_size")  # the last four: a language model's
+            "model_size", "seq_len", "tokenizer", "vocab_size", "rotary")  # the last five: a language model's
 
 
 @dataclasses.dataclass
@@ -86,31 +86,18 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     settings...) trains, for ``gpus`` x ``hosts`` GPUs of kind ``gpu``; ``largest_batch``: also search the
     largest call batch that fits ``memory_fraction`` of a GPU's memory (a few more compiles); ``input_shape``
     (H, W, C) and ``num_classes``: images other than the dataset's (ResNet-50 on ImageNet's 224x224x3, 1000)."""
-    import jax
-
     from jaxtrain.errors import ConfigError, named
-    from jaxtrain.driver.config import RunConfig
     from jaxtrain.driver.sections import FIELDS
 
-    unknown = sorted(set(settings) - set(SETTINGS))
-    if unknown:
-        raise ConfigError(f"plan() takes the settings {', '.join(SETTINGS)}; not {', '.join(unknown)}")
     if not 0 < memory_fraction <= 1:
         raise ConfigError(f"{named('memory_fraction', memory_fraction)}: expected a fraction in (0, 1]")
-    t = target(gpu)
-    c = RunConfig(devices=gpus * hosts, **settings)
-    shape, model, trainer, call = run_step(c, mesh_for(t, gpus, hosts, c.mesh), input_shape, num_classes)
+    s = lowered_step(gpu, gpus, hosts, input_shape, num_classes, **settings)
+    c, t, model, trainer, call, state, batch = s.config, s.target, s.model, s.trainer, s.call, s.state, s.batch
     say = progress or (lambda text: None)
     say(f"compiling the {c.model} step for {gpus * hosts} x {t.name} (call batch {call})")
-    state = trainer.abstract_state(init_fn=model.init, rng=jax.random.key(c.seed))
-    batch = trainer.batch_plan.lowered(model.batch_shapes(call))
-    compiled, seconds, flops, bytes_accessed = analysis.compile_lowered(trainer.lower(state, batch))
+    compiled, seconds, flops, bytes_accessed = analysis.compile_lowered(s.lowered)
     text = compiled.as_text()
-    from jaxtrain.gpu.estimate import estimate
-    from jaxtrain.models.flops import forward
-
-    model_flops = forward(c.model, shape["input_shape"], shape["num_classes"], c.model_size)  # the MFU's
-    timing = estimate(text, t, gpus, hosts, call, model_flops).summary()
+    timing = s.estimate(text)
     budget = int(t.memory_bytes * memory_fraction)
     result = GpuPlan(
         gpu=t.key, gpus=gpus, hosts=hosts, settings={k: getattr(c, k) for k in SETTINGS if k in FIELDS},
@@ -140,6 +127,62 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
             result.largest_batch, result.largest_batch_bytes = found.batch_size, found.predicted_bytes
             result.search = found.table
     return result
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredStep:
+    """A run's step lowered for compile-only GPUs (``lowered_step``): its config, target, model, trainer, call
+    batch, abstract state and batch, and the lowered program."""
+
+    config: object
+    target: object
+    gpus: int
+    hosts: int
+    shape: dict
+    model: object
+    trainer: object
+    call: int
+    state: object
+    batch: object
+    lowered: object
+
+    def estimate(self, text: str) -> dict:
+        """``Estimate.summary()`` of this step compiled to ``text`` (its optimised HLO)."""
+        from jaxtrain.gpu.estimate import estimate
+        from jaxtrain.models.flops import forward
+
+        c, shape = self.config, self.shape
+        model_flops = forward(c.model, shape["input_shape"], shape["num_classes"], c.model_size)  # the MFU's
+        return estimate(text, self.target, self.gpus, self.hosts, self.call, model_flops).summary()
+
+
+def lowered_step(gpu: str = "h100", gpus: int = 8, hosts: int = 1, input_shape: tuple | None = None,
+                 num_classes: int | None = None, **settings) -> LoweredStep:
+    """The step a run with ``settings`` (``plan``'s) trains, lowered for ``gpus`` x ``hosts`` GPUs of kind ``gpu``
+    (nothing compiled)."""
+    import jax
+
+    from jaxtrain.driver.config import RunConfig
+    from jaxtrain.errors import ConfigError
+
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise ConfigError(f"plan() takes the settings {', '.join(SETTINGS)}; not {', '.join(unknown)}")
+    t = target(gpu)
+    c = RunConfig(devices=gpus * hosts, **settings)
+    shape, model, trainer, call = run_step(c, mesh_for(t, gpus, hosts, c.mesh), input_shape, num_classes)
+    state = trainer.abstract_state(init_fn=model.init, rng=jax.random.key(c.seed))
+    batch = trainer.batch_plan.lowered(model.batch_shapes(call))
+    return LoweredStep(c, t, gpus, hosts, shape, model, trainer, call, state, batch, trainer.lower(state, batch))
+
+
+def estimated(folder=None, **where) -> tuple[dict, bool]:
+    """``(Estimate.summary(), whether its program was read from folder)`` of the step ``lowered_step(**where)``
+    lowers, compiled or read from ``folder`` (``analysis.compiled_text``): the estimate alone, no memory or
+    FLOPs (``plan``'s)."""
+    s = lowered_step(**where)
+    text, kept = analysis.compiled_text(s.lowered, s.target, folder)
+    return s.estimate(text), kept
 
 
 def run_step(c, mesh, input_shape: tuple | None = None, num_classes: int | None = None) -> tuple:
