@@ -514,6 +514,60 @@ def test_rotary_positions_are_hugging_faces_rope(torch_python, tmp_path):
         assert np.abs(ours - x).max() > 0.1  # turned
 
 
+def from_neox(state: dict, config) -> dict:
+    """Hugging Face's GPTNeoXForCausalLM ``state_dict`` (tests/torch_gpt2.py neox) in jaxtrain's GPT layout: its
+    fused query, key and value are [head, (q, k, v), C] by output row, jaxtrain's [D, (q, k, v), head, C]."""
+    L, D, H = config.layers, config.width, config.heads
+    C = D // H
+
+    def stacked(name, f):
+        return np.stack([f(state[f"gpt_neox.layers.{i}.{name}"]) for i in range(L)])
+
+    wte = np.zeros((config.padded_vocab, D), np.float32)
+    wte[:config.vocab] = state["gpt_neox.embed_in.weight"]
+    return {"embed": {"wte": wte},
+            "stages": {"ln1": stacked("input_layernorm.weight", np.asarray),
+                       "ln1_b": stacked("input_layernorm.bias", np.asarray),
+                       "qkv": stacked("attention.query_key_value.weight",
+                                      lambda w: w.reshape(H, 3, C, D).transpose(3, 1, 0, 2)),
+                       "qkv_b": stacked("attention.query_key_value.bias",
+                                        lambda b: b.reshape(H, 3, C).transpose(1, 0, 2)),
+                       "proj": stacked("attention.dense.weight", lambda w: w.T.reshape(H, C, D)),
+                       "proj_b": stacked("attention.dense.bias", np.asarray),
+                       "ln2": stacked("post_attention_layernorm.weight", np.asarray),
+                       "ln2_b": stacked("post_attention_layernorm.bias", np.asarray),
+                       "fc": stacked("mlp.dense_h_to_4h.weight", lambda w: w.T),
+                       "fc_b": stacked("mlp.dense_h_to_4h.bias", np.asarray),
+                       "out": stacked("mlp.dense_4h_to_h.weight", lambda w: w.T),
+                       "out_b": stacked("mlp.dense_4h_to_h.bias", np.asarray)},
+            "head": {"ln": state["gpt_neox.final_layer_norm.weight"], "ln_b": state["gpt_neox.final_layer_norm.bias"]}}
+
+
+def test_a_rotary_gpts_logits_are_hugging_faces_gpt_neox_ones(torch_python, tmp_path):
+    """The whole rotary GPT against transformers' GPT-NeoX set up as it (rotary positions on the whole head,
+    sequential residuals, GELU tanh, biases, tied output): the same logits, and the KV cache's too; without the
+    turn (learned positions, wpe zero) they differ."""
+    from jaxtrain.models import generate as gen
+
+    config = gpt.Config(vocab=101, seq_len=16, layers=2, heads=4, width=32, rotary=True)
+    done = subprocess.run([torch_python, str(Path(__file__).parent / "torch_gpt2.py"), "neox", str(tmp_path),
+                           *map(str, (config.vocab, config.seq_len, config.layers, config.heads, config.width))],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    params, tokens = from_neox(dict(np.load(tmp_path / "state.npz")), config), np.load(tmp_path / "tokens.npy")
+    want = np.load(tmp_path / "logits.npy")
+    got = np.asarray(gpt.apply(params, tokens, config))
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    cached, cache = gen._forward(params, tokens[:, :5], None, 0, config)
+    for pos in range(5, 8):
+        step, cache = gen._forward(params, tokens[:, pos:pos + 1], cache, pos, config)
+        cached = np.concatenate([cached, step], axis=1)
+    assert np.abs(cached - want[:, :8]).max() / np.abs(want).max() < 1e-4
+    learned = dataclasses.replace(config, rotary=False)
+    unturned = {**params, "embed": {**params["embed"], "wpe": np.zeros((16, 32), np.float32)}}
+    assert np.abs(np.asarray(gpt.apply(unturned, tokens, learned)) - want).max() / np.abs(want).max() > 0.1
+
+
 def test_rotary_scores_depend_on_how_far_apart_the_tokens_are_not_where():
     """RoPE's point: a query at m and a key at n score q . k as one at m + s and one at n + s do; position 0 is
     not turned; a rotary GPT holds no position embedding."""

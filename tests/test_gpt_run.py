@@ -56,7 +56,8 @@ def test_a_gpt_learns_the_text_says_its_perplexity_and_samples_from_it(trained):
     assert s["test_loss"] < 0.7 * s["unigram_entropy"], (s["test_loss"], s["unigram_entropy"])  # it reads context
     assert s["tokens_per_sec"] == pytest.approx(16 * s["examples_per_sec"])
     assert s["test_perplexity"] == pytest.approx(np.exp(s["test_loss"]))
-    assert (s["attention"], s["blocks"]) == ("xla", "loop")  # 2 CPU devices: XLA's attention, the blocks a loop
+    # 2 CPU devices: XLA's attention, the blocks a loop
+    assert (s["positions"], s["attention"], s["blocks"]) == ("learned", "xla", "loop")
     said = run.stdout + run.stderr
     assert ("16 tokens, vocabulary 256 (bytes), model size tiny, positions: learned, attention: XLA's, blocks: a "
             "loop") in said, said[-3000:]
@@ -127,6 +128,7 @@ def test_a_rotary_gpt_trains_says_so_samples_and_keeps_its_positions(tmp_path, c
     assert "model size tiny, positions: rotary, attention" in run.stdout + run.stderr
     meta, params, _ = export.load(out)
     assert meta["settings"]["rotary"] is True and set(params["embed"]) == {"wte"}
+    assert summary(out)["positions"] == "rotary"
     sample = run_cli("-m", "experiments.sample", str(out), "--prompt", "The king", "--temperature", "0",
                      "--tokens", "4")
     assert sample.returncode == 0 and sample.stdout.startswith("The king"), sample.stderr[-3000:]
@@ -134,7 +136,7 @@ def test_a_rotary_gpt_trains_says_so_samples_and_keeps_its_positions(tmp_path, c
     assert back.returncode == 2 and len(back.stderr.strip().splitlines()) == 1, back.stderr[-3000:]
     assert "this GPT's are rotary (--rotary): only a GPT trained without --rotary goes to" in back.stderr
     learned = run_cli(*args, "--max-steps", "6", "--checkpoint-dir", ck, "--resume", "--out", str(tmp_path / "l"))
-    assert learned.returncode == 2 and "rotary True -> None" in learned.stderr, learned.stderr[-3000:]
+    assert learned.returncode == 2 and "rotary True -> not given" in learned.stderr, learned.stderr[-3000:]
     lenet = run_cli("-m", "experiments.lenet", "--rotary", "--max-steps", "1")
     assert lenet.returncode == 2 and "--rotary is for a language model's text" in lenet.stderr, lenet.stderr
 

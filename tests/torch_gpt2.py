@@ -4,6 +4,7 @@ Never imported by pytest.
     python tests/torch_gpt2.py make DIR VOCAB SEQ LAYERS HEADS WIDTH
     python tests/torch_gpt2.py check DIR VOCAB SEQ LAYERS HEADS WIDTH FILE
     python tests/torch_gpt2.py rope DIR
+    python tests/torch_gpt2.py neox DIR VOCAB SEQ LAYERS HEADS WIDTH
 
 Hugging Face's ``GPT2LMHeadModel`` for that shape (SEQ + 1 positions: the loss reads a whole window), randomly
 initialised (seed 0; every LayerNorm's scale and bias and every bias drawn at random too, so nothing is the
@@ -14,7 +15,10 @@ and the model as transformers saves it (``save_pretrained``: DIR/hf/model.safete
 FILE (safetensors) loaded into that model (SEQ positions) with ``load_state_dict(strict=True)``: its logits on the
 first SEQ tokens of DIR/tokens.npy as DIR/checked.npy. ``rope``: the queries and keys of DIR/qk.npz (``q``,
 ``k`` [B, T, H, C], ``positions`` [T]) turned by Hugging Face's rotary embedding (Llama's: ``LlamaRotaryEmbedding``,
-base 10000, and ``apply_rotary_pos_emb``) as DIR/turned.npz.
+base 10000, and ``apply_rotary_pos_emb``) as DIR/turned.npz. ``neox``: Hugging Face's ``GPTNeoXForCausalLM`` set
+up as jaxtrain's rotary GPT (rotary positions on the whole head, base 10000; sequential residuals; GELU's tanh
+approximation; biases; the output layer tied to the embedding), randomly initialised as ``make`` does: its
+``state_dict`` as DIR/state.npz, a random window per example as DIR/tokens.npy, its logits as DIR/logits.npy.
 """
 
 import sys
@@ -30,6 +34,8 @@ def main(argv):
     command, out = argv[0], Path(argv[1])
     if command == "rope":
         return rope(out)
+    if command == "neox":
+        return neox(out, *map(int, argv[2:7]))
     vocab, seq, layers, heads, width = map(int, argv[2:7])
     torch.manual_seed(0)
     positions = seq if command == "check" else seq + 1  # jaxtrain's GPT holds seq; the loss reads seq + 1 tokens
@@ -56,6 +62,33 @@ def main(argv):
     np.save(out / "tokens.npy", tokens.numpy().astype(np.int32))
     np.save(out / "logits.npy", result.logits[:, :seq].numpy())
     np.save(out / "loss.npy", result.loss.numpy())
+    return 0
+
+
+def neox(out: Path, vocab: int, seq: int, layers: int, heads: int, width: int) -> int:
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
+                           intermediate_size=4 * width, hidden_act="gelu_new", max_position_embeddings=seq,
+                           layer_norm_eps=1e-5, use_parallel_residual=False, attention_bias=True,
+                           tie_word_embeddings=True, hidden_dropout=0.0, attention_dropout=0.0,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 1.0})
+    model = GPTNeoXForCausalLM(config).eval()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied, as jaxtrain's
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "layernorm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+            elif "query_key_value" in name:  # sharp attention: where a key stands must change the logits
+                p.mul_(20.0)
+        tokens = torch.randint(0, vocab, (3, seq), generator=torch.Generator().manual_seed(1))
+        logits = model(tokens).logits
+    np.savez(out / "state.npz", **{k: v.numpy() for k, v in model.state_dict().items()})
+    np.save(out / "tokens.npy", tokens.numpy().astype(np.int32))
+    np.save(out / "logits.npy", logits.numpy())
     return 0
 
 

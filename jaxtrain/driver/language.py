@@ -38,12 +38,13 @@ def unigram_entropy(tokens: np.ndarray, vocab: int) -> float:
 
 def summary(model, test_split, summary: dict) -> dict:
     """What summary.json adds for a language model: tokens/s, the test perplexity and the validation tokens'
-    unigram entropy (nats) beside the test loss; its program's choices (the attention it runs, its blocks laid out
-    or a loop: ``models.get``'s for the run's devices)."""
+    unigram entropy (nats) beside the test loss; its program's choices (its positions, the attention it runs, its
+    blocks laid out or a loop: ``models.get``'s for the run's devices)."""
     return {"tokens_per_sec": summary["examples_per_sec"] * model.seq_len,
             "test_perplexity": math.exp(min(summary["test_loss"], 700.0)),
             "unigram_entropy": unigram_entropy(targets(test_split), model.num_classes),
             "seq_len": model.seq_len, "vocab": model.num_classes,
+            "positions": "rotary" if model.config.rotary else "learned",
             "attention": attention(model, summary["precision"]),
             "blocks": "unrolled" if model.config.unroll else "loop"}
 

@@ -196,7 +196,7 @@ class Checkpointer:
 
     def _check_compatible(self, step: int, record: dict, like: TrainState) -> None:
         saved = record["settings"]
-        changed = [f"{k} {saved.get(k)!r} -> {self.settings.get(k)!r}" for k in self.fixed
+        changed = [f"{k} {_said(saved.get(k))} -> {_said(self.settings.get(k))}" for k in self.fixed
                    if saved.get(k) != self.settings.get(k)]
         if changed:
             raise ConfigError(
@@ -269,3 +269,8 @@ class _SaveErrors:
         keep = f"the newest good checkpoint is step {good}" if good is not None else "no checkpoint was completed"
         raise ConfigError(f"saving a checkpoint in {c.directory} failed ({cause}); {keep}: "
                           f"make room (or fix the directory), then run again with {named('resume', True)}") from None
+
+
+def _said(value) -> str:
+    """A setting's value in a message: a setting not recorded (an optional one left off) is "not given"."""
+    return "not given" if value is None else repr(value)
