@@ -3,19 +3,21 @@
     python -m experiments.bench_busy steps [--model lenet] [--ks 1,8,64,auto] [--devices 1]
     python -m experiments.bench_busy e2e [--model lenet] [--epochs 3] [--configs 1:off,8:off,8:on] [--repeats 2]
 
-``steps``: the step's time per step in calls of K steps (K = 1, 8, 64, and ``auto`` as the run would pick it),
-against the device's work alone: what one more step adds to a call (``jaxtrain.driver.busy.per_step_in_call``:
-the host's part, paid once a call, cancels out). ``e2e``: the experiment itself (``python -m
-experiments.MODEL``, Fashion-MNIST) once per config ``K:DATA`` (``--steps-per-call K --data-on-device
-DATA``), configs interleaved ``--repeats`` times: seconds per epoch (epochs after the first, which compiles;
-median), beside the first config's, the test accuracy, the data wait, and the device's busy share: steps x the
-device's work per step (``steps``, measured first in its own process) over the epoch's wall time. Each run is a
-child process (a GPU is held by one process at a time). Extra flags after ``--`` go to every run.
+``steps``: the step's time per step in calls of K steps (K = 1, 8, 64, and ``auto`` as the run would pick it;
+``--repeats`` blocks of ``--calls`` calls each, the Ks interleaved, median), against the device's work alone: what
+one more step adds to a call (``jaxtrain.driver.busy.per_step_in_call``: the host's part, paid once a call, cancels
+out). ``e2e``: the experiment itself (``python -m experiments.MODEL``, Fashion-MNIST) once per config ``K:DATA``
+(``--steps-per-call K --data-on-device DATA``), configs interleaved ``--repeats`` times: seconds per epoch (epochs
+after the first, which compiles; median), beside the first config's, the test accuracy, the data wait, and the
+device's busy share: steps x the device's work per step (``steps``, measured first in its own process) over the
+epoch's wall time. Each run is a child process (a GPU is held by one process at a time). Extra flags after ``--``
+go to every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -25,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments.harness import UNROLL
+from experiments import harness
 from jaxtrain.cli import one_line_errors, positive_int
 from jaxtrain.errors import ConfigError
 
@@ -50,15 +52,15 @@ def configs_list(text: str) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_busy", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
-    p.add_argument("what", choices=("steps", "e2e"), help="the step alone, or the experiment end to end")
+    p = harness.parser("bench_busy", __doc__, steps=None, repeats=2)  # --repeats: e2e's runs per config, steps' blocks
+    p.add_argument("what", choices=("steps", "e2e"),
+                   help="the step alone, or the experiment end to end (e2e: the flags after -- go to every run)")
     p.add_argument("--model", default="lenet", choices=("lenet", "resnet18"))
-    p.add_argument("--devices", type=positive_int, default=None, help="devices (default: all)")
+    p.add_argument("--devices", type=positive_int, default=None, help="devices (None: all)")
     p.add_argument("--ks", type=steps_list, default="1,8,64,auto",
                    help="steps: the calls' steps to time, comma-separated")
     p.add_argument("--batch-size", type=positive_int, default=None,
-                   help="the global batch (default: the recipe's); e2e: the runs' and their work measurement's")
+                   help="the global batch (None: the recipe's); e2e: the runs' and their work measurement's")
     p.add_argument("--conv", default="auto", choices=("auto", "onednn", "xla"),
                    help="steps: whose convolutions (auto: oneDNN's on a CPU where they build)")
     p.add_argument("--unroll", default="off", choices=("auto", "on", "off"),
@@ -69,14 +71,30 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=positive_int, default=3, help="e2e: epochs per run (the first is not timed)")
     p.add_argument("--configs", type=configs_list, default="1:off,8:off,8:on",
                    help="e2e: K:DATA per run, comma-separated (the first is the baseline)")
-    p.add_argument("--repeats", type=positive_int, default=2, help="e2e: runs per config, interleaved")
-    p.add_argument("--json", help="also write the results here")
     return p
 
 
+@dataclasses.dataclass
+class Calls(harness.Timed):
+    """Calls of ``k`` steps (``step``: the trainer's step, or its call of ``k`` steps on ``k`` batches), one in
+    flight: each call's result awaited before the next, the host's part of a call not hidden. Per step, as Timed."""
+
+    k: int = 1
+
+    def time(self, calls: int) -> float:
+        import jax
+
+        start = time.perf_counter()
+        for _ in range(calls):
+            self.state, metrics = self.step(self.state, self.batch)
+            jax.block_until_ready(metrics)
+        return (time.perf_counter() - start) / (calls * self.k)
+
+
 def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: int | None, calls: int,
-               conv: str = "auto", unroll: str = "off") -> dict:
-    """Seconds per step in calls of each K, and the device's work per step (``per_step_in_call``)."""
+               conv: str = "auto", unroll: str = "off", repeats: int = 1) -> dict:
+    """Seconds per step in calls of each K (``repeats`` blocks of ``calls`` calls, the Ks interleaved), and the
+    device's work per step (``per_step_in_call``)."""
     import jax
     import optax
 
@@ -89,24 +107,22 @@ def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: 
     model = models.get(model_name, conv=conv)
     batch_size = batch_size or models.MODELS[model_name].batch_size
     trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.01), mesh=mesh)
-    state = trainer.init(*jax.jit(model.init)(jax.random.key(0)))
     batch = model.example_batch(batch_size)
-    work = busy.per_step_in_call(trainer, state, batch)
-    rows = []
-    for k in ks:
-        n = busy.steps_per_call("auto", platform, lambda: work)[0] if k == "auto" else int(k)
-        placed = trainer.shard_steps(jax.tree.map(lambda x: x[None].repeat(n, 0), batch)) if n > 1 else \
-            trainer.shard(batch)
-        call = functools.partial(trainer.placed_steps, unroll=UNROLL[unroll]) \
-            if n > 1 else trainer.step
-        state, metrics = call(state, placed)  # compiled, warm
-        jax.block_until_ready(metrics)
-        start = time.perf_counter()
-        for _ in range(calls):
-            state, metrics = call(state, placed)  # one call in flight: its result awaited before the next
-            jax.block_until_ready(metrics)
-        per_step = (time.perf_counter() - start) / (calls * n)
-        rows.append({"k": k, "steps_per_call": n, "ms_per_step": 1e3 * per_step, "over_work": per_step / work})
+    work = busy.per_step_in_call(trainer, trainer.init(*jax.jit(model.init)(jax.random.key(0))), batch)
+
+    def calls_of(n: int) -> Calls:  # its own state: the calls donate it
+        state = trainer.init(*jax.jit(model.init)(jax.random.key(0)))
+        if n == 1:
+            return Calls(trainer.step, state, trainer.shard(batch))
+        stacked = trainer.shard_steps(jax.tree.map(lambda x: x[None].repeat(n, 0), batch))
+        return Calls(functools.partial(trainer.placed_steps, unroll=harness.UNROLL[unroll]), state, stacked, k=n)
+
+    runs = [calls_of(busy.steps_per_call("auto", platform, lambda: work)[0] if k == "auto" else int(k)) for k in ks]
+    for run in runs:
+        harness.warm_up(run)  # compiled, warm
+    harness.interleave(runs, calls, repeats)
+    rows = [{"k": k, "steps_per_call": run.k, "ms_per_step": run.median, "over_work": run.median / 1e3 / work}
+            for k, run in zip(ks, runs)]
     return {"model": model_name, "conv": conv, "devices": mesh.devices.size, "batch_size": batch_size,
             "platform": platform,
             "device_kind": mesh.devices.flat[0].device_kind, "work_ms_per_step": 1e3 * work, "rows": rows}
@@ -131,7 +147,7 @@ def _child(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def end_to_end(model: str, devices: int | None, epochs: int, configs: list[str], repeats: int,
-               extra: list[str], say, batch_size: int | None = None, calls: int = 20) -> dict:
+               extra: list[str], batch_size: int | None = None, calls: int = 20) -> dict:
     """Each config's runs (interleaved), and the device's work per step measured first in a child process, at the
     runs' batch (``batch_size``, default the recipe's) over ``calls`` calls."""
     if epochs < 2:
@@ -142,13 +158,13 @@ def end_to_end(model: str, devices: int | None, epochs: int, configs: list[str],
         batch = ["--batch-size", str(batch_size)] if batch_size else []
         devices_flag = ["--devices", str(devices)] if devices else []
         _child(["-m", "experiments.bench_busy", "steps", "--model", model, "--ks", "1", "--calls", str(calls),
-                *batch, *devices_flag, "--json", str(work_json)])
+                "--repeats", "1", *batch, *devices_flag, "--json", str(work_json)])
         work_ms = json.loads(work_json.read_text())["work_ms_per_step"]
         runs = {config: [] for config in configs}
         for repeat in range(repeats):
             for config, (k, data) in zip(configs, parsed):
                 out = Path(tmp) / f"{len(runs[config])}-{config.replace(':', '-')}"
-                say(f"run {repeat + 1}/{repeats}: {config}")
+                harness.progress(f"run {repeat + 1}/{repeats}: {config}")
                 _child(["-m", f"experiments.{model}", "--epochs", str(epochs), "--steps-per-call", k,
                         "--data-on-device", data, "--no-progress", "--out", str(out),
                         *batch, *devices_flag, *extra])
@@ -186,19 +202,15 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args, extra = parser().parse_args(argv[:cut]), argv[cut + 1:]  # e2e: the runs' own flags after --
-
-    def say(text):
-        print(text, file=sys.stderr, flush=True)
-
     if args.what == "steps":
-        result = step_times(args.model, args.devices, args.ks, args.batch_size, args.calls, args.conv, args.unroll)
+        result = step_times(args.model, args.devices, args.ks, args.batch_size, args.calls, args.conv, args.unroll,
+                            args.repeats)
         print(steps_table(result))
     else:
-        result = end_to_end(args.model, args.devices, args.epochs, args.configs, args.repeats,
-                            extra, say, args.batch_size, args.calls)
+        result = end_to_end(args.model, args.devices, args.epochs, args.configs, args.repeats, extra,
+                            args.batch_size, args.calls)
         print(e2e_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    harness.write_json(args.json, result)
     return 0
 
 

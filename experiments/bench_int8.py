@@ -23,20 +23,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from experiments import print_and_save
-from jaxtrain.cli import positive_int
-from jaxtrain.train.timing import median_seconds
+from experiments import harness, print_and_save
+from jaxtrain.cli import one_line_errors, positive_int
 
 DN = ("NHWC", "HWIO", "NHWC")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_int8", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = harness.parser("bench_int8", __doc__, steps=None, repeats=30, json_out="the figures")
     p.add_argument("--batch-size", type=positive_int, default=256, help="LeNet's batch")
     p.add_argument("--resnet-batch", type=positive_int, default=64, help="ResNet-18's batch")
-    p.add_argument("--repeats", type=positive_int, default=30, help="timed calls per variant (median reported)")
-    p.add_argument("--json", help="also write the figures to this JSON file")
     return p
 
 
@@ -75,12 +71,12 @@ def measure(args) -> dict:
         x = jax.device_put(rng.random(xs, np.float32))
         w = jax.device_put((rng.standard_normal(ws) * 0.1).astype(np.float32))
         qw = int8_weight(w)
-        variants = {"fp32": (jax.jit(float_op[kind]), (x, w)),
-                    "int8, training flags": (jax.jit(int8_op[kind]), (x, qw)),
-                    "int8, YNNPACK": (int8_jit(int8_op[kind]), (x, qw)),
-                    "quantise only": (int8_jit(lambda a: int8_act(a).qvalue), (x,))}
-        rows[name] = {k: 1e3 * median_seconds(lambda f=f, a=a: f(*a).block_until_ready(), args.repeats)
-                      for k, (f, a) in variants.items()}
+        rows[name] = harness.take_turns({"fp32": harness.Call(jax.jit(float_op[kind]), (x, w)),
+                                         "int8, training flags": harness.Call(jax.jit(int8_op[kind]), (x, qw)),
+                                         "int8, YNNPACK": harness.Call(int8_jit(int8_op[kind]), (x, qw)),
+                                         "quantise only": harness.Call(int8_jit(lambda a: int8_act(a).qvalue), (x,))},
+                                        args.repeats)
+        harness.progress(f"measured {name}")
     return {"cpu_isa": compat.cpu_isa(), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
             "options": compat.int8_compiler_options(), "ms": rows}
 
@@ -95,6 +91,7 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+@one_line_errors("bench_int8")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     result = measure(args)
@@ -102,7 +99,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from jaxtrain.cli import library_log
-
-    with library_log():  # the library's log lines, as a command line says them
-        sys.exit(main())
+    sys.exit(main())

@@ -23,25 +23,21 @@ jax >= 0.12) and Triton.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from jaxtrain.cli import positive_int, whole_numbers
-from jaxtrain.train.timing import median_seconds
+from experiments import harness
+from jaxtrain.cli import one_line_errors, positive_int, whole_numbers
 
 
 VIT_BATCH, VIT_DEPTH = 64, 8  # the ViT recipe's batch; its blocks
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_kernels", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = harness.parser("bench_kernels", __doc__, steps=None, repeats=20, json_out="the figures")
     p.add_argument("--batch-size", type=positive_int, default=256, help="global batch (the loss sees all of it)")
     p.add_argument("--classes", type=whole_numbers(2, "10,1000"), default="10,1000",
                    help="comma-separated class counts for the loss alone")
     p.add_argument("--devices", type=positive_int, default=2, help="devices of the LeNet step (strategy jit)")
-    p.add_argument("--repeats", type=positive_int, default=20, help="timed calls (median reported)")
-    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     p.add_argument("--gpu", metavar="NAME", help="print the kernels' per-launch resources compiled for this GPU "
                                                  "(h100, h200, b200, a100, v100) instead of timing them here")
     return p
@@ -71,9 +67,7 @@ def _xla_bytes(fn, *args) -> float:
 
 
 def _both(fns: dict, args, repeats: int, problem: dict, kernel_bytes: int) -> dict:
-    import jax
-
-    timed = {k: 1000 * median_seconds(lambda f=f: jax.block_until_ready(f(*args)), repeats) for k, f in fns.items()}
+    timed = harness.take_turns({k: harness.Call(f, args) for k, f in fns.items()}, repeats)
     return {**problem, "xla_bytes": _xla_bytes(fns["jnp"], *args), "kernel_bytes": kernel_bytes,
             "jnp_ms": timed["jnp"], "kernel_ms": timed["pallas"], "kernel_runs_as": _runs_as()}
 
@@ -128,23 +122,16 @@ def step_figures(name: str, batch: int, devices: int, repeats: int) -> dict:
     from jaxtrain import models
     from jaxtrain.analysis import diagnostics
 
-    out = {}
+    step_bytes, runs = {}, {}
     for kernels in ("jnp", "pallas"):
         model = models.get(name, kernels=kernels)
         trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=jt.make_mesh(devices))
         state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
         host = model.example_batch(batch)
-        stats = diagnostics.compiled_stats(trainer, state, host, residuals=False)
-        sharded = trainer.shard(host)
-        holder = [state]
-
-        def step():
-            holder[0], metrics = trainer(holder[0], sharded)
-            jax.block_until_ready(metrics)
-
-        step()
-        out[kernels] = {"step_bytes": stats["bytes_accessed"], "step_ms": 1000 * median_seconds(step, repeats)}
-    return out
+        step_bytes[kernels] = diagnostics.compiled_stats(trainer, state, host, residuals=False)["bytes_accessed"]
+        runs[kernels] = harness.warm_up(harness.Timed(trainer, state, trainer.shard(host)), 2)
+    harness.interleave(runs.values(), 1, repeats)  # one step per repeat, jnp and pallas taking turns
+    return {k: {"step_bytes": step_bytes[k], "step_ms": run.median} for k, run in runs.items()}
 
 
 def gpu_launches(gpu_name: str, batch: int, classes: list[int]) -> list[dict]:
@@ -199,21 +186,14 @@ def print_gpu_launches(gpu_name: str, found: list[dict]) -> None:
           "on a GPU; Triton's come from the cubins XLA builds at compile time.")
 
 
+@one_line_errors("bench_kernels")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     classes = args.classes
     if args.gpu:
-        from jaxtrain.errors import ConfigError
-
-        try:
-            found = gpu_launches(args.gpu, args.batch_size, classes)
-        except ConfigError as e:
-            print(f"bench_kernels: error: {e}", file=sys.stderr)
-            return 2
+        found = gpu_launches(args.gpu, args.batch_size, classes)
         print_gpu_launches(args.gpu, found)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"gpu": args.gpu, "launches": found}, f, indent=1)
+        harness.write_json(args.json, {"gpu": args.gpu, "launches": found})
         return 0
     import jaxtrain as jt
 
@@ -239,15 +219,10 @@ def main(argv=None) -> int:
     print(f"\nLeNet's loss (batch x 10) is {ce['xla_bytes'] / steps['lenet']['jnp']['step_bytes']:.2%} of its "
           f"step's bytes; one ViT layer norm is {ln['xla_bytes'] / steps['vit']['jnp']['step_bytes']:.2%} of the "
           f"ViT step's, and the step has {2 * VIT_DEPTH + 1} (XLA's counts on this host).")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"kernels": rows, "steps": steps, "batch_size": args.batch_size, "devices": args.devices}, f,
-                      indent=1)
+    harness.write_json(args.json, {"kernels": rows, "steps": steps, "batch_size": args.batch_size,
+                                   "devices": args.devices})
     return 0
 
 
 if __name__ == "__main__":
-    from jaxtrain.cli import library_log
-
-    with library_log():  # the library's log lines, as a command line says them
-        sys.exit(main())
+    sys.exit(main())

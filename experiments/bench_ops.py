@@ -1,14 +1,14 @@
 """Where the LeNet step's time goes: each operation timed alone, XLA:CPU vs PyTorch.
 
-    python -m experiments.bench_ops [--batch-size 256] [--xla-defaults]
+    python -m experiments.bench_ops [--batch-size 256] [--xla-defaults] [--json F]
 
 Every operation of the d2l LeNet train step (forward convolutions, their
 weight- and input-gradient convolutions, ReLU+pooling both ways, the dense
 layers both ways, loss, SGD update, gradient all-reduce) is compiled alone
 and timed on one device with the whole machine's threads (the all-reduce on
-two devices). PyTorch (if installed) times the same operations in a child
-process. Prints a markdown table; the sum of the parts is comparable with the
-step times of ``experiments.bench``.
+two devices), each one's repeats in a row. PyTorch (if installed) times the
+same operations in a child process. Prints a markdown table; the sum of the
+parts is comparable with the step times of ``experiments.bench``.
 """
 
 from __future__ import annotations
@@ -19,28 +19,21 @@ import os
 import subprocess
 import sys
 
-from jaxtrain.cli import positive_int
-from jaxtrain.train.timing import median_seconds
+from experiments import harness
+from jaxtrain.cli import one_line_errors, positive_int
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_ops", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = harness.parser("bench_ops", __doc__, steps=None, repeats=30, json_out="the figures")
     p.add_argument("--batch-size", type=positive_int, default=256)
-    p.add_argument("--repeats", type=positive_int, default=30, help="timed calls per operation (median reported)")
     p.add_argument("--xla-defaults", action="store_true", help="XLA's default CPU flags instead of jaxtrain's")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if it is installed")
     p.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)  # the child process
     return p
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()  # compile (median_seconds warms up once more)
-    return 1000 * median_seconds(fn, repeats)
-
-
 def jax_ops(batch: int) -> dict:
-    """{op: zero-argument function running it once to completion} for XLA:CPU."""
+    """{op: harness.Call} for XLA:CPU."""
     import jax
     import numpy as np
     import optax
@@ -91,20 +84,18 @@ def jax_ops(batch: int) -> dict:
             z, y).mean())(z), hid[:, :10], labels),
         "SGD update": (lambda p, s, g: optax.apply_updates(p, opt.update(g, s, p)[0]), params, opt_state, params),
     }
-    out = {}
-    for name, (f, *args) in ops.items():
-        f = jax.jit(f)
-        out[name] = lambda f=f, args=args: jax.block_until_ready(f(*args))
+    out = {name: harness.Call(jax.jit(f), tuple(args)) for name, (f, *args) in ops.items()}
     mesh = jt.make_mesh(2)  # main() set up 2 devices
     size = sum(x.size for x in jax.tree.leaves(params))
     grads = jax.device_put(np.ones((2 * size,), np.float32), NamedSharding(mesh, P(jt.DATA_AXIS)))
     psum = jax.jit(jax.shard_map(lambda g: lax.psum(g, jt.DATA_AXIS), mesh=mesh, in_specs=P(jt.DATA_AXIS),
                                  out_specs=P(jt.DATA_AXIS)))
-    out["gradient all-reduce (2 devices)"] = lambda: jax.block_until_ready(psum(grads))
+    out["gradient all-reduce (2 devices)"] = harness.Call(psum, (grads,))
     return out
 
 
 def torch_ops(batch: int) -> dict:
+    """{op: harness.Call} for PyTorch (the child process)."""
     import torch
     import torch.nn.functional as F
 
@@ -136,7 +127,7 @@ def torch_ops(batch: int) -> dict:
     for p in net:
         p.grad = torch.ones_like(p)
     sgd = torch.optim.SGD(net, lr=0.2)
-    return {
+    ops = {
         "conv1 forward": lambda: F.conv2d(x1, w1),
         "conv1 weight-grad": lambda: grad.conv2d_weight(x1, w1.shape, a1),
         "relu+pool1 forward": lambda: F.avg_pool2d(F.relu(a1), 2),
@@ -151,12 +142,20 @@ def torch_ops(batch: int) -> dict:
         "loss forward+backward": loss_bwd,
         "SGD update": sgd.step,
     }
+    return {name: harness.Call(f, synchronous=True) for name, f in ops.items()}
 
 
+def alone(calls: dict, repeats: int) -> dict:
+    """Each operation's median ms, its repeats one after another (its data warm in the caches, as the step's
+    figures in docs/performance.md were measured), not taking turns with the others."""
+    return {name: harness.take_turns({name: call}, repeats, warm=2)[name] for name, call in calls.items()}
+
+
+@one_line_errors("bench_ops")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.torch_only:
-        print(json.dumps({k: median_ms(f, args.repeats) for k, f in torch_ops(args.batch_size).items()}))
+        print(json.dumps(alone(torch_ops(args.batch_size), args.repeats)))
         return 0
     if args.xla_defaults:
         os.environ["JAXTRAIN_XLA_DEFAULTS"] = "1"
@@ -173,7 +172,7 @@ def main(argv=None) -> int:
                               str(args.batch_size), "--repeats", str(args.repeats)],
                              capture_output=True, text=True, check=True)
         torch_ms = json.loads(out.stdout.strip().splitlines()[-1])
-    xla_ms = {k: median_ms(f, args.repeats) for k, f in jax_ops(args.batch_size).items()}
+    xla_ms = alone(jax_ops(args.batch_size), args.repeats)
     flags = "XLA defaults" if args.xla_defaults else "jaxtrain's flags"
     print(f"\nLeNet operations alone, batch {args.batch_size}, one device with all cores ({flags}), "
           f"jax {jax.__version__}; median of {args.repeats} calls, ms\n")
@@ -187,11 +186,10 @@ def main(argv=None) -> int:
               f"{sum(torch_ms[k] for k in common):.1f} |")
     else:
         print(f"| sum | {sum(xla_ms.values()):.1f} | n/a |")
+    harness.write_json(args.json, {"batch_size": args.batch_size, "flags": flags, "jax": jax.__version__,
+                                   "xla_ms": xla_ms, "torch_ms": torch_ms or None})
     return 0
 
 
 if __name__ == "__main__":
-    from jaxtrain.cli import library_log
-
-    with library_log():  # the library's log lines, as a command line says them
-        sys.exit(main())
+    sys.exit(main())

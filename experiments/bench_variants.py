@@ -1,10 +1,11 @@
-"""experiments.bench's variants, each a step to time: (a) jaxtrain's step with a user's defaults, (b) the
-hand-written ``jax.jit`` SGD step of the same model (the overhead reference), and jaxtrain's int8 and fp32
-inference (``--precision int8``); the model itself (a GPT of ``--model-size``, ``--seq-len`` and ``--vocab``) and
-what its lines and JSON say of it."""
+"""experiments.bench's variants, each a ``harness.Timed``: (a) jaxtrain's step with a user's defaults, (b) the
+hand-written ``jax.jit`` SGD step of the same model (the overhead reference), jaxtrain's int8 and fp32 inference
+(``--precision int8``), (c) PyTorch's, in its own process; the model itself (a GPT of ``--model-size``,
+``--seq-len`` and ``--vocab``) and what its lines and JSON say of it."""
 
 from __future__ import annotations
 
+from experiments import harness
 from experiments.harness import UNROLL
 
 TITLES = {"lenet": "LeNet", "resnet18": "ResNet-18", "resnet18_imagenet": "ResNet-18 (ImageNet's)",
@@ -52,8 +53,8 @@ def lm_fields(args, model, med: dict) -> dict:
 
 
 def train_timers(args, jt, mesh, model):
-    """(a) and (b): ``{name: [step, state]}`` of jaxtrain's step and the hand-written one, and the compile-time
-    cost of jaxtrain's step (FLOPs, bytes, over all devices)."""
+    """(a) and (b): ``{name: Timed}`` of jaxtrain's step and the hand-written one, and the compile-time cost of
+    jaxtrain's step (FLOPs, bytes, over all devices)."""
     loss_fn = model.loss_fn
     import jax
     import jax.numpy as jnp
@@ -84,16 +85,16 @@ def train_timers(args, jt, mesh, model):
 
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(jt.DATA_AXIS))
     hand = jax.jit(sgd_step, in_shardings=(replicated, sharded), out_shardings=replicated, donate_argnums=0)
+    batch, n = trainer.shard(host), len(mesh.devices.flat)
     # fresh buffers for each: the steps donate them
-    runs = {"jaxtrain": [trainer, trainer.init(params0, model_state0)],
-            "handwritten": [hand, place((params0, model_state0), replicated)]}
-    n = len(mesh.devices.flat)
-    return runs, trainer.shard(host), cost["flops"] * n, cost["bytes_accessed"] * n
+    runs = {"jaxtrain": harness.Timed(trainer, trainer.init(params0, model_state0), batch),
+            "handwritten": harness.Timed(hand, place((params0, model_state0), replicated), batch)}
+    return runs, cost["flops"] * n, cost["bytes_accessed"] * n
 
 
 def int8_timers(args, model):
-    """``{name: fn}`` of jaxtrain's int8 and fp32 inference (``jaxtrain.analysis.quantize``) on one batch, and the fp32
-    forward's FLOPs."""
+    """``{name: Timed}`` of jaxtrain's int8 and fp32 inference (``jaxtrain.analysis.quantize``) on one batch, the fp32
+    forward's FLOPs, and None (no bytes): a call is a step of no state (its logits read as the step's loss)."""
     import jax
 
     from jaxtrain.analysis import quantize
@@ -104,4 +105,29 @@ def int8_timers(args, model):
     x = jax.device_put(model.example_batch(args.batch_size)["image"])
     cost = q.apply_fp32.lower(q.fp32_variables, x).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return {"jaxtrain": lambda: q.int8(x), "jaxtrain_fp32": lambda: q.fp32(x)}, cost.get("flops", 0.0)
+    runs = {name: harness.Timed(lambda state, x, infer=infer: (state, {"loss": infer(x)}), None, x)
+            for name, infer in (("jaxtrain", q.int8), ("jaxtrain_fp32", q.fp32))}
+    return runs, cost.get("flops", 0.0), None
+
+
+class TorchTimed(harness.Timed):
+    """(c) PyTorch's step or inference (``step``: a ``bench_torch.TorchWorker``), which times itself in its process."""
+
+    def time(self, steps: int) -> float:
+        return self.step.time(steps)
+
+
+def torch_timers(args, model) -> dict:
+    """(c) ``{name: TorchTimed}``: ``torch`` as installed, and ``torch_same_malloc`` with jaxtrain's malloc settings
+    where this process runs with them (``jaxtrain.parallel.host_memory``); int8: ``torch`` (``quantize_dynamic``)
+    and ``torch_fp32``."""
+    from experiments.bench_torch import TorchWorker
+    from jaxtrain.parallel import host_memory
+
+    infer = args.precision == "int8"
+    modes = {"torch": "int8" if infer else args.precision, **({"torch_fp32": "fp32-infer"} if infer else {}),
+             **({"torch_same_malloc": args.precision} if not infer and host_memory.applied() else {})}
+    return {name: TorchTimed(TorchWorker(args.model, args.batch_size, python=args.torch_python, mode=mode,
+                                         env=host_memory.ENV_SETTINGS if name == "torch_same_malloc" else None,
+                                         shape=torch_shape(model)), None, None)
+            for name, mode in modes.items()}

@@ -4,7 +4,8 @@ interleaved, and the JSON beside the printed table.
 A benchmark declares its flags (``parser``), builds one ``Timed`` per variant (a step, its state, a batch
 already on the devices), and hands them to ``interleave``: every variant is warmed up (compiled), then the
 repeats take turns (A B C A B C ...), so that machine noise hits every variant alike. Each variant's figure is
-the median of its repeats, its spread the min-max (``spread``).
+the median of its repeats, its spread the min-max (``spread``). Benchmarks of single calls (an operation, a kernel:
+no state) build one ``Call`` per variant and hand them to ``take_turns`` instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterable
 
 from jaxtrain.cli import positive_int
@@ -22,12 +24,15 @@ from jaxtrain.cli import positive_int
 UNROLL = {"auto": None, "on": True, "off": False}  # --unroll -> unroll= (None: each bench says where it applies)
 
 
-def parser(prog: str, doc: str, *, steps: int, repeats: int, json_out: str = "the results") -> argparse.ArgumentParser:
+def parser(prog: str, doc: str, *, steps: int | None, repeats: int,
+           json_out: str = "the results") -> argparse.ArgumentParser:
     """``python -m experiments.PROG``'s parser (its description the docstring's first line) with ``--steps``,
-    ``--repeats`` and ``--json``; the benchmark adds its own flags."""
+    ``--repeats`` and ``--json`` (no ``--steps`` where ``steps`` is None: benchmarks of single calls); the benchmark
+    adds its own flags."""
     p = argparse.ArgumentParser(prog=f"python -m experiments.{prog}", description=doc.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=positive_int, default=steps, help="steps timed per repeat")
+    if steps is not None:
+        p.add_argument("--steps", type=positive_int, default=steps, help="steps timed per repeat")
     p.add_argument("--repeats", type=positive_int, default=repeats, help="timed repeats (median reported)")
     p.add_argument("--json", default=None, help=f"also write {json_out} as JSON to this file")
     return p
@@ -47,24 +52,80 @@ class Timed:
     def median(self) -> float:
         return statistics.median(self.ms)
 
+    def time(self, steps: int) -> float:
+        """Seconds per step over ``steps`` more steps, their outputs read one step late (``time_steps``). A
+        variant timed otherwise (PyTorch in its own process, calls awaited one by one) overrides it."""
+        from jaxtrain.train.timing import time_steps
+
+        self.state, sec = time_steps(self.step, self.state, self.batch, steps)
+        return sec
+
 
 def warm_up(run: Timed, steps: int = 1) -> Timed:
     """``run`` after ``steps`` steps (the first compiles), untimed."""
-    from jaxtrain.train.timing import time_steps
-
-    run.state, _ = time_steps(run.step, run.state, run.batch, steps)
+    run.time(steps)
     return run
 
 
-def interleave(runs: Iterable[Timed], steps: int, repeats: int) -> None:
-    """Time every run ``repeats`` times, ``steps`` steps each, the runs taking turns: fills each run's ``ms``."""
-    from jaxtrain.train.timing import time_steps
-
+def interleave(runs: Iterable[Timed], steps: int, repeats: int, *, rotate: bool = False, pause: float = 0.0,
+               settle: int = 0, bar: str | None = None) -> None:
+    """Time every run ``repeats`` times, ``steps`` steps each, the runs taking turns: fills each run's ``ms``.
+    ``rotate``: each repeat starts one run further on (A B C, B C A, C A B ...); ``pause``: seconds of sleep before
+    each turn, and ``settle``: untimed steps of its own to start it (worker threads that keep spinning after a
+    step go to sleep, the next run's wake up: experiments.bench); ``bar``: a progress bar of the repeats so named
+    (on a terminal)."""
     runs = list(runs)
+    rounds = range(repeats)
+    if bar:
+        from tqdm import tqdm
+
+        rounds = tqdm(rounds, desc=bar, unit="round", disable=None, leave=False)
+    for r in rounds:
+        for run in runs[r % len(runs):] + runs[:r % len(runs)] if rotate else runs:
+            if pause:
+                time.sleep(pause)
+            if settle:
+                run.time(settle)
+            run.ms.append(1000 * run.time(steps))
+
+
+def paired(a: Timed, b: Timed) -> float:
+    """The median over the repeats of ``a``'s ms over ``b``'s in the same repeat (run seconds apart: what drifts
+    between repeats cancels out)."""
+    return statistics.median(x / y for x, y in zip(a.ms, b.ms))
+
+
+@dataclasses.dataclass
+class Call:
+    """One variant that carries no state (an operation, a kernel): ``fn(*args)``, its result waited for
+    (``jax.block_until_ready``; ``synchronous``: returned done already, as PyTorch's CPU operations are, and no JAX
+    imported); ``ms``: milliseconds per call, one figure per repeat."""
+
+    fn: Callable
+    args: tuple = ()
+    ms: list = dataclasses.field(default_factory=list)
+    synchronous: bool = False
+
+    def __call__(self):
+        if self.synchronous:
+            return self.fn(*self.args)
+        import jax
+
+        return jax.block_until_ready(self.fn(*self.args))
+
+
+def take_turns(calls: dict[str, Call], repeats: int, warm: int = 1) -> dict[str, float]:
+    """Each call ``warm`` times untimed (the first compiles), then ``repeats`` timed, the calls taking turns (A B C
+    A B C ...): fills each call's ``ms`` and returns each one's median, ms."""
+    for call in calls.values():
+        for _ in range(warm):
+            call()
     for _ in range(repeats):
-        for run in runs:
-            run.state, sec = time_steps(run.step, run.state, run.batch, steps)
-            run.ms.append(1000 * sec)
+        for call in calls.values():
+            start = time.perf_counter()
+            call()
+            call.ms.append(1000 * (time.perf_counter() - start))
+    return {name: statistics.median(call.ms) for name, call in calls.items()}
 
 
 def spread(ms: list[float]) -> str:
