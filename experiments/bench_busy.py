@@ -4,14 +4,14 @@
     python -m experiments.bench_busy e2e [--model lenet] [--epochs 3] [--configs 1:off,8:off,8:on] [--repeats 2]
 
 ``steps``: the step's time per step in calls of K steps (K = 1, 8, 64, and ``auto`` as the run would pick it;
-``--repeats`` blocks of ``--calls`` calls each, the Ks interleaved, median), against the device's work alone: what
-one more step adds to a call (``jaxtrain.driver.busy.per_step_in_call``: the host's part, paid once a call, cancels
-out). ``e2e``: the experiment itself (``python -m experiments.MODEL``, Fashion-MNIST) once per config ``K:DATA``
-(``--steps-per-call K --data-on-device DATA``), configs interleaved ``--repeats`` times: seconds per epoch (epochs
-after the first, which compiles; median), beside the first config's, the test accuracy, the data wait, and the
-device's busy share: steps x the device's work per step (``steps``, measured first in its own process) over the
-epoch's wall time. Each run is a child process (a GPU is held by one process at a time). Extra flags after ``--``
-go to every run.
+``--repeats`` blocks (1 unless given) of ``--calls`` calls each, the Ks interleaved, median), against the device's
+work alone: what one more step adds to a call (``jaxtrain.driver.busy.per_step_in_call``: the host's part, paid once
+a call, cancels out). ``e2e``: the experiment itself (``python -m experiments.MODEL``, Fashion-MNIST) once per
+config ``K:DATA`` (``--steps-per-call K --data-on-device DATA``), configs interleaved ``--repeats`` times (2 unless
+given): seconds per epoch (epochs after the first, which compiles; median), beside the first config's, the test
+accuracy, the data wait, and the device's busy share: steps x the device's work per step (``steps``, measured first
+in its own process) over the epoch's wall time. Each run is a child process (a GPU is held by one process at a
+time). Extra flags after ``--`` go to every run.
 """
 
 from __future__ import annotations
@@ -51,8 +51,12 @@ def configs_list(text: str) -> list[str]:
     return configs
 
 
+REPEATS = {"steps": 1, "e2e": 2}  # --repeats unless given: steps' timed blocks (the Ks taking turns), e2e's runs
+
+
 def parser() -> argparse.ArgumentParser:
-    p = harness.parser("bench_busy", __doc__, steps=None, repeats=2)  # --repeats: e2e's runs per config, steps' blocks
+    p = harness.parser("bench_busy", __doc__, steps=None, repeats=None)  # --repeats: by mode (REPEATS)
+    p.formatter_class, p.epilog = argparse.RawDescriptionHelpFormatter, __doc__.split("\n", 2)[2]
     p.add_argument("what", choices=("steps", "e2e"),
                    help="the step alone, or the experiment end to end (e2e: the flags after -- go to every run)")
     p.add_argument("--model", default="lenet", choices=("lenet", "resnet18"))
@@ -202,6 +206,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args, extra = parser().parse_args(argv[:cut]), argv[cut + 1:]  # e2e: the runs' own flags after --
+    args.repeats = args.repeats or REPEATS[args.what]
     if args.what == "steps":
         result = step_times(args.model, args.devices, args.ks, args.batch_size, args.calls, args.conv, args.unroll,
                             args.repeats)

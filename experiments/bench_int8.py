@@ -75,7 +75,7 @@ def measure(args) -> dict:
                                          "int8, training flags": harness.Call(jax.jit(int8_op[kind]), (x, qw)),
                                          "int8, YNNPACK": harness.Call(int8_jit(int8_op[kind]), (x, qw)),
                                          "quantise only": harness.Call(int8_jit(lambda a: int8_act(a).qvalue), (x,))},
-                                        args.repeats)
+                                        args.repeats, in_a_row=True)
         harness.progress(f"measured {name}")
     return {"cpu_isa": compat.cpu_isa(), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
             "options": compat.int8_compiler_options(), "ms": rows}

@@ -67,7 +67,7 @@ def _xla_bytes(fn, *args) -> float:
 
 
 def _both(fns: dict, args, repeats: int, problem: dict, kernel_bytes: int) -> dict:
-    timed = harness.take_turns({k: harness.Call(f, args) for k, f in fns.items()}, repeats)
+    timed = harness.take_turns({k: harness.Call(f, args) for k, f in fns.items()}, repeats, in_a_row=True)
     return {**problem, "xla_bytes": _xla_bytes(fns["jnp"], *args), "kernel_bytes": kernel_bytes,
             "jnp_ms": timed["jnp"], "kernel_ms": timed["pallas"], "kernel_runs_as": _runs_as()}
 

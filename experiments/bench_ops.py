@@ -145,17 +145,11 @@ def torch_ops(batch: int) -> dict:
     return {name: harness.Call(f, synchronous=True) for name, f in ops.items()}
 
 
-def alone(calls: dict, repeats: int) -> dict:
-    """Each operation's median ms, its repeats one after another (its data warm in the caches, as the step's
-    figures in docs/performance.md were measured), not taking turns with the others."""
-    return {name: harness.take_turns({name: call}, repeats, warm=2)[name] for name, call in calls.items()}
-
-
 @one_line_errors("bench_ops")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.torch_only:
-        print(json.dumps(alone(torch_ops(args.batch_size), args.repeats)))
+        print(json.dumps(harness.take_turns(torch_ops(args.batch_size), args.repeats, warm=2, in_a_row=True)))
         return 0
     if args.xla_defaults:
         os.environ["JAXTRAIN_XLA_DEFAULTS"] = "1"
@@ -172,7 +166,7 @@ def main(argv=None) -> int:
                               str(args.batch_size), "--repeats", str(args.repeats)],
                              capture_output=True, text=True, check=True)
         torch_ms = json.loads(out.stdout.strip().splitlines()[-1])
-    xla_ms = alone(jax_ops(args.batch_size), args.repeats)
+    xla_ms = harness.take_turns(jax_ops(args.batch_size), args.repeats, warm=2, in_a_row=True)
     flags = "XLA defaults" if args.xla_defaults else "jaxtrain's flags"
     print(f"\nLeNet operations alone, batch {args.batch_size}, one device with all cores ({flags}), "
           f"jax {jax.__version__}; median of {args.repeats} calls, ms\n")

@@ -114,9 +114,13 @@ class Call:
         return jax.block_until_ready(self.fn(*self.args))
 
 
-def take_turns(calls: dict[str, Call], repeats: int, warm: int = 1) -> dict[str, float]:
+def take_turns(calls: dict[str, Call], repeats: int, warm: int = 1, in_a_row: bool = False) -> dict[str, float]:
     """Each call ``warm`` times untimed (the first compiles), then ``repeats`` timed, the calls taking turns (A B C
-    A B C ...): fills each call's ``ms`` and returns each one's median, ms."""
+    A B C ...; ``in_a_row``: each call's repeats one after another, its data warm in the caches, as the published
+    figures of bench_ops, bench_int8 and bench_kernels were measured): fills each call's ``ms`` and returns each
+    one's median, ms."""
+    if in_a_row:
+        return {name: take_turns({name: call}, repeats, warm)[name] for name, call in calls.items()}
     for call in calls.values():
         for _ in range(warm):
             call()

@@ -229,12 +229,20 @@ def test_a_kept_program_is_read_back_only_for_the_same_inputs_and_gives_the_same
     assert not estimated(tmp_path, gpu="a100", **where)[1]  # another target
     assert not estimated(tmp_path, gpu="h100", **{**where, "batch_size": 128})[1]  # another program
     assert len(list(tmp_path.glob("*.hlo.gz"))) == 3
-    for entry in tmp_path.glob("*.hlo.gz"):
-        entry.write_bytes(b"not gzip")
-    with caplog.at_level("WARNING"):
-        assert estimated(tmp_path, gpu="h100", **where) == (first, False)
-    assert "unreadable" in caplog.text and "compiling it again" in caplog.text
-    assert estimated(tmp_path, gpu="h100", **where) == (first, True)
+    import gzip
+
+    entries = sorted(tmp_path.glob("*.hlo.gz"))
+    whole = entries[0].read_bytes()
+    damaged = {"not gzip": b"not gzip", "empty": b"", "no program": gzip.compress(b"HloModule x"),
+               "a flipped body": whole[:20] + bytes(b ^ 0xFF for b in whole[20:60]) + whole[60:]}
+    for why, content in damaged.items():
+        for entry in entries:
+            entry.write_bytes(content)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="jaxtrain.gpu.analysis"):
+            assert estimated(tmp_path, gpu="h100", **where) == (first, False), why
+        assert "unreadable" in caplog.text and "compiling it again" in caplog.text, why
+        assert estimated(tmp_path, gpu="h100", **where) == (first, True), why
 
 
 def test_the_offload_table_command_prints_a_row_per_policy(capsys, tmp_path):

@@ -19,6 +19,7 @@ import re
 import shutil
 import tempfile
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -75,38 +76,73 @@ def compile_lowered(lowered, dump_dir: str | None = None) -> tuple:
 COMPILED_KEPT = 64  # entries a folder of compiled programs keeps (the least recently used go first)
 
 
-def compiled_text(lowered, target, folder: Path | None) -> tuple[str, bool]:
+def compiled_text(lowered, target, folder: Path | None, where: str = "") -> tuple[str, bool]:
     """``(optimised HLO text, whether it was read from folder)``: ``lowered`` (a step lowered for ``target``'s
-    compile-only GPUs) compiled, or its text kept in ``folder`` (None: always compiled) by an earlier compile of
-    the same inputs. An entry is named by the digest of everything the compile reads: the lowered program, the
-    target XLA compiles for (``Target.config_text``) and the versions of jax, jaxlib and the CUDA plugin. (JAX's
-    own persistent cache cannot serve these programs: a GPU executable compiled here cannot be loaded back
-    without a GPU.) An unreadable entry is compiled again, saying so."""
+    compile-only GPUs; ``where``: how many of them, on how many hosts) compiled, or its text kept in ``folder``
+    (None: always compiled) by an earlier compile of the same inputs. An entry is named by the digest of what the
+    compile reads: the lowered program, ``where``, the target XLA compiles for (``Target.config_text``),
+    ``$XLA_FLAGS``, JAX's compile settings and the versions of jax, jaxlib and the CUDA plugin. The program's
+    debug information is not in the digest (its source locations hold the caller's lines), so the text's
+    ``op_name`` metadata is the compile's that kept it: the estimate reads only the primitive's name from it, a
+    label. (JAX's own persistent cache cannot serve these programs: a GPU executable compiled here cannot be
+    loaded back without a GPU.) An unreadable entry is compiled again, and a folder that cannot be written is
+    left as it is, each saying so in a warning."""
     from importlib import metadata
 
     import jax
 
+    from jaxtrain import settings
+
+    program = lowered.as_text()
     versions = {name: _version(metadata, name) for name in ("jax", "jaxlib", "jax-cuda12-plugin",
                                                               "jax-cuda12-pjrt", "jax-cuda13-plugin")}
-    digest = hashlib.sha256("\0".join([lowered.as_text(), target.config_text(), repr(sorted(versions.items())),
-                                        jax.__version__]).encode()).hexdigest()[:32]
+    config = {k: v for k, v in jax.config.values.items() if k in _COMPILE_SETTINGS}
+    digest = hashlib.sha256("\0".join([program, where, target.config_text(), settings.xla_flags(), repr(config),
+                                        repr(sorted(versions.items()))]).encode()).hexdigest()[:32]
     entry = folder / f"{digest}.hlo.gz" if folder is not None else None
+    log = logging.getLogger(__name__)
     if entry is not None and entry.exists():
         try:
             text = gzip.decompress(entry.read_bytes()).decode()
+            if "ENTRY" not in text:
+                raise ValueError("no ENTRY computation")
             os.utime(entry)  # recently used
             return text, True
-        except (OSError, EOFError, UnicodeDecodeError) as e:
-            logging.getLogger(__name__).warning("%s: unreadable (%s): compiling it again", entry, e)
+        except (OSError, EOFError, UnicodeDecodeError, zlib.error, ValueError) as e:
+            log.warning("%s: unreadable (%s): compiling it again", entry, e)
     text = lowered.compile().as_text()
     if entry is not None:
-        folder.mkdir(parents=True, exist_ok=True)
-        part = entry.with_suffix(f".part{os.getpid()}")
-        part.write_bytes(gzip.compress(text.encode(), compresslevel=6))
-        os.replace(part, entry)  # whole or absent
-        for old in sorted(folder.glob("*.hlo.gz"), key=lambda f: f.stat().st_mtime)[:-COMPILED_KEPT]:
-            old.unlink(missing_ok=True)
+        try:
+            _keep(folder, entry, text)
+        except OSError as e:
+            log.warning("%s: the compiled program could not be kept (%s); the next run compiles it again", folder, e)
     return text, False
+
+
+# JAX's settings its compiler options are made from (jax._src.compiler): a different value, another program.
+_COMPILE_SETTINGS = ("jax_optimization_level", "jax_memory_fitting_level", "jax_disable_most_optimizations",
+                     "jax_compiler_enable_remat_pass", "jax_exec_time_optimization_effort",
+                     "jax_memory_fitting_effort")
+
+
+def _keep(folder: Path, entry: Path, text: str) -> None:
+    """``text`` as ``entry`` (gzipped, whole or absent), then only the ``COMPILED_KEPT`` most recently used entries
+    kept (and no half-written file older than an hour)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    part = entry.with_suffix(f".part{os.getpid()}")
+    with open(part, "wb") as f:
+        f.write(gzip.compress(text.encode(), compresslevel=6))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, entry)
+    kept = []
+    for path in folder.iterdir():
+        with contextlib.suppress(FileNotFoundError):  # another process's pruning got there first
+            kept.append((path.stat().st_mtime, path))
+    now = time.time()
+    stale = [p for t, p in kept if ".part" in p.name and now - t > 3600]
+    for path in stale + [p for _, p in sorted(k for k in kept if k[1].name.endswith(".hlo.gz"))[:-COMPILED_KEPT]]:
+        path.unlink(missing_ok=True)
 
 
 def _version(metadata, name: str) -> str | None:

@@ -89,11 +89,13 @@ def plan(gpu: str = "h100", gpus: int = 8, hosts: int = 1, *, largest_batch: boo
     from jaxtrain.errors import ConfigError, named
     from jaxtrain.driver.sections import FIELDS
 
+    check_settings(settings)
     if not 0 < memory_fraction <= 1:
         raise ConfigError(f"{named('memory_fraction', memory_fraction)}: expected a fraction in (0, 1]")
+    say = progress or (lambda text: None)
+    say(f"tracing the {settings.get('model', 'lenet')} step for {gpus * hosts} x {target(gpu).name}")
     s = lowered_step(gpu, gpus, hosts, input_shape, num_classes, **settings)
     c, t, model, trainer, call, state, batch = s.config, s.target, s.model, s.trainer, s.call, s.state, s.batch
-    say = progress or (lambda text: None)
     say(f"compiling the {c.model} step for {gpus * hosts} x {t.name} (call batch {call})")
     compiled, seconds, flops, bytes_accessed = analysis.compile_lowered(s.lowered)
     text = compiled.as_text()
@@ -163,11 +165,8 @@ def lowered_step(gpu: str = "h100", gpus: int = 8, hosts: int = 1, input_shape: 
     import jax
 
     from jaxtrain.driver.config import RunConfig
-    from jaxtrain.errors import ConfigError
 
-    unknown = sorted(set(settings) - set(SETTINGS))
-    if unknown:
-        raise ConfigError(f"plan() takes the settings {', '.join(SETTINGS)}; not {', '.join(unknown)}")
+    check_settings(settings)
     t = target(gpu)
     c = RunConfig(devices=gpus * hosts, **settings)
     shape, model, trainer, call = run_step(c, mesh_for(t, gpus, hosts, c.mesh), input_shape, num_classes)
@@ -176,12 +175,21 @@ def lowered_step(gpu: str = "h100", gpus: int = 8, hosts: int = 1, input_shape: 
     return LoweredStep(c, t, gpus, hosts, shape, model, trainer, call, state, batch, trainer.lower(state, batch))
 
 
+def check_settings(settings: dict) -> None:
+    """A ConfigError naming the settings ``plan`` does not take."""
+    from jaxtrain.errors import ConfigError
+
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise ConfigError(f"plan() takes the settings {', '.join(SETTINGS)}; not {', '.join(unknown)}")
+
+
 def estimated(folder=None, **where) -> tuple[dict, bool]:
     """``(Estimate.summary(), whether its program was read from folder)`` of the step ``lowered_step(**where)``
     lowers, compiled or read from ``folder`` (``analysis.compiled_text``): the estimate alone, no memory or
     FLOPs (``plan``'s)."""
     s = lowered_step(**where)
-    text, kept = analysis.compiled_text(s.lowered, s.target, folder)
+    text, kept = analysis.compiled_text(s.lowered, s.target, folder, f"{s.gpus} GPUs x {s.hosts} hosts")
     return s.estimate(text), kept
 
 
