@@ -2,6 +2,7 @@
 
     python -m experiments.bench [--model lenet|resnet18|gpt] [--precision fp32|bf16|int8] [--json F]
     python -m experiments.bench --model gpt [--model-size mini] [--seq-len 128] [--vocab 4096] [--unroll auto]
+                                            [--rotary]
 
 (a) jaxtrain's step with the defaults a user gets (make_train_step, default
 strategy and devices); (b) a minimal hand-written ``jax.jit`` SGD step of the
@@ -90,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--unroll", choices=("auto", "on", "off"), default=None,
                    help="--model gpt: its blocks laid out one after another (on) or a loop over one (off); default "
                         "auto, where measured faster (jaxtrain.models.registry.unrolled_where_faster)")
+    p.add_argument("--rotary", action="store_true", default=None,
+                   help="--model gpt: rotary positions (jaxtrain's and PyTorch's GPT alike), not learned ones")
     p.add_argument("--epoch-steps", type=positive_int, default=None,
                    help="steps of the pipeline epoch (default: a full epoch for LeNet, 30 for ResNet-18)")
     p.add_argument("--xla-defaults", action="store_true",
@@ -143,7 +146,8 @@ def prepare(args) -> bool:
     if infer and args.devices not in (None, 1):
         raise ConfigError("--precision int8 times inference on one device: drop --devices")
     lm_flags = [f for f, v in (("--model-size", args.model_size), ("--seq-len", args.seq_len),
-                               ("--vocab", args.vocab), ("--unroll", args.unroll)) if v is not None]
+                               ("--vocab", args.vocab), ("--unroll", args.unroll), ("--rotary", args.rotary))
+                if v is not None]
     if lm_flags and not lm:
         raise ConfigError(f"{', '.join(lm_flags)}: a language model's ({', '.join(LANGUAGE_MODELS)}), not "
                           f"{args.model}'s")

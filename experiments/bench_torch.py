@@ -68,8 +68,9 @@ def _resnet18():
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10))
 
 
-def gpt(vocab: int, seq_len: int, layers: int, heads: int, width: int, vocab_multiple: int = 64):
-    """jaxtrain.models.gpt's network in PyTorch (GPT-2's decoder, fp32): learned positions, pre-LayerNorm blocks
+def gpt(vocab: int, seq_len: int, layers: int, heads: int, width: int, rotary: int = 0, vocab_multiple: int = 64):
+    """jaxtrain.models.gpt's network in PyTorch (GPT-2's decoder, fp32): learned positions (``rotary``: each head's
+    queries and keys turned by their position instead, as ``gpt.rotate`` turns them), pre-LayerNorm blocks
     (eps 1e-5) of causal ``scaled_dot_product_attention`` and a GELU (tanh) MLP of 4 x width, a final LayerNorm,
     logits from the tied token embedding, its rows padded to a multiple of ``vocab_multiple`` (the padded rows'
     logits cut). GPT-2's initialisation: N(0, 0.02), the residual projections' std / sqrt(2 layers), biases 0.
@@ -81,6 +82,15 @@ def gpt(vocab: int, seq_len: int, layers: int, heads: int, width: int, vocab_mul
     from torch import nn
 
     padded = -(-vocab // vocab_multiple) * vocab_multiple
+    half = width // heads // 2
+    angle = torch.arange(seq_len, dtype=torch.float32)[:, None] * 10000.0 ** (
+        -torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half))  # [T, C/2]
+    cos, sin = angle.cos(), angle.sin()
+
+    def turned(x):  # [B, H, T, C]: the pairs (x[i], x[i + C/2]) turned by position * 10000^(-2i/C)
+        a, b = x[..., :half], x[..., half:]
+        c, s = cos[:x.shape[2]], sin[:x.shape[2]]
+        return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
 
     class Block(nn.Module):
         def __init__(self):
@@ -92,6 +102,8 @@ def gpt(vocab: int, seq_len: int, layers: int, heads: int, width: int, vocab_mul
         def forward(self, x):
             b, t, d = x.shape
             q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)  # [B, H, T, C]
+            if rotary:
+                q, k = turned(q), turned(k)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
             return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
@@ -100,7 +112,7 @@ def gpt(vocab: int, seq_len: int, layers: int, heads: int, width: int, vocab_mul
         def __init__(self):
             super().__init__()
             self.wte = nn.Parameter(torch.empty(padded, width))
-            self.wpe = nn.Parameter(torch.empty(seq_len, width))
+            self.wpe = None if rotary else nn.Parameter(torch.empty(seq_len, width))
             self.blocks = nn.ModuleList(Block() for _ in range(layers))
             self.ln_f = nn.LayerNorm(width, eps=1e-5)
             with torch.no_grad():
@@ -112,7 +124,8 @@ def gpt(vocab: int, seq_len: int, layers: int, heads: int, width: int, vocab_mul
                         p.normal_(0.0, std)
 
         def forward(self, tokens):
-            x = F.embedding(tokens, self.wte) + self.wpe[:tokens.shape[1]]
+            x = F.embedding(tokens, self.wte)
+            x = x if rotary else x + self.wpe[:tokens.shape[1]]
             for block in self.blocks:
                 x = block(x)
             logits = F.linear(self.ln_f(x), self.wte)
@@ -127,7 +140,8 @@ def gpt(vocab: int, seq_len: int, layers: int, heads: int, width: int, vocab_mul
 
             with torch.no_grad():
                 self.wte.copy_(t("embed/wte"))
-                self.wpe.copy_(t("embed/wpe"))
+                if not rotary:
+                    self.wpe.copy_(t("embed/wpe"))
                 self.ln_f.weight.copy_(t("head/ln"))
                 self.ln_f.bias.copy_(t("head/ln_b"))
                 for i, blk in enumerate(self.blocks):
@@ -216,14 +230,16 @@ def _serve(model: str, batch_size: int, lr: float, mode: str = "fp32", shape: st
 
 class TorchWorker:
     """A PyTorch train step or inference (``model``: lenet | resnet18 | gpt; ``mode``: one of ``MODES``) in a child
-    process: ``worker.time(steps)`` -> s/step. ``shape``: the GPT's (vocab, seq_len, layers, heads, width)."""
+    process: ``worker.time(steps)`` -> s/step. ``shape``: the GPT's (vocab, seq_len, layers, heads, width[,
+    rotary])."""
 
     def __init__(self, model: str, batch_size: int, lr: float = 0.2, python: str | None = None, mode: str = "fp32",
                  env: dict[str, str] | None = None, shape: tuple[int, ...] = ()):
-        if model not in MODELS or mode not in MODES or (model in LANGUAGE_MODELS) != (len(shape) == 5):
+        if model not in MODELS or mode not in MODES or (model in LANGUAGE_MODELS) != (len(shape) in (5, 6)):
             # said here, not as a child that never says "ready"
             raise ValueError(f"TorchWorker({model!r}, mode={mode!r}, shape={shape!r}): models {', '.join(MODELS)} "
-                             f"(a shape (vocab, seq_len, layers, heads, width) for {', '.join(LANGUAGE_MODELS)} "
+                             f"(a shape (vocab, seq_len, layers, heads, width[, rotary]) for "
+                             f"{', '.join(LANGUAGE_MODELS)} "
                              f"only); modes {', '.join(MODES)}")
         self._proc = subprocess.Popen([python or sys.executable, "-m", "experiments.bench_torch", model,
                                        str(batch_size), str(lr), mode, ",".join(map(str, shape))], cwd=ROOT,

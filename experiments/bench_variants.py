@@ -25,13 +25,14 @@ def get_model(args, conv: str):
     config = gpt.SIZES[args.model_size]
     args.seq_len, args.vocab = args.seq_len or config.seq_len, args.vocab or config.vocab
     return models.get(args.model, input_shape=(args.seq_len,), num_classes=args.vocab, size=args.model_size,
-                      unroll=UNROLL.get(args.unroll))
+                      unroll=UNROLL.get(args.unroll), rotary=bool(args.rotary))
 
 
 def torch_shape(model) -> tuple[int, ...]:
-    """What bench_torch's GPT is built of (vocab, seq_len, layers, heads, width); () for the image models."""
+    """What bench_torch's GPT is built of (vocab, seq_len, layers, heads, width, and 1 where its positions are
+    rotary); () for the image models."""
     c = getattr(model, "config", None)
-    return () if c is None else (c.vocab, c.seq_len, c.layers, c.heads, c.width)
+    return () if c is None else (c.vocab, c.seq_len, c.layers, c.heads, c.width, *((1,) if c.rotary else ()))
 
 
 def title(args, model) -> str:
@@ -40,7 +41,8 @@ def title(args, model) -> str:
     if c is None:
         return TITLES.get(args.model, args.model)
     return (f"{TITLES.get(args.model, args.model)} {args.model_size} ({c.layers} layers of width {c.width}, "
-            f"{c.heads} heads, {'unrolled' if c.unroll else 'a loop over one'}; windows of {c.seq_len} tokens, "
+            f"{c.heads} heads, {'unrolled' if c.unroll else 'a loop over one'}"
+            f"{', rotary positions' if c.rotary else ''}; windows of {c.seq_len} tokens, "
             f"vocabulary {c.vocab} padded to {c.padded_vocab})")
 
 
@@ -48,7 +50,7 @@ def lm_fields(args, model, med: dict) -> dict:
     """A language model's shape and each variant's tokens/s, for the JSON."""
     c = model.config
     return {"model_size": args.model_size, "seq_len": c.seq_len, "vocab": c.vocab, "padded_vocab": c.padded_vocab,
-            "layers": c.layers, "heads": c.heads, "width": c.width, "unroll": c.unroll,
+            "layers": c.layers, "heads": c.heads, "width": c.width, "unroll": c.unroll, "rotary": c.rotary,
             **{f"{k}_tokens_per_s": args.batch_size * c.seq_len / (ms * 1e-3) for k, ms in med.items()}}
 
 

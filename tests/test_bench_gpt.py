@@ -65,13 +65,15 @@ print(json.dumps({"loss": loss.item(), "after": after.item(), "steps": [step().i
 """
 
 
-def test_the_pytorch_gpt_is_jaxtrains_gpt_and_its_step_trains(torch_python, tmp_path):
+@pytest.mark.parametrize("rotary", [False, True], ids=["learned", "rotary"])
+def test_the_pytorch_gpt_is_jaxtrains_gpt_and_its_step_trains(torch_python, tmp_path, rotary):
+    """Learned positions, and rotary ones (PyTorch's turn written again in experiments/bench_torch.py)."""
     import jax
 
     from experiments import bench_variants
     from jaxtrain import models
 
-    model = models.get("gpt", input_shape=(16,), num_classes=100, size="tiny")  # 100: padded to 128, cut
+    model = models.get("gpt", input_shape=(16,), num_classes=100, size="tiny", rotary=rotary)  # 100: padded to 128
     params, state = model.init(jax.random.key(0))
     batch = model.example_batch(4)
     np.savez(tmp_path / "params.npz", **{f"{a}/{b}": np.asarray(v) for a, d in params.items() for b, v in d.items()})
@@ -83,7 +85,7 @@ def test_the_pytorch_gpt_is_jaxtrains_gpt_and_its_step_trains(torch_python, tmp_
     value, grads = jax.value_and_grad(loss)(params)
     after = loss(jax.tree.map(lambda p, g: p - 0.2 * g, params, grads))
     shape = bench_variants.torch_shape(model)
-    assert shape == (100, 16, 2, 2, 64)
+    assert shape == (100, 16, 2, 2, 64, *((1,) if rotary else ()))
     done = subprocess.run([torch_python, "-c", TORCH_SIDE, str(tmp_path), ",".join(map(str, shape))], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
