@@ -95,23 +95,24 @@ def paired(a: Timed, b: Timed) -> float:
     return statistics.median(x / y for x, y in zip(a.ms, b.ms))
 
 
-@dataclasses.dataclass
-class Call:
-    """One variant that carries no state (an operation, a kernel): ``fn(*args)``, its result waited for
+class Call(Timed):
+    """One variant that carries no state (an operation, a kernel): ``fn(*args)``, each call's result waited for
     (``jax.block_until_ready``; ``synchronous``: returned done already, as PyTorch's CPU operations are, and no JAX
     imported); ``ms``: milliseconds per call, one figure per repeat."""
 
-    fn: Callable
-    args: tuple = ()
-    ms: list = dataclasses.field(default_factory=list)
-    synchronous: bool = False
+    def __init__(self, fn: Callable, args: tuple = (), synchronous: bool = False):
+        super().__init__(fn, None, args)
+        self.synchronous = synchronous
 
-    def __call__(self):
-        if self.synchronous:
-            return self.fn(*self.args)
-        import jax
+    def time(self, steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = self.step(*self.batch)
+            if not self.synchronous:
+                import jax
 
-        return jax.block_until_ready(self.fn(*self.args))
+                jax.block_until_ready(out)
+        return (time.perf_counter() - start) / steps
 
 
 def take_turns(calls: dict[str, Call], repeats: int, warm: int = 1, in_a_row: bool = False) -> dict[str, float]:
@@ -119,17 +120,11 @@ def take_turns(calls: dict[str, Call], repeats: int, warm: int = 1, in_a_row: bo
     A B C ...; ``in_a_row``: each call's repeats one after another, its data warm in the caches, as the published
     figures of bench_ops, bench_int8 and bench_kernels were measured): fills each call's ``ms`` and returns each
     one's median, ms."""
-    if in_a_row:
-        return {name: take_turns({name: call}, repeats, warm)[name] for name, call in calls.items()}
-    for call in calls.values():
-        for _ in range(warm):
-            call()
-    for _ in range(repeats):
-        for call in calls.values():
-            start = time.perf_counter()
-            call()
-            call.ms.append(1000 * (time.perf_counter() - start))
-    return {name: statistics.median(call.ms) for name, call in calls.items()}
+    for group in [[call] for call in calls.values()] if in_a_row else [list(calls.values())]:
+        for call in group:
+            warm_up(call, warm)
+        interleave(group, 1, repeats)
+    return {name: call.median for name, call in calls.items()}
 
 
 def spread(ms: list[float]) -> str:

@@ -45,8 +45,15 @@ def version_tuple(text: str) -> tuple[int, ...]:
 
 def installed_version(dist: str) -> tuple[int, ...] | None:
     """The installed distribution's version, read without importing it (None if absent)."""
+    text = installed_version_text(dist)
+    return None if text is None else version_tuple(text)
+
+
+def installed_version_text(dist: str) -> str | None:
+    """The installed distribution's whole version string ("0.12.0.1"), read without importing it (None if
+    absent)."""
     try:
-        return version_tuple(metadata.version(dist))
+        return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
 

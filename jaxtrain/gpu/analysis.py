@@ -87,14 +87,13 @@ def compiled_text(lowered, target, folder: Path | None, where: str = "") -> tupl
     label. (JAX's own persistent cache cannot serve these programs: a GPU executable compiled here cannot be
     loaded back without a GPU.) An unreadable entry is compiled again, and a folder that cannot be written is
     left as it is, each saying so in a warning."""
-    from importlib import metadata
-
     import jax
 
     from jaxtrain import settings
+    from jaxtrain.core.compat import installed_version_text
 
     program = lowered.as_text()
-    versions = {name: _version(metadata, name) for name in ("jax", "jaxlib", "jax-cuda12-plugin",
+    versions = {name: installed_version_text(name) for name in ("jax", "jaxlib", "jax-cuda12-plugin",
                                                               "jax-cuda12-pjrt", "jax-cuda13-plugin")}
     config = {k: v for k, v in jax.config.values.items() if k in _COMPILE_SETTINGS}
     digest = hashlib.sha256("\0".join([program, where, target.config_text(), settings.xla_flags(), repr(config),
@@ -143,13 +142,6 @@ def _keep(folder: Path, entry: Path, text: str) -> None:
     stale = [p for t, p in kept if ".part" in p.name and now - t > 3600]
     for path in stale + [p for _, p in sorted(k for k in kept if k[1].name.endswith(".hlo.gz"))[:-COMPILED_KEPT]]:
         path.unlink(missing_ok=True)
-
-
-def _version(metadata, name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
