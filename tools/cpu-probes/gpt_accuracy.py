@@ -1,9 +1,10 @@
 """What the GPT's accuracy metric costs its train step on XLA:CPU: the mini GPT's jaxtrain step (one device, blocks
-laid out, SGD, fp32, batch 32 x 128 tokens, jaxtrain's malloc setting) with the accuracy as the models compute it
-(``logits.argmax(-1) == labels`` over the 4096 logits of each token), without any accuracy (the most a cheaper
-one could save), and with it as "the label's logit is the largest and no equal one comes before it" (argmax's
-answer, without argmax's (value, index) reduction). Paired: the three take turns, their order rotating, and each
-ratio is the median of the per-turn ratios (docs/language-models.md, "Where the gap is").
+laid out, SGD, fp32, batch 32 x 128 tokens, jaxtrain's malloc setting) with the accuracy as ``logits.argmax(-1) ==
+labels`` over the 4096 logits of each token (the models' until 2026-11-30), without any accuracy (the most a
+cheaper one could save), and as the models compute it now, ``classify.ranked_first`` ("the label's logit is the
+largest and no equal one comes before it": argmax's answer without argmax's (value, index) reduction). Paired:
+the three take turns, their order rotating, and each ratio is the median of the per-turn ratios
+(docs/language-models.md, "Where the gap is").
 
     .venv/bin/python tools/cpu-probes/gpt_accuracy.py [TURNS]
 """
@@ -36,16 +37,7 @@ def no_accuracy(logits, labels):
     return jnp.zeros(labels.shape, bool)
 
 
-def largest_with_no_tie_before(logits, labels):
-    top = logits.max(-1)
-    classes = logits.shape[-1]
-    at_label = jnp.take_along_axis(logits, jnp.clip(labels, 0, classes - 1)[:, None], -1)[:, 0]
-    column = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
-    tie_before = jnp.any((column < labels[:, None]) & (logits == top[:, None]), -1)
-    return (at_label == top) & ~tie_before & (labels >= 0) & (labels < classes)
-
-
-VARIANTS = {"argmax": argmax_first, "none": no_accuracy, "no_tie_before": largest_with_no_tie_before}
+VARIANTS = {"argmax": argmax_first, "none": no_accuracy, "ranked_first": classify.ranked_first}
 
 
 def main(turns: int) -> None:
