@@ -27,3 +27,12 @@ def test_a_row_holding_a_nan_ranks_no_label_first_and_jit_gives_the_same():
     first = jnp.argmax(big, -1)
     np.testing.assert_array_equal(jax.jit(classify.ranked_first)(big, first), np.ones(64, bool))
     np.testing.assert_array_equal(jax.jit(classify.ranked_first)(big, (first + 1) % 4096), np.zeros(64, bool))
+
+
+
+def test_narrow_label_dtypes_count_every_column():
+    """uint8 labels over 300 classes: a column past 255 is counted as itself (an iota in the labels' dtype would
+    wrap 258 to 2, a tie "before" label 10)."""
+    logits = jnp.zeros((1, 300)).at[0, 10].set(1.0).at[0, 258].set(1.0)  # the two largest: 10 comes first
+    np.testing.assert_array_equal(classify.ranked_first(logits, jnp.array([10], jnp.uint8)), [True])
+    np.testing.assert_array_equal(classify.ranked_first(logits, jnp.array([10], jnp.int32)), [True])

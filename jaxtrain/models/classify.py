@@ -63,6 +63,7 @@ def ranked_first(logits: jax.Array, labels: jax.Array) -> jax.Array:
     ranks no label first; a label outside the classes is never first."""
     top = logits.max(-1)
     classes = logits.shape[-1]
+    labels = labels.astype(labels.dtype if labels.dtype.itemsize == 8 else jnp.int32)  # uint8's: columns past 255
     at_label = jnp.take_along_axis(logits, jnp.clip(labels, 0, classes - 1)[:, None], -1)[:, 0]
     column = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
     tie_before = jnp.any((column < labels[:, None]) & (logits == top[:, None]), -1)
