@@ -19,8 +19,8 @@ def test_the_label_ranked_first_is_argmaxs_answer_ties_and_labels_outside_the_cl
 
 def test_a_row_holding_a_nan_ranks_no_label_first_and_jit_gives_the_same():
     logits = jnp.array([[0.0, jnp.nan, 1.0], [2.0, 1.0, 2.0], [0.5, 3.0, 3.0]])
-    labels = jnp.array([2, 0, 2])
-    want = np.array([False, True, False])  # a NaN's row; the first of a tie; the second of a tie
+    labels = jnp.array([1, 0, 2])
+    want = np.array([False, True, False])  # the NaN's column (argmax's answer); the first of a tie; the second
     np.testing.assert_array_equal(classify.ranked_first(logits, labels), want)
     np.testing.assert_array_equal(jax.jit(classify.ranked_first)(logits, labels), want)
     big = jax.random.normal(jax.random.key(0), (64, 4096))
@@ -36,3 +36,4 @@ def test_narrow_label_dtypes_count_every_column():
     logits = jnp.zeros((1, 300)).at[0, 10].set(1.0).at[0, 258].set(1.0)  # the two largest: 10 comes first
     np.testing.assert_array_equal(classify.ranked_first(logits, jnp.array([10], jnp.uint8)), [True])
     np.testing.assert_array_equal(classify.ranked_first(logits, jnp.array([10], jnp.int32)), [True])
+    np.testing.assert_array_equal(classify.outside(logits, jnp.array([100, 255], jnp.uint8)), [False, False])

@@ -33,8 +33,14 @@ def checked_labels(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return labels
 
 
+def wide_labels(labels: jax.Array) -> jax.Array:
+    """Integer labels in 32 bits at least (64 stay 64): uint8 labels compared with 300 classes would wrap."""
+    return labels if labels.dtype.itemsize >= 4 else labels.astype(jnp.int32)
+
+
 def outside(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Per example: whether its label is not one of the ``logits``' classes (``0 .. C - 1``)."""
+    labels = wide_labels(labels)
     return (labels < 0) | (labels >= logits.shape[-1])
 
 
@@ -58,12 +64,12 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, kernels: str = "jnp") ->
 def ranked_first(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Per example: whether its label is ``logits.argmax(-1)`` (of equal largest logits, the first), computed as
     "the label's logit is the largest, and no logit before it equals it": argmax's answer for logits without a
-    NaN, in reductions XLA fuses with the cross-entropy's (argmax's (value, index) reduction is a pass of its
-    own, ~5% of the GPT's step on XLA:CPU: docs/language-models.md, "Where the gap is"). A row holding a NaN
-    ranks no label first; a label outside the classes is never first."""
+    NaN, from the largest logit the cross-entropy takes too, a gather and a pass for the ties (argmax's (value,
+    index) reduction cost ~5% of the GPT's step on XLA:CPU: docs/language-models.md, "Where the gap is"). A row
+    holding a NaN ranks no label first; a label outside the classes is never first."""
     top = logits.max(-1)
     classes = logits.shape[-1]
-    labels = labels.astype(labels.dtype if labels.dtype.itemsize == 8 else jnp.int32)  # uint8's: columns past 255
+    labels = wide_labels(labels)  # uint8 labels: the columns past 255 counted as themselves
     at_label = jnp.take_along_axis(logits, jnp.clip(labels, 0, classes - 1)[:, None], -1)[:, 0]
     column = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
     tie_before = jnp.any((column < labels[:, None]) & (logits == top[:, None]), -1)
