@@ -29,7 +29,6 @@ def test_a_row_holding_a_nan_ranks_no_label_first_and_jit_gives_the_same():
     np.testing.assert_array_equal(jax.jit(classify.ranked_first)(big, (first + 1) % 4096), np.zeros(64, bool))
 
 
-
 def test_narrow_label_dtypes_count_every_column():
     """uint8 labels over 300 classes: a column past 255 is counted as itself (an iota in the labels' dtype would
     wrap 258 to 2, a tie "before" label 10)."""

@@ -73,7 +73,7 @@ def ranked_first(logits: jax.Array, labels: jax.Array) -> jax.Array:
     at_label = jnp.take_along_axis(logits, jnp.clip(labels, 0, classes - 1)[:, None], -1)[:, 0]
     column = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
     tie_before = jnp.any((column < labels[:, None]) & (logits == top[:, None]), -1)
-    return (at_label == top) & ~tie_before & (labels >= 0) & (labels < classes)
+    return (at_label == top) & ~tie_before & ~outside(logits, labels)
 
 
 def per_example(logits: jax.Array, labels: jax.Array, kernels: str = "jnp") -> dict:
