@@ -142,12 +142,14 @@ if sys.argv[1] == "mallopt":
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 size = 9 * 2**28  # 2.25 GiB: freed, the heap's free top is over 2 GiB
-block = libc.malloc(size)
-ctypes.memset(block, 1, size)
-libc.free(block)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-block = libc.malloc(size)
-ctypes.memset(block, 1, size)
+for time in range(2):
+    if time:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = libc.malloc(size)
+    if not block:
+        sys.exit(f"malloc could not give {size} bytes: the test needs 2.25 GiB of memory")
+    ctypes.memset(block, 1, size)
+    libc.free(block)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
@@ -158,11 +160,12 @@ def test_a_freed_block_over_2_gib_stays_in_the_process(how):
     """The heap's free top is never trimmed: a 2.25 GiB block freed and allocated again is not page-faulted in
     again, under ``keep_freed_memory``'s mallopt and under the variables PyTorch's worker is given
     (``ENV_SETTINGS``). With a trim threshold of 2 GiB (the largest positive C int, until 2026-11-30) it was:
-    ~590,000 faults. One thread, nothing allocated between: the block is the heap's top."""
+    ~590,000 faults (in 4 KiB pages; ~1,150 in 2 MiB ones where transparent huge pages are always on). One
+    thread, nothing allocated between: the block is the heap's top."""
     env = {"JAXTRAIN_MALLOC": None} if how == "mallopt" else {"JAXTRAIN_MALLOC": "default", **host_memory.ENV_SETTINGS}
     out = run_cli("-c", TOP_SNIPPET, how, env=env)
     assert out.returncode == 0, out.stderr
-    assert int(out.stdout) < 1000, out.stdout
+    assert int(out.stdout) < 100, out.stdout
 
 
 @pytest.mark.parametrize("value", ["off", "0", "none", "defaults", "glibc"])

@@ -7,9 +7,8 @@ replicated / fsdp / zero1 on 2 devices (1 and 4 for some), scan and multisteps a
 convolutions (bf16, fp16, ``conv="xla"``) are compiled another way in a loop's body: there ``unroll=True`` (the
 K steps laid out straight) is bit for bit, and the loop is held to the suite's policies (tests/tolerance.py in
 fp32; in bf16 / fp16 each step within one ulp of the compute dtype of a single call from the loop's own state, as
-test_precision holds a sum in another order). A
-BatchNorm model and the pipelined trainer, whose fusions differ by an ulp even unrolled, are held to the
-tolerance policy.
+test_precision holds a sum in another order). A BatchNorm model and the pipelined trainer, whose fusions differ
+by an ulp even unrolled, are held to the tolerance policy.
 """
 
 import os
@@ -127,15 +126,20 @@ def relative_change(got, want, start) -> float:
 
 def each_step_of_the_loop(trainer, batches, single=None):
     """Step k of a K-step call beside one single call from the loop's own state before it (the loop's state after
-    k steps: a call on the first k batches), for each k: (the loop's state before, its state and metrics after,
-    the single call's). ``single``: another trainer's single call, from a state it makes of the same params."""
+    k steps: a call on the first k batches, whose metrics are the K-step call's first k, bit for bit), for each k:
+    (the loop's state before, its state and metrics after, the single call's). ``single``: another trainer's
+    single call, from the same state less what that trainer does not keep (fp32: no loss scale)."""
     single = single or trainer
+    whole = one_call(trainer, trainer.init(lenet_params()), batches)[1]
     before = jax.device_get(trainer.init(lenet_params()))
     for k in range(1, len(batches) + 1):
         loop = one_call(trainer, trainer.init(lenet_params()), batches[:k])
-        start = (jax.device_put(before, trainer.plan(before).state) if single is trainer
-                 else single.init(before.params))
-        yield before, loop, single_calls(single, start, batches[k - 1:k])
+        for got, want in zip(loop[1], whole[:k]):
+            assert got.keys() == want.keys()
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=name, strict=True)
+        start = before if single is trainer else before.replace(loss_scale=None)
+        yield before, loop, single_calls(single, jax.device_put(start, single.plan(start).state), batches[k - 1:k])
         before = loop[0]
 
 
@@ -149,10 +153,12 @@ def test_xla_convolutions_are_bit_for_bit_unrolled_and_within_the_policy_in_a_lo
     a loop's body (their fp32 sums re-associated): unrolled, the same bits. In the loop, fp32 by the tolerance
     policy (float64's steps the exact values). bf16 / fp16 round each gradient element to their precision after
     those sums, so an element may round one ulp the other way, and the next step starts from other low-precision
-    values: over K steps the roundings compound (fp16 at this learning rate: 1.8% of the K steps' move on
-    jax 0.12, 0.001% on 0.10). So each of the K steps is held to one single call from the loop's own state
-    before it: within one ulp of the compute dtype (test_precision's criterion for a sum in another order), its
-    loss the same to an ulp. A step computed in fp32 fails it (seen: 2.5 ulps and more)."""
+    values, which a step can amplify: at this learning rate the second step overshoots (the loss 2.33, then
+    3.68), and fp16 under jit on jax 0.12 ends the K steps 1.8% of their move from the single calls (0.09% under
+    shard_map; 0.001% on jax 0.10), after 0.02 ulp at the first step. So each of the K steps is held to one single
+    call from the loop's own state before it: within one ulp of the compute dtype (test_precision's criterion for
+    a sum in another order), its loss the same to an ulp, its step count and loss scale the same. A step computed
+    in fp32 fails it (seen: 2.5 ulps and more)."""
     model = models.get("lenet", conv="xla")
     trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.2), mesh=2, strategy=strategy, precision=precision,
                                  min_size=16, **kw)
@@ -167,6 +173,8 @@ def test_xla_convolutions_are_bit_for_bit_unrolled_and_within_the_policy_in_a_lo
     for before, (ours, our_metrics), (single, single_metrics) in each_step_of_the_loop(trainer, BATCHES):
         assert relative_change(ours.params, single.params, before.params) <= ulp
         np.testing.assert_allclose(our_metrics[-1]["loss"], single_metrics[0]["loss"], rtol=ulp)
+        for got, want in zip(jax.tree.leaves((ours.step, ours.loss_scale)), jax.tree.leaves((single.step, single.loss_scale))):
+            np.testing.assert_array_equal(got, want, strict=True)
     fp32 = jt.make_train_step(model.loss_fn, optax.sgd(0.2), mesh=2, strategy=strategy, min_size=16, **kw)
     for before, (ours, _), (single, _) in each_step_of_the_loop(trainer, BATCHES, single=fp32):
         assert relative_change(ours.params, single.params, before.params) > ulp  # a step in fp32 fails it

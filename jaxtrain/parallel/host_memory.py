@@ -10,9 +10,10 @@ thread's own arena would hand large blocks back to the system), no mmap'd blocks
 maps when the heap cannot grow), and no trimming of the heap's free top (``M_TRIM_THRESHOLD`` -1: mallopt(3)'s
 "disables trimming completely"; a threshold of 2 GiB, the largest positive C int, was trimmed now and then by a
 process holding two programs of ~700 MB of temporaries, the GPT's step and a second one, and the next steps
-page-faulted the top in again). The cost: memory freed stays in the process for it to use again, and one heap
-fragments, so a run holds more than its peak with glibc's defaults (steady after a few steps; measured in the
-same section).
+page-faulted the top in again). The cost: memory freed stays in the process for it to use again, so the process's
+memory never goes down (it keeps its peak heap until it exits: a notebook's kernel too;
+``ctypes.CDLL(None).malloc_trim(0)`` hands it back after a large phase), and one heap fragments, so a run holds
+more than its peak with glibc's defaults (steady after a few steps; measured in the same section).
 ``setup_devices`` calls it before JAX starts, on CPU only; $JAXTRAIN_MALLOC=default keeps glibc's defaults (any
 other value but empty is a ConfigError: a misspelt opt-out must not keep the settings silently).
 """
@@ -25,7 +26,8 @@ import sys
 
 
 # glibc's <malloc.h> parameter, its environment variable, and what jaxtrain sets it to (mallopt takes a C int;
-# a trim threshold of -1 is SIZE_MAX to glibc, through mallopt and through the variable alike: never reached).
+# a trim threshold of -1 is SIZE_MAX to a 64-bit glibc, through mallopt and through the variable alike: never
+# reached).
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 _TABLE = ((M_ARENA_MAX, "MALLOC_ARENA_MAX", 1), (M_MMAP_MAX, "MALLOC_MMAP_MAX_", 0),
           (M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", -1))

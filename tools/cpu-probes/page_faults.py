@@ -3,7 +3,7 @@ malloc settings (docs/performance.md, "Host memory"):
     python tools/cpu-probes/page_faults.py DEVICES [BLOCKS] [auto|xla]   # jaxtrain, keeping freed memory (host_memory)
     JAXTRAIN_MALLOC=default python tools/cpu-probes/page_faults.py DEVICES   # glibc's defaults (or its MALLOC_* ones)
     python tools/cpu-probes/page_faults.py torch               # PyTorch (experiments.bench's worker)
-    MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647 python ... torch   # with jaxtrain's
+    MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=-1 python ... torch   # with jaxtrain's
 """
 
 import os
