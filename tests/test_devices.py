@@ -102,7 +102,7 @@ from jaxtrain.parallel import host_memory
 jt.setup_devices(1)
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
-def touch(size={size}):  # malloc'ed, written, freed (as XLA:CPU does a step's temporaries; numpy would ask for huge pages)
+def touch(size={size}):  # malloc'ed, written, freed (as XLA:CPU does a step's temporaries; numpy asks for huge pages)
     block = libc.malloc(size)
     ctypes.memset(block, 1, size)
     libc.free(block)

@@ -173,7 +173,8 @@ def test_xla_convolutions_are_bit_for_bit_unrolled_and_within_the_policy_in_a_lo
     for before, (ours, our_metrics), (single, single_metrics) in each_step_of_the_loop(trainer, BATCHES):
         assert relative_change(ours.params, single.params, before.params) <= ulp
         np.testing.assert_allclose(our_metrics[-1]["loss"], single_metrics[0]["loss"], rtol=ulp)
-        for got, want in zip(jax.tree.leaves((ours.step, ours.loss_scale)), jax.tree.leaves((single.step, single.loss_scale))):
+        counts = [jax.tree.leaves((state.step, state.loss_scale)) for state in (ours, single)]
+        for got, want in zip(*counts, strict=True):
             np.testing.assert_array_equal(got, want, strict=True)
     fp32 = jt.make_train_step(model.loss_fn, optax.sgd(0.2), mesh=2, strategy=strategy, min_size=16, **kw)
     for before, (ours, _), (single, _) in each_step_of_the_loop(trainer, BATCHES, single=fp32):
