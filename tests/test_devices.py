@@ -102,9 +102,9 @@ from jaxtrain.parallel import host_memory
 jt.setup_devices(1)
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
-def touch(size={size}):  # malloc'ed, written, freed (as XLA:CPU does a step's temporaries; numpy asks for huge pages)
-    block = libc.malloc(size)
-    ctypes.memset(block, 1, size)
+def touch():  # 64 MiB malloc'ed, written, freed (as XLA:CPU does a step's temporaries; numpy would ask for huge pages)
+    block = libc.malloc(64 * 2**20)
+    ctypes.memset(block, 1, 64 * 2**20)
     libc.free(block)
 touch()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -127,7 +127,7 @@ def test_cpu_runs_keep_freed_host_memory_unless_told_not_to(env, kept):
     """A block freed and allocated again is not page-faulted in again (16,384 4-KiB pages with glibc's defaults)."""
     if not kept and _huge_pages_always():
         pytest.skip("transparent huge pages are always on here: glibc's mapped blocks fault in 2 MiB at a time")
-    out = run_cli("-c", MALLOC_SNIPPET.format(size=64 * 2**20), env={"JAXTRAIN_MALLOC": None, **env})
+    out = run_cli("-c", MALLOC_SNIPPET, env={"JAXTRAIN_MALLOC": None, **env})
     assert out.returncode == 0, out.stderr
     applied, faults = out.stdout.split()
     assert applied == str(kept)

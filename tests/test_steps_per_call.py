@@ -124,23 +124,27 @@ def relative_change(got, want, start) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want - start))
 
 
-def each_step_of_the_loop(trainer, batches, single=None):
-    """Step k of a K-step call beside one single call from the loop's own state before it (the loop's state after
-    k steps: a call on the first k batches, whose metrics are the K-step call's first k, bit for bit), for each k:
-    (the loop's state before, its state and metrics after, the single call's). ``single``: another trainer's
-    single call, from the same state less what that trainer does not keep (fp32: no loss scale)."""
-    single = single or trainer
+def loop_prefixes(trainer, batches):
+    """For each step k of a K-step call: the loop's state before it and its (state, metrics) after it, the latter
+    from a call on the first k batches (whose metrics are the K-step call's first k, bit for bit)."""
     whole = one_call(trainer, trainer.init(lenet_params()), batches)[1]
-    before = jax.device_get(trainer.init(lenet_params()))
+    before, out = jax.device_get(trainer.init(lenet_params())), []
     for k in range(1, len(batches) + 1):
         loop = one_call(trainer, trainer.init(lenet_params()), batches[:k])
         for got, want in zip(loop[1], whole[:k]):
             assert got.keys() == want.keys()
             for name in want:
                 np.testing.assert_array_equal(got[name], want[name], err_msg=name, strict=True)
-        start = before if single is trainer else before.replace(loss_scale=None)
-        yield before, loop, single_calls(single, jax.device_put(start, single.plan(start).state), batches[k - 1:k])
+        out.append((before, loop))
         before = loop[0]
+    return out
+
+
+def single_from(trainer, before, batch):
+    """One call of ``trainer`` from a copy of the loop's state ``before`` (the call donates it), less what the
+    trainer does not keep (fp32: no loss scale)."""
+    start = jax.tree.map(lambda x: x.copy(), before if trainer.policy.loss_scale else before.replace(loss_scale=None))
+    return single_calls(trainer, jax.device_put(start, trainer.plan(start).state), [batch])
 
 
 @pytest.mark.parametrize("strategy, precision, kw", [
@@ -170,14 +174,17 @@ def test_xla_convolutions_are_bit_for_bit_unrolled_and_within_the_policy_in_a_lo
         assert_state_reassociated(*one_call(trainer, trainer.init(lenet_params()), BATCHES), *theirs, exact)
         return
     ulp = float(jnp.finfo(trainer.policy.compute_dtype).eps)
-    for before, (ours, our_metrics), (single, single_metrics) in each_step_of_the_loop(trainer, BATCHES):
+    steps = loop_prefixes(trainer, BATCHES)
+    for batch, (before, (ours, our_metrics)) in zip(BATCHES, steps):
+        single, single_metrics = single_from(trainer, before, batch)
         assert relative_change(ours.params, single.params, before.params) <= ulp
         np.testing.assert_allclose(our_metrics[-1]["loss"], single_metrics[0]["loss"], rtol=ulp)
         counts = [jax.tree.leaves((state.step, state.loss_scale)) for state in (ours, single)]
         for got, want in zip(*counts, strict=True):
             np.testing.assert_array_equal(got, want, strict=True)
     fp32 = jt.make_train_step(model.loss_fn, optax.sgd(0.2), mesh=2, strategy=strategy, min_size=16, **kw)
-    for before, (ours, _), (single, _) in each_step_of_the_loop(trainer, BATCHES, single=fp32):
+    for batch, (before, (ours, _)) in zip(BATCHES, steps):
+        single = single_from(fp32, before, batch)[0]
         assert relative_change(ours.params, single.params, before.params) > ulp  # a step in fp32 fails it
 
 
