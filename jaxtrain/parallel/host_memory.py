@@ -9,7 +9,7 @@ Keeping freed blocks in one heap, as a caching allocator does, takes that to 0.
 thread's own arena would hand large blocks back to the system), no mmap'd blocks (``M_MMAP_MAX``; glibc still
 maps when the heap cannot grow), and no trimming of the heap's free top (``M_TRIM_THRESHOLD`` -1: mallopt(3)'s
 "disables trimming completely"; a threshold of 2 GiB, the largest positive C int, was trimmed now and then by a
-process holding two programs of ~700 MB of temporaries, the GPT's step and a second one, and the next steps
+process holding two large programs, the GPT's step and a second one, and the next steps
 page-faulted the top in again). The cost: memory freed stays in the process for it to use again, so the process's
 memory never goes down (it keeps its peak heap until it exits: a notebook's kernel too;
 ``ctypes.CDLL(None).malloc_trim(0)`` hands it back after a large phase), and one heap fragments, so a run holds
