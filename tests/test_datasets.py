@@ -217,3 +217,29 @@ def test_tfds_progress_bars_show_only_where_the_runs_would(tmp_path, capsys, mon
     out, err = capsys.readouterr()
     assert "converting the files" in out  # it did convert here
     assert "\r" not in err and "\x1b[" not in err and "examples/s" not in err, err
+
+
+def test_each_kind_of_dataset_knows_its_shape_before_the_read_or_takes_the_reads():
+    """``data/datasets.py``: a local dataset's and text's shape is known before any file is read, and a read that
+    finds another is an error; a folder's classes and a TFDS dataset's images are the read's."""
+    from jaxtrain.data import datasets
+    from jaxtrain.driver.sections import Data
+    from jaxtrain.data.split import Split
+
+    local = Data(dataset="cifar10", classes="cat,dog,ship")
+    assert datasets.known_shape(local) == {"input_shape": (32, 32, 3), "num_classes": 3}
+    split = Split(np.zeros((2, 32, 32, 3), np.uint8), np.array([0, 1], np.int32), 3)
+    assert datasets.found(local, split, datasets.known_shape(local)) == datasets.known_shape(local)
+    with pytest.raises(ConfigError, match=r"cifar10: its files hold images \(32, 32, 3\) of 3 classes, not "
+                                          r"\(32, 32, 3\) of 10: check data_dir"):
+        datasets.found(Data(dataset="cifar10"), split, datasets.known_shape(Data(dataset="cifar10")))
+    tfds = Data(dataset="tfds:tiny_shapes")
+    assert datasets.found(tfds, split, datasets.known_shape(tfds)) == {"input_shape": (32, 32, 3), "num_classes": 3}
+    folder = Data(dataset="folder:/nowhere", image_size=48)
+    assert datasets.known_shape(folder) == {"input_shape": (48, 48, 3), "num_classes": 10}
+    assert datasets.known_shape(folder, teacher_classes=4)["num_classes"] == 4
+    assert datasets.found(folder, split, datasets.known_shape(folder))["num_classes"] == 3
+    text = Data(dataset="text:/nowhere", seq_len=16, tokenizer="bytes")
+    assert datasets.known_shape(text) == {"input_shape": (16,), "num_classes": 256}
+    with pytest.raises(ConfigError, match="unknown dataset 'svhn'"):
+        datasets.known_shape(Data(dataset="svhn"))

@@ -241,14 +241,15 @@ def test_a_run_is_a_value_built_once(monkeypatch, tmp_path):
     schedule spans its updates). A frozen Run; its recorded settings are what its checkpoints hold."""
     import dataclasses
 
+    from jaxtrain.data import datasets
     from jaxtrain.driver import assemble, build as build_lib
 
     made, read = [], []
     for name in ("model", "steps"):
         real = getattr(assemble, name)
         monkeypatch.setattr(assemble, name, lambda *a, real=real, name=name, **k: made.append(name) or real(*a, **k))
-    real_load = build_lib.load_data
-    monkeypatch.setattr(build_lib, "load_data", lambda c, **kw: read.append(list(made)) or real_load(c, **kw))
+    real_read = datasets.read
+    monkeypatch.setattr(datasets, "read", lambda c, **kw: read.append(list(made)) or real_read(c, **kw))
     run = build_lib.build(RunConfig(devices=2, epochs=2, batch_size=64, train_subset=256, test_subset=64,
                                     schedule="cosine", checkpoint_dir=str(tmp_path / "ck"), no_progress=True))
     assert made == ["model", "steps", "steps"] and read == [["model", "steps"]]
@@ -264,11 +265,12 @@ def test_a_run_is_a_value_built_once(monkeypatch, tmp_path):
 @needs_fashion_mnist
 def test_a_build_that_fails_after_opening_the_checkpoints_releases_them(monkeypatch, tmp_path):
     """Through the Python API a failed build is retried in the same process: its checkpoint directory is free."""
+    from jaxtrain.data import datasets
     from jaxtrain.driver import build as build_lib
 
     config = RunConfig(devices=2, train_subset=256, test_subset=64, checkpoint_dir=str(tmp_path / "ck"))
     gone = jt.ConfigError("the data is gone")
-    monkeypatch.setattr(build_lib, "load_data", lambda c, **kw: (_ for _ in ()).throw(gone))
+    monkeypatch.setattr(datasets, "read", lambda c, **kw: (_ for _ in ()).throw(gone))
     with pytest.raises(jt.ConfigError, match="the data is gone"):
         build_lib.build(config)
     monkeypatch.undo()

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxtrain import settings
 from jaxtrain.io import console
-from jaxtrain.choices import DATASETS, DEFAULT_DATA_DIRS, FOLDER_PREFIX, TFDS_PREFIX, check_dataset
+from jaxtrain.choices import DATASETS, DEFAULT_DATA_DIRS, TFDS_PREFIX, check_dataset
 from jaxtrain.data import cifar, convert, idx
 from jaxtrain.data.split import Split, files_digest, split_digest  # noqa: F401 - Split: the public home
 from jaxtrain.errors import ConfigError, named
@@ -41,13 +41,11 @@ LOCAL = {"fashion_mnist": idx, "mnist": idx, "cifar10": cifar}  # name -> the mo
 assert tuple(LOCAL) == DATASETS
 
 
-def shape_of(name: str, split: Split | None = None, image_size: int | None = None) -> dict:
-    """``{"input_shape": (H, W, C), "num_classes": K}`` of ``split``, or (not read yet) the dataset's usual
-    (a folder's: ``image_size`` square RGB, classes unknown until its index is read)."""
+def shape_of(name: str, split: Split | None = None) -> dict:
+    """``{"input_shape": (H, W, C), "num_classes": K}`` of ``split``, or (not read yet) the dataset's usual (a
+    folder's: ``jaxtrain.data.datasets``)."""
     if split is not None:
         return {"input_shape": split.image_shape, "num_classes": split.num_classes}
-    if name.startswith(FOLDER_PREFIX):
-        return {"input_shape": (image_size, image_size, 3), "num_classes": 10}
     fmt = LOCAL.get(name, idx)  # tfds:NAME: unknown until read; checked again then
     return {"input_shape": fmt.IMAGE_SHAPE, "num_classes": fmt.NUM_CLASSES}
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 
 from jaxtrain import models, pretrained
 from jaxtrain.core import optim, remat
-from jaxtrain.choices import FOLDER_PREFIX, KJV, TEXT_PREFIX, TFDS_PREFIX, lr_groups
-from jaxtrain.data import classes, folder, loader, sources, text
+from jaxtrain.choices import lr_groups
+from jaxtrain.data import datasets, loader
+from jaxtrain.data.tokenizer import Tokenizer
 from jaxtrain.errors import ConfigError, named
 from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.parallel import hosts
@@ -31,7 +31,7 @@ from jaxtrain.parallel import preflight
 from jaxtrain.settings import program
 from jaxtrain.driver import assemble, distill
 from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, OPTIONAL_SETTINGS, RunConfig
-from jaxtrain.driver.sections import Checkpoints, Data
+from jaxtrain.driver.sections import Checkpoints
 from jaxtrain.train.checkpoint import Checkpointer
 from jaxtrain.train.trainer import Evaluator, Trainer
 
@@ -66,7 +66,7 @@ class Run:
     loaders: dict  # "train", "test": their batches (``jaxtrain.data.loader``; workers start when read)
     settings: dict  # what its checkpoints and model.json record, and a resume compares (``run_settings``)
     checkpointer: Checkpointer | None
-    tokenizer: text.Tokenizer | None = None  # a language model's (dataset=text:PATH): its tokens' text
+    tokenizer: Tokenizer | None = None  # a language model's (dataset=text:PATH): its tokens' text
 
 
 def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
@@ -85,7 +85,7 @@ def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
     if on_devices is not None:
         on_devices(devices)
     teacher = distill.teacher_from_run(c.teacher) if c.teacher else None
-    shape = known_shape(c.data, teacher)
+    shape = datasets.known_shape(c.data, teacher[0].num_classes if teacher else None)
     model = assemble.model(c.network, c.compute, shape, teacher, devices)
     check_model(c, model)
     checked = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates=0)[0]  # nothing compiled
@@ -102,17 +102,16 @@ def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
 def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpointer) -> Run:
     """``build``'s second half: the data read, the model again where its shape was known only then (a folder's
     classes, a TFDS dataset's images), the steps for the data, the loaders."""
-    data, data_sha256, tokenizer = load_data(c.data, progress=False if c.no_progress else None)
-    if tokenizer is None and (found := sources.shape_of(c.dataset, data["train"])) != shape:
-        if not c.dataset.startswith((FOLDER_PREFIX, TFDS_PREFIX)):
-            raise ConfigError(f"dataset {c.dataset}: its files hold images {found['input_shape']} of "
-                              f"{found['num_classes']} classes, not {shape['input_shape']} of "
-                              f"{shape['num_classes']}: check {named('data_dir')}")
+    read = datasets.read(c.data, progress=False if c.no_progress else None, warn=warn)
+    hosts.agree(read.digest, "data", "every process must read the same dataset (a folder copied whole to each node, "
+                "or one shared folder)")
+    data = read.splits
+    if (found := datasets.found(c.data, data["train"], shape)) != shape:
         model = assemble.model(c.network, c.compute, found, teacher, devices)
     updates = c.epochs * (len(data["train"]) // c.batch_size)
     trainer, evaluator = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates)
     layout, call_batch = assemble.placed(c.optim, model, trainer)
-    settings = run_settings(c, data_sha256, len(devices), trainer.pipeline_layout,
+    settings = run_settings(c, read.digest, len(devices), trainer.pipeline_layout,
                             getattr(data["train"], "class_names", None))
     if checkpointer is not None:
         checkpointer.settings = settings  # what each checkpoint records, and a restore holds it to
@@ -120,22 +119,7 @@ def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpoi
                                       augment=c.augment),
                "test": loader.Loader(data["test"], c.batch_size, train=False, workers=c.workers)}
     return Run(c, tuple(devices), mesh, model, trainer, evaluator, layout, call_batch, data, loaders, settings,
-               checkpointer, tokenizer)
-
-
-def known_shape(c: Data, teacher: tuple | None = None) -> dict:
-    """The images and classes the dataset is known to have before it is read: a local dataset's (``classes=``:
-    that many); text's windows of ``seq_len`` tokens over its tokenizer's vocabulary; a folder's images are
-    ``image_size`` square RGB, its classes (the teacher's, or 10) and a TFDS
-    dataset's shape assumed until read."""
-    if c.dataset.startswith(TEXT_PREFIX):  # windows of seq_len tokens; the tokenizer's vocabulary (its file read)
-        return {"input_shape": (c.seq_len,), "num_classes": text.vocab_size(c.tokenizer, c.vocab_size)}
-    shape = sources.shape_of(c.dataset, image_size=c.image_size)
-    if c.dataset.startswith(FOLDER_PREFIX) and teacher is not None:
-        shape["num_classes"] = teacher[0].num_classes
-    elif c.classes and not c.dataset.startswith((FOLDER_PREFIX, TFDS_PREFIX)):
-        shape["num_classes"] = len(classes.pick(c.classes, classes.NAMES[c.dataset]))
-    return shape
+               checkpointer, read.tokenizer)
 
 
 def check_model(c: RunConfig, model: models.Model) -> None:
@@ -162,33 +146,6 @@ def open_checkpoints(c: Checkpoints) -> Checkpointer | None:
                           f"{named('resume', True)} to continue that run, or another {named('checkpoint_dir')} to "
                           "start afresh")
     return checkpointer
-
-
-def load_data(c: Data, progress: bool | None = None) -> tuple[dict, str, text.Tokenizer | None]:
-    """The splits (classes and subsets applied), the digest of the whole dataset (a folder's: of its index;
-    its images are read as the run streams them) and text's tokenizer (None for images); ``progress``: a
-    conversion's bar (None: on a terminal)."""
-    tokenizer = None
-    if c.dataset.startswith(TEXT_PREFIX):
-        path = c.dataset[len(TEXT_PREFIX):]
-        if path == KJV and not Path(path).expanduser().exists():
-            raise ConfigError(f"dataset {c.dataset}: the King James Bible is not there yet: `make kjv` writes it "
-                              f"(Debian's bible-kjv), or give another {named('dataset', 'text:PATH')}")
-        data, tokenizer, digest = text.load(Path(path).expanduser(), seq_len=c.seq_len, tokenizer=c.tokenizer,
-                                            bpe_vocab=c.vocab_size, val_fraction=c.val_fraction, warn=warn)
-    elif c.dataset.startswith(FOLDER_PREFIX):
-        data = folder.load(c.dataset[len(FOLDER_PREFIX):], c.image_size, val_fraction=c.val_fraction,
-                           on_bad=c.on_bad_image, crop_fraction=0.875 if c.augment == "rrc+flip" else 1.0,
-                           warn=warn)
-        digest = folder.digest(*data.values())
-    else:
-        data = {k: sources.load_split(c.dataset, k, data_dir=c.data_dir, tfds_dir=c.tfds_dir,
-                                      progress=progress) for k in ("train", "test")}
-        digest = sources.split_digest(*data.values())
-    hosts.agree(digest, "data", "every process must read the same dataset (a folder copied whole to each node, or "
-                "one shared folder)")
-    data = classes.restricted(c.dataset, data, c.classes)
-    return {"train": data["train"].head(c.train_subset), "test": data["test"].head(c.test_subset)}, digest, tokenizer
 
 
 def run_settings(c: RunConfig, data_sha256: str, devices: int, pipeline_layout,

@@ -197,9 +197,10 @@ def run_step(c, mesh, input_shape: tuple | None = None, num_classes: int | None 
     """``(shape, model, trainer, call batch)``: the step a run ``c`` trains over ``mesh`` (nothing compiled), for
     images of ``input_shape`` and ``num_classes`` (default: the dataset's; a language model's ``num_classes``: its
     vocabulary); ``gpu.plan``'s and ``gpu.measure``'s."""
-    from jaxtrain.driver import assemble, build
+    from jaxtrain.data import datasets
+    from jaxtrain.driver import assemble
 
-    shape = build.known_shape(c.data)  # a language model's: windows of seq_len tokens, its vocabulary
+    shape = datasets.known_shape(c.data)  # a language model's: windows of seq_len tokens, its vocabulary
     shape = {"input_shape": tuple(input_shape or shape["input_shape"]),
              "num_classes": num_classes or shape["num_classes"]}
     model = assemble.model(c.network, c.compute, shape, devices=tuple(mesh.devices.flat))
