@@ -219,12 +219,14 @@ def test_tfds_progress_bars_show_only_where_the_runs_would(tmp_path, capsys, mon
     assert "\r" not in err and "\x1b[" not in err and "examples/s" not in err, err
 
 
-def test_each_kind_of_dataset_knows_its_shape_before_the_read_or_takes_the_reads():
-    """``data/datasets.py``: a local dataset's and text's shape is known before any file is read, and a read that
-    finds another is an error; a folder's classes and a TFDS dataset's images are the read's."""
+
+def test_each_kind_of_dataset_knows_its_shape_before_the_read_or_takes_the_reads(tmp_path):
+    """``data/datasets.py``: a local dataset's shape is known before any file is read, and a read that finds
+    another is an error; text's is its windows and vocabulary, not read again; a folder's classes and a TFDS
+    dataset's images are the read's. ``classes=`` counts before the read only for a local dataset."""
     from jaxtrain.data import datasets
-    from jaxtrain.driver.sections import Data
     from jaxtrain.data.split import Split
+    from jaxtrain.driver.sections import Data
 
     local = Data(dataset="cifar10", classes="cat,dog,ship")
     assert datasets.known_shape(local) == {"input_shape": (32, 32, 3), "num_classes": 3}
@@ -233,13 +235,65 @@ def test_each_kind_of_dataset_knows_its_shape_before_the_read_or_takes_the_reads
     with pytest.raises(ConfigError, match=r"cifar10: its files hold images \(32, 32, 3\) of 3 classes, not "
                                           r"\(32, 32, 3\) of 10: check data_dir"):
         datasets.found(Data(dataset="cifar10"), split, datasets.known_shape(Data(dataset="cifar10")))
-    tfds = Data(dataset="tfds:tiny_shapes")
+    tfds = Data(dataset="tfds:tiny_shapes", classes="0,1")  # assumed until read, its classes too
+    assert datasets.known_shape(tfds) == {"input_shape": (28, 28, 1), "num_classes": 10}
     assert datasets.found(tfds, split, datasets.known_shape(tfds)) == {"input_shape": (32, 32, 3), "num_classes": 3}
-    folder = Data(dataset="folder:/nowhere", image_size=48)
+    folder = Data(dataset="folder:/nowhere", image_size=48, classes="a,b")
     assert datasets.known_shape(folder) == {"input_shape": (48, 48, 3), "num_classes": 10}
     assert datasets.known_shape(folder, teacher_classes=4)["num_classes"] == 4
-    assert datasets.found(folder, split, datasets.known_shape(folder))["num_classes"] == 3
+    assert datasets.found(folder, split, datasets.known_shape(folder)) == {"input_shape": (32, 32, 3),
+                                                                          "num_classes": 3}
     text = Data(dataset="text:/nowhere", seq_len=16, tokenizer="bytes")
     assert datasets.known_shape(text) == {"input_shape": (16,), "num_classes": 256}
+    assert datasets.found(text, split, datasets.known_shape(text)) == datasets.known_shape(text)  # not an image's
     with pytest.raises(ConfigError, match="unknown dataset 'svhn'"):
         datasets.known_shape(Data(dataset="svhn"))
+
+
+def test_each_kind_of_dataset_reads_itself_whole_and_is_cut_to_its_classes_and_subsets(tmp_path, monkeypatch):
+    """``datasets.read`` gives the whole dataset and its digest, by the kind's own reader and the section's
+    settings; ``datasets.cut`` keeps the named classes (relabelled in their order) and the subsets, and the
+    digest stays the whole dataset's."""
+    from image_folders import make_folder
+
+    from jaxtrain.choices import KJV
+    from jaxtrain.data import datasets, folder, text
+    from jaxtrain.driver.sections import Data
+
+    said = []
+    make_cifar_dir(tmp_path / "c", per_file=4)
+    local = Data(dataset="cifar10", data_dir=str(tmp_path / "c"), tfds_dir=str(tmp_path / "tfds"),
+                 classes="cat,dog,frog", train_subset=5, test_subset=3)
+    whole = datasets.read(local, progress=False, warn=said.append)
+    assert len(whole.splits["train"]) == 20 and whole.splits["train"].num_classes == 10
+    assert whole.digest == sources.split_digest(*(sources.load_split("cifar10", k, data_dir=tmp_path / "c",
+                                                                     tfds_dir=tmp_path / "tfds")
+                                                   for k in ("train", "test")))
+    cut = datasets.cut(local, whole)
+    labels = whole.splits["train"].labels
+    kept = labels[np.isin(labels, [3, 5, 6])][:5]  # cat, dog, frog
+    assert cut.digest == whole.digest and cut.splits["train"].num_classes == 3
+    np.testing.assert_array_equal(cut.splits["train"].labels, np.searchsorted([3, 5, 6], kept))
+    assert len(cut.splits["test"]) == min(3, int(np.isin(whole.splits["test"].labels, [3, 5, 6]).sum()))
+
+    root = make_folder(tmp_path / "f", {"train": 3, "val": 2})
+    images = Data(dataset=f"folder:{root}", image_size=12, augment="rrc+flip", classes="cat,dog", train_subset=4)
+    whole = datasets.read(images, progress=False, warn=said.append)
+    assert whole.digest == folder.digest(*whole.splits.values()) and whole.splits["train"].crop_fraction == 0.875
+    assert datasets.read(Data(dataset=f"folder:{root}", image_size=12), progress=False,
+                         warn=said.append).splits["train"].crop_fraction == 1.0
+    cut = datasets.cut(images, whole)
+    assert cut.splits["train"].class_names == ("cat", "dog") and len(cut.splits["train"]) == 4
+    assert len(cut.splits["test"]) == 4
+
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    words = Data(dataset=f"text:{tmp_path / 't.txt'}", seq_len=8, tokenizer="bytes", val_fraction=0.2, train_subset=3)
+    whole = datasets.read(words, progress=False, warn=said.append)
+    splits, tokenizer, digest = text.load(tmp_path / "t.txt", seq_len=8, tokenizer="bytes", val_fraction=0.2)
+    assert whole.digest == digest and whole.tokenizer.vocab_size == tokenizer.vocab_size == 256
+    np.testing.assert_array_equal(whole.splits["train"].tokens, splits["train"].tokens)
+    assert len(datasets.cut(words, whole).splits["train"]) == 3 and said == []
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no King James Bible here
+    with pytest.raises(ConfigError, match=r"the King James Bible is not there yet: `make kjv` writes it"):
+        datasets.read(Data(dataset=f"text:{KJV}", seq_len=8, tokenizer="bytes"), progress=False, warn=said.append)

@@ -238,21 +238,27 @@ def test_the_stop_vote_answers_one_call_late_with_the_largest_request():
 def test_a_run_is_a_value_built_once(monkeypatch, tmp_path):
     """build(config) makes a local dataset's model once, before the data is read; the steps' settings are checked
     before it too (a declaration on the known shape, nothing compiled), the Run's steps made after it (the
-    schedule spans its updates). A frozen Run; its recorded settings are what its checkpoints hold."""
+    schedule spans its updates). The processes agree on the whole dataset's digest before it is cut to the run's
+    classes and subsets (a cut that fails on one node's copy alone would leave the others waiting). A frozen Run;
+    its recorded settings are what its checkpoints hold."""
     import dataclasses
 
     from jaxtrain.data import datasets
     from jaxtrain.driver import assemble, build as build_lib
 
-    made, read = [], []
+    made, read, order = [], [], []
     for name in ("model", "steps"):
         real = getattr(assemble, name)
         monkeypatch.setattr(assemble, name, lambda *a, real=real, name=name, **k: made.append(name) or real(*a, **k))
-    real_read = datasets.read
-    monkeypatch.setattr(datasets, "read", lambda c, **kw: read.append(list(made)) or real_read(c, **kw))
+    real_read, real_cut, real_agree = datasets.read, datasets.cut, build_lib.hosts.agree
+    monkeypatch.setattr(datasets, "read", lambda c, **kw: read.append(list(made)) or order.append("read")
+                        or real_read(c, **kw))
+    monkeypatch.setattr(datasets, "cut", lambda *a: order.append("cut") or real_cut(*a))
+    monkeypatch.setattr(build_lib.hosts, "agree", lambda *a: order.append("agree") or real_agree(*a))
     run = build_lib.build(RunConfig(devices=2, epochs=2, batch_size=64, train_subset=256, test_subset=64,
                                     schedule="cosine", checkpoint_dir=str(tmp_path / "ck"), no_progress=True))
     assert made == ["model", "steps", "steps"] and read == [["model", "steps"]]
+    assert order == ["read", "agree", "cut"]
     assert (len(run.devices), run.call_batch, len(run.data["train"])) == (2, 64, 256)
     assert run.model.input_shape == (28, 28, 1)
     assert run.checkpointer.settings == run.settings and run.settings["data_sha256"]

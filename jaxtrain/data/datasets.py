@@ -7,32 +7,33 @@
 
 A run asks its data section (``driver.sections.Data``: ``dataset``, ``classes``, ``seq_len``, ...) three things,
 and each kind answers them its own way: the shape before any file is read (``known_shape``: so that a run fails
-before a conversion or a folder's index takes minutes), the splits (``read``), and the shape they turned out to
-have (``found``). A local dataset's and text's shape is known before the read: a read that finds another is an
-error. A folder's classes and a TFDS dataset's images are known only once read: their read settles the shape.
+before a conversion or a folder's index takes minutes), the splits (``read``, then ``cut`` to the section's
+classes and subsets), and the shape they turned out to have (``found``). A local dataset's shape is known before
+the read: a read that finds another is an error. Text's is its windows and its tokenizer's vocabulary, known
+before the read and not read again. A folder's classes and a TFDS dataset's images are known only once read:
+their read settles the shape.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 
 from jaxtrain.choices import FOLDER_PREFIX, KJV, TEXT_PREFIX, TFDS_PREFIX, check_dataset
 from jaxtrain.data import classes, folder, sources, text
 from jaxtrain.errors import ConfigError, named
 
-log = logging.getLogger(__name__)
 SPLITS = ("train", "test")
 
 
 @dataclasses.dataclass(frozen=True)
 class Read:
-    """A dataset read: its ``splits`` ("train", "test": classes and subsets applied), the ``digest`` of the whole
-    dataset (a folder's: of its index; its images are read as a run streams them), and text's ``tokenizer``."""
+    """A dataset read: its ``splits`` ("train", "test"; ``cut``: to the classes and subsets), the ``digest`` of
+    the whole dataset (a folder's: of its index; its images are read as a run streams them), and text's
+    ``tokenizer``."""
 
     splits: dict
-    digest: str
+    digest: str  # of the whole dataset, before any cut
     tokenizer: text.Tokenizer | None = None
 
 
@@ -120,13 +121,19 @@ def known_shape(c, teacher_classes: int | None = None) -> dict:
     return kind(c.dataset).known_shape(c, teacher_classes)
 
 
-def read(c, progress: bool | None = None, warn=log.warning) -> Read:
-    """The data section ``c``'s dataset read, cut to its ``classes`` and subsets; ``progress``: a conversion's bar
-    (None: on a terminal); ``warn``: how files left out or a damaged cache are said."""
-    got = kind(c.dataset).read(c, progress, warn)
-    splits = classes.restricted(c.dataset, got.splits, c.classes)
-    return dataclasses.replace(got, splits={"train": splits["train"].head(c.train_subset),
-                                            "test": splits["test"].head(c.test_subset)})
+def read(c, *, progress: bool | None, warn) -> Read:
+    """The data section ``c``'s dataset read whole, its digest of all of it; ``progress``: a conversion's bar
+    (None: on a terminal); ``warn``: how files left out or a damaged cache are said (a run's: by its first
+    process)."""
+    return kind(c.dataset).read(c, progress, warn)
+
+
+def cut(c, whole: Read) -> Read:
+    """``whole`` cut to the data section ``c``'s ``classes`` (relabelled) and its ``train_subset`` and
+    ``test_subset``; its digest stays the whole dataset's."""
+    splits = classes.restricted(c.dataset, whole.splits, c.classes)
+    return dataclasses.replace(whole, splits={"train": splits["train"].head(c.train_subset),
+                                              "test": splits["test"].head(c.test_subset)})
 
 
 def found(c, train, known: dict) -> dict:

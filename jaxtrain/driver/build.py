@@ -102,9 +102,10 @@ def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
 def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpointer) -> Run:
     """``build``'s second half: the data read, the model again where its shape was known only then (a folder's
     classes, a TFDS dataset's images), the steps for the data, the loaders."""
-    read = datasets.read(c.data, progress=False if c.no_progress else None, warn=warn)
-    hosts.agree(read.digest, "data", "every process must read the same dataset (a folder copied whole to each node, "
-                "or one shared folder)")
+    whole = datasets.read(c.data, progress=False if c.no_progress else None, warn=warn)
+    hosts.agree(whole.digest, "data", "every process must read the same dataset (a folder copied whole to each "
+                "node, or one shared folder)")  # before the cut, which may fail on one node's copy alone
+    read = datasets.cut(c.data, whole)
     data = read.splits
     if (found := datasets.found(c.data, data["train"], shape)) != shape:
         model = assemble.model(c.network, c.compute, found, teacher, devices)
