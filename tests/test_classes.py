@@ -40,6 +40,19 @@ def test_bad_selections_are_one_line(tmp_path, spec, says):
         classes.restricted("folder:x", data, spec)
 
 
+def test_classes_that_leave_a_split_empty_are_one_line(tmp_path):
+    """Issue found by a new user: a test split without the named classes trained and said "test acc nan"."""
+    labels = np.arange(20, dtype=np.int32) % 10
+    train = Split(np.zeros((20, 1, 1, 1), np.uint8), labels)
+    test = Split(np.zeros((10, 1, 1, 1), np.uint8), np.arange(10, dtype=np.int32) % 5)  # classes 0-4 only
+    with pytest.raises(ConfigError, match=r"classes='ship,truck': the test split holds no example of them: name "
+                                          "classes it holds"):
+        classes.restricted("cifar10", {"train": train, "test": test}, "ship,truck")
+    with pytest.raises(ConfigError, match="the training split holds no example of them"):
+        classes.restricted("cifar10", {"train": test, "test": train}, "ship,truck")
+    assert len(classes.restricted("cifar10", {"train": train, "test": test}, "cat,dog")["test"]) == 2
+
+
 def test_a_run_on_two_of_a_folders_classes(tmp_path):
     root = make_folder(tmp_path / "d", {"train": 8, "val": 2})
     run = run_cli("-m", "experiments.lenet", "--dataset", f"folder:{root}", "--classes", "dog,cat", "--devices", "2",

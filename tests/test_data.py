@@ -104,9 +104,14 @@ def test_bad_idx_files_name_the_file(tmp_path, damage, message):
 
 
 def test_missing_data_lists_the_ways_to_get_it(tmp_path, monkeypatch):
+    """Each dataset's own ways: `make data` installs Fashion-MNIST's Debian package, not MNIST's (it has none)."""
     monkeypatch.setitem(sources.DEFAULT_DATA_DIRS, "mnist", str(tmp_path / "nowhere"))
+    monkeypatch.setitem(sources.DEFAULT_DATA_DIRS, "fashion_mnist", str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match="make data.*data_dir=.*TFDS download"):
+        sources.load_split("fashion_mnist", "train", tfds_dir=tmp_path / "tfds", download=False)
+    with pytest.raises(ConfigError, match="data_dir=.*TFDS download") as e:
         sources.load_split("mnist", "train", tfds_dir=tmp_path / "tfds", download=False)
+    assert "make data" not in str(e.value)
     with pytest.raises(ConfigError, match="not a directory"):
         sources.load_split("mnist", "train", data_dir=tmp_path / "nowhere", tfds_dir=tmp_path / "tfds")
     with pytest.raises(ConfigError, match="unknown dataset"):

@@ -297,3 +297,25 @@ def test_each_kind_of_dataset_reads_itself_whole_and_is_cut_to_its_classes_and_s
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no King James Bible here
     with pytest.raises(ConfigError, match=r"the King James Bible is not there yet: `make kjv` writes it"):
         datasets.read(Data(dataset=f"text:{KJV}", seq_len=8, tokenizer="bytes"), progress=False, warn=said.append)
+
+
+def test_a_tfds_dir_that_is_a_file_and_missing_files_are_one_line_with_the_way_for_that_dataset(tmp_path):
+    """A new user's findings: --tfds-dir naming a file gave two chained tracebacks (its mkdir's error was taken for a
+    damaged copy); a missing cifar10 said "no files in None"; a missing mnist was told to install Fashion-MNIST's
+    Debian package, and to let TFDS download what it had just failed to."""
+    (tmp_path / "file").write_text("")
+    for name in ("fashion_mnist", "tfds:mnist"):
+        with pytest.raises(ConfigError, match=r"tfds_dir=.*file is not a directory: give the directory TFDS keeps its "
+                                              "prepared datasets in") as e:
+            sources.load_split(name, "train", tfds_dir=tmp_path / "file")
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"dataset cifar10 not found \(no data_dir= given, no prepared TFDS copy\); "
+                                          r"pass data_dir="):
+        sources.data_source("cifar10", "train", tfds_dir=tmp_path / "tfds", download=False)
+    with pytest.raises(ConfigError, match=r"dataset mnist not found") as e:
+        sources.data_source("mnist", "train", tfds_dir=tmp_path / "tfds", download=False)
+    assert "fashion-mnist" not in str(e.value) and "pass data_dir= holding the four IDX files" in str(e.value)
+    from jaxtrain.data import idx
+
+    assert "Debian package dataset-fashion-mnist" in idx.how_to_get("fashion_mnist")
+    assert "TFDS" not in idx.how_to_get("mnist", download=False)

@@ -251,6 +251,9 @@ def test_a_programming_error_while_decoding_is_raised_not_counted_as_a_damaged_f
     ("empty class", r"class folder\(s\) with no usable image: dog"),
     ("train only", "has train/ but no val/ or test/"),
     ("val has more", "has classes train/ lacks: owl"),
+    ("val only", r"has val/ but no train/ beside it: add train/ .*or give DIR/CLASS/ folders alone with val_fraction"),
+    ("one class", r"train has one class folder \(cat/\): a classifier needs at least two"),
+    ("one class, flat", r"has one class folder \(cat/\): a classifier needs at least two"),
     ("nothing held out", r"val_fraction=0\.2 holds out no image of .* raise val_fraction="),
     # issue 64: said the (right) split was empty by the wrong name, and advised raising val_fraction
     ("nothing to train on", r"val_fraction=0\.999 holds out every image of .*, leaving none to train on: lower "
@@ -269,12 +272,65 @@ def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, lay
     elif layout == "val has more":
         make_folder(root, {"train": 2, "val": 1}, classes=CLASSES)
         make_folder(root, {"val": 1}, classes=("owl",))
+    elif layout == "val only":  # was: one class named "val", trained on without a word
+        make_folder(root, {"val": 2})
+    elif layout == "one class":
+        make_folder(root, {"train": 2, "val": 1}, classes=("cat",))
+    elif layout == "one class, flat":
+        make_folder(root, {"": 3}, classes=("cat",))
     elif layout in ("nothing held out", "nothing to train on"):
         make_folder(root, {"": 2})
     with pytest.raises(ConfigError, match=says) as e:
         folder.load(root, 8, val_fraction={"no classes": 0.5, "nothing held out": 0.2,
                                            "nothing to train on": 0.999}.get(layout))
     assert "\n" not in str(e.value)
+
+
+def test_a_file_failing_in_an_evaluation_batch_is_counted_once_not_again_for_each_padded_slot(tmp_path, cache,
+                                                                                              caplog):
+    """The last evaluation batch is padded with example 0 (masked); a damaged example 0 was counted once more for
+    each padded slot (3 files said for 1)."""
+    root = make_folder(tmp_path / "d", {"train": 2, "val": 1})
+    test = folder.load(root, 8, warn=lambda text: None)["test"]
+    first = root / "val" / test.files[0]  # example 0 of the test split: its header opens, its data is cut
+    first.write_bytes(first.read_bytes()[:len(first.read_bytes()) * 6 // 10])
+    test = folder.load(root, 8, warn=lambda text: None)["test"]
+    assert len(test) == 3
+    batches = _all(_loader(test, train=False, batch_size=5))
+    assert [b["mask"].sum() for b in batches] == [3] and len(batches[0]["image"]) == 5
+    np.testing.assert_array_equal(batches[0]["image"][3], batches[0]["image"][0])  # the padding: example 0
+    said = [r.getMessage() for r in caplog.records if "could not be decoded" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("epoch 0: 1 image file(s) could not be decoded"), said
+
+
+def test_a_folder_stays_on_the_host_said_as_a_folder_and_a_batch_larger_than_the_data_says_what_to_do(tmp_path,
+                                                                                                     cache):
+    from jaxtrain.driver import busy
+
+    train = folder.load(make_folder(tmp_path / "d", {"train": 2, "val": 1}), 8)["train"]
+    assert busy.data_on_device("auto", "gpu", train, None) == (False, "auto: an image folder stays on the host")
+    with pytest.raises(ConfigError, match="image folder"):
+        busy.data_on_device("on", "gpu", train, None)
+    with pytest.raises(ConfigError, match=r"batch size 7 is larger than the 6 training examples: give a smaller "
+                                          r"batch_size=, or more examples \(train_subset=\)"):
+        _loader(train, batch_size=7)
+
+
+@pytest.mark.parametrize("given, says", [
+    (dict(dataset="folder:/x", data_dir="/d"), r"data_dir= is for the local datasets' files \(fashion_mnist, mnist, "
+                                               r"cifar10\); dataset=folder:/x names its own place"),
+    (dict(dataset="tfds:mnist", data_dir="/d"), "data_dir= is for the local datasets' files"),
+    (dict(dataset="folder:/x", tfds_dir="/t"), "tfds_dir= is where TFDS keeps .*an image folder keeps a cache of its"),
+    (dict(model="gpt", dataset="text:/x", tfds_dir="/t"), "tfds_dir= is where TFDS keeps .*text keeps a cache of its"),
+    (dict(on_bad_image="error"), "on_bad_image=error is for image folders"),
+    (dict(classes=""), "classes='': name at least two classes"),
+    (dict(classes=" "), "classes=' ': name at least two classes"),
+])
+def test_a_setting_for_another_kind_of_dataset_is_refused_not_ignored(given, says):
+    from jaxtrain.driver.config import RunConfig
+
+    with pytest.raises(ConfigError, match=says):
+        RunConfig(**given)
 
 
 def test_rrc_flip_is_for_folders_and_the_folder_settings_for_folders_only():

@@ -64,4 +64,9 @@ def restricted(dataset: str, data: dict, spec: str | None) -> dict:
         return data
     names = names_of(dataset, data["train"])
     keep = pick(spec, names)
-    return {k: select(v, keep, names) for k, v in data.items()}
+    cut = {k: select(v, keep, names) for k, v in data.items()}
+    for k, split in cut.items():
+        if not len(split):
+            raise ConfigError(f"{named('classes', repr(spec))}: the {'test' if k == 'test' else 'training'} split "
+                              f"holds no example of them: name classes it holds")
+    return cut

@@ -19,10 +19,12 @@ IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
 
 
-def how_to_get() -> str:
-    """How to get the files (said when they are missing), naming the parameter as the caller spells it."""
-    return (f"get it with `make data` (Debian package dataset-fashion-mnist), or pass {named('data_dir')} holding "
-            "the four IDX files (train-images-idx3-ubyte[.gz], ...), or let TFDS download it (needs internet)")
+def how_to_get(name: str = "fashion_mnist", download: bool = True) -> str:
+    """How to get dataset ``name``'s files (said when they are missing), naming the parameter as the caller spells
+    it; ``download``: TFDS's download is still a way (not where it has just failed)."""
+    debian = "get it with `make data` (Debian package dataset-fashion-mnist), or " if name == "fashion_mnist" else ""
+    return (f"{debian}pass {named('data_dir')} holding the four IDX files (train-images-idx3-ubyte[.gz], ...)"
+            + (", or let TFDS download it (needs internet)" if download else ""))
 
 
 def find(directory: Path, stem: str) -> Path | None:

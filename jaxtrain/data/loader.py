@@ -168,7 +168,8 @@ class Loader:
         if workers < 0:
             raise ConfigError(f"{named('workers', workers)}: must be >= 0")
         if train and len(split) < batch_size:
-            raise ConfigError(f"batch size {batch_size} is larger than the {len(split)} training examples")
+            raise ConfigError(f"batch size {batch_size} is larger than the {len(split)} training examples: give a "
+                              f"smaller {named('batch_size')}, or more examples ({named('train_subset')})")
         if split.raw and workers:
             _check_spawnable(workers)
         self.split, self.batch_size, self.train, self.seed = split, batch_size, train, seed
@@ -290,11 +291,14 @@ class Loader:
         if order is not None:
             batch, bad, pillow = self.split.rows(order[lo:hi], train=True, augment=self.augment, seed=self.seed,
                                                  epoch=epoch)
-        else:  # eval: in order, padded past the end, masked
+        else:  # eval: in order, padded past the end with example 0 (its failures counted where it is real), masked
             idx = np.arange(lo, hi)
             real = idx < n
-            batch, bad, pillow = self.split.rows(np.where(real, idx, 0), train=False, augment=None, seed=self.seed,
-                                                 epoch=epoch)
+            batch, bad, pillow = self.split.rows(idx[real], train=False, augment=None, seed=self.seed, epoch=epoch)
+            if pad := int((~real).sum()):
+                first = self.split.rows(np.zeros(1, np.int64), train=False, augment=None, seed=self.seed,
+                                        epoch=epoch)[0]
+                batch = {k: np.concatenate([v, np.repeat(first[k], pad, axis=0)]) for k, v in batch.items()}
             batch["mask"] = real
         batch = self.transform(batch) if self.transform is not None else batch
         return {**batch, "bad": bad, "pillow": pillow}

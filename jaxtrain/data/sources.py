@@ -118,15 +118,15 @@ def data_source(name: str, split: str, *, data_dir: str | os.PathLike | None = N
         return convert.converted(fmt, name, split, local, tfds_dir)
     builder = tfds.builder(name, data_dir=tfds_dir)
     if not builder.is_prepared():
+        where = (f"no files in {DEFAULT_DATA_DIRS[name]}" if name in DEFAULT_DATA_DIRS else
+                 f"no {named('data_dir')} given")
         if not download:
-            raise ConfigError(f"dataset {name} not found (no files in {DEFAULT_DATA_DIRS.get(name)}, no prepared "
-                              f"TFDS copy); {fmt.how_to_get()}")
+            raise ConfigError(f"dataset {name} not found ({where}, no prepared TFDS copy); {fmt.how_to_get(name)}")
         try:
             builder.download_and_prepare(file_format="array_record")
         except Exception as e:  # noqa: BLE001 - any failure here means "no data"
-            raise ConfigError(f"dataset {name} not found (no files in {DEFAULT_DATA_DIRS.get(name)}) and TFDS could "
-                              f"not download it "
-                              f"({type(e).__name__}); {fmt.how_to_get()}") from None
+            raise ConfigError(f"dataset {name} not found ({where}) and TFDS could not download it "
+                              f"({type(e).__name__}); {fmt.how_to_get(name, download=False)}") from None
     return builder.as_data_source(split=split, file_format="array_record")
 
 
@@ -135,7 +135,7 @@ def _local_files(name: str, data_dir) -> Path | None:
     fmt, explicit = LOCAL[name], data_dir is not None
     local = Path(data_dir if explicit else DEFAULT_DATA_DIRS.get(name, "/nonexistent"))
     if explicit and not local.is_dir():
-        raise ConfigError(f"{named('data_dir', local)} is not a directory; {fmt.how_to_get()}")
+        raise ConfigError(f"{named('data_dir', local)} is not a directory; {fmt.how_to_get(name)}")
     return local if explicit or fmt.present(local) else None
 
 
@@ -169,6 +169,9 @@ def load_split(name: str, split: str, *, data_dir=None, tfds_dir=None, progress:
     prepared is a one-line error naming its directory. ``progress``: TFDS's progress bars while it prepares
     (None: only on a terminal).
     """
+    if tfds_dir is not None and Path(tfds_dir).expanduser().exists() and not Path(tfds_dir).expanduser().is_dir():
+        raise ConfigError(f"{named('tfds_dir', tfds_dir)} is not a directory: give the directory TFDS keeps its "
+                          "prepared datasets in (made if missing)")
     _tfds_progress(progress)
     try:
         return _load_split(name, split, data_dir=data_dir, tfds_dir=tfds_dir, **kwargs)

@@ -65,14 +65,14 @@ def data_on_device(setting: str, platform: str, split, device) -> tuple[bool, st
     holds an in-memory split on a GPU when it fits in ``DEVICE_SHARE`` of the device's memory."""
     if setting == "off":
         return False, "as given"
+    if split.raw:  # an image folder: its files decoded on the host as they stream
+        if setting == "on":
+            raise on_host_only(text=False)
+        return False, "auto: an image folder stays on the host"
     if not hasattr(split, "images"):  # text: windows cut from the token file on the host
         if setting == "on":
             raise on_host_only(text=True)
         return False, "auto: text's windows are cut on the host"
-    if split.raw:
-        if setting == "on":
-            raise on_host_only(text=False)
-        return False, "auto: an image folder stays on the host"
     if setting == "on":
         return True, "as given"
     if platform != "gpu":

@@ -17,8 +17,8 @@ import inspect
 import math
 from pathlib import Path
 
-from jaxtrain.choices import (BPE_VOCAB, FOLDER_PREFIX, GPT_SIZES, TEXT_PREFIX, TOKENIZERS, check_dataset,
-                              lr_groups)
+from jaxtrain.choices import (BPE_VOCAB, DATASETS, FOLDER_PREFIX, GPT_SIZES, TEXT_PREFIX, TFDS_PREFIX, TOKENIZERS,
+                              check_dataset, lr_groups)
 from jaxtrain.driver.sections import (FIELDS, ORDER, SECTIONS, Checkpoints, Cluster, Compute, Data, Network,
                                       Observe, Optim, Parallel)
 from jaxtrain.errors import ConfigError, named
@@ -163,6 +163,20 @@ def with_recipe(given: dict) -> dict:
             f"text is a language model's ({', '.join(n for n, d in MODELS.items() if d.text)}); {model} takes images"))
     if not folder and given.get("image_size") is not None:
         raise ConfigError(f"{named('image_size')} is for image folders ({named('dataset', 'folder:DIR')})")
+    tfds = dataset.startswith(TFDS_PREFIX)
+    if (folder or tfds) and given.get("data_dir") is not None:
+        raise ConfigError(f"{named('data_dir')} is for the local datasets' files ({', '.join(DATASETS)}); "
+                          f"{named('dataset', dataset)} names its own place")
+    if (folder or text) and given.get("tfds_dir") is not None:
+        raise ConfigError(f"{named('tfds_dir')} is where TFDS keeps the local datasets' conversions and tfds:NAME "
+                          f"datasets; {'an image folder' if folder else 'text'} keeps a cache of its own "
+                          "(JAXTRAIN_INDEX_CACHE: docs/settings.md)")
+    if not folder and given.get("on_bad_image", "skip") != "skip":
+        raise ConfigError(f"{named('on_bad_image', given['on_bad_image'])} is for image folders "
+                          f"({named('dataset', 'folder:DIR')}), whose files are decoded as a run streams them")
+    if given.get("classes") is not None and not str(given["classes"]).strip():
+        raise ConfigError(f"{named('classes', repr(given['classes']))}: name at least two classes (e.g. cat,dog), "
+                          "or leave it out to train on every class")
     if not (folder or text) and given.get("val_fraction") is not None:
         raise ConfigError(f"{named('val_fraction')} is for image folders ({named('dataset', 'folder:DIR')}) and "
                           f"text ({named('dataset', 'text:PATH')})")
