@@ -315,6 +315,10 @@ def test_a_tfds_dir_that_is_a_file_and_missing_files_are_one_line_with_the_way_f
     with pytest.raises(ConfigError, match=r"dataset mnist not found") as e:
         sources.data_source("mnist", "train", tfds_dir=tmp_path / "tfds", download=False)
     assert "fashion-mnist" not in str(e.value) and "pass data_dir= holding the four IDX files" in str(e.value)
+    (tmp_path / "empty").mkdir()  # a data_dir given: TFDS is never tried, and either IDX dataset may be meant
+    with pytest.raises(ConfigError, match=r"empty: train-images-idx3-ubyte\[\.gz\] is missing; pass data_dir= holding "
+                                          r"the four IDX files \(train-images-idx3-ubyte\[\.gz\], \.\.\.\)$"):
+        sources.load_split("mnist", "train", data_dir=tmp_path / "empty", tfds_dir=tmp_path / "tfds", download=False)
     from jaxtrain.data import idx
 
     assert "Debian package dataset-fashion-mnist" in idx.how_to_get("fashion_mnist")

@@ -251,7 +251,8 @@ def test_a_programming_error_while_decoding_is_raised_not_counted_as_a_damaged_f
     ("empty class", r"class folder\(s\) with no usable image: dog"),
     ("train only", "has train/ but no val/ or test/"),
     ("val has more", "has classes train/ lacks: owl"),
-    ("val only", r"has val/ but no train/ beside it: add train/ .*or give DIR/CLASS/ folders alone with val_fraction"),
+    ("val only", r"has val/ but no train/ beside it: add train/ \(one sub-folder per class\)$"),
+    ("val only, val_fraction", r"has one class folder \(val/\): a classifier needs at least two"),
     ("one class", r"train has one class folder \(cat/\): a classifier needs at least two"),
     ("one class, flat", r"has one class folder \(cat/\): a classifier needs at least two"),
     ("nothing held out", r"val_fraction=0\.2 holds out no image of .* raise val_fraction="),
@@ -272,7 +273,7 @@ def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, lay
     elif layout == "val has more":
         make_folder(root, {"train": 2, "val": 1}, classes=CLASSES)
         make_folder(root, {"val": 1}, classes=("owl",))
-    elif layout == "val only":  # was: one class named "val", trained on without a word
+    elif layout in ("val only", "val only, val_fraction"):  # was: one class named "val", trained on without a word
         make_folder(root, {"val": 2})
     elif layout == "one class":
         make_folder(root, {"train": 2, "val": 1}, classes=("cat",))
@@ -281,9 +282,15 @@ def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, lay
     elif layout in ("nothing held out", "nothing to train on"):
         make_folder(root, {"": 2})
     with pytest.raises(ConfigError, match=says) as e:
-        folder.load(root, 8, val_fraction={"no classes": 0.5, "nothing held out": 0.2,
+        folder.load(root, 8, val_fraction={"no classes": 0.5, "nothing held out": 0.2, "val only, val_fraction": 0.5,
                                            "nothing to train on": 0.999}.get(layout))
     assert "\n" not in str(e.value)
+
+
+def test_a_flat_folder_may_have_a_class_named_val_or_test(tmp_path, cache):
+    make_folder(tmp_path / "d", {"": 4}, classes=("cat", "test", "val"))
+    data = folder.load(tmp_path / "d", 8, val_fraction=0.25, warn=lambda text: None)
+    assert data["train"].class_names == ("cat", "test", "val") and len(data["test"]) == 3
 
 
 def test_a_file_failing_in_an_evaluation_batch_is_counted_once_not_again_for_each_padded_slot(tmp_path, cache,
@@ -312,7 +319,7 @@ def test_a_folder_stays_on_the_host_said_as_a_folder_and_a_batch_larger_than_the
     with pytest.raises(ConfigError, match="image folder"):
         busy.data_on_device("on", "gpu", train, None)
     with pytest.raises(ConfigError, match=r"batch size 7 is larger than the 6 training examples: give a smaller "
-                                          r"batch_size=, or more examples \(train_subset=\)"):
+                                          r"batch_size=, or more training examples"):
         _loader(train, batch_size=7)
 
 
@@ -354,6 +361,7 @@ def test_rrc_flip_is_for_folders_and_the_folder_settings_for_folders_only():
     from jaxtrain.sweep.trials import parse_param
 
     assert parse_param("image_size=choice:64,128").values == (64, 128)  # a sweep over a folder's settings
+    assert parse_param("on_bad_image=choice:skip,error").values == ("skip", "error")
     with pytest.raises(ConfigError, match="image_size=0"):
         parse_param("image_size=choice:0,128")
 

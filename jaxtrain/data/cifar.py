@@ -19,7 +19,7 @@ NUM_CLASSES = 10
 RECORD = 1 + 32 * 32 * 3
 
 
-def how_to_get(name: str = "cifar10", download: bool = True) -> str:
+def how_to_get(name: str | None = None, download: bool = True) -> str:
     """How to get the files (said when they are missing), naming the parameter as the caller spells it (``name`` and
     ``download`` as ``idx.how_to_get`` takes them: one way for any case)."""
     return (f"pass {named('data_dir')} holding CIFAR-10's binary version (data_batch_1.bin ... data_batch_5.bin, "

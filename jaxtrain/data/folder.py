@@ -246,9 +246,9 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
         _say_left_out(test_dir, test_index, warn)
         return {"train": make(train_dir, index, *_labelled(train_dir, classes, index), classes),
                 "test": make(test_dir, test_index, *_labelled(test_dir, classes, test_index, False), classes)}
-    if test_dir is not None:
+    if test_dir is not None and val_fraction is None:  # with val_fraction: a class of that name (two at least)
         raise ConfigError(f"{base} has {test_dir.name}/ but no train/ beside it: add train/ (one sub-folder per "
-                          f"class), or give DIR/CLASS/ folders alone with {named('val_fraction')}")
+                          f"class)")
     classes, index = _cached_index(base)
     if len(classes) == 1:
         raise ConfigError(f"folder:{root} has one class folder ({classes[0]}/): a classifier needs at least two")

@@ -19,9 +19,10 @@ IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
 
 
-def how_to_get(name: str = "fashion_mnist", download: bool = True) -> str:
-    """How to get dataset ``name``'s files (said when they are missing), naming the parameter as the caller spells
-    it; ``download``: TFDS's download is still a way (not where it has just failed)."""
+def how_to_get(name: str | None = None, download: bool = True) -> str:
+    """How to get dataset ``name``'s files (said when they are missing; None: the files of a ``data_dir`` given, for
+    either dataset), naming the parameter as the caller spells it; ``download``: TFDS's download is a way (not where
+    it has just failed, nor for a ``data_dir`` given, which TFDS never replaces)."""
     debian = "get it with `make data` (Debian package dataset-fashion-mnist), or " if name == "fashion_mnist" else ""
     return (f"{debian}pass {named('data_dir')} holding the four IDX files (train-images-idx3-ubyte[.gz], ...)"
             + (", or let TFDS download it (needs internet)" if download else ""))
@@ -40,7 +41,7 @@ def paths(directory: Path) -> list[Path]:
     for stem in (stem for pair in FILES.values() for stem in pair):
         path = find(directory, stem)
         if path is None:
-            raise ConfigError(f"{directory}: {stem}[.gz] is missing; {how_to_get()}")
+            raise ConfigError(f"{directory}: {stem}[.gz] is missing; {how_to_get(download=False)}")
         found.append(path)
     return found
 
@@ -78,7 +79,7 @@ def read_split(directory: Path, split: str) -> Split:
     image_path, label_path = find(directory, image_stem), find(directory, label_stem)
     for stem, path in ((image_stem, image_path), (label_stem, label_path)):
         if path is None:
-            raise ConfigError(f"{directory}: {stem}[.gz] is missing; {how_to_get()}")
+            raise ConfigError(f"{directory}: {stem}[.gz] is missing; {how_to_get(download=False)}")
     images, labels = read_idx(image_path, 3), read_idx(label_path, 1)
     if images.shape[1:] != IMAGE_SHAPE[:2]:
         raise ConfigError(f"{image_path}: images are {images.shape[1]}x{images.shape[2]}, expected 28x28")

@@ -169,7 +169,7 @@ class Loader:
             raise ConfigError(f"{named('workers', workers)}: must be >= 0")
         if train and len(split) < batch_size:
             raise ConfigError(f"batch size {batch_size} is larger than the {len(split)} training examples: give a "
-                              f"smaller {named('batch_size')}, or more examples ({named('train_subset')})")
+                              f"smaller {named('batch_size')}, or more training examples")
         if split.raw and workers:
             _check_spawnable(workers)
         self.split, self.batch_size, self.train, self.seed = split, batch_size, train, seed

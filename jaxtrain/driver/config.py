@@ -166,7 +166,8 @@ def with_recipe(given: dict) -> dict:
     tfds = dataset.startswith(TFDS_PREFIX)
     if (folder or tfds) and given.get("data_dir") is not None:
         raise ConfigError(f"{named('data_dir')} is for the local datasets' files ({', '.join(DATASETS)}); "
-                          f"{named('dataset', dataset)} names its own place")
+                          f"{named('dataset', dataset)} names its own place"
+                          + (f" (in {named('tfds_dir')})" if tfds else ""))
     if (folder or text) and given.get("tfds_dir") is not None:
         raise ConfigError(f"{named('tfds_dir')} is where TFDS keeps the local datasets' conversions and tfds:NAME "
                           f"datasets; {'an image folder' if folder else 'text'} keeps a cache of its own "

@@ -85,7 +85,8 @@ def parse_param(text: str, model: str = "lenet") -> Param:
             raise ConfigError(f"--param {text!r}: expected LO < HI{log}")
     for v in values:  # RunConfig's own checks (choices, minimum) on each value
         try:
-            folder = {"dataset": "folder:."} if name in ("image_size", "val_fraction") else {}  # folders' own
+            folder = ({"dataset": "folder:."} if name in ("image_size", "val_fraction", "on_bad_image")
+                      else {})  # folders' own
             RunConfig(model=model, **folder, **{name: v})
         except ConfigError as e:
             raise ConfigError(f"--param {text!r}: {e}") from None
