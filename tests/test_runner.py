@@ -1,5 +1,7 @@
 """RunConfig <-> command line, the model registry, one-step-late reading, the clock, the loop's hooks."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -283,6 +285,18 @@ def test_a_build_that_fails_after_opening_the_checkpoints_releases_them(monkeypa
     run = build_lib.build(config)  # was: "... is in use by another run (pid <this one>)"
     run.checkpointer.close()
     run.loaders["train"].close(), run.loaders["test"].close()
+
+
+@needs_fashion_mnist
+def test_a_subset_over_the_data_is_said_not_clamped_silently(caplog):
+    from jaxtrain.driver import build as build_lib
+
+    caplog.set_level(logging.INFO, logger="jaxtrain")
+    run = build_lib.build(RunConfig(devices=1, train_subset=256, test_subset=20000, no_progress=True))
+    run.loaders["train"].close(), run.loaders["test"].close()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("note: ")]
+    assert said == ["note: test_subset=20000 is over the 10000 test examples: taking all of them"], said
+    assert len(run.data["test"]) == 10000 and len(run.data["train"]) == 256
 
 
 def test_outputs_that_cannot_be_opened_leave_the_run_directory_unclaimed(tmp_path):

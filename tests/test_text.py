@@ -198,7 +198,7 @@ def test_a_folder_is_its_files_in_sorted_order_without_hidden_ones(tmp_path):
     ("empty files", "only empty files"),
     ("nul", "binary.txt: a binary file.*NUL"),
     ("latin-1", "latin.txt: a binary file.*not UTF-8"),
-    ("short", "validation part has .* tokens.*needs 512.*smaller seq_len"),
+    ("short", "validation part has .* tokens.*needs 512.*smaller seq_len= or more text, or a larger val_fraction="),
     ("seq_len", "seq_len=0"),
     ("val_fraction", "val_fraction=1.0"),
     ("bpe_vocab", "bpe_vocab=70000: use 257 to 65536"),

@@ -224,5 +224,6 @@ def load(path, *, seq_len: int, tokenizer: str = "bpe", bpe_vocab: int = BPE_VOC
             part = "training" if name == "train" else "validation"
             raise ConfigError(f"text:{path}: its {part} part has {n} tokens, a window of "
                               f"{named('seq_len', seq_len)} needs {2 * seq_len} (seq_len + 1 at any shift): give a "
-                              f"smaller {named('seq_len')} or more text")
+                              f"smaller {named('seq_len')} or more text"
+                              + (f", or a larger {named('val_fraction')}" if name == "test" else ""))
     return splits, tok, digest

@@ -107,6 +107,10 @@ def _for_data(c: RunConfig, devices, mesh, teacher, shape: dict, model, checkpoi
                 "node, or one shared folder)")  # before the cut, which may fail on one node's copy alone
     read = datasets.cut(c.data, whole)
     data = read.splits
+    for split, asked in (("train", c.train_subset), ("test", c.test_subset)):
+        if asked is not None and asked > len(data[split]):  # all of them: said, not silently
+            say(f"note: {named(f'{split}_subset', asked)} is over the {len(data[split])} "
+                f"{'training' if split == 'train' else 'test'} examples: taking all of them")
     if (found := datasets.found(c.data, data["train"], shape)) != shape:
         model = assemble.model(c.network, c.compute, found, teacher, devices)
     updates = c.epochs * (len(data["train"]) // c.batch_size)
