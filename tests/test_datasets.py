@@ -294,6 +294,13 @@ def test_each_kind_of_dataset_reads_itself_whole_and_is_cut_to_its_classes_and_s
     np.testing.assert_array_equal(whole.splits["train"].tokens, splits["train"].tokens)
     assert len(datasets.cut(words, whole).splits["train"]) == 3 and said == []
 
+    for layout, named_class in (({"train": 2, "val": 1}, "cat"), ({"": 3}, "cat"), ({"val": 2}, "val")):
+        root = make_folder(tmp_path / f"one-{len(said)}-{named_class}-{len(layout)}", layout, classes=("cat",))
+        one = Data(dataset=f"folder:{root}", image_size=8, val_fraction=None if "train" in layout else 0.3)
+        whole = datasets.read(one, progress=False, warn=said.append)  # folder.load reads it (decoding serves too)
+        with pytest.raises(ConfigError, match=rf"dataset folder:.* has one class \({named_class}\): a classifier "
+                                              "needs at least two"):
+            datasets.cut(one, whole)  # a run does not train on it (a folder holding val/ alone: "val")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no King James Bible here
     with pytest.raises(ConfigError, match=r"the King James Bible is not there yet: `make kjv` writes it"):
         datasets.read(Data(dataset=f"text:{KJV}", seq_len=8, tokenizer="bytes"), progress=False, warn=said.append)

@@ -252,9 +252,6 @@ def test_a_programming_error_while_decoding_is_raised_not_counted_as_a_damaged_f
     ("train only", "has train/ but no val/ or test/"),
     ("val has more", "has classes train/ lacks: owl"),
     ("val only", r"has val/ but no train/ beside it: add train/ \(one sub-folder per class\)$"),
-    ("val only, val_fraction", r"has one class folder \(val/\): a classifier needs at least two"),
-    ("one class", r"train has one class folder \(cat/\): a classifier needs at least two"),
-    ("one class, flat", r"has one class folder \(cat/\): a classifier needs at least two"),
     ("nothing held out", r"val_fraction=0\.2 holds out no image of .* raise val_fraction="),
     # issue 64: said the (right) split was empty by the wrong name, and advised raising val_fraction
     ("nothing to train on", r"val_fraction=0\.999 holds out every image of .*, leaving none to train on: lower "
@@ -273,16 +270,12 @@ def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, lay
     elif layout == "val has more":
         make_folder(root, {"train": 2, "val": 1}, classes=CLASSES)
         make_folder(root, {"val": 1}, classes=("owl",))
-    elif layout in ("val only", "val only, val_fraction"):  # was: one class named "val", trained on without a word
+    elif layout == "val only":  # was: one class named "val", trained on without a word
         make_folder(root, {"val": 2})
-    elif layout == "one class":
-        make_folder(root, {"train": 2, "val": 1}, classes=("cat",))
-    elif layout == "one class, flat":
-        make_folder(root, {"": 3}, classes=("cat",))
     elif layout in ("nothing held out", "nothing to train on"):
         make_folder(root, {"": 2})
     with pytest.raises(ConfigError, match=says) as e:
-        folder.load(root, 8, val_fraction={"no classes": 0.5, "nothing held out": 0.2, "val only, val_fraction": 0.5,
+        folder.load(root, 8, val_fraction={"no classes": 0.5, "nothing held out": 0.2,
                                            "nothing to train on": 0.999}.get(layout))
     assert "\n" not in str(e.value)
 

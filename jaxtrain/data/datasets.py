@@ -130,8 +130,12 @@ def read(c, *, progress: bool | None, warn) -> Read:
 
 def cut(c, whole: Read) -> Read:
     """``whole`` cut to the data section ``c``'s ``classes`` (relabelled) and its ``train_subset`` and
-    ``test_subset``; its digest stays the whole dataset's."""
+    ``test_subset``; its digest stays the whole dataset's. A dataset of one class is a ConfigError (a folder's
+    reader takes one: ``folder.load`` serves decoding too)."""
     splits = classes.restricted(c.dataset, whole.splits, c.classes)
+    if splits["train"].num_classes < 2:  # a folder of one sub-folder, say (text: a class per token)
+        raise ConfigError(f"dataset {c.dataset} has one class ({classes.names_of(c.dataset, splits['train'])[0]}): a "
+                          "classifier needs at least two")
     return dataclasses.replace(whole, splits={"train": splits["train"].head(c.train_subset),
                                               "test": splits["test"].head(c.test_subset)})
 

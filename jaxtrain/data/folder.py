@@ -236,8 +236,6 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
         classes, index = _cached_index(train_dir)
         if not classes:
             raise ConfigError(f"{train_dir} has no class folders: put each class's images in train/CLASS/")
-        if len(classes) == 1:
-            raise ConfigError(f"{train_dir} has one class folder ({classes[0]}/): a classifier needs at least two")
         test_classes, test_index = _cached_index(test_dir)
         if extra := sorted(set(test_classes) - set(classes)):
             raise ConfigError(f"{test_dir} has classes train/ lacks: {', '.join(extra[:5])}: remove them or add "
@@ -250,8 +248,6 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
         raise ConfigError(f"{base} has {test_dir.name}/ but no train/ beside it: add train/ (one sub-folder per "
                           f"class)")
     classes, index = _cached_index(base)
-    if len(classes) == 1:
-        raise ConfigError(f"folder:{root} has one class folder ({classes[0]}/): a classifier needs at least two")
     if not classes:
         raise ConfigError(f"folder:{root} has no class folders: give DIR/CLASS/*.jpg (with {named('val_fraction')}) or "
                           "DIR/train/CLASS/* and DIR/val/CLASS/*")
