@@ -30,6 +30,16 @@ def test_an_in_memory_dataset_by_name_or_number():
     assert list(cut.images.ravel()) == [3, 9, 13, 19]
 
 
+def test_where_class_names_are_numbers_a_number_is_a_name_only():
+    """A new user's folder of years: label 1 was taken for a folder "1" that is not there (it is "2013/")."""
+    names = ("2012", "2013", "7")
+    assert classes.pick("7,2012", names) == [2, 0]
+    with pytest.raises(ConfigError, match=r"'1' is not a class .* its names are numbers, so name them"):
+        classes.pick("1,2012", names)
+    assert classes.pick("7,3", classes.NAMES["mnist"]) == [7, 3]  # MNIST's names are its label numbers
+    assert classes.pick("2,cat", ("bird", "cat", "dog")) == [2, 1]  # no name is a number: numbers are labels
+
+
 @pytest.mark.parametrize("spec, says", [("cat,horse", r"'horse' is not a class of this dataset \(its classes: "
                                                        r"cat, dog, ship"),
                                         ("cat,cat", "'cat' is named twice"), ("cat", "at least two classes"),

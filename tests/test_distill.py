@@ -126,15 +126,20 @@ def _saved(path, model="lenet", shape=(28, 28, 1)):
 
 @pytest.mark.parametrize("case, says", [("missing", "teacher=.*: no such directory"),
                                         ("empty", "teacher=.*: holds no saved model"),
-                                        ("shape", r"trained on 32x32x3, 10 classes .* use the teacher's dataset")])
+                                        ("shape", r"trained on 32x32x3 images and the student's data has "
+                                                  r"28x28x1: use the teacher's dataset$"),
+                                        ("classes", r"trained on 10 classes and the student's data has 5: use the "
+                                                    r"teacher's dataset$")])
 def test_a_bad_teacher_is_one_line(tmp_path, case, says):
+    """A mismatch names what differs, and only that (a folder's classes are the teacher's until it is read)."""
     run = tmp_path / "teacher"
     if case == "empty":
         run.mkdir()
-    if case == "shape":
-        _saved(run, shape=(32, 32, 3))
+    if case in ("shape", "classes"):
+        _saved(run, shape=(32, 32, 3) if case == "shape" else (28, 28, 1))
+    student = models.get("lenet", num_classes=5 if case == "classes" else 10)
     with pytest.raises(ConfigError, match=says) as e:
-        distill.distilled(models.get("lenet"), *distill.teacher_from_run(str(run)), 4.0, 0.9)
+        distill.distilled(student, *distill.teacher_from_run(str(run)), 4.0, 0.9)
     assert "\n" not in str(e.value)
 
 

@@ -25,13 +25,16 @@ def names_of(dataset: str, split) -> tuple[str, ...]:
 
 def pick(spec: str, names: tuple[str, ...]) -> list[int]:
     """The labels ``spec`` names ("cat,dog" or "3,5": names, or label numbers), in its order; a one-line
-    ConfigError for an unknown or repeated one, or fewer than two."""
+    ConfigError for an unknown or repeated one, or fewer than two. Where a class's name is a number (a folder
+    "2012/", MNIST's "7"), a number is a name only: label 2 is never taken for a folder "2" that is not there."""
+    numbered = any(n.isdigit() for n in names)
     keep = []
     for item in (s.strip() for s in spec.split(",")):
-        label = names.index(item) if item in names else int(item) if item.isdigit() else -1
+        label = names.index(item) if item in names else int(item) if item.isdigit() and not numbered else -1
         if not 0 <= label < len(names):
             raise ConfigError(f"{named('classes', repr(spec))}: {item!r} is not a class of this dataset (its classes: "
-                              f"{', '.join(names[:12])}{', ...' if len(names) > 12 else ''}; or give label numbers)")
+                              f"{', '.join(names[:12])}{', ...' if len(names) > 12 else ''}; "
+                              f"{'its names are numbers, so name them' if numbered else 'or give label numbers'})")
         if label in keep:
             raise ConfigError(f"{named('classes', repr(spec))}: {item!r} is named twice")
         keep.append(label)

@@ -52,9 +52,8 @@ def distilled(student: models.Model, teacher: models.Model, teacher_params, teac
     """``student`` trained against ``teacher`` (whose params and state are given): a registry Model to train."""
     if not isinstance(student, models.Distillable):
         raise ConfigError(f"model {student.name} cannot be a distillation student (its loss takes no head)")
-    if (student.input_shape, student.num_classes) != (teacher.input_shape, teacher.num_classes):
-        raise ConfigError(f"the teacher ({teacher.name}) was trained on {_shape(teacher)} and the student's data is "
-                          f"{_shape(student)}: use the teacher's dataset")
+    if differs := _differs(teacher, student):
+        raise ConfigError(f"the teacher ({teacher.name}) was trained on {differs}: use the teacher's dataset")
     loss_fn = student.with_head(make_head(temperature, alpha, kernels))
     frozen = Frozen({"params": teacher_params, "model_state": teacher_state})
 
@@ -92,5 +91,11 @@ def teacher_from_run(run_dir: str) -> tuple[models.Model, dict, dict]:
     return teacher, params, state
 
 
-def _shape(m: models.Model) -> str:
-    return "x".join(map(str, m.input_shape)) + f", {m.num_classes} classes"
+def _differs(teacher: models.Model, student: models.Model) -> str:
+    """What of the student's data differs from the teacher's, and only that: a folder's classes are not known
+    before its index is read (the teacher's are assumed until then), so a message on its images names none."""
+    t, s = ("x".join(map(str, m.input_shape)) for m in (teacher, student))
+    parts = [f"{t} images and the student's data has {s}"] if t != s else []
+    if teacher.num_classes != student.num_classes:
+        parts.append(f"{teacher.num_classes} classes and the student's data has {student.num_classes}")
+    return "; ".join(parts)
