@@ -1,5 +1,6 @@
 """CIFAR-10's binary files and datasets TFDS has prepared (tfds:NAME): read, validated, converted once."""
 
+import socket
 import sys
 
 import numpy as np
@@ -330,3 +331,29 @@ def test_a_tfds_dir_that_is_a_file_and_missing_files_are_one_line_with_the_way_f
 
     assert "Debian package dataset-fashion-mnist" in idx.how_to_get("fashion_mnist")
     assert "TFDS" not in idx.how_to_get("mnist", download=False)
+
+
+def test_a_download_that_cannot_connect_is_refused_at_once_naming_the_hosts(tmp_path, monkeypatch):
+    """A new user's finding: offline, `--dataset mnist` waited over a minute on TFDS's ten retries of each file
+    before its error. The hosts (or the proxy the environment names) are tried first, once each."""
+    with socket.socket() as server, socket.socket() as gone:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        gone.bind(("127.0.0.1", 0))  # bound, never listening: its connections are refused
+        port, refused = server.getsockname()[1], gone.getsockname()[1]
+        up, down = f"http://127.0.0.1:{port}/file", f"http://127.0.0.1:{refused}/file"
+        assert sources.unreachable([down]) == f"no connection to 127.0.0.1:{refused}: Connection refused"
+        assert sources.unreachable([down, up]) is None
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+        assert sources.unreachable(["http://nowhere.invalid/file"]) is None  # through the proxy
+
+    def offline(address, timeout=None):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(sources.socket, "create_connection", offline)
+    with pytest.raises(ConfigError, match=r"dataset mnist not found .* and TFDS cannot download it \(no connection "
+                                          r"to [^)]*Network is unreachable\); pass data_dir=") as e:
+        sources.data_source("mnist", "train", tfds_dir=tmp_path / "tfds")
+    assert "\n" not in str(e.value)

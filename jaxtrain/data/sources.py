@@ -22,7 +22,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import sys
+import urllib.parse
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -91,7 +94,7 @@ def _prepared_tfds(name: str, split: str, tfds_dir):
     except Exception as e:  # noqa: BLE001 - any failure here means "not there"
         raise ConfigError(f"tfds:{name}: no such dataset prepared in {where} ({type(e).__name__}): prepare it with "
                           f"`tfds build {name} --file_format=array_record`, or pass {named('tfds_dir')}") from None
-    if not builder.is_prepared():
+    if not _prepared(builder):
         raise ConfigError(f"tfds:{name} is not prepared in {where}: prepare it with `tfds build {name} "
                           f"--file_format=array_record`, or pass {named('tfds_dir')}")
     if split not in builder.info.splits:
@@ -102,6 +105,20 @@ def _prepared_tfds(name: str, split: str, tfds_dir):
     except Exception as e:  # noqa: BLE001 - e.g. prepared as tfrecord only
         raise ConfigError(f"tfds:{name} cannot be read as a data source ({e}); prepare it with "
                           "--file_format=array_record") from None
+
+
+def _prepared(builder) -> bool:
+    """``builder.is_prepared()`` without TFDS's warning "Variant folder ... has no dataset_info.json" for a dataset
+    not prepared (even where no such folder is): what follows says so in one line, and what to do."""
+    def variant(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Variant folder")
+
+    absl = logging.getLogger("absl")
+    absl.addFilter(variant)
+    try:
+        return builder.is_prepared()
+    finally:
+        absl.removeFilter(variant)
 
 
 def data_source(name: str, split: str, *, data_dir: str | os.PathLike | None = None, tfds_dir=None, download=True):
@@ -117,17 +134,44 @@ def data_source(name: str, split: str, *, data_dir: str | os.PathLike | None = N
     if local is not None:
         return convert.converted(fmt, name, split, local, tfds_dir)
     builder = tfds.builder(name, data_dir=tfds_dir)
-    if not builder.is_prepared():
+    if not _prepared(builder):
         where = (f"no files in {DEFAULT_DATA_DIRS[name]}" if name in DEFAULT_DATA_DIRS else
                  f"no {named('data_dir')} given")
         if not download:
             raise ConfigError(f"dataset {name} not found ({where}, no prepared TFDS copy); {fmt.how_to_get(name)}")
+        if blocked := unreachable([*(builder.url_infos or ()), "https://storage.googleapis.com"]):
+            raise ConfigError(f"dataset {name} not found ({where}) and TFDS cannot download it ({blocked}); "
+                              f"{fmt.how_to_get(name, download=False)}")
         try:
             builder.download_and_prepare(file_format="array_record")
         except Exception as e:  # noqa: BLE001 - any failure here means "no data"
             raise ConfigError(f"dataset {name} not found ({where}) and TFDS could not download it "
                               f"({type(e).__name__}); {fmt.how_to_get(name, download=False)}") from None
     return builder.as_data_source(split=split, file_format="array_record")
+
+
+def unreachable(urls, timeout: float = 5.0) -> str | None:
+    """Why none of ``urls``' hosts (or the proxies the environment names for them) takes a connection within
+    ``timeout`` seconds, in a few words; None where one does. Offline, TFDS's download retries each file ten
+    times with a backoff (over a minute) before it fails: this says it in seconds."""
+    reasons = []
+    for host, port in dict.fromkeys(map(_connects_to, urls)):
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            return None
+        except OSError as e:
+            why = e.strerror or (f"no answer in {timeout:g} s" if isinstance(e, TimeoutError) else type(e).__name__)
+            reasons.append(f"{host}:{port}: {why}")
+    return "no connection to " + "; ".join(reasons) if reasons else None
+
+
+def _connects_to(url: str) -> tuple[str, int]:
+    """(host, port) a download of ``url`` connects to: its proxy's, where the environment names one."""
+    parts = urllib.parse.urlsplit(url)
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if proxy and not urllib.request.proxy_bypass(parts.hostname):
+        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def _local_files(name: str, data_dir) -> Path | None:
