@@ -143,6 +143,15 @@ def _flag_type(f: dataclasses.Field):
     return str
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help's defaults, once: none added where a flag's help says its own, is None, or is a switch's False."""
+
+    def _get_help_string(self, action):
+        if "(default" in (action.help or "") or action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def make_parser(model: str | None = None, description: str | None = None, prog: str | None = None,
                 fields: Sequence[str] | None = None,
                 renamed: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -152,7 +161,7 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
     prog = prog or (f"python -m experiments.{model}" if model else "python -m jaxtrain.cli")
     defaults = RunConfig(model=model or "lenet")
     p = argparse.ArgumentParser(prog=prog, description=description or (MODELS[model].description if model else None),
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_Help, allow_abbrev=False)  # --epoch is no --epochs
     groups = {}
 
     def group(attr: str) -> argparse._ArgumentGroup:  # --help's: the flags by section, one made with its first flag

@@ -138,7 +138,15 @@ def test_missing_data_dir_is_a_one_line_error(tmp_path):
                                              # issue 64: accepted, then "diverged" (exit 3)
                                              (["--lr", "inf"], "--lr inf: expected a finite number"),
                                              (["--lr", "nan"], "--lr nan: expected a finite number"),
-                                             (["--lr-groups", "dense/=inf"], "'dense/=inf' is not one")])
+                                             (["--lr-groups", "dense/=inf"], "'dense/=inf' is not one"),
+                                             # a new user's findings: a traceback, a run in the current folder,
+                                             # a flag taken for another, or one that did nothing
+                                             (["--seed", "-1"], "--seed -1: expected a number >= 0"),
+                                             (["--out", ""], "--out '': empty; give a value"),
+                                             (["--epoch", "1"], "unrecognized arguments: --epoch 1"),
+                                             (["--model", "gpt"], "unrecognized arguments: --model gpt"),
+                                             (["--coordinator", "localhost:1234"], "--coordinator localhost:1234: "
+                                              "for a multi-process run; give --num-processes too")])
 def test_bad_flags_exit_2(flags, fragment):
     out = run_cli(*LENET, *flags)
     assert out.returncode == 2 and fragment in out.stderr and "Traceback" not in out.stderr
@@ -147,6 +155,7 @@ def test_bad_flags_exit_2(flags, fragment):
 def test_help_explains_every_flag():
     out = run_cli(*LENET, "--help")
     assert out.returncode == 0
+    assert "(default: None)" not in out.stdout and "(default: mini) (default" not in out.stdout  # each said once
     for flag in ("--devices", "--epochs", "--batch-size", "--lr", "--seed", "--dataset", "--data-dir", "--out",
                  "--max-steps", "--strategy", "--param-sharding", "--mesh"):
         assert flag in out.stdout

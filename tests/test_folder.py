@@ -323,8 +323,8 @@ def test_a_folder_stays_on_the_host_said_as_a_folder_and_a_batch_larger_than_the
     (dict(dataset="folder:/x", tfds_dir="/t"), "tfds_dir= is where TFDS keeps .*an image folder keeps a cache of its"),
     (dict(model="gpt", dataset="text:/x", tfds_dir="/t"), "tfds_dir= is where TFDS keeps .*text keeps a cache of its"),
     (dict(on_bad_image="error"), "on_bad_image=error is for image folders"),
-    (dict(classes=""), "classes='': name at least two classes"),
-    (dict(classes=" "), "classes=' ': name at least two classes"),
+    (dict(classes=""), "classes='': empty; name at least two classes"),
+    (dict(classes=" "), "classes=' ': empty; name at least two classes"),
 ])
 def test_a_setting_for_another_kind_of_dataset_is_refused_not_ignored(given, says):
     from jaxtrain.driver.config import RunConfig

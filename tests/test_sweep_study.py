@@ -17,6 +17,7 @@ pytest.importorskip("optuna")
 import optuna
 
 from jaxtrain.sweep import study as S
+from jaxtrain.errors import ConfigError
 from jaxtrain.sweep.command import sweep
 
 FAKE_TRIAL = textwrap.dedent("""
@@ -46,6 +47,9 @@ FAKE_TRIAL = textwrap.dedent("""
     if lr > float(os.environ.get("FAKE_DIVERGE_ABOVE", "inf")):
         print(f"the loss became nan at step 3: training diverged (lr {lr})")
         sys.exit(3)
+    if str(number) in os.environ.get("FAKE_FAIL", "").split(",") or os.environ.get("FAKE_FAIL") == "all":
+        print("ModuleNotFoundError: No module named 'experiments'")
+        sys.exit(1)
     if os.environ.get("FAKE_TRACK_FAILS"):
         (out / "track.json").write_text(json.dumps({"failed": "--track mlflow: OperationalError: disk I/O error"}))
     (out / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "test_acc": lr}) + "\\n")
@@ -135,6 +139,24 @@ def test_a_diverged_trial_is_pruned_and_the_sweep_goes_on(tmp_path, fake, monkey
     assert all(t.state.name == "PRUNED" and t.params["lr"] > 0.1 for t in diverged)
     assert any("diverged, pruned: the loss became nan at step 3: training diverged" in line for line in said), said
     assert any("| pruned (diverged) |" in line for text in said for line in text.splitlines()), said
+
+
+def test_trials_failing_one_after_another_stop_the_sweep_and_one_that_succeeds_between_them_does_not(tmp_path, fake,
+                                                                                                       monkeypatch):
+    """A new user's finding: a trial command that could not start (run from another folder: "No module named
+    'experiments'", exit 1) failed every trial, and the sweep drew 3,895 of them in 14 minutes."""
+    monkeypatch.setenv("FAKE_FAIL", "all")
+    with pytest.raises(ConfigError, match=r"the last 3 trials failed, one after another \(trial 2: exit code 1: .*No "
+                                          r"module named 'experiments'.*\): mend the command \(or give --max-failures "
+                                          r"more\), then run the same sweep again to go on") as e:
+        sweep("f", f"sqlite:///{tmp_path}/s.db", ["lr=log:1e-3:1"], 20, command=fake, say=quiet)
+    assert _states(tmp_path / "s.db") == ["FAIL"] * 3 and "\n" not in str(e.value)
+    monkeypatch.setenv("FAKE_FAIL", "0,1,3,4")  # a trial that ends between failures: the count starts again
+    s = sweep("between", f"sqlite:///{tmp_path}/b.db", ["lr=log:1e-3:1"], 3, command=fake, say=quiet)
+    assert "".join(t.state.name[0] for t in s.trials) == "FFCFFCC"
+    monkeypatch.setenv("FAKE_FAIL", "0,1,2,3")
+    s = sweep("never", f"sqlite:///{tmp_path}/n.db", ["lr=log:1e-3:1"], 1, command=fake, say=quiet, max_failures=0)
+    assert "".join(t.state.name[0] for t in s.trials) == "FFFFC"  # 0: failures never stop it
 
 
 def test_a_usage_error_of_a_trial_stops_the_sweep(tmp_path):

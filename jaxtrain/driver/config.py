@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import numbers
+import os
 from pathlib import Path
 
 from jaxtrain.choices import (BPE_VOCAB, DATASETS, FOLDER_PREFIX, GPT_SIZES, TEXT_PREFIX, TFDS_PREFIX, TOKENIZERS,
@@ -73,6 +75,17 @@ class _Sections:
             raise ConfigError(f"{named('microbatches', self.microbatches)}: micro-batches split a pipelined step; "
                               f"give {named('mesh')} a 'stage' axis (e.g. data=1,stage=4), or use "
                               f"{named('accum_steps')} to accumulate gradients")
+        for name, default in (("pipeline_schedule", "gpipe"), ("repeats", 1)):
+            if getattr(self, name) != default and "stage" not in (self.mesh or {}):
+                raise ConfigError(f"{named(name, getattr(self, name))}: for a pipelined step; give {named('mesh')} "
+                                  "a 'stage' axis (e.g. data=1,stage=4), or leave it out")
+        unused = [n for n in ("temperature", "alpha") if getattr(self, n) != FIELDS[n][1].default]
+        if unused and not self.teacher:
+            raise ConfigError(f"{' and '.join(named(n, getattr(self, n)) for n in unused)}: distillation's, with "
+                              f"{named('teacher', 'RUN_DIR')}; give a teacher, or leave them out")
+        if self.track_group is not None and self.track == "none":
+            raise ConfigError(f"{named('track_group', self.track_group)}: a tracker's group; give "
+                              f"{named('track', 'wandb')} or mlflow, or leave it out")
         if self.lr_groups is not None:
             lr_groups(self.lr_groups)  # its one-line error now
         if self.linear_probe and self.freeze:
@@ -136,11 +149,15 @@ RunConfig.__signature__ = inspect.Signature(  # help(), IDEs and the docs show t
 
 def with_recipe(given: dict) -> dict:
     """``given`` (RunConfig's keyword arguments) with what it leaves to the model's recipe filled in, and
-    ``steps_per_call`` as text (``8`` -> ``"8"``); an unknown model or dataset is a ConfigError here."""
+    ``steps_per_call`` and paths as text (``8`` -> ``"8"``, ``Path("runs/a")`` -> ``"runs/a"``); an unknown model
+    or dataset is a ConfigError here."""
     unknown = sorted(set(given) - set(FIELDS))
     if unknown:
         raise TypeError(f"RunConfig got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
-    given = dict(given)
+    given = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in given.items()}  # out=Path(...)
+    steps = given.get("steps_per_call", "auto")  # RunConfig(steps_per_call=8) too
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        given["steps_per_call"] = str(steps)
     check_values({name: given.get(name, f.default) for name, (_, f) in FIELDS.items()})
     model = given.setdefault("model", "lenet")
     if model not in MODELS:  # None too
@@ -152,7 +169,7 @@ def with_recipe(given: dict) -> dict:
         check_dataset(dataset)
     except ConfigError as e:
         raise ConfigError(f"{named('dataset')}: {e}") from None
-    steps = str(given.get("steps_per_call", "auto"))  # RunConfig(steps_per_call=8) too
+    steps = given.get("steps_per_call", "auto")
     if steps != "auto" and not (steps.isascii() and steps.isdecimal() and int(steps) >= 1):
         raise ConfigError(f"{named('steps_per_call', repr(steps))}: expected a whole number >= 1, or auto")
     given["steps_per_call"] = steps if steps == "auto" else str(int(steps))
@@ -175,9 +192,6 @@ def with_recipe(given: dict) -> dict:
     if not folder and given.get("on_bad_image", "skip") != "skip":
         raise ConfigError(f"{named('on_bad_image', given['on_bad_image'])} is for image folders "
                           f"({named('dataset', 'folder:DIR')}), whose files are decoded as a run streams them")
-    if given.get("classes") is not None and not str(given["classes"]).strip():
-        raise ConfigError(f"{named('classes', repr(given['classes']))}: name at least two classes (e.g. cat,dog), "
-                          "or leave it out to train on every class")
     if not (folder or text) and given.get("val_fraction") is not None:
         raise ConfigError(f"{named('val_fraction')} is for image folders ({named('dataset', 'folder:DIR')}) and "
                           f"text ({named('dataset', 'text:PATH')})")
@@ -231,12 +245,20 @@ def on_host_only(text: bool) -> ConfigError:
 
 
 def check_values(values: dict) -> None:
-    """Each field's own check (its choices, ``>= minimum``, ``> above``, finite): a ConfigError naming the first
-    bad one, in the fields' order."""
+    """Each field's own check (its type, its choices, ``>= minimum``, ``> above``, ``<= maximum``, finite, text not
+    empty): a ConfigError naming the first bad one, in the fields' order."""
     for name in ORDER:
-        value, meta = values[name], FIELDS[name][1].metadata
-        if value is None or isinstance(value, bool):
+        value, field = values[name], FIELDS[name][1]
+        meta = field.metadata
+        if value is None:
             continue
+        if expected := _mistyped(value, field.type):
+            raise ConfigError(f"{named(name, repr(value))}: expected {expected}")
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, str) and not value.strip():
+            raise ConfigError(f"{named(name, repr(value))}: empty; "
+                              f"{meta['empty'] or 'give a value, or leave it out for its default'}")
         if isinstance(value, float) and not math.isfinite(value):  # inf would pass "> 0", then diverge
             raise ConfigError(f"{named(name, value)}: expected a finite number")
         if meta["choices"] and value not in meta["choices"]:
@@ -245,6 +267,23 @@ def check_values(values: dict) -> None:
             raise ConfigError(f"{named(name, value)}: expected a number >= {meta['minimum']}")
         if meta["above"] is not None and not value > meta["above"]:
             raise ConfigError(f"{named(name, value)}: expected a number > {meta['above']}")
+        if meta["maximum"] is not None and not value <= meta["maximum"]:
+            raise ConfigError(f"{named(name, value)}: expected a number <= {meta['maximum']}")
+
+
+# A setting's annotation -> the Python types it takes, and how a message names them (a float takes an int too).
+_TYPES = {"str": ((str,), "text"), "int": ((numbers.Integral,), "a whole number"),
+          "float": ((numbers.Real,), "a number"), "bool": ((bool,), "True or False"),
+          "dict": ((dict,), "a dict of mesh axes, e.g. {'data': 2}")}
+
+
+def _mistyped(value, annotation: str) -> str | None:
+    """What ``value`` should have been (a few words), where its type is not its setting's (``"int | None"``); a
+    bool is no number here, though Python's bool is an int."""
+    kinds = [_TYPES[t] for t in annotation.replace(" ", "").split("|") if t in _TYPES]
+    if any(isinstance(value, types) and not (isinstance(value, bool) and bool not in types) for types, _ in kinds):
+        return None
+    return " or ".join(words for _, words in kinds)
 
 
 def _check_apart(checkpoints: Path, out: Path) -> None:

@@ -19,10 +19,12 @@ from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, CONVS, DATASETS, DEFAU
 from jaxtrain.models import MODELS
 
 
-def _field(default, help: str, *, choices=None, minimum=None, above=None, flag_type=None):
-    """A setting: its flag's help, its allowed values (``choices``, ``>= minimum``, ``> above``)."""
+def _field(default, help: str, *, choices=None, minimum=None, above=None, maximum=None, flag_type=None, empty=None):
+    """A setting: its flag's help, its allowed values (``choices``, ``>= minimum``, ``> above``, ``<= maximum``;
+    text never empty: ``empty`` says what to give instead)."""
     return dataclasses.field(default=default, metadata={
-        "help": help, "choices": choices, "minimum": minimum, "above": above, "flag_type": flag_type})
+        "help": help, "choices": choices, "minimum": minimum, "above": above, "maximum": maximum,
+        "flag_type": flag_type, "empty": empty})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,9 @@ class Data:
                                         "$TFDS_DATA_DIR or ~/tensorflow_datasets)")
     classes: str | None = _field(None, "train and evaluate on these classes only, comma-separated names (a "
                                        "folder's sub-folders; cifar10's airplane, ..., truck) or label numbers, "
-                                       "relabelled 0..k-1 in the order given (e.g. cat,deer,dog,frog,horse,bird)")
+                                       "relabelled 0..k-1 in the order given (e.g. cat,deer,dog,frog,horse,bird)",
+                                 empty="name at least two classes (e.g. cat,dog), or leave it out to train on every "
+                                       "class")
     train_subset: int | None = _field(None, "train on the first N training examples only (CPU-sized runs); the test "
                                             "set stays whole", minimum=1)
     test_subset: int | None = _field(None, "evaluate on the first N test examples only (smoke runs); default: every "
@@ -156,7 +160,7 @@ class Optim:
                                          "group's peak lr (the same schedule), the rest --lr")
     max_steps: int | None = _field(None, "stop after this many train steps in total (for smoke runs), then evaluate",
                                    minimum=1)
-    seed: int = _field(0, "seed of the init and of the shuffling")
+    seed: int = _field(0, "seed of the init and of the shuffling", minimum=0, maximum=2**63 - 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,10 @@ def _in_cluster() -> bool:
 def start(coordinator, num_processes, process_id) -> None:
     """Start jax.distributed for a multi-process run (flags, our launcher's env, or a cluster's)."""
     launched = settings.current()  # what `python -m jaxtrain.launch` set for this process, if it started it
+    if (coordinator or process_id is not None) and not (num_processes or launched.num_processes or _in_cluster()):
+        given = named("coordinator", coordinator) if coordinator else named("process_id", process_id)
+        raise ConfigError(f"{given}: for a multi-process run; give {named('num_processes')} too (or start it with "
+                          "python -m jaxtrain.launch, srun or mpirun)")
     coordinator = coordinator or launched.coordinator
     num_processes = num_processes or launched.num_processes
     if process_id is None:

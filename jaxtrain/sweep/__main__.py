@@ -47,6 +47,8 @@ def make_parser(prog: str = "python -m jaxtrain.sweep") -> argparse.ArgumentPars
     p.add_argument("--seed", type=int, help="the sampler's seed: trial N's settings are drawn from (seed, N), so a "
                    "sweep continued in chunks or by several workers draws as one sweep would (default: the study's "
                    "own; a new study's is 0)")
+    p.add_argument("--max-failures", type=int, default=3, help="stop the sweep when this many of its trials fail "
+                   "one after another (a command that cannot start fails them all); 0: never (default 3)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the run's command")
     return p
 
@@ -57,6 +59,8 @@ def main(argv=None, prog: str = "python -m jaxtrain.sweep") -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.trials < 1 or args.parallel < 1:
         parser.error("--trials and --parallel take numbers >= 1")
+    if args.max_failures < 0:
+        parser.error("--max-failures takes a number >= 0 (0: never stop on failures)")
     from jaxtrain.cli import library_log
     from jaxtrain.sweep import study as S
     from jaxtrain.sweep.command import Interrupted, sweep
@@ -65,7 +69,7 @@ def main(argv=None, prog: str = "python -m jaxtrain.sweep") -> int:
         with library_log():
             study = sweep(args.study, args.storage, args.param, args.trials, command=command, objective=args.objective,
                           direction=args.direction, prune=args.prune, parallel=args.parallel, out_dir=args.dir,
-                          seed=args.seed)
+                          seed=args.seed, max_failures=args.max_failures)
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return e.EXIT_CODE

@@ -63,10 +63,12 @@ def _gpu_count() -> int:
 @console.shown
 def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, base=None, objective: str = "test_acc",
           direction: str = "maximize", prune: bool = False, parallel: int = 1, out_dir: str | None = None,
-          seed: int | None = None, say=None):
+          seed: int | None = None, max_failures: int = 3, say=None):
     """Run ``study`` on to ``trials`` finished trials; the Optuna study. ``params``: ``--param`` specs (or
     trials.Param); the runs: ``command`` (argv) or ``base`` (a RunConfig, run as ``python -m jaxtrain.cli``);
-    ``seed``: the sampler's (None: the study's own; a new study's is 0). A signal (SIGINT, SIGTERM) stops the
+    ``seed``: the sampler's (None: the study's own; a new study's is 0); ``max_failures`` trials failed one after
+    another stop the sweep with a ConfigError (0: never; they would all fail alike, a command that cannot start
+    ran forever). A signal (SIGINT, SIGTERM) stops the
     running trials and raises ``trial_run.Interrupted``. Its lines (a trial each, the report) are logged
     (``jaxtrain.io.console``: shown unless the caller routes the ``jaxtrain`` logger), or given to ``say``."""
     import optuna
@@ -105,7 +107,7 @@ def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, b
             say(f"study {study!r} in {storage}: {done} of {trials} trials finished; runs in {folder}")
             env = cmd.trial_env(folder)
             _prepare_tracking(cmd, env, study)
-            workers = Workers(s, rdb, cmd, params, folder, objective, prune, env, trials, stop, say)
+            workers = Workers(s, rdb, cmd, params, folder, objective, prune, env, trials, stop, say, max_failures)
             workers.run(slots(parallel))
         if stop.signum:
             raise Interrupted(stop.signum, workers.stopped)

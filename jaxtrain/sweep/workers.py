@@ -3,9 +3,10 @@
 One worker per ``--parallel`` slot (threads of the sweep; one worker runs
 in the calling thread). A trial ends complete, pruned (by the pruner, or
 diverged: a normal outcome of its settings, which the sampler learns from),
-or failed; the sweep goes on. A usage error, a database error or a signal
-stops every worker: the trials they were running are stopped (the signal is
-forwarded once), marked failed and their settings queued again.
+or failed; the sweep goes on, until ``max_failures`` trials fail one after
+another. That, a usage error, a database error or a signal stops every
+worker: the trials they were running are stopped (the signal is forwarded
+once), marked failed and their settings queued again.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import optuna
 
+from jaxtrain.errors import ConfigError
 from jaxtrain.sweep import study as S, trial_run as R
 
 STATE = optuna.trial.TrialState
@@ -67,8 +69,10 @@ class Workers:
     trials: int  # the budget: finished (complete or pruned) trials to reach
     stop: Signals
     say: object
+    max_failures: int = 3  # trials failed in a row (this sweep's) that stop it; 0: never
     stopped: list = dataclasses.field(default_factory=list)  # trials a signal stopped (failed, queued again)
     running: set = dataclasses.field(default_factory=set)  # trials whose end is not stored yet
+    failed: list = dataclasses.field(default_factory=list)  # this sweep's failed trials since its last that ended
 
     def run(self, slots: list[dict]) -> None:
         """Run the workers, one per slot, to the budget; the first error of any worker is raised."""
@@ -96,6 +100,11 @@ class Workers:
     def work(self, slot: dict) -> None:
         """Take trials and run them, until the budget is met or the sweep is stopped."""
         while not self.stop.signum:
+            if self.max_failures and len(self.failed) >= self.max_failures:
+                t = self.failed[-1]
+                raise ConfigError(f"the last {len(self.failed)} trials failed, one after another (trial {t.number}: "
+                                  f"{t.user_attrs.get('failed', 'failed')}): mend the command (or give "
+                                  "--max-failures more), then run the same sweep again to go on")
             trial = S.claim(self.study, self.storage, self.trials)
             if trial is None:
                 return
@@ -135,6 +144,7 @@ class Workers:
             self._fail(trial)
             raise
         self.running.discard(trial.number)
+        self.failed = [*self.failed, ended] if ended.state == STATE.FAIL else []
         self.say(self.line(ended))
 
     def _fail(self, trial) -> None:
