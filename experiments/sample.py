@@ -8,7 +8,7 @@ a prompt, and new tokens sampled one by one with a KV cache (jaxtrain.models.gen
 import argparse
 import sys
 
-from jaxtrain.cli import one_line_errors, whole_number
+from jaxtrain.cli import DefaultsOnce, one_line_errors, whole_number
 
 
 def _temperature(text: str) -> float:
@@ -18,14 +18,20 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _prompt(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("'': empty; leave --prompt out to start from a new line")
+    return text
+
+
 @one_line_errors("sample")
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.sample", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m experiments.sample", description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsOnce, allow_abbrev=False)
     p.add_argument("run_dir", help="a finished language-model run's --out directory (model/, model.json, "
                                    "tokenizer.json)")
-    p.add_argument("--prompt", default="\n", help="the text to go on from (at most half the model's context is "
-                                                  "kept: its end)")
+    p.add_argument("--prompt", type=_prompt, default="\n", help="the text to go on from (default: a new line; at "
+                                                                "most half the model's context is kept: its end)")
     p.add_argument("--tokens", type=whole_number(1), default=100,
                    help="new tokens to sample (the text stops at the model's context, --seq-len tokens)")
     p.add_argument("--temperature", type=_temperature, default=0.8, help="softmax temperature; 0: greedy")

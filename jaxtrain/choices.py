@@ -15,6 +15,7 @@ CONVS = ("auto", "xla", "onednn")  # the models' convolutions: jaxtrain.kernels.
 AUGMENTATIONS = ("none", "crop+flip", "rrc+flip")  # jaxtrain.data.augment; rrc+flip: data.images (folders)
 DATASETS = ("fashion_mnist", "mnist", "cifar10")  # jaxtrain.data.sources.LOCAL; and "tfds:NAME"
 TRACKERS = ("none", "wandb", "mlflow")  # --track: jaxtrain.driver.track
+INT8_AFTER_TRAINING = ("lenet", "resnet18")  # the models post-training int8 covers (jaxtrain.analysis.quantize)
 DEFAULT_DATA_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 TFDS_PREFIX = "tfds:"
 FOLDER_PREFIX = "folder:"  # a folder of images, one sub-folder per class (jaxtrain.data.folder)

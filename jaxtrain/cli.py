@@ -143,7 +143,7 @@ def _flag_type(f: dataclasses.Field):
     return str
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
     """--help's defaults, once: none added where a flag's help says its own, is None, or is a switch's False."""
 
     def _get_help_string(self, action):
@@ -161,7 +161,7 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
     prog = prog or (f"python -m experiments.{model}" if model else "python -m jaxtrain.cli")
     defaults = RunConfig(model=model or "lenet")
     p = argparse.ArgumentParser(prog=prog, description=description or (MODELS[model].description if model else None),
-                                formatter_class=_Help, allow_abbrev=False)  # --epoch is no --epochs
+                                formatter_class=DefaultsOnce, allow_abbrev=False)  # --epoch is no --epochs
     groups = {}
 
     def group(attr: str) -> argparse._ArgumentGroup:  # --help's: the flags by section, one made with its first flag

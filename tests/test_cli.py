@@ -377,6 +377,22 @@ def test_a_checkpoint_dir_overlapping_the_out_dir_is_refused(tmp_path):
     RunConfig(model="lenet", out=str(out), checkpoint_dir=str(out / "checkpoints"))  # beside model/: fine
 
 
+def test_a_checkpoint_dir_that_is_another_runs_out_is_refused(tmp_path):
+    """A new user's finding: --checkpoint-dir at a finished GPT run's --out was taken, and LeNet's step folders
+    sat beside the GPT's model (--out there is refused: it holds another run's results)."""
+    from jaxtrain.driver import build
+    from jaxtrain.driver.sections import Checkpoints
+    from jaxtrain.errors import ConfigError
+
+    other = tmp_path / "gpt1"
+    other.mkdir()
+    (other / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"checkpoint_dir=.*gpt1 holds a run's results \(it is a run's out=\): give "
+                                          r"the checkpoints a directory of their own, e.g. checkpoint_dir=.*gpt1/ch"):
+        build.open_checkpoints(Checkpoints(checkpoint_dir=str(other)))
+    build.open_checkpoints(Checkpoints(checkpoint_dir=str(other / "checkpoints"))).close()  # a directory of its own
+
+
 def test_runs_lists_every_experiment_that_is_a_training_run_and_the_model_it_fixes(monkeypatch):
     """``cli.RUNS`` (what ``python -m jaxtrain.slurm`` parses a command with) is exactly the experiments whose main
     is the run's (``jaxtrain.cli.main``), each with the model it passes: a new training experiment is not forgotten."""

@@ -90,6 +90,12 @@ def test_sample_refuses_a_run_that_is_not_a_language_models(tmp_path):
     run = run_cli("-m", "experiments.sample", str(tmp_path))
     assert run.returncode == 2 and run.stderr.strip().endswith(
         "holds a lenet model, not a language model (train one with python -m experiments.gpt)"), run.stderr
+    empty = run_cli("-m", "experiments.sample", str(tmp_path), "--prompt", "")  # was the library's words on shapes
+    assert empty.returncode == 2 and empty.stderr.strip().endswith(
+        "argument --prompt: '': empty; leave --prompt out to start from a new line"), empty.stderr
+    shown = run_cli("-m", "experiments.sample", "--help").stdout
+    prompt = shown[shown.index("--prompt PROMPT  "):shown.index("--tokens TOKENS  ")]
+    assert prompt.count("(default") == 1 and "(default: a new line;" in prompt and "compiled call)." in shown
 
 
 def test_init_from_a_hugging_face_gpt2_starts_from_its_weights_and_exports_them_back(torch_python, tmp_path, corpus):

@@ -441,3 +441,23 @@ def test_a_run_leaves_what_its_outputs_say_and_with_none_writes_nothing(tmp_path
         assert calls == [("start", None), ("epoch", 1), ("close", failed.value)]
     finally:
         run.loaders["train"].close(), run.loaders["test"].close()
+
+
+@needs_fashion_mnist
+def test_a_finished_run_resumed_from_python_returns_its_digest_and_test_numbers(tmp_path):
+    """A new user's finding: ``jt.run`` of a finished run returned ``{already_finished, steps, test_acc}`` alone,
+    so ``summary["params_digest"]`` raised KeyError."""
+    from jaxtrain.driver.build import build
+    from jaxtrain.driver.runner import train
+
+    config = RunConfig("lenet", devices=2, epochs=1, train_subset=512, test_subset=256,
+                       checkpoint_dir=str(tmp_path / "ck"))
+    run = build(config)
+    try:
+        first = train(run, outputs=[])
+    finally:
+        run.loaders["train"].close(), run.loaders["test"].close()
+    again = jt.run(config.replace(resume=True))
+    assert again["already_finished"] and again["steps"] == first["steps"] == 2
+    assert (again["params_digest"], again["test_acc"]) == (first["params_digest"], first["test_acc"])
+    assert again["test_loss"] == pytest.approx(first["test_loss"], rel=1e-6)

@@ -26,12 +26,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jaxtrain.choices import INT8_AFTER_TRAINING
 from jaxtrain.core import compat
 from jaxtrain.errors import ConfigError, need
 qwix = need("qwix", "int8 quantisation")  # before jaxtrain.nn.int8, which needs it too
 from jaxtrain.nn.int8 import INT8_OPS, int8_weight  # noqa: E402
 
-MODELS = ("lenet", "resnet18")  # what ``quantize`` handles
+MODELS = INT8_AFTER_TRAINING  # what ``quantize`` handles
 
 
 @dataclasses.dataclass

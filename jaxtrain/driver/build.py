@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 
@@ -25,11 +26,12 @@ from jaxtrain.choices import lr_groups
 from jaxtrain.data import datasets, loader
 from jaxtrain.data.tokenizer import Tokenizer
 from jaxtrain.errors import ConfigError, named
+from jaxtrain.io.files import params_digest
 from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.parallel import hosts
 from jaxtrain.parallel import preflight
 from jaxtrain.settings import program
-from jaxtrain.driver import assemble, distill
+from jaxtrain.driver import assemble, distill, outputs
 from jaxtrain.driver.config import FIXED_SETTINGS, FREE_SETTINGS, OPTIONAL_SETTINGS, RunConfig
 from jaxtrain.driver.sections import Checkpoints
 from jaxtrain.train.checkpoint import Checkpointer
@@ -145,6 +147,10 @@ def open_checkpoints(c: Checkpoints) -> Checkpointer | None:
         raise ConfigError(f"{named('resume', True)} and {named('checkpoint_every')} need {named('checkpoint_dir')}")
     if not c.checkpoint_dir:
         return None
+    if outputs.holds_results(Path(c.checkpoint_dir).expanduser()):  # a run's --out: its model beside our steps
+        raise ConfigError(f"{named('checkpoint_dir', c.checkpoint_dir)} holds a run's results (it is a run's "
+                          f"{named('out')}): give the checkpoints a directory of their own, e.g. "
+                          f"{named('checkpoint_dir', Path(c.checkpoint_dir) / 'checkpoints')}")
     checkpointer = Checkpointer(c.checkpoint_dir, c.keep_checkpoints, fixed=FIXED_SETTINGS)
     if not c.resume and (newest := checkpointer.latest()) is not None:
         raise ConfigError(f"{checkpointer.directory} already holds checkpoints (newest: step {newest}): pass "
@@ -188,7 +194,9 @@ def initial_state(run: Run):
             f"test loss {r['test_loss']:.4f}; nothing to do (raise {named('epochs')} or {named('max_steps')} to "
             "train on)")
         checkpointer.close()
-        raise Finished({"already_finished": True, "steps": steps, "test_acc": r["test_acc"]}, restored.state)
+        raise Finished({"already_finished": True, "steps": steps, "test_acc": r["test_acc"],
+                        "test_loss": r["test_loss"], "params_digest": params_digest(restored.state.params)},
+                       restored.state)
     changed = [f"{k} {restored.settings.get(k)!r} -> {run.settings[k]!r}" for k in (*FREE_SETTINGS, *program())
                if k in restored.settings and restored.settings[k] != run.settings[k]]  # a newer setting: no change
     say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})"

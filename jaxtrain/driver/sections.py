@@ -67,8 +67,9 @@ class Compute:
     """How its operations are computed: the fused kernels and the convolutions."""
 
     kernels: str = _field("jnp", "jnp (XLA fuses the ops), or pallas: the fused Pallas kernels of jaxtrain.kernels "
-                                 "for the train loss's softmax cross-entropy and the ViT's layer norms (Triton on "
-                                 "GPUs; interpret mode on CPUs, slow there; docs/kernels.md)", choices=KERNELS)
+                                 "for the image models' train loss (softmax cross-entropy) and the ViT's layer "
+                                 "norms, not the GPT's (Triton on GPUs; interpret mode on CPUs, slow there; "
+                                 "docs/kernels.md)", choices=KERNELS)
     conv: str = _field("auto", "the models' convolutions: auto (oneDNN's on a CPU where they build, else XLA's), "
                                "xla, or onednn (f32 NHWC convs on CPUs; docs/performance.md, \"oneDNN "
                                "convolutions\")", choices=CONVS)

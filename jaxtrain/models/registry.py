@@ -10,7 +10,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from jaxtrain.choices import KJV
+from jaxtrain.choices import INT8_AFTER_TRAINING, KJV
 from jaxtrain.models.model import IMAGE_SHAPE, LanguageModel, Model, Stack, Stacked, Student
 
 
@@ -99,8 +99,10 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
         raise ConfigError(f"model {name} has no init {init!r}: choose one of {', '.join(inits)}")
     shape = dict(input_shape=tuple(input_shape), num_classes=num_classes)
     if quantize != "none" and (quantize, name) != ("int8", "lenet"):
+        after = ("post-training int8 with python -m experiments.quantize" if name in INT8_AFTER_TRAINING else
+                 f"nor post-training int8, which covers {' and '.join(INT8_AFTER_TRAINING)}")
         raise ConfigError(f"{named('quantize', quantize)}: quantisation-aware training covers int8 for lenet only "
-                          f"(model {name}: post-training int8 with python -m experiments.quantize)")
+                          f"(model {name}: {after})")
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
     if name in LANGUAGE_MODELS:
