@@ -234,7 +234,8 @@ def test_quantisation_aware_training_is_refused_where_not_built():
     """It names the post-training way where there is one (a new user was sent to experiments.quantize with a GPT,
     which it refuses)."""
     with pytest.raises(ConfigError, match=r"quantize=int8: quantisation-aware training covers int8 for lenet only "
-                                          r"\(model resnet18: post-training int8 with python -m experiments.quantize\)"):
+                                          r"\(model resnet18: post-training int8 with python -m "
+                                          r"experiments.quantize\)"):
         models.get("resnet18", quantize="int8")
     with pytest.raises(ConfigError, match=r"\(model gpt: nor post-training int8, which covers lenet and resnet18\)"):
         models.get("gpt", quantize="int8")
