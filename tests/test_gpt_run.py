@@ -230,6 +230,8 @@ def test_each_process_reads_its_rows_of_each_window_batch_and_every_window_once_
     (["--dataset", "fashion_mnist"], "--model gpt with --dataset fashion_mnist: a language model trains on text"),
     (["--seq-len", "4000"], "a window of --seq-len 4000 needs 8000 (seq_len + 1 at any shift)"),
     (["--tokenizer", "missing.json"], "--tokenizer missing.json: not bpe or bytes, and no such file"),
+    (["--tokenizer", "tests"], "--tokenizer tests: not bpe or bytes, and a directory (give the path of a "
+                               "tokenizer.json)"),  # a new user's finding: it said "no such file"
 ])
 def test_bad_settings_are_one_line_with_exit_2(tmp_path, corpus, args, says):
     run = run_cli(*GPT, "--dataset", f"text:{corpus}", *args, "--max-steps", "1", "--out", str(tmp_path / "o"))

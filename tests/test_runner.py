@@ -391,6 +391,9 @@ def test_a_run_config_takes_its_fields_by_name_or_in_order_and_checks_each_first
     assert RunConfig("resnet18", 2) == RunConfig(model="resnet18", devices=2)
     with pytest.raises(TypeError, match="each once"):
         RunConfig("lenet", model="vit")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'batchsize' \(did you mean "
+                                        r"'batch_size'\?\), 'zzz'$"):
+        RunConfig(batchsize=3, zzz=1)
     with pytest.raises(jt.ConfigError, match="lr=-1: expected a number > 0.0"):  # a field's own check first
         RunConfig(dataset="bogus", lr=-1)
     with pytest.raises(jt.ConfigError, match="epochs=0"):

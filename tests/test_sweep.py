@@ -83,6 +83,18 @@ def test_the_trial_and_best_command_lines_are_the_clis_own(tmp_path):
                                                                                     "--out", str(tmp_path)]
 
 
+def test_the_console_command_is_the_sweeps_own_and_its_runs_are_checked_as_jaxtrains():
+    """A new user's finding: `-- jaxtrain lenet ...` failed with "command not found: jaxtrain" unless the venv was
+    activated (`-- python` was already the sweep's own interpreter)."""
+    cmd = T.Command.parse(["jaxtrain", "lenet", "--epochs", "3"], ["lr"])
+    assert cmd.argv == (sys.executable, "-m", "jaxtrain.cli", "--model", "lenet", "--epochs", "3")
+    assert cmd.model == "lenet" and cmd.best_line({"lr": 0.05}) == ("python -m jaxtrain.cli --model lenet --epochs 3 "
+                                                                   "--lr 0.05")
+    assert T.Command.parse(["jaxtrain", "train", "--model", "vit"], ["lr"]).model == "vit"
+    with pytest.raises(ConfigError, match="the command sets --lr, which --param sweeps"):  # checked as a run's flags
+        T.Command.parse(["jaxtrain", "lenet", "--lr", "0.1"], ["lr"])
+
+
 FAKE_RUN = textwrap.dedent("""
     import json, pathlib, sys, time
     out = pathlib.Path(sys.argv[sys.argv.index("--out") + 1])

@@ -122,9 +122,10 @@ def _read_text(files) -> str:
                 raise UnicodeError("NUL bytes")
             documents.append(data.decode("utf-8"))
         except UnicodeError as e:
-            why = f"byte {e.start} is not UTF-8" if isinstance(e, UnicodeDecodeError) else str(e)
-            raise ConfigError(f"{file}: a binary file, not UTF-8 text ({why}): convert it to UTF-8 or remove it"
-                              ) from None
+            if b"\0" in data:  # NUL bytes: no text encoding has them
+                raise ConfigError(f"{file}: a binary file, not UTF-8 text (it holds NUL bytes): remove it") from None
+            raise ConfigError(f"{file}: not UTF-8 text (byte {e.start} is not UTF-8; another encoding, such as "
+                              f"Latin-1?): convert it to UTF-8 (iconv -f latin1 -t utf-8) or remove it") from None
     return "\n\n".join(documents)
 
 

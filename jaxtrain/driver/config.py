@@ -13,6 +13,7 @@ metadata holds its flag's help and its check; a bad value is a ``ConfigError`` n
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import math
 import numbers
@@ -153,7 +154,9 @@ def with_recipe(given: dict) -> dict:
     or dataset is a ConfigError here."""
     unknown = sorted(set(given) - set(FIELDS))
     if unknown:
-        raise TypeError(f"RunConfig got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+        near = {k: difflib.get_close_matches(k, FIELDS, n=1) for k in unknown}  # batchsize: batch_size
+        words = [f"{k!r}" + (f" (did you mean {near[k][0]!r}?)" if near[k] else "") for k in unknown]
+        raise TypeError(f"RunConfig got unexpected keyword argument(s) {', '.join(words)}")
     given = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in given.items()}  # out=Path(...)
     steps = given.get("steps_per_call", "auto")  # RunConfig(steps_per_call=8) too
     if isinstance(steps, int) and not isinstance(steps, bool):
@@ -227,9 +230,9 @@ def with_recipe(given: dict) -> dict:
     if given.get("augment") is None:
         given["augment"] = recipe.folder_augment if folder else "none"
     if text and given.get("tokenizer") not in TOKENIZERS and not Path(given["tokenizer"]).expanduser().is_file():
-        raise ConfigError(f"{named('tokenizer', given['tokenizer'])}: not {' or '.join(TOKENIZERS)}, and no such "
-                          "file (give "
-                          "the path of a tokenizer.json)")
+        what = "a directory" if Path(given["tokenizer"]).expanduser().is_dir() else "no such file"
+        raise ConfigError(f"{named('tokenizer', given['tokenizer'])}: not {' or '.join(TOKENIZERS)}, and {what} "
+                          "(give the path of a tokenizer.json)")
     if folder and given.get("image_size") is None:
         given["image_size"] = recipe.image_size
     return given

@@ -41,8 +41,9 @@ def claim_out_dir(out: str | None, name: str, resume: bool) -> tuple[Path, DirLo
     with room for its files; another run's results there are kept unless the run resumes."""
     out_dir = make_out_dir(out, name)
     if not resume and holds_results(out_dir):
-        raise ConfigError(f"{named('out', out_dir)} holds another run's results: pass a new {named('out')} (or "
-                          f"continue that run with {named('resume', True)} and its {named('checkpoint_dir')})")
+        raise ConfigError(f"{named('out', out_dir)} holds another run's results: pass a new {named('out')} (or, "
+                          f"where that run saved checkpoints, continue it with {named('resume', True)} and its "
+                          f"{named('checkpoint_dir')})")
     lock = DirLock(out_dir, named("out")).acquire()
     ensure_room(out_dir, 2**20, "metrics, summary and curves", named("out"))
     return out_dir, lock

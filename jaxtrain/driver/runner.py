@@ -167,7 +167,9 @@ def summarise(run: Run, trained: Trained) -> dict:
                   f"{summary['tokens_per_sec']:,.0f} tokens/s")
     else:
         result = f"test acc {history[-1].test_acc:.2f}"
-    say(f"{result}, {summary['sec_per_epoch']:.1f} sec/epoch on {len(run.devices)} "
+    projected = (f" (projected from {summary['steps']} steps)" if summary["steps"] < trained.steps_per_epoch
+                 else "")  # --max-steps inside the first epoch: its rate, not an epoch timed
+    say(f"{result}, {summary['sec_per_epoch']:.1f} sec/epoch{projected} on {len(run.devices)} "
         f"device{plural} ({platform}){utilisation_words(summary)}"
         f"{not_learning(history, first_loss, run.model.num_classes)}")
     if jax.process_count() > 1:  # every process vouches for the same result

@@ -123,6 +123,11 @@ class Command:
         argv = tuple(argv)
         if argv[0] in ("python", "python3"):  # the sweep's own interpreter (its venv), as the user meant
             argv = (sys.executable, *argv[1:])
+        elif argv[0] == "jaxtrain":  # the console command, the sweep's own (its venv's, on PATH or not)
+            recipe = argv[1] if len(argv) > 1 and argv[1] in cli.RUNS.values() else None
+            argv = ((sys.executable, "-m", "jaxtrain.cli", "--model", recipe, *argv[2:]) if recipe else
+                    (sys.executable, "-m", "jaxtrain.cli", *argv[2:]) if argv[1:2] == ("train",) else
+                    (sys.executable, "-m", "jaxtrain", *argv[1:]))
         if shutil.which(argv[0]) is None:  # before any trial is made
             raise ConfigError(f"command not found: {argv[0]} (give a program on PATH or a path to an executable "
                               "file after --)")
