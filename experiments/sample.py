@@ -30,7 +30,7 @@ def main(argv=None) -> int:
                                 formatter_class=DefaultsOnce, allow_abbrev=False)
     p.add_argument("run_dir", help="a finished language-model run's --out directory (model/, model.json, "
                                    "tokenizer.json)")
-    p.add_argument("--prompt", type=_prompt, default="\n", help="the text to go on from (default: a new line; at "
+    p.add_argument("--prompt", type=_prompt, help="the text to go on from (default: a new line; at "
                                                                 "most half the model's context is kept: its end)")
     p.add_argument("--tokens", type=whole_number(1), default=100,
                    help="new tokens to sample (the text stops at the model's context, --seq-len tokens)")
@@ -57,7 +57,8 @@ def main(argv=None) -> int:
                           "finishes); train it again")
     _, params, _ = export.load(args.run_dir)
     tokenizer = text.load_tokenizer(tokenizer_file)
-    for sample in language.samples(model, params, tokenizer, [args.prompt] * args.samples, args.tokens,
+    prompt = "\n" if args.prompt is None else args.prompt
+    for sample in language.samples(model, params, tokenizer, [prompt] * args.samples, args.tokens,
                                    seed=args.seed, temperature=args.temperature,
                                    top_k=None if args.temperature == 0 else min(args.top_k, model.num_classes)):
         print(sample)

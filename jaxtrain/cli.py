@@ -144,10 +144,11 @@ def _flag_type(f: dataclasses.Field):
 
 
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """--help's defaults, once: none added where a flag's help says its own, is None, or is a switch's False."""
+    """--help's defaults, each said once: none added for None (the flag's help says what it means: "default:
+    mini") or a switch's False; a value is (a model's recipe: "the model's recipe) (default: 10")."""
 
     def _get_help_string(self, action):
-        if "(default" in (action.help or "") or action.default is None or action.default is False:
+        if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
 

@@ -158,6 +158,7 @@ def test_help_explains_every_flag():
     out = run_cli(*LENET, "--help")
     assert out.returncode == 0
     assert "(default: None)" not in out.stdout and "(default: mini) (default" not in out.stdout  # each said once
+    assert "(default: 10)" in out.stdout  # the recipe's epochs, where the flag's help says "the model's recipe"
     for flag in ("--devices", "--epochs", "--batch-size", "--lr", "--seed", "--dataset", "--data-dir", "--out",
                  "--max-steps", "--strategy", "--param-sharding", "--mesh"):
         assert flag in out.stdout

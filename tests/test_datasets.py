@@ -336,6 +336,9 @@ def test_a_tfds_dir_that_is_a_file_and_missing_files_are_one_line_with_the_way_f
 def test_a_download_that_cannot_connect_is_refused_at_once_naming_the_hosts(tmp_path, monkeypatch):
     """A new user's finding: offline, `--dataset mnist` waited over a minute on TFDS's ten retries of each file
     before its error. The hosts (or the proxy the environment names) are tried first, once each."""
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):  # this machine's own, if any
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
     with socket.socket() as server, socket.socket() as gone:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -344,10 +347,11 @@ def test_a_download_that_cannot_connect_is_refused_at_once_naming_the_hosts(tmp_
         up, down = f"http://127.0.0.1:{port}/file", f"http://127.0.0.1:{refused}/file"
         assert sources.unreachable([down]) == f"no connection to 127.0.0.1:{refused}: Connection refused"
         assert sources.unreachable([down, up]) is None
-        monkeypatch.delenv("no_proxy", raising=False)
-        monkeypatch.delenv("NO_PROXY", raising=False)
         monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
         assert sources.unreachable(["http://nowhere.invalid/file"]) is None  # through the proxy
+        monkeypatch.delenv("http_proxy")
+        monkeypatch.setenv("all_proxy", f"http://127.0.0.1:{port}")  # requests takes it for every scheme
+        assert sources.unreachable(["https://nowhere.invalid/file"]) is None
 
     def offline(address, timeout=None):
         raise OSError(101, "Network is unreachable")
@@ -357,3 +361,24 @@ def test_a_download_that_cannot_connect_is_refused_at_once_naming_the_hosts(tmp_
                                           r"to [^)]*Network is unreachable\); pass data_dir=") as e:
         sources.data_source("mnist", "train", tfds_dir=tmp_path / "tfds")
     assert "\n" not in str(e.value)
+
+
+def test_files_tfds_has_downloaded_already_are_prepared_from_without_trying_the_hosts(tmp_path):
+    """The review's finding: a cache of TFDS's downloads (a prepare cut short, a copy on a node offline) was
+    refused offline, where TFDS prepares from it with no network."""
+    import tensorflow_datasets as tfds
+    from tensorflow_datasets.core.download import resource
+
+    builder = tfds.builder("mnist", data_dir=tmp_path / "tfds")
+    assert not sources._downloaded(builder)
+    where = tmp_path / "tfds" / "downloads"
+    (where / "mnist").mkdir(parents=True)
+    files = [where / ("mnist" if i % 2 else "") / resource.get_dl_fname(url, info.checksum)  # TFDS's two places
+             for i, (url, info) in enumerate(builder.url_infos.items())]
+    for file in files[:-1]:
+        file.write_bytes(b"x")
+        resource.get_info_path(file).write_text("{}")
+    assert not sources._downloaded(builder)  # one file missing: the hosts are tried
+    files[-1].write_bytes(b"x")
+    resource.get_info_path(files[-1]).write_text("{}")
+    assert sources._downloaded(builder)

@@ -78,8 +78,12 @@ def test_a_bad_value_is_a_config_error_naming_the_field(changes, says):
 def test_numbers_and_paths_of_other_types_that_mean_the_same_are_taken_as_the_settings_type(tmp_path):
     import numpy as np
 
-    c = RunConfig(lr=1, epochs=np.int64(2), out=tmp_path / "a", steps_per_call=8)
-    assert (c.lr, c.epochs, c.out, c.steps_per_call) == (1, 2, str(tmp_path / "a"), "8")
+    c = RunConfig(lr=np.float32(0.5), epochs=np.int64(2), out=tmp_path / "a", steps_per_call=8)
+    assert (c.lr, c.epochs, c.out, c.steps_per_call) == (0.5, 2, str(tmp_path / "a"), "8")
+    assert (type(c.lr), type(c.epochs)) == (float, int)  # Python's: the run writes them to JSON
+    assert RunConfig(lr=1).lr == 1
+    with pytest.raises(jt.ConfigError, match="lr=inf: expected a finite number"):
+        RunConfig(lr=np.float32("inf"))
 
 
 def test_a_bad_flag_value_is_one_line_on_stderr_with_exit_2(capsys):
@@ -464,3 +468,14 @@ def test_a_finished_run_resumed_from_python_returns_its_digest_and_test_numbers(
     assert again["already_finished"] and again["steps"] == first["steps"] == 2
     assert (again["params_digest"], again["test_acc"]) == (first["params_digest"], first["test_acc"])
     assert again["test_loss"] == pytest.approx(first["test_loss"], rel=1e-6)
+
+
+@needs_fashion_mnist
+def test_a_run_warns_of_a_mesh_axis_nothing_uses_once(capsys):
+    """A new user's finding: a run said it twice (the steps made only to check the settings said it too)."""
+    from jaxtrain.driver.build import build
+
+    with cli.library_log():
+        run = build(RunConfig("lenet", devices=2, mesh={"model": 2}, train_subset=256, test_subset=256))
+        run.loaders["train"].close(), run.loaders["test"].close()
+    assert capsys.readouterr().err.count("mesh axis 'model' (2 devices) is used by no parameter rule") == 1

@@ -83,6 +83,18 @@ def test_the_trial_and_best_command_lines_are_the_clis_own(tmp_path):
                                                                                     "--out", str(tmp_path)]
 
 
+def test_a_swept_value_is_checked_with_the_commands_own_settings():
+    """A distillation's alpha is swept where the command has --teacher (it was refused when each value was checked
+    alone: alpha needs a teacher), and refused before any trial where it has none."""
+    teacher = T.Command.parse(["python", "-m", "jaxtrain.cli", "--model", "lenet", "--teacher", "runs/t"], ["alpha"])
+    teacher.check_param(T.parse_param("alpha=float:0.1:0.9"))
+    plain = T.Command.parse(["python", "-m", "experiments.lenet"], ["alpha"])
+    with pytest.raises(ConfigError, match=r"--param 'alpha=float:0.1:0.9' with the command's settings: alpha=0.1: "
+                                          r"distillation's, with teacher=RUN_DIR"):
+        plain.check_param(T.parse_param("alpha=float:0.1:0.9"))
+    T.Command.parse(["python", "train.py"], ["alpha"]).check_param(T.parse_param("alpha=float:0.1:0.9"))  # not ours
+
+
 def test_the_console_command_is_the_sweeps_own_and_its_runs_are_checked_as_jaxtrains():
     """A new user's finding: `-- jaxtrain lenet ...` failed with "command not found: jaxtrain" unless the venv was
     activated (`-- python` was already the sweep's own interpreter)."""

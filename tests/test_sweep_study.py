@@ -50,6 +50,9 @@ FAKE_TRIAL = textwrap.dedent("""
     if str(number) in os.environ.get("FAKE_FAIL", "").split(",") or os.environ.get("FAKE_FAIL") == "all":
         print("ModuleNotFoundError: No module named 'experiments'")
         sys.exit(1)
+    if number < int(os.environ.get("FAKE_OOM_BELOW", "0")):  # each trial's own error: its own size's OOM
+        print(f"RESOURCE_EXHAUSTED: Out of memory allocating {number * 1000 + 7} bytes")
+        sys.exit(1)
     if os.environ.get("FAKE_TRACK_FAILS"):
         (out / "track.json").write_text(json.dumps({"failed": "--track mlflow: OperationalError: disk I/O error"}))
     (out / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "test_acc": lr}) + "\\n")
@@ -146,9 +149,10 @@ def test_trials_failing_one_after_another_stop_the_sweep_and_one_that_succeeds_b
     """A new user's finding: a trial command that could not start (run from another folder: "No module named
     'experiments'", exit 1) failed every trial, and the sweep drew 3,895 of them in 14 minutes."""
     monkeypatch.setenv("FAKE_FAIL", "all")
-    with pytest.raises(ConfigError, match=r"the last 3 trials failed, one after another \(trial 2: exit code 1: .*No "
-                                          r"module named 'experiments'.*\): mend the command \(or give --max-failures "
-                                          r"more\), then run the same sweep again to go on") as e:
+    with pytest.raises(ConfigError, match=r"the last 3 trials failed, one after another, with the same error \(trial "
+                                          r"2: exit code 1: .*No module named 'experiments'.*\): mend the command "
+                                          r"\(or give --max-failures more\), then run the same sweep again to go on"
+                       ) as e:
         sweep("f", f"sqlite:///{tmp_path}/s.db", ["lr=log:1e-3:1"], 20, command=fake, say=quiet)
     assert _states(tmp_path / "s.db") == ["FAIL"] * 3 and "\n" not in str(e.value)
     monkeypatch.setenv("FAKE_FAIL", "0,1,3,4")  # a trial that ends between failures: the count starts again
@@ -157,6 +161,12 @@ def test_trials_failing_one_after_another_stop_the_sweep_and_one_that_succeeds_b
     monkeypatch.setenv("FAKE_FAIL", "0,1,2,3")
     s = sweep("never", f"sqlite:///{tmp_path}/n.db", ["lr=log:1e-3:1"], 1, command=fake, say=quiet, max_failures=0)
     assert "".join(t.state.name[0] for t in s.trials) == "FFFFC"  # 0: failures never stop it
+    monkeypatch.setenv("FAKE_FAIL", "")
+    monkeypatch.setenv("FAKE_OOM_BELOW", "4")  # failures that differ (each its own size's OOM) do not stop it
+    s = sweep("oom", f"sqlite:///{tmp_path}/o.db", ["lr=log:1e-3:1"], 1, command=fake, say=quiet)
+    assert "".join(t.state.name[0] for t in s.trials) == "FFFFC"
+    with pytest.raises(ConfigError, match="max_failures=-1: expected a whole number >= 0"):
+        sweep("neg", f"sqlite:///{tmp_path}/o.db", ["lr=log:1e-3:1"], 1, command=fake, say=quiet, max_failures=-1)
 
 
 def test_a_usage_error_of_a_trial_stops_the_sweep(tmp_path):

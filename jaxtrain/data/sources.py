@@ -139,7 +139,8 @@ def data_source(name: str, split: str, *, data_dir: str | os.PathLike | None = N
                  f"no {named('data_dir')} given")
         if not download:
             raise ConfigError(f"dataset {name} not found ({where}, no prepared TFDS copy); {fmt.how_to_get(name)}")
-        if blocked := unreachable([*(builder.url_infos or ()), "https://storage.googleapis.com"]):
+        if not _downloaded(builder) and (blocked := unreachable([*(builder.url_infos or ()),
+                                                                   "https://storage.googleapis.com"])):
             raise ConfigError(f"dataset {name} not found ({where}) and TFDS cannot download it ({blocked}); "
                               f"{fmt.how_to_get(name, download=False)}")
         try:
@@ -148,6 +149,22 @@ def data_source(name: str, split: str, *, data_dir: str | os.PathLike | None = N
             raise ConfigError(f"dataset {name} not found ({where}) and TFDS could not download it "
                               f"({type(e).__name__}); {fmt.how_to_get(name, download=False)}") from None
     return builder.as_data_source(split=split, file_format="array_record")
+
+
+def _downloaded(builder) -> bool:
+    """Whether TFDS's download cache (``TFDS_DIR/downloads``) holds every file ``builder`` downloads: it prepares
+    from them with no network (a prepare cut short, a cache copied to a node offline)."""
+    from etils import epath
+    from tensorflow_datasets.core.download import resource
+
+    try:
+        where = epath.Path(builder.data_dir_root) / "downloads"  # TFDS's place for them, or its older one
+        return bool(builder.url_infos) and all(
+            any(resource.is_locally_cached(place / resource.get_dl_fname(url, info.checksum))
+                for place in (where / builder.name, where))
+            for url, info in builder.url_infos.items())
+    except Exception:  # noqa: BLE001 - TFDS's cache layout unreadable here: the hosts are tried, as without one
+        return False
 
 
 def unreachable(urls, timeout: float = 5.0) -> str | None:
@@ -168,7 +185,8 @@ def unreachable(urls, timeout: float = 5.0) -> str | None:
 def _connects_to(url: str) -> tuple[str, int]:
     """(host, port) a download of ``url`` connects to: its proxy's, where the environment names one."""
     parts = urllib.parse.urlsplit(url)
-    proxy = urllib.request.getproxies().get(parts.scheme)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")  # requests takes ALL_PROXY too
     if proxy and not urllib.request.proxy_bypass(parts.hostname):
         parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
     return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)

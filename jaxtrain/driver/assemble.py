@@ -73,8 +73,8 @@ def steps(net: Network, opt: Optim, par: Parallel, mesh, m: models.Model, update
     return trainer, make_eval_step(trainer.eval_fn(stack.head_eval_fn), mesh=mesh)
 
 
-def placed(opt: Optim, m: models.Model, trainer: Trainer) -> tuple[dict, int]:
+def placed(opt: Optim, m: models.Model, trainer: Trainer, say: bool = True) -> tuple[dict, int]:
     """(where each parameter goes, a call's global batch): a ConfigError if the sharding or the batch size does
-    not fit."""
-    layout = trainer.layout(jax.eval_shape(m.init, jax.random.key(opt.seed))[0])
+    not fit. ``say``: its warnings (``Trainer.plan``); not for steps made only to check the settings."""
+    layout = trainer.layout(jax.eval_shape(m.init, jax.random.key(opt.seed))[0], say)
     return layout, trainer.batch_plan.call_batch(opt.batch_size)  # multisteps: one call per micro-batch

@@ -91,7 +91,7 @@ def build(config: RunConfig, on_devices: Callable | None = None) -> Run:
     model = assemble.model(c.network, c.compute, shape, teacher, devices)
     check_model(c, model)
     checked = assemble.steps(c.network, c.optim, c.parallel, mesh, model, updates=0)[0]  # nothing compiled
-    assemble.placed(c.optim, model, checked)  # the steps' settings
+    assemble.placed(c.optim, model, checked, say=False)  # the steps' settings (warned of by the run's own steps)
     checkpointer = open_checkpoints(c.checkpoint)
     try:
         return _for_data(c, devices, mesh, teacher, shape, model, checkpointer)

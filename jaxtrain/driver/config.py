@@ -157,7 +157,7 @@ def with_recipe(given: dict) -> dict:
         near = {k: difflib.get_close_matches(k, FIELDS, n=1) for k in unknown}  # batchsize: batch_size
         words = [f"{k!r}" + (f" (did you mean {near[k][0]!r}?)" if near[k] else "") for k in unknown]
         raise TypeError(f"RunConfig got unexpected keyword argument(s) {', '.join(words)}")
-    given = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in given.items()}  # out=Path(...)
+    given = {k: _plain(v) for k, v in given.items()}
     steps = given.get("steps_per_call", "auto")  # RunConfig(steps_per_call=8) too
     if isinstance(steps, int) and not isinstance(steps, bool):
         given["steps_per_call"] = str(steps)
@@ -251,27 +251,44 @@ def check_values(values: dict) -> None:
     """Each field's own check (its type, its choices, ``>= minimum``, ``> above``, ``<= maximum``, finite, text not
     empty): a ConfigError naming the first bad one, in the fields' order."""
     for name in ORDER:
-        value, field = values[name], FIELDS[name][1]
-        meta = field.metadata
-        if value is None:
-            continue
-        if expected := _mistyped(value, field.type):
-            raise ConfigError(f"{named(name, repr(value))}: expected {expected}")
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, str) and not value.strip():
-            raise ConfigError(f"{named(name, repr(value))}: empty; "
-                              f"{meta['empty'] or 'give a value, or leave it out for its default'}")
-        if isinstance(value, float) and not math.isfinite(value):  # inf would pass "> 0", then diverge
-            raise ConfigError(f"{named(name, value)}: expected a finite number")
-        if meta["choices"] and value not in meta["choices"]:
-            raise ConfigError(f"{named(name, repr(value))}: not one of {', '.join(meta['choices'])}")
-        if meta["minimum"] is not None and not value >= meta["minimum"]:
-            raise ConfigError(f"{named(name, value)}: expected a number >= {meta['minimum']}")
-        if meta["above"] is not None and not value > meta["above"]:
-            raise ConfigError(f"{named(name, value)}: expected a number > {meta['above']}")
-        if meta["maximum"] is not None and not value <= meta["maximum"]:
-            raise ConfigError(f"{named(name, value)}: expected a number <= {meta['maximum']}")
+        check_value(name, values[name])
+
+
+def check_value(name: str, value) -> None:
+    """Setting ``name``'s own check of ``value`` (a ConfigError naming it), whatever the other settings are."""
+    field = FIELDS[name][1]
+    meta = field.metadata
+    if value is None:
+        return
+    if expected := _mistyped(value, field.type):
+        raise ConfigError(f"{named(name, repr(value))}: expected {expected}")
+    if isinstance(value, bool):
+        return
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(f"{named(name, repr(value))}: empty; "
+                          f"{meta['empty'] or 'give a value, or leave it out for its default'}")
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and not math.isfinite(value):
+        raise ConfigError(f"{named(name, value)}: expected a finite number")  # inf would pass "> 0", then diverge
+    if meta["choices"] and value not in meta["choices"]:
+        raise ConfigError(f"{named(name, repr(value))}: not one of {', '.join(meta['choices'])}")
+    if meta["minimum"] is not None and not value >= meta["minimum"]:
+        raise ConfigError(f"{named(name, value)}: expected a number >= {meta['minimum']}")
+    if meta["above"] is not None and not value > meta["above"]:
+        raise ConfigError(f"{named(name, value)}: expected a number > {meta['above']}")
+    if meta["maximum"] is not None and not value <= meta["maximum"]:
+        raise ConfigError(f"{named(name, value)}: expected a number <= {meta['maximum']}")
+
+
+def _plain(value):
+    """A path as its text (``out=Path(...)``), a NumPy number as Python's (``epochs=np.int64(3)``: what the run
+    writes to JSON), anything else as it is (checked next)."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
+        return float(value)
+    return value
 
 
 # A setting's annotation -> the Python types it takes, and how a message names them (a float takes an int too).

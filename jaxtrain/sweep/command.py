@@ -67,9 +67,9 @@ def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, b
     """Run ``study`` on to ``trials`` finished trials; the Optuna study. ``params``: ``--param`` specs (or
     trials.Param); the runs: ``command`` (argv) or ``base`` (a RunConfig, run as ``python -m jaxtrain.cli``);
     ``seed``: the sampler's (None: the study's own; a new study's is 0); ``max_failures`` trials failed one after
-    another stop the sweep with a ConfigError (0: never; they would all fail alike, a command that cannot start
-    ran forever). A signal (SIGINT, SIGTERM) stops the
-    running trials and raises ``trial_run.Interrupted``. Its lines (a trial each, the report) are logged
+    another with the same error stop the sweep with a ConfigError (0: never; a command that cannot start failed
+    every trial, forever). A signal (SIGINT, SIGTERM) stops the running trials and raises
+    ``trial_run.Interrupted``. Its lines (a trial each, the report) are logged
     (``jaxtrain.io.console``: shown unless the caller routes the ``jaxtrain`` logger), or given to ``say``."""
     import optuna
     import sqlalchemy.exc
@@ -80,13 +80,16 @@ def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, b
     say = say or log.info
     if (command is None) == (base is None):
         raise ConfigError("give the trials' command= (argv) or base= (a RunConfig), not both")
+    if not (isinstance(max_failures, int) and max_failures >= 0):
+        raise ConfigError(f"max_failures={max_failures!r}: expected a whole number >= 0 (0: never stop on failures)")
     if base is not None:
         command = [sys.executable, "-m", "jaxtrain.cli", *cli.to_argv(base, model_fixed=False)]
-    model = base.model if base is not None else None
-    params = [p if isinstance(p, T.Param) else T.parse_param(p, model or _model_of(command)) for p in params]
+    params = [p if isinstance(p, T.Param) else T.parse_param(p) for p in params]
     if len({p.name for p in params}) != len(params) or not params:
         raise ConfigError("--param: give each swept setting once (at least one)")
     cmd = T.Command.parse(command, [p.name for p in params])
+    for param in params:
+        cmd.check_param(param)
     cmd.check_objective(objective)
     folder = Path(out_dir) if out_dir else _default_dir(storage, study)
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own line per trial says what Optuna would
@@ -147,11 +150,6 @@ def _prepare_tracking(cmd, env: dict, study: str) -> None:
     except Exception as e:  # noqa: BLE001 - a view: the trials go on, each saying so in its log
         log.warning(f"--track mlflow: cannot prepare {uri} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                     "each trial will try on its own")
-
-
-def _model_of(command) -> str:
-    module = command[2] if len(command) > 2 and command[1] == "-m" else ""
-    return module.removeprefix("experiments.") if module.startswith("experiments.") else "lenet"
 
 
 def _default_dir(storage: str, study: str) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 from jaxtrain import cli, settings
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
-from jaxtrain.driver.config import RunConfig, flag
+from jaxtrain.driver.config import RunConfig, check_value, flag
 from jaxtrain.driver.sections import FIELDS as CONFIG_FIELDS
 
 # The numbers in a jaxtrain run's summary.json (report.run_summary; tests/test_sweep.py keeps the two alike)
@@ -53,7 +53,7 @@ class Param:
                                                 else ":".join(map(str, self.values)))
 
 
-def parse_param(text: str, model: str = "lenet") -> Param:
+def parse_param(text: str) -> Param:
     """``--param`` text -> Param, each value checked as RunConfig checks it (ConfigError: one line)."""
     name, eq, rest = text.partition("=")
     kind, _, args = rest.partition(":")
@@ -83,11 +83,9 @@ def parse_param(text: str, model: str = "lenet") -> Param:
         if not values[0] < values[1] or kind == "log" and values[0] <= 0:
             log = " and LO > 0 (log scale)" if kind == "log" else ""
             raise ConfigError(f"--param {text!r}: expected LO < HI{log}")
-    for v in values:  # RunConfig's own checks (choices, minimum) on each value
-        try:
-            folder = ({"dataset": "folder:."} if name in ("image_size", "val_fraction", "on_bad_image")
-                      else {})  # folders' own
-            RunConfig(model=model, **folder, **{name: v})
+    for v in values:  # the setting's own checks (choices, minimum) on each value; with the command's other
+        try:          # settings: Command.check_param
+            check_value(name, v)
         except ConfigError as e:
             raise ConfigError(f"--param {text!r}: {e}") from None
     return Param(name, kind, values)
@@ -149,6 +147,18 @@ class Command:
                 raise ConfigError("the command sets --checkpoint-dir, which every trial would share: leave it out "
                                   "(a trial whose sweep stops is run again from its start)")
         return command
+
+    def check_param(self, param: Param) -> None:
+        """Each of ``param``'s values with the command's own settings (a jaxtrain run's), as a trial would run it:
+        ``--param alpha=...`` needs the command's ``--teacher``, ``repeats`` its 'stage' axis (ConfigError: one
+        line, before any trial)."""
+        if self.model is None:
+            return
+        for v in param.values:
+            try:
+                self.config({param.name: v})
+            except ConfigError as e:
+                raise ConfigError(f"--param {param.spec()!r} with the command's settings: {e}") from None
 
     def check_objective(self, objective: str) -> None:
         """A jaxtrain run's ``objective`` must be a number of its summary.json (ConfigError: one line)."""

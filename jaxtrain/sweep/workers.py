@@ -4,7 +4,9 @@ One worker per ``--parallel`` slot (threads of the sweep; one worker runs
 in the calling thread). A trial ends complete, pruned (by the pruner, or
 diverged: a normal outcome of its settings, which the sampler learns from),
 or failed; the sweep goes on, until ``max_failures`` trials fail one after
-another. That, a usage error, a database error or a signal stops every
+another with the same error (a command that cannot start: OOMs of large
+settings differ, and a trial that ends between failures starts the count
+again). That, a usage error, a database error or a signal stops every
 worker: the trials they were running are stopped (the signal is forwarded
 once), marked failed and their settings queued again.
 """
@@ -72,7 +74,8 @@ class Workers:
     max_failures: int = 3  # trials failed in a row (this sweep's) that stop it; 0: never
     stopped: list = dataclasses.field(default_factory=list)  # trials a signal stopped (failed, queued again)
     running: set = dataclasses.field(default_factory=set)  # trials whose end is not stored yet
-    failed: list = dataclasses.field(default_factory=list)  # this sweep's failed trials since its last that ended
+    failed: list = dataclasses.field(default_factory=list)  # this sweep's last trials, failed alike, one after another
+    _counting: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def run(self, slots: list[dict]) -> None:
         """Run the workers, one per slot, to the budget; the first error of any worker is raised."""
@@ -102,9 +105,9 @@ class Workers:
         while not self.stop.signum:
             if self.max_failures and len(self.failed) >= self.max_failures:
                 t = self.failed[-1]
-                raise ConfigError(f"the last {len(self.failed)} trials failed, one after another (trial {t.number}: "
-                                  f"{t.user_attrs.get('failed', 'failed')}): mend the command (or give "
-                                  "--max-failures more), then run the same sweep again to go on")
+                raise ConfigError(f"the last {len(self.failed)} trials failed, one after another, with the same "
+                                  f"error (trial {t.number}: {t.user_attrs.get('failed', 'failed')}): mend the "
+                                  "command (or give --max-failures more), then run the same sweep again to go on")
             trial = S.claim(self.study, self.storage, self.trials)
             if trial is None:
                 return
@@ -144,7 +147,9 @@ class Workers:
             self._fail(trial)
             raise
         self.running.discard(trial.number)
-        self.failed = [*self.failed, ended] if ended.state == STATE.FAIL else []
+        with self._counting:  # the workers' threads end trials at once
+            alike = self.failed and _error(self.failed[-1]) == _error(ended)
+            self.failed = [] if ended.state != STATE.FAIL else [*self.failed, ended] if alike else [ended]
         self.say(self.line(ended))
 
     def _fail(self, trial) -> None:
@@ -188,3 +193,8 @@ class Workers:
                    if "track_failed" in t.user_attrs else "")
         return (f"[{n}/{self.trials}] trial {t.number} ({settings}): {result} in {t.user_attrs.get('sec', 0):.0f} s"
                 f"{best}{tracked}")
+
+
+def _error(trial) -> str:
+    """A failed trial's error, less where its log is (each trial has its own)."""
+    return trial.user_attrs.get("failed", "").split(" (log: ")[0]

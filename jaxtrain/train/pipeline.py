@@ -237,9 +237,9 @@ class PipelineTrainer(Trainer):
             return super()._maker(None, None, lambda r: (self._pipelined(first(init_fn(r))), {}))
         return super()._maker(None if params is None else self._pipelined(params), model_state, None)
 
-    def layout(self, params) -> dict:
+    def layout(self, params, say: bool = True) -> dict:
         """As ``Trainer.layout``, for params with ``[L, ...]`` stages leaves (arrays or shapes)."""
-        return super().layout(jax.eval_shape(self._pipelined, params))
+        return super().layout(jax.eval_shape(self._pipelined, params), say)
 
     @property
     def pipeline_layout(self) -> dict:

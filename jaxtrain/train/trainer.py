@@ -62,14 +62,16 @@ class Trainer:
         """A global batch (numpy or jax arrays), checked and placed on the mesh."""
         return self.batch_plan.shard(batch)
 
-    def plan(self, state) -> Plan:
+    def plan(self, state, say: bool = True) -> Plan:
         """Where ``state`` (arrays or shapes) lives and the strategy that runs it; a ConfigError, before anything
-        compiles, if a rule does not fit these parameters or the strategy cannot run the sharding."""
+        compiles, if a rule does not fit these parameters or the strategy cannot run the sharding. ``say``: warn
+        of a mesh axis nothing uses (once; not for a step made only to check the settings)."""
         key = jax.tree.structure(state)
         if key not in self._plans:
             self._plans[key] = self.batch_plan.for_state(state, strategy=self.strategy, tx=self.tx,
                                                          param_sharding=self.param_sharding, model_axes=self.model_axes)
-            self._say_idle_axes(self._plans[key])
+            if say:
+                self._say_idle_axes(self._plans[key])
         return self._plans[key]
 
     def _say_idle_axes(self, plan: Plan) -> None:
@@ -84,10 +86,10 @@ class Trainer:
                         f"the same thing; give them to 'data' (mesh data=N) or use a param_sharding that splits over "
                         f"{axis!r}")
 
-    def layout(self, params) -> dict:
+    def layout(self, params, say: bool = True) -> dict:
         """Where each parameter goes (``params``: arrays or shapes):
-        ``{"sharded": {name: spec}, "replicated": [...]}``."""
-        return self.plan(jax.eval_shape(self._fresh, params, None, jax.random.key(0))).describe()
+        ``{"sharded": {name: spec}, "replicated": [...]}``; ``say``: as ``plan``'s."""
+        return self.plan(jax.eval_shape(self._fresh, params, None, jax.random.key(0)), say).describe()
 
     def _fresh(self, params, model_state, rng) -> TrainState:
         params = prec.cast_floats(params, self.policy.param_dtype)
