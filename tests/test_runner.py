@@ -81,6 +81,11 @@ def test_numbers_and_paths_of_other_types_that_mean_the_same_are_taken_as_the_se
     c = RunConfig(lr=np.float32(0.5), epochs=np.int64(2), out=tmp_path / "a", steps_per_call=8)
     assert (c.lr, c.epochs, c.out, c.steps_per_call) == (0.5, 2, str(tmp_path / "a"), "8")
     assert (type(c.lr), type(c.epochs)) == (float, int)  # Python's: the run writes them to JSON
+    c = RunConfig(summary=np.True_, devices=2, mesh={"data": np.int64(2)}, weight_decay=np.float64(0.1))
+    assert (c.summary, c.mesh, c.weight_decay) == (True, {"data": 2}, 0.1)
+    assert (type(c.summary), type(c.mesh["data"]), type(c.weight_decay)) == (bool, int, float)
+    with pytest.raises(jt.ConfigError, match=r"^epochs=True: expected a whole number"):  # a switch is no count
+        RunConfig(epochs=np.True_)
     assert RunConfig(lr=1).lr == 1
     with pytest.raises(jt.ConfigError, match="lr=inf: expected a finite number"):
         RunConfig(lr=np.float32("inf"))
@@ -479,3 +484,21 @@ def test_a_run_warns_of_a_mesh_axis_nothing_uses_once(capsys):
         run = build(RunConfig("lenet", devices=2, mesh={"model": 2}, train_subset=256, test_subset=256))
         run.loaders["train"].close(), run.loaders["test"].close()
     assert capsys.readouterr().err.count("mesh axis 'model' (2 devices) is used by no parameter rule") == 1
+
+
+@needs_fashion_mnist
+@pytest.mark.parametrize("max_steps, says", [(3, " (projected from 1 step) on"), (4, " on")])
+def test_a_rate_from_an_epoch_cut_short_is_said_to_be_projected(caplog, max_steps, says):
+    """A new user read a --max-steps run's sec/epoch as an epoch timed; the review: an epoch cut short after the
+    first (whose rate alone is timed) too."""
+    from jaxtrain.driver.build import build
+    from jaxtrain.driver.runner import train
+
+    caplog.set_level(logging.INFO, logger="jaxtrain")
+    run = build(RunConfig("lenet", devices=2, epochs=2, max_steps=max_steps, train_subset=512, test_subset=256))
+    try:
+        train(run, outputs=[])  # 2 steps an epoch: the second epoch cut short at step 3, or whole at 4
+    finally:
+        run.loaders["train"].close(), run.loaders["test"].close()
+    (line,) = [r.getMessage() for r in caplog.records if "sec/epoch" in r.getMessage()]
+    assert re.search(r"sec/epoch" + re.escape(says) + " 2 devices", line), line

@@ -93,6 +93,13 @@ def test_a_swept_value_is_checked_with_the_commands_own_settings():
                                           r"distillation's, with teacher=RUN_DIR"):
         plain.check_param(T.parse_param("alpha=float:0.1:0.9"))
     T.Command.parse(["python", "train.py"], ["alpha"]).check_param(T.parse_param("alpha=float:0.1:0.9"))  # not ours
+    # a value that needs another swept setting's (the review's finding: image_size with a swept folder dataset)
+    folders = T.parse_param("dataset=choice:folder:/a,folder:/b")
+    sizes = T.parse_param("image_size=int:28:64")
+    plain.check_param(sizes, [folders, sizes])
+    with pytest.raises(ConfigError, match=r"image_size=int:28:64.* with the command.s settings: image_size= is "
+                                          r"for image folders"):
+        plain.check_param(sizes, [sizes])
 
 
 def test_the_console_command_is_the_sweeps_own_and_its_runs_are_checked_as_jaxtrains():
@@ -103,6 +110,12 @@ def test_the_console_command_is_the_sweeps_own_and_its_runs_are_checked_as_jaxtr
     assert cmd.model == "lenet" and cmd.best_line({"lr": 0.05}) == ("python -m jaxtrain.cli --model lenet --epochs 3 "
                                                                    "--lr 0.05")
     assert T.Command.parse(["jaxtrain", "train", "--model", "vit"], ["lr"]).model == "vit"
+    assert T.Command.parse(["python", "-m", "jaxtrain", "lenet"], ["lr"]).argv == cmd.argv[:5]  # the same run
+    for argv, says in ((["jaxtrain"], "the command jaxtrain : not a training run; give jaxtrain RECIPE"),
+                       (["jaxtrain", "gpu-plan"], "the command jaxtrain gpu-plan: not a training run"),
+                       (["jaxtrain", "lenet", "--model", "vit"], "its recipe is the model; drop --model")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            T.Command.parse(argv, ["lr"])
     with pytest.raises(ConfigError, match="the command sets --lr, which --param sweeps"):  # checked as a run's flags
         T.Command.parse(["jaxtrain", "lenet", "--lr", "0.1"], ["lr"])
 

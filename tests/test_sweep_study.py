@@ -53,6 +53,9 @@ FAKE_TRIAL = textwrap.dedent("""
     if number < int(os.environ.get("FAKE_OOM_BELOW", "0")):  # each trial's own error: its own size's OOM
         print(f"RESOURCE_EXHAUSTED: Out of memory allocating {number * 1000 + 7} bytes")
         sys.exit(1)
+    if os.environ.get("FAKE_FAIL_IN_OUT"):  # the same error, naming the trial's own folder
+        print(f"PermissionError: [Errno 13] Permission denied: '{out}/model'")
+        sys.exit(1)
     if os.environ.get("FAKE_TRACK_FAILS"):
         (out / "track.json").write_text(json.dumps({"failed": "--track mlflow: OperationalError: disk I/O error"}))
     (out / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "test_acc": lr}) + "\\n")
@@ -165,8 +168,14 @@ def test_trials_failing_one_after_another_stop_the_sweep_and_one_that_succeeds_b
     monkeypatch.setenv("FAKE_OOM_BELOW", "4")  # failures that differ (each its own size's OOM) do not stop it
     s = sweep("oom", f"sqlite:///{tmp_path}/o.db", ["lr=log:1e-3:1"], 1, command=fake, say=quiet)
     assert "".join(t.state.name[0] for t in s.trials) == "FFFFC"
-    with pytest.raises(ConfigError, match="max_failures=-1: expected a whole number >= 0"):
-        sweep("neg", f"sqlite:///{tmp_path}/o.db", ["lr=log:1e-3:1"], 1, command=fake, say=quiet, max_failures=-1)
+    monkeypatch.setenv("FAKE_OOM_BELOW", "0")
+    monkeypatch.setenv("FAKE_FAIL_IN_OUT", "1")  # alike but for the trial's folder: alike
+    with pytest.raises(ConfigError, match=r"the last 3 trials failed.* Permission denied: '.*/trial-0002/model'"):
+        sweep("own", f"sqlite:///{tmp_path}/w.db", ["lr=log:1e-3:1"], 9, command=fake, say=quiet)
+    for bad in (-1, True):
+        with pytest.raises(ConfigError, match=f"max_failures={bad}: expected a whole number >= 0"):
+            sweep("neg", f"sqlite:///{tmp_path}/o.db", ["lr=log:1e-3:1"], 1, command=fake, say=quiet,
+                  max_failures=bad)
 
 
 def test_a_usage_error_of_a_trial_stops_the_sweep(tmp_path):

@@ -198,6 +198,7 @@ def test_a_folder_is_its_files_in_sorted_order_without_hidden_ones(tmp_path):
     ("empty files", "only empty files"),
     ("nul", "binary.txt: a binary file.*NUL"),
     ("latin-1", r"latin.txt: not UTF-8 text \(byte \d+ is not UTF-8; another encoding, such as Latin-1\?\): convert"),
+    ("utf-16", r"utf16.txt: UTF-16 text, not UTF-8: convert it to UTF-8 \(iconv -f utf-16 -t utf-8\)"),
     ("short", "validation part has .* tokens.*needs 512.*smaller seq_len= or more text, or a larger val_fraction="),
     ("seq_len", "seq_len=0"),
     ("val_fraction", "val_fraction=1.0"),
@@ -217,12 +218,13 @@ def test_bad_input_is_one_line_that_names_it(tmp_path, corpus, case, match):
         (path / "sub").mkdir(parents=True)
         if case == "empty files":
             (path / "sub" / "a.txt").write_text("")
-    elif case in ("nul", "latin-1"):
+    elif case in ("nul", "latin-1", "utf-16"):
         path = tmp_path / "folder"
         path.mkdir()
         (path / "a.txt").write_text("fine")
-        (path / ("binary.txt" if case == "nul" else "latin.txt")).write_bytes(
-            b"text\0more" if case == "nul" else "café".encode("latin-1"))
+        name, data = {"nul": ("binary.txt", b"text\0more"), "latin-1": ("latin.txt", "café".encode("latin-1")),
+                      "utf-16": ("utf16.txt", "hello\r\n".encode("utf-16"))}[case]  # Windows's, with its BOM
+        (path / name).write_bytes(data)
     elif case == "short":
         kwargs["seq_len"] = 256
     elif case == "seq_len":

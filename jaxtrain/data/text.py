@@ -122,7 +122,10 @@ def _read_text(files) -> str:
                 raise UnicodeError("NUL bytes")
             documents.append(data.decode("utf-8"))
         except UnicodeError as e:
-            if b"\0" in data:  # NUL bytes: no text encoding has them
+            if data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # UTF-16's byte order mark (Windows writes it): NULs galore
+                raise ConfigError(f"{file}: UTF-16 text, not UTF-8: convert it to UTF-8 (iconv -f utf-16 -t utf-8) "
+                                  "or remove it") from None
+            if b"\0" in data:
                 raise ConfigError(f"{file}: a binary file, not UTF-8 text (it holds NUL bytes): remove it") from None
             raise ConfigError(f"{file}: not UTF-8 text (byte {e.start} is not UTF-8; another encoding, such as "
                               f"Latin-1?): convert it to UTF-8 (iconv -f latin1 -t utf-8) or remove it") from None

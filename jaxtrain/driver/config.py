@@ -284,9 +284,13 @@ def _plain(value):
     writes to JSON), anything else as it is (checked next)."""
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+    if isinstance(value, dict):  # mesh={"data": np.int64(2)}
+        return {k: _plain(v) for k, v in value.items()}
+    if getattr(getattr(value, "dtype", None), "kind", None) == "b":  # np.True_: a switch
+        return bool(value)
+    if isinstance(value, numbers.Integral) and type(value) not in (int, bool):
         return int(value)
-    if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real) and type(value) not in (int, float, bool):  # np.float64 too
         return float(value)
     return value
 

@@ -167,8 +167,10 @@ def summarise(run: Run, trained: Trained) -> dict:
                   f"{summary['tokens_per_sec']:,.0f} tokens/s")
     else:
         result = f"test acc {history[-1].test_acc:.2f}"
-    projected = (f" (projected from {summary['steps']} steps)" if summary["steps"] < trained.steps_per_epoch
-                 else "")  # --max-steps inside the first epoch: its rate, not an epoch timed
+    timed = history[1:] if len(history) > 1 else history  # the epochs run_summary times
+    steps = sum(e.steps for e in timed)  # an epoch cut short (--max-steps): its rate, not an epoch timed
+    projected = (f" (projected from {steps} step{'s' * (steps != 1)})"
+                 if any(e.steps < trained.steps_per_epoch for e in timed) else "")
     say(f"{result}, {summary['sec_per_epoch']:.1f} sec/epoch{projected} on {len(run.devices)} "
         f"device{plural} ({platform}){utilisation_words(summary)}"
         f"{not_learning(history, first_loss, run.model.num_classes)}")

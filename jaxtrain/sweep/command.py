@@ -80,7 +80,7 @@ def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, b
     say = say or log.info
     if (command is None) == (base is None):
         raise ConfigError("give the trials' command= (argv) or base= (a RunConfig), not both")
-    if not (isinstance(max_failures, int) and max_failures >= 0):
+    if not (isinstance(max_failures, int) and not isinstance(max_failures, bool) and max_failures >= 0):
         raise ConfigError(f"max_failures={max_failures!r}: expected a whole number >= 0 (0: never stop on failures)")
     if base is not None:
         command = [sys.executable, "-m", "jaxtrain.cli", *cli.to_argv(base, model_fixed=False)]
@@ -89,7 +89,7 @@ def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, b
         raise ConfigError("--param: give each swept setting once (at least one)")
     cmd = T.Command.parse(command, [p.name for p in params])
     for param in params:
-        cmd.check_param(param)
+        cmd.check_param(param, params)
     cmd.check_objective(objective)
     folder = Path(out_dir) if out_dir else _default_dir(storage, study)
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own line per trial says what Optuna would

@@ -13,6 +13,7 @@ import math
 import shlex
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from jaxtrain import cli, settings
@@ -121,11 +122,10 @@ class Command:
         argv = tuple(argv)
         if argv[0] in ("python", "python3"):  # the sweep's own interpreter (its venv), as the user meant
             argv = (sys.executable, *argv[1:])
-        elif argv[0] == "jaxtrain":  # the console command, the sweep's own (its venv's, on PATH or not)
-            recipe = argv[1] if len(argv) > 1 and argv[1] in cli.RUNS.values() else None
-            argv = ((sys.executable, "-m", "jaxtrain.cli", "--model", recipe, *argv[2:]) if recipe else
-                    (sys.executable, "-m", "jaxtrain.cli", *argv[2:]) if argv[1:2] == ("train",) else
-                    (sys.executable, "-m", "jaxtrain", *argv[1:]))
+        if argv[0] == "jaxtrain":  # the console command: the sweep's own (its venv's, on PATH or not)
+            argv = _console_run(argv[1:])
+        elif argv[0] == sys.executable and argv[1:3] == ("-m", "jaxtrain"):  # python -m jaxtrain: the same
+            argv = _console_run(argv[3:])
         if shutil.which(argv[0]) is None:  # before any trial is made
             raise ConfigError(f"command not found: {argv[0]} (give a program on PATH or a path to an executable "
                               "file after --)")
@@ -148,17 +148,24 @@ class Command:
                                   "(a trial whose sweep stops is run again from its start)")
         return command
 
-    def check_param(self, param: Param) -> None:
+    def check_param(self, param: Param, others: Sequence[Param] = ()) -> None:
         """Each of ``param``'s values with the command's own settings (a jaxtrain run's), as a trial would run it:
-        ``--param alpha=...`` needs the command's ``--teacher``, ``repeats`` its 'stage' axis (ConfigError: one
-        line, before any trial)."""
+        ``--param alpha=...`` needs the command's ``--teacher``, ``repeats`` its 'stage' axis; or with a value of
+        another swept setting (``image_size`` with a swept ``dataset=choice:folder:A,folder:B``). A ConfigError
+        (one line, before any trial) for a value no trial could run."""
         if self.model is None:
             return
         for v in param.values:
-            try:
-                self.config({param.name: v})
-            except ConfigError as e:
-                raise ConfigError(f"--param {param.spec()!r} with the command's settings: {e}") from None
+            tries = [{}, *({o.name: w} for o in others if o.name != param.name for w in o.values)]
+            errors = []
+            for other in tries:
+                try:
+                    self.config({**other, param.name: v})
+                    break
+                except ConfigError as e:
+                    errors.append(e)
+            else:
+                raise ConfigError(f"--param {param.spec()!r} with the command's settings: {errors[0]}")
 
     def check_objective(self, objective: str) -> None:
         """A jaxtrain run's ``objective`` must be a number of its summary.json (ConfigError: one line)."""
@@ -194,6 +201,20 @@ class Command:
         config = self.config(values)
         argv = cli.to_argv(config, model_fixed=self.module != "jaxtrain.cli")
         return shlex.join(["python", "-m", self.module, *argv])
+
+
+def _console_run(args: Sequence[str]) -> tuple[str, ...]:
+    """``jaxtrain RECIPE FLAGS`` / ``jaxtrain train FLAGS`` (the console command, or ``python -m jaxtrain``) as
+    the run it is: ``python -m jaxtrain.cli [--model RECIPE] FLAGS`` in the sweep's interpreter."""
+    recipes = [m for m in cli.RUNS.values() if m]
+    name, flags = (args[0], list(args[1:])) if args else ("", [])
+    if name not in (*recipes, "train"):
+        raise ConfigError(f"the command jaxtrain {name}: not a training run; give jaxtrain RECIPE (one of "
+                          f"{', '.join(recipes)}) or jaxtrain train --model NAME, then the run's flags")
+    if name != "train" and any(f == "--model" or f.startswith("--model=") for f in flags):
+        raise ConfigError(f"the command jaxtrain {name}: its recipe is the model; drop --model (or use jaxtrain "
+                          "train --model NAME)")
+    return (sys.executable, "-m", "jaxtrain.cli", *(["--model", name] if name != "train" else []), *flags)
 
 
 def flags(values: dict) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import threading
@@ -196,5 +197,5 @@ class Workers:
 
 
 def _error(trial) -> str:
-    """A failed trial's error, less where its log is (each trial has its own)."""
-    return trial.user_attrs.get("failed", "").split(" (log: ")[0]
+    """A failed trial's error, less what is each trial's own: where its log is, its folder (``trial-0003``)."""
+    return re.sub(r"trial-\d+", "trial-N", trial.user_attrs.get("failed", "").split(" (log: ")[0])
