@@ -15,15 +15,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import math
-import numbers
-import os
 from pathlib import Path
 
 from jaxtrain.choices import (BPE_VOCAB, DATASETS, FOLDER_PREFIX, GPT_SIZES, TEXT_PREFIX, TFDS_PREFIX, TOKENIZERS,
                               check_dataset, lr_groups)
 from jaxtrain.driver.sections import (FIELDS, ORDER, SECTIONS, Checkpoints, Cluster, Compute, Data, Network,
-                                      Observe, Optim, Parallel)
+                                      Observe, Optim, Parallel, check_values, plain_value)
 from jaxtrain.errors import ConfigError, named
 from jaxtrain.models import MODELS
 
@@ -157,7 +154,7 @@ def with_recipe(given: dict) -> dict:
         near = {k: difflib.get_close_matches(k, FIELDS, n=1) for k in unknown}  # batchsize: batch_size
         words = [f"{k!r}" + (f" (did you mean {near[k][0]!r}?)" if near[k] else "") for k in unknown]
         raise TypeError(f"RunConfig got unexpected keyword argument(s) {', '.join(words)}")
-    given = {k: _plain(v) for k, v in given.items()}
+    given = {k: plain_value(v) for k, v in given.items()}
     steps = given.get("steps_per_call", "auto")  # RunConfig(steps_per_call=8) too
     if isinstance(steps, int) and not isinstance(steps, bool):
         given["steps_per_call"] = str(steps)
@@ -245,69 +242,6 @@ def on_host_only(text: bool) -> ConfigError:
                  else ("an image folder is streamed from its files, decoded on the host", "a folder"))
     return ConfigError(f"{named('data_on_device', 'on')}: {why}; use {named('data_on_device', 'auto')} or off for "
                        f"{what}")
-
-
-def check_values(values: dict) -> None:
-    """Each field's own check (its type, its choices, ``>= minimum``, ``> above``, ``<= maximum``, finite, text not
-    empty): a ConfigError naming the first bad one, in the fields' order."""
-    for name in ORDER:
-        check_value(name, values[name])
-
-
-def check_value(name: str, value) -> None:
-    """Setting ``name``'s own check of ``value`` (a ConfigError naming it), whatever the other settings are."""
-    field = FIELDS[name][1]
-    meta = field.metadata
-    if value is None:
-        return
-    if expected := _mistyped(value, field.type):
-        raise ConfigError(f"{named(name, repr(value))}: expected {expected}")
-    if isinstance(value, bool):
-        return
-    if isinstance(value, str) and not value.strip():
-        raise ConfigError(f"{named(name, repr(value))}: empty; "
-                          f"{meta['empty'] or 'give a value, or leave it out for its default'}")
-    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and not math.isfinite(value):
-        raise ConfigError(f"{named(name, value)}: expected a finite number")  # inf would pass "> 0", then diverge
-    if meta["choices"] and value not in meta["choices"]:
-        raise ConfigError(f"{named(name, repr(value))}: not one of {', '.join(meta['choices'])}")
-    if meta["minimum"] is not None and not value >= meta["minimum"]:
-        raise ConfigError(f"{named(name, value)}: expected a number >= {meta['minimum']}")
-    if meta["above"] is not None and not value > meta["above"]:
-        raise ConfigError(f"{named(name, value)}: expected a number > {meta['above']}")
-    if meta["maximum"] is not None and not value <= meta["maximum"]:
-        raise ConfigError(f"{named(name, value)}: expected a number <= {meta['maximum']}")
-
-
-def _plain(value):
-    """A path as its text (``out=Path(...)``), a NumPy number as Python's (``epochs=np.int64(3)``: what the run
-    writes to JSON), anything else as it is (checked next)."""
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    if isinstance(value, dict):  # mesh={"data": np.int64(2)}
-        return {k: _plain(v) for k, v in value.items()}
-    if getattr(getattr(value, "dtype", None), "kind", None) == "b":  # np.True_: a switch
-        return bool(value)
-    if isinstance(value, numbers.Integral) and type(value) not in (int, bool):
-        return int(value)
-    if isinstance(value, numbers.Real) and type(value) not in (int, float, bool):  # np.float64 too
-        return float(value)
-    return value
-
-
-# A setting's annotation -> the Python types it takes, and how a message names them (a float takes an int too).
-_TYPES = {"str": ((str,), "text"), "int": ((numbers.Integral,), "a whole number"),
-          "float": ((numbers.Real,), "a number"), "bool": ((bool,), "True or False"),
-          "dict": ((dict,), "a dict of mesh axes, e.g. {'data': 2}")}
-
-
-def _mistyped(value, annotation: str) -> str | None:
-    """What ``value`` should have been (a few words), where its type is not its setting's (``"int | None"``); a
-    bool is no number here, though Python's bool is an int."""
-    kinds = [_TYPES[t] for t in annotation.replace(" ", "").split("|") if t in _TYPES]
-    if any(isinstance(value, types) and not (isinstance(value, bool) and bool not in types) for types, _ in kinds):
-        return None
-    return " or ".join(words for _, words in kinds)
 
 
 def _check_apart(checkpoints: Path, out: Path) -> None:

@@ -5,17 +5,22 @@
     Checkpoints  saving, resuming    Observe      what the run writes and says
 
 ``jaxtrain.driver.config.RunConfig`` holds one of each (``config.parallel.strategy``); ``FIELDS`` maps every
-setting's name to its section, in the sections' order (the command line's groups, ``--help``'s order). JAX is
-not imported here.
+setting's name to its section, in the sections' order (the command line's groups, ``--help``'s order);
+``check_value`` is a setting's own check (its type, choices and bounds), whatever the others are. JAX is not
+imported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import os
 
 from jaxtrain.choices import (ACCUM_MODES, AUGMENTATIONS, CONVS, DATASETS, DEFAULT_DATA_DIRS, GPT_SIZES, KERNELS,
                               KJV, LR_SCHEDULES, OPTIMIZERS, PARAM_SHARDINGS, PIPELINE_SCHEDULES, PRECISIONS,
                               STRATEGIES, TRACKERS)
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.models import MODELS
 
 
@@ -276,3 +281,66 @@ ORDER = ("model", "devices", "devices_per_process", "coordinator", "num_processe
          "schedule", "warmup_epochs", "weight_decay", "clip_grad_norm", "microbatches", "pipeline_schedule", "repeats",
          "quantize", "kernels", "conv", "teacher", "temperature", "alpha", "eval_every", "eval_every_steps", "profile",
          "track", "track_group")
+
+
+def check_values(values: dict) -> None:
+    """Each field's own check (its type, its choices, ``>= minimum``, ``> above``, ``<= maximum``, finite, text not
+    empty): a ConfigError naming the first bad one, in the fields' order."""
+    for name in ORDER:
+        check_value(name, values[name])
+
+
+def check_value(name: str, value) -> None:
+    """Setting ``name``'s own check of ``value`` (a ConfigError naming it), whatever the other settings are."""
+    field = FIELDS[name][1]
+    meta = field.metadata
+    if value is None:
+        return
+    if expected := _mistyped(value, field.type):
+        raise ConfigError(f"{named(name, repr(value))}: expected {expected}")
+    if isinstance(value, bool):
+        return
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(f"{named(name, repr(value))}: empty; "
+                          f"{meta['empty'] or 'give a value, or leave it out for its default'}")
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and not math.isfinite(value):
+        raise ConfigError(f"{named(name, value)}: expected a finite number")  # inf would pass "> 0", then diverge
+    if meta["choices"] and value not in meta["choices"]:
+        raise ConfigError(f"{named(name, repr(value))}: not one of {', '.join(meta['choices'])}")
+    if meta["minimum"] is not None and not value >= meta["minimum"]:
+        raise ConfigError(f"{named(name, value)}: expected a number >= {meta['minimum']}")
+    if meta["above"] is not None and not value > meta["above"]:
+        raise ConfigError(f"{named(name, value)}: expected a number > {meta['above']}")
+    if meta["maximum"] is not None and not value <= meta["maximum"]:
+        raise ConfigError(f"{named(name, value)}: expected a number <= {meta['maximum']}")
+
+
+def plain_value(value):
+    """A path as its text (``out=Path(...)``), a NumPy number as Python's (``epochs=np.int64(3)``: what the run
+    writes to JSON), anything else as it is (checked next)."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, dict):  # mesh={"data": np.int64(2)}
+        return {k: plain_value(v) for k, v in value.items()}
+    if getattr(getattr(value, "dtype", None), "kind", None) == "b":  # np.True_: a switch
+        return bool(value)
+    if isinstance(value, numbers.Integral) and type(value) not in (int, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and type(value) not in (int, float, bool):  # np.float64 too
+        return float(value)
+    return value
+
+
+# A setting's annotation -> the Python types it takes, and how a message names them (a float takes an int too).
+_TYPES = {"str": ((str,), "text"), "int": ((numbers.Integral,), "a whole number"),
+          "float": ((numbers.Real,), "a number"), "bool": ((bool,), "True or False"),
+          "dict": ((dict,), "a dict of mesh axes, e.g. {'data': 2}")}
+
+
+def _mistyped(value, annotation: str) -> str | None:
+    """What ``value`` should have been (a few words), where its type is not its setting's (``"int | None"``); a
+    bool is no number here, though Python's bool is an int."""
+    kinds = [_TYPES[t] for t in annotation.replace(" ", "").split("|") if t in _TYPES]
+    if any(isinstance(value, types) and not (isinstance(value, bool) and bool not in types) for types, _ in kinds):
+        return None
+    return " or ".join(words for _, words in kinds)

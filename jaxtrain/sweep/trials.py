@@ -19,8 +19,8 @@ from pathlib import Path
 from jaxtrain import cli, settings
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
-from jaxtrain.driver.config import RunConfig, check_value, flag
-from jaxtrain.driver.sections import FIELDS as CONFIG_FIELDS
+from jaxtrain.driver.config import RunConfig, flag
+from jaxtrain.driver.sections import FIELDS as CONFIG_FIELDS, check_value
 
 # The numbers in a jaxtrain run's summary.json (report.run_summary; tests/test_sweep.py keeps the two alike)
 SUMMARY_NUMBERS = ("test_acc", "test_loss", "train_loss", "train_acc", "initial_loss", "sec_per_epoch",
