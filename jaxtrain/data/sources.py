@@ -154,16 +154,18 @@ def data_source(name: str, split: str, *, data_dir: str | os.PathLike | None = N
 def _downloaded(builder) -> bool:
     """Whether TFDS's download cache (``TFDS_DIR/downloads``) holds every file ``builder`` downloads: it prepares
     from them with no network (a prepare cut short, a cache copied to a node offline)."""
-    from etils import epath
-    from tensorflow_datasets.core.download import resource
-
     try:
+        from etils import epath
+        from tensorflow_datasets.core.download import resource
+
         where = epath.Path(builder.data_dir_root) / "downloads"  # TFDS's place for them, or its older one
         return bool(builder.url_infos) and all(
             any(resource.is_locally_cached(place / resource.get_dl_fname(url, info.checksum))
                 for place in (where / builder.name, where))
             for url, info in builder.url_infos.items())
-    except Exception:  # noqa: BLE001 - TFDS's cache layout unreadable here: the hosts are tried, as without one
+    except (ImportError, AttributeError, OSError) as e:  # another TFDS's layout, or an unreadable cache
+        log.warning(f"TFDS's download cache of {builder.name} could not be read ({type(e).__name__}: {e}); trying "
+                    "its hosts instead")
         return False
 
 
@@ -176,7 +178,7 @@ def unreachable(urls, timeout: float = 5.0) -> str | None:
         try:
             socket.create_connection((host, port), timeout=timeout).close()
             return None
-        except OSError as e:
+        except OSError as e:  # refused, unresolved or no answer: the next host is tried, each one's why said
             why = e.strerror or (f"no answer in {timeout:g} s" if isinstance(e, TimeoutError) else type(e).__name__)
             reasons.append(f"{host}:{port}: {why}")
     return "no connection to " + "; ".join(reasons) if reasons else None

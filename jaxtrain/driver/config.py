@@ -73,12 +73,11 @@ class _Sections:
             raise ConfigError(f"{named('microbatches', self.microbatches)}: micro-batches split a pipelined step; "
                               f"give {named('mesh')} a 'stage' axis (e.g. data=1,stage=4), or use "
                               f"{named('accum_steps')} to accumulate gradients")
-        for name, default in (("pipeline_schedule", "gpipe"), ("repeats", 1)):
-            if getattr(self, name) != default and "stage" not in (self.mesh or {}):
+        for name in self._given("pipeline_schedule", "repeats"):
+            if "stage" not in (self.mesh or {}):
                 raise ConfigError(f"{named(name, getattr(self, name))}: for a pipelined step; give {named('mesh')} "
                                   "a 'stage' axis (e.g. data=1,stage=4), or leave it out")
-        unused = [n for n in ("temperature", "alpha") if getattr(self, n) != FIELDS[n][1].default]
-        if unused and not self.teacher:
+        if (unused := self._given("temperature", "alpha")) and not self.teacher:
             raise ConfigError(f"{' and '.join(named(n, getattr(self, n)) for n in unused)}: distillation's, with "
                               f"{named('teacher', 'RUN_DIR')}; give a teacher, or leave them out")
         if self.track_group is not None and self.track == "none":
@@ -102,6 +101,10 @@ class _Sections:
         if self.init not in MODELS[self.model].inits:
             raise ConfigError(f"{named('init', self.init)}: model {self.model} has no such init; choose one of "
                               f"{', '.join(MODELS[self.model].inits)}")
+
+    def _given(self, *names: str) -> list[str]:
+        """Those of ``names`` set to other than their default."""
+        return [n for n in names if getattr(self, n) != FIELDS[n][1].default]
 
     def flat(self) -> dict:
         """Every setting by its name (``{"model": "lenet", ..., "track_group": None}``), in the sections' order."""

@@ -16,14 +16,27 @@ from jaxtrain.parallel import devices as devices_lib
 from jaxtrain.driver.config import RunConfig
 
 
+def timed_epochs(history: list) -> list:
+    """The epochs the steady-state speed is read from: all but the first (it compiles), where there are others."""
+    return history[1:] if len(history) > 1 else history
+
+
+def projected_words(history: list, steps_per_epoch: int) -> str:
+    """" (projected from N steps)" where a timed epoch was cut short (``--max-steps``): the sec/epoch said is its
+    rate, not an epoch timed; "" otherwise."""
+    timed = timed_epochs(history)
+    steps = sum(e.steps for e in timed)
+    return (f" (projected from {steps} step{'s' * (steps != 1)})"
+            if any(e.steps < steps_per_epoch for e in timed) else "")
+
+
 def run_summary(args, model, history, first_loss, stats, peak, devices, call_batch: int, steps_per_epoch: int,
                 examples: dict, data_sha256: str) -> dict:
     """summary.json of a finished run: results, steady-state speed, compiled costs, settings; the MFU from
     ``model``'s forward FLOPs per example (``jaxtrain.models.flops``), the HFU from the compiled FLOPs."""
     from jaxtrain.models.flops import utilisation
 
-    # Steady-state speed: leave out the first epoch (it compiles) when there are others.
-    timed = history[1:] if len(history) > 1 else history
+    timed = timed_epochs(history)
     examples_per_sec = sum(h.examples for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
     wait = sum(h.data_wait_sec for h in timed) / max(sum(h.train_sec for h in timed), 1e-9)
     achieved_flops = stats["flops"] * len(devices) * examples_per_sec / call_batch

@@ -28,7 +28,8 @@ from jaxtrain.settings import slurm_job
 from jaxtrain.io import console
 from jaxtrain.driver import busy, language, notebook, requeue
 from jaxtrain.driver.config import RunConfig
-from jaxtrain.driver.report import conv_path, describe, not_learning, run_summary, utilisation_words, wait_words
+from jaxtrain.driver.report import (conv_path, describe, not_learning, projected_words, run_summary,
+                                    utilisation_words, wait_words)
 from jaxtrain.driver.run_outputs import Output, command_outputs
 from jaxtrain.driver.signals import Exit, StopOnSignal, StopVote
 from jaxtrain.driver.build import Finished, Run, build, initial_state, say
@@ -167,12 +168,8 @@ def summarise(run: Run, trained: Trained) -> dict:
                   f"{summary['tokens_per_sec']:,.0f} tokens/s")
     else:
         result = f"test acc {history[-1].test_acc:.2f}"
-    timed = history[1:] if len(history) > 1 else history  # the epochs run_summary times
-    steps = sum(e.steps for e in timed)  # an epoch cut short (--max-steps): its rate, not an epoch timed
-    projected = (f" (projected from {steps} step{'s' * (steps != 1)})"
-                 if any(e.steps < trained.steps_per_epoch for e in timed) else "")
-    say(f"{result}, {summary['sec_per_epoch']:.1f} sec/epoch{projected} on {len(run.devices)} "
-        f"device{plural} ({platform}){utilisation_words(summary)}"
+    say(f"{result}, {summary['sec_per_epoch']:.1f} sec/epoch{projected_words(history, trained.steps_per_epoch)} "
+        f"on {len(run.devices)} device{plural} ({platform}){utilisation_words(summary)}"
         f"{not_learning(history, first_loss, run.model.num_classes)}")
     if jax.process_count() > 1:  # every process vouches for the same result
         log.info(f"process {jax.process_index()}: params_digest {summary['params_digest']}")

@@ -155,8 +155,8 @@ class Command:
         (one line, before any trial) for a value no trial could run."""
         if self.model is None:
             return
+        tries = [{}, *({o.name: w} for o in others if o.name != param.name for w in o.values)]
         for v in param.values:
-            tries = [{}, *({o.name: w} for o in others if o.name != param.name for w in o.values)]
             errors = []
             for other in tries:
                 try:
