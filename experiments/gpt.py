@@ -7,7 +7,7 @@ Defaults: the mini GPT (4 blocks of width 256, windows of 128 tokens) on the Kin
 of 4096 tokens trained on its first 90% (the last 10% is the validation text), AdamW lr 1e-3 with warm-up and
 cosine decay, global batch 32, one epoch. Each log line says the loss, its perplexity and tokens/s; the run ends
 with its validation loss beside the validation tokens' unigram entropy and a few lines sampled from the model
-(python -m experiments.sample RUN_DIR samples again). docs/language-models.md.
+(jaxtrain sample RUN_DIR, or python -m experiments.sample, samples again). docs/language-models.md.
 """
 
 import sys

@@ -1,4 +1,5 @@
-"""The command line of a training run: flags <-> RunConfig, and ``main`` with its exit codes.
+"""The command line of a training run: flags <-> RunConfig, and ``main`` with its exit codes; ``sample``, text from a
+finished language model's run.
 
     python -m experiments.lenet --devices 2      # = jaxtrain.cli.main("lenet")
 
@@ -278,6 +279,54 @@ def _peer_gone(e: Exception) -> bool:
     jax = sys.modules.get("jax")
     return (jax is not None and type(e).__name__ == "JaxRuntimeError" and jax.distributed.is_initialized()
             and jax.process_count() > 1)
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: expected a finite number >= 0 (0: greedy)")
+    return value
+
+
+def _prompt(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("'': empty; leave --prompt out to start from a new line")
+    return text
+
+
+@one_line_errors("jaxtrain sample")
+def sample(argv: Sequence[str] | None = None, prog: str = "jaxtrain sample") -> int:
+    """``jaxtrain sample RUN_DIR`` (``python -m experiments.sample``); JAX is imported after the flags are read."""
+    p = argparse.ArgumentParser(prog=prog, description="Text from a finished language-model run (jaxtrain gpt --out "
+                                "RUN_DIR): its saved model and tokenizer, a prompt, and new tokens sampled one by one "
+                                "with a KV cache (jaxtrain.models.generate; one compiled call).",
+                                formatter_class=DefaultsOnce, allow_abbrev=False)
+    p.add_argument("run_dir", help="a finished language-model run's --out directory (model/, model.json, "
+                                   "tokenizer.json)")
+    p.add_argument("--prompt", type=_prompt, help="the text to go on from (default: a new line; at "
+                                                                "most half the model's context is kept: its end)")
+    p.add_argument("--tokens", type=whole_number(1), default=100,
+                   help="new tokens to sample (the text stops at the model's context, --seq-len tokens)")
+    p.add_argument("--temperature", type=_temperature, default=0.8, help="softmax temperature; 0: greedy")
+    p.add_argument("--top-k", type=whole_number(1), default=40, help="sample among the k most likely tokens only")
+    p.add_argument("--samples", type=whole_number(1), default=1, help="how many continuations (seeds seed, "
+                                                                      "seed + 1, ...)")
+    p.add_argument("--seed", type=whole_number(0), default=0, help="the first sample's key")
+    args = p.parse_args(argv)
+
+    from jaxtrain.driver import language
+
+    model, params, tokenizer = language.trained(args.run_dir)
+    prompt = "\n" if args.prompt is None else args.prompt
+    for text in language.samples(model, params, tokenizer, [prompt] * args.samples, args.tokens, seed=args.seed,
+                                   temperature=args.temperature, top_k=None if args.temperature == 0 else args.top_k):
+        print(text)
+        if args.samples > 1:
+            print("-" * 40)
+    return 0
 
 
 if __name__ == "__main__":

@@ -72,8 +72,8 @@ def test_a_gpt_learns_the_text_says_its_perplexity_and_samples_from_it(trained):
 
 def test_sample_goes_on_from_a_prompt_greedy_alike_twice_and_seeded(trained):
     _, out = trained
-    greedy = [run_cli("-m", "experiments.sample", str(out), "--prompt", "The king", "--temperature", "0",
-                      "--tokens", "8") for _ in range(2)]
+    greedy = [run_cli(*command, str(out), "--prompt", "The king", "--temperature", "0", "--tokens", "8")
+              for command in (["-m", "experiments.sample"], ["-m", "jaxtrain", "sample"])]  # the console's too
     assert all(g.returncode == 0 for g in greedy), greedy[0].stderr[-3000:]
     assert greedy[0].stdout == greedy[1].stdout and greedy[0].stdout.startswith("The king")
     assert len(greedy[0].stdout.rstrip("\n")) == len("The king") + 8  # bytes: a token a character
@@ -88,8 +88,8 @@ def test_sample_refuses_a_run_that_is_not_a_language_models(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model.json").write_text(json.dumps({"model": "lenet", "input_shape": [28, 28, 1], "num_classes": 10}))
     run = run_cli("-m", "experiments.sample", str(tmp_path))
-    assert run.returncode == 2 and run.stderr.strip().endswith(
-        "holds a lenet model, not a language model (train one with python -m experiments.gpt)"), run.stderr
+    refused = "holds a lenet model, not a language model (train one with jaxtrain gpt or python -m experiments.gpt)"
+    assert run.returncode == 2 and run.stderr.strip().endswith(refused), run.stderr
     empty = run_cli("-m", "experiments.sample", str(tmp_path), "--prompt", "")  # was the library's words on shapes
     assert empty.returncode == 2 and empty.stderr.strip().endswith(
         "argument --prompt: '': empty; leave --prompt out to start from a new line"), empty.stderr

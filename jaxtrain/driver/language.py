@@ -1,13 +1,16 @@
 """What a language model's run says that an image model's does not: perplexity and tokens/s in its lines, the
 unigram entropy of its validation tokens (the loss a model that ignores the context cannot beat), and a few lines
-sampled from it when it ends (``jaxtrain.models.generate``)."""
+sampled from it when it ends (``jaxtrain.models.generate``), and again from its saved files (``jaxtrain sample``)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import jax
 import numpy as np
+
+from jaxtrain.errors import ConfigError, named
 
 
 def perplexity(loss: float) -> str:
@@ -56,6 +59,26 @@ def attention(model, precision: str) -> str:
     from jaxtrain.models.gpt import attention_implementation
 
     return attention_implementation(model.config.attention, get_policy(precision).compute_dtype)
+
+
+def trained(run_dir: str | Path):
+    """(model, params, tokenizer) of a finished language-model run (its ``--out``); one line each for a run that
+    is not a language model's, or has no tokenizer."""
+    from jaxtrain.data import text
+    from jaxtrain.driver import export
+    from jaxtrain.models import LanguageModel
+
+    meta = export.info(run_dir)
+    model = export.model_of(meta)
+    if not isinstance(model, LanguageModel):
+        raise ConfigError(f"{named('run_dir', run_dir)}: holds a {meta['model']} model, not a language model (train "
+                          "one with jaxtrain gpt or python -m experiments.gpt)")
+    tokenizer = Path(run_dir) / export.TOKENIZER
+    if not tokenizer.is_file():
+        raise ConfigError(f"{named('run_dir', run_dir)}: has no {export.TOKENIZER} (a language-model run writes it "
+                          "when it finishes); train it again")
+    _, params, _ = export.load(run_dir)
+    return model, params, text.load_tokenizer(tokenizer)
 
 
 def samples(model, params, tokenizer, prompts: list[str], new_tokens: int, *, seed: int = 0,

@@ -215,7 +215,7 @@ def in_layer_order(run: Run, params: dict) -> dict:
 def save_model(run: Run, out_dir, state, summary: dict) -> None:
     """The finished run's model: RUN_DIR/model/ + model.json (jaxtrain.driver.export), as the unpipelined model
     holds it (a pipelined run's blocks in layer order: every reader of a run takes it); a language model's
-    tokenizer beside them (``tokenizer.json``: experiments.sample reads it)."""
+    tokenizer beside them (``tokenizer.json``: jaxtrain sample reads it)."""
     settings = run.settings
     if run.tokenizer is not None and out_dir is not None:
         run.tokenizer.save(Path(out_dir) / export.TOKENIZER)
