@@ -8,5 +8,10 @@ import sys
 
 from jaxtrain.cli import sample  # light: JAX is imported after the flags are read
 
+
+def main(argv=None) -> int:
+    return sample(argv, prog="python -m experiments.sample")
+
+
 if __name__ == "__main__":
-    sys.exit(sample(prog="python -m experiments.sample"))
+    sys.exit(main())

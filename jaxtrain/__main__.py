@@ -3,6 +3,7 @@
     jaxtrain lenet --devices 2       # the d2l LeNet on Fashion-MNIST (as python -m experiments.lenet)
     jaxtrain resnet18 | vit ...      # the other recipes; jaxtrain train --model NAME: any registered model
     jaxtrain sample RUN_DIR ...      # text from a finished GPT run (as python -m experiments.sample)
+    jaxtrain export RUN_DIR FILE     # a finished run's model for PyTorch (as python -m experiments.export_weights)
     jaxtrain sweep ... | slurm ...   # python -m jaxtrain.sweep / jaxtrain.slurm
     jaxtrain gpu-plan ...            # python -m jaxtrain.gpu (experiments.gpu_plan)
     jaxtrain --version
@@ -22,6 +23,7 @@ from jaxtrain.version import __version__
 RECIPES = tuple(model for model in RUNS.values() if model)  # the recipes an experiments/ module runs
 TOOLS = {"train": "any registered model (--model NAME)",
          "sample": "text from a finished language-model run (jaxtrain sample RUN_DIR --prompt TEXT)",
+         "export": "a finished run's model as a .safetensors file for PyTorch (jaxtrain export RUN_DIR FILE)",
          "sweep": "a hyperparameter sweep (optuna)",
          "slurm": "a SLURM job script for a run",
          "gpu-plan": "a run's memory, fit and step time on GPUs, compiled here (the gpu-compile extra)"}
@@ -47,10 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jaxtrain.cli import main as run
 
         return run(name if name in RECIPES else None, rest, prog=f"jaxtrain {name}")
-    if name == "sample":
-        from jaxtrain.cli import sample
+    if name in ("sample", "export"):
+        from jaxtrain import cli
 
-        return sample(rest, prog="jaxtrain sample")
+        return getattr(cli, name)(rest, prog=f"jaxtrain {name}")
     if name == "sweep":
         from jaxtrain.sweep.__main__ import run_command
 

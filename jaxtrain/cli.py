@@ -1,5 +1,5 @@
-"""The command line of a training run: flags <-> RunConfig, and ``main`` with its exit codes; ``sample``, text from a
-finished language model's run.
+"""The command line of a training run: flags <-> RunConfig, and ``main`` with its exit codes; and those of a
+finished run: ``sample`` (text from a language model's), ``export`` (its model as PyTorch's libraries load it).
 
     python -m experiments.lenet --devices 2      # = jaxtrain.cli.main("lenet")
 
@@ -326,6 +326,25 @@ def sample(argv: Sequence[str] | None = None, prog: str = "jaxtrain sample") -> 
         print(text)
         if args.samples > 1:
             print("-" * 40)
+    return 0
+
+
+@one_line_errors("jaxtrain export")
+def export(argv: Sequence[str] | None = None, prog: str = "jaxtrain export") -> int:
+    """``jaxtrain export RUN_DIR FILE`` (``python -m experiments.export_weights``): a finished run's model as a file
+    torchvision, timm or transformers load (``jaxtrain.driver.export.save_pretrained``; docs/pretrained.md)."""
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description="A finished run's model as a file "
+                                "torchvision, timm or transformers load (docs/pretrained.md).")
+    p.add_argument("run_dir", help="a finished run's --out directory (holding model/ and model.json)")
+    p.add_argument("file", help="where to write: NAME.safetensors, or NAME.pth (needs torch)")
+    p.add_argument("--names", choices=("torchvision", "timm", "hf", "hf4"),
+                   help="whose tensor names (default: torchvision's for a ResNet, timm's for a ViT, Hugging Face's "
+                        "GPT-2 for a GPT; hf: a ViT as transformers 5's ViTForImageClassification, hf4: as "
+                        "transformers 4's, the Hub's files)")
+    args = p.parse_args(argv)
+    from jaxtrain.driver.export import save_pretrained
+
+    print(f"wrote {save_pretrained(args.run_dir, args.file, names=args.names)}")
     return 0
 
 

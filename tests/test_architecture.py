@@ -223,7 +223,9 @@ def test_no_private_names_across_modules():
     assert not found, found
 
 
-OTHER_TOOLS = re.compile(r"tfds build \S+ --file_format|--file_format=array_record|python -m experiments\.\w+ --out")
+# Commands of their own a message shows as the user types them (TFDS's; a training run's, to make a run directory).
+OTHER_TOOLS = re.compile(r"tfds build \S+ --file_format|--file_format=array_record"
+                         r"|(python -m experiments\.\w+|jaxtrain \w+) --out")
 
 
 def flags_in_errors(path: Path) -> list[str]:

@@ -450,3 +450,158 @@ def test_two_runs_never_write_one_out_dir(tmp_path):
     with DirLock(tmp_path, "--out"):  # what a running run holds on its --out
         r = run_cli(*LENET, "--max-steps", "3", "--out", str(tmp_path))
     one_line_error(r, "is in use by another run", "pass another --out")
+
+
+def _trained(config, outputs=()):
+    """``config`` built and trained in this process, with ``outputs`` (none: no file written); its summary."""
+    from jaxtrain.driver.build import build
+    from jaxtrain.driver.runner import train
+
+    run = build(config)
+    try:
+        return train(run, outputs=list(outputs))
+    finally:
+        run.loaders["train"].close(), run.loaders["test"].close()
+
+
+def test_a_resume_past_the_runs_end_is_refused_and_one_at_its_end_is_evaluated_once(tmp_path):
+    """A fault probe's findings: a mid-epoch checkpoint (step 6) resumed with fewer epochs or steps ended at once
+    with epoch 1's numbers beside step 6's model (summary "steps 4", another state's accuracy); resumed with
+    max_steps=6, its end, it was not evaluated either; and once it was, the next resume did it all again (the
+    checkpoint of step 6 kept no result)."""
+    import jaxtrain as jt
+    from jaxtrain.driver.config import RunConfig
+
+    ck = tmp_path / "ck"
+    config = RunConfig("lenet", devices=2, epochs=2, train_subset=1024, test_subset=256, batch_size=256,
+                       checkpoint_dir=str(ck), checkpoint_every=3, keep_checkpoints=5)  # 4 steps an epoch
+    _trained(config)
+    shutil.rmtree(ck / "8")  # the newest left: step 6, inside epoch 2, saved before any evaluation of it
+    for more, says in [({"epochs": 1}, "past this run's last step 4 (epochs=1)"),
+                       ({"max_steps": 5}, "past this run's last step 5 (max_steps=5)")]:
+        with pytest.raises(jt.ConfigError, match=re.escape(f"is at step 6, {says}: give epochs= or max_steps= "
+                                                           "that reach step 6 or more to continue it")):
+            _trained(config.replace(resume=True, **more))
+    whole = _trained(config.replace(checkpoint_dir=None, checkpoint_every=None, max_steps=6))
+    resumed = _trained(config.replace(resume=True, max_steps=6))
+    assert (resumed["steps"], resumed["params_digest"]) == (6, whole["params_digest"])
+    assert (resumed["test_acc"], resumed["test_loss"]) == (whole["test_acc"], pytest.approx(whole["test_loss"]))
+    again = _trained(config.replace(resume=True, max_steps=6))  # its step 6 now holds the evaluation
+    assert again["already_finished"] and (again["steps"], again["test_acc"]) == (6, whole["test_acc"])
+
+
+def test_a_resume_that_finds_no_checkpoint_keeps_a_finished_runs_files(tmp_path):
+    """A fault probe's findings: ``--resume`` with a mistyped ``--checkpoint-dir`` started from scratch and
+    emptied the finished run's metrics.jsonl; a run whose summary.json a full disk kept out, resumed, wrote its
+    model but never its summary."""
+    import jaxtrain as jt
+    from jaxtrain.driver.config import RunConfig
+    from jaxtrain.driver.run_outputs import Files
+
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    config = RunConfig("lenet", devices=2, epochs=1, train_subset=512, test_subset=256, out=str(out),
+                       checkpoint_dir=str(ck))
+    first = _trained(config, [Files()])
+    before = snapshot(out)
+    with pytest.raises(jt.ConfigError, match=re.escape(
+            f"out={out} holds a run's results, and resume=True found no checkpoint in {tmp_path / 'typo'} to continue "
+            "it from: give the checkpoint_dir= that run saved to, or a new out= to start afresh")):
+        _trained(config.replace(resume=True, checkpoint_dir=str(tmp_path / "typo")), [Files()])
+    assert snapshot(out) == before
+    (out / "summary.json").unlink()
+    again = _trained(config.replace(resume=True), [Files()])
+    written = summary(out)
+    assert again["already_finished"] and written["from_checkpoint"]
+    assert (written["steps"], written["params_digest"], written["test_acc"]) == (
+        first["steps"], first["params_digest"], first["test_acc"])
+
+
+def test_checkpoints_all_moved_aside_are_never_followed_by_a_silent_start_from_scratch(tmp_path):
+    """A fault probe's finding: the first resume said none could be restored; the next (a requeue runs the same
+    command) found the directory empty and started from scratch without a word."""
+    import jax.numpy as jnp
+    import optax
+
+    import jaxtrain as jt
+    from jaxtrain.train.checkpoint import UNREADABLE, Checkpointer
+
+    trainer = jt.make_train_step(lambda p, s, b, r: (jnp.sum(p["w"] ** 2), (s, {})), optax.sgd(0.1), mesh=2)
+    state = trainer.init({"w": jnp.ones(4)}, {})
+    (tmp_path / "ck" / UNREADABLE / "5-20261130-101010").mkdir(parents=True)
+    ck = Checkpointer(tmp_path / "ck")
+    with pytest.raises(jt.ConfigError, match=r"could be restored \(earlier found damaged; moved to .*unreadable\): "
+                                             "this run cannot be resumed"):
+        ck.restore(state)
+    ck.close()
+
+
+def test_a_save_failing_as_the_checkpoints_close_is_one_line_and_a_stop_still_says_and_records_it(tmp_path,
+                                                                                                monkeypatch):
+    """A fault probe's finding: a full disk at the final or the stop's checkpoint was a traceback (orbax's close
+    raised the save's error again, over the one line), exit 1, and a stop left no "stopped" row."""
+    import errno
+
+    import jax.numpy as jnp
+    import optax
+
+    import jaxtrain as jt
+    from jaxtrain.driver.signals import Exit, StopOnSignal
+    from jaxtrain.train.checkpoint import Checkpointer
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    trainer = jt.make_train_step(lambda p, s, b, r: (jnp.sum(p["w"] ** 2), (s, {})), optax.sgd(0.1), mesh=2)
+    state = trainer.init({"w": jnp.ones(4)}, {})
+    from jaxtrain.train.loop import Position
+
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(state, Position(total_steps=5), wait=True)
+    monkeypatch.setattr(ck.manager, "wait_until_finished", full)
+    monkeypatch.setattr(ck.manager, "close", full)
+    with pytest.raises(jt.ConfigError, match=r"\(the disk is full\); the newest good checkpoint is step 5"):
+        ck.close()
+    Checkpointer(tmp_path / "ck").close()  # its lock was released
+
+    ck, said, then = Checkpointer(tmp_path / "ck"), [], []
+    monkeypatch.setattr(ck.manager, "wait_until_finished", full)
+    stop = StopOnSignal()
+    stop.signum = signal.SIGTERM
+    with pytest.raises(Exit) as e:
+        stop.stopped(7, ck, said.append, then=then.append)
+    assert e.value.code == 128 + signal.SIGTERM and then == [False]
+    assert said == [f"stopped by signal at step 7; saving a checkpoint in {tmp_path / 'ck'} failed (the disk is "
+                    "full); the newest good checkpoint is step 5: make room (or fix the directory), then run again "
+                    "with resume=True"]
+
+
+def test_a_damaged_metrics_file_is_kept_and_its_rows_that_read_are_carried_on(tmp_path, caplog):
+    """A fault probe's finding: one line that did not parse made a resumed run rewrite metrics.jsonl from its
+    checkpoint alone, without a word: the rows of its stops (held in that file only) were gone."""
+    from jaxtrain.driver import outputs
+
+    stop = {"event": "stopped", "step": 3, "signal": "SIGTERM", "checkpoint_saved": True}
+    epoch = {"epoch": 1, "steps": 4}
+    text = json.dumps(epoch) + "\n" + json.dumps(stop) + '\n{"garbage\n'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    with caplog.at_level("WARNING", logger="jaxtrain"):
+        writer = outputs.RunWriter(tmp_path, [epoch], resumed=True)
+    assert writer.rows == [epoch, stop] and writer.stops == [stop]
+    (kept,) = tmp_path.glob("metrics.jsonl.damaged-*")
+    assert kept.read_text() == text
+    assert f"line 3 do not read: the file is kept as {kept.name}; its rows that read are carried on" in caplog.text
+
+
+def test_a_signal_after_the_last_step_is_said_not_swallowed(caplog):
+    """Both probes' finding: a Ctrl-C during a run's final evaluation, its files or its samples did nothing and
+    said nothing (the loop that reads a stop request had ended); a second one still exits at once."""
+    from jaxtrain.driver.signals import StopOnSignal
+
+    stop = StopOnSignal()
+    stop.training()
+    stop.done()
+    with caplog.at_level("WARNING", logger="jaxtrain"):
+        stop._on_signal(signal.SIGINT)  # as the watcher thread calls it
+    assert stop.signum == signal.SIGINT
+    assert "SIGINT: training is over; the run ends once its files are written (a second signal exits now)" in \
+        caplog.text

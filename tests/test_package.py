@@ -86,7 +86,7 @@ def test_the_command_says_its_version_and_its_commands():
     assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1 and "unknown command 'lenett'" in unknown.stderr
     flags = run_cli("-m", "jaxtrain", "lenet", "--devices", "0")  # the run's own parser, named as the command
     assert flags.returncode == 2 and "jaxtrain lenet: error:" in flags.stderr, flags.stderr
-    for tool in ("sample", "sweep", "slurm", "gpu-plan"):  # each says its usage as the command the user typed
+    for tool in ("sample", "export", "sweep", "slurm", "gpu-plan"):  # each says its usage as the command the user typed
         helped = run_cli("-m", "jaxtrain", tool, "--help")
         assert helped.returncode == 0 and helped.stdout.startswith(f"usage: jaxtrain {tool} "), helped.stdout[:300]
 

@@ -502,3 +502,27 @@ def test_a_rate_from_an_epoch_cut_short_is_said_to_be_projected(caplog, max_step
         run.loaders["train"].close(), run.loaders["test"].close()
     (line,) = [r.getMessage() for r in caplog.records if "sec/epoch" in r.getMessage()]
     assert re.search(r"sec/epoch" + re.escape(says) + " 2 devices", line), line
+
+
+def test_a_call_size_first_dispatched_is_a_compile_pause_off_the_epochs_clock(monkeypatch):
+    """A new user's finding: with several steps a call, sizes first called in a later epoch (a checkpoint's cut,
+    a remainder) compiled there, on the clock of the epochs the steady-state speed is read from (13x slow)."""
+    from jaxtrain.train import timing
+
+    trainer, state, train, evaluator, test = _setup()  # 8 steps per epoch
+    pauses, seen = [], []
+    paused = timing.Chrono.paused
+
+    def counted(self, what):
+        pauses.append(what)
+        return paused(self, what)
+
+    monkeypatch.setattr(timing.Chrono, "paused", counted)
+    hooks = [Hook(lambda loop: seen.append((loop.call_size, pauses.count("compile"))), cuts=False),
+             *checkpoint_hooks(lambda s, p: None, every=5)]
+    _, history, _ = fit(trainer, state, train, evaluator, test, epochs=2, hooks=hooks, progress=False,
+                        steps_per_call=3)
+    sizes = [size for size, _ in seen]
+    assert len(set(sizes)) == 3 and sum(sizes) == 16  # 3, a cut's 2, a remainder's 1 (the calls' module)
+    assert [count for _, count in seen] == [len(set(sizes[:i + 1])) for i in range(len(sizes))]  # each new once
+    assert all(h.compile_sec >= 0 for h in history) and history[0].compile_sec > 0

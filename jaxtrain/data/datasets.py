@@ -96,7 +96,8 @@ class Text:
         path = c.dataset[len(TEXT_PREFIX):]
         if path == KJV and not Path(path).expanduser().exists():
             raise ConfigError(f"dataset {c.dataset}: the King James Bible is not there yet: `make kjv` writes it "
-                              f"(Debian's bible-kjv), or give another {named('dataset', 'text:PATH')}")
+                              f"(in jaxtrain's checkout, from Debian's bible-kjv), or give any text: "
+                              f"{named('dataset', 'text:PATH')}")
         splits, tokenizer, digest = text.load(Path(path).expanduser(), seq_len=c.seq_len, tokenizer=c.tokenizer,
                                               bpe_vocab=c.vocab_size, val_fraction=c.val_fraction, warn=warn)
         return Read(splits, digest, tokenizer)

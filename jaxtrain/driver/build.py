@@ -197,6 +197,13 @@ def initial_state(run: Run):
         raise Finished({"already_finished": True, "steps": steps, "test_acc": r["test_acc"],
                         "test_loss": r["test_loss"], "params_digest": params_digest(restored.state.params)},
                        restored.state)
+    last, given = c.epochs * len(run.loaders["train"]), named("epochs", c.epochs)
+    if c.max_steps is not None and c.max_steps < last:
+        last, given = c.max_steps, named("max_steps", c.max_steps)
+    if steps > last:  # its training cannot be undone: the run would end on a model of another step count
+        raise ConfigError(f"the checkpoint in {c.checkpoint_dir} is at step {steps}, past this run's last step {last} "
+                          f"({given}): give {named('epochs')} or {named('max_steps')} that reach step {steps} or "
+                          f"more to continue it, or another {named('checkpoint_dir')} to start afresh")
     changed = [f"{k} {restored.settings.get(k)!r} -> {run.settings[k]!r}" for k in (*FREE_SETTINGS, *program())
                if k in restored.settings and restored.settings[k] != run.settings[k]]  # a newer setting: no change
     say(f"resuming from step {position.total_steps} (epoch {position.epoch}, batch {position.batch})"

@@ -75,8 +75,8 @@ def info(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
         raise ConfigError(f"{who}: no such directory; pass the {named('out')} directory of a finished run")
     if not (path / INFO).is_file() or not (path / ARRAYS).is_dir():
         raise ConfigError(f"{who}: holds no saved model ({INFO} and {ARRAYS}/ are written when a run "
-                          "finishes); train one to its end first, e.g. python -m experiments.lenet --out DIR "
-                          "(experiments.gpt for a language model)")
+                          "finishes); train one to its end first, e.g. jaxtrain lenet --out DIR (jaxtrain gpt "
+                          "for a language model)")
     try:
         meta = json.loads((path / INFO).read_text())
         shape, classes = meta["input_shape"], meta["num_classes"]

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -36,11 +37,16 @@ def holds_results(out_dir: Path) -> bool:
         metrics.is_file() and metrics.stat().st_size > 0)
 
 
-def claim_out_dir(out: str | None, name: str, resume: bool) -> tuple[Path, DirLock]:
+def claim_out_dir(out: str | None, name: str, resumed: bool, found_none: str | None = None) -> tuple[Path, DirLock]:
     """The run directory (``out``, or a fresh one), this run's alone (locked: two runs never write one) and
-    with room for its files; another run's results there are kept unless the run resumes."""
+    with room for its files; another run's results there are kept unless the run resumes from a checkpoint
+    (``found_none``: the checkpoint directory where a resume found none)."""
     out_dir = make_out_dir(out, name)
-    if not resume and holds_results(out_dir):
+    if not resumed and found_none is not None and holds_results(out_dir):
+        raise ConfigError(f"{named('out', out_dir)} holds a run's results, and {named('resume', True)} found no "
+                          f"checkpoint in {found_none} to continue it from: give the {named('checkpoint_dir')} that "
+                          f"run saved to, or a new {named('out')} to start afresh")
+    if not resumed and holds_results(out_dir):
         raise ConfigError(f"{named('out', out_dir)} holds another run's results: pass a new {named('out')} (or, "
                           f"where that run saved checkpoints, continue it with {named('resume', True)} and its "
                           f"{named('checkpoint_dir')})")
@@ -66,6 +72,24 @@ def strict_json(data, **kw) -> str:
     return json.dumps(clean(data), allow_nan=False, **kw)
 
 
+def write_whole(path: Path, data) -> None:
+    """``path`` written whole or not at all; a one-line OutputError says why not."""
+    try:
+        atomic_write(path, data)
+    except OSError as e:
+        cause = "the disk is full" if out_of_space(e) else e.strerror or str(e)
+        raise OutputError(f"cannot write {path} ({cause}); its previous version, if any, is intact: "
+                          f"make room (or fix {named('out')}), then run again (with {named('resume', True)} if you "
+                          "checkpoint)") from None
+
+
+def write_summary(out_dir: Path, summary: dict) -> Path:
+    """summary.json: the run's summary, sorted, strict JSON."""
+    path = out_dir / "summary.json"
+    write_whole(path, strict_json(summary, indent=2, sort_keys=True) + "\n")
+    return path
+
+
 class RunWriter:
     """Writes one run's files into ``out_dir`` as the run goes; each file whole or not at all.
 
@@ -82,7 +106,7 @@ class RunWriter:
         self.job = job and {"id": job["job_id"], "restart_count": job["restart_count"]}
         self.rows: list[dict] = self._carried(history) if resumed else [dict(h) for h in history]
         self.no_plot, self._told = missing("matplotlib", "curves.png"), False  # said once, at the first epoch's end
-        self._write(self.metrics_path, self._metrics_text())
+        write_whole(self.metrics_path, self._metrics_text())
 
     @property
     def epochs(self) -> list[dict]:
@@ -108,30 +132,20 @@ class RunWriter:
     def _metrics_text(self) -> str:
         return "".join(strict_json(row) + "\n" for row in self.rows)
 
-    def _write(self, path: Path, data) -> None:
-        try:
-            atomic_write(path, data)
-        except OSError as e:
-            cause = "the disk is full" if out_of_space(e) else e.strerror or str(e)
-            raise OutputError(f"cannot write {path} ({cause}); its previous version, if any, is intact: "
-                              f"make room (or fix {named('out')}), then run again (with {named('resume', True)} if you "
-                              "checkpoint)") from None
-
     def epoch(self, stats) -> None:
         """metrics.jsonl with this epoch's row, and curves.png redrawn (a long run can be watched)."""
         self.rows.append({**dataclasses.asdict(stats), **({"job": self.job} if self.job else {})})
-        self._write(self.metrics_path, self._metrics_text())
+        write_whole(self.metrics_path, self._metrics_text())
         self.plot()
 
     def stopped(self, step: int, signal: str, saved: bool, requeue: str | None) -> None:
         """metrics.jsonl with a row saying a signal stopped the run at ``step``, and what was done."""
         self.rows.append({"event": "stopped", "step": step, "signal": signal, "checkpoint_saved": saved,
                           **({"job": self.job} if self.job else {}), **({"requeue": requeue} if requeue else {})})
-        self._write(self.metrics_path, self._metrics_text())
+        write_whole(self.metrics_path, self._metrics_text())
 
     def summary(self, summary: dict) -> Path:
-        path = self.out_dir / "summary.json"
-        self._write(path, strict_json(summary, indent=2, sort_keys=True) + "\n")
+        path = write_summary(self.out_dir, summary)
         self.plot()
         return path
 
@@ -144,7 +158,7 @@ class RunWriter:
                 self._told = True
             return None
         path = self.out_dir / "curves.png"
-        self._write(path, curves_png(self.epochs))
+        write_whole(path, curves_png(self.epochs))
         return path
 
 
@@ -174,8 +188,26 @@ def curves_png(epochs: list[dict]) -> bytes:
 
 
 def _rows(path: Path) -> list[dict]:
-    """metrics.jsonl's rows, [] where it is missing or unreadable (a resumed run then rewrites it whole)."""
+    """metrics.jsonl's rows ([] where it is missing: a resumed run then writes it whole). A file with lines that
+    do not read (edited, or damaged on disk) is kept beside it (``metrics.jsonl.damaged-TIME``), said in one
+    warning line; its rows that read are carried on."""
     try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        return []
+        lines = path.read_bytes().decode(errors="replace").splitlines()
+    except OSError:
+        return []  # missing, or not a file (writing it says why)
+    rows, bad = [], []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows += [row] if row else []
+        else:
+            bad.append(str(number))
+    if bad:
+        kept = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.copyfile(path, kept)
+        log.warning(f"{path}: line{'s' * (len(bad) > 1)} {', '.join(bad[:5])}{' ...' * (len(bad) > 5)} do not read: "
+                    f"the file is kept as {kept.name}; its rows that read are carried on")
+    return rows

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxtrain.driver import distill, export, language, notebook, observe, requeue, track
 from jaxtrain.driver.build import Run, say
-from jaxtrain.driver.outputs import RunWriter, claim_out_dir
+from jaxtrain.driver.outputs import RunWriter, claim_out_dir, write_summary
 from jaxtrain.driver.report import forward_flops
 from jaxtrain.driver.signals import Exit
 from jaxtrain.settings import slurm_job
@@ -74,7 +74,9 @@ class Files(Output):
         if jax.process_index() != 0:
             return
         c = run.config
-        out_dir, self._lock = claim_out_dir(c.out, c.model, c.resume)
+        resumed = position is not None
+        out_dir, self._lock = claim_out_dir(c.out, c.model, resumed, c.checkpoint_dir if c.resume and not resumed
+                                            else None)
         try:
             if run.checkpointer is not None:  # room for the checkpoints to come, checked now
                 run.checkpointer.ensure_room(state)
@@ -100,6 +102,14 @@ class Files(Output):
         summary["stops"] = self.writer.stops
         self.writer.summary(summary)
         say(f"wrote {self.out_dir}/summary.json, metrics.jsonl{'' if self.writer.no_plot else ', curves.png'}")
+
+    def found_finished(self, run, summary, state):
+        out = run.config.out
+        if out is None or jax.process_index() != 0 or (Path(out) / "summary.json").exists():
+            return
+        say(f"its summary was never written to {out}: writing what its checkpoint holds (the result, its digest; "
+            "not the timings)")  # a full disk, or a kill, between the run's last checkpoint and its summary
+        write_summary(Path(out), {**summary, "from_checkpoint": True})
 
     def close(self, error):
         if self._lock is not None:

@@ -49,6 +49,8 @@ class Trained:
     steps_per_epoch: int
     last: dict  # the last step's metrics
     peak: float | None  # the devices' dense FLOP/s, for the MFU (``diagnostics.devices_peak``; None: unknown)
+    steps_per_call: int = 1  # as the run made its calls (``keep_busy``: ``auto`` resolved)
+    data_on_device: bool = False
 
 
 def fit_run(run: Run, state, position, stop: StopOnSignal, outputs: Sequence[Output]) -> Trained:
@@ -70,7 +72,8 @@ def fit_run(run: Run, state, position, stop: StopOnSignal, outputs: Sequence[Out
     def memory_after_first_step(loop):
         if loop.total_steps == loop.call_size:  # the run's first call (after it: its steps)
             loop.sync()
-            say("memory after the first step:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
+            first = "step" if loop.call_size == 1 else f"call ({loop.call_size} steps)"
+            say(f"memory after the first {first}:\n" + diagnostics.format_memory_report(diagnostics.memory_report()))
 
     def epoch_line(loop):
         e = loop.stats
@@ -120,10 +123,13 @@ def fit_run(run: Run, state, position, stop: StopOnSignal, outputs: Sequence[Out
         raise Diverged(e.what, e.step, f"the newest checkpoint is step {run.checkpointer.latest()} in "
                        f"{run.checkpointer.directory}") from None
     stop.done()
+    if stop.signum:  # it came after the last call (in the final evaluation): nothing is left to stop
+        say(f"{signal.Signals(stop.signum).name} came after the last step: the run ends once its files are written "
+            "(a second signal exits now)")
     if run.checkpointer is not None:
         with stop.busy():
             run.checkpointer.close()
-    return Trained(state, history, first_loss, stats, len(train_data), last, peak)
+    return Trained(state, history, first_loss, stats, len(train_data), last, peak, steps_per_call, on_device)
 
 
 def keep_busy(run: Run, state, split, train_data) -> tuple[int, bool]:
@@ -151,7 +157,8 @@ def summarise(run: Run, trained: Trained) -> dict:
     state, history, first_loss, stats = trained.state, trained.history, trained.first_loss, trained.stats
     summary = run_summary(c, run.model, history, first_loss, stats, trained.peak, run.devices, run.call_batch,
                           trained.steps_per_epoch, {k: len(v) for k, v in data.items()}, settings["data_sha256"])
-    summary.update(slurm_job=slurm_job(), stops=[])  # a stop's record: run_outputs.Files's
+    summary.update(slurm_job=slurm_job(), stops=[],  # a stop's record: run_outputs.Files's
+                   steps_per_call=trained.steps_per_call, data_on_device=trained.data_on_device)  # as resolved
     if "class_names" in settings:  # an image folder's: label i is class_names[i]
         summary["class_names"] = settings["class_names"]
     summary.update(params_digest=params_digest(state.params), mesh=dict(run.mesh.shape),

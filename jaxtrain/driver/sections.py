@@ -199,9 +199,9 @@ class Parallel:
     repeats: int = _field(1, "pipelined runs, circular schedule: layer chunks per stage", minimum=1)
     steps_per_call: str = _field("auto", "train steps in one compiled call: N, or auto (GPUs: enough steps for "
                                          "~10 ms of device work a call, measured; CPUs: 1); a call ends where a "
-                                         "log line, checkpoint or step evaluation is due, and a signal stops the "
-                                         "run at the end of the call in flight, at most N steps later (docs: "
-                                         "Keeping the GPU busy)")
+                                         "checkpoint or step evaluation is due (a log line comes after the call "
+                                         "that passes its step), and a signal stops the run at the end of the "
+                                         "call in flight, at most N steps later (docs: Keeping the GPU busy)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxtrain.errors import named
+from jaxtrain.errors import ConfigError, named
 from jaxtrain.io import console
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,10 @@ class StopOnSignal:
             _exit_now(signum, "second signal: exiting now (a checkpoint being written is discarded; "
                               "the ones before it are intact)")
         self.signum = signum
+        if not self._training:  # after the last step: its end is being saved and written, then the run exits
+            log.warning(f"{signal.Signals(signum).name}: training is over; the run ends once its files are written "
+                        "(a second signal exits now)")
+            return
         since = time.monotonic()
         while self.vote is not None and self._training:
             time.sleep(0.2)
@@ -161,20 +165,24 @@ class StopOnSignal:
     def stopped(self, step: int, checkpointer, say: Callable, then: Callable[[bool], None] | None = None) -> None:
         """Training stopped at ``step`` for the signal: say what was saved (``checkpointer``: the run's, or
         None), ``then(saved)`` (e.g. requeue the job), exit with 128 + the signal."""
+        saved = False
         if checkpointer is None:
             say(f"stopped by signal at step {step}; nothing saved (no {named('checkpoint_dir')})")
         else:
-            with self.busy():
-                checkpointer.close()
-            if checkpointer.committed(step):
-                say(f"stopped by signal at step {step}; checkpoint saved in {checkpointer.directory}: continue with "
-                    f"{named('resume', True)}")
+            try:
+                with self.busy():
+                    checkpointer.close()
+            except ConfigError as e:  # the stop's save failed (a full disk): said, and the stop still recorded
+                say(f"stopped by signal at step {step}; {e}")
             else:
-                say(f"stopped by signal at step {step}; the checkpoint of step {step} was NOT written; the newest is "
+                saved = checkpointer.committed(step)
+                say(f"stopped by signal at step {step}; checkpoint saved in {checkpointer.directory}: continue with "
+                    f"{named('resume', True)}" if saved else
+                    f"stopped by signal at step {step}; the checkpoint of step {step} was NOT written; the newest is "
                     f"step {checkpointer.latest()}: continue from there with {named('resume', True)}")
         self._finishing = True  # what was to be saved is saved: a further signal (e.g. the requeue's) is ignored
         if then is not None:
-            then(checkpointer is not None and checkpointer.committed(step))
+            then(saved)
         raise Exit(128 + self.signum) from None
 
     def requested(self) -> bool:

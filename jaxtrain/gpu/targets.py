@@ -23,8 +23,8 @@ from jaxtrain.parallel.devices import DATA_AXIS, REPLICA_AXIS
 
 # What the GPU leg was tested with (README "Planning for GPUs"): the topology API is experimental.
 TESTED = "jax[cuda12]==0.12.0.1"
-INSTALL = ("pip install -e '.[gpu-compile]' (Python >= 3.12: it installs jax[cuda12] 0.12.0.1, ~3.4 GB of NVIDIA "
-           "wheels; no GPU or driver needed)")
+INSTALL = ("pip install 'jaxtrain[gpu-compile]' (in the checkout: pip install -e '.[gpu-compile]'; Python >= "
+           "3.12: it installs jax[cuda12] 0.12.0.1, ~3.4 GB of NVIDIA wheels; no GPU or driver needed)")
 PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 

@@ -29,7 +29,7 @@ def make_parser(prog: str = "python -m jaxtrain.sweep") -> argparse.ArgumentPars
                     "database; run it again to go on (nothing finished is re-run).",
         epilog="example:\n  python -m jaxtrain.sweep --study lenet-lr --storage sqlite:///runs/sweeps.db --trials 20 "
                "\\\n      --param lr=log:1e-3:1 --param batch_size=choice:128,256,512 \\\n"
-               "      --param optimizer=choice:sgd,momentum,adamw -- python -m experiments.lenet --epochs 3\n\n"
+               "      --param optimizer=choice:sgd,momentum,adamw -- jaxtrain lenet --epochs 3\n\n"
                "--param NAME=KIND:VALUES, NAME a run's setting (lr, batch_size, ...), KIND one of:\n"
                + "".join(f"  {k:7s} {v}\n" for k, v in T.KINDS.items())
                + "\nTracking: add --track wandb|mlflow to the command; each trial is logged, grouped by study.")

@@ -2,7 +2,7 @@
 
     python -m jaxtrain.sweep --study lenet-lr --storage sqlite:///runs/sweeps.db --trials 20 \\
         --param lr=log:1e-3:1 --param batch_size=choice:128,256,512 --param optimizer=choice:sgd,momentum,adamw \\
-        -- python -m experiments.lenet --epochs 3
+        -- jaxtrain lenet --epochs 3                   # or: -- python -m experiments.lenet --epochs 3
 
 Each trial is a normal run (``jaxtrain.sweep.trials``) with its own ``--out`` in
 the study's folder (``--dir``, default: next to the SQLite file,

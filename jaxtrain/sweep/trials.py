@@ -117,8 +117,8 @@ class Command:
     @classmethod
     def parse(cls, argv, swept=()) -> Command:
         if not argv:
-            raise ConfigError("no command to sweep: end the sweep's flags with -- and the run, e.g. -- python -m "
-                              "experiments.lenet --epochs 3")
+            raise ConfigError("no command to sweep: end the sweep's flags with -- and the run, e.g. -- jaxtrain lenet "
+                              "--epochs 3")
         argv = tuple(argv)
         if argv[0] in ("python", "python3"):  # the sweep's own interpreter (its venv), as the user meant
             argv = (sys.executable, *argv[1:])

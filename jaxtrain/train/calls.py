@@ -3,8 +3,8 @@
 A call of k steps is one program (``Trainer.steps``: a scan over the step,
 the state donated): the host dispatches once and reads k steps' metrics
 once. Hooks act between calls, so a call ends where one is due: at every
-multiple of a cutting hook's period (a step log, a checkpoint, a step
-evaluation), at a profile's start and stop, at the epoch's end and at
+multiple of a cutting hook's period (a checkpoint, a step evaluation), at
+a profile's start and stop, at the epoch's end and at
 ``max_steps``. Calls also end at multiples of ``steps_per_call`` counted
 from the epoch's first batch, so a run resumed at any boundary makes the
 same calls as the uninterrupted one, and without a cutting hook every epoch

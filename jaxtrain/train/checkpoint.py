@@ -21,6 +21,7 @@ whose parameters are not finite is never saved (``Diverged``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -131,6 +132,8 @@ class Checkpointer:
         check_finite(state.params, step)  # an update overflowed: never saved as a good state
         pos = dataclasses.asdict(position)
         with self._io(step):
+            if step in self.manager.all_steps() and position.result and not self._evaluated(step):
+                self.manager.delete(step)  # a stop's save at the run's last step: now with its evaluation
             if step not in self.manager.all_steps():
                 saveable = _saveable(state)
                 record = {"settings": self.settings, "layout": integrity.layout(saveable),
@@ -142,6 +145,11 @@ class Checkpointer:
                 self._saving = step
             if wait:
                 self.manager.wait_until_finished()
+
+    def _evaluated(self, step: int) -> bool:
+        """Whether the checkpoint of ``step`` holds its evaluation (a stop's save before it does not)."""
+        position = self.manager.restore(step, args=self._ocp.args.Composite(position=self._ocp.args.JsonRestore()))
+        return bool(position["position"].get("result"))
 
     def ensure_room(self, state: TrainState) -> None:
         """Room on disk for the checkpoints to come: ``keep`` + 1 at once (the newest is written before the
@@ -187,10 +195,11 @@ class Checkpointer:
             state = restored["state"]
             state = state.replace(rng=jax.random.wrap_key_data(state.rng, impl=jax.random.key_impl(like.rng)))
             return Restored(state, Position(**restored["position"]), step, record["settings"])
-        if damaged:
+        aside = self.directory / UNREADABLE
+        if damaged or (aside.is_dir() and any(aside.iterdir())):  # a later resume too: never from scratch silently
+            said = f"steps {', '.join(map(str, damaged))} are damaged" if damaged else "earlier found damaged"
             raise ConfigError(
-                f"none of the checkpoints in {self.directory} could be restored (steps "
-                f"{', '.join(map(str, damaged))} are damaged; moved to {self.directory / UNREADABLE}): this run "
+                f"none of the checkpoints in {self.directory} could be restored ({said}; moved to {aside}): this run "
                 f"cannot be resumed; start it anew with another {self.param} (or remove that directory)")
         return None
 
@@ -237,12 +246,16 @@ class Checkpointer:
         try:
             with self._io(self._saving):
                 self.manager.wait_until_finished()
-        finally:  # a save that failed (a full disk) still leaves the directory unlocked
-            try:
+        except BaseException:  # a save that failed (a full disk): its one line is the error, not close()'s raising
+            with contextlib.suppress(Exception):  # the same failure again after it
                 self.manager.close()
-            finally:
-                if self._lock is not None:
-                    self._lock.release()
+            raise
+        else:
+            with self._io(self._saving):
+                self.manager.close()
+        finally:  # the directory unlocked, whatever failed
+            if self._lock is not None:
+                self._lock.release()
 
     def _io(self, step):
         return _SaveErrors(self, step)

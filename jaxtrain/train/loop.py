@@ -43,6 +43,7 @@ class EpochStats:
     data_wait_sec: float
     data_wait_fraction: float
     checkpoint_sec: float = 0.0  # pauses of the epoch to save (not in train_sec)
+    compile_sec: float = 0.0  # the dispatches of calls of a size not called before, which compile it (neither)
     start_up_sec: float = 0.0  # the loader's start before its first batch (in train_sec, not in data_wait_sec)
 
 
@@ -261,10 +262,11 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
                                                                                           prefetch)
     cuts = [hook.every for hook in hooks if hook.unit == "step" and hook.cuts]
     points = sorted({step for hook in hooks for step in hook.at})
+    called = set()  # the call sizes dispatched: a new one (a remainder, a cut, K itself) compiles, off the clock
     for epoch in range(pos.epoch, epochs + 1):
-        if max_steps is not None and loop.total_steps >= max_steps:
+        resuming = epoch == pos.epoch and pos.batch > 0  # a resumed epoch ends (and is evaluated) at max_steps too
+        if max_steps is not None and loop.total_steps >= max_steps and not resuming:
             break
-        resuming = epoch == pos.epoch and pos.batch > 0
         loop.start_epoch(epoch, pos.batch if resuming else 0, pos.partial if resuming else None)
         sizes = calls.call_sizes(loop.batch, loop.total_steps, len(train_loader), max_steps, cuts, steps_per_call,
                                  points)
@@ -275,8 +277,10 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
                     size, batch = next(batches, (0, None))
                 if batch is None:
                     break
-                with jax.profiler.StepTraceAnnotation("train_step", step_num=loop.total_steps + 1), feed.guard():
-                    out = feed.run(loop.state, size, batch)
+                with jax.profiler.StepTraceAnnotation("train_step", step_num=loop.total_steps + 1), feed.guard(), \
+                        contextlib.nullcontext() if size in called else loop.chrono.paused("compile"):
+                    out = feed.run(loop.state, size, batch)  # a size's first call compiles it as it is dispatched
+                called.add(size)
                 loop.stepped(*out, train_loader.batch_size, size)
                 for hook in hooks:
                     if hook.due("step", loop.total_steps, loop.total_steps - size):
@@ -300,7 +304,8 @@ def _end_epoch(loop: Loop) -> None:
         train_loss=sums["loss"] / max(sums["steps"], 1), train_acc=sums["accuracy"] / max(sums["steps"], 1),
         test_loss=float("nan"), test_acc=float("nan"), test_examples=0, train_sec=chrono.train_sec, eval_sec=0.0,
         data_wait_sec=chrono.wait, data_wait_fraction=chrono.wait_fraction,
-        checkpoint_sec=chrono.pauses.get("checkpoint", 0.0), start_up_sec=chrono.start_up)
+        checkpoint_sec=chrono.pauses.get("checkpoint", 0.0), compile_sec=chrono.pauses.get("compile", 0.0),
+        start_up_sec=chrono.start_up)
     loop.history.append(loop.stats)
 
 
