@@ -297,7 +297,7 @@ def _prompt(text: str) -> str:
     return text
 
 
-@one_line_errors("jaxtrain sample")
+@one_line_errors("jaxtrain sample", {"run_dir": "RUN_DIR"})
 def sample(argv: Sequence[str] | None = None, prog: str = "jaxtrain sample") -> int:
     """``jaxtrain sample RUN_DIR`` (``python -m experiments.sample``); JAX is imported after the flags are read."""
     p = argparse.ArgumentParser(prog=prog, description="Text from a finished language-model run (jaxtrain gpt --out "
@@ -329,7 +329,7 @@ def sample(argv: Sequence[str] | None = None, prog: str = "jaxtrain sample") -> 
     return 0
 
 
-@one_line_errors("jaxtrain export")
+@one_line_errors("jaxtrain export", {"run_dir": "RUN_DIR"})
 def export(argv: Sequence[str] | None = None, prog: str = "jaxtrain export") -> int:
     """``jaxtrain export RUN_DIR FILE`` (``python -m experiments.export_weights``): a finished run's model as a file
     torchvision, timm or transformers load (``jaxtrain.driver.export.save_pretrained``; docs/pretrained.md)."""
