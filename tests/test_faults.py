@@ -486,8 +486,13 @@ def test_a_resume_past_the_runs_end_is_refused_and_one_at_its_end_is_evaluated_o
     resumed = _trained(config.replace(resume=True, max_steps=6))
     assert (resumed["steps"], resumed["params_digest"]) == (6, whole["params_digest"])
     assert (resumed["test_acc"], resumed["test_loss"]) == (whole["test_acc"], pytest.approx(whole["test_loss"]))
-    again = _trained(config.replace(resume=True, max_steps=6))  # its step 6 now holds the evaluation
+    step_6 = snapshot(ck / "6")
+    again = _trained(config.replace(resume=True, max_steps=6))  # its evaluation is kept beside step 6
     assert again["already_finished"] and (again["steps"], again["test_acc"]) == (6, whole["test_acc"])
+    assert snapshot(ck / "6") == step_6 and (ck / "evaluated" / "6.json").is_file()  # never rewritten (a review:
+    (ck / "evaluated" / "6.json").write_text("{")  # deleting it to save it again could lose it)
+    damaged = _trained(config.replace(resume=True, max_steps=6))  # left out, said: evaluated again
+    assert damaged["params_digest"] == whole["params_digest"] and "already_finished" not in damaged
 
 
 def test_a_resume_that_finds_no_checkpoint_keeps_a_finished_runs_files(tmp_path):
@@ -504,8 +509,8 @@ def test_a_resume_that_finds_no_checkpoint_keeps_a_finished_runs_files(tmp_path)
     first = _trained(config, [Files()])
     before = snapshot(out)
     with pytest.raises(jt.ConfigError, match=re.escape(
-            f"out={out} holds a run's results, and resume=True found no checkpoint in {tmp_path / 'typo'} to continue "
-            "it from: give the checkpoint_dir= that run saved to, or a new out= to start afresh")):
+            f"out={out} holds a finished run's results, and resume=True found no checkpoint in {tmp_path / 'typo'} "
+            "to continue it from: give the checkpoint_dir= that run saved to, or a new out= to start afresh")):
         _trained(config.replace(resume=True, checkpoint_dir=str(tmp_path / "typo")), [Files()])
     assert snapshot(out) == before
     (out / "summary.json").unlink()
@@ -514,6 +519,41 @@ def test_a_resume_that_finds_no_checkpoint_keeps_a_finished_runs_files(tmp_path)
     assert again["already_finished"] and written["from_checkpoint"]
     assert (written["steps"], written["params_digest"], written["test_acc"]) == (
         first["steps"], first["params_digest"], first["test_acc"])
+    _trained(config.replace(resume=True, out=str(tmp_path / "new")), [Files()])  # a review: no --out folder yet
+    assert summary(tmp_path / "new")["params_digest"] == first["params_digest"]
+
+
+def test_a_resume_that_finds_no_checkpoint_starts_again_keeping_an_unfinished_starts_epochs(tmp_path, caplog):
+    """A review's finding: the refusal above also refused the run's own unfinished start (its first checkpoint
+    never saved: a full disk, a lost node), which the message and a requeued job both resume."""
+    import jaxtrain as jt
+    from jaxtrain.driver import outputs
+
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1, "steps": 4}\n')
+    with caplog.at_level("WARNING", logger="jaxtrain"):
+        _, lock = outputs.claim_out_dir(str(tmp_path), "lenet", False, found_none="ck")
+    lock.release()
+    (kept,) = tmp_path.glob("metrics.jsonl.earlier-*")
+    assert kept.read_text() == '{"epoch": 1, "steps": 4}\n' and "starts again from scratch" in caplog.text
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(jt.ConfigError, match="holds a finished run's results, and resume=True found no checkpoint"):
+        outputs.claim_out_dir(str(tmp_path), "lenet", False, found_none="ck")
+
+
+def test_a_stop_whose_row_cannot_be_written_says_so_and_still_requeues(monkeypatch):
+    """A review's finding: on a full disk the stop's row raised after the stop's own line: exit 2, no requeue."""
+    from jaxtrain.driver import outputs, requeue
+
+    class Full:
+        def stopped(self, *row):
+            raise outputs.OutputError("cannot write metrics.jsonl (the disk is full)")
+
+    said, requeued = [], []
+    monkeypatch.setattr(requeue, "requeue", lambda job, say: requeued.append(job))
+    job = {"job_id": "7", "requeue_id": "7", "restart_count": 0}
+    requeue.after_stop(job, Full(), 5, requeue.REQUEUE_SIGNAL, said.append, True)
+    assert said == ["the stop's row in metrics.jsonl was not written: cannot write metrics.jsonl (the disk is full)"]
+    assert requeued == [job]
 
 
 def test_checkpoints_all_moved_aside_are_never_followed_by_a_silent_start_from_scratch(tmp_path):

@@ -82,6 +82,11 @@ def test_sample_goes_on_from_a_prompt_greedy_alike_twice_and_seeded(trained):
     assert seeded.returncode == 0, seeded.stderr[-3000:]
     first, second = seeded.stdout.split("-" * 40 + "\n")[:2]
     assert first.startswith("The king") and second.startswith("The king") and first != second
+    long = run_cli("-m", "jaxtrain", "sample", str(out), "--prompt", "The king", "--tokens", "100",  # past its context
+                   "--temperature", "0")
+    assert long.returncode == 0 and len(long.stdout.rstrip("\n")) == 16, long.stderr[-3000:]
+    assert ("warning: the text stops at the model's context of 16 tokens: 8 new tokens after the prompt's 8, not "
+            "100") in long.stderr, long.stderr[-3000:]
 
 
 def test_sample_refuses_a_run_that_is_not_a_language_models(tmp_path):

@@ -105,7 +105,8 @@ def test_bad_files_and_models_are_one_line_naming_what(made, tmp_path):
         pretrained.load(tmp_path / "text.pth", into="resnet50")
     with pytest.raises(ConfigError, match=r"weights.npz: not a checkpoint jaxtrain reads"):
         pretrained.load(tmp_path / "weights.npz", into="resnet50")
-    with pytest.raises(ConfigError, match=r"model lenet: pretrained weights load into resnet18_imagenet, resnet50"):
+    with pytest.raises(ConfigError, match=r"model lenet: pretrained weights are read and written for "
+                                          "resnet18_imagenet, resnet50"):
         pretrained.load(out / "weights.pth", into="lenet")
 
 
@@ -171,9 +172,9 @@ def test_init_from_starts_a_run_from_the_files_weights_and_says_what_it_loaded(m
     assert meta["settings"]["init_from"] == str(out / "weights.pth")
     wrong = run_cli("-m", "experiments.resnet18", "--init-from", str(out / "weights.pth"), "--max-steps", "1")
     assert wrong.returncode == 2 and wrong.stderr.strip().splitlines()[-1] == (
-        "python -m experiments.resnet18: error: model resnet18: pretrained weights load into resnet18_imagenet, "
-        "resnet50, vit_tiny, vit_small, vit_base (torchvision's and timm's ResNets, timm's and Hugging Face's ViTs): "
-        "torchvision's ResNet-18 is resnet18_imagenet (resnet18 is d2l's)")
+        "python -m experiments.resnet18: error: model resnet18: pretrained weights are read and written for "
+        "resnet18_imagenet, resnet50, vit_tiny, vit_small, vit_base (torchvision's and timm's ResNets, timm's and "
+        "Hugging Face's ViTs): torchvision's ResNet-18 is resnet18_imagenet (resnet18 is d2l's)")
 
 
 @pytest.fixture

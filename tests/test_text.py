@@ -256,6 +256,8 @@ def test_a_missing_tokenizers_package_says_how_to_install_it(tmp_path, corpus, m
     with pytest.raises(errors.MissingExtra, match="tokenizers"):
         load(corpus, tmp_path / "c")
     assert load(corpus, tmp_path / "c", tokenizer="bytes")[1].vocab_size == 256  # bytes need no package
+    with pytest.raises(ConfigError, match="no such file or folder"):  # the text first (a new user's finding: the
+        load(tmp_path / "nowhere.txt", tmp_path / "c")                 # package was asked for a missing file)
 
 
 def test_the_cache_record_says_what_it_holds(tmp_path, corpus):

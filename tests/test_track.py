@@ -137,7 +137,7 @@ def test_a_failing_tracker_warns_once_and_the_run_goes_on(tmp_path, monkeypatch,
         missing.finish({"test_acc": 0.5}, [])
     err = capsys.readouterr().err
     assert err.count("warning") == 1 and "pip install 'jaxtrain[wandb]'" in err, err
-    assert err.startswith("warning: --track wandb: not logging from here on (wandb is not installed"), err
+    assert err.startswith("warning: --track wandb: off (wandb is not installed"), err
 
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/file/mlflow.db")  # cannot be made: a file there
@@ -148,7 +148,7 @@ def test_a_failing_tracker_warns_once_and_the_run_goes_on(tmp_path, monkeypatch,
         broken.close("failed")
     said = [r for r in caplog.records if r.name == "jaxtrain.driver.track"]
     assert broken.broken and len(said) == 1 and said[0].levelname == "WARNING", said
-    assert said[0].getMessage().startswith("--track mlflow: not logging from here on (FileExistsError"), said
+    assert said[0].getMessage().startswith("--track mlflow: off (FileExistsError"), said
     kept = json.loads((tmp_path / "track.json").read_text())  # for a sweep to say (it read only the exit code)
     assert kept["failed"].startswith("--track mlflow: FileExistsError"), kept
 
@@ -193,7 +193,7 @@ def test_an_mlflow_server_that_does_not_answer_is_waited_for_boundedly_and_said(
         tracker = track.start("mlflow", tmp_path, {}, None)
     out, err = capsys.readouterr()  # what it waits for (a progress line), then the warning
     assert out == "--track mlflow: connecting to http://127.0.0.1:9 (up to 36 s if it does not answer)\n", out
-    assert tracker.broken and err.startswith("warning: --track mlflow: not logging"), err
+    assert tracker.broken and err.startswith("warning: --track mlflow: off ("), err
     assert {k: os.environ[k] for k in track.HTTP_WAIT} == track.HTTP_WAIT
 
 

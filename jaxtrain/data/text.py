@@ -193,11 +193,11 @@ def load(path, *, seq_len: int, tokenizer: str = "bpe", bpe_vocab: int = BPE_VOC
         raise ConfigError(f"{named('val_fraction', val_fraction)}: give the share of the text held out for validation, "
                           "between 0 and 1 (e.g. 0.1)")
     vocab = vocab_size(tokenizer, bpe_vocab)
+    root = Path(path).expanduser()
+    if not root.exists():  # first: the text itself, then what reading it needs
+        raise ConfigError(f"text:{path}: no such file or folder: give a text file, or a folder of them")
     if tokenizer == "bpe":
         tokenizer_lib.need_tokenizers()
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise ConfigError(f"text:{path}: no such file or folder: give a text file, or a folder of them")
     files = _listing(root.resolve())
     digest = _digest(files, tokenizer, bpe_vocab, val_fraction)
     cache = Path(cache_dir) if cache_dir is not None else settings.current().index_cache.parent / "text"

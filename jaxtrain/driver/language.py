@@ -4,6 +4,7 @@ sampled from it when it ends (``jaxtrain.models.generate``), and again from its 
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import jax
 import numpy as np
 
 from jaxtrain.errors import ConfigError, named
+
+log = logging.getLogger(__name__)
 
 
 def perplexity(loss: float) -> str:
@@ -88,10 +91,14 @@ def samples(model, params, tokenizer, prompts: list[str], new_tokens: int, *, se
     from jaxtrain.models import generate
 
     config = model.config
-    out = []
+    out, said = [], False
     for i, prompt in enumerate(prompts):
         ids = np.asarray(tokenizer.encode(prompt), np.int32)[-max(1, config.seq_len // 2):]  # room to go on
         n = min(new_tokens, config.seq_len - len(ids))
+        if n < new_tokens and not said:
+            said = True
+            log.warning(f"the text stops at the model's context of {config.seq_len} tokens: {n} new tokens after "
+                        f"the prompt's {len(ids)}, not {new_tokens}")
         tokens = generate.generate(params, config, ids[None], n, key=jax.random.key(seed + i),
                                    temperature=temperature, top_k=top_k and min(top_k, config.vocab))
         out.append(tokenizer.decode(np.asarray(tokens[0])))

@@ -33,20 +33,31 @@ def make_out_dir(out: str | None, name: str) -> Path:
 def holds_results(out_dir: Path) -> bool:
     """Whether ``out_dir`` holds a run's results (a summary, a model, or epochs in metrics.jsonl)."""
     metrics = out_dir / "metrics.jsonl"
-    return any((out_dir / name).exists() for name in ("summary.json", "model.json")) or (
-        metrics.is_file() and metrics.stat().st_size > 0)
+    return finished(out_dir) or (metrics.is_file() and metrics.stat().st_size > 0)
+
+
+def finished(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds a finished run's results (its summary, or its model)."""
+    return any((out_dir / name).exists() for name in ("summary.json", "model.json"))
 
 
 def claim_out_dir(out: str | None, name: str, resumed: bool, found_none: str | None = None) -> tuple[Path, DirLock]:
     """The run directory (``out``, or a fresh one), this run's alone (locked: two runs never write one) and
-    with room for its files; another run's results there are kept unless the run resumes from a checkpoint
-    (``found_none``: the checkpoint directory where a resume found none)."""
+    with room for its files; another run's results there are kept unless the run resumes from a checkpoint.
+    ``found_none``: the checkpoint directory where a resume found none: a finished run's results are refused,
+    an unfinished start's epochs (its first checkpoint never saved) kept aside as it starts again."""
     out_dir = make_out_dir(out, name)
+    if not resumed and found_none is not None and finished(out_dir):
+        raise ConfigError(f"{named('out', out_dir)} holds a finished run's results, and {named('resume', True)} found "
+                          f"no checkpoint in {found_none} to continue it from: give the {named('checkpoint_dir')} "
+                          f"that run saved to, or a new {named('out')} to start afresh")
     if not resumed and found_none is not None and holds_results(out_dir):
-        raise ConfigError(f"{named('out', out_dir)} holds a run's results, and {named('resume', True)} found no "
-                          f"checkpoint in {found_none} to continue it from: give the {named('checkpoint_dir')} that "
-                          f"run saved to, or a new {named('out')} to start afresh")
-    if not resumed and holds_results(out_dir):
+        metrics = out_dir / "metrics.jsonl"
+        kept = metrics.with_name(f"{metrics.name}.earlier-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.copyfile(metrics, kept)
+        log.warning(f"{metrics} holds epochs of a start that saved no checkpoint: kept as {kept.name}; this run "
+                    "starts again from scratch")
+    elif not resumed and holds_results(out_dir):
         raise ConfigError(f"{named('out', out_dir)} holds another run's results: pass a new {named('out')} (or, "
                           f"where that run saved checkpoints, continue it with {named('resume', True)} and its "
                           f"{named('checkpoint_dir')})")

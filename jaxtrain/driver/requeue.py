@@ -17,6 +17,7 @@ import subprocess
 
 from jaxtrain import settings
 from jaxtrain.errors import ConfigError, named
+from jaxtrain.driver.outputs import OutputError
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +64,25 @@ def after_stop(job: dict | None, writer, step: int, signal_name: str, say, saved
     ``writer``), then requeue ``job`` if asked, the signal was the warning and the checkpoint was saved."""
     if writer is None:
         return
+
+    def row(requeued: str | None) -> None:
+        try:
+            writer.stopped(step, signal_name, saved, requeued)
+        except OutputError as e:  # a full disk: said; the stop (and its requeue) goes on
+            say(f"the stop's row in metrics.jsonl was not written: {e}")
+
     if not job:
-        writer.stopped(step, signal_name, saved, None)
+        row(None)
     elif signal_name != REQUEUE_SIGNAL:
         say(f"not requeued: {signal_name} is the scheduler's ({named('requeue_on_signal', True)} requeues after "
             f"{REQUEUE_SIGNAL}, the warning before a time limit)")
-        writer.stopped(step, signal_name, saved, f"not requeued: {signal_name}")
+        row(f"not requeued: {signal_name}")
     elif not saved:
         say("not requeued: the signal's checkpoint was not written (a requeued job would repeat the steps since "
             "the one before)")
-        writer.stopped(step, signal_name, saved, "not requeued: no checkpoint")
+        row("not requeued: no checkpoint")
     else:
-        writer.stopped(step, signal_name, saved, " ".join(command(job)))
+        row(" ".join(command(job)))
         requeue(job, say)
 
 

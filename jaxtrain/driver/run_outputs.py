@@ -14,6 +14,7 @@ said (the ``jaxtrain`` logger's: route or silence it), and what only an output d
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import jax
@@ -21,11 +22,13 @@ import numpy as np
 
 from jaxtrain.driver import distill, export, language, notebook, observe, requeue, track
 from jaxtrain.driver.build import Run, say
-from jaxtrain.driver.outputs import RunWriter, claim_out_dir, write_summary
+from jaxtrain.driver.outputs import OutputError, RunWriter, claim_out_dir, write_summary
 from jaxtrain.driver.report import forward_flops
 from jaxtrain.driver.signals import Exit
 from jaxtrain.settings import slurm_job
 from jaxtrain.train.loop import Hook
+
+log = logging.getLogger(__name__)
 
 
 class Output:
@@ -109,7 +112,11 @@ class Files(Output):
             return
         say(f"its summary was never written to {out}: writing what its checkpoint holds (the result, its digest; "
             "not the timings)")  # a full disk, or a kill, between the run's last checkpoint and its summary
-        write_summary(Path(out), {**summary, "from_checkpoint": True})
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            write_summary(Path(out), {**summary, "from_checkpoint": True})
+        except (OSError, OutputError) as e:  # said; the model is still written (every process joins its save)
+            log.warning(f"{out}/summary.json not written: {e}")
 
     def close(self, error):
         if self._lock is not None:

@@ -58,7 +58,7 @@ class Tracker:
 
     def _fail(self, why: str) -> None:
         self.broken = True
-        log.warning("--track %s: not logging from here on (%s); the run goes on (metrics.jsonl and summary.json "
+        log.warning("--track %s: off (%s); the run goes on (metrics.jsonl and summary.json "
                     "are its record)", self.kind, why)
         with contextlib.suppress(OSError, ValueError):  # for a sweep to report (it reads OUT/track.json)
             self._keep("failed", f"--track {self.kind}: {why}")

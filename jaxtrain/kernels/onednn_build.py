@@ -20,8 +20,7 @@ from jaxtrain.io.native import INSTALL_CXX, Unusable, intact, note  # noqa: F401
 
 SOURCE = Path(__file__).with_name("onednn_conv.cc")
 _LAYOUT = "2"  # in the key: libraries with a digest file beside them (older ones are left alone)
-INSTALL_DNNL = ("install oneDNN (pip install 'jaxtrain[cpu-conv]', on x86-64 Linux; or apt-get install "
-                "libdnnl-dev)")
+INSTALL_DNNL = "pip install 'jaxtrain[cpu-conv]' (x86-64 Linux), or apt-get install libdnnl-dev"
 
 
 def expected() -> bool:

@@ -49,8 +49,8 @@ def _architecture(model: str):
     if model not in ARCHITECTURES:
         hint = ": torchvision's ResNet-18 is resnet18_imagenet (resnet18 is d2l's)" if model == "resnet18" else ""
         hint = hint or (": timm's ViT-Tiny/16 is vit_tiny (vit is jaxtrain's small one)" if model == "vit" else "")
-        raise ConfigError(f"model {model}: pretrained weights load into {', '.join(ARCHITECTURES)} (torchvision's "
-                          f"and timm's ResNets, timm's and Hugging Face's ViTs){hint}")
+        raise ConfigError(f"model {model}: pretrained weights are read and written for {', '.join(ARCHITECTURES)} "
+                          f"(torchvision's and timm's ResNets, timm's and Hugging Face's ViTs){hint}")
     return ARCHITECTURES[model]
 
 

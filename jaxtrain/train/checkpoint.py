@@ -35,13 +35,14 @@ import jax
 from jaxtrain.core.state import TrainState
 from jaxtrain.errors import ConfigError, named
 from jaxtrain.io.dirlock import DirLock
-from jaxtrain.io.files import drop_closed_loop_reports, ensure_room, ensure_writable, out_of_space
+from jaxtrain.io.files import atomic_write, drop_closed_loop_reports, ensure_room, ensure_writable, out_of_space
 from jaxtrain.train import integrity
 from jaxtrain.train.loop import Position, check_finite
 
 log = logging.getLogger(__name__)
 
 UNREADABLE = "unreadable"
+EVALUATED = "evaluated"  # a checkpoint's position once its evaluation came after it was saved (``STEP.json``)
 # What orbax and tensorstore say when a checkpoint's bytes are damaged (seen with files truncated, zeroed,
 # deleted, or JSON overwritten, orbax 0.11): only these mark a checkpoint corrupt.
 _READ_ERRORS = ("Encountered error while reading", "was not found in the checkpoint", "DATA_LOSS", "NOT_FOUND",
@@ -132,9 +133,10 @@ class Checkpointer:
         check_finite(state.params, step)  # an update overflowed: never saved as a good state
         pos = dataclasses.asdict(position)
         with self._io(step):
-            if step in self.manager.all_steps() and position.result and not self._evaluated(step):
-                self.manager.delete(step)  # a stop's save at the run's last step: now with its evaluation
-            if step not in self.manager.all_steps():
+            if step in self.manager.all_steps():  # saved before its evaluation (a stop's, at an epoch's end)
+                if position.result:
+                    self._evaluated_later(step, pos)
+            else:
                 saveable = _saveable(state)
                 record = {"settings": self.settings, "layout": integrity.layout(saveable),
                           "state_digest": integrity.state_digest(saveable),
@@ -146,10 +148,39 @@ class Checkpointer:
             if wait:
                 self.manager.wait_until_finished()
 
-    def _evaluated(self, step: int) -> bool:
-        """Whether the checkpoint of ``step`` holds its evaluation (a stop's save before it does not)."""
-        position = self.manager.restore(step, args=self._ocp.args.Composite(position=self._ocp.args.JsonRestore()))
-        return bool(position["position"].get("result"))
+    def _evaluated_later(self, step: int, pos: dict) -> None:
+        """The position of the checkpoint of ``step`` once evaluated, beside it (``evaluated/STEP.json``, written
+        whole; the checkpoint itself is never rewritten): a resume from it then goes on from its evaluation."""
+        ocp = self._ocp
+        if self._saving == step:
+            self.manager.wait_until_finished()
+        found = self.manager.restore(step, args=ocp.args.Composite(position=ocp.args.JsonRestore(),
+                                                                   record=ocp.args.JsonRestore()))
+        if found["position"].get("result") or jax.process_index() != 0:
+            return
+        path = self.directory / EVALUATED / f"{step}.json"
+        path.parent.mkdir(exist_ok=True)
+        atomic_write(path, json.dumps({"state_digest": found["record"]["state_digest"], "position": pos,
+                                       "position_digest": integrity.json_digest(pos)}))
+
+    def _later_position(self, step: int, record: dict) -> Position | None:
+        """The evaluated position kept beside the checkpoint of ``step`` (``_evaluated_later``), if it is that
+        checkpoint's (the same state digest: a step number saved again after a move aside has none) and whole."""
+        path = self.directory / EVALUATED / f"{step}.json"
+        if not path.is_file():
+            return None
+        try:
+            kept = json.loads(path.read_text())
+            if (kept["state_digest"], kept["position_digest"]) == (record["state_digest"],
+                                                                   integrity.json_digest(kept["position"])):
+                position = Position(**kept["position"])
+                if position.total_steps == step and position.result:
+                    return position
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        log.warning(f"{path} does not read, or is another checkpoint's: left out (the run evaluates step {step} "
+                    "again)")
+        return None
 
     def ensure_room(self, state: TrainState) -> None:
         """Room on disk for the checkpoints to come: ``keep`` + 1 at once (the newest is written before the
@@ -194,7 +225,8 @@ class Checkpointer:
                 continue
             state = restored["state"]
             state = state.replace(rng=jax.random.wrap_key_data(state.rng, impl=jax.random.key_impl(like.rng)))
-            return Restored(state, Position(**restored["position"]), step, record["settings"])
+            position = self._later_position(step, record) or Position(**restored["position"])
+            return Restored(state, position, step, record["settings"])
         aside = self.directory / UNREADABLE
         if damaged or (aside.is_dir() and any(aside.iterdir())):  # a later resume too: never from scratch silently
             said = f"steps {', '.join(map(str, damaged))} are damaged" if damaged else "earlier found damaged"

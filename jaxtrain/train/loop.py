@@ -43,8 +43,8 @@ class EpochStats:
     data_wait_sec: float
     data_wait_fraction: float
     checkpoint_sec: float = 0.0  # pauses of the epoch to save (not in train_sec)
-    compile_sec: float = 0.0  # the dispatches of calls of a size not called before, which compile it (neither)
     start_up_sec: float = 0.0  # the loader's start before its first batch (in train_sec, not in data_wait_sec)
+    compile_sec: float = 0.0  # JAX tracing and compiling as the epoch's calls are made (not in train_sec)
 
 
 def device_batches(batches: Iterable[dict], plan, prefetch: int):
@@ -262,15 +262,15 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
                                                                                           prefetch)
     cuts = [hook.every for hook in hooks if hook.unit == "step" and hook.cuts]
     points = sorted({step for hook in hooks for step in hook.at})
-    called = set()  # the call sizes dispatched: a new one (a remainder, a cut, K itself) compiles, off the clock
     for epoch in range(pos.epoch, epochs + 1):
-        resuming = epoch == pos.epoch and pos.batch > 0  # a resumed epoch ends (and is evaluated) at max_steps too
-        if max_steps is not None and loop.total_steps >= max_steps and not resuming:
-            break
+        resuming = epoch == pos.epoch and pos.batch > 0
+        if max_steps is not None and loop.total_steps >= max_steps and not (resuming and not pos.result):
+            break  # a resumed epoch not yet evaluated ends (and is evaluated) at max_steps too
         loop.start_epoch(epoch, pos.batch if resuming else 0, pos.partial if resuming else None)
         sizes = calls.call_sizes(loop.batch, loop.total_steps, len(train_loader), max_steps, cuts, steps_per_call,
                                  points)
-        batches = feed.epoch(epoch, loop.batch, sizes)
+        with loop.chrono.compiling():  # data on the device: the gathers of new call sizes compile here
+            batches = feed.epoch(epoch, loop.batch, sizes)
         with contextlib.closing(loop.bar), contextlib.closing(batches), jax.transfer_guard("disallow"):
             while not loop.last_of_epoch:
                 with loop.chrono.waiting(), jax.profiler.TraceAnnotation("data_wait"), feed.guard():
@@ -278,9 +278,8 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
                 if batch is None:
                     break
                 with jax.profiler.StepTraceAnnotation("train_step", step_num=loop.total_steps + 1), feed.guard(), \
-                        contextlib.nullcontext() if size in called else loop.chrono.paused("compile"):
-                    out = feed.run(loop.state, size, batch)  # a size's first call compiles it as it is dispatched
-                called.add(size)
+                        loop.chrono.compiling():  # a program's first call compiles it: off the clock
+                    out = feed.run(loop.state, size, batch)
                 loop.stepped(*out, train_loader.batch_size, size)
                 for hook in hooks:
                     if hook.due("step", loop.total_steps, loop.total_steps - size):

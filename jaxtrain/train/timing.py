@@ -46,6 +46,27 @@ class OneStepLate:
         return None if held is None else (jax.device_get(held[0]), *held[1])
 
 
+# JAX's own events for a program's tracing, lowering and compiling (or reading from the compilation cache): timed
+# where they happen, synchronously in the thread that calls the program first.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+_compiled = {"sec": 0.0, "listening": False}
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent tracing, lowering and compiling JAX programs so far (``COMPILE_EVENTS``, counted
+    from the first call of this function)."""
+    if not _compiled["listening"]:
+        jax.monitoring.register_event_duration_secs_listener(_count_compile)
+        _compiled["listening"] = True
+    return _compiled["sec"]
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+    if event in COMPILE_EVENTS:
+        _compiled["sec"] += duration
+
+
 class Chrono:
     """One epoch's clock: train time (wall time less the pauses), data wait, and the pauses by name.
 
@@ -101,6 +122,18 @@ class Chrono:
             dt = time.perf_counter() - t0
             self._paused += dt
             self.pauses[what] = self.pauses.get(what, 0.0) + dt
+
+    @contextlib.contextmanager
+    def compiling(self):
+        """Around making a call (the first of a program compiles it): JAX's compile time inside is a pause
+        ("compile"); what runs or waits meanwhile (the previous call, a read) stays train time."""
+        before = compile_seconds()
+        try:
+            yield
+        finally:
+            if dt := compile_seconds() - before:
+                self._paused += dt
+                self.pauses["compile"] = self.pauses.get("compile", 0.0) + dt
 
     def state(self) -> dict:
         """What a checkpoint keeps to resume this clock."""
