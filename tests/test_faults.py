@@ -645,3 +645,46 @@ def test_a_signal_after_the_last_step_is_said_not_swallowed(caplog):
     assert stop.signum == signal.SIGINT
     assert "SIGINT: training is over; the run ends once its files are written (a second signal exits now)" in \
         caplog.text
+
+
+def test_an_evaluation_kept_beside_a_checkpoint_goes_aside_with_it_and_is_read_only_where_needed(tmp_path, caplog):
+    """A review's findings: ``evaluated/STEP.json`` stayed when its checkpoint was moved aside, and was read (and
+    warned of, each resume) for a later checkpoint of that step that holds its own evaluation."""
+    import jax.numpy as jnp
+    import optax
+
+    import jaxtrain as jt
+    from jaxtrain.train.checkpoint import EVALUATED, UNREADABLE, Checkpointer
+    from jaxtrain.train.loop import Position
+
+    trainer = jt.make_train_step(lambda p, s, b, r: (jnp.sum(p["w"] ** 2), (s, {})), optax.sgd(0.1), mesh=2)
+    state = trainer.init({"w": jnp.ones(4)}, {})
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(state, Position(epoch=2, batch=4, total_steps=8), wait=True)  # a stop's, before its evaluation
+    ck.save(state, Position(epoch=3, total_steps=8, result={"test_acc": 0.5}), wait=True)
+    assert ck.restore(state).position.epoch == 3  # the evaluated one, kept beside
+    ck._move_aside(8, "is made up")
+    (moved,) = (tmp_path / "ck" / UNREADABLE).iterdir()
+    assert (moved / f"{EVALUATED}.json").is_file() and not (tmp_path / "ck" / EVALUATED / "8.json").exists()
+    ck.save(state, Position(epoch=3, total_steps=8, result={"test_acc": 0.7}), wait=True)  # saved again, whole
+    (tmp_path / "ck" / EVALUATED / "8.json").write_text("{")  # a stray one: never read for it
+    with caplog.at_level("WARNING", logger="jaxtrain"):
+        assert ck.restore(state).position.result == {"test_acc": 0.7}
+    assert "does not read" not in caplog.text
+    ck.close()
+
+
+def test_an_unfinished_starts_epochs_are_kept_only_by_the_run_that_holds_the_out_dir(tmp_path):
+    """A review's finding: a second resume copied them, said it starts again, then failed on the lock."""
+    import jaxtrain as jt
+    from jaxtrain.driver import outputs
+    from jaxtrain.io.dirlock import DirLock
+
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1, "steps": 4}\n')
+    held = DirLock(tmp_path, "out=").acquire()
+    try:
+        with pytest.raises(jt.ConfigError, match="in use by another run"):
+            outputs.claim_out_dir(str(tmp_path), "lenet", False, found_none="ck")
+    finally:
+        held.release()
+    assert not list(tmp_path.glob("metrics.jsonl.earlier-*"))

@@ -532,3 +532,16 @@ def test_what_jax_compiles_as_calls_are_made_is_off_the_epochs_clock_and_nothing
     _, history, _ = fit(trainer, state, train, evaluator, test, epochs=2, hooks=cuts, progress=False, steps_per_call=3)
     assert sum(calls) == 16 and history[0].compile_sec > 0  # epoch 1 compiled its calls' programs (3, 2, 1)
     assert history[1].compile_sec == 100.0 and history[1].train_sec < 0  # epoch 2: none but the one made up
+
+
+def test_fit_from_a_position_evaluated_at_max_steps_returns_its_history_whole():
+    """A review's finding: ``fit(position=...)`` of a run evaluated at max_steps mid-epoch returned the history
+    without that epoch (it is in the position's result alone)."""
+    trainer, state, train, evaluator, test = _setup()  # 8 steps per epoch
+    saved = []
+    _, history, _ = fit(trainer, state, train, evaluator, test, epochs=2, max_steps=6, progress=False,
+                        hooks=checkpoint_hooks(lambda s, p: saved.append(p)))
+    again_state, again, _ = fit(trainer, state, train, evaluator, test, epochs=2, max_steps=6, progress=False,
+                                position=saved[-1])
+    assert [h.steps for h in again] == [h.steps for h in history] == [6]
+    assert again[-1].test_acc == history[-1].test_acc

@@ -51,19 +51,31 @@ def claim_out_dir(out: str | None, name: str, resumed: bool, found_none: str | N
         raise ConfigError(f"{named('out', out_dir)} holds a finished run's results, and {named('resume', True)} found "
                           f"no checkpoint in {found_none} to continue it from: give the {named('checkpoint_dir')} "
                           f"that run saved to, or a new {named('out')} to start afresh")
-    if not resumed and found_none is not None and holds_results(out_dir):
-        metrics = out_dir / "metrics.jsonl"
-        kept = metrics.with_name(f"{metrics.name}.earlier-{time.strftime('%Y%m%d-%H%M%S')}")
-        shutil.copyfile(metrics, kept)
-        log.warning(f"{metrics} holds epochs of a start that saved no checkpoint: kept as {kept.name}; this run "
-                    "starts again from scratch")
-    elif not resumed and holds_results(out_dir):
+    earlier = not resumed and found_none is not None and holds_results(out_dir)
+    if not resumed and not earlier and holds_results(out_dir):
         raise ConfigError(f"{named('out', out_dir)} holds another run's results: pass a new {named('out')} (or, "
                           f"where that run saved checkpoints, continue it with {named('resume', True)} and its "
                           f"{named('checkpoint_dir')})")
     lock = DirLock(out_dir, named("out")).acquire()
-    ensure_room(out_dir, 2**20, "metrics, summary and curves", named("out"))
+    try:
+        ensure_room(out_dir, 2**20, "metrics, summary and curves", named("out"))
+        if earlier:  # ours now (locked): kept before this run writes its own
+            _keep_earlier(out_dir / "metrics.jsonl")
+    except BaseException:
+        lock.release()
+        raise
     return out_dir, lock
+
+
+def _keep_earlier(metrics: Path) -> None:
+    kept = metrics.with_name(f"{metrics.name}.earlier-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        shutil.copyfile(metrics, kept)
+    except OSError as e:
+        cause = "the disk is full" if out_of_space(e) else e.strerror or str(e)
+        raise OutputError(f"cannot keep {metrics} as {kept.name} ({cause}): make room, then run again") from None
+    log.warning(f"{metrics} holds epochs of a start that saved no checkpoint: kept as {kept.name}; this run starts "
+                "again from scratch")
 
 
 class OutputError(ConfigError):

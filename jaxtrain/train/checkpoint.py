@@ -225,7 +225,9 @@ class Checkpointer:
                 continue
             state = restored["state"]
             state = state.replace(rng=jax.random.wrap_key_data(state.rng, impl=jax.random.key_impl(like.rng)))
-            position = self._later_position(step, record) or Position(**restored["position"])
+            position = Position(**restored["position"])
+            if not position.result:  # saved before its evaluation: the evaluated position kept beside, if any
+                position = self._later_position(step, record) or position
             return Restored(state, position, step, record["settings"])
         aside = self.directory / UNREADABLE
         if damaged or (aside.is_dir() and any(aside.iterdir())):  # a later resume too: never from scratch silently
@@ -263,6 +265,9 @@ class Checkpointer:
         if jax.process_index() == 0:
             where.parent.mkdir(exist_ok=True)
             shutil.move(str(self.directory / str(step)), str(where))
+            later = self.directory / EVALUATED / f"{step}.json"
+            if later.is_file():  # its evaluated position goes with it (a new save of that step has its own)
+                shutil.move(str(later), str(where / f"{EVALUATED}.json"))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

@@ -265,6 +265,9 @@ def fit(trainer, state, train_loader, evaluator, test_loader, *, epochs: int, ma
     for epoch in range(pos.epoch, epochs + 1):
         resuming = epoch == pos.epoch and pos.batch > 0
         if max_steps is not None and loop.total_steps >= max_steps and not (resuming and not pos.result):
+            if resuming:  # evaluated there already: its epoch, cut short, is the history's last
+                loop.stats = EpochStats(**pos.result)
+                loop.history.append(loop.stats)
             break  # a resumed epoch not yet evaluated ends (and is evaluated) at max_steps too
         loop.start_epoch(epoch, pos.batch if resuming else 0, pos.partial if resuming else None)
         sizes = calls.call_sizes(loop.batch, loop.total_steps, len(train_loader), max_steps, cuts, steps_per_call,
