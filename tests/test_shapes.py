@@ -142,7 +142,8 @@ def test_without_the_cuda_plugin_the_error_names_the_install(monkeypatch):
     from jaxtrain.gpu import targets
 
     monkeypatch.setattr(targets, "find_spec", lambda name: None)
-    with pytest.raises(ConfigError, match=r"needs JAX's CUDA plugin, which is not installed: pip install -e "
+    with pytest.raises(ConfigError, match=r"needs JAX's CUDA plugin, which is not installed: pip install "
+                                          r"'jaxtrain\[gpu-compile\]' \(in the checkout: pip install -e "
                                           r"'\.\[gpu-compile\]'"):
         targets.mesh_for("h100", gpus=8)
 
