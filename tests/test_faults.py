@@ -688,3 +688,19 @@ def test_an_unfinished_starts_epochs_are_kept_only_by_the_run_that_holds_the_out
     finally:
         held.release()
     assert not list(tmp_path.glob("metrics.jsonl.earlier-*"))
+
+
+def test_the_schedulers_warning_after_a_run_ended_does_not_kill_the_process():
+    """Found by tests/test_cluster.py on a quick machine: a job's run finished just before SLURM's time-limit
+    warning (SIGUSR1); the warning came as the process exited, after the run had put SIGUSR1's default (end the
+    process) back, and the job that had written all its results was FAILED."""
+    from jaxtrain.driver.signals import StopOnSignal
+
+    before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    try:
+        with StopOnSignal():
+            assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+        signal.raise_signal(signal.SIGUSR1)  # ignored: this test goes on
+    finally:
+        signal.signal(signal.SIGUSR1, before)

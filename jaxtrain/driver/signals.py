@@ -241,6 +241,8 @@ class StopOnSignal:
             return
         signal.set_wakeup_fd(self._previous.pop("wakeup"))
         for s, handler in self._previous.items():
+            if s == signal.SIGUSR1 and handler == signal.SIG_DFL:  # SLURM's time-limit warning after the run's end:
+                handler = signal.SIG_IGN  # nothing to stop, and its default kills a process done (the job FAILED)
             signal.signal(s, handler)
         os.close(self._pipe[1])  # the watcher reads EOF and ends
         self._pipe = None
