@@ -58,6 +58,7 @@ def test_a_gpt_learns_the_text_says_its_perplexity_and_samples_from_it(trained):
     assert s["test_perplexity"] == pytest.approx(np.exp(s["test_loss"]))
     # 2 CPU devices: XLA's attention, the blocks a loop
     assert (s["positions"], s["attention"], s["blocks"]) == ("learned", "xla", "loop")
+    assert (s["steps_per_call"], s["data_on_device"]) == (1, False)  # auto, as a CPU resolves it (recorded)
     said = run.stdout + run.stderr
     assert ("16 tokens, vocabulary 256 (bytes), model size tiny, positions: learned, attention: XLA's, blocks: a "
             "loop") in said, said[-3000:]
