@@ -60,22 +60,28 @@ def claim_out_dir(out: str | None, name: str, resumed: bool, found_none: str | N
     try:
         ensure_room(out_dir, 2**20, "metrics, summary and curves", named("out"))
         if earlier:  # ours now (locked): kept before this run writes its own
-            _keep_earlier(out_dir / "metrics.jsonl")
+            kept = keep_copy(out_dir / "metrics.jsonl", "earlier")
+            log.warning(f"{out_dir / 'metrics.jsonl'} holds epochs of a start that saved no checkpoint: kept as "
+                        f"{kept.name}; this run starts again from scratch")
     except BaseException:
         lock.release()
         raise
     return out_dir, lock
 
 
-def _keep_earlier(metrics: Path) -> None:
-    kept = metrics.with_name(f"{metrics.name}.earlier-{time.strftime('%Y%m%d-%H%M%S')}")
+def keep_copy(path: Path, kind: str) -> Path:
+    """A copy of ``path`` beside it (``NAME.KIND-TIME``) before it is written anew; a one-line OutputError where
+    it cannot be made (the file is then left as it is)."""
+    kept = path.with_name(f"{path.name}.{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
-        shutil.copyfile(metrics, kept)
+        shutil.copyfile(path, kept)
     except OSError as e:
-        cause = "the disk is full" if out_of_space(e) else e.strerror or str(e)
-        raise OutputError(f"cannot keep {metrics} as {kept.name} ({cause}): make room, then run again") from None
-    log.warning(f"{metrics} holds epochs of a start that saved no checkpoint: kept as {kept.name}; this run starts "
-                "again from scratch")
+        raise OutputError(f"cannot keep {path} as {kept.name} ({_cause(e)}): make room, then run again") from None
+    return kept
+
+
+def _cause(e: OSError) -> str:
+    return "the disk is full" if out_of_space(e) else e.strerror or str(e)
 
 
 class OutputError(ConfigError):
@@ -100,8 +106,7 @@ def write_whole(path: Path, data) -> None:
     try:
         atomic_write(path, data)
     except OSError as e:
-        cause = "the disk is full" if out_of_space(e) else e.strerror or str(e)
-        raise OutputError(f"cannot write {path} ({cause}); its previous version, if any, is intact: "
+        raise OutputError(f"cannot write {path} ({_cause(e)}); its previous version, if any, is intact: "
                           f"make room (or fix {named('out')}), then run again (with {named('resume', True)} if you "
                           "checkpoint)") from None
 
@@ -229,8 +234,7 @@ def _rows(path: Path) -> list[dict]:
         else:
             bad.append(str(number))
     if bad:
-        kept = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
-        shutil.copyfile(path, kept)
+        kept = keep_copy(path, "damaged")
         log.warning(f"{path}: line{'s' * (len(bad) > 1)} {', '.join(bad[:5])}{' ...' * (len(bad) > 5)} do not read: "
                     f"the file is kept as {kept.name}; its rows that read are carried on")
     return rows
