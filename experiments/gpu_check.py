@@ -19,7 +19,9 @@ goes on where the last one stopped (``--again`` measures them anew):
   against its device work alone, and the d2l LeNet (10 epochs) and ResNet-18 (``E2E_EPOCHS``) from the command
   line on Fashion-MNIST (the bundle's copy: ``make gpu-bundle``), today's path (host data, one step a call)
   beside the new one (the data on the device, ``auto`` steps a call): seconds per epoch, test accuracy, data wait,
-  the GPU's busy share.
+  the GPU's busy share;
+- ``buffers``: XLA's command buffers (CUDA graphs), each JAXTRAIN_COMMAND_BUFFERS mode (xla, off, loops) in its own
+  process: LeNet's and ResNet-18's step per K (``BUFFERS``), the modes side by side.
 
 Writes ``OUT/report.json`` and ``OUT/report.md`` (default OUT: ``gpu-check/``) and prints where; ``--keep DIR``
 (``make gpu-check``: docs/gpu-runs) also writes them as ``DIR/DATE-GPU.json`` and ``.md``, the run's record to
@@ -45,7 +47,7 @@ from jaxtrain.cli import one_line_errors, positive_int
 from jaxtrain.errors import ConfigError
 from jaxtrain.io.files import atomic_write
 
-PARTS = ("env", "e2e", "tests", "steps", "remat", "kernels")
+PARTS = ("env", "e2e", "buffers", "tests", "steps", "remat", "kernels")
 RESNET50 = {"input_shape": (224, 224, 3), "num_classes": 1000}  # ImageNet's images, gpu_validate's network
 GPT2 = {"model_size": "124m", "vocab_size": 50257}  # GPT-2's tokenizer's vocabulary (a BPE of that size)
 STEPS = [  # (settings, per-GPU batch or None for the recipe's)
@@ -271,6 +273,32 @@ def part_e2e(args, say) -> dict:
     return result
 
 
+BUFFERS = {"lenet": "1,8,auto", "resnet18": "1,8"}  # the models and Ks timed under each command-buffer mode
+
+
+def part_buffers(args, say) -> dict:
+    """Each model's step per K (``experiments.bench_busy steps``) under each JAXTRAIN_COMMAND_BUFFERS mode, a child
+    each (XLA reads its flags once per process), the modes taking turns per model."""
+    from jaxtrain.core.compat import COMMAND_BUFFER_FLAGS
+
+    models = {"lenet": "1,8"} if args.dry_run else BUFFERS  # XLA:CPU's ResNet-18 convolutions: seconds a step
+    small = ["--batch-size", "8", "--calls", "2"] if args.dry_run else []
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, ks in models.items():
+            result[model] = {}
+            for mode in COMMAND_BUFFER_FLAGS:
+                say(f"  {model}, command buffers {mode}")
+                path = Path(tmp) / f"{model}-{mode}.json"
+                cmd = [sys.executable, "-m", "experiments.bench_busy", "steps", "--json", str(path), "--model", model,
+                       "--ks", ks, *small]
+                out = subprocess.run(cmd, capture_output=True, text=True,
+                                     env={**os.environ, **on_gpu(args), "JAXTRAIN_COMMAND_BUFFERS": mode})
+                last = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:500]
+                result[model][mode] = json.loads(path.read_text()) if out.returncode == 0 else {"error": last}
+    return result
+
+
 def part_kernels(args) -> dict:
     json_path = Path(args.out) / "kernels.json"
     cmd = [sys.executable, "-m", "experiments.bench_kernels", "--devices", "1", "--json", str(json_path),
@@ -302,7 +330,7 @@ def main(argv=None) -> int:
     (out / "parts").mkdir(parents=True, exist_ok=True)
     runs = {"env": part_env, "tests": part_tests, "kernels": part_kernels,
             "steps": lambda a: part_steps(a, say), "remat": lambda a: part_remat(a, say),
-            "e2e": lambda a: part_e2e(a, say)}
+            "e2e": lambda a: part_e2e(a, say), "buffers": lambda a: part_buffers(a, say)}
     left = []
     for name in args.part or PARTS:
         cached = out / "parts" / f"{name}.json"
@@ -332,7 +360,9 @@ def main(argv=None) -> int:
              else ""))
     failed = (parts.get("tests", {}).get("returncode", 0) != 0 or "error" in parts.get("kernels", {})
               or any("error" in r for k in ("steps", "remat") for r in parts.get(k, {}).get("rows", []))
-              or any("error" in run for run in parts.get("e2e", {}).values() if isinstance(run, dict)))
+              or any("error" in run for run in parts.get("e2e", {}).values() if isinstance(run, dict))
+              or any("error" in run for model in parts.get("buffers", {}).values() if isinstance(model, dict)
+                     for run in model.values()))
     return 3 if left else (1 if failed else 0)
 
 

@@ -99,6 +99,26 @@ def prediction_table(gpu: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def buffers_table(modes: dict) -> list[str]:
+    """A model's step per K (rows) under each command-buffer mode (columns), and each mode over XLA's own."""
+    failed = [f"- {mode}: FAILED: {r['error']}" for mode, r in modes.items() if "error" in r]
+    ran = {mode: {row["k"]: row for row in r["rows"]} for mode, r in modes.items() if "error" not in r}
+    if not ran:
+        return failed
+    ks, names = list(next(iter(ran.values()))), list(ran)
+    base = ran.get("xla")
+    lines = ["| K | " + " | ".join(f"{m} ms/step" for m in names) + " | "
+             + " | ".join(f"{m}/xla" for m in names if m != "xla" and base) + " |",
+             "|---|" + "---|" * (len(names) + sum(m != "xla" for m in names if base))]
+    for k in ks:
+        cells = [f"{ran[m][k]['ms_per_step']:.3f}" for m in names]
+        ratios = [f"{ran[m][k]['ms_per_step'] / base[k]['ms_per_step']:.3f}" for m in names if m != "xla" and base]
+        steps = ran[names[0]][k]["steps_per_call"]
+        lines.append(f"| {k}{f' ({steps})' if k == 'auto' else ''} | " + " | ".join(cells + ratios) + " |")
+    work = ", ".join(f"{m} {r['work_ms_per_step']:.3f}" for m, r in modes.items() if "error" not in r)
+    return lines + ["", f"The device's work a step (ms): {work}."] + failed
+
+
 def markdown(parts: dict) -> str:
     out = ["# jaxtrain on a GPU: experiments.gpu_check", ""]
     if any(p.get("dry_run") for p in parts.values()):
@@ -137,6 +157,16 @@ def markdown(parts: dict) -> str:
                 out += [f"### {name}", ""]
                 out += ([f"FAILED: {result['error']}"] if "error" in result else
                         ["```", result["table"].strip(), "```"]) + [""]
+    buffers = parts.get("buffers")
+    if buffers:
+        out += ["## Command buffers (CUDA graphs)", "",
+                "`experiments.bench_busy steps` under each `JAXTRAIN_COMMAND_BUFFERS` mode, each in its own process: "
+                "xla (XLA's own choice, the default), off (none), loops (XLA's own plus while and conditional "
+                "bodies). Milliseconds per step in calls of K steps; what the host launches in each mode: "
+                "`python -m experiments.command_buffers`.", ""]
+        for model, modes in buffers.items():
+            if isinstance(modes, dict):
+                out += [f"### {model}", "", *buffers_table(modes), ""]
     kernels = parts.get("kernels")
     if kernels:
         out += ["## Pallas kernels against XLA's jnp versions", ""]

@@ -49,6 +49,7 @@ class Settings:
     jpeg_decoder: str = "region"  # how image folders' JPEGs are decoded: region (data.jpeg) or pillow (whole)
     pallas_gpu: str = "auto"  # the kernels' GPU backend: auto, mosaic or triton
     pallas_interpret: str = "triton"  # which version of the kernels runs interpreted on CPUs: triton or mosaic
+    command_buffers: str = "xla"  # a GPU's command buffers (CUDA graphs): xla (XLA's own choice), off, or loops
 
 
 VARIABLES = {
@@ -60,6 +61,7 @@ VARIABLES = {
     "index_cache": "JAXTRAIN_INDEX_CACHE", "jpeg_cache": "JAXTRAIN_JPEG_CACHE", "jpeg_decoder": "JAXTRAIN_JPEG_DECODER",
     "gpu_compiled": "JAXTRAIN_GPU_COMPILED",
     "pallas_gpu": "JAXTRAIN_PALLAS_GPU", "pallas_interpret": "JAXTRAIN_PALLAS_INTERPRET",
+    "command_buffers": "JAXTRAIN_COMMAND_BUFFERS",
 }
 
 
@@ -125,6 +127,7 @@ PARSERS = {
     "jpeg_decoder": lambda name, text: _choice(name, text, ("region", "pillow")),
     "pallas_gpu": lambda name, text: _choice(name, text, ("auto", "mosaic", "triton")),
     "pallas_interpret": lambda name, text: _choice(name, text, ("triton", "mosaic")),
+    "command_buffers": lambda name, text: _choice(name, text, ("xla", "off", "loops")),
 }
 
 
@@ -192,9 +195,11 @@ def xla_flags() -> str:
     return os.environ.get("XLA_FLAGS", "")
 
 
-# The settings read while a step is traced or compiled: they change the program a run compiles, so a run records
-# them (jaxtrain.driver.build.run_settings), and a resume under other values says which.
-PROGRAM = ("xla_defaults", "no_materialize", "onednn_threads", "onednn_blocked", "pallas_gpu", "pallas_interpret")
+# The settings read while a step is traced or compiled, or turned into XLA flags before JAX starts (command
+# buffers): they change the program a run compiles, so a run records them (jaxtrain.driver.build.run_settings), and
+# a resume under other values says which.
+PROGRAM = ("xla_defaults", "no_materialize", "onednn_threads", "onednn_blocked", "pallas_gpu", "pallas_interpret",
+           "command_buffers")
 
 
 def program() -> dict:

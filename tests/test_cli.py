@@ -335,14 +335,16 @@ def test_a_resume_under_other_program_settings_says_which_in_its_line(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     recorded = json.loads((tmp_path / "o2" / "model.json").read_text())["settings"]
     assert recorded["JAXTRAIN_NO_MATERIALIZE"] is False and recorded["JAXTRAIN_PALLAS_GPU"] == "auto"
+    assert recorded["JAXTRAIN_COMMAND_BUFFERS"] == "xla"
     assert "XLA_FLAGS" in recorded
     same = lenet(3)
     assert same.returncode == 0, same.stderr[-3000:]
     assert "resuming from step 2 (epoch 1, batch 2); changed since: max_steps 2 -> 3\n" in same.stdout, same.stdout
-    other = lenet(4, JAXTRAIN_NO_MATERIALIZE="1", JAXTRAIN_PALLAS_GPU="triton")
+    other = lenet(4, JAXTRAIN_NO_MATERIALIZE="1", JAXTRAIN_PALLAS_GPU="triton", JAXTRAIN_COMMAND_BUFFERS="off")
     assert other.returncode == 0, other.stderr[-3000:]
     assert ("resuming from step 3 (epoch 1, batch 3); changed since: max_steps 3 -> 4, JAXTRAIN_NO_MATERIALIZE "
-            "False -> True, JAXTRAIN_PALLAS_GPU 'auto' -> 'triton'\n") in other.stdout, other.stdout
+            "False -> True, JAXTRAIN_PALLAS_GPU 'auto' -> 'triton', JAXTRAIN_COMMAND_BUFFERS 'xla' -> 'off'\n"
+            ) in other.stdout, other.stdout
 
 
 @pytest.mark.slow

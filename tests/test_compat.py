@@ -90,3 +90,41 @@ def test_the_cpu_isa_is_read_from_the_flags_and_capped_by_xla(flags, xla_flags, 
 def test_int8_programs_get_their_own_options_only_for_tested_jaxlibs(jaxlib, ynn):
     options = compat.int8_compiler_options(jaxlib)
     assert ("INDIVIDUAL_CONVOLUTION" in options.get("xla_cpu_experimental_ynn_fusion_type", "")) == ynn
+
+
+@pytest.mark.parametrize(("mode", "jaxlib", "flags"), [
+    ("xla", (0, 12, 0), ()),  # XLA's own choice: nothing set
+    ("off", (0, 10, 2), ("--xla_gpu_enable_command_buffer=",)),
+    ("loops", (0, 11, 2), ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",)),
+    ("loops", (0, 13, 0), ()),  # newer than tested: no flag whose form might not parse
+    ("off", (0, 10, 1), ()),
+])
+def test_command_buffer_flags_only_for_jaxlibs_known_to_parse_them(mode, jaxlib, flags):
+    assert compat.gpu_xla_flags(mode, jaxlib) == flags
+    assert compat.command_buffers_untested(mode, jaxlib) == (mode != "xla" and not flags)
+
+
+@pytest.mark.parametrize("mode", ["off", "loops"])
+def test_the_installed_jaxlib_starts_under_each_command_buffer_flag(mode):
+    """An XLA flag whose value does not parse aborts the process at start-up: each mode's flag, given to this
+    jaxlib (a CPU backend parses the GPU flags too), starts JAX; a bad value does not (the check can fail)."""
+    import os
+    import subprocess
+    import sys
+
+    def starts(flags):
+        return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, text=True,
+                              env={**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}).returncode
+
+    assert compat.gpu_xla_flags(mode), "the installed jaxlib is in the tested range"
+    assert starts(compat.gpu_xla_flags(mode)) == 0
+    assert starts(("--xla_gpu_enable_command_buffer=+LOOPS",)) != 0
+
+
+@pytest.mark.parametrize(("xla_flags", "said"), [
+    ("", "XLA's own"), ("--xla_gpu_enable_command_buffer= --xla_foo=1", "off"),
+    ("--xla_gpu_enable_command_buffer=FUSION --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+     "+WHILE,+CONDITIONAL"),  # the last one given wins, as in XLA
+])
+def test_the_first_line_says_what_the_flags_leave_command_buffers(xla_flags, said):
+    assert compat.command_buffers_said(xla_flags) == said

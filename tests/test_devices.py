@@ -96,6 +96,31 @@ def test_cpu_xla_flags_are_set_before_jax_starts_unless_the_user_chose(env, flag
     assert got_flags.strip() == flags and got_ynn.strip() == str(ynn)
 
 
+GPU_SNIPPET = """
+import os, sys, jaxtrain as jt
+from jaxtrain.parallel import devices
+if sys.argv[1] == "gpu":
+    devices._platform_hint = lambda: "cuda"  # as where JAX starts on a GPU (this one still starts on the CPU)
+jt.setup_devices(1)
+print(os.environ.get("XLA_FLAGS", ""))
+"""
+CB = "--xla_gpu_enable_command_buffer="
+
+
+@pytest.mark.parametrize(("platform", "env", "flag"), [
+    ("gpu", {}, None),  # XLA's own command buffers until a GPU has measured another choice
+    ("gpu", {"JAXTRAIN_COMMAND_BUFFERS": "off"}, CB),
+    ("gpu", {"JAXTRAIN_COMMAND_BUFFERS": "loops"}, CB + "+WHILE,+CONDITIONAL"),
+    ("gpu", {"JAXTRAIN_COMMAND_BUFFERS": "loops", "XLA_FLAGS": CB + "FUSION"}, CB + "FUSION"),  # the user's wins
+    ("cpu", {"JAXTRAIN_COMMAND_BUFFERS": "loops"}, None),  # a GPU's flag, set on GPUs only
+])
+def test_command_buffers_are_set_where_jax_starts_on_a_gpu(platform, env, flag):
+    out = run_cli("-c", GPU_SNIPPET, platform, env={"XLA_FLAGS": "", **env})
+    assert out.returncode == 0, out.stderr
+    got = [f for f in out.stdout.split() if f.startswith(CB)]
+    assert got == ([flag] if flag else []), out.stdout
+
+
 MALLOC_SNIPPET = """
 import ctypes, resource, jaxtrain as jt
 from jaxtrain.parallel import host_memory
@@ -181,3 +206,21 @@ def test_an_unknown_malloc_setting_is_refused(monkeypatch, value):
         monkeypatch.setenv("JAXTRAIN_MALLOC", fine)
         monkeypatch.setattr(settings, "_current", None)
         assert host_memory.wanted() is kept
+
+
+def test_a_command_buffer_mode_under_an_untested_jaxlib_is_left_out_saying_so(monkeypatch, caplog):
+    from jaxtrain import settings
+    from jaxtrain.core import compat
+    from jaxtrain.parallel import devices
+
+    monkeypatch.setattr(devices, "_platform_hint", lambda: "cuda")
+    monkeypatch.setattr(compat, "installed_version", lambda dist: (0, 13, 0))
+    monkeypatch.setattr(compat, "installed_version_text", lambda dist: "0.13.0")
+    with settings.override(command_buffers="loops"), caplog.at_level("WARNING"):
+        assert devices._gpu_flags() == ()
+    assert [r.getMessage() for r in caplog.records] == [
+        "JAXTRAIN_COMMAND_BUFFERS=loops not set: its XLA flag is not known to parse in jaxlib 0.13.0 (tested "
+        "0.10.2 to 0.12.0); XLA's own command buffers are used"]
+    with settings.override(command_buffers="xla"), caplog.at_level("WARNING"):
+        caplog.clear()
+        assert devices._gpu_flags() == () and not caplog.records  # nothing asked for, nothing said

@@ -82,3 +82,16 @@ def test_help_explains_the_parts(flag):
     out = run_cli("-m", "experiments.gpu_check", flag)
     assert out.returncode == 0 and all(p in out.stdout for p in ("env", "tests", "steps", "remat", "kernels"))
     assert "make gpu-bundle" in out.stdout and "--predict" in out.stdout
+
+
+def test_the_command_buffer_modes_are_laid_side_by_side_with_a_failed_one_named():
+    def steps(*ms, work=0.1):
+        return {"work_ms_per_step": work, "rows": [{"k": k, "steps_per_call": n, "ms_per_step": m}
+                                                   for (k, n), m in zip((("1", 1), ("8", 8), ("auto", 64)), ms)]}
+
+    text = report.markdown({"buffers": {"lenet": {"xla": steps(0.4, 0.2, 0.12), "off": steps(0.6, 0.3, 0.15),
+                                                  "loops": {"error": "XlaRuntimeError: hung"}}}})
+    assert "## Command buffers (CUDA graphs)" in text and "### lenet" in text
+    assert "| K | xla ms/step | off ms/step | off/xla |" in text
+    assert "| 1 | 0.400 | 0.600 | 1.500 |" in text and "| auto (64) | 0.120 | 0.150 | 1.250 |" in text
+    assert "- loops: FAILED: XlaRuntimeError: hung" in text

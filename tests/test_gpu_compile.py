@@ -2,6 +2,7 @@
 run. Needs the gpu-compile extra (tools/test-gpu-compile makes that venv); skipped without it."""
 
 import re
+from pathlib import Path
 from importlib.util import find_spec
 
 import optax
@@ -402,3 +403,41 @@ def test_gpu_plan_scaling_prints_the_table_and_draws_the_plot(tmp_path):
     assert (tmp_path / "s.png").stat().st_size > 10_000 and (tmp_path / "s.json").exists()
     bad = run_cli("-m", "experiments.gpu_plan", "--scaling", "4,12")
     assert bad.returncode == 2 and "whole nodes" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_command_buffers_hold_what_each_mode_allows_and_a_step_loop_stays_on_the_host(gpu):
+    """docs/gpu-busy.md's LeNet row, K=8: XLA's own command buffers take most kernels; without them the host
+    launches every thunk; ``loops`` cannot take the loop over the steps, whose body holds convolution thunks."""
+    from jaxtrain.gpu import thunks
+
+    got = thunks.command_buffers({"model": "lenet"}, steps=8)
+    assert got["off"]["command_buffers"] == 0 and got["off"]["captured"] == 0
+    assert got["xla"]["command_buffers"] > 0 and got["xla"]["first_loop_trip"] < got["off"]["first_loop_trip"]
+    assert got["loops"] == got["xla"] and got["loops"]["loops"] == 1 and got["loops"]["loops_captured"] == 0
+    page = (Path(__file__).parent.parent / "docs" / "gpu-busy.md").read_text().splitlines()
+    first = next(i for i, line in enumerate(page) if line.startswith("| LeNet, fp32 |"))
+    for line in page[first:first + 3]:  # the page's LeNet rows are this compile's
+        _, _, mode, *counts, _ = [cell.strip() for cell in line.split("|")]
+        s = got[mode.strip("`")]
+        assert counts == [str(s[k]) for k in ("command_buffers", "captured", "host_launches", "first_loop_trip")], (
+            line, s)
+
+
+LOOP_OF_KERNELS = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxtrain import gpu
+s = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=NamedSharding(gpu.mesh_for("h100", 1), P()))
+f = lambda x, w: jax.lax.fori_loop(0, 8, lambda i, x: jnp.tanh(x @ w) * 1.5 + x, x)
+jax.jit(f).lower(s, s).compile({"xla_gpu_autotune_level": 0})
+"""
+
+
+def test_loops_records_a_loop_of_kernels_whole_and_xlas_own_choice_does_not(gpu):
+    from jaxtrain.core import compat
+    from jaxtrain.gpu import thunks
+
+    got = {mode: thunks.summary(thunks.parse(thunks.dumped_thunks(compat.gpu_xla_flags(mode), LOOP_OF_KERNELS)))
+           for mode in ("xla", "loops")}
+    assert got["loops"]["loops_captured"] == 1 and got["loops"]["host_launches"] == 1, got
+    assert got["xla"]["loops_captured"] == 0 and got["xla"]["first_loop_trip"] > 0, got

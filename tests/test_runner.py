@@ -545,3 +545,20 @@ def test_fit_from_a_position_evaluated_at_max_steps_returns_its_history_whole():
                                 position=saved[-1])
     assert [h.steps for h in again] == [h.steps for h in history] == [6]
     assert again[-1].test_acc == history[-1].test_acc
+
+
+@pytest.mark.parametrize(("platform", "xla_flags", "said"), [
+    ("gpu", "", ", command buffers: XLA's own"),
+    ("gpu", "--xla_gpu_enable_command_buffer=", ", command buffers: off"),
+    ("cpu", "--xla_gpu_enable_command_buffer=", None),  # a CPU has none: nothing said
+])
+def test_the_first_line_names_a_gpus_command_buffers(monkeypatch, platform, xla_flags, said):
+    from types import SimpleNamespace
+
+    from jaxtrain.driver import report
+
+    monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    c = RunConfig(devices=1)
+    line = report.describe(c, models.get("lenet"), [SimpleNamespace(platform=platform)], jt.make_mesh(1),
+                           {"sharded": [], "replicated": ["w"]}, None, {"train": [0] * 8, "test": [0] * 2}, None)
+    assert re.search(re.escape(said) + "[,;]", line) if said else "command buffers" not in line, line

@@ -36,6 +36,14 @@ def test_a_bad_value_is_one_line_naming_the_variable(name, value, fragment):
     assert str(e.value).startswith(f"{name}={value}: ") and fragment in str(e.value) and "\n" not in str(e.value)
 
 
+def test_command_buffers_are_a_choice_recorded_with_the_program():
+    assert settings.read({"JAXTRAIN_COMMAND_BUFFERS": "loops"}).command_buffers == "loops"
+    with pytest.raises(ConfigError, match="^JAXTRAIN_COMMAND_BUFFERS='graphs': use xla, off or loops$"):
+        settings.read({"JAXTRAIN_COMMAND_BUFFERS": "graphs"})
+    with settings.override(command_buffers="off"):
+        assert settings.program()["JAXTRAIN_COMMAND_BUFFERS"] == "off"  # a resume under another says so
+
+
 def test_override_changes_them_for_a_block_only():
     before = settings.current()
     with settings.override(pallas_gpu="triton") as inside:

@@ -30,6 +30,44 @@ CPU_XLA_FLAGS = (
 )
 
 
+# XLA:GPU's command buffers (CUDA graphs: kernels recorded once, then launched by the host as one), by
+# JAXTRAIN_COMMAND_BUFFERS; devices.setup_devices adds the flag where the platform is a GPU.
+# - "xla": nothing set, XLA's own choice. jaxlib 0.12.0.1 captures runs of 5 or more fusions, cuBLAS and cuDNN
+#   calls, custom calls, dynamic-slice fusions and collective kernels; a while loop stays on the host, which
+#   launches its body's thunks at every trip.
+# - "off": no command buffers at all.
+# - "loops": XLA's own choice plus while and conditional bodies (WHILE, CONDITIONAL): a loop whose every thunk can
+#   be captured becomes part of one command buffer. A loop holding one that cannot (a convolution thunk, an async
+#   copy on another stream) stays on the host: experiments.command_buffers shows which, compiled for a GPU here.
+# Collectives are left as XLA sets them (inside command buffers they have hung in other projects). The flag's two
+# forms ("" and "+TYPE,...") parse in jaxlib 0.10.2, 0.11.2 and 0.12.0.1; a jaxlib outside that range gets no flag
+# (an unknown form aborts the process at start-up). Which mode is faster is measured by `make gpu-check`'s buffers
+# part; until a GPU has measured it, the default sets nothing.
+COMMAND_BUFFER_FLAGS = {"xla": (), "off": ("--xla_gpu_enable_command_buffer=",),
+                        "loops": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",)}
+COMMAND_BUFFER_JAXLIB = ((0, 10, 2), (0, 12, 0))
+
+
+def gpu_xla_flags(command_buffers: str, jaxlib: tuple[int, ...] | None = None) -> tuple[str, ...]:
+    """The GPU flags for JAXTRAIN_COMMAND_BUFFERS=``command_buffers`` under ``jaxlib`` (default: the installed
+    one): () where it sets nothing, or the jaxlib is outside the tested range (``command_buffers_untested``)."""
+    jaxlib = installed_version("jaxlib") if jaxlib is None else jaxlib
+    first, last = COMMAND_BUFFER_JAXLIB
+    return COMMAND_BUFFER_FLAGS[command_buffers] if jaxlib is not None and first <= jaxlib[:3] <= last else ()
+
+
+def command_buffers_untested(command_buffers: str, jaxlib: tuple[int, ...] | None = None) -> bool:
+    """A mode that sets a flag, under a jaxlib where its forms are not known to parse (the flag is left out)."""
+    return bool(COMMAND_BUFFER_FLAGS[command_buffers]) and not gpu_xla_flags(command_buffers, jaxlib)
+
+
+def command_buffers_said(xla_flags: str) -> str:
+    """What ``xla_flags`` leave XLA:GPU's command buffers: "XLA's own", "off", or the flag's value (the last one
+    given wins, as in XLA)."""
+    given = re.findall(r"--xla_gpu_enable_command_buffer=(\S*)", xla_flags)
+    return "XLA's own" if not given else given[-1] or "off"
+
+
 # The int8 inference programs (jaxtrain.analysis.quantize) are compiled with their own options, per jit: convolutions
 # and dots to YNNPACK, which has int8 kernels. Under the training flag above they go to Eigen, which has none:
 # XLA widens int8 operands to int32 there, and LeNet's int8 conv2 ran ~9x slower than in fp32

@@ -9,7 +9,8 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
-from jaxtrain.core.compat import cpu_isa
+from jaxtrain import settings
+from jaxtrain.core.compat import command_buffers_said, cpu_isa
 from jaxtrain.errors import named
 from jaxtrain.models import LANGUAGE_MODELS, VIT_CONFIGS, LanguageModel, Model
 from jaxtrain.parallel import devices as devices_lib
@@ -141,6 +142,8 @@ def describe(c: RunConfig, model: Model, devices: list[jax.Device], mesh: Mesh, 
             + (", quantisation-aware int8" if c.quantize == "int8" else "")
             + (", Pallas cross-entropy kernel" if c.kernels == "pallas" else "")
             + f", conv: {conv_path(c, model, devices[0].platform)}"
+            + (f", command buffers: {command_buffers_said(settings.xla_flags())}"
+               if devices[0].platform == "gpu" else "")
             + (f", XLA flags added: {' '.join(devices_lib.xla_flags_added())}" if devices_lib.xla_flags_added() else "")
             + (f", distilled from {c.teacher} (T {c.temperature:g}, alpha {c.alpha:g})" if c.teacher else "")
             + (", pipeline {stages} stages x {microbatches} micro-batches ({schedule}, repeats {repeats}, bubble "

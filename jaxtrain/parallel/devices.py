@@ -36,7 +36,8 @@ CPU_DEVICES_PER_CORE = 4
 # XLA:CPU flags (compat.CPU_XLA_FLAGS, chosen per jaxlib version and CPU vector ISA: why, and the
 # measurements, are there) are added to $XLA_FLAGS before JAX starts (settings.add_xla_flags), unless $XLA_FLAGS
 # already names them or JAXTRAIN_XLA_DEFAULTS=1 keeps XLA's defaults. They are CPU-only: the CPU compiler reads
-# them, so a step compiled for a GPU never sees them. What was added: ``xla_flags_added()``.
+# them, so a step compiled for a GPU never sees them. Where JAX will start on a GPU, JAXTRAIN_COMMAND_BUFFERS's
+# flag is added the same way (compat.COMMAND_BUFFER_FLAGS). What was added: ``xla_flags_added()``.
 _added: tuple[str, ...] = ()
 
 
@@ -78,7 +79,7 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
         devices_per_process = settings.current().devices_per_process
     if not compat.backend_started():
         global _added
-        _added = settings.add_xla_flags(compat.cpu_xla_flags())
+        _added = settings.add_xla_flags(compat.cpu_xla_flags() + _gpu_flags())
         if _platform_hint() == "cpu":
             host_memory.keep_freed_memory()  # before JAX's threads start (why: jaxtrain.parallel.host_memory)
         if devices_per_process is not None:
@@ -120,6 +121,22 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
             f"use {named('devices', f'1..{len(devices)}')}"
         )
     return devices[:n]
+
+
+def _gpu_flags() -> tuple[str, ...]:
+    """JAXTRAIN_COMMAND_BUFFERS's flag (``compat.COMMAND_BUFFER_FLAGS``) where JAX will start on a GPU."""
+    if _platform_hint() not in GPU_PLATFORMS:
+        return ()
+    mode = settings.current().command_buffers
+    if compat.command_buffers_untested(mode):
+        log.warning("%s=%s not set: its XLA flag is not known to parse in jaxlib %s (tested %s to %s); XLA's own "
+                    "command buffers are used", settings.VARIABLES["command_buffers"], mode,
+                    compat.installed_version_text("jaxlib"),
+                    *(".".join(map(str, v)) for v in compat.COMMAND_BUFFER_JAXLIB))
+    return compat.gpu_xla_flags(mode)
+
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # what JAX_PLATFORMS (or the plugin found) may call a GPU
 
 
 def _platform_hint() -> str:

@@ -1,0 +1,68 @@
+"""What the host launches of a run's step on a GPU, per JAXTRAIN_COMMAND_BUFFERS mode: compiled here, no GPU.
+
+    pip install -e '.[gpu-compile]'      # JAX's CUDA plugin (Python >= 3.12); no GPU or driver needed
+    python -m experiments.command_buffers --model lenet --steps-per-call 8
+
+The step a run with these flags trains (``jaxtrain gpu-plan``'s), K steps a call, compiled by XLA:GPU for one GPU
+of ``--gpu``'s kind under each mode (xla: XLA's own choice; off: no command buffers; loops: XLA's own plus while
+and conditional bodies; ``jaxtrain.core.compat.COMMAND_BUFFER_FLAGS``), each in a child process. Per mode: the
+command buffers (CUDA graphs) and the thunks they hold, what the host launches for one call (each loop's condition
+and body taken once), and for a K-step call, whether its loop over the steps is captured and what the host
+launches each trip of it. Which mode is faster is a GPU's to measure: ``make gpu-check``'s buffers part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from experiments import harness
+from jaxtrain.cli import one_line_errors, positive_int
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.command_buffers", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="lenet", help="a model of jaxtrain.models (lenet, resnet18, vit, gpt, ...)")
+    p.add_argument("--steps-per-call", type=positive_int, default=8, help="K: steps in one compiled call")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="the per-GPU batch (None: the recipe's)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--model-size", default=None, help="a language model's size (gpt: tiny, 124m, ...)")
+    p.add_argument("--gpu", default="h100", help="the GPU kind compiled for (jaxtrain.gpu.names())")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
+    return p
+
+
+def table(result: dict) -> str:
+    k = result["steps_per_call"]
+    lines = [f"{result['model']} ({result['precision']}), {k} step(s) a call, compiled for one {result['gpu']}: "
+             "what the host launches (each loop's condition and body once)",
+             f"{'mode':>6} {'command buffers':>15} {'thunks in them':>14} {'host launches':>13} "
+             f"{'loop captured':>13} {'a trip':>6}"]
+    for mode, s in result["modes"].items():
+        loop = "-" if s["first_loop_trip"] is None else "yes" if s["loops_captured"] else "no"
+        trip = "-" if s["first_loop_trip"] is None else s["first_loop_trip"]
+        lines.append(f"{mode:>6} {s['command_buffers']:>15} {s['captured']:>14} {s['host_launches']:>13} "
+                     f"{loop:>13} {trip:>6}")
+    return "\n".join(lines)
+
+
+@one_line_errors("command_buffers")
+def main(argv=None) -> int:
+    from jaxtrain.gpu import check_plugin, thunks
+
+    args = parser().parse_args(argv)
+    check_plugin()
+    settings = {"model": args.model, "precision": args.precision,
+                **({"batch_size": args.batch_size} if args.batch_size else {}),
+                **({"model_size": args.model_size} if args.model_size else {})}
+    result = {"model": args.model, "precision": args.precision, "gpu": args.gpu,
+              "steps_per_call": args.steps_per_call, "batch_size": args.batch_size,
+              "modes": thunks.command_buffers(settings, args.steps_per_call, gpu=args.gpu)}
+    print(table(result))
+    harness.write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
