@@ -103,7 +103,8 @@ def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: 
     import optax
 
     import jaxtrain as jt
-    from jaxtrain import models
+    from jaxtrain import models, settings
+    from jaxtrain.core.compat import command_buffers_said
     from jaxtrain.driver import busy
 
     mesh = jt.make_mesh(jt.setup_devices(devices))
@@ -128,7 +129,7 @@ def step_times(model_name: str, devices: int | None, ks: list[str], batch_size: 
     rows = [{"k": k, "steps_per_call": run.k, "ms_per_step": run.median, "over_work": run.median / 1e3 / work}
             for k, run in zip(ks, runs)]
     return {"model": model_name, "conv": conv, "devices": mesh.devices.size, "batch_size": batch_size,
-            "platform": platform,
+            "platform": platform, "command_buffers": command_buffers_said(settings.xla_flags()),
             "device_kind": mesh.devices.flat[0].device_kind, "work_ms_per_step": 1e3 * work, "rows": rows}
 
 

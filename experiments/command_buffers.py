@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from experiments import harness
 from jaxtrain.cli import one_line_errors, positive_int
+from jaxtrain.errors import ConfigError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,14 +38,21 @@ def parser() -> argparse.ArgumentParser:
 def table(result: dict) -> str:
     k = result["steps_per_call"]
     lines = [f"{result['model']} ({result['precision']}), {k} step(s) a call, compiled for one {result['gpu']}: "
-             "what the host launches (each loop's condition and body once)",
-             f"{'mode':>6} {'command buffers':>15} {'thunks in them':>14} {'host launches':>13} "
-             f"{'loop captured':>13} {'a trip':>6}"]
+             "what the host launches (a loop's body once a trip, its condition never: every trip count is known)",
+             f"{'mode':>6} {'command buffers':>15} {'thunks in them':>14} {'launches a call':>15} "
+             f"{'steps loop held':>15} {'launches a trip':>15}"]
     for mode, s in result["modes"].items():
-        loop = "-" if s["first_loop_trip"] is None else "yes" if s["loops_captured"] else "no"
-        trip = "-" if s["first_loop_trip"] is None else s["first_loop_trip"]
-        lines.append(f"{mode:>6} {s['command_buffers']:>15} {s['captured']:>14} {s['host_launches']:>13} "
-                     f"{loop:>13} {trip:>6}")
+        held = "-" if s["steps_loop_captured"] is None else "yes" if s["steps_loop_captured"] else "no"
+        trip = "-" if s["steps_loop_trip"] is None else s["steps_loop_trip"]
+        lines.append(f"{mode:>6} {s['command_buffers']:>15} {s['captured']:>14} {s['host_launches']:>15} "
+                     f"{held:>15} {trip:>15}")
+    unknown = {m: s["loops_of_unknown_trips"] for m, s in result["modes"].items() if s["loops_of_unknown_trips"]}
+    if unknown:
+        lines[0] = lines[0].replace("its condition never: every trip count is known",
+                                    "a loop of unknown trip count once, its condition too")
+    lines.append("types recorded: " + "; ".join(
+        f"{m}: {', '.join(s['types']) if s['types'] else 'none' if s['types'] is not None else 'XLA defaults'}"
+        for m, s in result["modes"].items()))
     return "\n".join(lines)
 
 
@@ -52,6 +61,8 @@ def main(argv=None) -> int:
     from jaxtrain.gpu import check_plugin, thunks
 
     args = parser().parse_args(argv)
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # before minutes of compiling
+        raise ConfigError(f"--json {args.json}: its folder does not exist")
     check_plugin()
     settings = {"model": args.model, "precision": args.precision,
                 **({"batch_size": args.batch_size} if args.batch_size else {}),

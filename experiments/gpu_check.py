@@ -279,7 +279,7 @@ BUFFERS = {"lenet": "1,8,auto", "resnet18": "1,8"}  # the models and Ks timed un
 def part_buffers(args, say) -> dict:
     """Each model's step per K (``experiments.bench_busy steps``) under each JAXTRAIN_COMMAND_BUFFERS mode, a child
     each (XLA reads its flags once per process), the modes taking turns per model."""
-    from jaxtrain.core.compat import COMMAND_BUFFER_FLAGS
+    from jaxtrain.core.compat import COMMAND_BUFFER_FLAGS, command_buffers_said
 
     models = {"lenet": "1,8"} if args.dry_run else BUFFERS  # XLA:CPU's ResNet-18 convolutions: seconds a step
     small = ["--batch-size", "8", "--calls", "2"] if args.dry_run else []
@@ -292,10 +292,17 @@ def part_buffers(args, say) -> dict:
                 path = Path(tmp) / f"{model}-{mode}.json"
                 cmd = [sys.executable, "-m", "experiments.bench_busy", "steps", "--json", str(path), "--model", model,
                        "--ks", ks, *small]
-                out = subprocess.run(cmd, capture_output=True, text=True,
-                                     env={**os.environ, **on_gpu(args), "JAXTRAIN_COMMAND_BUFFERS": mode})
+                env = {**os.environ, **on_gpu(args), "JAXTRAIN_COMMAND_BUFFERS": mode}
+                if args.dry_run:  # no GPU, no flag added: given by hand, a CPU's jaxlib parses it (the image's)
+                    env["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *COMMAND_BUFFER_FLAGS[mode]])
+                out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 last = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:500]
                 result[model][mode] = json.loads(path.read_text()) if out.returncode == 0 else {"error": last}
+                asked = command_buffers_said(" ".join(COMMAND_BUFFER_FLAGS[mode]))
+                got = result[model][mode].get("command_buffers", asked)
+                if got != asked:  # $XLA_FLAGS, JAXTRAIN_XLA_DEFAULTS or the jaxlib had it otherwise
+                    result[model][mode]["error"] = (f"JAXTRAIN_COMMAND_BUFFERS={mode} did not reach XLA: its run "
+                                                    f"had {got!r}, not {asked!r}")
     return result
 
 

@@ -100,23 +100,25 @@ def prediction_table(gpu: str, rows: list[dict]) -> str:
 
 
 def buffers_table(modes: dict) -> list[str]:
-    """A model's step per K (rows) under each command-buffer mode (columns), and each mode over XLA's own."""
+    """A model's step per K (rows) under each command-buffer mode (columns), each mode over XLA's own where that
+    ran, and what each run's XLA_FLAGS left the command buffers."""
     failed = [f"- {mode}: FAILED: {r['error']}" for mode, r in modes.items() if "error" in r]
-    ran = {mode: {row["k"]: row for row in r["rows"]} for mode, r in modes.items() if "error" not in r}
+    ran = {mode: {row["k"]: row for row in r["rows"]} for mode, r in modes.items() if "rows" in r}
     if not ran:
         return failed
-    ks, names = list(next(iter(ran.values()))), list(ran)
-    base = ran.get("xla")
-    lines = ["| K | " + " | ".join(f"{m} ms/step" for m in names) + " | "
-             + " | ".join(f"{m}/xla" for m in names if m != "xla" and base) + " |",
-             "|---|" + "---|" * (len(names) + sum(m != "xla" for m in names if base))]
-    for k in ks:
-        cells = [f"{ran[m][k]['ms_per_step']:.3f}" for m in names]
-        ratios = [f"{ran[m][k]['ms_per_step'] / base[k]['ms_per_step']:.3f}" for m in names if m != "xla" and base]
+    names, base = list(ran), ran.get("xla")
+    ratios = [m for m in names if m != "xla"] if base else []
+    header = [f"{m} ms/step" for m in names] + [f"{m}/xla" for m in ratios]
+    lines = ["| K | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
+    for k in ran[names[0]]:
         steps = ran[names[0]][k]["steps_per_call"]
-        lines.append(f"| {k}{f' ({steps})' if k == 'auto' else ''} | " + " | ".join(cells + ratios) + " |")
-    work = ", ".join(f"{m} {r['work_ms_per_step']:.3f}" for m, r in modes.items() if "error" not in r)
-    return lines + ["", f"The device's work a step (ms): {work}."] + failed
+        cells = [f"{ran[m][k]['ms_per_step']:.3f}" for m in names]
+        cells += [f"{ran[m][k]['ms_per_step'] / base[k]['ms_per_step']:.3f}" for m in ratios]
+        lines.append(f"| {k}{f' ({steps})' if k == 'auto' else ''} | " + " | ".join(cells) + " |")
+    work = ", ".join(f"{m} {modes[m]['work_ms_per_step']:.3f}" for m in names)
+    left = "; ".join(f"{m}: {modes[m].get('command_buffers', 'not recorded')}" for m in names)
+    return lines + ["", f"The device's work a step (ms): {work}. What each run's XLA_FLAGS left the command "
+                    f"buffers: {left}."] + failed
 
 
 def markdown(parts: dict) -> str:

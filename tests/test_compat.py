@@ -123,8 +123,14 @@ def test_the_installed_jaxlib_starts_under_each_command_buffer_flag(mode):
 
 @pytest.mark.parametrize(("xla_flags", "said"), [
     ("", "XLA's own"), ("--xla_gpu_enable_command_buffer= --xla_foo=1", "off"),
+    ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", "XLA's own + WHILE, CONDITIONAL"),  # loops
+    ("--xla_gpu_enable_command_buffer=-FUSION", "XLA's own - FUSION"),
+    # read in order, as XLA does: a list replaces the types, +/- change those so far
     ("--xla_gpu_enable_command_buffer=FUSION --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
-     "+WHILE,+CONDITIONAL"),  # the last one given wins, as in XLA
+     "FUSION, WHILE, CONDITIONAL"),
+    ("--xla_gpu_enable_command_buffer= --xla_gpu_enable_command_buffer=+WHILE", "WHILE"),
+    ("--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_enable_command_buffer=", "off"),
+    ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS --xla_gpu_enable_command_buffer=-cublas", "FUSION"),
 ])
 def test_the_first_line_says_what_the_flags_leave_command_buffers(xla_flags, said):
     assert compat.command_buffers_said(xla_flags) == said

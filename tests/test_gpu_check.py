@@ -89,9 +89,14 @@ def test_the_command_buffer_modes_are_laid_side_by_side_with_a_failed_one_named(
         return {"work_ms_per_step": work, "rows": [{"k": k, "steps_per_call": n, "ms_per_step": m}
                                                    for (k, n), m in zip((("1", 1), ("8", 8), ("auto", 64)), ms)]}
 
-    text = report.markdown({"buffers": {"lenet": {"xla": steps(0.4, 0.2, 0.12), "off": steps(0.6, 0.3, 0.15),
-                                                  "loops": {"error": "XlaRuntimeError: hung"}}}})
+    text = report.markdown({"buffers": {"lenet": {
+        "xla": {**steps(0.4, 0.2, 0.12), "command_buffers": "XLA's own"},
+        "off": {**steps(0.6, 0.3, 0.15), "command_buffers": "off"},
+        "loops": {"error": "XlaRuntimeError: hung"}}}})
     assert "## Command buffers (CUDA graphs)" in text and "### lenet" in text
-    assert "| K | xla ms/step | off ms/step | off/xla |" in text
+    assert "| K | xla ms/step | off ms/step | off/xla |\n|---|---|---|---|\n" in text
     assert "| 1 | 0.400 | 0.600 | 1.500 |" in text and "| auto (64) | 0.120 | 0.150 | 1.250 |" in text
     assert "- loops: FAILED: XlaRuntimeError: hung" in text
+    assert "What each run's XLA_FLAGS left the command buffers: xla: XLA's own; off: off." in text
+    alone = report.buffers_table({"off": steps(0.6, 0.3, 0.15)})  # XLA's own failed: no ratio columns
+    assert alone[:2] == ["| K | off ms/step |", "|---|---|"] and alone[2] == "| 1 | 0.600 |"

@@ -411,15 +411,19 @@ def test_command_buffers_hold_what_each_mode_allows_and_a_step_loop_stays_on_the
     from jaxtrain.gpu import thunks
 
     got = thunks.command_buffers({"model": "lenet"}, steps=8)
-    assert got["off"]["command_buffers"] == 0 and got["off"]["captured"] == 0
-    assert got["xla"]["command_buffers"] > 0 and got["xla"]["first_loop_trip"] < got["off"]["first_loop_trip"]
-    assert got["loops"] == got["xla"] and got["loops"]["loops"] == 1 and got["loops"]["loops_captured"] == 0
+    assert got["off"]["command_buffers"] == 0 and got["off"]["captured"] == 0 and got["off"]["types"] == ()
+    assert got["xla"]["command_buffers"] > 0 and got["xla"]["steps_loop_trip"] < got["off"]["steps_loop_trip"]
+    assert got["xla"]["types"] is None and {"WHILE", "CONDITIONAL", "FUSION"} <= set(got["loops"]["types"])
+    assert {k: v for k, v in got["loops"].items() if k != "types"} == {k: v for k, v in got["xla"].items()
+                                                                        if k != "types"}
+    assert got["loops"]["loops"] == 1 and got["loops"]["steps_loop_captured"] is False
+    assert got["xla"]["loops_of_unknown_trips"] == 0  # the steps' loop: 8 trips, known
     page = (Path(__file__).parent.parent / "docs" / "gpu-busy.md").read_text().splitlines()
     first = next(i for i, line in enumerate(page) if line.startswith("| LeNet, fp32 |"))
     for line in page[first:first + 3]:  # the page's LeNet rows are this compile's
         _, _, mode, *counts, _ = [cell.strip() for cell in line.split("|")]
         s = got[mode.strip("`")]
-        assert counts == [str(s[k]) for k in ("command_buffers", "captured", "host_launches", "first_loop_trip")], (
+        assert counts == [str(s[k]) for k in ("command_buffers", "captured", "host_launches", "steps_loop_trip")], (
             line, s)
 
 
@@ -437,7 +441,7 @@ def test_loops_records_a_loop_of_kernels_whole_and_xlas_own_choice_does_not(gpu)
     from jaxtrain.core import compat
     from jaxtrain.gpu import thunks
 
-    got = {mode: thunks.summary(thunks.parse(thunks.dumped_thunks(compat.gpu_xla_flags(mode), LOOP_OF_KERNELS)))
+    got = {mode: thunks.summary(thunks.dumped(compat.gpu_xla_flags(mode), LOOP_OF_KERNELS).tree(), steps=8)
            for mode in ("xla", "loops")}
-    assert got["loops"]["loops_captured"] == 1 and got["loops"]["host_launches"] == 1, got
-    assert got["xla"]["loops_captured"] == 0 and got["xla"]["first_loop_trip"] > 0, got
+    assert got["loops"]["steps_loop_captured"] is True and got["loops"]["host_launches"] == 1, got
+    assert got["xla"]["steps_loop_captured"] is False and got["xla"]["host_launches"] > 8, got  # 8 trips

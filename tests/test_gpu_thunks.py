@@ -37,28 +37,117 @@ condition:
 """
 
 
-def test_the_tree_follows_the_indentation():
+# What XLA writes beside it: each thunk's HLO name, and the loop's known trip count in the optimized HLO.
+METADATA = """\
+thunk_metadata {
+  thunk_info {
+    profile_annotation: "while.238"
+    thunk_id: 5
+  }
+  thunk_kind: "kWhile"
+}
+"""
+HLO = ('  %while.238 = (s32[], f32[64,64]{1,0}) while(%tuple.1), condition=%cond, body=%body, '
+       'backend_config={"known_trip_count":{"n":"8"},"known_init_step":{"init":"0","step":"1"}}\n')
+
+
+def test_the_tree_follows_the_indentation_and_the_loops_sections():
     top = thunks.parse(STEPS)
     assert [t.kind for t in top] == ["kCustomKernel", "kCustomKernel", "kCopy", "kWhile", "kCustomKernel"]
     loop = top[3]
-    assert [t.kind for t in loop.children] == ["kCustomKernel", "kAsyncStart", "kAsyncDone", "kConvolution",
-                                               "kCommandBuffer"]
+    assert [(t.kind, t.section) for t in loop.children] == [
+        ("kCustomKernel", "condition"), ("kAsyncStart", "body"), ("kAsyncDone", "body"), ("kConvolution", "body"),
+        ("kCommandBuffer", "body")]
     assert [t.kind for t in loop.children[1].children[0].children] == ["kCopy"]
-    assert len(loop.children[4].children) == 2
+    assert len(loop.children[4].children) == 2 and loop.children[4].children[0].section is None
+    assert top[4].section is None and loop.trips is None
 
 
-def test_a_command_buffer_is_one_launch_and_a_loop_on_the_host_is_launched_a_trip_at_a_time():
-    assert thunks.summary(thunks.parse(STEPS)) == {
+def test_a_loops_known_trip_count_is_read_from_the_hlo_by_its_thunks_name():
+    assert thunks.trip_counts(METADATA, HLO) == {5: 8}
+    assert thunks.parse(STEPS, {5: 8})[3].trips == 8
+
+
+def test_the_host_launches_a_known_loops_body_each_trip_and_never_its_condition():
+    assert thunks.summary(thunks.parse(STEPS, {5: 8}), steps=8) == {
         "command_buffers": 1, "captured": 2,
-        "host_launches": 3 + 5 + 1,  # before the loop, the loop once (compare, copy, done, conv, buffer), after
-        "loops": 1, "loops_captured": 0, "first_loop_trip": 5}
+        "host_launches": 3 + 8 * 4 + 1,  # before the loop; 8 trips of its body (copy, done, conv, buffer); after
+        "loops": 1, "loops_captured": 0, "loops_of_unknown_trips": 0,
+        "steps_loop_captured": False, "steps_loop_trip": 4}
+    unknown = thunks.summary(thunks.parse(STEPS), steps=8)  # its condition and body once, and said so
+    assert unknown["host_launches"] == 3 + 1 + 4 + 1 and unknown["loops_of_unknown_trips"] == 1
 
 
 def test_a_captured_loop_leaves_the_host_one_launch():
-    assert thunks.summary(thunks.parse(CAPTURED)) == {
+    assert thunks.summary(thunks.parse(CAPTURED), steps=8) == {
         "command_buffers": 1, "captured": 3, "host_launches": 1, "loops": 1, "loops_captured": 1,
-        "first_loop_trip": 0}
+        "loops_of_unknown_trips": 1, "steps_loop_captured": True, "steps_loop_trip": 0}
 
 
-def test_no_loop_no_trip():
-    assert thunks.summary(thunks.parse(STEPS.splitlines()[0]))["first_loop_trip"] is None
+def test_one_step_a_call_has_no_steps_loop_even_with_loops_inside():
+    s = thunks.summary(thunks.parse(STEPS, {5: 2}), steps=1)  # e.g. a GPT's loop over its layers
+    assert s["steps_loop_trip"] is None and s["steps_loop_captured"] is None and s["loops"] == 1
+
+
+def test_a_conditional_launches_one_branch():
+    text = "001: kConditional [source | sink]\n    002: kCopy [source | sink]\n    003: kSequential [source]\n" \
+           "        004: kCopy [source]\n        005: kCopy [source]\n"
+    assert thunks.launches(thunks.parse(text)) == 2
+
+
+def _child(monkeypatch, returncode=0, stderr=""):
+    """thunks' child compile replaced: what it was started with, and its exit."""
+    import subprocess
+
+    seen = {}
+
+    def run(cmd, env, **kw):
+        seen["flags"] = env["XLA_FLAGS"]
+        return subprocess.CompletedProcess(cmd, returncode, "", stderr)
+
+    monkeypatch.setattr(thunks.subprocess, "run", run)
+    return seen
+
+
+def test_a_users_command_buffer_flag_is_left_out_of_each_modes_compile_saying_so(monkeypatch, caplog):
+    import pytest
+
+    from jaxtrain.errors import ConfigError
+
+    seen = _child(monkeypatch)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1 --xla_gpu_enable_command_buffer=FUSION")
+    with pytest.raises(ConfigError, match="XLA wrote no thunk sequence"):  # the stand-in compiled nothing
+        thunks.dumped(("--xla_gpu_enable_command_buffer=",), "pass")
+    assert seen["flags"].startswith("--xla_foo=1 --xla_gpu_enable_command_buffer= --xla_dump_to=")
+    assert [r.getMessage() for r in caplog.records] == [
+        "left out of this compile: --xla_gpu_enable_command_buffer=FUSION from $XLA_FLAGS (each mode's own flag is "
+        "compared)"]
+
+
+def test_the_childs_refusal_is_its_own_line_and_a_crash_says_the_compile_failed(monkeypatch):
+    import pytest
+
+    from jaxtrain.errors import ConfigError
+
+    _child(monkeypatch, 1, "Traceback ...\njaxtrain.errors.ConfigError: model='nosuch': not one of lenet, vit")
+    with pytest.raises(ConfigError, match=r"^model='nosuch': not one of lenet, vit$"):
+        thunks.dumped((), "pass")
+    _child(monkeypatch, 1, "F1201 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS: --xla_x")
+    with pytest.raises(ConfigError, match=r"^compiling for the GPU failed: F1201 .*Unknown flag"):
+        thunks.dumped((), "pass")
+
+
+def test_modes_a_jaxlib_may_not_parse_are_refused_before_any_compile(monkeypatch):
+    import pytest
+
+    from jaxtrain.core import compat
+    from jaxtrain.errors import ConfigError
+
+    seen = _child(monkeypatch)
+    monkeypatch.setattr(compat, "installed_version", lambda dist: (0, 13, 0))
+    monkeypatch.setattr(compat, "installed_version_text", lambda dist: "0.13.0")
+    with pytest.raises(ConfigError, match=r"^jaxlib 0.13.0 is not one whose .*: its off, loops would compile as xla"):
+        thunks.command_buffers({"model": "lenet"}, 8)
+    with pytest.raises(ConfigError, match="plan\\(\\) takes the settings"):
+        thunks.command_buffers({"modle": "lenet"}, 8)
+    assert not seen  # nothing compiled

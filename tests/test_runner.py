@@ -81,6 +81,8 @@ def test_numbers_and_paths_of_other_types_that_mean_the_same_are_taken_as_the_se
     c = RunConfig(lr=np.float32(0.5), epochs=np.int64(2), out=tmp_path / "a", steps_per_call=8)
     assert (c.lr, c.epochs, c.out, c.steps_per_call) == (0.5, 2, str(tmp_path / "a"), "8")
     assert (type(c.lr), type(c.epochs)) == (float, int)  # Python's: the run writes them to JSON
+    with pytest.raises(jt.ConfigError, match=r"^steps_per_call=0: expected a whole number >= 1, or auto$"):
+        RunConfig(steps_per_call=0)  # said as given (it was '0', the text it became)
     c = RunConfig(summary=np.True_, devices=2, mesh={"data": np.int64(2)}, weight_decay=np.float64(0.1))
     assert (c.summary, c.mesh, c.weight_decay) == (True, {"data": 2}, 0.1)
     assert (type(c.summary), type(c.mesh["data"]), type(c.weight_decay)) == (bool, int, float)

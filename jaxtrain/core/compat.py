@@ -45,7 +45,8 @@ CPU_XLA_FLAGS = (
 # part; until a GPU has measured it, the default sets nothing.
 COMMAND_BUFFER_FLAGS = {"xla": (), "off": ("--xla_gpu_enable_command_buffer=",),
                         "loops": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",)}
-COMMAND_BUFFER_JAXLIB = ((0, 10, 2), (0, 12, 0))
+COMMAND_BUFFER_JAXLIB = ((0, 10, 2), (0, 12, 0))  # set for these (and those between)
+COMMAND_BUFFER_TESTED = "jaxlib 0.10.2, 0.11.2 and 0.12.0.1"  # where the forms were seen to parse
 
 
 def gpu_xla_flags(command_buffers: str, jaxlib: tuple[int, ...] | None = None) -> tuple[str, ...]:
@@ -62,10 +63,26 @@ def command_buffers_untested(command_buffers: str, jaxlib: tuple[int, ...] | Non
 
 
 def command_buffers_said(xla_flags: str) -> str:
-    """What ``xla_flags`` leave XLA:GPU's command buffers: "XLA's own", "off", or the flag's value (the last one
-    given wins, as in XLA)."""
-    given = re.findall(r"--xla_gpu_enable_command_buffer=(\S*)", xla_flags)
-    return "XLA's own" if not given else given[-1] or "off"
+    """What ``xla_flags`` leave XLA:GPU's command buffers, read as XLA reads its flag, in order: a list replaces
+    the types ("off" where empty), "+TYPE" and "-TYPE" change those so far. "XLA's own" where none is given,
+    "XLA's own + WHILE, CONDITIONAL" where only changes are."""
+    base, plus, minus = None, [], []  # base None: XLA's own types
+    for value in re.findall(r"--xla_gpu_enable_command_buffer=(\S*)", xla_flags):
+        items = [v for v in value.split(",") if v]
+        if items and all(v[0] in "+-" for v in items):
+            for v in items:
+                name = v[1:].upper()
+                if base is not None:
+                    base = [b for b in base if b != name] + ([name] if v[0] == "+" else [])
+                else:
+                    plus, minus = ([p for p in plus if p != name], [m for m in minus if m != name])
+                    (plus if v[0] == "+" else minus).append(name)
+        else:
+            base, plus, minus = [v.upper() for v in items], [], []
+    if base is not None:
+        return ", ".join(base) or "off"
+    return "XLA's own" + "".join(f" {sign} {', '.join(names)}" for sign, names in (("+", plus), ("-", minus))
+                                  if names)
 
 
 # The int8 inference programs (jaxtrain.analysis.quantize) are compiled with their own options, per jit: convolutions

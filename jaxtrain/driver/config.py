@@ -158,7 +158,7 @@ def with_recipe(given: dict) -> dict:
         words = [f"{k!r}" + (f" (did you mean {near[k][0]!r}?)" if near[k] else "") for k in unknown]
         raise TypeError(f"RunConfig got unexpected keyword argument(s) {', '.join(words)}")
     given = {k: plain_value(v) for k, v in given.items()}
-    steps = given.get("steps_per_call", "auto")  # RunConfig(steps_per_call=8) too
+    steps = as_given = given.get("steps_per_call", "auto")  # RunConfig(steps_per_call=8) too
     if isinstance(steps, int) and not isinstance(steps, bool):
         given["steps_per_call"] = str(steps)
     check_values({name: given.get(name, f.default) for name, (_, f) in FIELDS.items()})
@@ -174,7 +174,7 @@ def with_recipe(given: dict) -> dict:
         raise ConfigError(f"{named('dataset')}: {e}") from None
     steps = given.get("steps_per_call", "auto")
     if steps != "auto" and not (steps.isascii() and steps.isdecimal() and int(steps) >= 1):
-        raise ConfigError(f"{named('steps_per_call', repr(steps))}: expected a whole number >= 1, or auto")
+        raise ConfigError(f"{named('steps_per_call', repr(as_given))}: expected a whole number >= 1, or auto")
     given["steps_per_call"] = steps if steps == "auto" else str(int(steps))
     recipe, folder, text = MODELS[model], dataset.startswith(FOLDER_PREFIX), dataset.startswith(TEXT_PREFIX)
     if recipe.text != text:

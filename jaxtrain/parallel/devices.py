@@ -129,10 +129,9 @@ def _gpu_flags() -> tuple[str, ...]:
         return ()
     mode = settings.current().command_buffers
     if compat.command_buffers_untested(mode):
-        log.warning("%s=%s not set: its XLA flag is not known to parse in jaxlib %s (tested %s to %s); XLA's own "
-                    "command buffers are used", settings.VARIABLES["command_buffers"], mode,
-                    compat.installed_version_text("jaxlib"),
-                    *(".".join(map(str, v)) for v in compat.COMMAND_BUFFER_JAXLIB))
+        log.warning("%s=%s not set: its XLA flag's form is not known to parse in jaxlib %s (tested: %s); no flag "
+                    "is added for it", settings.VARIABLES["command_buffers"], mode,
+                    compat.installed_version_text("jaxlib"), compat.COMMAND_BUFFER_TESTED.removeprefix("jaxlib "))
     return compat.gpu_xla_flags(mode)
 
 
