@@ -6,9 +6,10 @@
 The step a run with these flags trains (``jaxtrain gpu-plan``'s), K steps a call, compiled by XLA:GPU for one GPU
 of ``--gpu``'s kind under each mode (xla: XLA's own choice; off: no command buffers; loops: XLA's own plus while
 and conditional bodies; ``jaxtrain.core.compat.COMMAND_BUFFER_FLAGS``), each in a child process. Per mode: the
-command buffers (CUDA graphs) and the thunks they hold, what the host launches for one call (each loop's condition
-and body taken once), and for a K-step call, whether its loop over the steps is captured and what the host
-launches each trip of it. Which mode is faster is a GPU's to measure: ``make gpu-check``'s buffers part.
+command buffers (CUDA graphs) and the thunks they hold, what the host launches for one call (a loop's body once a
+trip, its condition never where the trip count is known: ``jaxtrain.gpu.thunks``), and for a K-step call, whether
+a command buffer holds its loop over the steps and what the host launches each trip of it; then the command-buffer
+types XLA took. Which mode is faster is a GPU's to measure: ``make gpu-check``'s buffers part.
 """
 
 from __future__ import annotations
