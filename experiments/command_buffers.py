@@ -4,8 +4,8 @@
     python -m experiments.command_buffers --model lenet --steps-per-call 8
 
 The step a run with these flags trains (``jaxtrain gpu-plan``'s), K steps a call, compiled by XLA:GPU for one GPU
-of ``--gpu``'s kind under each mode (xla: XLA's own choice; off: no command buffers; loops: XLA's own plus while
-and conditional bodies; ``jaxtrain.core.compat.COMMAND_BUFFER_FLAGS``), each in a child process. Per mode: the
+of ``--gpu``'s kind under each mode (xla: XLA's own choice; off: no command buffers; loops: XLA's own plus loops
+and conditionals; ``jaxtrain.core.compat.COMMAND_BUFFER_FLAGS``), each in a child process. Per mode: the
 command buffers (CUDA graphs) and the thunks they hold, what the host launches for one call (a loop's body once a
 trip, its condition never where the trip count is known: ``jaxtrain.gpu.thunks``), and for a K-step call, whether
 a command buffer holds its loop over the steps and what the host launches each trip of it; then the command-buffer
@@ -51,9 +51,8 @@ def table(result: dict) -> str:
     if unknown:
         lines[0] = lines[0].replace("its condition never: every trip count is known",
                                     "a loop of unknown trip count once, its condition too")
-    lines.append("types recorded: " + "; ".join(
-        f"{m}: {', '.join(s['types']) if s['types'] else 'none' if s['types'] is not None else 'XLA defaults'}"
-        for m, s in result["modes"].items()))
+    lines.append("types XLA took, as its dump lists those that differ from its defaults: " + "; ".join(
+        f"{m}: {', '.join(s['types']) if s['types'] else 'none listed'}" for m, s in result["modes"].items()))
     return "\n".join(lines)
 
 

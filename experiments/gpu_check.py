@@ -293,8 +293,9 @@ def part_buffers(args, say) -> dict:
                 cmd = [sys.executable, "-m", "experiments.bench_busy", "steps", "--json", str(path), "--model", model,
                        "--ks", ks, *small]
                 env = {**os.environ, **on_gpu(args), "JAXTRAIN_COMMAND_BUFFERS": mode}
-                if args.dry_run:  # no GPU, no flag added: given by hand, a CPU's jaxlib parses it (the image's)
-                    env["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *COMMAND_BUFFER_FLAGS[mode]])
+                given = os.environ.get("XLA_FLAGS", "")
+                if args.dry_run and "--xla_gpu_enable_command_buffer=" not in given:  # as setup_devices on a GPU:
+                    env["XLA_FLAGS"] = " ".join([given, *COMMAND_BUFFER_FLAGS[mode]])  # the image's jaxlib parses it
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 last = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:500]
                 result[model][mode] = json.loads(path.read_text()) if out.returncode == 0 else {"error": last}

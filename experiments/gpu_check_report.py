@@ -163,8 +163,8 @@ def markdown(parts: dict) -> str:
     if buffers:
         out += ["## Command buffers (CUDA graphs)", "",
                 "`experiments.bench_busy steps` under each `JAXTRAIN_COMMAND_BUFFERS` mode, each in its own process: "
-                "xla (XLA's own choice, the default), off (none), loops (XLA's own plus while and conditional "
-                "bodies). Milliseconds per step in calls of K steps; what the host launches in each mode: "
+                "xla (XLA's own choice, the default), off (none), loops (XLA's own plus loops and "
+                "conditionals). Milliseconds per step in calls of K steps; what the host launches in each mode: "
                 "`python -m experiments.command_buffers`.", ""]
         for model, modes in buffers.items():
             if isinstance(modes, dict):

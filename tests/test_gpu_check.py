@@ -100,3 +100,28 @@ def test_the_command_buffer_modes_are_laid_side_by_side_with_a_failed_one_named(
     assert "What each run's XLA_FLAGS left the command buffers: xla: XLA's own; off: off." in text
     alone = report.buffers_table({"off": steps(0.6, 0.3, 0.15)})  # XLA's own failed: no ratio columns
     assert alone[:2] == ["| K | off ms/step |", "|---|---|"] and alone[2] == "| 1 | 0.600 |"
+
+
+def test_a_command_buffer_mode_that_did_not_reach_xla_fails_its_column(tmp_path, monkeypatch):
+    """On a GPU each run records what its XLA_FLAGS left the command buffers: an XLA_FLAGS of the user's that names
+    the flag (setup_devices then adds none), JAXTRAIN_XLA_DEFAULTS or an untested jaxlib leave every mode XLA's
+    own, and three equal columns must not pass for a measurement."""
+    import argparse
+    import subprocess
+
+    from experiments import gpu_check
+
+    def run(cmd, env, **kw):  # each child as if its flag never reached XLA
+        path = cmd[cmd.index("--json") + 1]
+        with open(path, "w") as f:
+            json.dump({"rows": [], "work_ms_per_step": 0.1, "command_buffers": "XLA's own"}, f)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    got = gpu_check.part_buffers(argparse.Namespace(dry_run=False), lambda text: None)
+    assert set(got) == {"lenet", "resnet18"}
+    for modes in got.values():
+        assert "error" not in modes["xla"]
+        assert modes["off"]["error"] == "JAXTRAIN_COMMAND_BUFFERS=off did not reach XLA: its run had \"XLA's own\", " \
+                                        "not 'off'"
+        assert "JAXTRAIN_COMMAND_BUFFERS=loops did not reach XLA" in modes["loops"]["error"]

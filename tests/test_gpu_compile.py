@@ -405,26 +405,63 @@ def test_gpu_plan_scaling_prints_the_table_and_draws_the_plot(tmp_path):
     assert bad.returncode == 2 and "whole nodes" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_command_buffers_hold_what_each_mode_allows_and_a_step_loop_stays_on_the_host(gpu):
-    """docs/gpu-busy.md's LeNet row, K=8: XLA's own command buffers take most kernels; without them the host
-    launches every thunk; ``loops`` cannot take the loop over the steps, whose body holds convolution thunks."""
+def _page_rows(label: str) -> list[tuple[str, list[str]]]:
+    """docs/gpu-busy.md's command-buffer rows of one model: (mode, its four counts)."""
+    page = (Path(__file__).parent.parent / "docs" / "gpu-busy.md").read_text().splitlines()
+    first = next(i for i, line in enumerate(page) if line.startswith(f"| {label} |"))
+    rows = []
+    for line in page[first:first + 3]:
+        _, _, mode, *counts, _ = [cell.strip() for cell in line.split("|")]
+        rows.append((mode.strip("`"), counts))
+    return rows
+
+
+COUNTS = ("command_buffers", "captured", "host_launches", "steps_loop_trip")
+
+
+@pytest.mark.parametrize(("settings", "label", "loops"), [
+    ({"model": "lenet"}, "LeNet, fp32", 1),
+    ({"model": "gpt", "model_size": "tiny", "precision": "bf16"}, "GPT tiny, bf16", 3),  # and its layers' two
+])
+def test_command_buffers_hold_what_each_mode_allows_and_a_step_loop_stays_on_the_host(gpu, settings, label, loops):
+    """docs/gpu-busy.md's rows, K=8: XLA's own command buffers take most kernels; without them the host launches
+    every thunk; ``loops`` cannot take the loop over the steps, whose body holds thunks none records."""
     from jaxtrain.gpu import thunks
 
-    got = thunks.command_buffers({"model": "lenet"}, steps=8)
-    assert got["off"]["command_buffers"] == 0 and got["off"]["captured"] == 0 and got["off"]["types"] == ()
+    got = thunks.command_buffers(settings, steps=8)
+    assert got["off"]["command_buffers"] == 0 and got["off"]["captured"] == 0
     assert got["xla"]["command_buffers"] > 0 and got["xla"]["steps_loop_trip"] < got["off"]["steps_loop_trip"]
     assert got["xla"]["types"] is None and {"WHILE", "CONDITIONAL", "FUSION"} <= set(got["loops"]["types"])
     assert {k: v for k, v in got["loops"].items() if k != "types"} == {k: v for k, v in got["xla"].items()
                                                                         if k != "types"}
-    assert got["loops"]["loops"] == 1 and got["loops"]["steps_loop_captured"] is False
-    assert got["xla"]["loops_of_unknown_trips"] == 0  # the steps' loop: 8 trips, known
-    page = (Path(__file__).parent.parent / "docs" / "gpu-busy.md").read_text().splitlines()
-    first = next(i for i, line in enumerate(page) if line.startswith("| LeNet, fp32 |"))
-    for line in page[first:first + 3]:  # the page's LeNet rows are this compile's
-        _, _, mode, *counts, _ = [cell.strip() for cell in line.split("|")]
-        s = got[mode.strip("`")]
-        assert counts == [str(s[k]) for k in ("command_buffers", "captured", "host_launches", "steps_loop_trip")], (
-            line, s)
+    assert got["loops"]["loops"] == loops and got["loops"]["steps_loop_captured"] is False
+    assert got["xla"]["loops_of_unknown_trips"] == 0  # every loop's trip count is known (8 steps, 2 layers)
+    for mode, counts in _page_rows(label):  # the page's rows are this compile's
+        assert counts == [str(got[mode][k]) for k in COUNTS], (label, mode, got[mode])
+
+
+CONDITIONAL = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxtrain import gpu
+s = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=NamedSharding(gpu.mesh_for("h100", 1), P()))
+def f(x, w):
+    x = jnp.tanh(x @ w) * 1.5 + jnp.sin(x)
+    return jax.lax.cond(x.sum() > 0, lambda x: jnp.tanh(x @ w) + jnp.exp(x @ x), lambda x: x * 2, x)
+jax.jit(f).lower(s, s).compile({"xla_gpu_autotune_level": 0})
+"""
+
+
+def test_xlas_own_command_buffers_hold_conditionals_in_this_jaxlib(gpu):
+    """docs/gpu-busy.md: CONDITIONAL is among jaxlib 0.12.0.1's own types, so ``loops`` adds only WHILE there."""
+    from jaxtrain.core import compat
+    from jaxtrain.gpu import thunks
+
+    def conditionals(mode):
+        return [inside for t, inside in thunks._walk(thunks.dumped(compat.gpu_xla_flags(mode), CONDITIONAL).tree())
+                if t.kind == "kConditional"]
+
+    assert conditionals("xla") == [True] and conditionals("off") == [False]
 
 
 LOOP_OF_KERNELS = """

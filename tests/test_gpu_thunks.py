@@ -89,10 +89,76 @@ def test_one_step_a_call_has_no_steps_loop_even_with_loops_inside():
     assert s["steps_loop_trip"] is None and s["steps_loop_captured"] is None and s["loops"] == 1
 
 
-def test_a_conditional_launches_one_branch():
-    text = "001: kConditional [source | sink]\n    002: kCopy [source | sink]\n    003: kSequential [source]\n" \
-           "        004: kCopy [source]\n        005: kCopy [source]\n"
-    assert thunks.launches(thunks.parse(text)) == 2
+# As XLA (jaxlib 0.12.0.1) writes a conditional, shortened from a dump without command buffers: a loop of 8 trips
+# whose body holds one, then another after it; each branch's thunks under its label.
+CONDITIONALS = """\
+001: kCopy         [source       | next=003 (2)] kCopy
+003: kWhile        [prev=002 (1) | next=011 (1)]
+condition:
+    004: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]
+  body:
+    006: kCustomKernel [source       | next=010 (1)] loop_compare_fusion_1 grid: [1, 1, 1] threads: [1, 1, 1]
+    010: kConditional  [prev=006 (1) | sink        ]
+      false_branch:
+        007: kCustomKernel [source       | next=008 (1)] gemm_fusion_dot_1 grid: [2048, 1, 1] threads: [64, 1, 1]
+        008: kCustomKernel [prev=007 (1) | sink        ] loop_add_fusion grid: [512, 1, 1] threads: [128, 1, 1]
+      true_branch:
+        009: kCustomKernel [source | sink] loop_subtract_fusion grid: [512, 1, 1] threads: [128, 1, 1]
+017: kConditional  [prev=013 (1) | sink        ]
+  false_branch:
+    014: kCustomKernel [source       | next=015 (1)] gemm_fusion_dot_2 grid: [4096, 1, 1] threads: [64, 1, 1]
+  true_branch:
+    016: kCustomKernel [source | sink] loop_multiply_fusion grid: [512, 1, 1] threads: [128, 1, 1]
+    018: kCustomKernel [source | sink] loop_add_fusion_3 grid: [512, 1, 1] threads: [128, 1, 1]
+"""
+
+
+def test_a_conditional_launches_its_largest_branch():
+    top = thunks.parse(CONDITIONALS, {3: 8})
+    inner = top[1].children[2]
+    assert [(t.id, t.section) for t in inner.children] == [(7, "false_branch"), (8, "false_branch"),
+                                                           (9, "true_branch")]
+    assert thunks.launches(top) == 1 + 8 * (1 + 2) + 2  # a copy; 8 trips of a kernel and 2 of 3; then 2 of 3
+
+
+# Loops in a loop, as a GPT's K-step call has them (shortened): the steps' loop of 8 trips, and in its body a
+# command buffer and two loops over the layers of 2 trips each, their labels at XLA's odd indentation.
+NESTED = """\
+003: kWhile        [prev=002 (1) | sink        ]
+condition:
+    004: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]
+  body:
+    000: kCommandBuffer [source       | next=045 (1)]
+        005: kCustomKernel [source       | next=006 (1)] wrapped_convert grid: [1, 1, 1] threads: [1, 1, 1]
+        006: kCustomKernel [prev=005 (1) | sink        ] input_transpose_fusion grid: [1, 1, 1] threads: [1, 1, 1]
+    045: kWhile         [prev=000 (1) | next=000 (1)]
+condition:
+        046: kCustomKernel [source | sink] loop_compare_fusion_1 grid: [1, 1, 1] threads: [1, 1, 1]
+      body:
+        047: kAsyncStart    [source       | next=063 (8) ] stream=computation_stream[1], async_id=47
+            049: kDynamicSliceFusion [source | sink] params=1, results=1
+                048: kCopy [source | sink] kCopy
+        050: kAsyncDone     [source       | sink        ] async_id=47
+        051: kCuDnn         [source       | sink        ] kCuDnn
+    147: kWhile         [prev=000 (1) | next=000 (1)]
+condition:
+        148: kCustomKernel [source | sink] loop_compare_fusion_2 grid: [1, 1, 1] threads: [1, 1, 1]
+      body:
+        151: kCustomKernel [source | sink] loop_add_fusion grid: [1, 1, 1] threads: [1, 1, 1]
+    160: kCustomKernel [source | sink] loop_multiply_fusion grid: [1, 1, 1] threads: [1, 1, 1]
+"""
+
+
+def test_loops_in_a_loop_are_launched_their_trips_each_trip_of_the_outer_one():
+    top = thunks.parse(NESTED, {3: 8, 45: 2, 147: 2})
+    outer = top[0]
+    assert [(t.id, t.section) for t in outer.children] == [(4, "condition"), (0, "body"), (45, "body"),
+                                                           (147, "body"), (160, "body")]
+    assert [t.section for t in outer.children[2].children] == ["condition", "body", "body", "body"]
+    s = thunks.summary(top, steps=8)
+    trip = 1 + 2 * 3 + 2 * 1 + 1  # the command buffer; 2 trips of (copy, done, cuDNN); 2 trips of a kernel; a kernel
+    assert (s["steps_loop_trip"], s["host_launches"], s["loops"]) == (trip, 8 * trip, 3)
+    assert thunks.summary(top, steps=2)["steps_loop_trip"] == 3  # 2 steps a call: the first loop of 2 trips
 
 
 def _child(monkeypatch, returncode=0, stderr=""):

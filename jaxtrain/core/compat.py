@@ -32,13 +32,14 @@ CPU_XLA_FLAGS = (
 
 # XLA:GPU's command buffers (CUDA graphs: kernels recorded once, then launched by the host as one), by
 # JAXTRAIN_COMMAND_BUFFERS; devices.setup_devices adds the flag where the platform is a GPU.
-# - "xla": nothing set, XLA's own choice. jaxlib 0.12.0.1 captures runs of 5 or more fusions, cuBLAS and cuDNN
-#   calls, custom calls, dynamic-slice fusions and collective kernels; a while loop stays on the host, which
-#   launches its body's thunks at every trip.
+# - "xla": nothing set, XLA's own choice. jaxlib 0.12.0.1 records fusions, cuBLAS and cuDNN calls, custom calls,
+#   dynamic-slice fusions, collective kernels and conditionals; a while loop stays on the host, which launches its
+#   body's thunks at every trip.
 # - "off": no command buffers at all.
-# - "loops": XLA's own choice plus while and conditional bodies (WHILE, CONDITIONAL): a loop whose every thunk can
-#   be captured becomes part of one command buffer. A loop holding one that cannot (a convolution thunk, an async
-#   copy on another stream) stays on the host: experiments.command_buffers shows which, compiled for a GPU here.
+# - "loops": XLA's own choice plus loops and conditionals (WHILE, CONDITIONAL; 0.12.0.1 lacks only WHILE): a loop
+#   whose every thunk can be recorded becomes part of one command buffer. A loop holding one that cannot (a
+#   convolution thunk, an async copy on another stream) stays on the host: experiments.command_buffers shows which,
+#   compiled for a GPU here; tests/test_gpu_compile.py holds these claims to jaxlib 0.12.0.1.
 # Collectives are left as XLA sets them (inside command buffers they have hung in other projects). The flag's two
 # forms ("" and "+TYPE,...") parse in jaxlib 0.10.2, 0.11.2 and 0.12.0.1; a jaxlib outside that range gets no flag
 # (an unknown form aborts the process at start-up). Which mode is faster is measured by `make gpu-check`'s buffers

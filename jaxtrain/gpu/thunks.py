@@ -29,7 +29,7 @@ from jaxtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _LINE = re.compile(r"^(\s*)(\d+): (k\w+)")
-_SECTION = re.compile(r"^\s*(condition|body):\s*$")
+_SECTION = re.compile(r"^\s*(condition|body|\w*branch\w*):\s*$")  # a loop's, a conditional's (false_branch, ...)
 _WHILE_NAME = re.compile(r'profile_annotation: "([^"]+)"\s*thunk_id: (\d+)\s*}\s*thunk_kind: "kWhile"')
 _TRIPS = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*\bwhile\(.*"known_trip_count":\{"n":"(\d+)"\}', re.MULTILINE)
 _FLAG = re.compile(r"--xla_gpu_enable_command_buffer=\S*")
@@ -40,20 +40,21 @@ MODES = tuple(compat.COMMAND_BUFFER_FLAGS)
 class Thunk:
     kind: str  # kCustomKernel, kConvolution, kWhile, kCommandBuffer, ...
     id: int | None = None  # its number in the dump (kCommandBuffer: 0)
-    section: str | None = None  # under a loop: "condition" or "body"
+    section: str | None = None  # under a loop: "condition" or "body"; under a conditional: its branch
     trips: int | None = None  # a loop's known trip count
     children: list = dataclasses.field(default_factory=list)
 
 
 def parse(text: str, trips: dict[int, int] | None = None) -> list[Thunk]:
     """The thunk tree of a dumped thunk sequence: a thunk indented under another is its child (a loop's condition
-    and body, a command buffer's thunks, an async start's operation); ``trips``: loops' known trip counts by id."""
-    root, stack, reading = Thunk("root"), [], {}  # stack: (indent, thunk); reading: a loop's current section
+    and body, a conditional's branches, a command buffer's thunks, an async start's operation), labelled with the
+    section it is under; ``trips``: loops' known trip counts by id."""
+    root, stack, reading = Thunk("root"), [], {}  # stack: (indent, thunk); reading: the section being read
     for line in text.splitlines():
-        if m := _SECTION.match(line):
-            loop = next((t for _, t in reversed(stack) if t.kind == "kWhile"), None)
-            if loop is not None:
-                reading[id(loop)] = m.group(1)
+        if m := _SECTION.match(line):  # the label comes right after its thunk, or after the last section's thunks
+            holder = next((t for _, t in reversed(stack) if t.kind in ("kWhile", "kConditional")), None)
+            if holder is not None:
+                reading[id(holder)] = m.group(1)
             continue
         m = _LINE.match(line)
         if not m:
@@ -88,8 +89,11 @@ def launches(thunks: list[Thunk]) -> int:
         elif t.kind == "kWhile":
             body = [c for c in t.children if c.section == "body"]
             n += t.trips * launches(body) if t.trips is not None else launches(t.children)
-        elif t.kind == "kConditional":
-            n += max(launches([c]) for c in t.children)
+        elif t.kind == "kConditional":  # one branch runs: the largest
+            branches = {}
+            for c in t.children:
+                branches.setdefault(c.section, []).append(c)
+            n += max(launches(b) for b in branches.values())
         else:
             n += launches(t.children)
     return n
@@ -107,7 +111,8 @@ def summary(thunks: list[Thunk], steps: int = 1) -> dict:
     first loop): whether a command buffer holds it, and what the host launches each trip (0 if held)."""
     every = list(_walk(thunks))
     loops = [(t, inside) for t, inside in every if t.kind == "kWhile"]
-    steps_loop = loops[0] if steps > 1 and loops else None
+    # the loop over the steps: the first of ``steps`` trips (lax.scan's count is known), else the first
+    steps_loop = next((x for x in loops if x[0].trips == steps), loops[0]) if steps > 1 and loops else None
     return {"command_buffers": sum(t.kind == "kCommandBuffer" for t, _ in every),
             "captured": sum(inside and not t.children for t, inside in every),
             "host_launches": launches(thunks),
@@ -121,7 +126,8 @@ def summary(thunks: list[Thunk], steps: int = 1) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Dump:
     """One compiled module's dump: its thunk sequence (after the thunk passes where they ran), its thunks' HLO
-    names, its optimized HLO, and the command-buffer types its debug options list (None: XLA's defaults)."""
+    names, its optimized HLO, and the command-buffer types its debug options list: those that differ from XLA's
+    defaults, so None for XLA's defaults and for an empty list alike."""
 
     thunks: str
     metadata: str
@@ -161,9 +167,8 @@ def dumped(flags: tuple[str, ...], code: str, args: tuple[str, ...] = ()) -> Dum
             return "".join(p.read_text() for p in Path(tmp).glob(f"{module}.{pattern}"))
 
         types = re.findall(r"xla_gpu_enable_command_buffer: (\w+)", read("debug_options"))
-        empty = "--xla_gpu_enable_command_buffer=" in flags  # off: an empty list prints nothing
         return Dump(modules[module], read("thunk_metadata.txt"), read("*gpu_after_optimizations.txt"),
-                    tuple(types) if types or empty else None)
+                    tuple(types) or None)
 
 
 # Compiled in a child: the run's step (K steps a call where K > 1) for compile-only GPUs, XLA_FLAGS as given.
