@@ -24,6 +24,7 @@ BAD = {
     "bench_pipeline": [["--stages", "0"]],
     "bench_sharding": [["--devices", "0"]],
     "bench_strategies": [["--devices", "0,2"], ["--batch-size", "0"], ["--steps", "0"], ["--repeats", "-1"]],
+    "command_buffers": [["--steps-per-call", "0"], ["--batch-size", "x"], ["--precision", "fp8"]],
     "decode_bench": [["--images", "d", "--rounds", "0"], ["--images", "d", "--torch-python", "/nonexistent/python"],
                      ["--images", "d", "--workers", "1,x"], ["--images", "d", "--workers", "0"]],
     "export_weights": [["run", "w.safetensors", "--names", "nope"]],
