@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxtrain.errors import ConfigError, named
-from jaxtrain.io.files import atomic_write, drop_closed_loop_reports, out_of_space, params_digest
+from jaxtrain.io.files import atomic_write, drop_late_read_reports, out_of_space, params_digest
 
 ARRAYS, INFO = "model", "model.json"
 TOKENIZER = "tokenizer.json"  # a language model's (jaxtrain.data.text): its tokens' text
@@ -115,7 +115,7 @@ def load(run_dir: str | Path, expect: str | tuple[str, ...] | None = None, param
     meta = info(run_dir, expect, param)
     shapes = jax.eval_shape(model_of(meta).init, jax.random.key(0))
     target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), {"params": shapes[0], "model_state": shapes[1]})
-    drop_closed_loop_reports()
+    drop_late_read_reports()
     try:
         with ocp.StandardCheckpointer() as reader:
             tree = reader.restore(Path(run_dir).absolute() / ARRAYS, target)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -50,15 +52,34 @@ def out_of_space(e: BaseException) -> bool:
         s in text for s in ("No space left", "ENOSPC", "RESOURCE_EXHAUSTED", "Disk quota exceeded"))
 
 
-def drop_closed_loop_reports() -> None:
-    """From now on, drop the reports of ``RuntimeError('Event loop is closed')`` (and only those).
+# A tensorstore error as orbax passes it on: an absl status code, then the message ("OUT_OF_RANGE: Error reading ...").
+_STATUS = re.compile(r"^[A-Z]+(?:_[A-Z]+)*: ")
 
-    When an orbax read or write fails, tensorstore's operations still in flight
-    call back into the asyncio loop orbax has already closed, and Python prints
-    each as an unraisable traceback with no header, after our one-line error.
-    They can come before the failure reaches us, so install this before any
-    orbax call, not in its ``except``. Installing it twice is installing it once.
+
+class _DropLateTaskReports(logging.Filter):
+    """asyncio's reports of a task whose exception nobody retrieved, where that exception is a tensorstore error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage().startswith("Task exception was never retrieved")
+                    and _STATUS.match(str(exc or "")))
+
+
+def drop_late_read_reports() -> None:
+    """From now on, drop the late reports of a failed orbax read or write (and only those).
+
+    When an orbax read or write fails, tensorstore's operations still in flight fail or call back after the first
+    failure reached us, with our one-line error already said:
+    - into the asyncio loop orbax has already closed: Python prints each ``RuntimeError('Event loop is closed')`` as
+      an unraisable traceback with no header;
+    - as tasks whose tensorstore error nobody retrieves: asyncio logs "Task exception was never retrieved" with a
+      traceback when they are collected (seen on Python 3.13, under load).
+    They can come before the failure reaches us, so install this before any orbax call, not in its ``except``.
+    Installing it twice is installing it once.
     """
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropLateTaskReports) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_DropLateTaskReports())
     if getattr(sys.unraisablehook, "drops_closed_loop", False):
         return
     previous = sys.unraisablehook

@@ -35,7 +35,7 @@ import jax
 from jaxtrain.core.state import TrainState
 from jaxtrain.errors import ConfigError, named
 from jaxtrain.io.dirlock import DirLock
-from jaxtrain.io.files import atomic_write, drop_closed_loop_reports, ensure_room, ensure_writable, out_of_space
+from jaxtrain.io.files import atomic_write, drop_late_read_reports, ensure_room, ensure_writable, out_of_space
 from jaxtrain.train import integrity
 from jaxtrain.train.loop import Position, check_finite
 
@@ -91,7 +91,7 @@ def _quiet_orbax_errors() -> None:
     logger.addFilter(drop)
     logging.getLogger("asyncio").addFilter(  # the same failure, found again when its future is collected
         lambda r: not (r.exc_info and r.exc_info[1] is not None and out_of_space(r.exc_info[1])))
-    drop_closed_loop_reports()
+    drop_late_read_reports()
 
 
 @dataclasses.dataclass
