@@ -53,7 +53,9 @@ def out_of_space(e: BaseException) -> bool:
 
 
 # A tensorstore error as orbax passes it on: an absl status code, then the message ("OUT_OF_RANGE: Error reading ...").
-_STATUS = re.compile(r"^[A-Z]+(?:_[A-Z]+)*: ")
+_STATUS = re.compile(r"^(CANCELLED|UNKNOWN|INVALID_ARGUMENT|DEADLINE_EXCEEDED|NOT_FOUND|ALREADY_EXISTS|"
+                     r"PERMISSION_DENIED|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|ABORTED|OUT_OF_RANGE|UNIMPLEMENTED|"
+                     r"INTERNAL|UNAVAILABLE|DATA_LOSS|UNAUTHENTICATED): ")
 
 
 class _DropLateTaskReports(logging.Filter):
