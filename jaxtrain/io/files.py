@@ -59,11 +59,15 @@ _STATUS = re.compile(r"^(CANCELLED|UNKNOWN|INVALID_ARGUMENT|DEADLINE_EXCEEDED|NO
 
 
 class _DropLateTaskReports(logging.Filter):
-    """asyncio's reports of a task whose exception nobody retrieved, where that exception is a tensorstore error."""
+    """asyncio's reports of a task whose exception nobody retrieved, where the task ran one of tensorstore's
+    futures (an awaitable that is no coroutine: asyncio wraps it in ``_wrap_awaitable``) and its exception is a
+    tensorstore error (an absl status code first). A coroutine's task, a user's, is never dropped: JAX's own
+    errors read "RESOURCE_EXHAUSTED: ..." too."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
         exc = record.exc_info[1] if record.exc_info else None
-        return not (record.getMessage().startswith("Task exception was never retrieved")
+        return not (text.startswith("Task exception was never retrieved") and "_wrap_awaitable" in text
                     and _STATUS.match(str(exc or "")))
 
 
