@@ -37,22 +37,21 @@ def parser() -> argparse.ArgumentParser:
 
 
 def table(result: dict) -> str:
-    k = result["steps_per_call"]
+    k, modes = result["steps_per_call"], result["modes"]
+    loops = ("a loop of unknown trip count once, its condition too" if any(s["loops_of_unknown_trips"]
+                                                                          for s in modes.values())
+             else "its condition never: every trip count is known")
     lines = [f"{result['model']} ({result['precision']}), {k} step(s) a call, compiled for one {result['gpu']}: "
-             "what the host launches (a loop's body once a trip, its condition never: every trip count is known)",
+             f"what the host launches (a loop's body once a trip, {loops})",
              f"{'mode':>6} {'command buffers':>15} {'thunks in them':>14} {'launches a call':>15} "
              f"{'steps loop held':>15} {'launches a trip':>15}"]
-    for mode, s in result["modes"].items():
+    for mode, s in modes.items():
         held = "-" if s["steps_loop_captured"] is None else "yes" if s["steps_loop_captured"] else "no"
         trip = "-" if s["steps_loop_trip"] is None else s["steps_loop_trip"]
         lines.append(f"{mode:>6} {s['command_buffers']:>15} {s['captured']:>14} {s['host_launches']:>15} "
                      f"{held:>15} {trip:>15}")
-    unknown = {m: s["loops_of_unknown_trips"] for m, s in result["modes"].items() if s["loops_of_unknown_trips"]}
-    if unknown:
-        lines[0] = lines[0].replace("its condition never: every trip count is known",
-                                    "a loop of unknown trip count once, its condition too")
     lines.append("types XLA took, as its dump lists those that differ from its defaults: " + "; ".join(
-        f"{m}: {', '.join(s['types']) if s['types'] else 'none listed'}" for m, s in result["modes"].items()))
+        f"{m}: {', '.join(s['types']) if s['types'] else 'none listed'}" for m, s in modes.items()))
     return "\n".join(lines)
 
 

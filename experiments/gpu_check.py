@@ -101,6 +101,11 @@ def xla_flags_help(pattern: str = "command_buffer", env: dict | None = None) -> 
     return [" ".join(line.split()) for line in (out.stdout + out.stderr).splitlines() if pattern in line]
 
 
+def last_line(out: subprocess.CompletedProcess) -> str:
+    """What a failed child said last: its stderr's last line, or its exit status where it said nothing."""
+    return (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+
+
 @functools.cache  # one child process per check, not one per row
 def devices_seen() -> tuple[str, list[str]]:
     """The backend and the device kinds JAX finds, asked in a child process: this one never touches a GPU, since
@@ -191,7 +196,7 @@ def _step_rows(args, settings_list, say) -> list[dict]:
                          if before.get("flops") and row.get("peak_flops") else None,
                          "first_process": {k: before[k] for k in ("ms", "peak_bytes")}})
         else:
-            last = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+            last = last_line(out)
             rows.append({**{k: v for k, v in settings.items() if k in ("model", "precision", "remat")},
                          "error": last[:500], "stderr_tail": out.stderr[-2000:]})
         _REHEARSED[key] = rows[-1]
@@ -268,7 +273,7 @@ def part_e2e(args, say) -> dict:
             cmd = [sys.executable, "-m", "experiments.bench_busy", *argv[:1], "--json", str(path), *argv[1:]]
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             result[name] = ({"table": out.stdout, **json.loads(path.read_text())} if out.returncode == 0 else
-                            {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:500],
+                            {"error": last_line(out)[:500],
                              "stderr_tail": out.stderr[-2000:]})
     return result
 
@@ -297,8 +302,8 @@ def part_buffers(args, say) -> dict:
                 if args.dry_run and "--xla_gpu_enable_command_buffer=" not in given:  # as setup_devices on a GPU:
                     env["XLA_FLAGS"] = " ".join([given, *COMMAND_BUFFER_FLAGS[mode]])  # the image's jaxlib parses it
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                last = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:500]
-                result[model][mode] = json.loads(path.read_text()) if out.returncode == 0 else {"error": last}
+                result[model][mode] = (json.loads(path.read_text()) if out.returncode == 0 else
+                                       {"error": last_line(out)[:500]})
                 asked = command_buffers_said(" ".join(COMMAND_BUFFER_FLAGS[mode]))
                 got = result[model][mode].get("command_buffers", asked)
                 if got != asked:  # $XLA_FLAGS, JAXTRAIN_XLA_DEFAULTS or the jaxlib had it otherwise
@@ -313,7 +318,7 @@ def part_kernels(args) -> dict:
            *(["--repeats", "2", "--classes", "10"] if args.dry_run else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **on_gpu(args)})
     if out.returncode != 0:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+        return {"error": last_line(out)}
     return {"table": out.stdout, **json.loads(json_path.read_text())}
 
 

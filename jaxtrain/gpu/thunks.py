@@ -87,8 +87,7 @@ def launches(thunks: list[Thunk]) -> int:
         if t.kind == "kCommandBuffer" or not t.children:
             n += 1
         elif t.kind == "kWhile":
-            body = [c for c in t.children if c.section == "body"]
-            n += t.trips * launches(body) if t.trips is not None else launches(t.children)
+            n += t.trips * launches(_body(t)) if t.trips is not None else launches(t.children)
         elif t.kind == "kConditional":  # one branch runs: the largest
             branches = {}
             for c in t.children:
@@ -97,6 +96,10 @@ def launches(thunks: list[Thunk]) -> int:
         else:
             n += launches(t.children)
     return n
+
+
+def _body(loop: Thunk) -> list[Thunk]:
+    return [c for c in loop.children if c.section == "body"]
 
 
 def _walk(thunks, inside=False):
@@ -120,7 +123,7 @@ def summary(thunks: list[Thunk], steps: int = 1) -> dict:
             "loops_of_unknown_trips": sum(t.trips is None for t, _ in loops),
             "steps_loop_captured": None if steps_loop is None else steps_loop[1],
             "steps_loop_trip": None if steps_loop is None else
-            0 if steps_loop[1] else launches([c for c in steps_loop[0].children if c.section == "body"])}
+            0 if steps_loop[1] else launches(_body(steps_loop[0]))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,8 +191,8 @@ lowered.compile(compiler_options=analysis.AUTOTUNER_OFF)
 """
 
 
-def command_buffers(settings_: dict, steps: int = 1, modes: tuple[str, ...] = MODES, gpu: str = "h100") -> dict:
-    """Per JAXTRAIN_COMMAND_BUFFERS mode, ``summary`` of the step a run with ``settings_`` (``gpu.plan``'s) trains
+def command_buffers(step_settings: dict, steps: int = 1, modes: tuple[str, ...] = MODES, gpu: str = "h100") -> dict:
+    """Per JAXTRAIN_COMMAND_BUFFERS mode, ``summary`` of the step a run with ``step_settings`` (``gpu.plan``'s) trains
     on one ``gpu``, ``steps`` steps a call, compiled in a child under that mode's flag, with the command-buffer
     types XLA took (``types``: None for its defaults)."""
     from jaxtrain.gpu.plan import check_settings
@@ -198,14 +201,14 @@ def command_buffers(settings_: dict, steps: int = 1, modes: tuple[str, ...] = MO
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise ConfigError(f"command buffers {', '.join(unknown)}: use {', '.join(MODES)}")
-    check_settings(settings_)
+    check_settings(step_settings)
     target(gpu)  # a ConfigError naming the GPUs there are
     untested = [m for m in modes if compat.command_buffers_untested(m)]
     if untested:
         raise ConfigError(f"jaxlib {compat.installed_version_text('jaxlib')} is not one whose command-buffer flag "
                           f"forms are known to parse (tested: {compat.COMMAND_BUFFER_TESTED}): its "
                           f"{', '.join(untested)} would compile as xla")
-    kw = json.dumps({"gpu": gpu, "gpus": 1, **settings_})
+    kw = json.dumps({"gpu": gpu, "gpus": 1, **step_settings})
     result = {}
     for mode in modes:
         dump = dumped(compat.gpu_xla_flags(mode), _CHILD, (kw, str(steps)))

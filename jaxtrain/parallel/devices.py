@@ -123,6 +123,9 @@ def setup_devices(n: int | None = None, *, devices_per_process: int | None = Non
     return devices[:n]
 
 
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # what JAX_PLATFORMS (or the plugin found) may call a GPU
+
+
 def _gpu_flags() -> tuple[str, ...]:
     """JAXTRAIN_COMMAND_BUFFERS's flag (``compat.COMMAND_BUFFER_FLAGS``) where JAX will start on a GPU."""
     if _platform_hint() not in GPU_PLATFORMS:
@@ -133,9 +136,6 @@ def _gpu_flags() -> tuple[str, ...]:
                     "is added for it", settings.VARIABLES["command_buffers"], mode,
                     compat.installed_version_text("jaxlib"), compat.COMMAND_BUFFER_TESTED.removeprefix("jaxlib "))
     return compat.gpu_xla_flags(mode)
-
-
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # what JAX_PLATFORMS (or the plugin found) may call a GPU
 
 
 def _platform_hint() -> str:
