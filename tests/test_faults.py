@@ -647,6 +647,27 @@ def test_a_signal_after_the_last_step_is_said_not_swallowed(caplog):
         caplog.text
 
 
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_a_second_signal_says_what_it_leaves(checkpoints, monkeypatch, caplog):
+    """A new user's finding: a second Ctrl-C said a checkpoint being written was discarded and the ones before it
+    were intact, in a run that saves none."""
+    from jaxtrain.driver import signals
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(signals.console, "exit_now", exit_now)
+    stop = signals.StopOnSignal()
+    stop.training(checkpoints=checkpoints)
+    stop._count = 1  # the first signal came; it is being handled
+    with caplog.at_level("ERROR", logger="jaxtrain"), pytest.raises(SystemExit) as e:
+        stop._on_signal(signal.SIGINT)
+    assert e.value.code == 128 + signal.SIGINT
+    said = ("a checkpoint being written is discarded; the ones before it are intact" if checkpoints else
+            "nothing saved (no checkpoint_dir=)")
+    assert f"SIGINT: second signal: exiting now; {said}\n" in caplog.text
+
+
 def test_an_evaluation_kept_beside_a_checkpoint_goes_aside_with_it_and_is_read_only_where_needed(tmp_path, caplog):
     """A review's findings: ``evaluated/STEP.json`` stayed when its checkpoint was moved aside, and was read (and
     warned of, each resume) for a later checkpoint of that step that holds its own evaluation."""

@@ -94,7 +94,7 @@ def fit_run(run: Run, state, position, stop: StopOnSignal, outputs: Sequence[Out
              Hook(lambda loop: last.update(loop.recent), unit="epoch"),  # the last step's metrics
              *([Hook(memory_after_first_step, cuts=False)] if c.memory_report else [])]
     try:
-        stop.training()
+        stop.training(checkpoints=run.checkpointer is not None)
         try:
             state, history, first_loss = fit(
                 run.trainer, state, train_data, run.evaluator, test_data, epochs=c.epochs, max_steps=c.max_steps,

@@ -84,6 +84,7 @@ class StopOnSignal:
         self._step = 0
         self._last = time.monotonic()
         self._slowest = 0.0
+        self._checkpoints = True
         self._previous: dict = {}
         self._pipe: tuple[int, int] | None = None
 
@@ -104,11 +105,20 @@ class StopOnSignal:
 
         threading.Thread(target=watch, daemon=True, name="jaxtrain-stall-watch").start()
 
-    def training(self) -> None:
-        """From now on a first signal asks for a checkpoint instead of exiting."""
+    def training(self, checkpoints: bool = True) -> None:
+        """From now on a first signal asks for a checkpoint instead of exiting; ``checkpoints``: whether the run
+        saves any (what a second signal, or a stalled stop, says is kept)."""
         self._last = time.monotonic()
         self._training = True
         self._started = True
+        self._checkpoints = checkpoints
+
+    def _kept(self, now: str) -> str:
+        """What an exit now leaves: ``now`` about the checkpoint in flight, and the earlier ones intact; or, in a run
+        without checkpoints, that nothing is saved."""
+        if not self._checkpoints:
+            return f"nothing saved (no {named('checkpoint_dir')})"
+        return f"{now}; the ones before it are intact"
 
     def done(self) -> None:
         """Training is over (finished or stopped): no more stall watching."""
@@ -133,8 +143,7 @@ class StopOnSignal:
                 self.at_start_up(signum)
             _exit_now(signum, "interrupted during start-up; nothing was trained or saved")
         if self._count > 1:
-            _exit_now(signum, "second signal: exiting now (a checkpoint being written is discarded; "
-                              "the ones before it are intact)")
+            _exit_now(signum, f"second signal: exiting now; {self._kept('a checkpoint being written is discarded')}")
         self.signum = signum
         if not self._training:  # after the last step: its end is being saved and written, then the run exits
             log.warning(f"{signal.Signals(signum).name}: training is over; the run ends once its files are written "
@@ -146,8 +155,8 @@ class StopOnSignal:
             quiet = time.monotonic() - max(self._last, since)
             patience = self.STALL_LIMIT if self._busy else min(max(self.STALL, 3 * self._slowest), self.STALL_LIMIT)
             if self._training and self._step > 1 and quiet > patience:
-                _exit_now(signum, f"no step finished for {quiet:.0f} s (a peer process is gone?): exiting "
-                                  "without a checkpoint; the ones before are intact")
+                _exit_now(signum, f"no step finished for {quiet:.0f} s (a peer process is gone?): exiting; "
+                                  f"{self._kept('no checkpoint of this stop')}")
 
     def _watch(self, read_fd: int) -> None:
         while True:
