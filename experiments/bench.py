@@ -101,8 +101,8 @@ def parser() -> argparse.ArgumentParser:
                    help="let XLA:CPU recompute the models' stored activations (jaxtrain.core.remat.materialize off; "
                         "sets JAXTRAIN_NO_MATERIALIZE=1)")
     p.add_argument("--conv", choices=CONVS, default="auto",
-                   help="jaxtrain's and the hand-written step's convolutions: auto (oneDNN's where they build), "
-                        "xla, or onednn (jaxtrain.kernels.onednn)")
+                   help="jaxtrain's and the hand-written step's convolutions, and a GPT's attention products: auto "
+                        "(oneDNN's where they build), xla, or onednn (jaxtrain.kernels.onednn)")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if it is installed")
     p.add_argument("--torch-python", default=None, metavar="PYTHON",
                    help="run the PyTorch side with this interpreter (e.g. a Python 3.11 venv with torch==2.13.0 "

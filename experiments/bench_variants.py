@@ -25,7 +25,7 @@ def get_model(args, conv: str):
     config = gpt.SIZES[args.model_size]
     args.seq_len, args.vocab = args.seq_len or config.seq_len, args.vocab or config.vocab
     return models.get(args.model, input_shape=(args.seq_len,), num_classes=args.vocab, size=args.model_size,
-                      unroll=UNROLL.get(args.unroll), rotary=bool(args.rotary))
+                      unroll=UNROLL.get(args.unroll), rotary=bool(args.rotary), conv=conv)
 
 
 def torch_shape(model) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from jaxtrain.models import gpt
 from jaxtrain.models.sequential import sequential_loss
 from jaxtrain.train import pipeline
 
-CONFIG = gpt.Config(vocab=100, seq_len=8, layers=4, heads=2, width=32)  # wte padded to 128 rows
+CONFIG = gpt.Config(vocab=100, seq_len=8, layers=4, heads=2, width=32, attention="onednn")  # wte padded to 128 rows
 STACK = gpt.make_stack(CONFIG)
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.5), "adam": lambda: optax.adam(1e-3)}
 

@@ -158,18 +158,20 @@ def shape_words(c: RunConfig, model: Model) -> str:
     if isinstance(model, LanguageModel):
         return (f"windows of {c.dataset} ({model.seq_len} tokens, vocabulary {model.num_classes} ({c.tokenizer}), "
                 f"model size {c.model_size}, positions: {'rotary' if model.config.rotary else 'learned'}, "
-                f"attention: {attention_words(jax.devices()[0], c.precision)}, blocks: "
+                f"attention: {attention_words(jax.devices()[0], c.precision, model.config.attention)}, blocks: "
                 f"{'unrolled' if model.config.unroll else 'a loop'})")
     return f"examples of {c.dataset} ({'x'.join(map(str, model.input_shape))}, {model.num_classes} classes)"
 
 
-def attention_words(device, precision: str) -> str:
+def attention_words(device, precision: str, choice: str = "auto") -> str:
     """Whose attention the GPT runs (``gpt.attention_implementation``'s rule): cuDNN's fused kernel in bf16 and
-    fp16 on a GPU that runs it (``gpt.fused_attention``), XLA's otherwise (and why, on a GPU that does not)."""
+    fp16 on a GPU that runs it (``gpt.fused_attention``); in fp32 on a CPU, with ``choice`` (its
+    ``gpt.Config.attention``) "onednn", XLA's with oneDNN's products; XLA's otherwise (and why, on a GPU that does
+    not)."""
     from jaxtrain.models.gpt import fused_attention
 
     if precision not in ("bf16", "fp16"):
-        return "XLA's"
+        return "XLA's, its products oneDNN's" if choice == "onednn" and precision == "fp32" else "XLA's"
     why = fused_attention(device)
     return "cuDNN's fused kernel" if why is None else "XLA's" + (f" ({why})" if device.platform == "gpu" else "")
 

@@ -75,9 +75,9 @@ class Compute:
                                  "for the image models' train loss (softmax cross-entropy) and the ViT's layer "
                                  "norms, not the GPT's (Triton on GPUs; interpret mode on CPUs, slow there; "
                                  "docs/kernels.md)", choices=KERNELS)
-    conv: str = _field("auto", "the models' convolutions: auto (oneDNN's on a CPU where they build, else XLA's), "
-                               "xla, or onednn (f32 NHWC convs on CPUs; docs/performance.md, \"oneDNN "
-                               "convolutions\")", choices=CONVS)
+    conv: str = _field("auto", "the models' convolutions, and a GPT's attention products: auto (oneDNN's on a CPU "
+                               "where they build, else XLA's), xla, or onednn (f32 NHWC convs and the GPT's fp32 "
+                               "attention on CPUs; docs/performance.md, \"oneDNN convolutions\")", choices=CONVS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import re
 import sys
 
@@ -32,7 +33,7 @@ from jaxtrain.kernels import onednn_build
 from jaxtrain.kernels import onednn_calls as calls
 from jaxtrain.kernels.onednn_build import build, expected  # noqa: F401  (the public names they were)
 
-_TARGETS = ("JaxtrainDnnlConvFwd", "JaxtrainDnnlConvFwdSave", "JaxtrainDnnlConvBwd")
+_TARGETS = ("JaxtrainDnnlConvFwd", "JaxtrainDnnlConvFwdSave", "JaxtrainDnnlConvBwd", "JaxtrainDnnlBmm")
 _NHWC = lax.ConvDimensionNumbers(lhs_spec=(0, 3, 1, 2), rhs_spec=(3, 2, 0, 1), out_spec=(0, 3, 1, 2))
 
 
@@ -170,6 +171,7 @@ def _saved_floats(x_shape, w_shape, geometry) -> int:
 
 _SHAPE = re.compile(r"f32\[([\d,]*)\]")
 _ATTR = re.compile(r"\b(sh|sw|pt|pb|pl|pr) = (\d+)")
+_TRANSPOSED_A = re.compile(r"\bta = 1\b")
 
 
 def _taps(size: int, kernel: int, stride: int, pad: int, out: int) -> int:
@@ -178,11 +180,16 @@ def _taps(size: int, kernel: int, stride: int, pad: int, out: int) -> int:
 
 
 def hlo_flops(hlo_text: str) -> float:
-    """FLOPs of the oneDNN convolutions in a compiled program's HLO text, counted from their shapes as XLA
-    counts its own (2 per multiply-add, taps in the padding left out): XLA's cost analysis counts nothing in a
-    custom call (and may then report a negative total)."""
+    """FLOPs of the oneDNN convolutions and batched products in a compiled program's HLO text, counted from their
+    shapes as XLA counts its own (2 per multiply-add, taps in the padding left out): XLA's cost analysis counts
+    nothing in a custom call (and may then report a negative total)."""
     total = 0.0
     for line in hlo_text.splitlines():
+        if 'custom_call_target="JaxtrainDnnlBmm"' in line:  # [..., M, P] from op(a) [..., M, K]: 2 N M K P
+            out = [int(d) for d in _SHAPE.search(line.split("= ", 1)[1]).group(1).split(",")]
+            a = [int(d) for d in _SHAPE.search(line.split("operand_layout_constraints=")[1]).group(1).split(",")]
+            total += 2 * math.prod(out) * a[-2 if _TRANSPOSED_A.search(line) else -1]
+            continue
         if 'custom_call_target="JaxtrainDnnlConv' not in line:
             continue
         dims = [[int(d) for d in s.split(",")] for s in _SHAPE.findall(line.split("operand_layout_constraints=")[1])]

@@ -86,21 +86,21 @@ def _ffi_backward(dy, w, saved, geometry, x_hwc, blocked):
 
 # --- under jit: each call partitioned along the batch ---
 
-def _batch_spec(sharding):
-    spec = getattr(sharding, "spec", P())
-    return spec[0] if len(spec) else None
+def _batch_spec(sharding, lead: int = 1) -> tuple:
+    spec = tuple(getattr(sharding, "spec", P()))
+    return (spec + (None,) * lead)[:lead]
 
 
-def _partitioned(call, n_arrays, rule, whole, split_args, split_results, summed=()):
+def partitioned(call, n_arrays, rule, whole, split_args, split_results, summed=(), lead=1):
     """``call(*arrays, *static)`` as a ``custom_partitioning``: the arguments at ``split_args`` and the results
-    at ``split_results`` split along dim 0 as the first argument is, the rest whole on every device; the
-    results at ``summed`` (each device's share's) summed over the batch's axes. ``rule``: Shardy's, with every
-    factor but the batch in ``whole`` (in the order of first use)."""
+    at ``split_results`` split along their first ``lead`` dims as the first argument is, the rest whole on every
+    device; the results at ``summed`` (each device's share's) summed over the batch's axes (``lead`` 1).
+    ``rule``: Shardy's, with every factor but the leading ones in ``whole`` (in the order of first use)."""
 
     def shardings(mesh, first, shapes, splits):
-        axes = _batch_spec(first.sharding)
-        return tuple(NamedSharding(mesh, P(axes, *(None,) * (len(s.shape) - 1)) if split else P())
-                     for s, split in zip(shapes, splits)), axes
+        split_as = _batch_spec(first.sharding, lead)
+        return tuple(NamedSharding(mesh, P(*split_as, *(None,) * (len(s.shape) - lead)) if split else P())
+                     for s, split in zip(shapes, splits)), split_as[0]
 
     def partition(*args):
         *static, mesh, arg_shapes, result_shape = args
@@ -128,28 +128,29 @@ def _partitioned(call, n_arrays, rule, whole, split_args, split_results, summed=
     return fn
 
 
-_forward_split = _partitioned(_ffi_forward, 2, "b h w c, i j c o -> b p q o", tuple("hwcijopq"),
+_forward_split = partitioned(_ffi_forward, 2, "b h w c, i j c o -> b p q o", tuple("hwcijopq"),
                               (True, False), (True,))
-_forward_save_split = _partitioned(_ffi_forward_save, 2, "b h w c, i j c o -> b p q o, b k", tuple("hwcijopqk"),
+_forward_save_split = partitioned(_ffi_forward_save, 2, "b h w c, i j c o -> b p q o, b k", tuple("hwcijopqk"),
                                    (True, False), (True, True))
-_backward_split = _partitioned(_ffi_backward, 3, "b p q o, i j c o, b k -> b h w c, i j c o", tuple("pqoijckhw"),
+_backward_split = partitioned(_ffi_backward, 3, "b p q o, i j c o, b k -> b h w c, i j c o", tuple("pqoijckhw"),
                                (True, False, True), (True, False), summed=(1,))
 
 
 # --- inside shard_map / pmap: each device's own call ---
 
-def _as_varying(y, axes):
-    return lax.pcast(y, tuple(sorted(axes)), to="varying") if axes else y
+def as_varying(y, axes):
+    missing = tuple(sorted(set(axes) - varying_axes(y)))  # an FFI call's result may already vary as its operands
+    return lax.pcast(y, missing, to="varying") if missing else y
 
 
-def _cotangent(g, primal, source):
+def cotangent(g, primal, source):
     """A device's ``g`` typed as computed from ``source``, summed over the axes ``source`` varies over and
     ``primal`` does not (it was broadcast to the devices), as JAX's autodiff of ``lax``'s conv does."""
-    g, summed = _as_varying(g, varying_axes(source)), varying_axes(source) - varying_axes(primal)
+    g, summed = as_varying(g, varying_axes(source)), varying_axes(source) - varying_axes(primal)
     return lax.psum(g, tuple(sorted(summed))) if summed else g
 
 
-def _manual() -> bool:
+def manual() -> bool:
     return bool(jax.sharding.get_abstract_mesh().manual_axes)
 
 
@@ -169,21 +170,21 @@ def _explicit_batch_axes() -> tuple[str, ...]:
 
 def _forward(x, w, geometry, floats):
     """(y, the residual for the backward): x saved in oneDNN's layout where ``floats``, else x itself."""
-    if _manual():
+    if manual():
         vary = varying_axes(x) | varying_axes(w)
         if floats:
             y, saved = _ffi_forward_save(x, w, geometry, floats)
-            return _as_varying(y, vary), _as_varying(saved, vary)
-        return _as_varying(_ffi_forward(x, w, geometry), vary), x.reshape(x.shape[0], -1)
+            return as_varying(y, vary), as_varying(saved, vary)
+        return as_varying(_ffi_forward(x, w, geometry), vary), x.reshape(x.shape[0], -1)
     if floats:
         return _forward_save_split(x, w, geometry, floats)
     return _forward_split(x, w, geometry), x.reshape(x.shape[0], -1)
 
 
 def _backward(dy, w, saved, geometry, x_hwc, blocked):
-    if _manual():
+    if manual():
         dx, dw = _ffi_backward(dy, w, saved, geometry, x_hwc, blocked)
-        return _cotangent(dx, saved, dy), _cotangent(dw, w, dy)
+        return cotangent(dx, saved, dy), cotangent(dw, w, dy)
     if axes := _explicit_batch_axes():
         split = P(axes)
         return jax.shard_map(functools.partial(_backward, geometry=geometry, x_hwc=x_hwc, blocked=blocked),
@@ -196,8 +197,8 @@ def _backward(dy, w, saved, geometry, x_hwc, blocked):
 def conv(x, w, geometry, x_hwc, floats):
     """y = x (*) w for ``geometry`` ((strides), (pads)), NHWC / HWIO f32 (``x_hwc``: x's H, W, C); ``floats``: per
     example, the backward-weights layout's size where the forward can save x in it (0: the backward reads x)."""
-    if _manual():
-        return _as_varying(_ffi_forward(x, w, geometry), varying_axes(x) | varying_axes(w))
+    if manual():
+        return as_varying(_ffi_forward(x, w, geometry), varying_axes(x) | varying_axes(w))
     return _forward_split(x, w, geometry)
 
 

@@ -1,5 +1,6 @@
 // oneDNN's 2-D convolutions (forward; backward-data and backward-weights in one call) as XLA FFI handlers on
-// CPU, for NHWC activations and HWIO kernels in f32. Built and loaded by jaxtrain/kernels/onednn.py.
+// CPU, for NHWC activations and HWIO kernels in f32; and its batched matmul (the GPT's attention products, f32).
+// Built and loaded by jaxtrain/kernels/onednn.py.
 //
 // The primitives take oneDNN's own blocked layouts (format_tag::any: its jit:avx512_core / avx2 kernels; the
 // plain NHWC layouts make oneDNN 2.6 pick slower gemm kernels), reached by reorders from and to XLA's buffers.
@@ -291,6 +292,43 @@ static ffi::Error Bwd(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> w, ffi::Bu
   });
 }
 
+// Batched products c[n] = op(a[n]) @ op(b[n]) over plain row-major buffers: a [..., M, K] ([..., K, M] where ta),
+// b [..., K, P] ([..., P, K] where tb), c [..., M, P], the leading dims (the same in all three) the N items; a
+// transposed operand is read through its strides (no copy). Each
+// item's product is the same whatever N and the threads (oneDNN splits the items, not their sums, over them).
+static memory::desc rows(int64_t n, int64_t r, int64_t c, bool transposed) {
+  return {{n, r, c}, dt::f32, transposed ? memory::dims{r * c, 1, r} : memory::dims{r * c, c, 1}};
+}
+
+static Entry matmul_entry(const memory::desc& a, const memory::desc& b, const memory::desc& c) {
+#if DNNL_VERSION_MAJOR >= 3
+  matmul::primitive_desc pd(eng(), a, b, c, attr());
+#else
+  matmul::primitive_desc pd(matmul::desc(a, b, c), attr(), eng());
+#endif
+  return Entry{matmul(pd), a, b, c, pd.scratchpad_desc()};
+}
+
+static ffi::Error Bmm(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c, int64_t ta,
+                      int64_t tb, int64_t threads) {
+  return guarded(threads, [&] {
+    auto ad = a.dimensions(), bd = b.dimensions();
+    size_t r = ad.size();
+    int64_t n = 1;
+    for (size_t i = 0; i + 2 < r; ++i) n *= ad[i];
+    int64_t m = ta ? ad[r - 1] : ad[r - 2], k = ta ? ad[r - 2] : ad[r - 1], p = tb ? bd[r - 2] : bd[r - 1];
+    std::string key = "M" + std::to_string(n) + "," + std::to_string(m) + "," + std::to_string(k) + "," +
+                      std::to_string(p) + "," + std::to_string(ta) + std::to_string(tb);
+    Entry& e = cached(key, [&] { return matmul_entry(rows(n, m, k, ta), rows(n, k, p, tb), rows(n, m, p, false)); });
+    stream st(eng());
+    e.p.execute(st, {{DNNL_ARG_SCRATCHPAD, memory(e.scratch, eng())},
+                     {DNNL_ARG_SRC, memory(e.a, eng(), a.typed_data())},
+                     {DNNL_ARG_WEIGHTS, memory(e.b, eng(), b.typed_data())},
+                     {DNNL_ARG_DST, memory(e.c, eng(), c->typed_data())}});
+    st.wait();
+  });
+}
+
 #define F32 ffi::Buffer<ffi::F32>
 // The attributes bind in this order, the handlers' parameters too (XLA decodes them by position).
 #define GEOMETRY                                                                                                \
@@ -303,3 +341,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlConvFwdSave, FwdSave,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlConvBwd, Bwd,
                               ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>().Ret<F32>().Ret<F32>().GEOMETRY
                                   .Attr<int64_t>("blocked"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtrainDnnlBmm, Bmm,
+                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Ret<F32>().Attr<int64_t>("ta").Attr<int64_t>(
+                                  "tb").Attr<int64_t>("threads"));

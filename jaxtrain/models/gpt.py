@@ -9,7 +9,8 @@ base 10000; ``rotate``).
 
 GPT-2's numbers: LayerNorm eps 1e-5, GELU's tanh approximation ("gelu_new"), weights N(0, 0.02) with the
 residual projections' std divided by sqrt(2 L), biases zero. The attention is ``jax.nn.dot_product_attention``
-(causal): XLA's on CPUs and in fp32, cuDNN's fused kernel on GPUs in bf16 and fp16
+(causal): XLA's, cuDNN's fused kernel on GPUs in bf16 and fp16, and on a CPU in fp32 the same attention with its
+two batched products oneDNN's (``jaxtrain.kernels.onednn_attention``) where its kernels build
 (``attention_implementation``). The vocabulary's embedding is padded
 to a multiple of ``Config.vocab_multiple`` rows (50257 -> 50304: matmuls of aligned shapes); the logits keep the
 real vocabulary's columns only, so a padded row never takes probability.
@@ -34,6 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.choices import GPT_SIZES
 from jaxtrain.core.remat import remat as remat_block
+from jaxtrain.kernels import onednn_attention
 from jaxtrain.models import classify
 from jaxtrain.models.model import Stack
 
@@ -49,7 +51,7 @@ class Config:
     width: int = 768
     mlp_ratio: int = 4
     vocab_multiple: int = 64  # the embedding's rows padded to a multiple of this
-    attention: str = "xla"  # whose attention: "xla", or "auto" (cuDNN's in bf16/fp16: a GPU's models; the registry)
+    attention: str = "xla"  # "xla"; "auto" (cuDNN's in bf16/fp16: a GPU's models); "onednn" (a CPU's, in fp32)
     unroll: bool = False  # the blocks laid out one after another, not a loop over one traced block (``blocks``)
     rotary: bool = False  # rotary positions (``rotate``), not a learned embedding
 
@@ -167,7 +169,9 @@ def block(p, x, config: Config = SIZES["tiny"]):
     and ``mlp_hidden`` are named for remat policies."""
     q, k, v = checkpoint_name(attention_inputs(p, x, jnp.arange(x.shape[1]), config), "qkv")
     how = attention_implementation(config.attention, q.dtype)
-    if how == "xla" and q.dtype == jnp.float16:  # XLA:CPU has no fp16 dots accumulating in fp32: attend in fp32
+    if how == "onednn":
+        att = onednn_attention.attention(q, k, v)
+    elif how == "xla" and q.dtype == jnp.float16:  # XLA:CPU has no fp16 dots accumulating in fp32: attend in fp32
         att = jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v)), is_causal=True,
                                            implementation=how).astype(q.dtype)
     else:
@@ -196,9 +200,12 @@ def fused_attention(device) -> str | None:
 
 def attention_implementation(choice: str, dtype) -> str:
     """``jax.nn.dot_product_attention``'s implementation: "auto" (a model built for GPUs) is cuDNN's fused kernel
-    for bf16 and fp16 (its dtypes) and XLA's for fp32; "xla" is XLA's. (JAX's own ``implementation=None`` is XLA's
+    for bf16 and fp16 (its dtypes) and XLA's for fp32; "onednn" (a CPU's) is ``jaxtrain.kernels.onednn_attention``
+    in fp32 (its products oneDNN's) and XLA's otherwise; "xla" is XLA's. (JAX's own ``implementation=None`` is XLA's
     everywhere in jax 0.10-0.12: it picks no cuDNN kernel by itself.)"""
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if choice == "onednn":
+        return "onednn" if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else "xla"
     return "cudnn" if choice == "auto" and half else "xla"
 
 

@@ -86,7 +86,8 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     "auto" is oneDNN's on a CPU where it is usable, else XLA's). A language model (``gpt``) takes windows of
     ``input_shape[0]`` tokens over a vocabulary of ``num_classes``, its network of ``size`` (``gpt.SIZES``), its
     attention cuDNN's fused kernel in bf16 and fp16 where ``device`` (one of its devices: a ``jax.Device``) runs it
-    (``gpt.fused_attention``), else XLA's; its blocks laid out one after another (``unroll``, ``gpt.blocks``) or a
+    (``gpt.fused_attention``), on a CPU in fp32 with its products oneDNN's where ``conv`` chooses oneDNN's kernels,
+    else XLA's; its blocks laid out one after another (``unroll``, ``gpt.blocks``) or a
     loop over one (None: ``unrolled_where_faster``); its positions learned (GPT-2's) or ``rotary``."""
     from jaxtrain.choices import KERNELS
     from jaxtrain.errors import ConfigError, named
@@ -106,7 +107,7 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
     if name in LANGUAGE_MODELS:
-        return _gpt(remat, shape, kernels, size or DEFAULT_SIZE, device, unroll, rotary)
+        return _gpt(remat, shape, kernels, size or DEFAULT_SIZE, device, unroll, rotary, conv)
     if size is not None:
         raise ConfigError(f"size={size!r}: model {name} has one size (sizes are a language model's: "
                           f"{', '.join(LANGUAGE_MODELS)})")
@@ -122,6 +123,20 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
                                    conv=conv_name)
     except ValueError as e:  # e.g. images too small for the model
         raise ConfigError(f"model {name}: {e}") from None
+
+
+def _gpt_attention(device, conv: str) -> str:
+    """The GPT's ``gpt.Config.attention`` on ``device``: "auto" where cuDNN's fused kernel runs (a GPU's), "onednn"
+    on a CPU where oneDNN's kernels are chosen (``conv``, as for the convolutions: ``onednn.choose``), else "xla"."""
+    import jax
+
+    from jaxtrain.kernels import onednn
+    from jaxtrain.models import gpt
+
+    if not gpt.fused_attention(device):
+        return "auto"
+    platform = device.platform if device is not None else jax.default_backend()
+    return "onednn" if platform == "cpu" and onednn.choose(conv)[0] == "onednn" else "xla"
 
 
 def _conv(name: str, conv: str, quantize: str) -> tuple[str, Callable]:
@@ -216,8 +231,8 @@ def unrolled_where_faster(device=None, devices: int | None = None) -> bool:
     return (jax.device_count("cpu") if devices is None else devices) == 1  # every process's: one program
 
 
-def _gpt(remat: str, shape: dict, kernels: str, size: str, device, unroll: bool | None, rotary: bool
-         ) -> LanguageModel:
+def _gpt(remat: str, shape: dict, kernels: str, size: str, device, unroll: bool | None, rotary: bool,
+         conv: str = "auto") -> LanguageModel:
     """The GPT of ``size`` for windows of ``input_shape[0]`` tokens and a vocabulary of ``num_classes``."""
     from jaxtrain.errors import ConfigError, named
     from jaxtrain.models import gpt
@@ -229,7 +244,7 @@ def _gpt(remat: str, shape: dict, kernels: str, size: str, device, unroll: bool 
                                             if kernels != "jnp" else
                                             f"it takes windows of tokens ({named('dataset', 'text:PATH')})"))
     config = dataclasses.replace(gpt.SIZES[size], seq_len=shape["input_shape"][0], vocab=shape["num_classes"],
-                                 attention="xla" if gpt.fused_attention(device) else "auto",
+                                 attention=_gpt_attention(device, conv),
                                  unroll=unrolled_where_faster(device) if unroll is None else unroll,
                                  rotary=rotary)
     return LanguageModel(name="gpt", init=lambda rng: (gpt.init(rng, config), {}),
