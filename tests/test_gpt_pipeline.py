@@ -12,11 +12,13 @@ from reference import float64_steps
 from tolerance import assert_reassociated
 
 import jaxtrain as jt
+from jaxtrain.kernels import onednn
 from jaxtrain.models import gpt
 from jaxtrain.models.sequential import sequential_loss
 from jaxtrain.train import pipeline
 
-CONFIG = gpt.Config(vocab=100, seq_len=8, layers=4, heads=2, width=32, attention="onednn")  # wte padded to 128 rows
+CPU_ATTENTION = "onednn" if onednn.available() else "xla"  # as tests/test_gpt.py
+CONFIG = gpt.Config(vocab=100, seq_len=8, layers=4, heads=2, width=32, attention=CPU_ATTENTION)  # wte: 128 rows
 STACK = gpt.make_stack(CONFIG)
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.5), "adam": lambda: optax.adam(1e-3)}
 
