@@ -212,6 +212,7 @@ def figures(args, model, devices, runs: dict, flops: float, bytes_accessed: floa
     return {"model": args.model, "precision": args.precision, "batch_size": args.batch_size,
             "devices": len(devices), "cpu_isa": compat.cpu_isa(), "jax": jax.__version__,
             "conv": model.conv, "malloc_kept": host_memory.applied(),
+            "attention": getattr(getattr(model, "config", None), "attention", None),  # a GPT's (gpt.Config)
             **(bench_variants.lm_fields(args, model, med) if args.model in LANGUAGE_MODELS else {}),
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "materialize": not args.no_materialize,
             **{f"{name}_ms": med.get(name) for name in VARIANTS},

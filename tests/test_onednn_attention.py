@@ -93,3 +93,72 @@ def test_a_cpu_s_gpt_takes_onednn_s_products_in_fp32_unless_told_xla():
         return jax.jit(jax.grad(lambda p: model.loss_fn(p, {}, tokens, None)[0])).lower(params).as_text()
 
     assert "JaxtrainDnnlBmm" in program(get()) and "JaxtrainDnnlBmm" not in program(get(conv="xla"))
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_a_step_s_flops_count_the_products_in_every_trip_of_the_blocks_loop(unroll):
+    """A review's finding: the products in a loop over the blocks (a CPU's default on more than one device) were
+    counted once, not once per block; the step's FLOPs with oneDNN's products are XLA's attention's."""
+    import optax
+
+    import jaxtrain as jt
+    from jaxtrain.analysis import diagnostics
+
+    def flops(conv):
+        model = models.get("gpt", input_shape=(32,), num_classes=100, size="tiny", conv=conv, unroll=unroll)
+        trainer = jt.make_train_step(model.loss_fn, optax.sgd(0.1), mesh=1)
+        state = trainer.init(init_fn=model.init, rng=jax.random.key(0))
+        compiled = trainer.lower(state, model.example_batch(4)).compile()
+        assert ("JaxtrainDnnlBmm" in compiled.as_text()) == (conv == "auto")
+        return diagnostics.program_flops(compiled)
+
+    assert flops("auto") == pytest.approx(flops("xla"), rel=0.02)
+
+
+@pytest.mark.parametrize("strategy", ["jit", "explicit"])
+def test_accumulation_with_the_heads_over_model_gathers_no_more_than_xla_s_attention(strategy):
+    """A review's finding: jit's and the explicit strategy's accumulation run the loss in a shard_map manual over
+    'data' only, where a bare call had its heads all-gathered over 'model' on every device; there the attention
+    is XLA's."""
+    import dataclasses
+
+    import optax
+
+    import jaxtrain as jt
+    from jaxtrain.parallel import rules
+
+    config = gpt.Config(vocab=100, seq_len=16, layers=2, heads=2, width=32)
+    batch = {"tokens": jnp.zeros((8, 17), jnp.int32)}
+
+    def program(attention):
+        c = dataclasses.replace(config, attention=attention)
+        trainer = jt.make_train_step(gpt.make_loss_fn(c), optax.sgd(0.1), mesh=jt.make_mesh(4, axes={"data": 2,
+                                     "model": 2}), strategy=strategy, accum_steps=2,
+                                     param_sharding=rules.preset("tp", gpt.LOGICAL_AXES))
+        state = trainer.init(gpt.init(jax.random.key(0), c), {})
+        return trainer.lower(state, batch).compile().as_text()
+
+    assert program("onednn").count("all-gather") == program("xla").count("all-gather")
+
+
+def test_where_the_library_is_not_usable_the_gpt_takes_xla_s_attention_saying_so(monkeypatch, caplog):
+    """A review's finding: a GPT built for oneDNN's products raised where the library could not load, and a CPU
+    run without it was warned of the convolutions'. Now: XLA's attention, one line about the attention's products;
+    ``conv="onednn"`` asked for is refused in one line."""
+    from jaxtrain.errors import ConfigError
+    from jaxtrain.kernels import onednn_attention
+
+    monkeypatch.setattr(onednn, "available", lambda: False)
+    monkeypatch.setattr(onednn, "reason", lambda: "no compiler: install g++")
+    monkeypatch.setattr(onednn, "expected", lambda: True)
+    onednn_attention._say_fallback.cache_clear()
+    with caplog.at_level("WARNING", logger="jaxtrain"):
+        model = models.get("gpt", input_shape=(16,), num_classes=100, size="tiny")
+    assert model.config.attention == "xla"
+    assert caplog.text.count("oneDNN's attention products are not usable (no compiler: install g++); XLA's run "
+                             "instead") == 1 and "convolutions" not in caplog.text
+    q = _random(2, 8, 2, 4)
+    assert "JaxtrainDnnlBmm" not in jax.jit(attention).lower(q, q, q).as_text()  # a model built for it: XLA's
+    with pytest.raises(ConfigError, match="conv=onednn"):
+        models.get("gpt", input_shape=(16,), num_classes=100, size="tiny", conv="onednn")
+    onednn_attention._say_fallback.cache_clear()

@@ -118,9 +118,11 @@ def gemm_flops(instr: Instr, shapes: dict[str, str]) -> float:
 
 def matmul_flops(hlo_text: str, trips: bool = True) -> float:
     """The FLOPs of a program's dots and convolutions (HLO ``dot`` and ``convolution``, in fusions too; a GPU's
-    cuBLAS gemms and cuDNN convolutions), a
+    cuBLAS gemms and cuDNN convolutions; a CPU's oneDNN calls, ``onednn.call_flops``), a
     while loop's body counted its known trip count times (``trips=False``: once, as XLA's cost analysis counts
     it: a scan over a model's layers would be one layer)."""
+    from jaxtrain.kernels.onednn import call_flops
+
     comps = computations(hlo_text)
     shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}
 
@@ -133,9 +135,9 @@ def matmul_flops(hlo_text: str, trips: bool = True) -> float:
                 total += conv_flops(instr, shapes)
             elif instr.opcode == "custom-call" and (target := re.search(r'custom_call_target="([^"]+)"',
                                                                          instr.attrs)):
-                kind = target.group(1)  # a GPU's cuBLAS gemm or cuDNN convolution
+                kind = target.group(1)  # a GPU's cuBLAS gemm or cuDNN convolution; a CPU's oneDNN call
                 total += gemm_flops(instr, shapes) if "gemm" in kind else conv_flops(
-                    instr, shapes) if "cudnn$conv" in kind else 0.0
+                    instr, shapes) if "cudnn$conv" in kind else call_flops(instr.line)
             elif instr.opcode == "while":
                 n = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
                 body = re.search(r"body=%([^,\s]+)", instr.attrs).group(1)

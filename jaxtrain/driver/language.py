@@ -56,8 +56,8 @@ def summary(model, test_split, summary: dict) -> dict:
 
 
 def attention(model, precision: str) -> str:
-    """The attention ``model``'s program runs in ``precision`` (``gpt.attention_implementation``): "cudnn" or
-    "xla"."""
+    """The attention ``model``'s program runs in ``precision`` (``gpt.attention_implementation``): "cudnn",
+    "onednn" (XLA's with oneDNN's products, a CPU's) or "xla"."""
     from jaxtrain.core.precision import get_policy
     from jaxtrain.models.gpt import attention_implementation
 

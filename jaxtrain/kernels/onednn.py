@@ -180,27 +180,30 @@ def _taps(size: int, kernel: int, stride: int, pad: int, out: int) -> int:
 
 
 def hlo_flops(hlo_text: str) -> float:
-    """FLOPs of the oneDNN convolutions and batched products in a compiled program's HLO text, counted from their
-    shapes as XLA counts its own (2 per multiply-add, taps in the padding left out): XLA's cost analysis counts
-    nothing in a custom call (and may then report a negative total)."""
-    total = 0.0
-    for line in hlo_text.splitlines():
-        if 'custom_call_target="JaxtrainDnnlBmm"' in line:  # [..., M, P] from op(a) [..., M, K]: 2 N M K P
-            out = [int(d) for d in _SHAPE.search(line.split("= ", 1)[1]).group(1).split(",")]
-            a = [int(d) for d in _SHAPE.search(line.split("operand_layout_constraints=")[1]).group(1).split(",")]
-            total += 2 * math.prod(out) * a[-2 if _TRANSPOSED_A.search(line) else -1]
-            continue
-        if 'custom_call_target="JaxtrainDnnlConv' not in line:
-            continue
-        dims = [[int(d) for d in s.split(",")] for s in _SHAPE.findall(line.split("operand_layout_constraints=")[1])]
-        a = {k: int(v) for k, v in _ATTR.findall(line.split("backend_config=")[1])}
-        first = [int(d) for d in _SHAPE.search(line.split("= ", 1)[1]).group(1).split(",")]  # y, or dx
-        fwd = "JaxtrainDnnlConvFwd" in line  # operands x, w (-> y); else dy, w, saved (-> dx, dw)
-        (b, h, w, c), (kh, kw, _, o) = dims[0] if fwd else first, dims[1]
-        y = first if fwd else dims[0]
-        taps = _taps(h, kh, a["sh"], a["pt"], y[1]) * _taps(w, kw, a["sw"], a["pl"], y[2])
-        total += (1 if fwd else 2) * 2 * b * o * c * taps  # backward: the input and the weight gradients
-    return total
+    """FLOPs of the oneDNN calls (convolutions and batched products) in a compiled program's HLO text, each line
+    once (``call_flops``): XLA's cost analysis counts nothing in a custom call (and may then report a negative
+    total). A call in a loop's body is counted once here, as XLA counts the loop's own; ``hlo.matmul_flops`` counts
+    it its trip count times."""
+    return sum(call_flops(line) for line in hlo_text.splitlines())
+
+
+def call_flops(line: str) -> float:
+    """FLOPs of one line of HLO text if it is a oneDNN call, counted from its shapes as XLA counts its own (2 per
+    multiply-add, a convolution's taps in the padding left out); else 0."""
+    if 'custom_call_target="JaxtrainDnnlBmm"' in line:  # [..., M, P] from op(a) [..., M, K]: 2 N M K P
+        out = [int(d) for d in _SHAPE.search(line.split("= ", 1)[1]).group(1).split(",")]
+        a = [int(d) for d in _SHAPE.search(line.split("operand_layout_constraints=")[1]).group(1).split(",")]
+        return 2 * math.prod(out) * a[-2 if _TRANSPOSED_A.search(line.split("backend_config=")[1]) else -1]
+    if 'custom_call_target="JaxtrainDnnlConv' not in line:
+        return 0.0
+    dims = [[int(d) for d in s.split(",")] for s in _SHAPE.findall(line.split("operand_layout_constraints=")[1])]
+    a = {k: int(v) for k, v in _ATTR.findall(line.split("backend_config=")[1])}
+    first = [int(d) for d in _SHAPE.search(line.split("= ", 1)[1]).group(1).split(",")]  # y, or dx
+    fwd = "JaxtrainDnnlConvFwd" in line  # operands x, w (-> y); else dy, w, saved (-> dx, dw)
+    (b, h, w, c), (kh, kw, _, o) = dims[0] if fwd else first, dims[1]
+    y = first if fwd else dims[0]
+    taps = _taps(h, kh, a["sh"], a["pt"], y[1]) * _taps(w, kw, a["sw"], a["pl"], y[2])
+    return (1 if fwd else 2) * 2 * b * o * c * taps  # backward: the input and the weight gradients
 
 
 if __name__ == "__main__":  # python -m jaxtrain.kernels.onednn: build the library; exit 0 if usable, else 1 and why

@@ -4,8 +4,8 @@ XLA:CPU computes a batched product's small products (the mini GPT's 128 of 128x6
 core; oneDNN's batched matmul spreads them over the cores, as PyTorch does (docs/language-models.md, "Where the
 rest goes on this CPU"). ``attention`` is ``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` in f32 with the
 scores and the weighted sum (and their gradients: ``bmm``'s VJP is four more calls) as oneDNN calls; the mask and
-the softmax stay XLA's. Each item's product is the same whatever the batch and the threads, so a device's share
-computes what the whole batch does, bit for bit.
+the softmax stay XLA's. Each item's product was the same whatever the items beside it (on 1 and 2 threads), so a
+device's share of the items computes their products as the whole batch does, bit for bit.
 
 Under every strategy (the convolutions' way, ``onednn_calls``): under ``jit`` each call is a
 ``custom_partitioning`` that keeps the items split as the first operand is (the batch and the heads);
@@ -23,7 +23,7 @@ from jax import lax
 
 from jaxtrain.core.compat import varying_axes
 from jaxtrain.errors import ConfigError
-from jaxtrain.kernels import onednn
+from jaxtrain.kernels import onednn, onednn_build
 from jaxtrain.kernels import onednn_calls as calls
 
 
@@ -31,7 +31,7 @@ def _ffi(a, b, ta: int, tb: int):
     """op(a) @ op(b) per item (the two leading dims): a [B, H, M, K] ([B, H, K, M] where ``ta``), b [B, H, K, P]
     ([B, H, P, K] where ``tb``)."""
     if (why := onednn.unusable()) is not None:  # the library's targets are registered as it loads
-        raise ConfigError(f"oneDNN's batched products: {why}")
+        raise ConfigError(f"oneDNN's batched products: {why}")  # bmm called where attention() would fall back
     m, p = a.shape[-1 if ta else -2], b.shape[-2 if tb else -1]
     out = jax.ShapeDtypeStruct((*a.shape[:-2], m, p), a.dtype)
     return jax.ffi.ffi_call("JaxtrainDnnlBmm", out)(a, b, ta=ta, tb=tb, threads=calls.threads())
@@ -89,10 +89,47 @@ def _causal(q, k, v):
     return bmm(jax.nn.softmax(scores, axis=-1), vh, 0, 0).transpose(0, 2, 1, 3)
 
 
+def _partly_manual() -> bool:
+    """Traced inside a shard_map that leaves mesh axes of more than one device to the partitioner (jit's and the
+    explicit strategy's accumulation: 'data' manual, 'model' not): a bare call there would be gathered whole on
+    every device over those axes (a review's finding: the heads all-gathered over 'model')."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(mesh.manual_axes)
+    return bool(manual) and any(n > 1 for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a not in manual)
+
+
 def attention(q, k, v):
     """Causal self-attention of q, k, v [B, T, H, C] (f32) -> [B, T, H, C]: oneDNN's products on CPU,
-    ``jax.nn.dot_product_attention``'s (XLA's) elsewhere."""
+    ``jax.nn.dot_product_attention``'s (XLA's) elsewhere, and on a CPU where the library is not usable (said once,
+    ``usable_or_say``) or inside a partly manual shard_map (``_partly_manual``)."""
     def xla(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
+    if _partly_manual() or not usable_or_say():
+        return xla(q, k, v)
     return lax.platform_dependent(q, k, v, cpu=_causal, default=xla)
+
+
+def chosen(conv: str) -> bool:
+    """Whether a CPU's GPT takes oneDNN's products under ``conv`` (the convolutions' setting, ``onednn.choose``'s
+    values): "onednn" (a ConfigError where the library is not usable), "auto" where it is usable (else one warning
+    line, ``usable_or_say``), not "xla"."""
+    if conv != "auto":
+        return onednn.choose(conv)[0] == "onednn"  # an unknown conv, or "onednn" unusable: its one-line error
+    return usable_or_say()
+
+
+def usable_or_say() -> bool:
+    """``onednn.available()``; where not, on x86-64 Linux (where oneDNN was expected), one warning line (once): why,
+    and that XLA's attention runs instead."""
+    if onednn.available():
+        return True
+    if onednn.expected():
+        _say_fallback(onednn.reason())
+    return False
+
+
+@functools.cache
+def _say_fallback(why: str) -> None:
+    onednn_build.note(f"oneDNN's attention products are not usable ({why}); XLA's run instead (slower for the GPT "
+                      "on CPUs)")

@@ -127,16 +127,16 @@ def get(name: str, *, remat: str = "none", init: str | None = None, input_shape:
 
 def _gpt_attention(device, conv: str) -> str:
     """The GPT's ``gpt.Config.attention`` on ``device``: "auto" where cuDNN's fused kernel runs (a GPU's), "onednn"
-    on a CPU where oneDNN's kernels are chosen (``conv``, as for the convolutions: ``onednn.choose``), else "xla"."""
+    on a CPU where ``conv`` chooses oneDNN's kernels (``onednn_attention.chosen``), else "xla"."""
     import jax
 
-    from jaxtrain.kernels import onednn
+    from jaxtrain.kernels import onednn_attention
     from jaxtrain.models import gpt
 
     if not gpt.fused_attention(device):
         return "auto"
     platform = device.platform if device is not None else jax.default_backend()
-    return "onednn" if platform == "cpu" and onednn.choose(conv)[0] == "onednn" else "xla"
+    return "onednn" if platform == "cpu" and onednn_attention.chosen(conv) else "xla"
 
 
 def _conv(name: str, conv: str, quantize: str) -> tuple[str, Callable]:
