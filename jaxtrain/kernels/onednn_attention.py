@@ -95,7 +95,17 @@ def _partly_manual() -> bool:
     every device over those axes (a review's finding: the heads all-gathered over 'model')."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(mesh.manual_axes)
-    return bool(manual) and any(n > 1 for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a not in manual)
+    left = tuple(a for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a not in manual and n > 1)
+    if manual and left:
+        _say_partly_manual(left)
+    return bool(manual and left)
+
+
+@functools.cache
+def _say_partly_manual(axes: tuple) -> None:
+    onednn_build.note(f"the GPT's attention runs XLA's products here, not oneDNN's: inside a shard_map that leaves "
+                      f"{', '.join(axes)} to the partitioner (an accumulation or a pipeline on such a mesh), "
+                      "oneDNN's calls would be gathered whole on every device")
 
 
 def attention(q, k, v):
@@ -116,7 +126,10 @@ def chosen(conv: str) -> bool:
     line, ``usable_or_say``), not "xla"."""
     if conv != "auto":
         return onednn.choose(conv)[0] == "onednn"  # an unknown conv, or "onednn" unusable: its one-line error
-    return usable_or_say()
+    if not usable_or_say():
+        return False
+    calls.threads()  # a bad $JAXTRAIN_ONEDNN_THREADS fails here, not when the step is traced
+    return True
 
 
 def usable_or_say() -> bool:
@@ -124,7 +137,7 @@ def usable_or_say() -> bool:
     and that XLA's attention runs instead."""
     if onednn.available():
         return True
-    if onednn.expected():
+    if onednn.expected() and jax.default_backend() == "cpu":
         _say_fallback(onednn.reason())
     return False
 

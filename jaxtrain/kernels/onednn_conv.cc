@@ -312,14 +312,13 @@ static Entry matmul_entry(const memory::desc& a, const memory::desc& b, const me
 static ffi::Error Bmm(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c, int64_t ta,
                       int64_t tb, int64_t threads) {
   return guarded(threads, [&] {
-    auto ad = a.dimensions(), bd = b.dimensions();
+    auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
     size_t r = ad.size();
+    if (r < 3 || bd.size() != r || cd.size() != r) throw std::runtime_error("the operands' ranks differ or are < 3");
     int64_t n = 1;
     for (size_t i = 0; i + 2 < r; ++i) n *= ad[i];
     int64_t m = ta ? ad[r - 1] : ad[r - 2], k = ta ? ad[r - 2] : ad[r - 1], p = tb ? bd[r - 2] : bd[r - 1];
-    auto cd = c->dimensions();
-    bool same = r >= 3 && bd.size() == r && cd.size() == r && (tb ? bd[r - 1] : bd[r - 2]) == k &&
-                cd[r - 2] == m && cd[r - 1] == p;
+    bool same = (tb ? bd[r - 1] : bd[r - 2]) == k && cd[r - 2] == m && cd[r - 1] == p;
     for (size_t i = 0; same && i + 2 < r; ++i) same = bd[i] == ad[i] && cd[i] == ad[i];
     if (!same) throw std::runtime_error("the operands' and the result's shapes do not make a batched product");
     std::string key = "M" + std::to_string(n) + "," + std::to_string(m) + "," + std::to_string(k) + "," +

@@ -13,26 +13,13 @@ backward (the gradients of q, k and v). Each side runs in its own process, the t
 
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
+
+from gpt_dots import alternated, median_ms  # beside this script
 
 B, T, H, C = 32, 128, 4, 64
-ROUNDS = 3  # each side's process runs this many times, the two alternating; each figure the median of the rounds'
 ROWS = ("scores q k^T", "scores, one thread", "probabilities x v", "probabilities x v, one thread",
         "attention forward", "attention forward + backward")
-
-
-def median_ms(f, repeats: int) -> float:
-    f()
-    f()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def torch_side(repeats: int) -> dict:
@@ -102,16 +89,7 @@ def main(argv) -> int:
         side = torch_side if argv[1] == "torch" else xla_side
         print(json.dumps(side(int(argv[2]))))
         return 0
-    repeats = argv[1] if len(argv) > 1 else "20"
-    here = [sys.argv[0], "--side"]
-
-    def run(python, name):
-        done = subprocess.run([python, *here, name, repeats], capture_output=True, text=True, check=True,
-                              env={**os.environ, "PYTHONPATH": os.getcwd()})
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    rounds = [(run(sys.executable, "xla"), run(argv[0], "torch")) for _ in range(ROUNDS)]  # the sides alternate
-    xla, torch = ({key: statistics.median(r[i][key] for r in rounds) for key in ROWS} for i in (0, 1))
+    xla, torch = alternated(sys.argv[0], argv[0], argv[1] if len(argv) > 1 else "20")
     gflop = 2 * B * H * T * T * C / 1e9  # one batched product
     print(f"| batch {B}, {T} tokens, {H} heads of {C} | XLA:CPU ms | PyTorch ms | PyTorch / XLA speed |")
     print("|---|---|---|---|")

@@ -22,6 +22,7 @@ ROUNDS = 3  # each side's process runs this many times, the two alternating; eac
 
 
 def median_ms(f, repeats: int) -> float:
+    """The median of ``repeats`` timed calls of ``f``, in ms, after two untimed ones (the other probes' too)."""
     f()
     f()
     times = []
@@ -55,20 +56,24 @@ def side(name: str, repeats: int) -> dict:
     return out
 
 
+def alternated(script: str, torch_python: str, repeats: str) -> tuple[dict, dict]:
+    """``script --side xla|torch REPEATS`` run ``ROUNDS`` times each, the two alternating (XLA's in this
+    interpreter, PyTorch's in ``torch_python``): the median of the rounds' figures, per key, of each side (each
+    side's process prints a JSON dict last). gpt_attention.py's too."""
+    def run(python, name):
+        done = subprocess.run([python, script, "--side", name, repeats], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    rounds = [(run(sys.executable, "xla"), run(torch_python, "torch")) for _ in range(ROUNDS)]
+    return tuple({key: statistics.median(r[i][key] for r in rounds) for key in rounds[0][i]} for i in (0, 1))
+
+
 def main(argv) -> int:
     if argv[0] == "--side":
         print(json.dumps(side(argv[1], int(argv[2]))))
         return 0
-    repeats = argv[1] if len(argv) > 1 else "15"
-    here = [sys.argv[0], "--side"]
-
-    def run(python, name):
-        done = subprocess.run([python, *here, name, repeats], capture_output=True, text=True, check=True,
-                              env={**os.environ, "PYTHONPATH": os.getcwd()})
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    rounds = [(run(sys.executable, "xla"), run(argv[0], "torch")) for _ in range(ROUNDS)]  # the sides alternate
-    xla, torch = ({key: statistics.median(r[i][key] for r in rounds) for key in rounds[0][i]} for i in (0, 1))
+    xla, torch = alternated(sys.argv[0], argv[0], argv[1] if len(argv) > 1 else "15")
     print("| M x K x N | XLA:CPU ms | GFLOP/s | PyTorch ms | GFLOP/s | PyTorch / XLA speed |")
     print("|---|---|---|---|---|---|")
     for key, ms in xla.items():

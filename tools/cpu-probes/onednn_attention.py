@@ -12,7 +12,6 @@ default, a CPU's oneDNN products; batch 32, ``REPEATS`` x 3 steps, interleaved, 
 
 import statistics
 import sys
-import time
 
 import jaxtrain as jt
 
@@ -22,22 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import harness
+from gpt_dots import median_ms  # noqa: E402  (beside this script)
 from jaxtrain import models
 from jaxtrain.kernels.onednn_attention import attention
 
 
 def xla_attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-
-
-def median_ms(f, repeats: int) -> float:
-    f()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def main(argv) -> int:
