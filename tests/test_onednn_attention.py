@@ -147,12 +147,11 @@ def test_where_the_library_is_not_usable_the_gpt_takes_xla_s_attention_saying_so
     run without it was warned of the convolutions'. Now: XLA's attention, one line about the attention's products;
     ``conv="onednn"`` asked for is refused in one line."""
     from jaxtrain.errors import ConfigError
-    from jaxtrain.kernels import onednn_attention
 
     monkeypatch.setattr(onednn, "available", lambda: False)
     monkeypatch.setattr(onednn, "reason", lambda: "no compiler: install g++")
     monkeypatch.setattr(onednn, "expected", lambda: True)
-    onednn_attention._say_fallback.cache_clear()
+    onednn._say_fallback.cache_clear()
     with caplog.at_level("WARNING", logger="jaxtrain"):
         model = models.get("gpt", input_shape=(16,), num_classes=100, size="tiny")
     assert model.config.attention == "xla"
@@ -162,4 +161,4 @@ def test_where_the_library_is_not_usable_the_gpt_takes_xla_s_attention_saying_so
     assert "JaxtrainDnnlBmm" not in jax.jit(attention).lower(q, q, q).as_text()  # a model built for it: XLA's
     with pytest.raises(ConfigError, match="conv=onednn"):
         models.get("gpt", input_shape=(16,), num_classes=100, size="tiny", conv="onednn")
-    onednn_attention._say_fallback.cache_clear()
+    onednn._say_fallback.cache_clear()

@@ -93,26 +93,25 @@ def choose(conv: str):
         raise ConfigError(f"unknown conv {conv!r}: choose one of {', '.join(CONVS)}")
     if conv == "onednn" and not available():
         raise ConfigError(f"{named('conv', 'onednn')}: {reason()}; or use {named('conv', 'xla')}")
-    if conv == "onednn" or (conv == "auto" and jax.default_backend() == "cpu" and _usable_or_say()):
+    if conv == "onednn" or (conv == "auto" and jax.default_backend() == "cpu" and usable_or_say()):
         calls.threads()  # a bad $JAXTRAIN_ONEDNN_THREADS fails here, not when the step is traced
         return "onednn", conv_general_dilated
     return "xla", lax.conv_general_dilated
 
 
-def _usable_or_say() -> bool:
+def usable_or_say(what: str = "convolutions", slower: str = "ResNet-18 and LeNet") -> bool:
     """``available()``; where not, on a CPU backend on x86-64 Linux (where oneDNN was expected), one warning
-    line (once): why, the fix, and that XLA's convolutions run instead."""
+    line (once per ``what``): why, the fix, and that XLA's ``what`` run instead (slower for ``slower``)."""
     if available():
         return True
     if expected() and jax.default_backend() == "cpu":
-        _say_fallback(str(unusable()))
+        _say_fallback(reason(), what, slower)
     return False
 
 
 @functools.cache
-def _say_fallback(why: str) -> None:
-    onednn_build.note(f"oneDNN's convolutions are not usable ({why}); XLA's run instead (slower for ResNet-18 and "
-                      "LeNet on CPUs)")
+def _say_fallback(why: str, what: str = "convolutions", slower: str = "ResNet-18 and LeNet") -> None:
+    onednn_build.note(f"oneDNN's {what} are not usable ({why}); XLA's run instead (slower for {slower} on CPUs)")
 
 
 def path(conv: str, chosen: str, platform: str) -> str:
@@ -142,7 +141,7 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
         return lax.conv_general_dilated(x, w, window_strides, padding, precision=precision,
                                         out_sharding=out_sharding, **options)
 
-    if out_sharding is not None or not supported(lhs, rhs, **options) or not _usable_or_say():
+    if out_sharding is not None or not supported(lhs, rhs, **options) or not usable_or_say():
         return xla(lhs, rhs)
     if isinstance(padding, str):
         padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)

@@ -133,16 +133,5 @@ def chosen(conv: str) -> bool:
 
 
 def usable_or_say() -> bool:
-    """``onednn.available()``; where not, on x86-64 Linux (where oneDNN was expected), one warning line (once): why,
-    and that XLA's attention runs instead."""
-    if onednn.available():
-        return True
-    if onednn.expected() and jax.default_backend() == "cpu":
-        _say_fallback(onednn.reason())
-    return False
-
-
-@functools.cache
-def _say_fallback(why: str) -> None:
-    onednn_build.note(f"oneDNN's attention products are not usable ({why}); XLA's run instead (slower for the GPT "
-                      "on CPUs)")
+    """``onednn.usable_or_say`` for the attention's products: one warning line (once) where they fall back."""
+    return onednn.usable_or_say("attention products", "the GPT")
