@@ -23,7 +23,7 @@ from jaxtrain import errors
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import MODELS
 from jaxtrain.io import console
-from jaxtrain.driver.config import DATASET_FIELDS, RECIPE_FIELDS, RunConfig, flag
+from jaxtrain.driver.config import DATASET_FIELDS, RECIPE_FIELDS, TEXT_FIELDS, RunConfig, flag
 from jaxtrain.driver.sections import FIELDS, ORDER, SECTIONS
 
 
@@ -154,6 +154,11 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+# A fixed model's --help leaves out the flags its kind refuses (driver.config says why, if given).
+TEXT_ONLY = (*TEXT_FIELDS, "rotary")
+IMAGES_ONLY = ("data_dir", "tfds_dir", "classes", "image_size", "on_bad_image", "augment", "quantize")
+
+
 def make_parser(model: str | None = None, description: str | None = None, prog: str | None = None,
                 fields: Sequence[str] | None = None,
                 renamed: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -171,6 +176,7 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
             groups[attr] = p.add_argument_group(attr, SECTIONS[attr].__doc__)
         return groups[attr]
 
+    hidden = () if model is None else TEXT_ONLY if not MODELS[model].text else IMAGES_ONLY
     for section, f in FIELDS.values():
         if model and (f.name == "model" or f.name == "init" and len(MODELS[model].inits) == 1):
             continue
@@ -180,15 +186,19 @@ def make_parser(model: str | None = None, description: str | None = None, prog: 
         if model is None and f.name in (*RECIPE_FIELDS, "init", "dataset") or f.name in DATASET_FIELDS:
             default = None  # the --model (its recipe) or the --dataset given picks them, not lenet's or the default's
         name = renamed.get(f.name, flag(f.name))
+        helped = argparse.SUPPRESS if f.name in hidden else meta["help"]  # parsed still: refused in one line
         if f.type == "bool":
-            group(section).add_argument(name, dest=f.name, action="store_true", help=meta["help"])
+            group(section).add_argument(name, dest=f.name, action="store_true", help=helped)
             continue
         metavar = {"mesh": "data=N[,model=M]", "steps": "START:STOP"}.get(meta["flag_type"])
         choices = meta["choices"] or (MODELS[model].inits if model and f.name == "init" else None)
         group(section).add_argument(name, dest=f.name, type=_flag_type(f), default=default, choices=choices,
-                                    metavar=metavar, help=meta["help"])
+                                    metavar=metavar, help=helped)
     if model:
         p.set_defaults(model=model)
+        p.epilog = (f"{'an image' if hidden is TEXT_ONLY else 'a language'} model's: the flags of "
+                    f"{'language models' if hidden is TEXT_ONLY else 'images'} are not listed "
+                    "(python -m jaxtrain.cli --help lists every flag)")
     return p
 
 

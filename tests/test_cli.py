@@ -164,6 +164,21 @@ def test_help_explains_every_flag():
         assert flag in out.stdout
 
 
+def test_help_lists_the_models_own_flags():
+    # a new user's finding: lenet's --help listed a language model's flags; a fixed model's lists its kind's only,
+    # and a flag of the other kind is still refused in one line that says whose it is
+    from jaxtrain.cli import make_parser
+
+    lenet, gpt, every = (make_parser(m).format_usage() for m in ("lenet", "gpt", None))
+    for name in ("--seq-len", "--rotary", "--tokenizer", "--vocab-size", "--model-size"):
+        assert f"[{name}" not in lenet and f"[{name}" in gpt and f"[{name}" in every
+    for name in ("--image-size", "--classes", "--augment", "--on-bad-image"):
+        assert f"[{name}" in lenet and f"[{name}" not in gpt and f"[{name}" in every
+    assert "python -m jaxtrain.cli --help lists every flag" in " ".join(make_parser("lenet").format_help().split())
+    out = run_cli(*LENET, "--seq-len", "64", "--max-steps", "1")
+    assert out.returncode == 2 and "--seq-len is for a language model's text" in out.stderr, out.stderr
+
+
 @needs_fashion_mnist
 @pytest.mark.slow
 def test_input_pipeline_experiment_smoke():
