@@ -246,6 +246,28 @@ def test_evaluation_is_a_hook_with_a_period_in_epochs_or_steps():
     assert history[-1].test_acc == results[-1]["accuracy"]  # step 12 ends epoch 3
 
 
+def test_a_step_evaluation_pauses_the_clock_for_itself_alone(monkeypatch):
+    # a new user's finding: the pause began before the step just dispatched had run, so its compute was counted
+    # as evaluation and --eval-every-steps inflated examples/s (summary.json, the step lines) up to 2x
+    from jaxtrain.train import timing
+    from jaxtrain.train.loop import evaluation
+
+    trainer, state, train, evaluator, test = _setup(n_train=512)  # 4 steps per epoch
+    paused, inner = [], timing.Chrono.paused
+
+    def watched(self, what):
+        if what == "eval":  # the newest call read (its step done: nothing pending) by the time the clock stops
+            paused.append((loop_of[0].total_steps, loop_of[0]._late.pending))
+        return inner(self, what)
+
+    loop_of = []
+    monkeypatch.setattr(timing.Chrono, "paused", watched)
+    hooks = [Hook(lambda loop: loop_of[:1] or loop_of.append(loop), every=1),
+             evaluation(evaluator, test, every=3, unit="step")]
+    fit(trainer, state, train, evaluator, test, epochs=2, hooks=hooks, progress=False)
+    assert paused == [(3, False), (6, False)], paused
+
+
 def test_a_stop_request_saves_once_and_raises_interrupted_with_the_position():
     trainer, state, train, evaluator, test = _setup()
     saved = []

@@ -323,6 +323,8 @@ def evaluation(evaluator, test_loader, every: int = 1, unit: str = "epoch", pref
         last = loop.epoch >= loop.epochs or loop.max_steps is not None and loop.total_steps >= loop.max_steps
         if unit == "epoch" and loop.epoch % every and not last:
             return
+        if unit == "step":  # the steps dispatched before it are train time: waited for outside the pause
+            loop.sync()
         start = time.perf_counter()
         with loop.chrono.paused("eval") if unit == "step" else contextlib.nullcontext(), \
                 jax.profiler.TraceAnnotation("eval"):
