@@ -47,7 +47,11 @@ def test_a_param_spec_names_a_run_setting_and_its_values(spec, name, kind, value
     ("batch_size=choice:128,big", "batch_size takes a whole number, got 'big'"),
     ("optimizer=choice:sgd,lion", "optimizer='lion': not one of"),
     ("accum_steps=int:0:4", "accum_steps=0: expected a number >= 1"),
-    ("out=choice:a,b", "'out' is not a setting"),
+    ("out=choice:a,b", "--out is not swept: each trial writes to its own folder"),
+    # a new user's finding: a swept --checkpoint-dir was refused only after its first trial had trained
+    ("checkpoint_dir=choice:/tmp/a", "--checkpoint-dir is not swept: trials would write over each other's"),
+    ("resume=choice:true,false", "--resume is not swept"),
+    ("model=choice:lenet,resnet18", "--model is not swept: a sweep trains one model"),
 ])
 def test_a_bad_param_spec_is_one_line_saying_what_to_write(spec, says):
     with pytest.raises(ConfigError, match=re.escape(says)):

@@ -230,6 +230,23 @@ def test_the_objectives_a_jaxtrain_run_offers_are_its_summarys_numbers():
     words = {"experiment", "platform", "cpu_isa", "strategy", "precision", "accum", "remat", "dataset", "data_source",
              "data_sha256", "jax_version", "bottleneck"}
     assert set(T.SUMMARY_NUMBERS) == keys - words
+    from jaxtrain.driver import language
+
+    returned = next(n.value for n in ast.walk(ast.parse(inspect.getsource(language.summary)))
+                    if isinstance(n, ast.Return))
+    assert set(T.LANGUAGE_NUMBERS) == {k.value for k in returned.keys} - {"positions", "attention", "blocks"}
+
+
+def test_a_language_models_objectives_are_its_summarys_numbers_too():
+    # a new user's finding: --objective test_perplexity was refused for a GPT, whose summary.json holds it
+    from jaxtrain.sweep import trials as T
+
+    gpt = T.Command.parse(["python", "-m", "experiments.gpt", "--model-size", "tiny"], ())
+    for objective in ("test_perplexity", "tokens_per_sec", "test_loss"):
+        gpt.check_objective(objective)
+    lenet = T.Command.parse(["python", "-m", "experiments.lenet"], ())
+    with pytest.raises(ConfigError, match="--objective test_perplexity: not a number in the run's summary.json"):
+        lenet.check_objective("test_perplexity")
 
 
 def test_a_study_database_damaged_past_its_header_is_one_line(tmp_path, fake):
@@ -358,3 +375,17 @@ def test_a_tracked_sweep_makes_its_mlflow_store_before_its_trials(tmp_path, monk
     _prepare_tracking(cmd, env, "study")
     experiment = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("study")
     assert experiment is not None and experiment.artifact_location == (tmp_path / "mlartifacts").as_uri()
+
+
+def test_a_storage_that_is_a_folder_or_cannot_hold_its_lock_and_a_study_name_that_is_no_name_are_one_line(tmp_path):
+    # a new user's findings: IsADirectoryError and FileNotFoundError tracebacks; --study '' wrote its trials
+    # straight into the storage's folder (runs/ itself by default)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ConfigError, match="folder is a directory; give a file, e.g. sqlite:///.*/folder/sweeps.db"):
+        S.storage_of(f"sqlite:///{tmp_path}/folder")
+    with pytest.raises(ConfigError, match="cannot write beside /proc/nope.db"):
+        S.storage_of("sqlite:////proc/nope.db")
+    for name in ("", " ", "..", "a/b"):
+        with pytest.raises(ConfigError, match="give a name, without /"):
+            sweep(name, f"sqlite:///{tmp_path}/s.db", ["lr=log:1e-3:1"], command=["python", "-m", "experiments.lenet"])
+    assert not (tmp_path / "s.db").exists()

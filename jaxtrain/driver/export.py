@@ -146,5 +146,7 @@ def save_pretrained(run_dir: str | Path, path: str | Path, names: str | None = N
     if isinstance(model, models.LanguageModel):  # GPT2LMHeadModel's names (transformers)
         from jaxtrain.pretrained import gpt2
 
+        if names not in (None, "hf"):  # never silently another's: the file is GPT-2's whatever was asked
+            raise ConfigError(f"{meta['model']} is written in Hugging Face's GPT-2 names (hf), not {names!r}")
         return gpt2.save(params, model.config, path)
     return pretrained.save(meta["model"], (params, model_state), path, names=names)

@@ -80,6 +80,9 @@ def sweep(study: str, storage: str, params, trials: int = 20, *, command=None, b
     say = say or log.info
     if (command is None) == (base is None):
         raise ConfigError("give the trials' command= (argv) or base= (a RunConfig), not both")
+    if not study.strip() or study.strip(".") == "" or any(c in study for c in "/\\"):  # its folder's name too
+        raise ConfigError(f"--study {study!r}: give a name, without / (it names the study's folder of trials), "
+                          "e.g. --study lenet-lr")
     if not (isinstance(max_failures, int) and not isinstance(max_failures, bool) and max_failures >= 0):
         raise ConfigError(f"max_failures={max_failures!r}: expected a whole number >= 0 (0: never stop on failures)")
     if base is not None:

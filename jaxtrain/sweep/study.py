@@ -39,6 +39,9 @@ def storage_of(url: str):
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"--storage {url}: cannot make {path.parent} ({e.strerror})") from None
+        if path.is_dir():
+            raise ConfigError(f"--storage {url}: {path} is a directory; give a file, e.g. "
+                              f"sqlite:///{path / 'sweeps.db'}")
         if not os.access(path.parent, os.W_OK) or path.exists() and not os.access(path, os.W_OK):
             raise ConfigError(f"--storage {url}: {path if path.exists() else path.parent} is not writable; "
                               "choose another file, e.g. sqlite:///runs/sweeps.db")
@@ -54,6 +57,9 @@ def storage_of(url: str):
                                               heartbeat_stale_trial_callback=retry)
     except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError) as e:
         raise ConfigError(f"--storage {url}: {str(e).splitlines()[0][:200]}") from None
+    except OSError as e:  # its lock beside it cannot be made (a folder that takes no files: /proc)
+        raise ConfigError(f"--storage {url}: cannot write beside {sqlite} ({e.strerror}); choose another file, "
+                          "e.g. sqlite:///runs/sweeps.db") from None
 
 
 def check_sqlite(url: str, path: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from jaxtrain import cli, settings
 from jaxtrain.errors import ConfigError
-from jaxtrain.models import MODELS
+from jaxtrain.models import LANGUAGE_MODELS, MODELS
 from jaxtrain.driver.config import RunConfig, flag
 from jaxtrain.driver.sections import FIELDS as CONFIG_FIELDS, check_value
 
@@ -29,6 +29,14 @@ SUMMARY_NUMBERS = ("test_acc", "test_loss", "train_loss", "train_acc", "initial_
                    "achieved_flops_per_sec", "peak_flops_per_sec", "mfu", "hfu", "model_flops_per_example",
                    "compiled_temp_bytes", "saved_residual_bytes", "steps", "epochs", "batch_size", "lr", "seed",
                    "train_examples", "test_examples")
+# A language model's summary.json adds these numbers (driver.language.summary; tests/test_sweep_study.py, likewise)
+LANGUAGE_NUMBERS = ("tokens_per_sec", "test_perplexity", "unigram_entropy", "seq_len", "vocab")
+# Settings a sweep does not vary, and why
+UNSWEPT = {"model": "a sweep trains one model (give it in the command; sweep another in a study of its own)",
+           "out": "each trial writes to its own folder under the study's (--dir)",
+           "checkpoint_dir": "trials would write over each other's checkpoints (a trial whose sweep stops is run "
+                             "again from its start)",
+           "resume": "a trial starts afresh (one whose sweep stopped is run again from its start)"}
 KINDS = {"log": "log-uniform float LO:HI", "float": "uniform float LO:HI", "int": "whole number LO:HI",
          "choice": "one of A,B,C"}
 FIELDS = {name: f for name, (_, f) in CONFIG_FIELDS.items()}
@@ -62,8 +70,10 @@ def parse_param(text: str) -> Param:
     if not eq or kind not in KINDS or not args:
         raise ConfigError(f"--param {text!r}: write NAME=KIND:VALUES with KIND one of "
                           + "; ".join(f"{k} ({v})" for k, v in KINDS.items()) + ", e.g. lr=log:1e-4:1")
-    if name not in FIELDS or name in ("model", "out"):
-        near = difflib.get_close_matches(name, [n for n in FIELDS if n not in ("model", "out")], n=1)
+    if name in UNSWEPT:
+        raise ConfigError(f"--param {text!r}: {flag(name)} is not swept: {UNSWEPT[name]}")
+    if name not in FIELDS:
+        near = difflib.get_close_matches(name, [n for n in FIELDS if n not in UNSWEPT], n=1)
         raise ConfigError(f"--param {text!r}: {name!r} is not a setting of a run"
                           + (f" (did you mean {near[0]}?)" if near else "") + "; see the command's --help")
     ftype = FIELDS[name].type
@@ -169,8 +179,9 @@ class Command:
 
     def check_objective(self, objective: str) -> None:
         """A jaxtrain run's ``objective`` must be a number of its summary.json (ConfigError: one line)."""
-        if self.model is not None and objective not in SUMMARY_NUMBERS:
-            near = difflib.get_close_matches(objective, SUMMARY_NUMBERS, n=1)
+        numbers = SUMMARY_NUMBERS + (LANGUAGE_NUMBERS if self.model in LANGUAGE_MODELS else ())
+        if self.model is not None and objective not in numbers:
+            near = difflib.get_close_matches(objective, numbers, n=1)
             raise ConfigError(f"--objective {objective}: not a number in the run's summary.json"
                               + (f" (did you mean {near[0]}?)" if near else "")
                               + "; e.g. test_acc (maximize) or test_loss (--direction minimize)")
