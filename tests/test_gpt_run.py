@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, reported_digests, run_cli
 
 from jaxtrain.data import loader, text
-from jaxtrain.driver import export
+from jaxtrain.driver import export, language
 from jaxtrain.errors import ConfigError
 from jaxtrain.kernels import onednn
 from jaxtrain.models import gpt
@@ -68,6 +68,7 @@ def test_a_gpt_learns_the_text_says_its_perplexity_and_samples_from_it(trained):
     assert " tokens/s, data wait " in said and "(ppl " in said, said[-3000:]
     samples = [line.split("sample: ", 1)[1] for line in said.splitlines() if "sample: " in line]
     assert len(samples) == 3 and all(len(t) >= 12 for t in samples), samples  # a window's bytes, spaces joined
+    assert "the text stops at the model's context" not in said  # its own samples fit it (a new user's finding)
     tokenizer = text.load_tokenizer(out / export.TOKENIZER)
     assert tokenizer.vocab_size == 256 and tokenizer.decode(tokenizer.encode("The king saw")) == "The king saw"
     meta, params, _ = export.load(out)  # the saved model reads back (its digest checked)
@@ -91,6 +92,18 @@ def test_sample_goes_on_from_a_prompt_greedy_alike_twice_and_seeded(trained):
     assert long.returncode == 0 and len(long.stdout.rstrip("\n")) == 16, long.stderr[-3000:]
     assert ("warning: the text stops at the model's context of 16 tokens: 8 new tokens after the prompt's 8, not "
             "100") in long.stderr, long.stderr[-3000:]
+
+
+def test_a_runs_damaged_tokenizer_is_said_as_the_runs_not_a_flags(trained, tmp_path):
+    # a new user's finding: sample said "--tokenizer ...: does not load", a flag it does not have
+    import shutil
+
+    _, out = trained
+    run = shutil.copytree(out, tmp_path / "run")
+    (run / export.TOKENIZER).write_text("{not json")
+    with pytest.raises(ConfigError, match=r"run_dir=.*: its tokenizer.json is damaged \(does not load as a Hugging "
+                                          r"Face tokenizer.json .*\); train it again$"):
+        language.trained(run)
 
 
 def test_sample_refuses_a_run_that_is_not_a_language_models(tmp_path):

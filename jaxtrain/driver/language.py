@@ -81,7 +81,12 @@ def trained(run_dir: str | Path):
         raise ConfigError(f"{named('run_dir', run_dir)}: has no {export.TOKENIZER} (a language-model run writes it "
                           "when it finishes); train it again")
     _, params, _ = export.load(run_dir)
-    return model, params, text.load_tokenizer(tokenizer)
+    try:
+        return model, params, text.load_tokenizer(tokenizer)
+    except ConfigError as e:  # the run's own file, not a flag given: its words, not --tokenizer's
+        why = str(e).split(": ", 1)[1].split(": give ", 1)[0]
+        raise ConfigError(f"{named('run_dir', run_dir)}: its {export.TOKENIZER} is damaged ({why}); train it "
+                          "again") from None
 
 
 def samples(model, params, tokenizer, prompts: list[str], new_tokens: int, *, seed: int = 0,

@@ -206,7 +206,8 @@ class Samples(Output):
         if run.tokenizer is None:
             return
         prompts = language.sample_prompts(run.data["test"], run.tokenizer)
-        for text in language.samples(run.model, in_layer_order(run, state.params), run.tokenizer, prompts, 48,
+        new = min(48, run.model.seq_len // 2)  # a prompt keeps half the context at most: the rest always fits
+        for text in language.samples(run.model, in_layer_order(run, state.params), run.tokenizer, prompts, new,
                                      seed=run.config.seed):
             say("sample: " + " ".join(text.split()))
 
