@@ -260,6 +260,10 @@ def test_the_run_names_its_convolutions_and_why(monkeypatch):
 def test_the_run_names_onednn_and_its_threads(use_settings):
     use_settings(onednn_threads=1)
     assert conv_path(RunConfig(), models.get("lenet"), "cpu") == "onednn (1 thread)"
+    # a new user's finding: bf16 runs none of oneDNN's (f32) convolutions, and the run said "onednn"
+    for conv in ("auto", "onednn"):
+        assert conv_path(RunConfig(conv=conv, precision="bf16"), models.get("lenet", conv=conv), "cpu") == (
+            "xla (precision=bf16: oneDNN's convolutions are fp32's)")
 
 
 CHAIN = """

@@ -172,6 +172,8 @@ def attention_words(device, precision: str, choice: str = "auto") -> str:
 
     if precision not in ("bf16", "fp16"):
         return "XLA's, its products oneDNN's" if choice == "onednn" and precision == "fp32" else "XLA's"
+    if choice == "onednn" and device.platform == "cpu":  # chosen, and not taken: said why
+        return f"XLA's ({named('precision', precision)}: oneDNN's products are fp32's)"
     why = fused_attention(device)
     return "cuDNN's fused kernel" if why is None else "XLA's" + (f" ({why})" if device.platform == "gpu" else "")
 
@@ -186,6 +188,8 @@ def conv_path(c, model, platform: str) -> str:
             return f"xla ({named('quantize', c.quantize)}: its layers' own convolutions)"
         if model.name in VIT_CONFIGS or model.name in LANGUAGE_MODELS:
             return f"none ({model.name} has no convolutions)"
+    if model.conv == "onednn" and c.precision != "fp32" and platform == "cpu":  # every convolution in bf16 / fp16
+        return f"xla ({named('precision', c.precision)}: oneDNN's convolutions are fp32's)"
     return onednn.path(c.conv, model.conv, platform)
 
 
