@@ -275,6 +275,11 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
         except Exit as e:
             return e.code
         except Exception as e:
+            if _out_of_memory(e):
+                print(f"{parser.prog}: error: out of memory ({str(e).splitlines()[0][:200]}): the step needs more "
+                      "than the devices hold; a smaller --batch-size (or --accum-steps), --remat full, bf16, or more "
+                      "devices with --param-sharding fsdp", file=sys.stderr)
+                return 1
             if not _peer_gone(e):
                 raise
             print(f"{parser.prog}: error: a collective failed ({str(e).splitlines()[0][:200]}): another process "
@@ -282,6 +287,11 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
                   "checkpoint", file=sys.stderr)
             return 1
     return 0
+
+
+def _out_of_memory(e: Exception) -> bool:
+    """XLA's allocation failure (a step too large for the host's or a GPU's memory): a runtime error, one line."""
+    return type(e).__name__ == "JaxRuntimeError" and str(e).startswith("RESOURCE_EXHAUSTED")
 
 
 def _peer_gone(e: Exception) -> bool:

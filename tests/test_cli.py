@@ -465,3 +465,21 @@ def test_a_library_line_is_said_once_when_library_log_is_nested_and_propagate_is
         assert logger.propagate is propagating and logger.handlers == handlers
     finally:
         logger.propagate = before
+
+
+def test_out_of_memory_is_one_line_saying_what_to_change(monkeypatch, capsys):
+    # a new user's finding: a GPT too large for the host ended in XLA's RESOURCE_EXHAUSTED traceback
+    import jax
+
+    from jaxtrain import cli
+    from jaxtrain.driver import runner
+
+    def too_large(config, stop):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 132588959928 bytes.\nmore")
+
+    monkeypatch.setattr(runner, "run", too_large)
+    assert cli.main("lenet", ["--max-steps", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m experiments.lenet: error: out of memory (RESOURCE_EXHAUSTED: "
+                                               "Out of memory allocating 132588959928 bytes.): "), err
+    assert "--batch-size" in err[0]
