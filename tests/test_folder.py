@@ -280,6 +280,20 @@ def test_a_folder_that_cannot_be_used_is_one_line_naming_it(tmp_path, cache, lay
     assert "\n" not in str(e.value)
 
 
+def test_a_val_folder_lacking_some_of_trains_classes_is_said_in_one_line(tmp_path, cache):
+    # a new user's finding: val/ with one of train/'s classes evaluated on it alone, "test acc 1.00", without a word
+    root = make_folder(tmp_path / "d", {"train": 2, "val": 1}, classes=CLASSES)
+    for f in (root / "val" / CLASSES[1]).iterdir():
+        f.unlink()
+    said = []
+    data = folder.load(root, 8, warn=said.append)
+    assert said == [f"{root / 'val'} has no images of 1 of train/'s {len(CLASSES)} classes ({CLASSES[1]}): the "
+                    "evaluation covers the others only"], said
+    assert data["test"].class_names == data["train"].class_names
+    folder.load(make_folder(tmp_path / "e", {"train": 2, "val": 1}, classes=CLASSES), 8, warn=said.append)
+    assert len(said) == 1  # every class there: nothing said
+
+
 def test_a_flat_folder_may_have_a_class_named_val_or_test(tmp_path, cache):
     make_folder(tmp_path / "d", {"": 4}, classes=("cat", "test", "val"))
     data = folder.load(tmp_path / "d", 8, val_fraction=0.25, warn=lambda text: None)

@@ -242,6 +242,9 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
                               "them to train/")
         _say_left_out(train_dir, index, warn)
         _say_left_out(test_dir, test_index, warn)
+        if missing := [c for c in classes if c not in {Path(f).parts[0] for f in test_index["files"]}]:
+            warn(f"{test_dir} has no images of {len(missing)} of train/'s {len(classes)} classes "
+                 f"({', '.join(missing[:5])}{' ...' * (len(missing) > 5)}): the evaluation covers the others only")
         return {"train": make(train_dir, index, *_labelled(train_dir, classes, index), classes),
                 "test": make(test_dir, test_index, *_labelled(test_dir, classes, test_index, False), classes)}
     if test_dir is not None and val_fraction is None:  # with val_fraction: a class of that name (two at least)
