@@ -194,9 +194,26 @@ def test_the_sbatch_command_line_refuses_what_it_cannot_write():
                        (["--checkpoint-dir", "ck", "--", "python", "x.py", "--resume"], "leave --checkpoint-dir"),
                        (["--checkpoint-dir", "ck", "--", "python", "--checkpoint-dir=d"], "leave --checkpoint-dir"),
                        (["--checkpoint-dir", "ck", "--time", "1 00", "--", "python"], "--time '1 00': give a value"),
-                       (["--checkpoint-dir", "ck", "--nodes", "0", "--", "python"], "--nodes must be >= 1")):
+                       (["--checkpoint-dir", "ck", "--nodes", "0", "--", "python"], "--nodes must be >= 1"),
+                       # a new user's findings: written as given, for sbatch to refuse, or to warn after the end
+                       (["--checkpoint-dir", "ck", "--time", "abc", "--", "python"], "--time abc: expected "
+                        "[D-]HH:MM:SS"),
+                       (["--checkpoint-dir", "ck", "--time", "25:99:00", "--", "python"], "--time 25:99:00: expected"),
+                       (["--checkpoint-dir", "ck", "--time", "00:01:00", "--signal-seconds", "300", "--", "python"],
+                        "--signal-seconds 300 is not before the end of --time 00:01:00")):
         out = cli(*args)
         assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
+
+
+def test_the_sbatch_time_limit_reads_slurms_form_and_a_script_written_over_is_said(tmp_path):
+    from jaxtrain.slurm.__main__ import time_limit
+
+    assert (time_limit("12:00:00"), time_limit("2-00:00:30"), time_limit("1:05:00")) == (43200, 172830, 3900)
+    assert time_limit("12:60:00") is None and time_limit("12:00") is None
+    script = tmp_path / "job.sbatch"
+    args = ["--checkpoint-dir", "ck", "--script", str(script), "--time", "01:00:00", "--", "python", "train.py"]
+    said = [run_cli("-m", "jaxtrain.slurm", *args).stdout.splitlines()[0] for _ in range(2)]
+    assert said == [f"wrote {script}", f"wrote {script} (it replaced the script there)"], said
 
 
 @pytest.mark.parametrize(("command", "says"), [

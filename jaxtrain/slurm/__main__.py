@@ -4,6 +4,7 @@ submitted (``jaxtrain.slurm.script``)."""
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -43,6 +44,15 @@ def parser(prog: str = "python -m jaxtrain.slurm") -> argparse.ArgumentParser:
     return p
 
 
+def time_limit(text: str) -> int | None:
+    """``[D-]HH:MM:SS`` -> seconds (None: not that form, or minutes or seconds past 59)."""
+    found = re.fullmatch(r"(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})", text)
+    if found is None or int(found[3]) > 59 or int(found[4]) > 59:
+        return None
+    days, hours, minutes, seconds = (int(v or 0) for v in found.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
 @one_line_errors("python -m jaxtrain.slurm")
 def main(argv=None, prog: str = "python -m jaxtrain.slurm") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -60,6 +70,13 @@ def main(argv=None, prog: str = "python -m jaxtrain.slurm") -> int:
         value = getattr(args, name)
         if value is not None and (not value or any(c.isspace() for c in value)):
             p.error(f"--{name.replace('_', '-')} {value!r}: give a value without spaces")
+    if args.time is not None:  # SLURM would refuse the script at sbatch, or warn after the job's end
+        limit = time_limit(args.time)
+        if limit is None:
+            p.error(f"--time {args.time}: expected [D-]HH:MM:SS, e.g. 12:00:00 or 2-00:00:00")
+        if args.signal_seconds >= limit:
+            p.error(f"--signal-seconds {args.signal_seconds} is not before the end of --time {args.time}: give fewer "
+                    "seconds, or a longer time")
     if len(command) > 1 and command[1] == "-m":  # a module: a training run, its flags checked as it checks them
         run_config(command, ["--checkpoint-dir", args.checkpoint_dir, "--resume"]
                    + ([] if args.no_requeue else ["--requeue-on-signal"]))
@@ -71,8 +88,9 @@ def main(argv=None, prog: str = "python -m jaxtrain.slurm") -> int:
         print(text, end="")
         return 0
     path = Path(args.script or f"{args.name}.sbatch")
+    replaced = path.exists()
     path.write_text(text)
-    print(f"wrote {path}")
+    print(f"wrote {path}" + (" (it replaced the script there)" if replaced else ""))
     if not args.submit:
         print(f"submit it with: sbatch {path}")
         return 0
