@@ -277,8 +277,8 @@ def main(model: str | None = None, argv: Sequence[str] | None = None, descriptio
         except Exception as e:
             if _out_of_memory(e):
                 print(f"{parser.prog}: error: out of memory ({str(e).splitlines()[0][:200]}): the step needs more "
-                      "than the devices hold; a smaller --batch-size (or --accum-steps), --remat full, bf16, or more "
-                      "devices with --param-sharding fsdp", file=sys.stderr)
+                      "than the devices hold; a smaller --batch-size (or --accum-steps), --remat full, --precision "
+                      "bf16, or more devices with --param-sharding fsdp", file=sys.stderr)
                 return 1
             if not _peer_gone(e):
                 raise
@@ -349,7 +349,7 @@ def sample(argv: Sequence[str] | None = None, prog: str = "jaxtrain sample") -> 
     return 0
 
 
-@one_line_errors("jaxtrain export", {"run_dir": "RUN_DIR"})
+@one_line_errors("jaxtrain export", {"run_dir": "RUN_DIR", "names": "--names"})
 def export(argv: Sequence[str] | None = None, prog: str = "jaxtrain export") -> int:
     """``jaxtrain export RUN_DIR FILE`` (``python -m experiments.export_weights``): a finished run's model as a file
     torchvision, timm or transformers load (``jaxtrain.driver.export.save_pretrained``; docs/pretrained.md)."""

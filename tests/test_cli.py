@@ -147,11 +147,6 @@ def test_missing_data_dir_is_a_one_line_error(tmp_path):
                                              (["--out", ""], "--out '': empty; give a value"),
                                              (["--epoch", "1"], "unrecognized arguments: --epoch 1"),
                                              (["--model", "gpt"], "unrecognized arguments: --model gpt"),
-                                             # a new user's findings: each did nothing, without a word
-                                             (["--keep-checkpoints", "5"], "and --keep-checkpoints need "
-                                              "--checkpoint-dir"),
-                                             (["--warmup-epochs", "2"], "--warmup-epochs 2 is for the warmup_cosine "
-                                              "and onecycle schedules; --schedule constant has no warm-up"),
                                              (["--coordinator", "localhost:1234"], "--coordinator localhost:1234: "
                                               "for a multi-process run; give --num-processes too")])
 def test_bad_flags_exit_2(flags, fragment):

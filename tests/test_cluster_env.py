@@ -197,7 +197,7 @@ def test_the_sbatch_command_line_refuses_what_it_cannot_write():
                        (["--checkpoint-dir", "ck", "--nodes", "0", "--", "python"], "--nodes must be >= 1"),
                        # a new user's findings: written as given, for sbatch to refuse, or to warn after the end
                        (["--checkpoint-dir", "ck", "--time", "abc", "--", "python"], "--time abc: expected "
-                        "[D-]HH:MM:SS"),
+                        "SLURM's form"),
                        (["--checkpoint-dir", "ck", "--time", "25:99:00", "--", "python"], "--time 25:99:00: expected"),
                        (["--checkpoint-dir", "ck", "--time", "00:01:00", "--signal-seconds", "300", "--", "python"],
                         "--signal-seconds 300 is not before the end of --time 00:01:00")):
@@ -208,8 +208,10 @@ def test_the_sbatch_command_line_refuses_what_it_cannot_write():
 def test_the_sbatch_time_limit_reads_slurms_form_and_a_script_written_over_is_said(tmp_path):
     from jaxtrain.slurm.__main__ import time_limit
 
-    assert (time_limit("12:00:00"), time_limit("2-00:00:30"), time_limit("1:05:00")) == (43200, 172830, 3900)
-    assert time_limit("12:60:00") is None and time_limit("12:00") is None
+    assert [time_limit(t) for t in ("12:00:00", "2-00:00:30", "1:05:00", "168:00:00", "60", "30:00", "2-12",
+                                    "2-12:30", "UNLIMITED")] == [43200, 172830, 3900, 604800, 3600, 1800, 216000,
+                                                                 217800, True]  # SLURM's forms
+    assert time_limit("12:60:00") is None and time_limit("abc") is None and time_limit("1-2-3") is None
     script = tmp_path / "job.sbatch"
     args = ["--checkpoint-dir", "ck", "--script", str(script), "--time", "01:00:00", "--", "python", "train.py"]
     said = [run_cli("-m", "jaxtrain.slurm", *args).stdout.splitlines()[0] for _ in range(2)]

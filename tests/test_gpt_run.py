@@ -143,7 +143,8 @@ def test_init_from_a_hugging_face_gpt2_starts_from_its_weights_and_exports_them_
     for path, w in jax_leaves(again):
         np.testing.assert_array_equal(w, np.asarray(params_at(params, path)))
     timm = run_cli("-m", "experiments.export_weights", str(out), str(tmp_path / "t.safetensors"), "--names", "timm")
-    assert timm.returncode == 2 and "in Hugging Face's GPT-2 names (hf), not 'timm'" in timm.stderr, timm.stderr
+    assert timm.returncode == 2 and "--names timm: a gpt is written in Hugging Face's GPT-2 names: give --names hf " \
+        "or leave it out" in timm.stderr, timm.stderr
     assert not (tmp_path / "t.safetensors").exists()  # it wrote GPT-2's names whatever was asked
     wrong = run_cli(*GPT, "--dataset", f"text:{corpus}", "--init-from", str(file), "--model-size", "mini",
                     "--max-steps", "1", "--out", str(tmp_path / "wrong"))

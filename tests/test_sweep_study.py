@@ -377,14 +377,20 @@ def test_a_tracked_sweep_makes_its_mlflow_store_before_its_trials(tmp_path, monk
     assert experiment is not None and experiment.artifact_location == (tmp_path / "mlartifacts").as_uri()
 
 
-def test_a_storage_that_is_a_folder_or_cannot_hold_its_lock_and_a_study_name_that_is_no_name_are_one_line(tmp_path):
+def test_a_storage_that_is_a_folder_or_cannot_hold_its_lock_and_a_study_name_that_is_no_name_are_one_line(
+        tmp_path, monkeypatch):
     # a new user's findings: IsADirectoryError and FileNotFoundError tracebacks; --study '' wrote its trials
     # straight into the storage's folder (runs/ itself by default)
     (tmp_path / "folder").mkdir()
     with pytest.raises(ConfigError, match="folder is a directory; give a file, e.g. sqlite:///.*/folder/sweeps.db"):
         S.storage_of(f"sqlite:///{tmp_path}/folder")
-    with pytest.raises(ConfigError, match="cannot write beside /proc/nope.db"):
-        S.storage_of("sqlite:////proc/nope.db")
+    def no_lock(path):  # a folder that takes no new files (/proc), whoever runs the test
+        raise OSError(2, "No such file or directory")
+
+    monkeypatch.setattr(S, "taking_turns", no_lock)
+    with pytest.raises(ConfigError, match=r"cannot write beside .*/x.db \(No such file or directory\)"):
+        S.storage_of(f"sqlite:///{tmp_path}/x.db")
+    monkeypatch.undo()
     for name in ("", " ", "..", "a/b"):
         with pytest.raises(ConfigError, match="give a name, without /"):
             sweep(name, f"sqlite:///{tmp_path}/s.db", ["lr=log:1e-3:1"], command=["python", "-m", "experiments.lenet"])

@@ -242,7 +242,8 @@ def load(root: str | os.PathLike, size: int, *, val_fraction: float | None = Non
                               "them to train/")
         _say_left_out(train_dir, index, warn)
         _say_left_out(test_dir, test_index, warn)
-        if missing := [c for c in classes if c not in {Path(f).parts[0] for f in test_index["files"]}]:
+        present = {Path(f).parts[0] for f in test_index["files"]}
+        if missing := [c for c in classes if c not in present]:
             warn(f"{test_dir} has no images of {len(missing)} of train/'s {len(classes)} classes "
                  f"({', '.join(missing[:5])}{' ...' * (len(missing) > 5)}): the evaluation covers the others only")
         return {"train": make(train_dir, index, *_labelled(train_dir, classes, index), classes),

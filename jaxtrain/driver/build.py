@@ -143,9 +143,8 @@ def check_model(c: RunConfig, model: models.Model) -> None:
 
 def open_checkpoints(c: Checkpoints) -> Checkpointer | None:
     """Writable and ours (locked) before the data is read; refuses to mix with another run's checkpoints."""
-    if (c.resume or c.checkpoint_every or c.keep_checkpoints != Checkpoints.keep_checkpoints) and not c.checkpoint_dir:
-        raise ConfigError(f"{named('resume', True)}, {named('checkpoint_every')} and {named('keep_checkpoints')} need "
-                          f"{named('checkpoint_dir')}")
+    if (c.resume or c.checkpoint_every) and not c.checkpoint_dir:
+        raise ConfigError(f"{named('resume', True)} and {named('checkpoint_every')} need {named('checkpoint_dir')}")
     if not c.checkpoint_dir:
         return None
     if outputs.holds_results(Path(c.checkpoint_dir).expanduser()):  # a run's --out: its model beside our steps

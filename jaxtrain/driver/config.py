@@ -25,7 +25,6 @@ from jaxtrain.errors import ConfigError, named
 from jaxtrain.models import MODELS
 
 # Left None, these come from the model's recipe (jaxtrain.models.MODELS).
-WARMED_UP = ("warmup_cosine", "onecycle")  # the schedules that have a warm-up (core.optim.make_schedule)
 RECIPE_FIELDS = ("epochs", "batch_size", "lr", "optimizer", "schedule", "warmup_epochs")
 # Left None, these depend on the dataset too (an image folder's come from the recipe; text's: TEXT_DEFAULTS).
 DATASET_FIELDS = ("augment", "image_size", "val_fraction", "model_size", "seq_len", "tokenizer", "vocab_size")
@@ -223,10 +222,6 @@ def with_recipe(given: dict) -> dict:
                                   f"{named('tokenizer', given['tokenizer'])} has its own vocabulary")
         elif given.get("vocab_size") is None:
             given["vocab_size"] = BPE_VOCAB
-    schedule, warmup = given.get("schedule") or recipe.schedule, given.get("warmup_epochs")
-    if warmup not in (None, recipe.warmup_epochs) and schedule not in WARMED_UP:  # never silently unused
-        raise ConfigError(f"{named('warmup_epochs', f'{warmup:g}')} is for the {' and '.join(WARMED_UP)} schedules; "
-                          f"{named('schedule', schedule)} has no warm-up")
     for name in RECIPE_FIELDS:
         if given.get(name) is None:
             given[name] = getattr(recipe, name)

@@ -147,6 +147,7 @@ def save_pretrained(run_dir: str | Path, path: str | Path, names: str | None = N
         from jaxtrain.pretrained import gpt2
 
         if names not in (None, "hf"):  # never silently another's: the file is GPT-2's whatever was asked
-            raise ConfigError(f"{meta['model']} is written in Hugging Face's GPT-2 names (hf), not {names!r}")
+            raise ConfigError(f"{named('names', names)}: a {meta['model']} is written in Hugging Face's GPT-2 names: "
+                              f"give {named('names', 'hf')} or leave it out")
         return gpt2.save(params, model.config, path)
     return pretrained.save(meta["model"], (params, model_state), path, names=names)

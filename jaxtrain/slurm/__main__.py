@@ -4,7 +4,6 @@ submitted (``jaxtrain.slurm.script``)."""
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import subprocess
 import sys
@@ -44,13 +43,26 @@ def parser(prog: str = "python -m jaxtrain.slurm") -> argparse.ArgumentParser:
     return p
 
 
-def time_limit(text: str) -> int | None:
-    """``[D-]HH:MM:SS`` -> seconds (None: not that form, or minutes or seconds past 59)."""
-    found = re.fullmatch(r"(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})", text)
-    if found is None or int(found[3]) > 59 or int(found[4]) > 59:
+def time_limit(text: str) -> int | None | bool:
+    """``--time`` in SLURM's forms (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) -> seconds; True for
+    UNLIMITED / INFINITE; None: not one of them."""
+    if text.upper() in ("UNLIMITED", "INFINITE"):
+        return True
+    days, dash, rest = text.rpartition("-") if "-" in text else ("", "", text)
+    parts = rest.split(":")
+    if not (days.isdecimal() or not dash) or not all(p.isdecimal() for p in parts) or len(parts) > 3:
         return None
-    days, hours, minutes, seconds = (int(v or 0) for v in found.groups())
-    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    numbers = [int(p) for p in parts]
+    if dash:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = (numbers + [0, 0])[:3]
+        hours += 24 * int(days)
+    elif len(numbers) == 3:  # HH:MM:SS
+        hours, minutes, seconds = numbers
+    else:  # MM or MM:SS
+        hours, (minutes, seconds) = 0, (numbers + [0])[:2]
+    if len(numbers) > 1 and (numbers[-1] > 59 or len(numbers) == 3 and numbers[1] > 59):
+        return None
+    return (hours * 60 + minutes) * 60 + seconds
 
 
 @one_line_errors("python -m jaxtrain.slurm")
@@ -73,8 +85,9 @@ def main(argv=None, prog: str = "python -m jaxtrain.slurm") -> int:
     if args.time is not None:  # SLURM would refuse the script at sbatch, or warn after the job's end
         limit = time_limit(args.time)
         if limit is None:
-            p.error(f"--time {args.time}: expected [D-]HH:MM:SS, e.g. 12:00:00 or 2-00:00:00")
-        if args.signal_seconds >= limit:
+            p.error(f"--time {args.time}: expected SLURM's form, [D-]HH:MM:SS (or MM, MM:SS, D-HH, D-HH:MM), e.g. "
+                    "12:00:00 or 2-00:00:00")
+        if limit is not True and args.signal_seconds >= limit:
             p.error(f"--signal-seconds {args.signal_seconds} is not before the end of --time {args.time}: give fewer "
                     "seconds, or a longer time")
     if len(command) > 1 and command[1] == "-m":  # a module: a training run, its flags checked as it checks them

@@ -58,8 +58,8 @@ def storage_of(url: str):
     except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError) as e:
         raise ConfigError(f"--storage {url}: {str(e).splitlines()[0][:200]}") from None
     except OSError as e:  # its lock beside it cannot be made (a folder that takes no files: /proc)
-        raise ConfigError(f"--storage {url}: cannot write beside {sqlite} ({e.strerror}); choose another file, "
-                          "e.g. sqlite:///runs/sweeps.db") from None
+        raise ConfigError(f"--storage {url}: cannot write beside {sqlite or 'it'} ({e.strerror or e}); choose "
+                          "another file, e.g. sqlite:///runs/sweeps.db") from None
 
 
 def check_sqlite(url: str, path: Path) -> None:
