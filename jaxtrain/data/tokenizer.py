@@ -77,14 +77,17 @@ class Tokenizer:
         Path(path).write_text('{"bytes": true}' if self._hf is None else self._hf.to_str())
 
 
-def load_tokenizer(path) -> Tokenizer:
-    """The tokenizer a file holds (``Tokenizer.save``'s, or any Hugging Face tokenizer.json), named by its path."""
+def load_tokenizer(path, of_run: str | None = None) -> Tokenizer:
+    """The tokenizer a file holds (``Tokenizer.save``'s, or any Hugging Face tokenizer.json), named by its path
+    (the --tokenizer given); ``of_run``: a finished run's own file, named by the run (it is trained again)."""
     path = Path(path).expanduser()
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{named('tokenizer', path)}: cannot be read "
-                          f"({getattr(e, 'strerror', None) or type(e).__name__}): give {' or '.join(TOKENIZERS)}, "
+        why = getattr(e, 'strerror', None) or type(e).__name__
+        if of_run:
+            raise ConfigError(f"{of_run}: its {path.name} cannot be read ({why}); train it again") from None
+        raise ConfigError(f"{named('tokenizer', path)}: cannot be read ({why}): give {' or '.join(TOKENIZERS)}, "
                           "or a tokenizer.json file") from None
     if len(text) < 100 and text.strip().replace(" ", "") == '{"bytes":true}':
         return Tokenizer("bytes", 256)
@@ -93,6 +96,9 @@ def load_tokenizer(path) -> Tokenizer:
         hf = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
         why = (str(e).splitlines() or [type(e).__name__])[0][:120]
+        if of_run:
+            raise ConfigError(f"{of_run}: its {path.name} is damaged (does not load as a Hugging Face "
+                              f"tokenizer.json ({why})); train it again") from None
         raise ConfigError(f"{named('tokenizer', path)}: does not load as a Hugging Face tokenizer.json ({why}): "
                           f"give a tokenizer.json file, or {' or '.join(TOKENIZERS)}") from None
     hf.no_truncation(), hf.no_padding()  # a file's own settings would cut or pad each piece of the token stream

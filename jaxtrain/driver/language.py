@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxtrain.errors import ConfigError, MissingExtra, named
+from jaxtrain.errors import ConfigError, named
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +81,7 @@ def trained(run_dir: str | Path):
         raise ConfigError(f"{named('run_dir', run_dir)}: has no {export.TOKENIZER} (a language-model run writes it "
                           "when it finishes); train it again")
     _, params, _ = export.load(run_dir)
-    try:
-        return model, params, text.load_tokenizer(tokenizer)
-    except MissingExtra:  # the tokenizers package: its own line (pip install 'jaxtrain[text]')
-        raise
-    except ConfigError as e:  # the run's own file, not a flag given: its words, not --tokenizer's
-        why = str(e).split(": ", 1)[1].split(": give ", 1)[0]
-        what = "cannot be read" if why.startswith("cannot be read") else "is damaged"
-        raise ConfigError(f"{named('run_dir', run_dir)}: its {export.TOKENIZER} {what} ({why}); train it "
-                          "again") from None
+    return model, params, text.load_tokenizer(tokenizer, of_run=named("run_dir", run_dir))  # the run's own file
 
 
 def samples(model, params, tokenizer, prompts: list[str], new_tokens: int, *, seed: int = 0,
